@@ -1,0 +1,1 @@
+"""qfserve's generation engine: Q-Filters eviction caches for mlx-lm models."""

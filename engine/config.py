@@ -1,0 +1,74 @@
+"""Eviction settings for one request: a frozen dataclass validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Method = Literal["qfilters", "knorm", "streaming", "full"]
+KernelMode = Literal["auto", "on", "off"]
+
+METHODS: tuple[str, ...] = ("qfilters", "knorm", "streaming", "full")
+KERNEL_MODES: tuple[str, ...] = ("auto", "on", "off")
+DEFAULT_METHOD: Method = "qfilters"
+DEFAULT_BUDGET = 512
+DEFAULT_N_SINK = 4
+DEFAULT_RECENT = 0
+DEFAULT_CALIB_TOKENS = 128
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """How one request's KV caches evict.
+
+    Args:
+        method: ``qfilters`` (projection on a per-head filter), ``knorm`` (keep small-norm
+            keys), ``streaming`` (sinks + most recent rows) or ``full`` (no eviction).
+        budget: Rows kept per layer and KV head, sinks and recent rows included.
+        n_sink: Leading positions never evicted. Default: ``4``.
+        recent: Trailing positions never evicted. Default: ``0`` (paper-faithful);
+            about ``budget // 4`` helps open-ended generation.
+        sign: ``+1`` keeps keys with a large projection on the filter, ``-1`` the opposite
+            (an ablation; meaningful on the key-SVD fallback, whose sign is ambiguous).
+        calib_tokens: Keys observed before the key-SVD fallback freezes its direction.
+        kernel: Fused eviction kernel: ``auto`` (where a GPU backend exists), ``on``
+            (require it) or ``off`` (pure MLX).
+    """
+
+    method: Method = DEFAULT_METHOD
+    budget: int = DEFAULT_BUDGET
+    n_sink: int = DEFAULT_N_SINK
+    recent: int = DEFAULT_RECENT
+    sign: int = 1
+    calib_tokens: int = DEFAULT_CALIB_TOKENS
+    kernel: KernelMode = "auto"
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        if self.kernel not in KERNEL_MODES:
+            raise ValueError(f"kernel must be one of {KERNEL_MODES}, got {self.kernel!r}")
+        for name in ("budget", "n_sink", "recent", "calib_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        if self.budget < 1:
+            raise ValueError(f"budget must be >= 1, got {self.budget}")
+        if self.n_sink < 0:
+            raise ValueError(f"n_sink must be >= 0, got {self.n_sink}")
+        if self.recent < 0:
+            raise ValueError(f"recent must be >= 0, got {self.recent}")
+        if self.calib_tokens < 1:
+            raise ValueError(f"calib_tokens must be >= 1, got {self.calib_tokens}")
+        if self.sign not in (1, -1) or isinstance(self.sign, bool):
+            raise ValueError(f"sign must be +1 or -1, got {self.sign!r}")
+        if self.method != "full" and self.n_sink + self.recent >= self.budget:
+            raise ValueError(
+                "n_sink + recent must be < budget (some rows must be evictable): "
+                f"got n_sink={self.n_sink} + recent={self.recent} >= budget={self.budget}"
+            )
+
+    @property
+    def evicts(self) -> bool:
+        """False for the ``full`` control arm."""
+        return self.method != "full"
