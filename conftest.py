@@ -2,4 +2,13 @@
 
 from engine.blas import reexec_with_openblas
 
-reexec_with_openblas()
+
+def pytest_configure(config):
+    # The loader reads LD_PRELOAD only at start-up, so re-execute once; hand the terminal
+    # back from pytest's output capture first so the new process writes to it.
+    capman = config.pluginmanager.getplugin("capturemanager")
+    if capman is not None:
+        capman.stop_global_capturing()
+    reexec_with_openblas()
+    if capman is not None:
+        capman.start_global_capturing()

@@ -1,0 +1,87 @@
+"""Build one request's caches: mlx-lm's layout, with full-attention layers made evicting."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+from engine.cache import EvictionCache, FullKVCache
+from engine.config import CacheConfig
+from engine.scorers import KeySVDScorer, KNormScorer, QFilterScorer, RecencyScorer, Scorer
+
+
+def make_scorer(config: CacheConfig, layer_filters: mx.array | None) -> Scorer:
+    """The scorer for one layer: calibrated filters ``(H, D)`` when given, else the method's."""
+    if config.method == "qfilters":
+        if layer_filters is not None:
+            return QFilterScorer(layer_filters, sign=config.sign)
+        return KeySVDScorer(config.calib_tokens, sign=config.sign)
+    if config.method == "knorm":
+        return KNormScorer()
+    if config.method == "streaming":
+        return RecencyScorer()
+    raise ValueError(f"method {config.method!r} has no scorer")
+
+
+def _check_filters(filters: mx.array, caches: list[Any], model: nn.Module) -> None:
+    n_layers = len(caches)
+    if filters.ndim != 3 or filters.shape[0] != n_layers:
+        raise ValueError(
+            f"filters must have shape [n_layers={n_layers}, n_kv_heads, head_dim], "
+            f"got {tuple(filters.shape)}"
+        )
+    for i, layer in enumerate(getattr(model, "layers", [])):
+        attn = getattr(layer, "self_attn", None)
+        n_kv = getattr(attn, "n_kv_heads", None)
+        head_dim = getattr(attn, "head_dim", None)
+        if n_kv is not None and head_dim is not None and filters.shape[1:] != (n_kv, head_dim):
+            raise ValueError(
+                f"filters for layer {i} have shape {tuple(filters.shape[1:])}, but the model's "
+                f"attention has n_kv_heads={n_kv}, head_dim={head_dim}"
+            )
+
+
+def make_caches(
+    model: nn.Module, config: CacheConfig, *, filters: mx.array | np.ndarray | None = None
+) -> list[Any]:
+    """One cache per layer, built the way mlx-lm does, with plain ``KVCache`` layers replaced.
+
+    Sliding-window, recurrent and other special caches the model asks for are kept as they
+    are; only full-attention ``KVCache`` layers become :class:`EvictionCache` (or, for
+    ``method="full"``, :class:`FullKVCache`).
+
+    Args:
+        model: Any mlx-lm model.
+        config: The eviction settings.
+        filters: Calibrated Q-Filters ``[n_layers, n_kv_heads, head_dim]`` (qfilters only);
+            without them the key-SVD fallback estimates a direction online.
+    Returns:
+        A list to pass as ``prompt_cache=`` to mlx-lm's generation functions.
+    """
+    if config.kernel == "on":
+        raise ValueError(
+            "kernel='on' requires a fused eviction kernel backend, and none is available here; "
+            "use kernel='auto' or 'off'"
+        )
+    caches = make_prompt_cache(model)
+    if filters is not None:
+        if config.method != "qfilters":
+            raise ValueError(f"filters are only used by method='qfilters', got {config.method!r}")
+        filters = mx.array(filters, dtype=mx.float32)
+        _check_filters(filters, caches, model)
+
+    for i, cache in enumerate(caches):
+        if type(cache) is not KVCache:  # subclasses and other cache kinds stay as they are
+            continue
+        if not config.evicts:
+            caches[i] = FullKVCache()
+            continue
+        scorer = make_scorer(config, None if filters is None else filters[i])
+        caches[i] = EvictionCache(
+            scorer, budget=config.budget, n_sink=config.n_sink, recent=config.recent
+        )
+    return caches

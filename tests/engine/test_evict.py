@@ -1,0 +1,128 @@
+"""The eviction core and every scorer against an independent numpy ranking."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine.cache import EvictionCache
+from engine.evict import select_drop_one, select_keep
+from engine.scorers import KNormScorer, QFilterScorer, RecencyScorer
+
+B, H, D = 2, 2, 16
+
+
+def numpy_keep(scores: np.ndarray, budget: int, n_sink: int, recent: int) -> np.ndarray:
+    """Reference: top-``budget`` rows per (b, h), protected rows forced, ties to lower rows.
+
+    Returns a ``(B, H, L)`` boolean keep mask.
+    """
+    *lead, L = scores.shape
+    keep = np.zeros(scores.shape, dtype=bool)
+    if L <= budget:
+        return ~keep
+    for idx in np.ndindex(*lead):
+        s = scores[idx].astype(np.float64)
+        rows = np.arange(L)
+        protected = (rows < n_sink) | (rows >= L - recent)
+        # lexsort: last key is primary. Protected first, then score desc, then position asc.
+        order = np.lexsort((rows, -s, ~protected))
+        keep[idx][order[:budget]] = True
+    return keep
+
+
+def run_cache(cache: EvictionCache, keys: np.ndarray, values: np.ndarray, chunk: int):
+    L = keys.shape[2]
+    for s in range(0, L, chunk):
+        cache.update_and_fetch(mx.array(keys[:, :, s : s + chunk]),
+                               mx.array(values[:, :, s : s + chunk]))
+        assert cache.size() <= max(cache.budget, 0) or not cache.scorer.ready
+    mx.eval(cache.state)
+    return np.array(cache.keys), np.array(cache.values)
+
+
+def reference_scores(method: str, keys: np.ndarray, filters: np.ndarray) -> np.ndarray:
+    k = keys.astype(np.float64)
+    if method == "qfilters":
+        return np.einsum("bhld,hd->bhl", k, filters)
+    if method == "knorm":
+        return -np.linalg.norm(k, axis=-1)
+    return np.broadcast_to(np.arange(keys.shape[2], dtype=np.float64), keys.shape[:3])
+
+
+def make_scorer(method: str, filters: np.ndarray):
+    return {"qfilters": lambda: QFilterScorer(mx.array(filters)),
+            "knorm": KNormScorer, "streaming": RecencyScorer}[method]()
+
+
+@pytest.mark.parametrize("method", ["qfilters", "knorm", "streaming"])
+@pytest.mark.parametrize("chunk", [1, 7, 300])
+@pytest.mark.parametrize(("budget", "n_sink", "recent"), [(32, 4, 0), (48, 2, 12), (6, 1, 4)])
+def test_kept_rows_match_numpy_ranking(method, chunk, budget, n_sink, recent):
+    rng = np.random.default_rng(0)
+    L = 300
+    keys = rng.standard_normal((B, H, L, D)).astype(np.float32)
+    values = rng.standard_normal((B, H, L, D)).astype(np.float32)
+    filters = rng.standard_normal((H, D)).astype(np.float32)
+    filters /= np.linalg.norm(filters, axis=-1, keepdims=True)
+
+    cache = EvictionCache(make_scorer(method, filters), budget=budget, n_sink=n_sink,
+                          recent=recent)
+    got_k, got_v = run_cache(cache, keys, values, chunk)
+
+    keep = numpy_keep(reference_scores(method, keys, filters), budget, n_sink, recent)
+    for b in range(B):
+        for h in range(H):
+            np.testing.assert_array_equal(got_k[b, h], keys[b, h][keep[b, h]])
+            np.testing.assert_array_equal(got_v[b, h], values[b, h][keep[b, h]])
+    assert cache.offset == L
+    assert cache.size() == budget
+
+
+def test_ties_keep_lower_positions_and_never_overflow():
+    # Every key has the same norm: all K-norm scores tie.
+    L, budget, n_sink, recent = 50, 20, 3, 5
+    keys = np.zeros((B, H, L, D), np.float32)
+    keys[..., 0] = 1.0
+    values = np.arange(L, dtype=np.float32)[None, None, :, None] * np.ones((B, H, L, D), np.float32)
+    for chunk in (1, 9, L):
+        cache = EvictionCache(KNormScorer(), budget=budget, n_sink=n_sink, recent=recent)
+        _, got_v = run_cache(cache, keys, values, chunk)
+        positions = got_v[0, 0, :, 0].astype(int).tolist()
+        assert positions == list(range(budget - recent)) + list(range(L - recent, L))
+
+
+@pytest.mark.parametrize("L", [9, 33, 130])
+def test_drop_one_matches_general_path(L):
+    rng = np.random.default_rng(L)
+    # Coarse integer scores force many ties, including at the minimum.
+    scores = mx.array(rng.integers(0, 4, size=(3, 5, L)).astype(np.float32))
+    for n_sink, recent in [(0, 0), (2, 3), (4, 0)]:
+        fast = select_drop_one(scores, n_sink, recent)
+        general = select_keep(scores, L - 1, n_sink, recent)
+        np.testing.assert_array_equal(np.array(fast), np.array(general))
+        ref = numpy_keep(np.array(scores), L - 1, n_sink, recent)
+        for idx in np.ndindex(3, 5):
+            np.testing.assert_array_equal(np.array(fast)[idx], np.flatnonzero(ref[idx]))
+
+
+def test_all_protected_but_one_slot():
+    # budget = n_sink + recent + 1: a single free slot, won by the best unprotected row.
+    rng = np.random.default_rng(3)
+    L, n_sink, recent = 40, 4, 6
+    scores = rng.standard_normal((1, 2, L)).astype(np.float32)
+    keep = np.array(select_keep(mx.array(scores), n_sink + recent + 1, n_sink, recent))
+    ref = numpy_keep(scores, n_sink + recent + 1, n_sink, recent)
+    for h in range(2):
+        np.testing.assert_array_equal(keep[0, h], np.flatnonzero(ref[0, h]))
+
+
+def test_nan_keys_are_dropped_first_and_budget_holds():
+    L, budget = 20, 8
+    keys = np.random.default_rng(1).standard_normal((1, 1, L, D)).astype(np.float32)
+    keys[0, 0, 10] = np.nan
+    cache = EvictionCache(KNormScorer(), budget=budget, n_sink=2)
+    got_k, _ = run_cache(cache, keys, keys, L)
+    assert got_k.shape[2] == budget
+    assert not np.isnan(got_k).any()
