@@ -68,7 +68,8 @@ class EvictionCache:
         if scorer.ready:
             new_scores = scorer.score(keys, start)
             scores = (
-                new_scores if self.scores is None
+                new_scores
+                if self.scores is None
                 else mx.concatenate([self.scores, new_scores], axis=2)
             )
         else:
@@ -90,9 +91,7 @@ class EvictionCache:
             self.evictions += 1
         return all_keys, all_values
 
-    def make_mask(
-        self, N: int, return_array: bool = False, window_size: int | None = None
-    ) -> Any:
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> Any:
         # The mask describes stored rows: every one of them is visible to the new block.
         return create_attention_mask(
             N, offset=self.size(), return_array=return_array, window_size=window_size
@@ -119,8 +118,9 @@ class EvictionCache:
 
     @property
     def meta_state(self) -> tuple[str, ...]:
-        return tuple(str(x) for x in (self.offset, self.budget, self.n_sink, self.recent,
-                                      self.evictions))
+        return tuple(
+            str(x) for x in (self.offset, self.budget, self.n_sink, self.recent, self.evictions)
+        )
 
     @meta_state.setter
     def meta_state(self, v: tuple[str, ...]) -> None:

@@ -46,8 +46,11 @@ def make_tiny_model(seed: int = 0, **overrides: Any) -> llama.Model:
     mx.random.seed(seed)
     model = llama.Model(args)
     # Larger-than-default init so attention is far from uniform and logits separate.
-    params = [(k, mx.random.normal(v.shape) * 0.08) for k, v in tree_flatten(model.parameters())
-              if "norm" not in k]
+    params = [
+        (k, mx.random.normal(v.shape) * 0.08)
+        for k, v in tree_flatten(model.parameters())
+        if "norm" not in k
+    ]
     model.load_weights(params, strict=False)
     mx.eval(model.parameters())
     return model
@@ -69,8 +72,9 @@ def _train_tokenizer(vocab_size: int):
     return tok
 
 
-def save_tiny_model(path: str | Path, seed: int = 0, model_id: str = "test/tiny-llama",
-                    **overrides: Any) -> Path:
+def save_tiny_model(
+    path: str | Path, seed: int = 0, model_id: str = "test/tiny-llama", **overrides: Any
+) -> Path:
     """Write a folder that ``mlx_lm.load`` accepts: config, weights, tokenizer, chat template."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -78,18 +82,27 @@ def save_tiny_model(path: str | Path, seed: int = 0, model_id: str = "test/tiny-
     tok = _train_tokenizer(config["vocab_size"])
     config["vocab_size"] = max(config["vocab_size"], tok.get_vocab_size())
     tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "<|bos|>",
-        "eos_token": "<|end|>",
-        "pad_token": "<|end|>",
-        "model_max_length": config["max_position_embeddings"],
-        "chat_template": CHAT_TEMPLATE,
-    }, indent=1))
-    (path / "special_tokens_map.json").write_text(json.dumps(
-        {"bos_token": "<|bos|>", "eos_token": "<|end|>", "pad_token": "<|end|>"}))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<|bos|>",
+                "eos_token": "<|end|>",
+                "pad_token": "<|end|>",
+                "model_max_length": config["max_position_embeddings"],
+                "chat_template": CHAT_TEMPLATE,
+            },
+            indent=1,
+        )
+    )
+    (path / "special_tokens_map.json").write_text(
+        json.dumps({"bos_token": "<|bos|>", "eos_token": "<|end|>", "pad_token": "<|end|>"})
+    )
     model = make_tiny_model(seed, **{k: v for k, v in config.items() if k != "_name_or_path"})
-    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())),
-                        metadata={"format": "mlx"})
+    mx.save_safetensors(
+        str(path / "model.safetensors"),
+        dict(tree_flatten(model.parameters())),
+        metadata={"format": "mlx"},
+    )
     (path / "config.json").write_text(json.dumps(config, indent=1))
     return path

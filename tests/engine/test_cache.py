@@ -26,8 +26,13 @@ def model():
 @pytest.fixture(scope="module")
 def filters():
     rng = np.random.default_rng(0)
-    f = rng.standard_normal((TINY_CONFIG["num_hidden_layers"], TINY_CONFIG["num_key_value_heads"],
-                             TINY_CONFIG["head_dim"])).astype(np.float32)
+    f = rng.standard_normal(
+        (
+            TINY_CONFIG["num_hidden_layers"],
+            TINY_CONFIG["num_key_value_heads"],
+            TINY_CONFIG["head_dim"],
+        )
+    ).astype(np.float32)
     return f / np.linalg.norm(f, axis=-1, keepdims=True)
 
 
@@ -40,8 +45,11 @@ def greedy(model, prompt, caches, n):
 def test_under_budget_generation_equals_mlx_lm(model, filters, method):
     prompt = np.random.default_rng(2).integers(0, 500, 150).tolist()
     reference = greedy(model, prompt, make_prompt_cache(model), 80)
-    caches = make_caches(model, CacheConfig(method=method, budget=512),
-                         filters=filters if method == "qfilters" else None)
+    caches = make_caches(
+        model,
+        CacheConfig(method=method, budget=512),
+        filters=filters if method == "qfilters" else None,
+    )
     assert greedy(model, prompt, caches, 80) == reference
     assert len(set(reference)) > 3  # the comparison is not between two constant streams
     stats = summarize(caches)
@@ -75,10 +83,19 @@ def test_filters_with_the_wrong_layout_are_refused(model, filters):
 
 @pytest.mark.parametrize(
     ("kwargs", "param"),
-    [({"budget": 0}, "budget"), ({"budget": -3}, "budget"), ({"n_sink": -1}, "n_sink"),
-     ({"recent": -1}, "recent"), ({"sign": 0}, "sign"), ({"sign": 2}, "sign"),
-     ({"calib_tokens": 0}, "calib_tokens"), ({"budget": 8, "n_sink": 4, "recent": 4}, "n_sink"),
-     ({"method": "h2o"}, "method"), ({"kernel": "maybe"}, "kernel"), ({"budget": 1.5}, "budget")],
+    [
+        ({"budget": 0}, "budget"),
+        ({"budget": -3}, "budget"),
+        ({"n_sink": -1}, "n_sink"),
+        ({"recent": -1}, "recent"),
+        ({"sign": 0}, "sign"),
+        ({"sign": 2}, "sign"),
+        ({"calib_tokens": 0}, "calib_tokens"),
+        ({"budget": 8, "n_sink": 4, "recent": 4}, "n_sink"),
+        ({"method": "h2o"}, "method"),
+        ({"kernel": "maybe"}, "kernel"),
+        ({"budget": 1.5}, "budget"),
+    ],
 )
 def test_invalid_config_names_the_parameter(kwargs, param):
     with pytest.raises(ValueError, match=param):
@@ -215,8 +232,12 @@ def reference_caches(caches, recorders, position):
     out = []
     for cache, rec in zip(caches, recorders, strict=True):
         per_head = kept_positions(cache, rec.rows)
-        k = mx.stack([mx.stack([rec.rows[p][0][0, h] for p in ps]) for h, ps in enumerate(per_head)])
-        v = mx.stack([mx.stack([rec.rows[p][1][0, h] for p in ps]) for h, ps in enumerate(per_head)])
+        k = mx.stack(
+            [mx.stack([rec.rows[p][0][0, h] for p in ps]) for h, ps in enumerate(per_head)]
+        )
+        v = mx.stack(
+            [mx.stack([rec.rows[p][1][0, h] for p in ps]) for h, ps in enumerate(per_head)]
+        )
         out.append(FixedCache(k[None], v[None], position))
     return out
 
@@ -224,8 +245,11 @@ def reference_caches(caches, recorders, position):
 @pytest.mark.parametrize("method", ["qfilters", "knorm", "streaming"])
 def test_rope_contract_offset_and_logits_after_eviction(model, filters, method):
     budget = 64
-    caches = make_caches(model, CacheConfig(method=method, budget=budget, recent=8),
-                         filters=filters if method == "qfilters" else None)
+    caches = make_caches(
+        model,
+        CacheConfig(method=method, budget=budget, recent=8),
+        filters=filters if method == "qfilters" else None,
+    )
     recorders = [Recorder(c) for c in caches]
     for c, rec in zip(caches, recorders, strict=True):
         original = c.update_and_fetch
@@ -283,7 +307,12 @@ def test_protocol_state_trim_and_bytes(model):
     assert big.size() == 16 and not big.is_trimmable() and big.trim(2) == 0
     s = big.stats()
     row = 2 * 8 * 4 * 2
-    assert (s.tokens_seen, s.tokens_kept, s.kept_bytes, s.full_seq_bytes) == (40, 16, 16 * row, 40 * row)
+    assert (s.tokens_seen, s.tokens_kept, s.kept_bytes, s.full_seq_bytes) == (
+        40,
+        16,
+        16 * row,
+        40 * row,
+    )
     assert s.compression_ratio == pytest.approx(2.5)
     assert big.nbytes == 16 * row + 16 * 2 * 4
     assert isinstance(KVCache(), KVCache)

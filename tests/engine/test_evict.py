@@ -35,8 +35,9 @@ def numpy_keep(scores: np.ndarray, budget: int, n_sink: int, recent: int) -> np.
 def run_cache(cache: EvictionCache, keys: np.ndarray, values: np.ndarray, chunk: int):
     L = keys.shape[2]
     for s in range(0, L, chunk):
-        cache.update_and_fetch(mx.array(keys[:, :, s : s + chunk]),
-                               mx.array(values[:, :, s : s + chunk]))
+        cache.update_and_fetch(
+            mx.array(keys[:, :, s : s + chunk]), mx.array(values[:, :, s : s + chunk])
+        )
         assert cache.size() <= max(cache.budget, 0) or not cache.scorer.ready
     mx.eval(cache.state)
     return np.array(cache.keys), np.array(cache.values)
@@ -52,8 +53,11 @@ def reference_scores(method: str, keys: np.ndarray, filters: np.ndarray) -> np.n
 
 
 def make_scorer(method: str, filters: np.ndarray):
-    return {"qfilters": lambda: QFilterScorer(mx.array(filters)),
-            "knorm": KNormScorer, "streaming": RecencyScorer}[method]()
+    return {
+        "qfilters": lambda: QFilterScorer(mx.array(filters)),
+        "knorm": KNormScorer,
+        "streaming": RecencyScorer,
+    }[method]()
 
 
 @pytest.mark.parametrize("method", ["qfilters", "knorm", "streaming"])
@@ -67,8 +71,7 @@ def test_kept_rows_match_numpy_ranking(method, chunk, budget, n_sink, recent):
     filters = rng.standard_normal((H, D)).astype(np.float32)
     filters /= np.linalg.norm(filters, axis=-1, keepdims=True)
 
-    cache = EvictionCache(make_scorer(method, filters), budget=budget, n_sink=n_sink,
-                          recent=recent)
+    cache = EvictionCache(make_scorer(method, filters), budget=budget, n_sink=n_sink, recent=recent)
     got_k, got_v = run_cache(cache, keys, values, chunk)
 
     keep = numpy_keep(reference_scores(method, keys, filters), budget, n_sink, recent)
