@@ -1,0 +1,457 @@
+"""The one thread that owns the model: a bounded FIFO of requests, generated one at a time.
+
+Handlers on the asyncio event loop call :meth:`Worker.submit` and await the job's events;
+the worker thread loads the model, builds each request's eviction caches with
+``make_caches``, generates with mlx-lm's ``stream_generate`` and posts events back with
+``loop.call_soon_threadsafe``. MLX is only ever evaluated on this thread.
+
+The worker also keeps a record per request (counts only, never prompt text or token ids)
+for the admin endpoint: the active ones and a bounded history of finished ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from engine.loading import LoadedModel, load_model
+from engine.requests import (
+    Delta,
+    Event,
+    Failed,
+    Finished,
+    GenerationRequest,
+    Started,
+    TokenLogprob,
+)
+
+logger = logging.getLogger(__name__)
+
+State = Literal["queued", "prefill", "decode", "done", "cancelled", "error"]
+DEFAULT_MAX_QUEUE = 16
+DEFAULT_HISTORY = 64
+_STATS_EVERY = 8  # decode steps between cache-stat refreshes of an active record
+
+
+class WorkerUnavailable(RuntimeError):
+    """The worker cannot take the request now (loading, dead, draining or queue full)."""
+
+    def __init__(self, message: str, *, retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class _Cancelled(Exception):
+    """Raised inside the generation loop when the client went away."""
+
+
+@dataclass
+class RequestRecord:
+    """Counts about one request for the admin endpoint; written by the worker thread only."""
+
+    id: str
+    model: str
+    kind: str
+    method: str
+    budget: int
+    recent: int
+    n_sink: int
+    state: State = "queued"
+    filter_source: str = "none"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    tokens_seen: int = 0
+    tokens_kept: int = 0
+    kept_bytes: int = 0
+    full_seq_bytes: int = 0
+    compression_ratio: float = 1.0
+    evictions: int = 0
+    created: float = field(default_factory=time.time)
+    finished: float | None = None
+
+
+class Job:
+    """One submitted request: the handler awaits :meth:`next_event` and may :meth:`cancel`."""
+
+    def __init__(self, request: GenerationRequest, record: RequestRecord,
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self.request = request
+        self.record = record
+        self._loop = loop
+        self._events: asyncio.Queue[Event] = asyncio.Queue()
+        self._cancel = threading.Event()
+
+    @property
+    def id(self) -> str:
+        return self.record.id
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def cancel(self) -> None:
+        """Stop this request: dropped if still queued, else within one decode step."""
+        self._cancel.set()
+
+    def emit(self, event: Event) -> None:
+        """Post an event to the handler's loop (called from the worker thread)."""
+        # A closed loop (server shut down) means nobody is listening any more.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+
+    async def next_event(self) -> Event:
+        return await self._events.get()
+
+
+class _StopText:
+    """Cuts decoded text at the first stop string, holding back a possible partial match.
+
+    Built on mlx-lm's ``TextStateMachine`` (what its server uses): each stop string is a
+    self-transition, so a completed match shows up as an extra segment.
+    """
+
+    def __init__(self, stop: tuple[str, ...]) -> None:
+        from mlx_lm.generate import TextStateMachine
+
+        self._machine = TextStateMachine
+        self._state = TextStateMachine({"normal": [(s, "normal") for s in stop]}).make_state()
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Returns (text safe to emit, whether a stop string completed)."""
+        self._state, segments = self._machine.split(self._state, text)
+        return segments[0][1], len(segments) > 1
+
+    def flush(self) -> str:
+        self._state, held, _ = self._machine.flush(self._state)
+        return held
+
+
+class Worker:
+    """Owns the model on one thread and runs queued requests in FIFO order.
+
+    Args:
+        model_ref: ``--model`` value (``None``: the bundled model), loaded on the thread.
+        max_queue: Requests waiting at most; beyond, :meth:`submit` raises.
+        history: Finished requests kept for the admin endpoint.
+        loader: Replaces :func:`engine.loading.load_model` (tests).
+    """
+
+    def __init__(self, model_ref: str | None, *, max_queue: int = DEFAULT_MAX_QUEUE,
+                 history: int = DEFAULT_HISTORY,
+                 loader: Callable[[str | None], LoadedModel] = load_model) -> None:
+        if max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        self._ref = model_ref
+        self._loader = loader
+        self._queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
+        self._lock = threading.Lock()
+        self._active: dict[str, RequestRecord] = {}
+        self._history: deque[RequestRecord] = deque(maxlen=history)
+        self._totals = {"requests": 0, "done": 0, "cancelled": 0, "error": 0,
+                        "prompt_tokens": 0, "completion_tokens": 0,
+                        "kept_bytes": 0, "full_seq_bytes": 0}
+        self._ids = itertools.count(1)
+        self._stopping = threading.Event()
+        self._draining = False
+        self._thread = threading.Thread(target=self._main, name="qfserve-worker", daemon=True)
+        self._current: Job | None = None
+        self.status: Literal["loading", "ready", "failed", "dead", "stopped"] = "loading"
+        self.error: str | None = None
+        self.loaded: LoadedModel | None = None
+        self.filters: Any = None
+        self.filter_source = "none"
+        self.started_at = int(time.time())
+
+    # -- life cycle (event loop side) ----------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Finish the running request's current step, fail the waiting ones, join."""
+        self._stopping.set()
+        if self._current is not None:
+            self._current.cancel()
+        self._thread.join(timeout)
+
+    def drain(self) -> None:
+        """Refuse new requests; the running and queued ones continue."""
+        self._draining = True
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @property
+    def ready(self) -> bool:
+        return self.status == "ready" and self._thread.is_alive()
+
+    def queue_length(self) -> int:
+        return self._queue.qsize()
+
+    def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> Job:
+        """Queue a request; raises :class:`WorkerUnavailable` when it cannot be taken."""
+        if self._draining:
+            raise WorkerUnavailable("the server is shutting down", retry_after=5)
+        if not self.ready:
+            if self.status == "loading":
+                raise WorkerUnavailable("the model is still loading", retry_after=5)
+            raise WorkerUnavailable(f"the generation worker is not running ({self.status}: "
+                                    f"{self.error})")
+        assert self.loaded is not None
+        record = RequestRecord(
+            id=f"{next(self._ids):06d}-{int(time.time() * 1000) % 10**9:09d}",
+            model=self.loaded.name, kind=request.kind, method=request.cache.method,
+            budget=request.cache.budget, recent=request.cache.recent,
+            n_sink=request.cache.n_sink)
+        job = Job(request, record, loop)
+        with self._lock:
+            try:
+                self._queue.put_nowait(job)
+            except queue.Full:
+                raise WorkerUnavailable(
+                    f"too many requests waiting ({self._queue.maxsize}); retry shortly",
+                    retry_after=1) from None
+            self._active[record.id] = record
+            self._totals["requests"] += 1
+        return job
+
+    def snapshot(self) -> dict[str, Any]:
+        """Active and recent requests plus totals, as plain dicts (counts only)."""
+        with self._lock:
+            active = [asdict(r) for r in self._active.values()]
+            history = [asdict(r) for r in reversed(self._history)]
+            totals = dict(self._totals)
+        totals["active"] = len(active)
+        totals["queued"] = sum(r["state"] == "queued" for r in active)
+        return {"active": active, "history": history, "totals": totals}
+
+    def active_kv_bytes(self) -> tuple[int, int]:
+        """(kept, full-cache) bytes over the active requests."""
+        with self._lock:
+            records = list(self._active.values())
+        return sum(r.kept_bytes for r in records), sum(r.full_seq_bytes for r in records)
+
+    # -- the worker thread ---------------------------------------------------------------
+
+    def _main(self) -> None:
+        try:
+            self._load()
+        except BaseException as exc:  # noqa: BLE001 - report any load failure, then exit
+            self.status, self.error = "failed", f"{type(exc).__name__}: {exc}"
+            logger.error("could not load the model: %s", self.error)
+            self._fail_waiting("the model failed to load")
+            return
+        try:
+            while not self._stopping.is_set():
+                try:
+                    job = self._queue.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+                self._current = job
+                self._run(job)
+                self._current = None
+        except BaseException as exc:  # noqa: BLE001 - the thread dies; say why
+            self.error = f"{type(exc).__name__}: {exc}"
+            logger.exception("generation worker died")
+            raise
+        finally:
+            self.status = "stopped" if self._stopping.is_set() else "dead"
+            if self._current is not None:
+                self._current.emit(Failed("unavailable", "the generation worker stopped"))
+                self._finish(self._current.record, "error")
+            self._fail_waiting("the generation worker stopped")
+
+    def _load(self) -> None:
+        from engine.filters import resolve_filters
+
+        self.loaded = self._loader(self._ref)
+        self.filters, self.filter_source = resolve_filters(self.loaded.model,
+                                                           self.loaded.model_id)
+        logger.info("Q-Filters for %s: %s", self.loaded.model_id, self.filter_source)
+        self.status = "ready"
+
+    def _fail_waiting(self, message: str) -> None:
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            job.emit(Failed("unavailable", message))
+            self._finish(job.record, "error")
+
+    def _finish(self, record: RequestRecord, state: State) -> None:
+        record.state, record.finished = state, time.time()
+        with self._lock:
+            self._active.pop(record.id, None)
+            self._history.append(record)
+            self._totals[state] += 1
+            self._totals["prompt_tokens"] += record.prompt_tokens
+            self._totals["completion_tokens"] += record.completion_tokens
+            self._totals["kept_bytes"] += record.kept_bytes
+            self._totals["full_seq_bytes"] += record.full_seq_bytes
+
+    def _run(self, job: Job) -> None:
+        import mlx.core as mx
+
+        if job.cancelled:
+            self._finish(job.record, "cancelled")
+            return
+        job.record.state = "prefill"
+        caches: list[Any] = []
+        try:
+            prompt, max_tokens = self._tokenize(job)
+            if prompt is None:
+                self._finish(job.record, "error")
+                return
+            job.emit(Started(prompt_tokens=len(prompt), max_tokens=max_tokens))
+            caches = self._make_caches(job)
+            finish = self._generate(job, prompt, max_tokens, caches)
+            job.emit(finish)
+            self._finish(job.record, "done")
+        except _Cancelled:
+            job.emit(Failed("cancelled", "the request was cancelled"))
+            self._finish(job.record, "cancelled")
+        except Exception as exc:  # noqa: BLE001 - one request failing must not stop the worker
+            logger.exception("request %s failed", job.id)
+            job.emit(Failed("internal", f"generation failed: {type(exc).__name__}: {exc}"))
+            self._finish(job.record, "error")
+        finally:
+            del caches
+            mx.clear_cache()
+
+    def _tokenize(self, job: Job) -> tuple[list[int] | None, int]:
+        """The prompt's token ids and the completion budget, or a 400 event and ``None``."""
+        assert self.loaded is not None
+        req, tok, ctx = job.request, self.loaded.tokenizer, self.loaded.context_length
+        field_name = "messages" if req.kind == "chat" else "prompt"
+        if req.kind == "chat":
+            messages = [dict(m) for m in req.messages]
+            if getattr(tok, "chat_template", None):
+                prompt = list(tok.apply_chat_template(messages, add_generation_prompt=True))
+            else:  # no template: a plain transcript, as mlx-lm's server does
+                text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+                prompt = tok.encode(text + "assistant: ")
+        elif isinstance(req.prompt, str):
+            prompt = tok.encode(req.prompt)
+        else:
+            prompt = list(req.prompt)
+            vocab = self.loaded.model.args.vocab_size if hasattr(self.loaded.model, "args") \
+                else len(tok)
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            if bad:
+                job.emit(Failed("invalid_request",
+                                f"prompt token ids must be in [0, {vocab}), got {bad[0]}",
+                                "prompt"))
+                return None, 0
+        requested = req.sampling.max_tokens
+        if not prompt:
+            job.emit(Failed("invalid_request", f"{field_name} encodes to zero tokens",
+                            field_name))
+            return None, 0
+        if len(prompt) >= ctx:
+            job.emit(Failed("invalid_request",
+                            f"the prompt has {len(prompt)} tokens; this model's context is "
+                            f"{ctx} tokens", field_name))
+            return None, 0
+        if requested is not None and len(prompt) + requested > ctx:
+            job.emit(Failed("invalid_request",
+                            f"prompt ({len(prompt)} tokens) + max_tokens ({requested}) exceeds "
+                            f"this model's context of {ctx} tokens", "max_tokens"))
+            return None, 0
+        job.record.prompt_tokens = len(prompt)
+        return prompt, requested if requested is not None else ctx - len(prompt)
+
+    def _make_caches(self, job: Job) -> list[Any]:
+        from engine.factory import make_caches
+
+        assert self.loaded is not None
+        config = job.request.cache
+        filters = self.filters if config.method == "qfilters" else None
+        return make_caches(self.loaded.model, config, filters=filters)
+
+    def _generate(self, job: Job, prompt: list[int], max_tokens: int,
+                  caches: list[Any]) -> Finished:
+        import mlx.core as mx
+        from mlx_lm import stream_generate
+        from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+        assert self.loaded is not None
+        sp, record = job.request.sampling, job.record
+        if sp.seed is not None:
+            mx.random.seed(sp.seed)
+        sampler = make_sampler(sp.temperature, top_p=sp.top_p)  # temperature 0: greedy
+        processors = make_logits_processors(
+            dict(sp.logit_bias) or None,
+            presence_penalty=sp.presence_penalty or None,
+            frequency_penalty=sp.frequency_penalty or None)
+        stop = _StopText(sp.stop) if sp.stop else None
+
+        def on_progress(done: int, total: int) -> None:
+            if job.cancelled:
+                raise _Cancelled
+
+        finish_reason = "length"
+        for gen in stream_generate(self.loaded.model, self.loaded.tokenizer, prompt,
+                                   max_tokens=max_tokens, sampler=sampler,
+                                   logits_processors=processors, prompt_cache=caches,
+                                   prompt_progress_callback=on_progress):
+            if job.cancelled:
+                raise _Cancelled
+            record.state = "decode"
+            record.completion_tokens = gen.generation_tokens
+            if gen.generation_tokens % _STATS_EVERY == 1:
+                self._update_stats(record, caches)
+            text, stopped = (stop.feed(gen.text) if stop else (gen.text, False))
+            if gen.finish_reason is not None and not stopped:
+                finish_reason = gen.finish_reason
+                if stop:
+                    text += stop.flush()
+            logprobs = self._logprobs(gen, sp.top_logprobs) if sp.logprobs else ()
+            if text or logprobs:
+                job.emit(Delta(text, logprobs))
+            if stopped:
+                finish_reason = "stop"
+                break
+        self._update_stats(record, caches)
+        return Finished(finish_reason=finish_reason, prompt_tokens=len(prompt),
+                        completion_tokens=record.completion_tokens,
+                        kv_cache=self._kv_cache(job, record))
+
+    def _logprobs(self, gen: Any, top_n: int) -> tuple[TokenLogprob, ...]:
+        import mlx.core as mx
+
+        tok = self.loaded.tokenizer  # type: ignore[union-attr]
+        top: tuple[tuple[str, float], ...] = ()
+        if top_n > 0:
+            ids = mx.argpartition(-gen.logprobs, kth=top_n - 1)[:top_n]
+            values = gen.logprobs[ids].tolist()
+            pairs = sorted(zip(ids.tolist(), values, strict=True), key=lambda p: -p[1])
+            top = tuple((tok.decode([i]), v) for i, v in pairs)
+        return (TokenLogprob(tok.decode([gen.token]), gen.logprobs[gen.token].item(), top),)
+
+    def _update_stats(self, record: RequestRecord, caches: list[Any]) -> None:
+        from engine.stats import summarize
+
+        stats = summarize(caches)
+        for name in ("filter_source", "tokens_seen", "tokens_kept", "kept_bytes",
+                     "full_seq_bytes", "compression_ratio", "evictions"):
+            setattr(record, name, getattr(stats, name))
+
+    @staticmethod
+    def _kv_cache(job: Job, record: RequestRecord) -> dict[str, Any]:
+        config = job.request.cache
+        return {"method": config.method, "budget": config.budget, "recent": config.recent,
+                "n_sink": config.n_sink, "filter_source": record.filter_source,
+                "tokens_seen": record.tokens_seen, "tokens_kept": record.tokens_kept,
+                "kept_bytes": record.kept_bytes, "full_seq_bytes": record.full_seq_bytes,
+                "compression_ratio": record.compression_ratio, "evictions": record.evictions}

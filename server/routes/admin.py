@@ -1,0 +1,23 @@
+"""``GET /admin/cache``: active requests, recent history and totals (counts only).
+
+Needs ``--admin-key`` when one is set (else the API key, if any); ``--no-admin`` removes it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends
+
+from server.dependencies import SettingsDep, WorkerDep, require_admin_key
+
+router = APIRouter(dependencies=[Depends(require_admin_key)])
+
+
+@router.get("/admin/cache")
+async def cache_overview(worker: WorkerDep, settings: SettingsDep) -> dict[str, Any]:
+    defaults = settings.cache_defaults()
+    return {"model": worker.loaded.name if worker.loaded else None,
+            "defaults": {"method": defaults.method, "budget": defaults.budget,
+                         "recent": defaults.recent, "n_sink": defaults.n_sink},
+            "filter_source": worker.filter_source, **worker.snapshot()}

@@ -1,0 +1,66 @@
+"""Server settings: read once from the command line, frozen, replaced wholesale in tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.config import (
+    DEFAULT_BUDGET,
+    DEFAULT_METHOD,
+    DEFAULT_N_SINK,
+    DEFAULT_RECENT,
+    CacheConfig,
+)
+from engine.worker import DEFAULT_HISTORY, DEFAULT_MAX_QUEUE
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+DEFAULT_DRAIN_TIMEOUT = 30.0
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything the app needs; defaults match the ``qfserve`` flags.
+
+    Args:
+        model: Local folder or Hugging Face id; ``None`` serves the bundled model.
+        kv_method, budget, recent, n_sink: Eviction defaults for requests that do not
+            send ``kv_method`` / ``qfilters_*``.
+        max_queue: Requests waiting for the worker at most (then 503 + Retry-After).
+        api_key: When set, every route but ``/health`` needs ``Authorization: Bearer <key>``.
+        admin_key: When set, the admin endpoint needs it instead of ``api_key``.
+        admin_enabled: ``False`` removes the admin endpoint.
+        max_body_bytes: Larger request bodies get 413.
+        drain_timeout: Seconds in-flight streams may take to finish after SIGTERM.
+        history: Finished requests the admin endpoint remembers.
+    """
+
+    model: str | None = None
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    kv_method: str = DEFAULT_METHOD
+    budget: int = DEFAULT_BUDGET
+    recent: int = DEFAULT_RECENT
+    n_sink: int = DEFAULT_N_SINK
+    max_queue: int = DEFAULT_MAX_QUEUE
+    api_key: str | None = None
+    admin_key: str | None = None
+    admin_enabled: bool = True
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    drain_timeout: float = DEFAULT_DRAIN_TIMEOUT
+    history: int = DEFAULT_HISTORY
+
+    def __post_init__(self) -> None:
+        self.cache_defaults()  # raises ValueError naming a bad eviction flag
+        if self.max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.drain_timeout < 0:
+            raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
+
+    def cache_defaults(self) -> CacheConfig:
+        """The eviction settings a request gets when it sends none."""
+        return CacheConfig(method=self.kv_method, budget=self.budget,  # type: ignore[arg-type]
+                           recent=self.recent, n_sink=self.n_sink)
