@@ -1,0 +1,35 @@
+"""The engine's one door to calibrated Q-Filters: look a model up in the calibration registry.
+
+A model with an artifact gets its calibrated filters; a model without one gets ``None`` and
+its caches use the key-SVD fallback (and say so in their statistics). A bad artifact (wrong
+model, wrong shape, truncated, non-finite) raises: it is never silently replaced.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from calibrations.model_info import attention_shape
+from calibrations.registry import load_for_model, model_id_for
+
+
+def resolve_filters(model: nn.Module, model_id: str) -> tuple[mx.array | None, str]:
+    """Calibrated filters for ``model``, or none.
+
+    Args:
+        model: The loaded mlx-lm model (its attention shape is checked against the file).
+        model_id: Its registry id, e.g. a Hugging Face id; a local folder is mapped to its id
+            with :func:`calibrations.registry.model_id_for`.
+    Returns:
+        ``(filters, "calibrated")`` with filters ``[n_layers, n_kv_heads, head_dim]`` float32,
+        or ``(None, "fallback")`` when no artifact exists for the model.
+    Raises:
+        calibrations.artifact.CalibrationError: an artifact exists but must not be used.
+    """
+    n_layers, n_kv_heads, head_dim = attention_shape(model)
+    calibration = load_for_model(model_id_for(model_id), n_layers=n_layers,
+                                 n_kv_heads=n_kv_heads, head_dim=head_dim)
+    if calibration is None:
+        return None, "fallback"
+    return mx.array(calibration.filters, dtype=mx.float32), "calibrated"
