@@ -8,7 +8,28 @@ kept, which is also what the fused kernels in ``metal/`` reproduce.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import mlx.core as mx
+
+
+_INF = mx.array(float("inf"), dtype=mx.float32)
+
+
+@lru_cache(maxsize=64)
+def _guard(L: int, n_sink: int, recent: int) -> mx.array:
+    # True on protected rows. Built once per shape, not per step.
+    rows = mx.arange(L)
+    guard = (rows < n_sink) | (rows >= L - recent)
+    mx.eval(guard)
+    return guard
+
+
+@lru_cache(maxsize=64)
+def _rows(L: int) -> mx.array:
+    rows = mx.arange(L, dtype=mx.uint32)
+    mx.eval(rows)
+    return rows
 
 
 def protect(scores: mx.array, n_sink: int, recent: int) -> mx.array:
@@ -19,10 +40,7 @@ def protect(scores: mx.array, n_sink: int, recent: int) -> mx.array:
     Returns:
         ``(B, H, L)`` float32 with protected rows at +inf.
     """
-    L = scores.shape[-1]
-    rows = mx.arange(L)
-    guarded = (rows < n_sink) | (rows >= L - recent)
-    return mx.where(guarded, mx.array(float("inf"), dtype=mx.float32), scores)
+    return mx.where(_guard(scores.shape[-1], n_sink, recent), _INF, scores)
 
 
 def select_keep(scores: mx.array, budget: int, n_sink: int, recent: int) -> mx.array:
@@ -47,7 +65,7 @@ def select_keep(scores: mx.array, budget: int, n_sink: int, recent: int) -> mx.a
     tied = masked == thresh
     quota = budget - above.sum(axis=-1, keepdims=True)
     keep = above | (tied & (mx.cumsum(tied.astype(mx.int32), axis=-1) <= quota))
-    rows = mx.arange(L, dtype=mx.uint32)
+    rows = _rows(L)
     # Kept rows sort first (their own index), dropped rows after (index + L): unique keys.
     order = mx.sort(mx.where(keep, rows, rows + L), axis=-1)
     return order[..., :budget]
@@ -68,8 +86,8 @@ def select_drop_one(scores: mx.array, n_sink: int, recent: int) -> mx.array:
     masked = protect(scores, n_sink, recent)
     # argmin returns the first minimum; on the reversed rows that is the latest one.
     victim = (L - 1) - mx.argmin(masked[..., ::-1], axis=-1, keepdims=True)  # (B, H, 1)
-    rows = mx.arange(L - 1, dtype=mx.uint32)
-    return rows + (rows >= victim).astype(mx.uint32)
+    rows = _rows(L - 1)
+    return rows + (rows >= victim)
 
 
 def gather_rows(x: mx.array, idx: mx.array) -> mx.array:

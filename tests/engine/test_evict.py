@@ -129,3 +129,14 @@ def test_nan_keys_are_dropped_first_and_budget_holds():
     got_k, _ = run_cache(cache, keys, keys, L)
     assert got_k.shape[2] == budget
     assert not np.isnan(got_k).any()
+
+
+def test_nan_key_in_a_protected_sink_does_not_break_the_budget():
+    L, budget = 30, 10
+    keys = np.random.default_rng(2).standard_normal((1, 1, L, D)).astype(np.float32)
+    keys[0, 0, 0] = np.nan  # a sink
+    for chunk in (1, L):
+        cache = EvictionCache(KNormScorer(), budget=budget, n_sink=2, recent=3)
+        got_k, _ = run_cache(cache, keys, keys, chunk)
+        assert got_k.shape[2] == budget
+        assert np.isnan(got_k[0, 0, 0]).all()  # sinks are kept whatever they hold

@@ -1,0 +1,60 @@
+"""Shared benchmark plumbing: interleaved arms, medians with spread, JSON output.
+
+Machines running these are shared and noisy, so arms always run in the same process,
+interleaved (A B A B ...), and results are read as ratios against a reference arm, with an
+A/A pair (the reference against itself) showing the noise floor.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def interleave(arms: dict[str, Callable[[], float]], reps: int, warmup: int = 1) -> dict[str, list[float]]:
+    """Run each arm ``warmup + reps`` times, round-robin; each call returns one measurement."""
+    samples: dict[str, list[float]] = {name: [] for name in arms}
+    for rep in range(warmup + reps):
+        for name, fn in arms.items():
+            value = fn()
+            if rep >= warmup:
+                samples[name].append(value)
+    return samples
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    """Median and spread (min, max, interquartile range) of one arm's measurements."""
+    q = statistics.quantiles(values, n=4) if len(values) >= 2 else [values[0]] * 3
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "q1": q[0], "q3": q[2], "n": len(values)}
+
+
+def ratio_row(samples: dict[str, list[float]], arm: str, reference: str) -> dict[str, float]:
+    """Median of per-repetition ratios ``arm / reference`` (pairs from the same round)."""
+    ratios = [a / b for a, b in zip(samples[arm], samples[reference], strict=True)]
+    return {"arm": arm, "reference": reference, **summary(ratios)}
+
+
+def machine() -> dict[str, Any]:
+    import mlx.core as mx
+
+    from engine.blas import blas_summary
+
+    return {"platform": platform.platform(), "processor": platform.machine(),
+            "mlx": mx.__version__, "device": str(mx.default_device()), "blas": blas_summary()}
+
+
+def write_json(name: str, payload: dict[str, Any]) -> Path:
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{name}.json"
+    payload = {"benchmark": name, "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+               "machine": machine(), **payload}
+    path.write_text(json.dumps(payload, indent=1))
+    return path
