@@ -12,7 +12,6 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-
 _INF = mx.array(float("inf"), dtype=mx.float32)
 
 
