@@ -19,16 +19,12 @@ _INF = mx.array(float("inf"), dtype=mx.float32)
 def _guard(L: int, n_sink: int, recent: int) -> mx.array:
     # True on protected rows. Built once per shape, not per step.
     rows = mx.arange(L)
-    guard = (rows < n_sink) | (rows >= L - recent)
-    mx.eval(guard)
-    return guard
+    return (rows < n_sink) | (rows >= L - recent)
 
 
 @lru_cache(maxsize=64)
 def _rows(L: int) -> mx.array:
-    rows = mx.arange(L, dtype=mx.uint32)
-    mx.eval(rows)
-    return rows
+    return mx.arange(L, dtype=mx.uint32)
 
 
 def protect(scores: mx.array, n_sink: int, recent: int) -> mx.array:

@@ -316,3 +316,23 @@ def test_protocol_state_trim_and_bytes(model):
     assert s.compression_ratio == pytest.approx(2.5)
     assert big.nbytes == 16 * row + 16 * 2 * 4
     assert isinstance(KVCache(), KVCache)
+
+
+def test_decode_step_is_lazy_and_skips_the_full_sort(model, filters, monkeypatch):
+    import engine.cache as cache_module
+
+    caches = make_caches(model, CacheConfig(budget=32, recent=4), filters=filters)
+    model(mx.arange(100)[None], cache=caches)  # prefill: the general path evicts 68 rows
+    mx.eval([c.state for c in caches])
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("called during a single-token decode step")
+
+    monkeypatch.setattr(cache_module, "select_keep", forbidden)  # no full sort per token
+    monkeypatch.setattr(mx, "eval", forbidden)  # no synchronisation inside update_and_fetch
+    monkeypatch.setattr(mx, "async_eval", forbidden)
+    for t in range(5):
+        model(mx.array([[t]]), cache=caches)
+    monkeypatch.undo()
+    mx.eval([c.state for c in caches])
+    assert all(c.size() == 32 and c.offset == 105 for c in caches)
