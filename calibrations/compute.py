@@ -23,6 +23,8 @@ from typing import Any
 import numpy as np
 
 _EPS = 1e-8
+# A group mean of unit filters shorter than this means its heads point (nearly) opposite ways.
+_CANCEL_TOL = 0.05
 
 
 def _check_queries(queries: np.ndarray, ndim: int, name: str) -> np.ndarray:
@@ -101,8 +103,8 @@ def group_filters(filters: np.ndarray, n_kv_heads: int) -> np.ndarray:
         raise ValueError(f"filters must have shape (H, D), got {filters.shape}")
     mean = _group_mean(filters, n_kv_heads)
     norms = np.linalg.norm(mean, axis=-1, keepdims=True)
-    if (norms < _EPS).any():
-        bad = np.flatnonzero(norms[:, 0] < _EPS).tolist()
+    if (norms < _CANCEL_TOL).any():
+        bad = np.flatnonzero(norms[:, 0] < _CANCEL_TOL).tolist()
         raise ValueError(f"the query-head filters of KV heads {bad} cancel out (mean ~ 0)")
     return (mean / norms).astype(np.float32)
 
@@ -110,8 +112,9 @@ def group_filters(filters: np.ndarray, n_kv_heads: int) -> np.ndarray:
 def layer_filters(queries: np.ndarray, n_kv_heads: int) -> tuple[np.ndarray, dict[str, float]]:
     """KV-head filters of one layer and its anisotropy summary.
 
-    A group whose query-head filters cancel out (possible only if its heads drift in opposite
-    directions) falls back to the filter of the group's pooled queries.
+    A group whose query-head filters (nearly) cancel out, i.e. whose heads drift in opposite
+    directions so that their mean is no direction at all, takes the filter of the group's
+    pooled queries instead.
 
     Args:
         queries: ``(H, N, D)`` sampled post-RoPE queries.
@@ -137,7 +140,7 @@ def layer_filters(queries: np.ndarray, n_kv_heads: int) -> tuple[np.ndarray, dic
         rest = np.abs(mean_proj[1:]).mean() if len(mean_proj) > 1 else 0.0
         ratio.append(abs(mean_proj[0]) / max(rest, _EPS))
     mean = _group_mean(np.stack(per_head), n_kv_heads)  # (KV, D)
-    for k in np.flatnonzero(np.linalg.norm(mean, axis=-1) < _EPS):
+    for k in np.flatnonzero(np.linalg.norm(mean, axis=-1) < _CANCEL_TOL):
         pooled = q[k * group:(k + 1) * group].reshape(-1, dim)
         mean[k] = _signed_svd(pooled)[0]
     filters = mean / np.linalg.norm(mean, axis=-1, keepdims=True)

@@ -1,0 +1,1 @@
+"""qfserve test suite: mirrors the packages; CPU only, nothing downloaded."""

@@ -1,0 +1,1 @@
+"""Tests of calibrations/: capture, compute, artifacts, registry, command."""
