@@ -34,7 +34,7 @@ class LoadedModel:
     Attributes:
         model: The mlx-lm model.
         tokenizer: mlx-lm's ``TokenizerWrapper`` (chat template, streaming detokenizer).
-        name: The id clients send as ``model`` and ``/v1/models`` lists.
+        name: The id ``/v1/models`` lists: a local folder's name, or the hub id.
         model_id: The id calibrated Q-Filters are registered under.
         source: What was loaded: the local folder or the hub id.
         context_length: Most prompt + completion tokens one request may use.
@@ -119,7 +119,8 @@ def load_model(ref: str | None) -> LoadedModel:
     source = resolve_model_ref(ref)
     model, tokenizer, config = mlx_lm.load(source, return_config=True)
     model_id = model_id_for(source)
-    name = model_id if ref is None or Path(ref).expanduser().exists() else ref
+    # A local folder is served under its folder name (the bundled one: "qfserve-tiny").
+    name = Path(source).name if Path(source).exists() else source
     loaded = LoadedModel(model=model, tokenizer=tokenizer, name=name, model_id=model_id,
                          source=source, context_length=context_length(config, tokenizer))
     logger.info("loaded %s from %s (context %d)", loaded.name, source, loaded.context_length)

@@ -198,8 +198,15 @@ class Worker:
     def queue_length(self) -> int:
         return self._queue.qsize()
 
-    def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> Job:
-        """Queue a request; raises :class:`WorkerUnavailable` when it cannot be taken."""
+    def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, *,
+               request_id: str | None = None) -> Job:
+        """Queue a request; raises :class:`WorkerUnavailable` when it cannot be taken.
+
+        Args:
+            request: What to generate.
+            loop: The event loop the job's events are posted to.
+            request_id: Shown by :meth:`snapshot` (the response id); default: a counter.
+        """
         if self._draining:
             raise WorkerUnavailable("the server is shutting down", retry_after=5)
         if not self.ready:
@@ -209,7 +216,7 @@ class Worker:
                                     f"{self.error})")
         assert self.loaded is not None
         record = RequestRecord(
-            id=f"{next(self._ids):06d}-{int(time.time() * 1000) % 10**9:09d}",
+            id=request_id or f"req-{next(self._ids)}",
             model=self.loaded.name, kind=request.kind, method=request.cache.method,
             budget=request.cache.budget, recent=request.cache.recent,
             n_sink=request.cache.n_sink)
@@ -272,11 +279,15 @@ class Worker:
             self._fail_waiting("the generation worker stopped")
 
     def _load(self) -> None:
-        from engine.filters import resolve_filters
-
         self.loaded = self._loader(self._ref)
-        self.filters, self.filter_source = resolve_filters(self.loaded.model,
-                                                           self.loaded.model_id)
+        try:
+            from engine.filters import resolve_filters
+        except ImportError:  # no calibration support installed: the key-SVD fallback
+            logger.warning("engine.filters is unavailable; Q-Filters use the online fallback")
+            self.filters, self.filter_source = None, "fallback"
+        else:
+            self.filters, self.filter_source = resolve_filters(self.loaded.model,
+                                                               self.loaded.model_id)
         logger.info("Q-Filters for %s: %s", self.loaded.model_id, self.filter_source)
         self.status = "ready"
 

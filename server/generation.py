@@ -77,7 +77,8 @@ class Generation:
         check_model(self.body.model, self.worker)  # type: ignore[attr-defined]
         engine_request = self.body.to_engine(self.settings.cache_defaults())
         try:
-            self.job = self.worker.submit(engine_request, asyncio.get_running_loop())
+            self.job = self.worker.submit(engine_request, asyncio.get_running_loop(),
+                                          request_id=self.id)
         except WorkerUnavailable as exc:
             self._count("rejected")
             raise APIError(503, str(exc), code="unavailable",
