@@ -74,11 +74,11 @@ def build_parser(prog: str = "qfserve calibrate") -> argparse.ArgumentParser:
     return p
 
 
-def _print_summary(summaries: list[dict], out=sys.stdout) -> None:
-    print("layer  positive_share  top_energy  drift_ratio", file=out)
+def _print_summary(summaries: list[dict]) -> None:
+    print("layer  positive_share  top_energy  drift_ratio")
     for s in summaries:
         print(f"{s['layer']:>5}  {s['positive_share']:>14.3f}  {s['top_energy']:>10.3f}  "
-              f"{s['drift_ratio']:>11.2f}", file=out)
+              f"{s['drift_ratio']:>11.2f}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -86,7 +86,8 @@ def make_sequences(
     used = 0
     for doc in documents:
         used += 1
-        stream.extend(tokenizer.encode(doc + "\n\n", add_special_tokens=False))
+        # verbose=False: a whole file may exceed the model's length; we cut it below.
+        stream.extend(tokenizer.encode(doc + "\n\n", add_special_tokens=False, verbose=False))
         while len(stream) >= body and len(sequences) < n_sequences:
             sequences.append(prefix + stream[:body])
             stream = stream[body:]

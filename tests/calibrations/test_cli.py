@@ -1,0 +1,147 @@
+"""End to end: `qfserve calibrate` on a tiny saved model, then the engine finds and uses it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import mlx.core as mx
+import mlx_lm
+import numpy as np
+import pytest
+from safetensors import safe_open
+
+from calibrations import registry
+from calibrations.artifact import read_calibration
+from calibrations.cli import main
+from calibrations.model_info import attention_shape
+from engine.config import CacheConfig
+from engine.factory import make_caches
+from engine.filters import resolve_filters
+from engine.stats import summarize
+from tests.tiny import save_tiny_model
+
+MODEL_ID = "test/tiny-llama"
+
+
+@pytest.fixture(autouse=True)
+def hermetic(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv(registry.ENV_VAR, raising=False)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-llama", model_id=MODEL_ID)
+
+
+@pytest.fixture(scope="module")
+def calibrated(model_dir, tmp_path_factory):
+    """Run the command once for the module: (artifact folder, exit code, printed output)."""
+    out = tmp_path_factory.mktemp("artifacts")
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = main(["--model", str(model_dir), "--sequences", "2", "--tokens", "128",
+                   "--out", str(out)])
+    return out, rc, buf.getvalue()
+
+
+def _run(model, caches, n=48):
+    tokens = mx.array(np.arange(n, dtype=np.int32) % 300)[None]
+    mx.eval(model(tokens, cache=caches))
+
+
+def test_calibrate_writes_a_registered_artifact(calibrated):
+    out, rc, printed = calibrated
+    assert rc == 0
+    path = out / "test--tiny-llama.safetensors"
+    assert path.is_file()
+    assert "positive_share" in printed and str(path) in printed
+    cal = read_calibration(path)
+    assert cal.model_id == MODEL_ID and cal.filters.shape == (2, 2, 32)
+    meta = cal.metadata
+    assert (meta["n_sequences"], meta["tokens_per_sequence"]) == (2, 128)
+    assert meta["samples_per_head"] == 256 and meta["post_rope"] is True
+    assert "standard library" in meta["text"]
+    assert [s["layer"] for s in meta["anisotropy"]] == [0, 1]
+    assert registry.find(MODEL_ID, search_dirs=[out]) == path
+    assert MODEL_ID in registry.available([out])
+
+
+def test_engine_uses_the_calibration(calibrated, model_dir, monkeypatch):
+    out, _, _ = calibrated
+    monkeypatch.setenv(registry.ENV_VAR, str(out))
+    model, _ = mlx_lm.load(str(model_dir))
+    # The local folder maps to the id in its config.json.
+    for ref in (MODEL_ID, str(model_dir)):
+        filters, source = resolve_filters(model, ref)
+        assert source == "calibrated" and filters.shape == (2, 2, 32)
+        assert filters.dtype == mx.float32
+    caches = make_caches(model, CacheConfig(budget=16), filters=filters)
+    _run(model, caches)
+    assert summarize(caches).filter_source == "calibrated"
+
+
+def test_model_without_artifact_falls_back(calibrated, model_dir, monkeypatch):
+    out, _, _ = calibrated
+    monkeypatch.setenv(registry.ENV_VAR, str(out))
+    model, _ = mlx_lm.load(str(model_dir))
+    filters, source = resolve_filters(model, "test/never-calibrated")
+    assert filters is None and source == "fallback"
+    caches = make_caches(model, CacheConfig(budget=16), filters=filters)
+    _run(model, caches)
+    assert summarize(caches).filter_source == "fallback"
+
+
+def test_engine_refuses_a_wrong_shape_artifact(calibrated, monkeypatch, tmp_path):
+    """An artifact registered under the model's id but made for a different shape raises."""
+    out, _, _ = calibrated
+    monkeypatch.setenv(registry.ENV_VAR, str(out))
+    from tests.tiny import make_tiny_model
+
+    bigger = make_tiny_model(seed=0, num_hidden_layers=3)
+    assert attention_shape(bigger) == (3, 2, 32)
+    with pytest.raises(ValueError, match="test--tiny-llama.safetensors.*n_layers=3"):
+        resolve_filters(bigger, MODEL_ID)
+
+
+def test_text_files_and_context_clamp(tmp_path, capsys):
+    model_dir = save_tiny_model(tmp_path / "short", model_id="test/short-context",
+                                max_position_embeddings=64)
+    text = tmp_path / "corpus.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 200)
+    out = tmp_path / "out"
+    rc = main(["--model", str(model_dir), "--text", str(text), "--sequences", "3",
+               "--tokens", "500", "--samples-per-head", "40", "--chunk-size", "16",
+               "--out", str(out), "--seed", "1"])
+    assert rc == 0
+    assert "using 64" in capsys.readouterr().out
+    path = out / "test--short-context.safetensors"
+    with safe_open(str(path), framework="numpy") as f:
+        meta = f.metadata()
+    assert meta["tokens_per_sequence"] == "64" and meta["samples_per_head"] == "40"
+    assert "corpus.txt" in meta["text"]
+    assert len(json.loads(meta["anisotropy"])) == 2
+
+
+def test_model_id_override_and_errors(tmp_path, model_dir, capsys):
+    out = tmp_path / "out"
+    rc = main(["--model", str(model_dir), "--model-id", "me/renamed", "--sequences", "1",
+               "--tokens", "32", "--out", str(out)])
+    assert rc == 0 and (out / "me--renamed.safetensors").is_file()
+    assert main(["--model", str(model_dir), "--text", str(tmp_path / "missing.txt")]) == 2
+    assert "missing.txt" in capsys.readouterr().err
+    assert main(["--model", str(tmp_path / "not-a-model")]) == 1
+    assert "cannot load model" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--model", str(model_dir), "--sequences", "0"])
+
+
+def test_python_dash_m_entry_point():
+    done = subprocess.run([sys.executable, "-m", "calibrations.cli", "--help"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "--samples-per-head" in done.stdout
