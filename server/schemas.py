@@ -74,7 +74,8 @@ class GenerationBody(EvictionFields):
         try:
             return CacheConfig(**{**defaults.__dict__, **overrides})
         except ValueError as exc:
-            name = str(exc).split()[0]
+            # "n_sink + recent must be < budget" is about the relation: name the budget.
+            name = "budget" if " + " in str(exc).split(" must")[0] else str(exc).split()[0]
             sent = [_CACHE_PARAMS[k] for k in overrides]
             param = _CACHE_PARAMS.get(name) if _CACHE_PARAMS.get(name) in sent else None
             raise APIError(400, f"invalid eviction settings: {exc}",
