@@ -3,7 +3,8 @@
 The default text must exist on every machine without a download, so it is the top-level
 ``*.py`` files of the running Python's standard library (``sysconfig.get_paths()["stdlib"]``),
 sorted by name, then shuffled with the seed (so a fixed Python version and seed always give
-the same text). It is code and English prose in comments and docstrings: not the paper's
+the same text). Each document contributes at most one sequence's worth of tokens, its
+beginning, so 20 sequences come from at least 20 files. It is code and English prose in comments and docstrings: not the paper's
 Pile sample, but a query direction is a property of the head more than of the text, and users
 who care can pass their own files with ``--text``.
 """
@@ -20,6 +21,7 @@ import numpy as np
 
 DEFAULT_SEQUENCES = 20
 DEFAULT_TOKENS = 2048
+_MAX_CHARS_PER_TOKEN = 16
 
 
 def stdlib_files(seed: int = 0) -> list[Path]:
@@ -35,7 +37,8 @@ def stdlib_files(seed: int = 0) -> list[Path]:
 def describe_stdlib(seed: int, used: int) -> str:
     """The artifact's ``text`` description for the default text."""
     return (f"Python {platform.python_version()} standard library: top-level *.py files "
-            f"(sysconfig 'stdlib'), sorted by name, shuffled with seed {seed}; first {used} used")
+            f"(sysconfig 'stdlib'), sorted by name, shuffled with seed {seed}; the beginnings of the "
+            f"first {used}")
 
 
 def describe_files(files: Sequence[str | Path], used: int) -> str:
@@ -60,9 +63,10 @@ def make_sequences(
 ) -> tuple[list[list[int]], int]:
     """Cut documents into calibration sequences of ``tokens`` tokens each.
 
-    The documents are tokenised one after the other (only as many as needed) into one
-    stream; each sequence starts the way the tokenizer starts a prompt (its BOS, if it adds
-    one) and continues with the next tokens of the stream. If the text runs out, the last
+    Each document contributes at most one sequence's worth of tokens (its beginning), so the
+    sequences span many documents rather than the first few long ones; short documents are
+    concatenated. Each sequence starts the way the tokenizer starts a prompt (its BOS, if it
+    adds one). Only as many documents as needed are read. If the text runs out, the last
     sequence may be shorter and fewer sequences are returned.
 
     Args:
@@ -86,8 +90,10 @@ def make_sequences(
     used = 0
     for doc in documents:
         used += 1
-        # verbose=False: a whole file may exceed the model's length; we cut it below.
-        stream.extend(tokenizer.encode(doc + "\n\n", add_special_tokens=False, verbose=False))
+        # Tokenise only the document's head: a token is rarely longer than 16 characters.
+        head = doc[: body * _MAX_CHARS_PER_TOKEN] + "\n\n"
+        ids = tokenizer.encode(head, add_special_tokens=False, verbose=False)
+        stream.extend(ids[:body])
         while len(stream) >= body and len(sequences) < n_sequences:
             sequences.append(prefix + stream[:body])
             stream = stream[body:]
