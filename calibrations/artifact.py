@@ -44,8 +44,18 @@ AUTHORS_KEY = "q_filters"
 # kvpress keeps keys with a high -(q_filters . k); we keep a high +(filters . k).
 AUTHORS_SIGN = -1.0
 _UNIT_TOL = 1e-3
-_REQUIRED = ("format", "format_version", "model_id", "n_sequences", "tokens_per_sequence",
-             "samples_per_head", "text", "post_rope", "created", "anisotropy")
+_REQUIRED = (
+    "format",
+    "format_version",
+    "model_id",
+    "n_sequences",
+    "tokens_per_sequence",
+    "samples_per_head",
+    "text",
+    "post_rope",
+    "created",
+    "anisotropy",
+)
 
 
 class CalibrationError(ValueError):
@@ -158,8 +168,10 @@ def _parse_metadata(meta: dict[str, str], fail: Any) -> dict[str, Any]:
     if meta.get("format") != FORMAT_NAME:
         fail(f"format is {meta.get('format')!r}, expected {FORMAT_NAME!r}")
     if meta.get("format_version") != str(FORMAT_VERSION):
-        fail(f"format_version is {meta.get('format_version')!r}; this qfserve reads version "
-             f"{FORMAT_VERSION} only (recalibrate with `qfserve calibrate`)")
+        fail(
+            f"format_version is {meta.get('format_version')!r}; this qfserve reads version "
+            f"{FORMAT_VERSION} only (recalibrate with `qfserve calibrate`)"
+        )
     if missing:
         fail(f"metadata is missing {missing}")
     parsed: dict[str, Any] = dict(meta)
@@ -193,8 +205,11 @@ def read_calibration(path: str | Path, *, model_id: str | None = None) -> Calibr
     try:
         tensors, meta = mx.load(str(path), format="safetensors", return_metadata=True)
     except Exception as e:  # mlx raises RuntimeError/ValueError with its own wording
-        raise CalibrationError(path, f"is not a readable safetensors file, likely truncated or "
-                                     f"corrupt ({e}); recalibrate or fetch it again") from None
+        raise CalibrationError(
+            path,
+            f"is not a readable safetensors file, likely truncated or "
+            f"corrupt ({e}); recalibrate or fetch it again",
+        ) from None
     if not isinstance(tensors, dict):
         fail("is not a safetensors file")
     if FILTERS_KEY in tensors:
@@ -210,8 +225,7 @@ def read_calibration(path: str | Path, *, model_id: str | None = None) -> Calibr
         filters = (AUTHORS_SIGN * raw / norms).astype(np.float32)
         parsed = {"format": AUTHORS_KEY, "post_rope": None}
         return Calibration(filters, model_id, parsed, path, format=AUTHORS_KEY)
-    fail(f"holds neither a {FILTERS_KEY!r} nor a {AUTHORS_KEY!r} tensor "
-         f"(found {sorted(tensors)})")
+    fail(f"holds neither a {FILTERS_KEY!r} nor a {AUTHORS_KEY!r} tensor (found {sorted(tensors)})")
     raise AssertionError("unreachable")
 
 
@@ -239,18 +253,28 @@ def check_calibration(
     path = calibration.path or Path("<in memory>")
     stored = calibration.model_id
     if model_id is not None and stored is not None and stored not in {model_id, *accept_ids}:
-        raise CalibrationError(path, f"was calibrated for model {stored!r}, not {model_id!r}; "
-                                     "filters are model-specific")
+        raise CalibrationError(
+            path,
+            f"was calibrated for model {stored!r}, not {model_id!r}; filters are model-specific",
+        )
     expected = (n_layers, n_kv_heads, head_dim)
-    for name, want, got in zip(("n_layers", "n_kv_heads", "head_dim"), expected,
-                               calibration.shape, strict=True):
+    for name, want, got in zip(
+        ("n_layers", "n_kv_heads", "head_dim"), expected, calibration.shape, strict=True
+    ):
         if want is not None and want != got:
             raise CalibrationError(
-                path, f"has filters of shape {calibration.shape} (n_layers, n_kv_heads, "
-                      f"head_dim) but the model needs {name}={want}, got {got}")
+                path,
+                f"has filters of shape {calibration.shape} (n_layers, n_kv_heads, "
+                f"head_dim) but the model needs {name}={want}, got {got}",
+            )
     if stored is None and model_id is not None:
-        return Calibration(calibration.filters, model_id, calibration.metadata,
-                           calibration.path, calibration.format)
+        return Calibration(
+            calibration.filters,
+            model_id,
+            calibration.metadata,
+            calibration.path,
+            calibration.format,
+        )
     return calibration
 
 
@@ -265,5 +289,11 @@ def load_calibration(
 ) -> Calibration:
     """:func:`read_calibration` then :func:`check_calibration` (same arguments)."""
     calibration = read_calibration(path, model_id=model_id)
-    return check_calibration(calibration, model_id=model_id, accept_ids=accept_ids,
-                             n_layers=n_layers, n_kv_heads=n_kv_heads, head_dim=head_dim)
+    return check_calibration(
+        calibration,
+        model_id=model_id,
+        accept_ids=accept_ids,
+        n_layers=n_layers,
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
+    )

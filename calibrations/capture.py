@@ -153,8 +153,9 @@ class QueryCapture:
         ValueError: ``samples_per_head`` < 1, or the model's attention has no ``rope``.
     """
 
-    def __init__(self, model: nn.Module, *, samples_per_head: int = DEFAULT_SAMPLES_PER_HEAD,
-                 seed: int = 0):
+    def __init__(
+        self, model: nn.Module, *, samples_per_head: int = DEFAULT_SAMPLES_PER_HEAD, seed: int = 0
+    ):
         if samples_per_head < 1:
             raise ValueError(f"samples_per_head must be >= 1, got {samples_per_head}")
         self.model = model
@@ -247,7 +248,7 @@ def capture_queries(
             step = chunk_size or tokens.shape[1]
             cache = make_prompt_cache(model) if step < tokens.shape[1] else None
             for start in range(0, tokens.shape[1], step):
-                block = tokens[:, start:start + step]
+                block = tokens[:, start : start + step]
                 model(block, cache=cache)
                 if cache is not None:  # later blocks attend to these keys
                     mx.eval([c.state for c in cache])

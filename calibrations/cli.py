@@ -50,26 +50,58 @@ def _positive_int(text: str) -> int:
 
 def build_parser(prog: str = "qfserve calibrate") -> argparse.ArgumentParser:
     """The argument parser (also used by the server's CLI to show help)."""
-    p = argparse.ArgumentParser(prog=prog, description=(
-        "Compute a model's calibrated Q-Filters from its post-RoPE queries and save them "
-        "where qfserve finds them by model id."))
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description=(
+            "Compute a model's calibrated Q-Filters from its post-RoPE queries and save them "
+            "where qfserve finds them by model id."
+        ),
+    )
     p.add_argument("--model", required=True, help="Hugging Face id or local mlx-lm folder")
-    p.add_argument("--model-id", help="id to register the filters under "
-                   "(default: the hub id, or the folder's config.json _name_or_path / name)")
-    p.add_argument("--text", nargs="+", action="extend", metavar="FILE", type=Path,
-                   help="calibration text files (default: the Python standard library's "
-                   "top-level *.py sources, shuffled with --seed)")
-    p.add_argument("--sequences", type=_positive_int, default=DEFAULT_SEQUENCES,
-                   help=f"calibration sequences (default {DEFAULT_SEQUENCES})")
-    p.add_argument("--tokens", type=_positive_int, default=DEFAULT_TOKENS,
-                   help=f"tokens per sequence, clamped to the model's context "
-                   f"(default {DEFAULT_TOKENS})")
-    p.add_argument("--samples-per-head", type=_positive_int, default=DEFAULT_SAMPLES_PER_HEAD,
-                   help=f"query positions sampled per head (default {DEFAULT_SAMPLES_PER_HEAD})")
-    p.add_argument("--chunk-size", type=_positive_int, default=None,
-                   help="prefill each sequence in blocks of this many tokens (less memory)")
-    p.add_argument("--out", type=Path, default=None,
-                   help=f"output folder (default: {default_output_dir()}, which qfserve searches)")
+    p.add_argument(
+        "--model-id",
+        help="id to register the filters under "
+        "(default: the hub id, or the folder's config.json _name_or_path / name)",
+    )
+    p.add_argument(
+        "--text",
+        nargs="+",
+        action="extend",
+        metavar="FILE",
+        type=Path,
+        help="calibration text files (default: the Python standard library's "
+        "top-level *.py sources, shuffled with --seed)",
+    )
+    p.add_argument(
+        "--sequences",
+        type=_positive_int,
+        default=DEFAULT_SEQUENCES,
+        help=f"calibration sequences (default {DEFAULT_SEQUENCES})",
+    )
+    p.add_argument(
+        "--tokens",
+        type=_positive_int,
+        default=DEFAULT_TOKENS,
+        help=f"tokens per sequence, clamped to the model's context (default {DEFAULT_TOKENS})",
+    )
+    p.add_argument(
+        "--samples-per-head",
+        type=_positive_int,
+        default=DEFAULT_SAMPLES_PER_HEAD,
+        help=f"query positions sampled per head (default {DEFAULT_SAMPLES_PER_HEAD})",
+    )
+    p.add_argument(
+        "--chunk-size",
+        type=_positive_int,
+        default=None,
+        help="prefill each sequence in blocks of this many tokens (less memory)",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help=f"output folder (default: {default_output_dir()}, which qfserve searches)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of text order and sampling")
     return p
 
@@ -77,8 +109,10 @@ def build_parser(prog: str = "qfserve calibrate") -> argparse.ArgumentParser:
 def _print_summary(summaries: list[dict]) -> None:
     print("layer  positive_share  top_energy  drift_ratio")
     for s in summaries:
-        print(f"{s['layer']:>5}  {s['positive_share']:>14.3f}  {s['top_energy']:>10.3f}  "
-              f"{s['drift_ratio']:>11.2f}")
+        print(
+            f"{s['layer']:>5}  {s['positive_share']:>14.3f}  {s['top_energy']:>10.3f}  "
+            f"{s['drift_ratio']:>11.2f}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,32 +142,49 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--tokens {tokens} exceeds the model's context; using {context}")
         tokens = context
     files = args.text or stdlib_files(args.seed)
-    sequences, used = make_sequences(tokenizer, read_documents(files),
-                                     n_sequences=args.sequences, tokens=tokens)
+    sequences, used = make_sequences(
+        tokenizer, read_documents(files), n_sequences=args.sequences, tokens=tokens
+    )
     text = describe_files(files, used) if args.text else describe_stdlib(args.seed, used)
     total = sum(len(s) for s in sequences)
-    print(f"calibrating {model_id!r}: {n_layers} layers, {n_kv_heads} KV heads, head_dim "
-          f"{head_dim}; {len(sequences)} sequences, {total} tokens of {text}")
+    print(
+        f"calibrating {model_id!r}: {n_layers} layers, {n_kv_heads} KV heads, head_dim "
+        f"{head_dim}; {len(sequences)} sequences, {total} tokens of {text}"
+    )
 
     start = time.perf_counter()
     with tqdm(total=total, unit="tok", desc="capturing queries") as bar:
-        samples = capture_queries(model, sequences, samples_per_head=args.samples_per_head,
-                                  chunk_size=args.chunk_size, seed=args.seed,
-                                  progress=bar.update)
+        samples = capture_queries(
+            model,
+            sequences,
+            samples_per_head=args.samples_per_head,
+            chunk_size=args.chunk_size,
+            seed=args.seed,
+            progress=bar.update,
+        )
     filters, summaries = compute_filters([s.queries for s in samples], n_kv_heads)
 
     out_dir = args.out if args.out is not None else default_output_dir()
     path = save_calibration(
-        out_dir / artifact_name(model_id), filters, model_id=model_id,
-        n_sequences=len(sequences), tokens_per_sequence=max(len(s) for s in sequences),
-        samples_per_head=min(s.queries.shape[1] for s in samples), text=text,
-        anisotropy=summaries)
+        out_dir / artifact_name(model_id),
+        filters,
+        model_id=model_id,
+        n_sequences=len(sequences),
+        tokens_per_sequence=max(len(s) for s in sequences),
+        samples_per_head=min(s.queries.shape[1] for s in samples),
+        text=text,
+        anisotropy=summaries,
+    )
     _print_summary(summaries)
-    print(f"done in {time.perf_counter() - start:.1f}s; wrote {path} "
-          f"(filters {n_layers} x {n_kv_heads} x {head_dim}) for model id {model_id!r}")
+    print(
+        f"done in {time.perf_counter() - start:.1f}s; wrote {path} "
+        f"(filters {n_layers} x {n_kv_heads} x {head_dim}) for model id {model_id!r}"
+    )
     if out_dir.expanduser().resolve() not in [d.resolve() for d in search_path()]:
-        print(f"note: {out_dir} is not on qfserve's search path; set QFSERVE_CALIBRATIONS="
-              f"{out_dir} (or copy the file to {default_output_dir()}) for the server to use it")
+        print(
+            f"note: {out_dir} is not on qfserve's search path; set QFSERVE_CALIBRATIONS="
+            f"{out_dir} (or copy the file to {default_output_dir()}) for the server to use it"
+        )
     return 0
 
 

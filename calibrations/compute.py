@@ -141,7 +141,7 @@ def layer_filters(queries: np.ndarray, n_kv_heads: int) -> tuple[np.ndarray, dic
         ratio.append(abs(mean_proj[0]) / max(rest, _EPS))
     mean = _group_mean(np.stack(per_head), n_kv_heads)  # (KV, D)
     for k in np.flatnonzero(np.linalg.norm(mean, axis=-1) < _CANCEL_TOL):
-        pooled = q[k * group:(k + 1) * group].reshape(-1, dim)
+        pooled = q[k * group : (k + 1) * group].reshape(-1, dim)
         mean[k] = _signed_svd(pooled)[0]
     filters = mean / np.linalg.norm(mean, axis=-1, keepdims=True)
     kv_of_head = np.arange(n_heads) // group

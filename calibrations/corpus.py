@@ -36,9 +36,11 @@ def stdlib_files(seed: int = 0) -> list[Path]:
 
 def describe_stdlib(seed: int, used: int) -> str:
     """The artifact's ``text`` description for the default text."""
-    return (f"Python {platform.python_version()} standard library: top-level *.py files "
-            f"(sysconfig 'stdlib'), sorted by name, shuffled with seed {seed}; the beginnings of the "
-            f"first {used}")
+    return (
+        f"Python {platform.python_version()} standard library: top-level *.py files "
+        f"(sysconfig 'stdlib'), sorted by name, shuffled with seed {seed}; the beginnings of the "
+        f"first {used}"
+    )
 
 
 def describe_files(files: Sequence[str | Path], used: int) -> str:

@@ -87,8 +87,11 @@ def aliases(search_dirs: Sequence[str | Path] | None = None) -> dict[str, str]:
             data = json.loads(f.read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise ValueError(f"alias table {f} is not valid JSON: {e}") from None
-        entries = {k: v for k, v in data.items() if not k.startswith("_")} \
-            if isinstance(data, dict) else None
+        entries = (
+            {k: v for k, v in data.items() if not k.startswith("_")}
+            if isinstance(data, dict)
+            else None
+        )
         if entries is None or not all(isinstance(v, str) for v in entries.values()):
             raise ValueError(f"alias table {f} must be a JSON object of id -> id strings")
         table.update(entries)
@@ -124,7 +127,9 @@ def available(search_dirs: Sequence[str | Path] | None = None) -> list[str]:
     return sorted(ids)
 
 
-def _locate(model_id: str, search_dirs: Sequence[str | Path] | None) -> tuple[Path | None, list[str]]:
+def _locate(
+    model_id: str, search_dirs: Sequence[str | Path] | None
+) -> tuple[Path | None, list[str]]:
     chain = _alias_chain(model_id, aliases(search_dirs))
     dirs = search_path(search_dirs)
     for candidate in chain:
@@ -176,13 +181,23 @@ def load_for_model(
     path, chain = _locate(model_id, search_dirs)
     if path is None:
         return None
-    return load_calibration(path, model_id=model_id, accept_ids=chain[1:], n_layers=n_layers,
-                            n_kv_heads=n_kv_heads, head_dim=head_dim)
+    return load_calibration(
+        path,
+        model_id=model_id,
+        accept_ids=chain[1:],
+        n_layers=n_layers,
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
+    )
 
 
 def _looks_like_path(value: str) -> bool:
-    return (value.startswith(("/", ".", "~")) or "\\" in value or value.count("/") > 1
-            or Path(value).exists())
+    return (
+        value.startswith(("/", ".", "~"))
+        or "\\" in value
+        or value.count("/") > 1
+        or Path(value).exists()
+    )
 
 
 def model_id_for(path_or_id: str | Path) -> str:
@@ -200,7 +215,7 @@ def model_id_for(path_or_id: str | Path) -> str:
         return text
     path = path.resolve()
     if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
-        return path.parent.parent.name[len("models--"):].replace("--", "/")
+        return path.parent.parent.name[len("models--") :].replace("--", "/")
     try:
         config = json.loads((path / "config.json").read_text())
     except (OSError, json.JSONDecodeError):

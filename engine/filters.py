@@ -28,8 +28,9 @@ def resolve_filters(model: nn.Module, model_id: str) -> tuple[mx.array | None, s
         calibrations.artifact.CalibrationError: an artifact exists but must not be used.
     """
     n_layers, n_kv_heads, head_dim = attention_shape(model)
-    calibration = load_for_model(model_id_for(model_id), n_layers=n_layers,
-                                 n_kv_heads=n_kv_heads, head_dim=head_dim)
+    calibration = load_for_model(
+        model_id_for(model_id), n_layers=n_layers, n_kv_heads=n_kv_heads, head_dim=head_dim
+    )
     if calibration is None:
         return None, "fallback"
     return mx.array(calibration.filters, dtype=mx.float32), "calibrated"

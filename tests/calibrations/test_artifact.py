@@ -19,8 +19,10 @@ from calibrations.artifact import (
 
 SHAPE = (2, 2, 32)
 MODEL = "test/tiny-llama"
-SUMMARY = [{"layer": 0, "positive_share": 1.0, "top_energy": 0.4, "drift_ratio": 9.0},
-           {"layer": 1, "positive_share": 0.5, "top_energy": 0.2, "drift_ratio": 3.0}]
+SUMMARY = [
+    {"layer": 0, "positive_share": 1.0, "top_energy": 0.4, "drift_ratio": 9.0},
+    {"layer": 1, "positive_share": 0.5, "top_energy": 0.2, "drift_ratio": 3.0},
+]
 
 
 def _at(path) -> str:
@@ -34,17 +36,31 @@ def _filters(seed: int = 0) -> np.ndarray:
 
 
 def _save(path, filters=None, **overrides):
-    kwargs = dict(model_id=MODEL, n_sequences=2, tokens_per_sequence=128, samples_per_head=256,
-                  text="unit test text", anisotropy=SUMMARY)
+    kwargs = dict(
+        model_id=MODEL,
+        n_sequences=2,
+        tokens_per_sequence=128,
+        samples_per_head=256,
+        text="unit test text",
+        anisotropy=SUMMARY,
+    )
     kwargs.update(overrides)
     return save_calibration(path, _filters() if filters is None else filters, **kwargs)
 
 
 def _raw_metadata(**overrides) -> dict[str, str]:
-    meta = {"format": FORMAT_NAME, "format_version": "1", "model_id": MODEL,
-            "n_sequences": "2", "tokens_per_sequence": "128", "samples_per_head": "256",
-            "text": "t", "post_rope": "true", "created": "2025-01-01T00:00:00+00:00",
-            "anisotropy": "[]"}
+    meta = {
+        "format": FORMAT_NAME,
+        "format_version": "1",
+        "model_id": MODEL,
+        "n_sequences": "2",
+        "tokens_per_sequence": "128",
+        "samples_per_head": "256",
+        "text": "t",
+        "post_rope": "true",
+        "created": "2025-01-01T00:00:00+00:00",
+        "anisotropy": "[]",
+    }
     meta.update(overrides)
     return meta
 
@@ -57,8 +73,11 @@ def test_round_trip(tmp_path):
     assert cal.model_id == MODEL and cal.format == "qfserve" and cal.path == path
     meta = cal.metadata
     assert meta["format_version"] == 1 and meta["post_rope"] is True
-    assert (meta["n_sequences"], meta["tokens_per_sequence"], meta["samples_per_head"]) == \
-        (2, 128, 256)
+    assert (meta["n_sequences"], meta["tokens_per_sequence"], meta["samples_per_head"]) == (
+        2,
+        128,
+        256,
+    )
     assert meta["text"] == "unit test text" and meta["anisotropy"] == SUMMARY
     assert meta["created"].startswith("20")
     assert not list(tmp_path.glob("sub/.*tmp"))  # the atomic write left nothing behind
@@ -79,15 +98,17 @@ def test_save_normalises_and_validates(tmp_path):
 
 def test_model_id_mismatch(tmp_path):
     path = _save(tmp_path / "a.safetensors")
-    with pytest.raises(CalibrationError, match=rf"{_at(path)}.*calibrated for model '{MODEL}', "
-                                               r"not 'other/model'"):
+    with pytest.raises(
+        CalibrationError,
+        match=rf"{_at(path)}.*calibrated for model '{MODEL}', "
+        r"not 'other/model'",
+    ):
         load_calibration(path, model_id="other/model")
     # An alias's base model id is accepted when the caller says so.
     assert load_calibration(path, model_id="other/4bit", accept_ids=[MODEL]).model_id == MODEL
 
 
-@pytest.mark.parametrize(("field", "value"), [("n_layers", 3), ("n_kv_heads", 4),
-                                              ("head_dim", 64)])
+@pytest.mark.parametrize(("field", "value"), [("n_layers", 3), ("n_kv_heads", 4), ("head_dim", 64)])
 def test_shape_mismatch(tmp_path, field, value):
     path = _save(tmp_path / "a.safetensors")
     expected = {"n_layers": 2, "n_kv_heads": 2, "head_dim": 32, field: value}
@@ -167,8 +188,9 @@ def test_authors_format_loads(tmp_path):
     np.testing.assert_allclose(cal.filters, -_filters(1), atol=1e-6)
     # Same ranking of keys as the authors' scorer.
     keys = np.random.default_rng(0).standard_normal((10, 32)).astype(np.float32)
-    np.testing.assert_array_equal(np.argsort(keys @ cal.filters[0, 0]),
-                                  np.argsort(-(keys @ raw[0, 0])))
+    np.testing.assert_array_equal(
+        np.argsort(keys @ cal.filters[0, 0]), np.argsort(-(keys @ raw[0, 0]))
+    )
     with pytest.raises(CalibrationError, match="n_layers=3"):
         load_calibration(path, model_id=MODEL, n_layers=3)
 

@@ -64,8 +64,9 @@ def test_one_block_matches_manual_projection_and_rope(model, tokens, layer):
     queries, positions = _sorted(samples[layer])
     np.testing.assert_array_equal(positions, np.arange(L))
     assert samples[layer].tokens_seen == L
-    np.testing.assert_allclose(queries, _reference_queries(model, tokens, layer),
-                               rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(
+        queries, _reference_queries(model, tokens, layer), rtol=1e-4, atol=1e-4
+    )
 
 
 @pytest.mark.parametrize("layer", [0, 1])
@@ -80,8 +81,9 @@ def test_two_chunks_rotate_at_the_cache_offset(model, tokens, layer):
         capture.flush()
     queries, positions = _sorted(capture.samples()[layer])
     np.testing.assert_array_equal(positions, np.arange(L))
-    np.testing.assert_allclose(queries, _reference_queries(model, tokens, layer),
-                               rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(
+        queries, _reference_queries(model, tokens, layer), rtol=1e-4, atol=1e-4
+    )
 
 
 def test_chunked_capture_equals_one_block(model, tokens):
@@ -113,8 +115,9 @@ def test_sampling_is_bounded_uniform_and_seeded(model):
 def test_rope_is_restored_even_after_an_error(model, tokens):
     ropes = [layer.self_attn.rope for layer in model.layers]
     with pytest.raises(RuntimeError, match="boom"), QueryCapture(model):
-        assert all(layer.self_attn.rope is not r for layer, r in zip(model.layers, ropes,
-                                                                       strict=True))
+        assert all(
+            layer.self_attn.rope is not r for layer, r in zip(model.layers, ropes, strict=True)
+        )
         raise RuntimeError("boom")
     assert all(layer.self_attn.rope is r for layer, r in zip(model.layers, ropes, strict=True))
     # The model computes exactly what it computed before.
@@ -129,8 +132,9 @@ def test_mha_model_captures_queries_not_keys():
     model = make_tiny_model(seed=4, num_key_value_heads=4)
     toks = np.arange(12, dtype=np.int32)
     sample = capture_queries(model, [toks], samples_per_head=100)[1]
-    np.testing.assert_allclose(_sorted(sample)[0], _reference_queries(model, toks, 1),
-                               rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(
+        _sorted(sample)[0], _reference_queries(model, toks, 1), rtol=1e-4, atol=1e-4
+    )
 
 
 def test_bad_arguments(model):

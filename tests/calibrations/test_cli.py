@@ -45,8 +45,9 @@ def calibrated(model_dir, tmp_path_factory):
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        rc = main(["--model", str(model_dir), "--sequences", "2", "--tokens", "128",
-                   "--out", str(out)])
+        rc = main(
+            ["--model", str(model_dir), "--sequences", "2", "--tokens", "128", "--out", str(out)]
+        )
     return out, rc, buf.getvalue()
 
 
@@ -110,14 +111,32 @@ def test_engine_refuses_a_wrong_shape_artifact(calibrated, monkeypatch, tmp_path
 
 
 def test_text_files_and_context_clamp(tmp_path, capsys):
-    model_dir = save_tiny_model(tmp_path / "short", model_id="test/short-context",
-                                max_position_embeddings=64)
+    model_dir = save_tiny_model(
+        tmp_path / "short", model_id="test/short-context", max_position_embeddings=64
+    )
     text = tmp_path / "corpus.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 200)
     out = tmp_path / "out"
-    rc = main(["--model", str(model_dir), "--text", str(text), "--sequences", "3",
-               "--tokens", "500", "--samples-per-head", "40", "--chunk-size", "16",
-               "--out", str(out), "--seed", "1"])
+    rc = main(
+        [
+            "--model",
+            str(model_dir),
+            "--text",
+            str(text),
+            "--sequences",
+            "3",
+            "--tokens",
+            "500",
+            "--samples-per-head",
+            "40",
+            "--chunk-size",
+            "16",
+            "--out",
+            str(out),
+            "--seed",
+            "1",
+        ]
+    )
     assert rc == 0
     assert "using 64" in capsys.readouterr().out
     path = out / "test--short-context.safetensors"
@@ -130,8 +149,20 @@ def test_text_files_and_context_clamp(tmp_path, capsys):
 
 def test_model_id_override_and_errors(tmp_path, model_dir, capsys):
     out = tmp_path / "out"
-    rc = main(["--model", str(model_dir), "--model-id", "me/renamed", "--sequences", "1",
-               "--tokens", "32", "--out", str(out)])
+    rc = main(
+        [
+            "--model",
+            str(model_dir),
+            "--model-id",
+            "me/renamed",
+            "--sequences",
+            "1",
+            "--tokens",
+            "32",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0 and (out / "me--renamed.safetensors").is_file()
     assert main(["--model", str(model_dir), "--text", str(tmp_path / "missing.txt")]) == 2
     assert "missing.txt" in capsys.readouterr().err
@@ -142,6 +173,10 @@ def test_model_id_override_and_errors(tmp_path, model_dir, capsys):
 
 
 def test_python_dash_m_entry_point():
-    done = subprocess.run([sys.executable, "-m", "calibrations.cli", "--help"],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "calibrations.cli", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0 and "--samples-per-head" in done.stdout

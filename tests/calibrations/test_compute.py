@@ -70,8 +70,9 @@ def test_filter_is_unit_and_mean_projection_positive():
 def test_head_filters_match_per_head_estimates():
     rng = np.random.default_rng(3)
     queries = rng.standard_normal((3, 200, D)) + rng.standard_normal((3, 1, D))
-    np.testing.assert_allclose(head_filters(queries),
-                               np.stack([query_filter(q) for q in queries]), atol=1e-6)
+    np.testing.assert_allclose(
+        head_filters(queries), np.stack([query_filter(q) for q in queries]), atol=1e-6
+    )
 
 
 def _reference_group(filters: np.ndarray, n_kv: int) -> np.ndarray:

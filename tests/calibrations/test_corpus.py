@@ -18,8 +18,7 @@ def test_each_document_contributes_its_beginning():
     docs = ["abcdefghij", "klmnopqrstuvwxyz", "AB", "CD", "never read"]
     seqs, used = make_sequences(_CharTokenizer(), iter(docs), n_sequences=3, tokens=5)
     # BOS, then at most 4 tokens of each document; short ones are concatenated.
-    assert seqs == [[0, *map(ord, "abcd")], [0, *map(ord, "klmn")],
-                    [0, *map(ord, "AB\n\n")]]
+    assert seqs == [[0, *map(ord, "abcd")], [0, *map(ord, "klmn")], [0, *map(ord, "AB\n\n")]]
     assert used == 3
 
 
@@ -29,10 +28,13 @@ def test_short_text_gives_a_shorter_last_sequence():
     assert used == 2
 
 
-@pytest.mark.parametrize(("kwargs", "match"), [
-    ({"n_sequences": 0}, "n_sequences must be >= 1, got 0"),
-    ({"tokens": 1}, "tokens must be >= 2, got 1"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"n_sequences": 0}, "n_sequences must be >= 1, got 0"),
+        ({"tokens": 1}, "tokens must be >= 2, got 1"),
+    ],
+)
 def test_bad_counts(kwargs, match):
     with pytest.raises(ValueError, match=match):
         make_sequences(_CharTokenizer(), ["abc"], **kwargs)

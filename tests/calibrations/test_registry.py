@@ -35,9 +35,15 @@ def hermetic(tmp_path, monkeypatch):
 
 def _write(folder, model_id, *, seed=0, stored_id=None, shape=(2, 2, 8)):
     f = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
-    return save_calibration(folder / artifact_name(model_id), f, model_id=stored_id or model_id,
-                            n_sequences=1, tokens_per_sequence=16, samples_per_head=16,
-                            text="t")
+    return save_calibration(
+        folder / artifact_name(model_id),
+        f,
+        model_id=stored_id or model_id,
+        n_sequences=1,
+        tokens_per_sequence=16,
+        samples_per_head=16,
+        text="t",
+    )
 
 
 def test_artifact_name():
@@ -57,8 +63,10 @@ def test_find_and_load(tmp_path):
 def test_miss_lists_what_exists(tmp_path):
     _write(tmp_path / "d", "org/one")
     _write(tmp_path / "d", "org/two")
-    with pytest.raises(CalibrationNotFoundError,
-                       match=r"'org/three'.*Available: \['org/one', 'org/two'\].*calibrate"):
+    with pytest.raises(
+        CalibrationNotFoundError,
+        match=r"'org/three'.*Available: \['org/one', 'org/two'\].*calibrate",
+    ):
         find("org/three", search_dirs=[tmp_path / "d"])
     assert load_for_model("org/three", search_dirs=[tmp_path / "d"], **SHAPE) is None
 
@@ -149,8 +157,10 @@ def test_authors_file_in_registry(tmp_path):
 
 
 def test_model_id_for(tmp_path):
-    assert model_id_for("mlx-community/Llama-3.2-1B-Instruct-4bit") == \
-        "mlx-community/Llama-3.2-1B-Instruct-4bit"
+    assert (
+        model_id_for("mlx-community/Llama-3.2-1B-Instruct-4bit")
+        == "mlx-community/Llama-3.2-1B-Instruct-4bit"
+    )
     named = tmp_path / "named"
     named.mkdir()
     (named / "config.json").write_text(json.dumps({"_name_or_path": "org/tiny"}))
