@@ -11,7 +11,12 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from calibrations.model_info import attention_shape
-from calibrations.registry import load_for_model, model_id_for
+from calibrations.registry import (
+    CalibrationNotFoundError,
+    find,
+    load_for_model,
+    model_id_for,
+)
 
 
 def resolve_filters(model: nn.Module, model_id: str) -> tuple[mx.array | None, str]:
@@ -26,11 +31,19 @@ def resolve_filters(model: nn.Module, model_id: str) -> tuple[mx.array | None, s
         or ``(None, "fallback")`` when no artifact exists for the model.
     Raises:
         calibrations.artifact.CalibrationError: an artifact exists but must not be used.
+        ValueError: an artifact exists but the model's attention shape cannot be read.
     """
+    model_id = model_id_for(model_id)
+    try:
+        find(model_id)
+    except CalibrationNotFoundError:
+        # Checked before reading the model's shape, so models calibrations cannot handle
+        # (no standard attention) still run on the fallback when nobody calibrated them.
+        return None, "fallback"
     n_layers, n_kv_heads, head_dim = attention_shape(model)
     calibration = load_for_model(
-        model_id_for(model_id), n_layers=n_layers, n_kv_heads=n_kv_heads, head_dim=head_dim
+        model_id, n_layers=n_layers, n_kv_heads=n_kv_heads, head_dim=head_dim
     )
-    if calibration is None:
+    if calibration is None:  # removed between the two look-ups
         return None, "fallback"
     return mx.array(calibration.filters, dtype=mx.float32), "calibrated"

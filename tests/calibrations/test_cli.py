@@ -98,6 +98,17 @@ def test_model_without_artifact_falls_back(calibrated, model_dir, monkeypatch):
     assert summarize(caches).filter_source == "fallback"
 
 
+def test_uncalibrated_model_without_standard_attention_falls_back():
+    import mlx.nn as nn
+
+    class NoAttention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = [nn.Linear(4, 4)]
+
+    assert resolve_filters(NoAttention(), "test/recurrent-thing") == (None, "fallback")
+
+
 def test_engine_refuses_a_wrong_shape_artifact(calibrated, monkeypatch, tmp_path):
     """An artifact registered under the model's id but made for a different shape raises."""
     out, _, _ = calibrated
