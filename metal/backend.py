@@ -107,8 +107,8 @@ def resolve_kernel_mode(mode: KernelMode, budget: int) -> bool:
     check_kernel_budget(budget)
     if backend is None:
         raise RuntimeError(
-            "kernel='on' needs MLX with a Metal or CUDA backend, and this machine has neither "
-            "(mx.metal.is_available() is False and MLX's CUDA backend is absent); "
+            "the fused eviction kernel was required (kernel='on' / use_kernel=True), but MLX "
+            "here has neither a Metal nor a CUDA backend (or QFSERVE_KERNEL_BACKEND=none); "
             "use kernel='auto' or 'off'"
         )
     return True
