@@ -19,8 +19,14 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_DIR = Path(engine.__file__).resolve().parent.parent / "models" / "qfserve-tiny"
 DEFAULT_CONTEXT_LENGTH = 4096
 # Config keys that hold the trained context length, most specific first.
-_CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "max_seq_len", "n_positions",
-                 "seq_length", "n_ctx")
+_CONTEXT_KEYS = (
+    "max_position_embeddings",
+    "max_sequence_length",
+    "max_seq_len",
+    "n_positions",
+    "seq_length",
+    "n_ctx",
+)
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -121,7 +127,13 @@ def load_model(ref: str | None) -> LoadedModel:
     model_id = model_id_for(source)
     # A local folder is served under its folder name (the bundled one: "qfserve-tiny").
     name = Path(source).name if Path(source).exists() else source
-    loaded = LoadedModel(model=model, tokenizer=tokenizer, name=name, model_id=model_id,
-                         source=source, context_length=context_length(config, tokenizer))
+    loaded = LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        name=name,
+        model_id=model_id,
+        source=source,
+        context_length=context_length(config, tokenizer),
+    )
     logger.info("loaded %s from %s (context %d)", loaded.name, source, loaded.context_length)
     return loaded

@@ -82,8 +82,9 @@ class RequestRecord:
 class Job:
     """One submitted request: the handler awaits :meth:`next_event` and may :meth:`cancel`."""
 
-    def __init__(self, request: GenerationRequest, record: RequestRecord,
-                 loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self, request: GenerationRequest, record: RequestRecord, loop: asyncio.AbstractEventLoop
+    ) -> None:
         self.request = request
         self.record = record
         self._loop = loop
@@ -145,9 +146,14 @@ class Worker:
         loader: Replaces :func:`engine.loading.load_model` (tests).
     """
 
-    def __init__(self, model_ref: str | None, *, max_queue: int = DEFAULT_MAX_QUEUE,
-                 history: int = DEFAULT_HISTORY,
-                 loader: Callable[[str | None], LoadedModel] = load_model) -> None:
+    def __init__(
+        self,
+        model_ref: str | None,
+        *,
+        max_queue: int = DEFAULT_MAX_QUEUE,
+        history: int = DEFAULT_HISTORY,
+        loader: Callable[[str | None], LoadedModel] = load_model,
+    ) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self._ref = model_ref
@@ -156,9 +162,16 @@ class Worker:
         self._lock = threading.Lock()
         self._active: dict[str, RequestRecord] = {}
         self._history: deque[RequestRecord] = deque(maxlen=history)
-        self._totals = {"requests": 0, "done": 0, "cancelled": 0, "error": 0,
-                        "prompt_tokens": 0, "completion_tokens": 0,
-                        "kept_bytes": 0, "full_seq_bytes": 0}
+        self._totals = {
+            "requests": 0,
+            "done": 0,
+            "cancelled": 0,
+            "error": 0,
+            "prompt_tokens": 0,
+            "completion_tokens": 0,
+            "kept_bytes": 0,
+            "full_seq_bytes": 0,
+        }
         self._ids = itertools.count(1)
         self._stopping = threading.Event()
         self._draining = False
@@ -198,8 +211,13 @@ class Worker:
     def queue_length(self) -> int:
         return self._queue.qsize()
 
-    def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, *,
-               request_id: str | None = None) -> Job:
+    def submit(
+        self,
+        request: GenerationRequest,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        request_id: str | None = None,
+    ) -> Job:
         """Queue a request; raises :class:`WorkerUnavailable` when it cannot be taken.
 
         Args:
@@ -212,14 +230,19 @@ class Worker:
         if not self.ready:
             if self.status == "loading":
                 raise WorkerUnavailable("the model is still loading", retry_after=5)
-            raise WorkerUnavailable(f"the generation worker is not running ({self.status}: "
-                                    f"{self.error})")
+            raise WorkerUnavailable(
+                f"the generation worker is not running ({self.status}: {self.error})"
+            )
         assert self.loaded is not None
         record = RequestRecord(
             id=request_id or f"req-{next(self._ids)}",
-            model=self.loaded.name, kind=request.kind, method=request.cache.method,
-            budget=request.cache.budget, recent=request.cache.recent,
-            n_sink=request.cache.n_sink)
+            model=self.loaded.name,
+            kind=request.kind,
+            method=request.cache.method,
+            budget=request.cache.budget,
+            recent=request.cache.recent,
+            n_sink=request.cache.n_sink,
+        )
         job = Job(request, record, loop)
         with self._lock:
             try:
@@ -227,7 +250,8 @@ class Worker:
             except queue.Full:
                 raise WorkerUnavailable(
                     f"too many requests waiting ({self._queue.maxsize}); retry shortly",
-                    retry_after=1) from None
+                    retry_after=1,
+                ) from None
             self._active[record.id] = record
             self._totals["requests"] += 1
         return job
@@ -286,8 +310,9 @@ class Worker:
             logger.warning("engine.filters is unavailable; Q-Filters use the online fallback")
             self.filters, self.filter_source = None, "fallback"
         else:
-            self.filters, self.filter_source = resolve_filters(self.loaded.model,
-                                                               self.loaded.model_id)
+            self.filters, self.filter_source = resolve_filters(
+                self.loaded.model, self.loaded.model_id
+            )
         logger.info("Q-Filters for %s: %s", self.loaded.model_id, self.filter_source)
         self.status = "ready"
 
@@ -356,28 +381,43 @@ class Worker:
             prompt = tok.encode(req.prompt)
         else:
             prompt = list(req.prompt)
-            vocab = self.loaded.model.args.vocab_size if hasattr(self.loaded.model, "args") \
+            vocab = (
+                self.loaded.model.args.vocab_size
+                if hasattr(self.loaded.model, "args")
                 else len(tok)
+            )
             bad = [t for t in prompt if not 0 <= t < vocab]
             if bad:
-                job.emit(Failed("invalid_request",
-                                f"prompt token ids must be in [0, {vocab}), got {bad[0]}",
-                                "prompt"))
+                job.emit(
+                    Failed(
+                        "invalid_request",
+                        f"prompt token ids must be in [0, {vocab}), got {bad[0]}",
+                        "prompt",
+                    )
+                )
                 return None, 0
         requested = req.sampling.max_tokens
         if not prompt:
-            job.emit(Failed("invalid_request", f"{field_name} encodes to zero tokens",
-                            field_name))
+            job.emit(Failed("invalid_request", f"{field_name} encodes to zero tokens", field_name))
             return None, 0
         if len(prompt) >= ctx:
-            job.emit(Failed("invalid_request",
-                            f"the prompt has {len(prompt)} tokens; this model's context is "
-                            f"{ctx} tokens", field_name))
+            job.emit(
+                Failed(
+                    "invalid_request",
+                    f"the prompt has {len(prompt)} tokens; this model's context is {ctx} tokens",
+                    field_name,
+                )
+            )
             return None, 0
         if requested is not None and len(prompt) + requested > ctx:
-            job.emit(Failed("invalid_request",
-                            f"prompt ({len(prompt)} tokens) + max_tokens ({requested}) exceeds "
-                            f"this model's context of {ctx} tokens", "max_tokens"))
+            job.emit(
+                Failed(
+                    "invalid_request",
+                    f"prompt ({len(prompt)} tokens) + max_tokens ({requested}) exceeds "
+                    f"this model's context of {ctx} tokens",
+                    "max_tokens",
+                )
+            )
             return None, 0
         job.record.prompt_tokens = len(prompt)
         return prompt, requested if requested is not None else ctx - len(prompt)
@@ -390,8 +430,9 @@ class Worker:
         filters = self.filters if config.method == "qfilters" else None
         return make_caches(self.loaded.model, config, filters=filters)
 
-    def _generate(self, job: Job, prompt: list[int], max_tokens: int,
-                  caches: list[Any]) -> Finished:
+    def _generate(
+        self, job: Job, prompt: list[int], max_tokens: int, caches: list[Any]
+    ) -> Finished:
         import mlx.core as mx
         from mlx_lm import stream_generate
         from mlx_lm.sample_utils import make_logits_processors, make_sampler
@@ -404,7 +445,8 @@ class Worker:
         processors = make_logits_processors(
             dict(sp.logit_bias) or None,
             presence_penalty=sp.presence_penalty or None,
-            frequency_penalty=sp.frequency_penalty or None)
+            frequency_penalty=sp.frequency_penalty or None,
+        )
         stop = _StopText(sp.stop) if sp.stop else None
 
         def on_progress(done: int, total: int) -> None:
@@ -412,17 +454,23 @@ class Worker:
                 raise _Cancelled
 
         finish_reason = "length"
-        for gen in stream_generate(self.loaded.model, self.loaded.tokenizer, prompt,
-                                   max_tokens=max_tokens, sampler=sampler,
-                                   logits_processors=processors, prompt_cache=caches,
-                                   prompt_progress_callback=on_progress):
+        for gen in stream_generate(
+            self.loaded.model,
+            self.loaded.tokenizer,
+            prompt,
+            max_tokens=max_tokens,
+            sampler=sampler,
+            logits_processors=processors,
+            prompt_cache=caches,
+            prompt_progress_callback=on_progress,
+        ):
             if job.cancelled:
                 raise _Cancelled
             record.state = "decode"
             record.completion_tokens = gen.generation_tokens
             if gen.generation_tokens % _STATS_EVERY == 1:
                 self._update_stats(record, caches)
-            text, stopped = (stop.feed(gen.text) if stop else (gen.text, False))
+            text, stopped = stop.feed(gen.text) if stop else (gen.text, False)
             if gen.finish_reason is not None and not stopped:
                 finish_reason = gen.finish_reason
                 if stop:
@@ -434,9 +482,12 @@ class Worker:
                 finish_reason = "stop"
                 break
         self._update_stats(record, caches)
-        return Finished(finish_reason=finish_reason, prompt_tokens=len(prompt),
-                        completion_tokens=record.completion_tokens,
-                        kv_cache=self._kv_cache(job, record))
+        return Finished(
+            finish_reason=finish_reason,
+            prompt_tokens=len(prompt),
+            completion_tokens=record.completion_tokens,
+            kv_cache=self._kv_cache(job, record),
+        )
 
     def _logprobs(self, gen: Any, top_n: int) -> tuple[TokenLogprob, ...]:
         import mlx.core as mx
@@ -454,15 +505,30 @@ class Worker:
         from engine.stats import summarize
 
         stats = summarize(caches)
-        for name in ("filter_source", "tokens_seen", "tokens_kept", "kept_bytes",
-                     "full_seq_bytes", "compression_ratio", "evictions"):
+        for name in (
+            "filter_source",
+            "tokens_seen",
+            "tokens_kept",
+            "kept_bytes",
+            "full_seq_bytes",
+            "compression_ratio",
+            "evictions",
+        ):
             setattr(record, name, getattr(stats, name))
 
     @staticmethod
     def _kv_cache(job: Job, record: RequestRecord) -> dict[str, Any]:
         config = job.request.cache
-        return {"method": config.method, "budget": config.budget, "recent": config.recent,
-                "n_sink": config.n_sink, "filter_source": record.filter_source,
-                "tokens_seen": record.tokens_seen, "tokens_kept": record.tokens_kept,
-                "kept_bytes": record.kept_bytes, "full_seq_bytes": record.full_seq_bytes,
-                "compression_ratio": record.compression_ratio, "evictions": record.evictions}
+        return {
+            "method": config.method,
+            "budget": config.budget,
+            "recent": config.recent,
+            "n_sink": config.n_sink,
+            "filter_source": record.filter_source,
+            "tokens_seen": record.tokens_seen,
+            "tokens_kept": record.tokens_kept,
+            "kept_bytes": record.kept_bytes,
+            "full_seq_bytes": record.full_seq_bytes,
+            "compression_ratio": record.compression_ratio,
+            "evictions": record.evictions,
+        }

@@ -31,11 +31,13 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
 def build_app(settings: Settings | None = None, *, worker: Worker | None = None) -> FastAPI:
     """An app serving ``settings.model``; ``worker`` replaces the default one (tests)."""
     settings = settings or Settings()
-    app = FastAPI(title="qfserve", version="0.1.0", lifespan=lifespan,
-                  docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="qfserve", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None
+    )
     app.state.settings = settings
-    app.state.worker = worker or Worker(settings.model, max_queue=settings.max_queue,
-                                        history=settings.history)
+    app.state.worker = worker or Worker(
+        settings.model, max_queue=settings.max_queue, history=settings.history
+    )
     app.state.metrics = Metrics(app.state.worker)
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)

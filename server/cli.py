@@ -22,30 +22,66 @@ def make_parser() -> argparse.ArgumentParser:
     from server import settings as s
 
     p = argparse.ArgumentParser(
-        prog="qfserve", description="OpenAI-compatible MLX server with Q-Filters KV eviction. "
-        "'qfserve calibrate --help' for filter calibration.")
-    p.add_argument("--model", default=None,
-                   help="local folder or Hugging Face id (default: the bundled models/qfserve-tiny)")
+        prog="qfserve",
+        description="OpenAI-compatible MLX server with Q-Filters KV eviction. "
+        "'qfserve calibrate --help' for filter calibration.",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="local folder or Hugging Face id (default: the bundled models/qfserve-tiny)",
+    )
     p.add_argument("--host", default=s.DEFAULT_HOST, help="bind address (default: %(default)s)")
     p.add_argument("--port", type=int, default=s.DEFAULT_PORT, help="(default: %(default)s)")
-    p.add_argument("--kv-method", choices=METHODS, default=DEFAULT_METHOD,
-                   help="default eviction method (default: %(default)s)")
-    p.add_argument("--budget", type=int, default=DEFAULT_BUDGET,
-                   help="default KV rows kept per layer and head (default: %(default)s)")
-    p.add_argument("--recent", type=int, default=DEFAULT_RECENT,
-                   help="default recent positions never evicted (default: %(default)s)")
-    p.add_argument("--n-sink", type=int, default=DEFAULT_N_SINK,
-                   help="default leading positions never evicted (default: %(default)s)")
-    p.add_argument("--max-queue", type=int, default=s.DEFAULT_MAX_QUEUE,
-                   help="requests waiting at most before 503 (default: %(default)s)")
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every route but /health")
+    p.add_argument(
+        "--kv-method",
+        choices=METHODS,
+        default=DEFAULT_METHOD,
+        help="default eviction method (default: %(default)s)",
+    )
+    p.add_argument(
+        "--budget",
+        type=int,
+        default=DEFAULT_BUDGET,
+        help="default KV rows kept per layer and head (default: %(default)s)",
+    )
+    p.add_argument(
+        "--recent",
+        type=int,
+        default=DEFAULT_RECENT,
+        help="default recent positions never evicted (default: %(default)s)",
+    )
+    p.add_argument(
+        "--n-sink",
+        type=int,
+        default=DEFAULT_N_SINK,
+        help="default leading positions never evicted (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=s.DEFAULT_MAX_QUEUE,
+        help="requests waiting at most before 503 (default: %(default)s)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every route but /health",
+    )
     p.add_argument("--admin-key", default=None, help="key for /admin/cache (default: --api-key)")
     p.add_argument("--no-admin", action="store_true", help="remove the /admin/cache endpoint")
-    p.add_argument("--max-body-bytes", type=int, default=s.DEFAULT_MAX_BODY_BYTES,
-                   help="larger request bodies get 413 (default: %(default)s)")
-    p.add_argument("--drain-timeout", type=float, default=s.DEFAULT_DRAIN_TIMEOUT,
-                   help="seconds in-flight requests may finish after SIGTERM (default: %(default)s)")
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=s.DEFAULT_MAX_BODY_BYTES,
+        help="larger request bodies get 413 (default: %(default)s)",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=s.DEFAULT_DRAIN_TIMEOUT,
+        help="seconds in-flight requests may finish after SIGTERM (default: %(default)s)",
+    )
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return p
 
@@ -53,11 +89,21 @@ def make_parser() -> argparse.ArgumentParser:
 def settings_from_args(args: argparse.Namespace):
     from server.settings import Settings
 
-    return Settings(model=args.model, host=args.host, port=args.port, kv_method=args.kv_method,
-                    budget=args.budget, recent=args.recent, n_sink=args.n_sink,
-                    max_queue=args.max_queue, api_key=args.api_key, admin_key=args.admin_key,
-                    admin_enabled=not args.no_admin, max_body_bytes=args.max_body_bytes,
-                    drain_timeout=args.drain_timeout)
+    return Settings(
+        model=args.model,
+        host=args.host,
+        port=args.port,
+        kv_method=args.kv_method,
+        budget=args.budget,
+        recent=args.recent,
+        n_sink=args.n_sink,
+        max_queue=args.max_queue,
+        api_key=args.api_key,
+        admin_key=args.admin_key,
+        admin_enabled=not args.no_admin,
+        max_body_bytes=args.max_body_bytes,
+        drain_timeout=args.drain_timeout,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -74,8 +120,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = settings_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     logger.info(blas_summary())
 
     from engine.loading import ModelNotFoundError, resolve_model_ref
@@ -102,8 +149,13 @@ def _serve(settings, log_level: str) -> None:
             worker.drain()  # new requests get 503 while in-flight ones finish
             super().handle_exit(sig, frame)
 
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=log_level,
-                            timeout_graceful_shutdown=int(settings.drain_timeout) + 1)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=log_level,
+        timeout_graceful_shutdown=int(settings.drain_timeout) + 1,
+    )
     DrainingServer(config).run()
 
 

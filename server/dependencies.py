@@ -36,10 +36,13 @@ def _check_bearer(request: Request, key: str | None, what: str) -> None:
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
     # Constant-time comparison so the key cannot be guessed byte by byte from timings.
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
-                                                            key.encode()):
-        raise APIError(401, f"missing or invalid {what} (send 'Authorization: Bearer <key>')",
-                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        raise APIError(
+            401,
+            f"missing or invalid {what} (send 'Authorization: Bearer <key>')",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
 
 
 def require_api_key(request: Request, settings: SettingsDep) -> None:
@@ -59,5 +62,8 @@ def require_json(request: Request) -> None:
     """POST bodies must be JSON (415 otherwise, before the body is parsed)."""
     media = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if media != "application/json" and not media.endswith("+json"):
-        raise APIError(415, f"Content-Type must be application/json, got {media or 'none'!r}",
-                       code="unsupported_media_type")
+        raise APIError(
+            415,
+            f"Content-Type must be application/json, got {media or 'none'!r}",
+            code="unsupported_media_type",
+        )

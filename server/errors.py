@@ -16,10 +16,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger(__name__)
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-          403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
-          413: "invalid_request_error", 415: "invalid_request_error",
-          429: "rate_limit_error", 503: "server_error"}
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "server_error",
+}
 # pydantic's names for union members and wrappers: not request fields.
 _LOC_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
@@ -27,21 +34,35 @@ _LOC_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 class APIError(Exception):
     """An error answered to the client; raise it anywhere in a handler."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, type: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
-        self.type = type or _TYPES.get(status, "server_error" if status >= 500
-                                       else "invalid_request_error")
+        self.type = type or _TYPES.get(
+            status, "server_error" if status >= 500 else "invalid_request_error"
+        )
         self.headers = headers
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
@@ -73,15 +94,24 @@ def validation_error(exc: RequestValidationError) -> APIError:
     if kind == "model_attributes_type" and param is None:
         return APIError(400, "the body must be a JSON object", code="invalid_body")
     if kind == "missing":
-        return APIError(400, f"missing required parameter: '{param}'", param=param,
-                        code="missing_required_parameter")
+        return APIError(
+            400,
+            f"missing required parameter: '{param}'",
+            param=param,
+            code="missing_required_parameter",
+        )
     if kind == "extra_forbidden":
-        return APIError(400, f"unrecognized request argument: '{param}'", param=param,
-                        code="unknown_parameter")
+        return APIError(
+            400, f"unrecognized request argument: '{param}'", param=param, code="unknown_parameter"
+        )
     received = err.get("input")
     shown = repr(received) if not isinstance(received, dict | list) else type(received).__name__
-    return APIError(400, f"invalid value for '{param}': {err.get('msg')} (got {shown[:80]})",
-                    param=param, code="invalid_value")
+    return APIError(
+        400,
+        f"invalid value for '{param}': {err.get('msg')} (got {shown[:80]})",
+        param=param,
+        code="invalid_value",
+    )
 
 
 async def _api_error(request: Request, exc: Exception) -> JSONResponse:

@@ -14,21 +14,34 @@ class ResponseFormat(Protocol):
     object: str
     chunk_object: str
 
-    def choice(self, text: str, logprobs: list[TokenLogprob] | None,
-               finish_reason: str | None) -> dict[str, Any]: ...
+    def choice(
+        self, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str | None
+    ) -> dict[str, Any]: ...
 
-    def chunk_choice(self, text: str, logprobs: list[TokenLogprob] | None,
-                     finish_reason: str | None, *, first: bool) -> dict[str, Any]: ...
+    def chunk_choice(
+        self,
+        text: str,
+        logprobs: list[TokenLogprob] | None,
+        finish_reason: str | None,
+        *,
+        first: bool,
+    ) -> dict[str, Any]: ...
 
 
 def _chat_logprobs(items: list[TokenLogprob] | None) -> dict[str, Any] | None:
     if items is None:
         return None
+
     def entry(token: str, logprob: float) -> dict[str, Any]:
         return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
-    return {"content": [{**entry(t.token, t.logprob),
-                         "top_logprobs": [entry(s, v) for s, v in t.top]} for t in items],
-            "refusal": None}
+
+    return {
+        "content": [
+            {**entry(t.token, t.logprob), "top_logprobs": [entry(s, v) for s, v in t.top]}
+            for t in items
+        ],
+        "refusal": None,
+    }
 
 
 class ChatFormat:
@@ -37,14 +50,25 @@ class ChatFormat:
     chunk_object = "chat.completion.chunk"
 
     def choice(self, text, logprobs, finish_reason):
-        return {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                "logprobs": _chat_logprobs(logprobs), "finish_reason": finish_reason}
+        return {
+            "index": 0,
+            "message": {"role": "assistant", "content": text, "refusal": None},
+            "logprobs": _chat_logprobs(logprobs),
+            "finish_reason": finish_reason,
+        }
 
     def chunk_choice(self, text, logprobs, finish_reason, *, first):
-        delta: dict[str, Any] = {"role": "assistant", "content": text} if first else (
-            {"content": text} if text or finish_reason is None else {})
-        return {"index": 0, "delta": delta, "logprobs": _chat_logprobs(logprobs),
-                "finish_reason": finish_reason}
+        delta: dict[str, Any] = (
+            {"role": "assistant", "content": text}
+            if first
+            else ({"content": text} if text or finish_reason is None else {})
+        )
+        return {
+            "index": 0,
+            "delta": delta,
+            "logprobs": _chat_logprobs(logprobs),
+            "finish_reason": finish_reason,
+        }
 
 
 class CompletionFormat:
@@ -62,14 +86,20 @@ class CompletionFormat:
         for t in items:
             offsets.append(self._offset)
             self._offset += len(t.token)
-        return {"tokens": [t.token for t in items],
-                "token_logprobs": [t.logprob for t in items],
-                "top_logprobs": [dict(t.top) for t in items],
-                "text_offset": offsets}
+        return {
+            "tokens": [t.token for t in items],
+            "token_logprobs": [t.logprob for t in items],
+            "top_logprobs": [dict(t.top) for t in items],
+            "text_offset": offsets,
+        }
 
     def choice(self, text, logprobs, finish_reason):
-        return {"index": 0, "text": text, "logprobs": self._logprobs(logprobs),
-                "finish_reason": finish_reason}
+        return {
+            "index": 0,
+            "text": text,
+            "logprobs": self._logprobs(logprobs),
+            "finish_reason": finish_reason,
+        }
 
     def chunk_choice(self, text, logprobs, finish_reason, *, first):
         return self.choice(text, logprobs, finish_reason)

@@ -37,8 +37,12 @@ def check_model(name: str, worker: Worker) -> None:
     """404 in OpenAI's shape unless ``name`` is the served model."""
     loaded = worker.loaded
     if loaded is not None and name not in (loaded.name, loaded.model_id, loaded.source):
-        raise APIError(404, f"the model '{name}' does not exist; this server runs "
-                            f"'{loaded.name}'", param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"the model '{name}' does not exist; this server runs '{loaded.name}'",
+            param="model",
+            code="model_not_found",
+        )
 
 
 def failure(event: Failed) -> APIError:
@@ -57,9 +61,17 @@ class Generation:
     """A submitted request: :meth:`start` waits until it runs, then :meth:`json` or
     :meth:`sse` answers."""
 
-    def __init__(self, body: GenerationBody, request: Request, *, worker: Worker,
-                 settings: Settings, metrics: Metrics, fmt: ResponseFormat,
-                 endpoint: str) -> None:
+    def __init__(
+        self,
+        body: GenerationBody,
+        request: Request,
+        *,
+        worker: Worker,
+        settings: Settings,
+        metrics: Metrics,
+        fmt: ResponseFormat,
+        endpoint: str,
+    ) -> None:
         self.body, self.request, self.worker = body, request, worker
         self.settings, self.metrics, self.fmt, self.endpoint = settings, metrics, fmt, endpoint
         self.id = fmt.id_prefix + uuid.uuid4().hex[:24]
@@ -77,12 +89,17 @@ class Generation:
         check_model(self.body.model, self.worker)  # type: ignore[attr-defined]
         engine_request = self.body.to_engine(self.settings.cache_defaults())
         try:
-            self.job = self.worker.submit(engine_request, asyncio.get_running_loop(),
-                                          request_id=self.id)
+            self.job = self.worker.submit(
+                engine_request, asyncio.get_running_loop(), request_id=self.id
+            )
         except WorkerUnavailable as exc:
             self._count("rejected")
-            raise APIError(503, str(exc), code="unavailable",
-                           headers={"Retry-After": str(exc.retry_after or 5)}) from None
+            raise APIError(
+                503,
+                str(exc),
+                code="unavailable",
+                headers={"Retry-After": str(exc.retry_after or 5)},
+            ) from None
         try:
             event = await self._next(watch_disconnect=True)
         except ClientGone:
@@ -128,10 +145,17 @@ class Generation:
                 logprobs.extend(event.logprobs)
             elif isinstance(event, Finished):
                 self._finished(event)
-                choice = self.fmt.choice("".join(text), logprobs if self.logprobs else None,
-                                         event.finish_reason)
-                return JSONResponse({**self._envelope(self.fmt.object), "choices": [choice],
-                                     "usage": _usage(event), "kv_cache": event.kv_cache})
+                choice = self.fmt.choice(
+                    "".join(text), logprobs if self.logprobs else None, event.finish_reason
+                )
+                return JSONResponse(
+                    {
+                        **self._envelope(self.fmt.object),
+                        "choices": [choice],
+                        "usage": _usage(event),
+                        "kv_cache": event.kv_cache,
+                    }
+                )
             elif isinstance(event, Failed):
                 self._count("error")
                 raise failure(event)
@@ -140,8 +164,12 @@ class Generation:
         """Server-sent events: ``data: {json}\\n\\n`` frames, then ``data: [DONE]``."""
         options = getattr(self.body, "stream_options", None)
         include_usage = bool(options and options.include_usage)
-        return EventSourceResponse(self._chunks(include_usage), sep="\n", ping=0,
-                                   shutdown_grace_period=self.settings.drain_timeout)
+        return EventSourceResponse(
+            self._chunks(include_usage),
+            sep="\n",
+            ping=0,
+            shutdown_grace_period=self.settings.drain_timeout,
+        )
 
     async def _chunks(self, include_usage: bool) -> AsyncIterator[str]:
         done = False
@@ -154,11 +182,22 @@ class Generation:
                     yield self._chunk(event.text, event.logprobs, usage=include_usage)
                 elif isinstance(event, Finished):
                     self._finished(event)
-                    yield self._chunk("", None, finish=event.finish_reason, usage=include_usage,
-                                      kv_cache=event.kv_cache)
+                    yield self._chunk(
+                        "",
+                        None,
+                        finish=event.finish_reason,
+                        usage=include_usage,
+                        kv_cache=event.kv_cache,
+                    )
                     if include_usage:
-                        yield json.dumps({**self._envelope(self.fmt.chunk_object), "choices": [],
-                                          "usage": _usage(event), "kv_cache": event.kv_cache})
+                        yield json.dumps(
+                            {
+                                **self._envelope(self.fmt.chunk_object),
+                                "choices": [],
+                                "usage": _usage(event),
+                                "kv_cache": event.kv_cache,
+                            }
+                        )
                     done = True
                     yield "[DONE]"
                     return
@@ -176,15 +215,23 @@ class Generation:
     # -- helpers -------------------------------------------------------------------------
 
     def _envelope(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created,
-                "model": self.body.model}  # type: ignore[attr-defined]
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.body.model}  # type: ignore[attr-defined]
 
-    def _chunk(self, text: str, logprobs: tuple[TokenLogprob, ...] | None, *,
-               finish: str | None = None, first: bool = False, usage: bool = False,
-               kv_cache: dict[str, Any] | None = None) -> str:
+    def _chunk(
+        self,
+        text: str,
+        logprobs: tuple[TokenLogprob, ...] | None,
+        *,
+        finish: str | None = None,
+        first: bool = False,
+        usage: bool = False,
+        kv_cache: dict[str, Any] | None = None,
+    ) -> str:
         lp = list(logprobs) if self.logprobs and logprobs else None
-        payload = {**self._envelope(self.fmt.chunk_object),
-                   "choices": [self.fmt.chunk_choice(text, lp, finish, first=first)]}
+        payload = {
+            **self._envelope(self.fmt.chunk_object),
+            "choices": [self.fmt.chunk_choice(text, lp, finish, first=first)],
+        }
         if usage:
             payload["usage"] = None
         if kv_cache is not None:
@@ -209,5 +256,8 @@ class Generation:
 
 
 def _usage(event: Finished) -> dict[str, int]:
-    return {"prompt_tokens": event.prompt_tokens, "completion_tokens": event.completion_tokens,
-            "total_tokens": event.prompt_tokens + event.completion_tokens}
+    return {
+        "prompt_tokens": event.prompt_tokens,
+        "completion_tokens": event.completion_tokens,
+        "total_tokens": event.prompt_tokens + event.completion_tokens,
+    }

@@ -14,29 +14,49 @@ class Metrics:
 
     def __init__(self, worker: Worker) -> None:
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("qfserve_requests", "Generation requests by endpoint and outcome",
-                                ["endpoint", "outcome"], registry=r)
-        self.prompt_tokens = Counter("qfserve_prompt_tokens", "Prompt tokens processed",
-                                     registry=r)
-        self.completion_tokens = Counter("qfserve_completion_tokens", "Tokens generated",
-                                         registry=r)
-        self.ttft = Histogram("qfserve_time_to_first_token_seconds",
-                              "From request arrival to the first generated text",
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.latency = Histogram("qfserve_request_latency_seconds",
-                                 "From request arrival to the last token",
-                                 buckets=_LATENCY_BUCKETS, registry=r)
-        self.kv_kept_total = Counter("qfserve_kv_kept_bytes",
-                                     "KV-cache bytes kept at the end of finished requests",
-                                     registry=r)
-        self.kv_full_total = Counter("qfserve_kv_full_bytes",
-                                     "KV-cache bytes full caches would have held for them",
-                                     registry=r)
-        Gauge("qfserve_active_requests", "Requests queued or generating",
-              registry=r).set_function(lambda: worker.snapshot()["totals"]["active"])
-        Gauge("qfserve_queue_length", "Requests waiting for the worker",
-              registry=r).set_function(worker.queue_length)
-        Gauge("qfserve_active_kv_kept_bytes", "KV-cache bytes held by active requests",
-              registry=r).set_function(lambda: worker.active_kv_bytes()[0])
-        Gauge("qfserve_active_kv_full_bytes", "KV-cache bytes full caches would hold for "
-              "active requests", registry=r).set_function(lambda: worker.active_kv_bytes()[1])
+        self.requests = Counter(
+            "qfserve_requests",
+            "Generation requests by endpoint and outcome",
+            ["endpoint", "outcome"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter("qfserve_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.completion_tokens = Counter(
+            "qfserve_completion_tokens", "Tokens generated", registry=r
+        )
+        self.ttft = Histogram(
+            "qfserve_time_to_first_token_seconds",
+            "From request arrival to the first generated text",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.latency = Histogram(
+            "qfserve_request_latency_seconds",
+            "From request arrival to the last token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.kv_kept_total = Counter(
+            "qfserve_kv_kept_bytes",
+            "KV-cache bytes kept at the end of finished requests",
+            registry=r,
+        )
+        self.kv_full_total = Counter(
+            "qfserve_kv_full_bytes",
+            "KV-cache bytes full caches would have held for them",
+            registry=r,
+        )
+        Gauge("qfserve_active_requests", "Requests queued or generating", registry=r).set_function(
+            lambda: worker.snapshot()["totals"]["active"]
+        )
+        Gauge("qfserve_queue_length", "Requests waiting for the worker", registry=r).set_function(
+            worker.queue_length
+        )
+        Gauge(
+            "qfserve_active_kv_kept_bytes", "KV-cache bytes held by active requests", registry=r
+        ).set_function(lambda: worker.active_kv_bytes()[0])
+        Gauge(
+            "qfserve_active_kv_full_bytes",
+            "KV-cache bytes full caches would hold for active requests",
+            registry=r,
+        ).set_function(lambda: worker.active_kv_bytes()[1])

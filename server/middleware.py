@@ -50,6 +50,10 @@ class BodyLimitMiddleware:
         await self.app(scope, replay, send)
 
     async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
-        error = APIError(413, f"request body exceeds the limit of {self.max_bytes} bytes",
-                         code="request_too_large", headers={"Connection": "close"})
+        error = APIError(
+            413,
+            f"request body exceeds the limit of {self.max_bytes} bytes",
+            code="request_too_large",
+            headers={"Connection": "close"},
+        )
         await error.response()(scope, receive, send)

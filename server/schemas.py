@@ -18,8 +18,12 @@ from server.errors import APIError
 
 KVMethod = Literal["qfilters", "knorm", "streaming", "full"]
 assert set(METHODS) == set(KVMethod.__args__)  # type: ignore[attr-defined]
-_CACHE_PARAMS = {"method": "kv_method", "budget": "qfilters_budget",
-                 "recent": "qfilters_recent", "n_sink": "qfilters_n_sink"}
+_CACHE_PARAMS = {
+    "method": "kv_method",
+    "budget": "qfilters_budget",
+    "recent": "qfilters_recent",
+    "n_sink": "qfilters_n_sink",
+}
 
 
 class _Strict(BaseModel):
@@ -50,17 +54,32 @@ class ChatMessage(_Strict):
 class EvictionFields(_Strict):
     """qfserve's extensions: how this request's KV caches evict (server flags are defaults)."""
 
-    qfilters_budget: Annotated[int | None, Field(
-        ge=1, description="KV rows kept per layer and KV head, sinks and recent rows "
-                          "included. Default: the server's --budget.")] = None
-    qfilters_recent: Annotated[int | None, Field(
-        ge=0, description="Most recent positions never evicted. Default: --recent.")] = None
-    qfilters_n_sink: Annotated[int | None, Field(
-        ge=0, description="Leading positions (attention sinks) never evicted. "
-                          "Default: --n-sink.")] = None
-    kv_method: Annotated[KVMethod | None, Field(
-        description="Eviction method: qfilters (calibrated projection), knorm, streaming "
-                    "(sinks + recent) or full (no eviction). Default: --kv-method.")] = None
+    qfilters_budget: Annotated[
+        int | None,
+        Field(
+            ge=1,
+            description="KV rows kept per layer and KV head, sinks and recent rows "
+            "included. Default: the server's --budget.",
+        ),
+    ] = None
+    qfilters_recent: Annotated[
+        int | None,
+        Field(ge=0, description="Most recent positions never evicted. Default: --recent."),
+    ] = None
+    qfilters_n_sink: Annotated[
+        int | None,
+        Field(
+            ge=0,
+            description="Leading positions (attention sinks) never evicted. Default: --n-sink.",
+        ),
+    ] = None
+    kv_method: Annotated[
+        KVMethod | None,
+        Field(
+            description="Eviction method: qfilters (calibrated projection), knorm, streaming "
+            "(sinks + recent) or full (no eviction). Default: --kv-method."
+        ),
+    ] = None
 
 
 class GenerationBody(EvictionFields):
@@ -68,8 +87,12 @@ class GenerationBody(EvictionFields):
 
     def cache_config(self, defaults: CacheConfig) -> CacheConfig:
         """The request's eviction settings over the server defaults; 400 names a bad field."""
-        chosen = {"method": self.kv_method, "budget": self.qfilters_budget,
-                  "recent": self.qfilters_recent, "n_sink": self.qfilters_n_sink}
+        chosen = {
+            "method": self.kv_method,
+            "budget": self.qfilters_budget,
+            "recent": self.qfilters_recent,
+            "n_sink": self.qfilters_n_sink,
+        }
         overrides = {k: v for k, v in chosen.items() if v is not None}
         try:
             return CacheConfig(**{**defaults.__dict__, **overrides})
@@ -78,9 +101,12 @@ class GenerationBody(EvictionFields):
             name = "budget" if " + " in str(exc).split(" must")[0] else str(exc).split()[0]
             sent = [_CACHE_PARAMS[k] for k in overrides]
             param = _CACHE_PARAMS.get(name) if _CACHE_PARAMS.get(name) in sent else None
-            raise APIError(400, f"invalid eviction settings: {exc}",
-                           param=param or (sent[0] if sent else None),
-                           code="invalid_value") from None
+            raise APIError(
+                400,
+                f"invalid eviction settings: {exc}",
+                param=param or (sent[0] if sent else None),
+                code="invalid_value",
+            ) from None
 
     def to_engine(self, defaults: CacheConfig) -> GenerationRequest:
         """The one conversion from an HTTP body to the engine's frozen request."""
@@ -89,34 +115,53 @@ class GenerationBody(EvictionFields):
         stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
         max_tokens = fields.get("max_completion_tokens") or fields.get("max_tokens")
         logprobs = fields.get("logprobs")
-        top = fields.get("top_logprobs") or (logprobs if isinstance(logprobs, int)
-                                              and not isinstance(logprobs, bool) else 0)
+        top = fields.get("top_logprobs") or (
+            logprobs if isinstance(logprobs, int) and not isinstance(logprobs, bool) else 0
+        )
         sampling = SamplingParams(
             max_tokens=max_tokens,
-            temperature=fields["temperature"], top_p=fields["top_p"], seed=fields["seed"],
-            stop=stop, presence_penalty=fields["presence_penalty"],
+            temperature=fields["temperature"],
+            top_p=fields["top_p"],
+            seed=fields["seed"],
+            stop=stop,
+            presence_penalty=fields["presence_penalty"],
             frequency_penalty=fields["frequency_penalty"],
             logit_bias=tuple((int(k), float(v)) for k, v in (fields["logit_bias"] or {}).items()),
-            logprobs=logprobs is not None and logprobs is not False, top_logprobs=top or 0)
+            logprobs=logprobs is not None and logprobs is not False,
+            top_logprobs=top or 0,
+        )
         cache = self.cache_config(defaults)
         if isinstance(self, ChatCompletionRequest):
-            return GenerationRequest(kind="chat", sampling=sampling, cache=cache,
-                                     messages=tuple(m.as_template_input() for m in self.messages))
+            return GenerationRequest(
+                kind="chat",
+                sampling=sampling,
+                cache=cache,
+                messages=tuple(m.as_template_input() for m in self.messages),
+            )
         assert isinstance(self, CompletionRequest)
-        return GenerationRequest(kind="completion", sampling=sampling, cache=cache,
-                                 prompt=self.single_prompt())
+        return GenerationRequest(
+            kind="completion", sampling=sampling, cache=cache, prompt=self.single_prompt()
+        )
 
     @model_validator(mode="after")
     def _check(self) -> GenerationBody:
         if getattr(self, "n", 1) != 1:
             raise APIError(400, "only n=1 is supported", param="n", code="unsupported_value")
         if getattr(self, "stream_options", None) is not None and not getattr(self, "stream", False):
-            raise APIError(400, "stream_options is only allowed when stream is true",
-                           param="stream_options", code="invalid_value")
-        for key in (getattr(self, "logit_bias", None) or {}):
+            raise APIError(
+                400,
+                "stream_options is only allowed when stream is true",
+                param="stream_options",
+                code="invalid_value",
+            )
+        for key in getattr(self, "logit_bias", None) or {}:
             if not key.isdigit():
-                raise APIError(400, f"logit_bias keys must be token ids, got {key!r}",
-                               param="logit_bias", code="invalid_value")
+                raise APIError(
+                    400,
+                    f"logit_bias keys must be token ids, got {key!r}",
+                    param="logit_bias",
+                    code="invalid_value",
+                )
         return self
 
 
@@ -152,8 +197,12 @@ class ChatCompletionRequest(GenerationBody):
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
-            raise APIError(400, "top_logprobs requires logprobs to be true",
-                           param="top_logprobs", code="invalid_value")
+            raise APIError(
+                400,
+                "top_logprobs requires logprobs to be true",
+                param="top_logprobs",
+                code="invalid_value",
+            )
         return self
 
 
@@ -179,10 +228,18 @@ class CompletionRequest(GenerationBody):
 
     @model_validator(mode="after")
     def _one_prompt(self) -> CompletionRequest:
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str) \
-                and len(self.prompt) != 1:
-            raise APIError(400, "only one prompt per request is supported", param="prompt",
-                           code="unsupported_value")
+        if (
+            isinstance(self.prompt, list)
+            and self.prompt
+            and isinstance(self.prompt[0], str)
+            and len(self.prompt) != 1
+        ):
+            raise APIError(
+                400,
+                "only one prompt per request is supported",
+                param="prompt",
+                code="unsupported_value",
+            )
         if self.echo:
             raise APIError(400, "echo is not supported", param="echo", code="unsupported_value")
         return self
@@ -196,6 +253,7 @@ class CompletionRequest(GenerationBody):
 
 
 # -- responses (built as dicts by server.generation; these document and type-check them) --
+
 
 class Usage(BaseModel):
     prompt_tokens: int

@@ -62,5 +62,9 @@ class Settings:
 
     def cache_defaults(self) -> CacheConfig:
         """The eviction settings a request gets when it sends none."""
-        return CacheConfig(method=self.kv_method, budget=self.budget,  # type: ignore[arg-type]
-                           recent=self.recent, n_sink=self.n_sink)
+        return CacheConfig(
+            method=self.kv_method,
+            budget=self.budget,  # type: ignore[arg-type]
+            recent=self.recent,
+            n_sink=self.n_sink,
+        )

@@ -17,7 +17,14 @@ router = APIRouter(dependencies=[Depends(require_admin_key)])
 @router.get("/admin/cache")
 async def cache_overview(worker: WorkerDep, settings: SettingsDep) -> dict[str, Any]:
     defaults = settings.cache_defaults()
-    return {"model": worker.loaded.name if worker.loaded else None,
-            "defaults": {"method": defaults.method, "budget": defaults.budget,
-                         "recent": defaults.recent, "n_sink": defaults.n_sink},
-            "filter_source": worker.filter_source, **worker.snapshot()}
+    return {
+        "model": worker.loaded.name if worker.loaded else None,
+        "defaults": {
+            "method": defaults.method,
+            "budget": defaults.budget,
+            "recent": defaults.recent,
+            "n_sink": defaults.n_sink,
+        },
+        "filter_source": worker.filter_source,
+        **worker.snapshot(),
+    }

@@ -13,8 +13,20 @@ router = APIRouter(dependencies=[Depends(require_api_key)])
 
 
 @router.post("/v1/chat/completions", dependencies=[Depends(require_json)])
-async def create_chat_completion(body: ChatCompletionRequest, request: Request,
-                                 worker: WorkerDep, settings: SettingsDep, metrics: MetricsDep):
-    generation = await Generation(body, request, worker=worker, settings=settings,
-                                  metrics=metrics, fmt=ChatFormat(), endpoint="chat").start()
+async def create_chat_completion(
+    body: ChatCompletionRequest,
+    request: Request,
+    worker: WorkerDep,
+    settings: SettingsDep,
+    metrics: MetricsDep,
+):
+    generation = await Generation(
+        body,
+        request,
+        worker=worker,
+        settings=settings,
+        metrics=metrics,
+        fmt=ChatFormat(),
+        endpoint="chat",
+    ).start()
     return generation.sse() if body.stream else await generation.json()

@@ -13,9 +13,20 @@ router = APIRouter(dependencies=[Depends(require_api_key)])
 
 
 @router.post("/v1/completions", dependencies=[Depends(require_json)])
-async def create_completion(body: CompletionRequest, request: Request, worker: WorkerDep,
-                            settings: SettingsDep, metrics: MetricsDep):
-    generation = await Generation(body, request, worker=worker, settings=settings,
-                                  metrics=metrics, fmt=CompletionFormat(),
-                                  endpoint="completions").start()
+async def create_completion(
+    body: CompletionRequest,
+    request: Request,
+    worker: WorkerDep,
+    settings: SettingsDep,
+    metrics: MetricsDep,
+):
+    generation = await Generation(
+        body,
+        request,
+        worker=worker,
+        settings=settings,
+        metrics=metrics,
+        fmt=CompletionFormat(),
+        endpoint="completions",
+    ).start()
     return generation.sse() if body.stream else await generation.json()

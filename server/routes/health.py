@@ -14,9 +14,13 @@ router = APIRouter()
 @router.get("/health")
 async def health(worker: WorkerDep) -> JSONResponse:
     if worker.ready and not worker.draining:
-        return JSONResponse({"status": "ok", "model": worker.loaded.name,  # type: ignore[union-attr]
-                             "queue_length": worker.queue_length()})
+        return JSONResponse(
+            {
+                "status": "ok",
+                "model": worker.loaded.name,  # type: ignore[union-attr]
+                "queue_length": worker.queue_length(),
+            }
+        )
     reason = "draining" if worker.draining else worker.status
     detail = f": {worker.error}" if worker.error else ""
-    raise APIError(503, f"not ready ({reason}){detail}", code=reason,
-                   headers={"Retry-After": "5"})
+    raise APIError(503, f"not ready ({reason}){detail}", code=reason, headers={"Retry-After": "5"})

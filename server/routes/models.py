@@ -15,8 +15,10 @@ router = APIRouter(dependencies=[Depends(require_api_key)])
 async def list_models(worker: WorkerDep) -> ModelList:
     loaded = worker.loaded
     if loaded is None:
-        raise APIError(503, "the model is still loading", code="unavailable",
-                       headers={"Retry-After": "5"})
-    card = ModelCard(id=loaded.name, created=worker.started_at,
-                     context_length=loaded.context_length)
+        raise APIError(
+            503, "the model is still loading", code="unavailable", headers={"Retry-After": "5"}
+        )
+    card = ModelCard(
+        id=loaded.name, created=worker.started_at, context_length=loaded.context_length
+    )
     return ModelList(data=[card])

@@ -52,7 +52,11 @@ def start_server(model: Path, log: Path, *flags: str, timeout: float = 90.0) -> 
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen(
         [sys.executable, "-m", "server.cli", "--model", str(model), "--port", str(port), *flags],
-        cwd=REPO, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+        cwd=REPO,
+        env=env,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+    )
     server = Server(process, port, log)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -29,8 +29,14 @@ class ScriptedWorker(Worker):
         super().__init__(None)
         self.events = events
         self.status = "ready"
-        self.loaded = LoadedModel(model=None, tokenizer=None, name="fake", model_id="fake",
-                                  source="fake", context_length=64)
+        self.loaded = LoadedModel(
+            model=None,
+            tokenizer=None,
+            name="fake",
+            model_id="fake",
+            source="fake",
+            context_length=64,
+        )
 
     @property
     def ready(self) -> bool:
@@ -48,13 +54,15 @@ def call(app, method: str, path: str, **kwargs) -> httpx.Response:
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
             return await client.request(method, path, **kwargs)
+
     return asyncio.run(go())
 
 
 def test_failure_after_stream_began_sends_error_event_then_done():
     worker = ScriptedWorker([Started(3, 4), Delta("hel"), Failed("internal", "boom")])
-    resp = call(build_app(worker=worker), "POST", "/v1/chat/completions",
-                json={**BODY, "stream": True})
+    resp = call(
+        build_app(worker=worker), "POST", "/v1/chat/completions", json={**BODY, "stream": True}
+    )
     assert resp.status_code == 200
     events = [f.removeprefix("data: ") for f in resp.text.split("\n\n") if f]
     assert events[-1] == "[DONE]"
@@ -64,8 +72,9 @@ def test_failure_after_stream_began_sends_error_event_then_done():
 
 def test_context_overflow_is_400_before_any_sse_byte():
     worker = ScriptedWorker([Failed("invalid_request", "too long", "max_tokens")])
-    resp = call(build_app(worker=worker), "POST", "/v1/chat/completions",
-                json={**BODY, "stream": True})
+    resp = call(
+        build_app(worker=worker), "POST", "/v1/chat/completions", json={**BODY, "stream": True}
+    )
     assert resp.status_code == 400 and resp.headers["content-type"] == "application/json"
     assert resp.json()["error"]["param"] == "max_tokens"
 
@@ -97,8 +106,9 @@ def test_health_is_503_while_loading_and_after_a_failed_load():
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_dying_worker_fails_waiting_requests_fast():
-    fake = LoadedModel(model=None, tokenizer=None, name="fake", model_id="fake", source="fake",
-                       context_length=64)
+    fake = LoadedModel(
+        model=None, tokenizer=None, name="fake", model_id="fake", source="fake", context_length=64
+    )
     worker = Worker(None, max_queue=4, loader=lambda ref: fake)
     worker._load = lambda: (setattr(worker, "loaded", fake), setattr(worker, "status", "ready"))
     release = threading.Event()
@@ -114,8 +124,12 @@ def test_a_dying_worker_fails_waiting_requests_fast():
 
     async def go():
         loop = asyncio.get_running_loop()
-        request = GenerationRequest(kind="chat", sampling=SamplingParams(max_tokens=2),
-                                    cache=Settings().cache_defaults(), messages=())
+        request = GenerationRequest(
+            kind="chat",
+            sampling=SamplingParams(max_tokens=2),
+            cache=Settings().cache_defaults(),
+            messages=(),
+        )
         jobs = [worker.submit(request, loop) for _ in range(3)]
         await asyncio.sleep(0.1)
         release.set()
@@ -125,8 +139,12 @@ def test_a_dying_worker_fails_waiting_requests_fast():
     assert all(isinstance(e, Failed) and e.kind == "unavailable" for e in events)
     assert worker.status == "dead" and not worker.ready
     with pytest.raises(WorkerUnavailable):
-        worker.submit(GenerationRequest(kind="chat", sampling=SamplingParams(),
-                                        cache=Settings().cache_defaults()), None)  # type: ignore[arg-type]
+        worker.submit(
+            GenerationRequest(
+                kind="chat", sampling=SamplingParams(), cache=Settings().cache_defaults()
+            ),
+            None,
+        )  # type: ignore[arg-type]
     assert call(build_app(worker=worker), "GET", "/health").status_code == 503
 
 

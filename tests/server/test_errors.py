@@ -30,8 +30,15 @@ BAD = [
     ("body-is-a-string", "POST", CHAT_URL, b'"hello"', None, 400, None),
     ("missing-messages", "POST", CHAT_URL, chat(messages=...), None, 400, "messages"),
     ("empty-messages", "POST", CHAT_URL, chat(messages=[]), None, 400, "messages"),
-    ("bad-role", "POST", CHAT_URL, chat(messages=[{"role": "robot", "content": "x"}]), None,
-     400, "messages[0].role"),
+    (
+        "bad-role",
+        "POST",
+        CHAT_URL,
+        chat(messages=[{"role": "robot", "content": "x"}]),
+        None,
+        400,
+        "messages[0].role",
+    ),
     ("messages-not-a-list", "POST", CHAT_URL, chat(messages="hi"), None, 400, "messages"),
     ("temperature-3", "POST", CHAT_URL, chat(temperature=3), None, 400, "temperature"),
     ("temperature-string", "POST", CHAT_URL, chat(temperature="hot"), None, 400, "temperature"),
@@ -39,57 +46,143 @@ BAD = [
     ("max-tokens-0", "POST", CHAT_URL, chat(max_tokens=0), None, 400, "max_tokens"),
     ("max-tokens-string", "POST", CHAT_URL, chat(max_tokens="10"), None, 400, "max_tokens"),
     ("n-2", "POST", CHAT_URL, chat(n=2), None, 400, "n"),
-    ("five-stop-strings", "POST", CHAT_URL, chat(stop=["a", "b", "c", "d", "e"]), None, 400,
-     "stop"),
+    (
+        "five-stop-strings",
+        "POST",
+        CHAT_URL,
+        chat(stop=["a", "b", "c", "d", "e"]),
+        None,
+        400,
+        "stop",
+    ),
     ("stop-not-a-string", "POST", CHAT_URL, chat(stop=5), None, 400, "stop"),
     ("unknown-model", "POST", CHAT_URL, chat(model="gpt-17"), None, 404, "model"),
     ("unknown-field", "POST", CHAT_URL, chat(qfilter_budget=8), None, 400, "qfilter_budget"),
     ("budget-0", "POST", CHAT_URL, chat(qfilters_budget=0), None, 400, "qfilters_budget"),
-    ("budget-string", "POST", CHAT_URL, chat(qfilters_budget="64"), None, 400,
-     "qfilters_budget"),
+    ("budget-string", "POST", CHAT_URL, chat(qfilters_budget="64"), None, 400, "qfilters_budget"),
     ("budget-float", "POST", CHAT_URL, chat(qfilters_budget=64.5), None, 400, "qfilters_budget"),
-    ("recent-negative", "POST", CHAT_URL, chat(qfilters_recent=-1), None, 400,
-     "qfilters_recent"),
+    ("recent-negative", "POST", CHAT_URL, chat(qfilters_recent=-1), None, 400, "qfilters_recent"),
     ("n-sink-bool", "POST", CHAT_URL, chat(qfilters_n_sink=True), None, 400, "qfilters_n_sink"),
-    ("sink-plus-recent-over-budget", "POST", CHAT_URL,
-     chat(qfilters_budget=8, qfilters_recent=6, qfilters_n_sink=4), None, 400,
-     "qfilters_budget"),
+    (
+        "sink-plus-recent-over-budget",
+        "POST",
+        CHAT_URL,
+        chat(qfilters_budget=8, qfilters_recent=6, qfilters_n_sink=4),
+        None,
+        400,
+        "qfilters_budget",
+    ),
     ("unknown-kv-method", "POST", CHAT_URL, chat(kv_method="lru"), None, 400, "kv_method"),
-    ("stream-options-without-stream", "POST", CHAT_URL,
-     chat(stream_options={"include_usage": True}), None, 400, "stream_options"),
-    ("top-logprobs-without-logprobs", "POST", CHAT_URL, chat(top_logprobs=2), None, 400,
-     "top_logprobs"),
-    ("prompt-plus-max-tokens-beyond-context", "POST", CHAT_URL, chat(max_tokens=2047), None,
-     400, "max_tokens"),
-    ("beyond-context-streaming", "POST", CHAT_URL, chat(max_tokens=2047, stream=True), None,
-     400, "max_tokens"),
-    ("body-over-limit", "POST", CHAT_URL,
-     json.dumps(chat(messages=[{"role": "user", "content": "x" * 100_000}])).encode(), None,
-     413, None),
-    ("wrong-content-type", "POST", CHAT_URL, json.dumps(CHAT).encode(),
-     {"content-type": "text/plain"}, 415, None),
-    ("completions-missing-prompt", "POST", COMPLETIONS_URL,
-     {"model": MODEL_NAME, "max_tokens": 4}, None, 400, "prompt"),
-    ("completions-logprobs-9", "POST", COMPLETIONS_URL,
-     {"model": MODEL_NAME, "prompt": "x", "logprobs": 9}, None, 400, "logprobs"),
-    ("completions-token-out-of-vocab", "POST", COMPLETIONS_URL,
-     {"model": MODEL_NAME, "prompt": [1, 10_000_000]}, None, 400, "prompt"),
-    ("completions-two-prompts", "POST", COMPLETIONS_URL,
-     {"model": MODEL_NAME, "prompt": ["a", "b"]}, None, 400, "prompt"),
+    (
+        "stream-options-without-stream",
+        "POST",
+        CHAT_URL,
+        chat(stream_options={"include_usage": True}),
+        None,
+        400,
+        "stream_options",
+    ),
+    (
+        "top-logprobs-without-logprobs",
+        "POST",
+        CHAT_URL,
+        chat(top_logprobs=2),
+        None,
+        400,
+        "top_logprobs",
+    ),
+    (
+        "prompt-plus-max-tokens-beyond-context",
+        "POST",
+        CHAT_URL,
+        chat(max_tokens=2047),
+        None,
+        400,
+        "max_tokens",
+    ),
+    (
+        "beyond-context-streaming",
+        "POST",
+        CHAT_URL,
+        chat(max_tokens=2047, stream=True),
+        None,
+        400,
+        "max_tokens",
+    ),
+    (
+        "body-over-limit",
+        "POST",
+        CHAT_URL,
+        json.dumps(chat(messages=[{"role": "user", "content": "x" * 100_000}])).encode(),
+        None,
+        413,
+        None,
+    ),
+    (
+        "wrong-content-type",
+        "POST",
+        CHAT_URL,
+        json.dumps(CHAT).encode(),
+        {"content-type": "text/plain"},
+        415,
+        None,
+    ),
+    (
+        "completions-missing-prompt",
+        "POST",
+        COMPLETIONS_URL,
+        {"model": MODEL_NAME, "max_tokens": 4},
+        None,
+        400,
+        "prompt",
+    ),
+    (
+        "completions-logprobs-9",
+        "POST",
+        COMPLETIONS_URL,
+        {"model": MODEL_NAME, "prompt": "x", "logprobs": 9},
+        None,
+        400,
+        "logprobs",
+    ),
+    (
+        "completions-token-out-of-vocab",
+        "POST",
+        COMPLETIONS_URL,
+        {"model": MODEL_NAME, "prompt": [1, 10_000_000]},
+        None,
+        400,
+        "prompt",
+    ),
+    (
+        "completions-two-prompts",
+        "POST",
+        COMPLETIONS_URL,
+        {"model": MODEL_NAME, "prompt": ["a", "b"]},
+        None,
+        400,
+        "prompt",
+    ),
     ("unknown-route", "GET", "/v1/engines", None, None, 404, None),
     ("wrong-method", "GET", CHAT_URL, None, None, 405, None),
     ("wrong-method-models", "POST", "/v1/models", b"{}", None, 405, None),
 ]
 
 
-@pytest.mark.parametrize(("method", "path", "body", "headers", "status", "param"),
-                         [case[1:] for case in BAD], ids=[case[0] for case in BAD])
+@pytest.mark.parametrize(
+    ("method", "path", "body", "headers", "status", "param"),
+    [case[1:] for case in BAD],
+    ids=[case[0] for case in BAD],
+)
 def test_bad_request_gets_openai_error(server, method, path, body, headers, status, param):
     content = body if isinstance(body, bytes) else None
-    resp = httpx.request(method, server.url + path, content=content,
-                         json=body if isinstance(body, dict) else None,
-                         headers=headers or ({"content-type": "application/json"}
-                                             if content is not None else None))
+    resp = httpx.request(
+        method,
+        server.url + path,
+        content=content,
+        json=body if isinstance(body, dict) else None,
+        headers=headers or ({"content-type": "application/json"} if content is not None else None),
+    )
     assert resp.status_code == status, resp.text
     assert resp.headers["content-type"].startswith("application/json")
     error = resp.json()["error"]
@@ -102,7 +195,8 @@ def test_healthy_after_the_bad_inputs(server):
     assert len(BAD) >= 20
     assert httpx.get(f"{server.url}/health").status_code == 200
     resp = server.client().chat.completions.create(
-        model=MODEL_NAME, messages=CHAT["messages"], max_tokens=2)
+        model=MODEL_NAME, messages=CHAT["messages"], max_tokens=2
+    )
     assert resp.usage.completion_tokens <= 2
 
 
@@ -111,8 +205,9 @@ def test_sdk_raises_its_typed_errors(server):
 
     client = server.client()
     with pytest.raises(openai.BadRequestError) as exc:
-        client.chat.completions.create(model=MODEL_NAME, messages=CHAT["messages"],
-                                       extra_body={"qfilters_budget": -3})
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=CHAT["messages"], extra_body={"qfilters_budget": -3}
+        )
     assert exc.value.body["param"] == "qfilters_budget"
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=CHAT["messages"])
@@ -120,15 +215,20 @@ def test_sdk_raises_its_typed_errors(server):
 
 def _readme_block(after: str, contains: str) -> str:
     text = README.read_text()
-    section = text[text.index(after):]
+    section = text[text.index(after) :]
     blocks = re.findall(r"```bash\n(.*?)```", section, flags=re.S)
     return next(b for b in blocks if contains in b)
 
 
 def test_readme_curl_example_runs_verbatim(server):
     command = _readme_block("## Using the server", "curl ")
-    result = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=60,
-                            env={**os.environ, "QFSERVE_PORT": str(server.port)})
+    result = subprocess.run(
+        ["bash", "-c", command],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "QFSERVE_PORT": str(server.port)},
+    )
     assert result.returncode == 0, result.stderr
     body = json.loads(result.stdout)
     assert body["object"] == "chat.completion" and body["model"] == MODEL_NAME

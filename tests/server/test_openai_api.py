@@ -22,7 +22,7 @@ def sse_events(response: httpx.Response) -> list[str]:
     assert "\r" not in raw
     frames = [f for f in raw.split("\n\n") if f]
     assert all(f.startswith("data: ") for f in frames), frames[:3]
-    return [f[len("data: "):] for f in frames]
+    return [f[len("data: ") :] for f in frames]
 
 
 def test_models_lists_the_model_with_its_context(server):
@@ -33,7 +33,8 @@ def test_models_lists_the_model_with_its_context(server):
 
 def test_chat_completion(server):
     resp = server.client().chat.completions.create(
-        model=MODEL_NAME, messages=CHAT, max_tokens=8, temperature=0)
+        model=MODEL_NAME, messages=CHAT, max_tokens=8, temperature=0
+    )
     choice = resp.choices[0]
     assert resp.object == "chat.completion"
     assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
@@ -47,13 +48,19 @@ def test_chat_completion(server):
 
 def test_chat_stream_role_first_one_finish_reason_and_usage(server):
     stream = server.client().chat.completions.create(
-        model=MODEL_NAME, messages=CHAT, max_tokens=12, stream=True,
-        stream_options={"include_usage": True}, extra_body={"kv_method": "knorm"})
+        model=MODEL_NAME,
+        messages=CHAT,
+        max_tokens=12,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"kv_method": "knorm"},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert all(c.choices[0].delta.role is None for c in chunks[1:] if c.choices)
-    finishes = [c.choices[0].finish_reason for c in chunks if c.choices
-                and c.choices[0].finish_reason]
+    finishes = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
     assert len(finishes) == 1
     usage = chunks[-1]
     assert usage.choices == [] and usage.usage.completion_tokens == 12
@@ -75,8 +82,9 @@ def test_chat_stream_raw_framing_ends_with_done(server):
 
 def test_completions_text_and_token_prompt(server):
     client = server.client()
-    resp = client.completions.create(model=MODEL_NAME, prompt="def f(x):", max_tokens=6,
-                                     temperature=0, logprobs=2)
+    resp = client.completions.create(
+        model=MODEL_NAME, prompt="def f(x):", max_tokens=6, temperature=0, logprobs=2
+    )
     assert resp.object == "text_completion" and resp.usage.completion_tokens == 6
     assert len(resp.choices[0].logprobs.token_logprobs) == 6
     # A dict per token: ids decoding to the same text (byte fragments) share a key.
@@ -86,8 +94,11 @@ def test_completions_text_and_token_prompt(server):
     # The SDK types a legacy completion chunk's finish_reason as non-null, but OpenAI (and
     # we) send null until the last chunk: strict validation cannot parse any such stream.
     lenient = server.client(_strict_response_validation=False)
-    chunks = list(lenient.completions.create(model=MODEL_NAME, prompt="def f(x):", max_tokens=6,
-                                             temperature=0, stream=True))
+    chunks = list(
+        lenient.completions.create(
+            model=MODEL_NAME, prompt="def f(x):", max_tokens=6, temperature=0, stream=True
+        )
+    )
     assert sum(c.choices[0].finish_reason is not None for c in chunks) == 1
     assert "".join(c.choices[0].text for c in chunks) == resp.choices[0].text
 
@@ -95,8 +106,11 @@ def test_completions_text_and_token_prompt(server):
 def test_budget_from_extra_body_is_honoured_and_shown_by_admin(server):
     budget = 32
     resp = server.client().chat.completions.create(
-        model=MODEL_NAME, messages=[{"role": "user", "content": LONG_PROMPT}], max_tokens=8,
-        extra_body={"qfilters_budget": budget, "qfilters_n_sink": 2, "qfilters_recent": 4})
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": LONG_PROMPT}],
+        max_tokens=8,
+        extra_body={"qfilters_budget": budget, "qfilters_n_sink": 2, "qfilters_recent": 4},
+    )
     assert resp.usage.prompt_tokens > 2 * budget
     admin = httpx.get(f"{server.url}/admin/cache").json()
     record = next(r for r in admin["history"] if r["id"] == resp.id)
@@ -113,8 +127,11 @@ def test_temperature_zero_stream_equals_non_stream(server):
     client = server.client()
     kwargs = dict(model=MODEL_NAME, messages=CHAT, max_tokens=40, temperature=0)
     whole = client.chat.completions.create(**kwargs).choices[0].message.content
-    streamed = "".join(c.choices[0].delta.content or "" for c in
-                       client.chat.completions.create(**kwargs, stream=True) if c.choices)
+    streamed = "".join(
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(**kwargs, stream=True)
+        if c.choices
+    )
     assert streamed == whole and whole
 
 
@@ -129,19 +146,21 @@ def test_stop_string_ends_generation_and_is_never_emitted(server):
     client = server.client()
     kwargs = dict(model=MODEL_NAME, prompt="The quick brown", max_tokens=40, temperature=0)
     text = client.completions.create(**kwargs).choices[0].text
-    stop = next(text[i:i + 2] for i in range(3, len(text) - 2) if text[i:i + 2].strip())
-    expected = text[:text.index(stop)]
+    stop = next(text[i : i + 2] for i in range(3, len(text) - 2) if text[i : i + 2].strip())
+    expected = text[: text.index(stop)]
     resp = client.completions.create(**kwargs, stop=[stop, "never-matches"])
     assert resp.choices[0].text == expected and resp.choices[0].finish_reason == "stop"
     lenient = server.client(_strict_response_validation=False)  # see the completions test
-    streamed = "".join(c.choices[0].text for c in
-                       lenient.completions.create(**kwargs, stop=stop, stream=True))
+    streamed = "".join(
+        c.choices[0].text for c in lenient.completions.create(**kwargs, stop=stop, stream=True)
+    )
     assert streamed == expected
 
 
 def test_chat_logprobs(server):
     resp = server.client().chat.completions.create(
-        model=MODEL_NAME, messages=CHAT, max_tokens=5, logprobs=True, top_logprobs=3)
+        model=MODEL_NAME, messages=CHAT, max_tokens=5, logprobs=True, top_logprobs=3
+    )
     content = resp.choices[0].logprobs.content
     assert len(content) == 5 and all(len(t.top_logprobs) == 3 for t in content)
     assert all(t.logprob <= 0 for t in content)
@@ -160,8 +179,13 @@ def _wait_idle(server, within: float) -> float:
 
 
 def test_closing_a_stream_cancels_generation(server):
-    body = {"model": MODEL_NAME, "messages": CHAT, "max_tokens": 1900, "stream": True,
-            "logit_bias": NO_EOS}
+    body = {
+        "model": MODEL_NAME,
+        "messages": CHAT,
+        "max_tokens": 1900,
+        "stream": True,
+        "logit_bias": NO_EOS,
+    }
     with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body) as resp:
         lines = resp.iter_lines()
         seen = [line for line, _ in zip(lines, range(6), strict=False) if line]
@@ -183,10 +207,16 @@ def test_a_non_stream_client_that_leaves_cancels_generation(server):
 
 def test_metrics_exposes_prometheus_counters(server):
     text = httpx.get(f"{server.url}/metrics").text
-    for name in ("qfserve_requests_total", "qfserve_prompt_tokens_total",
-                 "qfserve_completion_tokens_total", "qfserve_time_to_first_token_seconds_bucket",
-                 "qfserve_request_latency_seconds_bucket", "qfserve_active_requests",
-                 "qfserve_queue_length", "qfserve_kv_kept_bytes_total",
-                 "qfserve_kv_full_bytes_total"):
+    for name in (
+        "qfserve_requests_total",
+        "qfserve_prompt_tokens_total",
+        "qfserve_completion_tokens_total",
+        "qfserve_time_to_first_token_seconds_bucket",
+        "qfserve_request_latency_seconds_bucket",
+        "qfserve_active_requests",
+        "qfserve_queue_length",
+        "qfserve_kv_kept_bytes_total",
+        "qfserve_kv_full_bytes_total",
+    ):
         assert name in text
     assert 'outcome="ok"' in text

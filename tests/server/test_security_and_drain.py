@@ -16,15 +16,30 @@ from tests.server.conftest import MODEL_NAME, Server, start_server, stop_server
 API_KEY, ADMIN_KEY = "sk-test-123", "admin-456"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 CHAT = [{"role": "user", "content": "hello"}]
-LONG = {"model": MODEL_NAME, "messages": CHAT, "max_tokens": 1500, "stream": True,
-        "logit_bias": {"1": -100}}
+LONG = {
+    "model": MODEL_NAME,
+    "messages": CHAT,
+    "max_tokens": 1500,
+    "stream": True,
+    "logit_bias": {"1": -100},
+}
 
 
 @pytest.fixture(scope="module")
 def locked(tiny_model_dir, tmp_path_factory) -> Iterator[Server]:
     log = tmp_path_factory.mktemp("logs") / "locked.log"
-    srv = start_server(tiny_model_dir, log, "--api-key", API_KEY, "--admin-key", ADMIN_KEY,
-                       "--max-queue", "1", "--drain-timeout", "20")
+    srv = start_server(
+        tiny_model_dir,
+        log,
+        "--api-key",
+        API_KEY,
+        "--admin-key",
+        ADMIN_KEY,
+        "--max-queue",
+        "1",
+        "--drain-timeout",
+        "20",
+    )
     yield srv
     stop_server(srv)
 
@@ -58,19 +73,30 @@ def _take(lines: Iterator[str], n: int) -> list[str]:
 
 
 def test_full_queue_answers_503_with_retry_after(locked):
-    with httpx.stream("POST", f"{locked.url}/v1/chat/completions", json=LONG,
-                      headers=AUTH) as running:
+    with httpx.stream(
+        "POST", f"{locked.url}/v1/chat/completions", json=LONG, headers=AUTH
+    ) as running:
         lines = running.iter_lines()  # keep a reference: a dropped iterator closes the stream
         assert _take(lines, 2)  # the worker is busy with this one
-        waiting = threading.Thread(target=httpx.post, kwargs=dict(
-            url=f"{locked.url}/v1/chat/completions", headers=AUTH, timeout=60,
-            json={"model": MODEL_NAME, "messages": CHAT, "max_tokens": 2}))
+        waiting = threading.Thread(
+            target=httpx.post,
+            kwargs=dict(
+                url=f"{locked.url}/v1/chat/completions",
+                headers=AUTH,
+                timeout=60,
+                json={"model": MODEL_NAME, "messages": CHAT, "max_tokens": 2},
+            ),
+        )
         waiting.start()
         time.sleep(0.3)  # it now fills the one queue slot
-        rejected = httpx.post(f"{locked.url}/v1/chat/completions", headers=AUTH,
-                              json={"model": MODEL_NAME, "messages": CHAT, "max_tokens": 2})
-        admin = httpx.get(f"{locked.url}/admin/cache",
-                          headers={"Authorization": f"Bearer {ADMIN_KEY}"}).json()
+        rejected = httpx.post(
+            f"{locked.url}/v1/chat/completions",
+            headers=AUTH,
+            json={"model": MODEL_NAME, "messages": CHAT, "max_tokens": 2},
+        )
+        admin = httpx.get(
+            f"{locked.url}/admin/cache", headers={"Authorization": f"Bearer {ADMIN_KEY}"}
+        ).json()
         assert rejected.status_code == 503, admin["totals"]
         assert int(rejected.headers["retry-after"]) >= 1
         assert rejected.json()["error"]["type"] == "server_error"
@@ -81,8 +107,9 @@ def test_full_queue_answers_503_with_retry_after(locked):
 def test_sigterm_drains_the_stream_in_flight(locked):
     # Runs last in this module: it stops the server.
     body = {**LONG, "max_tokens": 600}
-    with httpx.stream("POST", f"{locked.url}/v1/chat/completions", json=body,
-                      headers=AUTH, timeout=60) as resp:
+    with httpx.stream(
+        "POST", f"{locked.url}/v1/chat/completions", json=body, headers=AUTH, timeout=60
+    ) as resp:
         lines = resp.iter_lines()
         first = _take(lines, 2)
         locked.process.send_signal(signal.SIGTERM)
