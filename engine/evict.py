@@ -13,6 +13,7 @@ from functools import lru_cache
 import mlx.core as mx
 
 _INF = mx.array(float("inf"), dtype=mx.float32)
+_NEG_INF = mx.array(float("-inf"), dtype=mx.float32)
 
 
 @lru_cache(maxsize=64)
@@ -53,6 +54,8 @@ def select_keep(scores: mx.array, budget: int, n_sink: int, recent: int) -> mx.a
         ``(B, H, budget)`` uint32 row indices, ascending.
     """
     L = scores.shape[-1]
+    # NaN compares false against any threshold and would break the count: rank it lowest.
+    scores = mx.where(scores != scores, _NEG_INF, scores)
     masked = protect(scores, n_sink, recent)
     kth = L - budget
     thresh = mx.partition(masked, kth=kth, axis=-1)[..., kth : kth + 1]  # (B, H, 1)
@@ -70,7 +73,8 @@ def select_drop_one(scores: mx.array, n_sink: int, recent: int) -> mx.array:
     """Indices of the rows to keep when exactly one row must go (the decode path), O(L).
 
     Drops the lowest-scoring unprotected row; among ties the latest one, which matches
-    :func:`select_keep`'s lower-position-first tie-break.
+    :func:`select_keep`'s lower-position-first tie-break. A NaN score counts as the lowest
+    (``argmin`` picks NaN first), as in :func:`select_keep`.
 
     Args:
         scores: ``(B, H, L)`` float32.

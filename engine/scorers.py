@@ -2,7 +2,8 @@
 
 When to evict, what is protected and how rows are gathered live in :mod:`engine.evict` and
 :mod:`engine.cache`; a scorer only maps a block of keys to one float32 score per row. Scores
-are computed once, when a key is inserted, and never recomputed.
+are computed once, when a key is inserted, and never recomputed. A NaN score (from a NaN key)
+ranks lowest; :mod:`engine.evict` handles it.
 """
 
 from __future__ import annotations
@@ -10,8 +11,6 @@ from __future__ import annotations
 from typing import Protocol
 
 import mlx.core as mx
-
-_NEG_INF = float("-inf")
 
 
 class Scorer(Protocol):
@@ -36,9 +35,8 @@ class Scorer(Protocol):
     def score(self, keys: mx.array, start: int) -> mx.array: ...
 
 
-def _finite_or_drop(scores: mx.array) -> mx.array:
-    # A NaN score would compare false against every threshold; rank it last instead.
-    return mx.where(scores != scores, mx.array(_NEG_INF, dtype=mx.float32), scores)
+def _as_float32(x: mx.array) -> mx.array:
+    return x if x.dtype == mx.float32 else x.astype(mx.float32)
 
 
 def project(keys: mx.array, direction: mx.array, sign: int) -> mx.array:
@@ -51,8 +49,7 @@ def project(keys: mx.array, direction: mx.array, sign: int) -> mx.array:
         ``(B, H, N)`` float32.
     """
     d = direction if sign == 1 else -direction
-    scores = (keys.astype(mx.float32) @ d[..., None]).squeeze(-1)  # (B, H, N)
-    return _finite_or_drop(scores)
+    return (_as_float32(keys) @ d[..., None]).squeeze(-1)  # (B, H, N)
 
 
 class _AlwaysReady:
@@ -136,7 +133,7 @@ def estimate_direction(keys: mx.array) -> mx.array:
     Returns:
         ``(B, H, D)`` float32 unit vectors.
     """
-    k = keys.astype(mx.float32)
+    k = _as_float32(keys)
     gram = k.swapaxes(-1, -2) @ k  # (B, H, D, D)
     # eigh runs on the CPU stream on every backend; eigenvalues ascend, so the last is top.
     _, vecs = mx.linalg.eigh(gram, stream=mx.cpu)
@@ -150,8 +147,7 @@ class KNormScorer(_AlwaysReady):
     """K-norm: keys with a small L2 norm tend to receive more attention, so score = -||k||."""
 
     def score(self, keys: mx.array, start: int) -> mx.array:
-        norms = mx.sqrt((keys.astype(mx.float32) ** 2).sum(axis=-1))
-        return _finite_or_drop(-norms)
+        return -mx.sqrt(mx.square(_as_float32(keys)).sum(axis=-1))
 
 
 class RecencyScorer(_AlwaysReady):

@@ -121,12 +121,13 @@ def test_all_protected_but_one_slot():
         np.testing.assert_array_equal(keep[0, h], np.flatnonzero(ref[0, h]))
 
 
-def test_nan_keys_are_dropped_first_and_budget_holds():
+@pytest.mark.parametrize("chunk", [1, 7, 20])
+def test_nan_keys_are_dropped_first_and_budget_holds(chunk):
     L, budget = 20, 8
     keys = np.random.default_rng(1).standard_normal((1, 1, L, D)).astype(np.float32)
     keys[0, 0, 10] = np.nan
     cache = EvictionCache(KNormScorer(), budget=budget, n_sink=2)
-    got_k, _ = run_cache(cache, keys, keys, L)
+    got_k, _ = run_cache(cache, keys, keys, chunk)
     assert got_k.shape[2] == budget
     assert not np.isnan(got_k).any()
 
