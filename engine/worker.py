@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from engine.loading import LoadedModel, load_model
+from engine.prompts import PromptError, StopText, encode_prompt, token_logprobs
 from engine.requests import (
     Delta,
     Event,
@@ -31,7 +32,6 @@ from engine.requests import (
     Finished,
     GenerationRequest,
     Started,
-    TokenLogprob,
 )
 
 logger = logging.getLogger(__name__)
@@ -111,29 +111,6 @@ class Job:
 
     async def next_event(self) -> Event:
         return await self._events.get()
-
-
-class _StopText:
-    """Cuts decoded text at the first stop string, holding back a possible partial match.
-
-    Built on mlx-lm's ``TextStateMachine`` (what its server uses): each stop string is a
-    self-transition, so a completed match shows up as an extra segment.
-    """
-
-    def __init__(self, stop: tuple[str, ...]) -> None:
-        from mlx_lm.generate import TextStateMachine
-
-        self._machine = TextStateMachine
-        self._state = TextStateMachine({"normal": [(s, "normal") for s in stop]}).make_state()
-
-    def feed(self, text: str) -> tuple[str, bool]:
-        """Returns (text safe to emit, whether a stop string completed)."""
-        self._state, segments = self._machine.split(self._state, text)
-        return segments[0][1], len(segments) > 1
-
-    def flush(self) -> str:
-        self._state, held, _ = self._machine.flush(self._state)
-        return held
 
 
 class Worker:
@@ -345,10 +322,13 @@ class Worker:
         job.record.state = "prefill"
         caches: list[Any] = []
         try:
-            prompt, max_tokens = self._tokenize(job)
-            if prompt is None:
+            try:
+                prompt, max_tokens = encode_prompt(self.loaded, job.request)  # type: ignore[arg-type]
+            except PromptError as exc:
+                job.emit(Failed("invalid_request", str(exc), exc.param))
                 self._finish(job.record, "error")
                 return
+            job.record.prompt_tokens = len(prompt)
             job.emit(Started(prompt_tokens=len(prompt), max_tokens=max_tokens))
             caches = self._make_caches(job)
             finish = self._generate(job, prompt, max_tokens, caches)
@@ -364,63 +344,6 @@ class Worker:
         finally:
             del caches
             mx.clear_cache()
-
-    def _tokenize(self, job: Job) -> tuple[list[int] | None, int]:
-        """The prompt's token ids and the completion budget, or a 400 event and ``None``."""
-        assert self.loaded is not None
-        req, tok, ctx = job.request, self.loaded.tokenizer, self.loaded.context_length
-        field_name = "messages" if req.kind == "chat" else "prompt"
-        if req.kind == "chat":
-            messages = [dict(m) for m in req.messages]
-            if getattr(tok, "chat_template", None):
-                prompt = list(tok.apply_chat_template(messages, add_generation_prompt=True))
-            else:  # no template: a plain transcript, as mlx-lm's server does
-                text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
-                prompt = tok.encode(text + "assistant: ")
-        elif isinstance(req.prompt, str):
-            prompt = tok.encode(req.prompt)
-        else:
-            prompt = list(req.prompt)
-            vocab = (
-                self.loaded.model.args.vocab_size
-                if hasattr(self.loaded.model, "args")
-                else len(tok)
-            )
-            bad = [t for t in prompt if not 0 <= t < vocab]
-            if bad:
-                job.emit(
-                    Failed(
-                        "invalid_request",
-                        f"prompt token ids must be in [0, {vocab}), got {bad[0]}",
-                        "prompt",
-                    )
-                )
-                return None, 0
-        requested = req.sampling.max_tokens
-        if not prompt:
-            job.emit(Failed("invalid_request", f"{field_name} encodes to zero tokens", field_name))
-            return None, 0
-        if len(prompt) >= ctx:
-            job.emit(
-                Failed(
-                    "invalid_request",
-                    f"the prompt has {len(prompt)} tokens; this model's context is {ctx} tokens",
-                    field_name,
-                )
-            )
-            return None, 0
-        if requested is not None and len(prompt) + requested > ctx:
-            job.emit(
-                Failed(
-                    "invalid_request",
-                    f"prompt ({len(prompt)} tokens) + max_tokens ({requested}) exceeds "
-                    f"this model's context of {ctx} tokens",
-                    "max_tokens",
-                )
-            )
-            return None, 0
-        job.record.prompt_tokens = len(prompt)
-        return prompt, requested if requested is not None else ctx - len(prompt)
 
     def _make_caches(self, job: Job) -> list[Any]:
         from engine.factory import make_caches
@@ -447,7 +370,7 @@ class Worker:
             presence_penalty=sp.presence_penalty or None,
             frequency_penalty=sp.frequency_penalty or None,
         )
-        stop = _StopText(sp.stop) if sp.stop else None
+        stop = StopText(sp.stop) if sp.stop else None
 
         def on_progress(done: int, total: int) -> None:
             if job.cancelled:
@@ -475,7 +398,9 @@ class Worker:
                 finish_reason = gen.finish_reason
                 if stop:
                     text += stop.flush()
-            logprobs = self._logprobs(gen, sp.top_logprobs) if sp.logprobs else ()
+            logprobs = (
+                token_logprobs(self.loaded.tokenizer, gen, sp.top_logprobs) if sp.logprobs else ()
+            )
             if text or logprobs:
                 job.emit(Delta(text, logprobs))
             if stopped:
@@ -488,18 +413,6 @@ class Worker:
             completion_tokens=record.completion_tokens,
             kv_cache=self._kv_cache(job, record),
         )
-
-    def _logprobs(self, gen: Any, top_n: int) -> tuple[TokenLogprob, ...]:
-        import mlx.core as mx
-
-        tok = self.loaded.tokenizer  # type: ignore[union-attr]
-        top: tuple[tuple[str, float], ...] = ()
-        if top_n > 0:
-            ids = mx.argpartition(-gen.logprobs, kth=top_n - 1)[:top_n]
-            values = gen.logprobs[ids].tolist()
-            pairs = sorted(zip(ids.tolist(), values, strict=True), key=lambda p: -p[1])
-            top = tuple((tok.decode([i]), v) for i, v in pairs)
-        return (TokenLogprob(tok.decode([gen.token]), gen.logprobs[gen.token].item(), top),)
 
     def _update_stats(self, record: RequestRecord, caches: list[Any]) -> None:
         from engine.stats import summarize
