@@ -274,7 +274,11 @@ def cuda_module_source(
         CUDA source text.
     """
     header, _ = render(SCORE, "cuda")
-    parts = ["#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n", header]
+    used = {d for _, dtype, value_dtype in instances for d in (dtype, value_dtype)}
+    includes = "#include <cuda_fp16.h>\n" + (
+        "#include <cuda_bf16.h>\n" if "bfloat16" in used else ""
+    )
+    parts = [includes, header]
     for spec, dtype, value_dtype in instances:
         types = {"T": CUDA_TYPES[dtype], "TV": CUDA_TYPES[value_dtype], "int": "int"}
         args = [
