@@ -38,6 +38,7 @@ CASES = [
     (3, 2, 50, 49, 0, 0, "ties"),
     (2, 2, 33, 33, 1, 1, "random"),
     (4, 16, 20, 5, 0, 0, "random"),  # 64 groups
+    (2, 2, 60, 20, 2, 4, "nan"),  # NaN ranked lowest on both sides
 ]
 
 
