@@ -18,7 +18,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, create_attention_mask
 
-from engine.evict import gather_rows, select_drop_one, select_keep
+import metal
+from engine.evict import gather_rows, select_drop_one
 from engine.scorers import Scorer
 from engine.stats import CacheStats
 
@@ -37,9 +38,20 @@ class EvictionCache:
         budget: Rows kept per KV head after every update, sinks and recent rows included.
         n_sink: Leading positions never evicted.
         recent: Trailing positions never evicted.
+        use_kernel: Evict blocks with the fused GPU kernel (see
+            :func:`metal.resolve_kernel_mode`); the decode step's single-row eviction is
+            O(budget) in plain MLX either way.
     """
 
-    def __init__(self, scorer: Scorer, *, budget: int, n_sink: int = 4, recent: int = 0):
+    def __init__(
+        self,
+        scorer: Scorer,
+        *,
+        budget: int,
+        n_sink: int = 4,
+        recent: int = 0,
+        use_kernel: bool = False,
+    ):
         if n_sink + recent >= budget:
             raise ValueError(
                 f"n_sink + recent must be < budget, got {n_sink} + {recent} >= {budget}"
@@ -48,6 +60,7 @@ class EvictionCache:
         self.budget = budget
         self.n_sink = n_sink
         self.recent = recent
+        self.use_kernel = use_kernel
         self.keys: mx.array | None = None  # (B, H, S, D), temporal order
         self.values: mx.array | None = None  # (B, H, S, Dv)
         self.scores: mx.array | None = None  # (B, H, S) float32, once the scorer is ready
@@ -83,11 +96,19 @@ class EvictionCache:
         else:
             if keys.shape[2] == 1 and L == self.budget + 1:
                 keep = select_drop_one(scores, self.n_sink, self.recent)
+                self.keys = gather_rows(all_keys, keep)
+                self.values = gather_rows(all_values, keep)
+                self.scores = gather_rows(scores, keep)
             else:
-                keep = select_keep(scores, self.budget, self.n_sink, self.recent)
-            self.keys = gather_rows(all_keys, keep)
-            self.values = gather_rows(all_values, keep)
-            self.scores = gather_rows(scores, keep)
+                self.keys, self.values, self.scores = metal.fused_evict(
+                    all_keys,
+                    all_values,
+                    scores,
+                    budget=self.budget,
+                    n_sink=self.n_sink,
+                    recent=self.recent,
+                    use_kernel=self.use_kernel,
+                )
             self.evictions += 1
         return all_keys, all_values
 

@@ -1,9 +1,13 @@
 """The eviction core: which stored rows survive, written once for every scorer.
 
 Scores are ``(B, H, L)`` float32, higher = keep. The first ``n_sink`` rows and the last
-``recent`` rows are protected (forced to +inf). Survivors are returned as row indices in
+``recent`` rows are protected (forced to +inf); NaN ranks lowest. Survivors are row indices in
 temporal order. Ties are broken deterministically: among equal scores the lower position is
-kept, which is also what the fused kernels in ``metal/`` reproduce.
+kept.
+
+Two paths: a block eviction (:func:`select_keep`, the plain-MLX path of the fused kernel in
+:mod:`metal.qfilters_apply`, so kernel and CPU share one definition) and the decode step,
+where exactly one row goes (:func:`select_drop_one`, O(L), no sort).
 """
 
 from __future__ import annotations
@@ -12,15 +16,9 @@ from functools import lru_cache
 
 import mlx.core as mx
 
+from metal.qfilters_apply import protected_rows, select_keep_reference
+
 _INF = mx.array(float("inf"), dtype=mx.float32)
-_NEG_INF = mx.array(float("-inf"), dtype=mx.float32)
-
-
-@lru_cache(maxsize=64)
-def _guard(L: int, n_sink: int, recent: int) -> mx.array:
-    # True on protected rows. Built once per shape, not per step.
-    rows = mx.arange(L)
-    return (rows < n_sink) | (rows >= L - recent)
 
 
 @lru_cache(maxsize=64)
@@ -36,11 +34,11 @@ def protect(scores: mx.array, n_sink: int, recent: int) -> mx.array:
     Returns:
         ``(B, H, L)`` float32 with protected rows at +inf.
     """
-    return mx.where(_guard(scores.shape[-1], n_sink, recent), _INF, scores)
+    return mx.where(protected_rows(scores.shape[-1], n_sink, recent), _INF, scores)
 
 
 def select_keep(scores: mx.array, budget: int, n_sink: int, recent: int) -> mx.array:
-    """Indices of the ``budget`` rows to keep, in temporal order (general path).
+    """Indices of the ``budget`` rows to keep, in temporal order (block path).
 
     Top-``budget`` by score with protected rows forced in. The threshold is the
     ``budget``-th largest score; rows strictly above it are always admitted and rows equal
@@ -53,20 +51,7 @@ def select_keep(scores: mx.array, budget: int, n_sink: int, recent: int) -> mx.a
     Returns:
         ``(B, H, budget)`` uint32 row indices, ascending.
     """
-    L = scores.shape[-1]
-    # NaN compares false against any threshold and would break the count: rank it lowest.
-    scores = mx.where(scores != scores, _NEG_INF, scores)
-    masked = protect(scores, n_sink, recent)
-    kth = L - budget
-    thresh = mx.partition(masked, kth=kth, axis=-1)[..., kth : kth + 1]  # (B, H, 1)
-    above = masked > thresh
-    tied = masked == thresh
-    quota = budget - above.sum(axis=-1, keepdims=True)
-    keep = above | (tied & (mx.cumsum(tied.astype(mx.int32), axis=-1) <= quota))
-    rows = _rows(L)
-    # Kept rows sort first (their own index), dropped rows after (index + L): unique keys.
-    order = mx.sort(mx.where(keep, rows, rows + L), axis=-1)
-    return order[..., :budget]
+    return select_keep_reference(scores, budget=budget, n_sink=n_sink, recent=recent)
 
 
 def select_drop_one(scores: mx.array, n_sink: int, recent: int) -> mx.array:

@@ -9,6 +9,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+import metal
 from engine.cache import EvictionCache, FullKVCache
 from engine.config import CacheConfig
 from engine.scorers import KeySVDScorer, KNormScorer, QFilterScorer, RecencyScorer, Scorer
@@ -62,11 +63,8 @@ def make_caches(
     Returns:
         A list to pass as ``prompt_cache=`` to mlx-lm's generation functions.
     """
-    if config.kernel == "on":
-        raise ValueError(
-            "kernel='on' requires a fused eviction kernel backend, and none is available here; "
-            "use kernel='auto' or 'off'"
-        )
+    # Resolved once per request: "on" without a GPU backend (or over its budget bound) raises.
+    use_kernel = config.evicts and metal.resolve_kernel_mode(config.kernel, config.budget)
     caches = make_prompt_cache(model)
     if filters is not None:
         if config.method != "qfilters":
@@ -82,6 +80,10 @@ def make_caches(
             continue
         scorer = make_scorer(config, None if filters is None else filters[i])
         caches[i] = EvictionCache(
-            scorer, budget=config.budget, n_sink=config.n_sink, recent=config.recent
+            scorer,
+            budget=config.budget,
+            n_sink=config.n_sink,
+            recent=config.recent,
+            use_kernel=use_kernel,
         )
     return caches

@@ -21,7 +21,8 @@ _INF = float("inf")
 
 
 @lru_cache(maxsize=64)
-def _guard(L: int, n_sink: int, recent: int) -> mx.array:
+def protected_rows(L: int, n_sink: int, recent: int) -> mx.array:
+    """``(L,)`` bool, True on the first ``n_sink`` and the last ``recent`` rows (built once)."""
     rows = mx.arange(L)
     return (rows < n_sink) | (rows >= L - recent)
 
@@ -35,7 +36,7 @@ def rank_scores(scores: mx.array, n_sink: int, recent: int) -> mx.array:
         ``(B, H, L)`` float32.
     """
     ranked = mx.where(mx.isnan(scores), -_INF, scores)
-    return mx.where(_guard(scores.shape[-1], n_sink, recent), _INF, ranked)
+    return mx.where(protected_rows(scores.shape[-1], n_sink, recent), _INF, ranked)
 
 
 def keep_threshold(ranked: mx.array, budget: int) -> mx.array:

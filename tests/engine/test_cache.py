@@ -319,7 +319,7 @@ def test_protocol_state_trim_and_bytes(model):
 
 
 def test_decode_step_is_lazy_and_skips_the_full_sort(model, filters, monkeypatch):
-    import engine.cache as cache_module
+    import metal
 
     caches = make_caches(model, CacheConfig(budget=32, recent=4), filters=filters)
     model(mx.arange(100)[None], cache=caches)  # prefill: the general path evicts 68 rows
@@ -328,7 +328,7 @@ def test_decode_step_is_lazy_and_skips_the_full_sort(model, filters, monkeypatch
     def forbidden(*args, **kwargs):
         raise AssertionError("called during a single-token decode step")
 
-    monkeypatch.setattr(cache_module, "select_keep", forbidden)  # no full sort per token
+    monkeypatch.setattr(metal, "fused_evict", forbidden)  # no block eviction (sort) per token
     monkeypatch.setattr(mx, "eval", forbidden)  # no synchronisation inside update_and_fetch
     monkeypatch.setattr(mx, "async_eval", forbidden)
     for t in range(5):
@@ -336,3 +336,21 @@ def test_decode_step_is_lazy_and_skips_the_full_sort(model, filters, monkeypatch
     monkeypatch.undo()
     mx.eval([c.state for c in caches])
     assert all(c.size() == 32 and c.offset == 105 for c in caches)
+
+
+def test_kernel_setting_is_resolved_once_at_construction(model):
+    import metal
+
+    with pytest.raises(RuntimeError, match="neither a Metal nor a CUDA"):
+        make_caches(model, CacheConfig(budget=64, kernel="on"))
+    with pytest.raises(ValueError, match="budget"):
+        make_caches(model, CacheConfig(budget=metal.MAX_BUDGET + 1, kernel="on"))
+    assert not any(c.use_kernel for c in make_caches(model, CacheConfig(budget=64)))
+    with metal.use_backend("metal"):  # pretend a backend exists: construction only
+        assert all(c.use_kernel for c in make_caches(model, CacheConfig(budget=64)))
+        assert all(c.use_kernel for c in make_caches(model, CacheConfig(budget=64, kernel="on")))
+        auto_big = make_caches(model, CacheConfig(budget=metal.MAX_BUDGET + 1))
+        assert not any(c.use_kernel for c in auto_big)  # auto falls back above the bound
+        assert not any(c.use_kernel for c in make_caches(model, CacheConfig(kernel="off")))
+    # The full arm never evicts, so it never needs the kernel, even when forced on.
+    assert make_caches(model, CacheConfig(method="full", kernel="on"))
