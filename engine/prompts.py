@@ -24,15 +24,27 @@ def encode_prompt(loaded: LoadedModel, request: GenerationRequest) -> tuple[list
     """The prompt's token ids and the completion budget (default: the rest of the context).
 
     Raises:
-        PromptError: token ids outside the vocabulary, an empty prompt, or prompt plus
-            ``max_tokens`` beyond the model's context.
+        PromptError: token ids (prompt or ``logit_bias``) outside the vocabulary, messages
+            the chat template refuses, an empty prompt, or prompt plus ``max_tokens``
+            beyond the model's context.
     """
     tok, ctx = loaded.tokenizer, loaded.context_length
     field_name = "messages" if request.kind == "chat" else "prompt"
+    vocab = getattr(getattr(loaded.model, "args", None), "vocab_size", None) or len(tok)
+    biased = [t for t, _ in request.sampling.logit_bias if not 0 <= t < vocab]
+    if biased:
+        raise PromptError(
+            f"logit_bias token ids must be in [0, {vocab}), got {biased[0]}", "logit_bias"
+        )
     if request.kind == "chat":
         messages = [dict(m) for m in request.messages]
         if getattr(tok, "chat_template", None):
-            prompt = list(tok.apply_chat_template(messages, add_generation_prompt=True))
+            try:
+                prompt = list(tok.apply_chat_template(messages, add_generation_prompt=True))
+            except Exception as exc:  # a template may raise on what a client sent (jinja2)
+                raise PromptError(
+                    f"the chat template rejected the messages: {exc}", "messages"
+                ) from None
         else:  # no template: a plain transcript, as mlx-lm's server does
             text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
             prompt = tok.encode(text + "assistant: ")
@@ -40,8 +52,6 @@ def encode_prompt(loaded: LoadedModel, request: GenerationRequest) -> tuple[list
         prompt = tok.encode(request.prompt)
     else:
         prompt = list(request.prompt)
-        args = getattr(loaded.model, "args", None)
-        vocab = getattr(args, "vocab_size", None) or len(tok)
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise PromptError(f"prompt token ids must be in [0, {vocab}), got {bad[0]}", "prompt")

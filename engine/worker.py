@@ -42,6 +42,18 @@ DEFAULT_HISTORY = 64
 _STATS_EVERY = 8  # decode steps between cache-stat refreshes of an active record
 
 
+def mlx_memory() -> dict[str, int]:
+    """MLX allocator figures in bytes: held by arrays now, the peak since start, and freed
+    buffers kept for reuse. Counter reads only (safe off the worker thread)."""
+    import mlx.core as mx
+
+    return {
+        "mlx_active_bytes": int(mx.get_active_memory()),
+        "mlx_peak_bytes": int(mx.get_peak_memory()),
+        "mlx_cache_bytes": int(mx.get_cache_memory()),
+    }
+
+
 class WorkerUnavailable(RuntimeError):
     """The worker cannot take the request now (loading, dead, draining or queue full)."""
 
@@ -90,6 +102,7 @@ class Job:
         self._loop = loop
         self._events: asyncio.Queue[Event] = asyncio.Queue()
         self._cancel = threading.Event()
+        self.failure: Failed | None = None  # what a cancelled job tells its client, if anyone
 
     @property
     def id(self) -> str:
@@ -99,8 +112,15 @@ class Job:
     def cancelled(self) -> bool:
         return self._cancel.is_set()
 
-    def cancel(self) -> None:
-        """Stop this request: dropped if still queued, else within one decode step."""
+    def cancel(self, failure: Failed | None = None) -> None:
+        """Stop this request: dropped if still queued, else within one decode step.
+
+        Args:
+            failure: Sent to a client that is still listening (e.g. the server is shutting
+                down); ``None`` when the client itself went away.
+        """
+        if failure is not None and not self._cancel.is_set():
+            self.failure = failure
         self._cancel.set()
 
     def emit(self, event: Event) -> None:
@@ -177,6 +197,27 @@ class Worker:
         """Refuse new requests; the running and queued ones continue."""
         self._draining = True
 
+    def abort_all(self, message: str) -> int:
+        """Cancel every queued and running request, telling their clients ``message`` (503).
+
+        Returns:
+            How many requests were cancelled.
+        """
+        with self._queue.mutex:
+            jobs = [*self._queue.queue, self._current]
+        failure = Failed("unavailable", message)
+        aborted = 0
+        for job in jobs:
+            if job is not None and not job.cancelled:
+                job.cancel(failure)
+                aborted += 1
+        return aborted
+
+    def idle(self) -> bool:
+        """Nothing queued or running."""
+        with self._lock:
+            return not self._active
+
     @property
     def draining(self) -> bool:
         return self._draining
@@ -241,6 +282,7 @@ class Worker:
             totals = dict(self._totals)
         totals["active"] = len(active)
         totals["queued"] = sum(r["state"] == "queued" for r in active)
+        totals.update(mlx_memory())
         return {"active": active, "history": history, "totals": totals}
 
     def active_kv_bytes(self) -> tuple[int, int]:
@@ -317,6 +359,8 @@ class Worker:
         import mlx.core as mx
 
         if job.cancelled:
+            if job.failure is not None:
+                job.emit(job.failure)
             self._finish(job.record, "cancelled")
             return
         job.record.state = "prefill"
@@ -335,7 +379,7 @@ class Worker:
             job.emit(finish)
             self._finish(job.record, "done")
         except _Cancelled:
-            job.emit(Failed("cancelled", "the request was cancelled"))
+            job.emit(job.failure or Failed("cancelled", "the request was cancelled"))
             self._finish(job.record, "cancelled")
         except Exception as exc:  # noqa: BLE001 - one request failing must not stop the worker
             logger.exception("request %s failed", job.id)
@@ -363,7 +407,7 @@ class Worker:
         assert self.loaded is not None
         sp, record = job.request.sampling, job.record
         if sp.seed is not None:
-            mx.random.seed(sp.seed)
+            mx.random.seed(sp.seed % 2**64)
         sampler = make_sampler(sp.temperature, top_p=sp.top_p)  # temperature 0: greedy
         processors = make_logits_processors(
             dict(sp.logit_bias) or None,

@@ -13,6 +13,7 @@ from engine.worker import Worker
 from server.errors import install_error_handlers
 from server.metrics import Metrics
 from server.middleware import BodyLimitMiddleware
+from server.openapi import install_openapi
 from server.routes import admin, chat, completions, health, metrics, models
 from server.settings import Settings
 
@@ -45,4 +46,5 @@ def build_app(settings: Settings | None = None, *, worker: Worker | None = None)
         app.include_router(module.router)
     if settings.admin_enabled:
         app.include_router(admin.router)
+    install_openapi(app)
     return app

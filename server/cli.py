@@ -1,16 +1,22 @@
 """``qfserve``: serve a model over the OpenAI API; ``qfserve calibrate ...`` calibrates filters.
 
 OpenBLAS is preloaded (a re-exec) before MLX is imported, and the BLAS in use is logged.
-SIGTERM stops taking new requests (503) and lets in-flight ones finish for up to
-``--drain-timeout`` seconds.
+SIGTERM (or Ctrl-C) starts a drain: the socket stays open and new requests get 503 while
+in-flight ones finish for up to ``--drain-timeout`` seconds; those still running then end
+with an error (a stream: an ``error`` event and ``[DONE]``), and the process exits 0. A
+second signal stops at once. A model (or calibration) that fails to load exits 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+import time
 from collections.abc import Sequence
+
+import uvicorn
 
 from engine.blas import blas_summary, reexec_with_openblas
 from engine.config import DEFAULT_BUDGET, DEFAULT_METHOD, DEFAULT_N_SINK, DEFAULT_RECENT, METHODS
@@ -82,6 +88,13 @@ def make_parser() -> argparse.ArgumentParser:
         default=s.DEFAULT_DRAIN_TIMEOUT,
         help="seconds in-flight requests may finish after SIGTERM (default: %(default)s)",
     )
+    p.add_argument(
+        "--write-timeout",
+        type=float,
+        default=s.DEFAULT_WRITE_TIMEOUT,
+        help="seconds a stream may wait for its client to read before it is aborted "
+        "(default: %(default)s)",
+    )
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return p
 
@@ -103,6 +116,7 @@ def settings_from_args(args: argparse.Namespace):
         admin_enabled=not args.no_admin,
         max_body_bytes=args.max_body_bytes,
         drain_timeout=args.drain_timeout,
+        write_timeout=args.write_timeout,
     )
 
 
@@ -132,31 +146,74 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ModelNotFoundError as exc:
         print(f"qfserve: error: {exc}", file=sys.stderr)
         return 2
-    _serve(settings, args.log_level)
-    return 0
+    return _serve(settings, args.log_level)
 
 
-def _serve(settings, log_level: str) -> None:
-    import uvicorn
+# After the drain, streams still open get this long to send their last event.
+_CLOSE_GRACE = 5
 
+
+def _serve(settings, log_level: str) -> int:
     from server.app import build_app
 
     app = build_app(settings)
-    worker = app.state.worker
-
-    class DrainingServer(uvicorn.Server):
-        def handle_exit(self, sig, frame) -> None:  # type: ignore[override]
-            worker.drain()  # new requests get 503 while in-flight ones finish
-            super().handle_exit(sig, frame)
-
     config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
         log_level=log_level,
-        timeout_graceful_shutdown=int(settings.drain_timeout) + 1,
+        timeout_graceful_shutdown=_CLOSE_GRACE,
     )
-    DrainingServer(config).run()
+    server = DrainingServer(config, worker=app.state.worker, drain_timeout=settings.drain_timeout)
+    server.run()
+    return server.exit_code
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn with a drain phase before its own shutdown, and an exit status.
+
+    uvicorn closes its listening socket as soon as it is told to exit, so a signal only
+    starts the drain here: the socket stays open (new requests get 503) until the worker
+    is idle or the deadline passes; only then is uvicorn told to exit. Signals are not
+    re-raised afterwards, so a drained server exits 0.
+    """
+
+    def __init__(self, config, *, worker, drain_timeout: float) -> None:
+        super().__init__(config)
+        self.worker = worker
+        self.drain_timeout = drain_timeout
+        self.deadline: float | None = None
+        self.aborted = False
+        self.exit_code = 0
+        self.signal_name: str | None = None
+
+    def handle_exit(self, sig: int, frame) -> None:  # type: ignore[override]
+        # Runs as a signal handler: set flags only; on_tick logs and acts.
+        if self.deadline is None:
+            self.worker.drain()  # new requests get 503 while in-flight ones finish
+            self.deadline = time.monotonic() + self.drain_timeout
+            self.signal_name = signal.Signals(sig).name
+        else:  # a second signal: stop now
+            self.should_exit = self.force_exit = True
+            self.exit_code = 1
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.worker.status == "failed":
+            logger.error("qfserve cannot start: %s", self.worker.error)
+            self.exit_code = 1
+            return True
+        if self.signal_name is not None:
+            logger.info("%s: draining for up to %.0f s", self.signal_name, self.drain_timeout)
+            self.signal_name = None
+        if self.deadline is not None and not self.should_exit:
+            if self.worker.idle():
+                logger.info("drained; shutting down")
+                self.should_exit = True
+            elif time.monotonic() >= self.deadline and not self.aborted:
+                n = self.worker.abort_all("the server is shutting down; retry elsewhere")
+                logger.warning("drain deadline: aborted %d request(s)", n)
+                self.aborted = True  # they stop within one step; then idle() holds
+        return await super().on_tick(counter)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -17,6 +18,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
+from sse_starlette.sse import SendTimeoutError
+from starlette.types import Receive, Scope, Send
 
 from engine.requests import Delta, Event, Failed, Finished, Started, TokenLogprob
 from engine.worker import Job, Worker, WorkerUnavailable
@@ -26,6 +29,7 @@ from server.metrics import Metrics
 from server.schemas import GenerationBody
 from server.settings import Settings
 
+logger = logging.getLogger(__name__)
 _FAILED_STATUS = {"invalid_request": 400, "unavailable": 503, "cancelled": 499, "internal": 500}
 
 
@@ -50,6 +54,19 @@ def failure(event: Failed) -> APIError:
     headers = {"Retry-After": "5"} if status == 503 else None
     code = {400: "invalid_value", 503: "unavailable", 499: "cancelled"}.get(status, "internal")
     return APIError(status, event.message, param=event.param, code=code, headers=headers)
+
+
+class Stream(EventSourceResponse):
+    """SSE whose client must keep reading: a chunk not taken within ``send_timeout`` seconds
+    aborts the stream, and closing the body iterator cancels the generation."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except SendTimeoutError:
+            logger.warning(
+                "aborted a stream whose client read nothing for %.0f s", self.send_timeout
+            )
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -164,10 +181,11 @@ class Generation:
         """Server-sent events: ``data: {json}\\n\\n`` frames, then ``data: [DONE]``."""
         options = getattr(self.body, "stream_options", None)
         include_usage = bool(options and options.include_usage)
-        return EventSourceResponse(
+        return Stream(
             self._chunks(include_usage),
             sep="\n",
             ping=0,
+            send_timeout=self.settings.write_timeout,
             shutdown_grace_period=self.settings.drain_timeout,
         )
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from engine.worker import Worker
+from engine.worker import Worker, mlx_memory
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -60,3 +60,11 @@ class Metrics:
             "KV-cache bytes full caches would hold for active requests",
             registry=r,
         ).set_function(lambda: worker.active_kv_bytes()[1])
+        for key, what in (
+            ("active", "held by live arrays"),
+            ("peak", "peak held since start"),
+            ("cache", "freed but kept for reuse"),
+        ):
+            Gauge(f"qfserve_mlx_{key}_bytes", f"MLX memory {what}", registry=r).set_function(
+                lambda key=key: mlx_memory()[f"mlx_{key}_bytes"]
+            )

@@ -165,11 +165,17 @@ class GenerationBody(EvictionFields):
         return self
 
 
-Stop = str | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=4)] | None
+Stop = (
+    Annotated[str, Field(min_length=1)]
+    | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=4)]
+    | None
+)
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 MaxTokens = Annotated[int | None, Field(ge=1)]
+# MLX seeds its generator with an unsigned 64-bit integer; negative seeds wrap around.
+Seed = Annotated[int | None, Field(ge=-(2**63), le=2**64 - 1)]
 LogitBias = dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None
 
 
@@ -185,7 +191,7 @@ class ChatCompletionRequest(GenerationBody):
     max_tokens: MaxTokens = None
     n: Annotated[int, Field(ge=1)] = 1
     presence_penalty: Penalty = 0.0
-    seed: int | None = None
+    seed: Seed = None
     stop: Stop = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -218,7 +224,7 @@ class CompletionRequest(GenerationBody):
     max_tokens: MaxTokens = 16
     n: Annotated[int, Field(ge=1)] = 1
     presence_penalty: Penalty = 0.0
-    seed: int | None = None
+    seed: Seed = None
     stop: Stop = None
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -17,6 +17,7 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_DRAIN_TIMEOUT = 30.0
+DEFAULT_WRITE_TIMEOUT = 15.0
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,8 @@ class Settings:
         admin_enabled: ``False`` removes the admin endpoint.
         max_body_bytes: Larger request bodies get 413.
         drain_timeout: Seconds in-flight streams may take to finish after SIGTERM.
+        write_timeout: A stream whose client has not taken a chunk for this long is aborted
+            (its generation cancelled, its cache freed).
         history: Finished requests the admin endpoint remembers.
     """
 
@@ -49,6 +52,7 @@ class Settings:
     admin_enabled: bool = True
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT
+    write_timeout: float = DEFAULT_WRITE_TIMEOUT
     history: int = DEFAULT_HISTORY
 
     def __post_init__(self) -> None:
@@ -59,6 +63,8 @@ class Settings:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if self.drain_timeout < 0:
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
+        if not self.write_timeout > 0:
+            raise ValueError(f"write_timeout must be > 0, got {self.write_timeout}")
 
     def cache_defaults(self) -> CacheConfig:
         """The eviction settings a request gets when it sends none."""

@@ -10,11 +10,12 @@ from typing import Any
 from fastapi import APIRouter, Depends
 
 from server.dependencies import SettingsDep, WorkerDep, require_admin_key
+from server.openapi import errors
 
 router = APIRouter(dependencies=[Depends(require_admin_key)])
 
 
-@router.get("/admin/cache")
+@router.get("/admin/cache", responses=errors(401))
 async def cache_overview(worker: WorkerDep, settings: SettingsDep) -> dict[str, Any]:
     defaults = settings.cache_defaults()
     return {

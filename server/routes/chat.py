@@ -7,12 +7,17 @@ from fastapi import APIRouter, Depends, Request
 from server.dependencies import MetricsDep, SettingsDep, WorkerDep, require_api_key, require_json
 from server.formats import ChatFormat
 from server.generation import Generation
+from server.openapi import ChatCompletion, generation
 from server.schemas import ChatCompletionRequest
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
 
-@router.post("/v1/chat/completions", dependencies=[Depends(require_json)])
+@router.post(
+    "/v1/chat/completions",
+    dependencies=[Depends(require_json)],
+    responses=generation(ChatCompletion),
+)
 async def create_chat_completion(
     body: ChatCompletionRequest,
     request: Request,

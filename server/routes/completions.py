@@ -7,12 +7,17 @@ from fastapi import APIRouter, Depends, Request
 from server.dependencies import MetricsDep, SettingsDep, WorkerDep, require_api_key, require_json
 from server.formats import CompletionFormat
 from server.generation import Generation
+from server.openapi import Completion, generation
 from server.schemas import CompletionRequest
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
 
-@router.post("/v1/completions", dependencies=[Depends(require_json)])
+@router.post(
+    "/v1/completions",
+    dependencies=[Depends(require_json)],
+    responses=generation(Completion),
+)
 async def create_completion(
     body: CompletionRequest,
     request: Request,

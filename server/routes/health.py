@@ -7,11 +7,12 @@ from fastapi.responses import JSONResponse
 
 from server.dependencies import WorkerDep
 from server.errors import APIError
+from server.openapi import HealthStatus, errors
 
 router = APIRouter()
 
 
-@router.get("/health")
+@router.get("/health", responses={200: {"model": HealthStatus}, **errors(503)})
 async def health(worker: WorkerDep) -> JSONResponse:
     if worker.ready and not worker.draining:
         return JSONResponse(

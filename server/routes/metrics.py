@@ -6,10 +6,18 @@ from fastapi import APIRouter, Depends, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from server.dependencies import MetricsDep, require_api_key
+from server.openapi import errors
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
 
-@router.get("/metrics")
+@router.get(
+    "/metrics",
+    response_class=Response,
+    responses={
+        200: {"description": "Prometheus text format", "content": {"text/plain": {}}},
+        **errors(401),
+    },
+)
 async def metrics(metrics: MetricsDep) -> Response:
     return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -6,12 +6,13 @@ from fastapi import APIRouter, Depends
 
 from server.dependencies import WorkerDep, require_api_key
 from server.errors import APIError
+from server.openapi import errors
 from server.schemas import ModelCard, ModelList
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
 
-@router.get("/v1/models", response_model=ModelList)
+@router.get("/v1/models", response_model=ModelList, responses=errors(401, 503))
 async def list_models(worker: WorkerDep) -> ModelList:
     loaded = worker.loaded
     if loaded is None:

@@ -114,15 +114,12 @@ def test_sigterm_drains_the_stream_in_flight(locked):
         first = _take(lines, 2)
         locked.process.send_signal(signal.SIGTERM)
         time.sleep(0.3)
-        try:  # uvicorn closed its socket; a request that still gets through is refused
-            late = httpx.post(f"{locked.url}/v1/chat/completions", headers=AUTH, json=body)
-            assert late.status_code == 503
-        except httpx.ConnectError:
-            pass
+        # The socket stays open while draining; new requests are refused with 503.
+        late = httpx.post(f"{locked.url}/v1/chat/completions", headers=AUTH, json=body)
+        assert late.status_code == 503 and late.headers["retry-after"]
         rest = [line for line in lines if line]
     events = [line.removeprefix("data: ") for line in first + rest]
     assert events[-1] == "[DONE]"
     final = json.loads(events[-2])
     assert final["choices"][0]["finish_reason"] in ("length", "stop")
-    # uvicorn re-raises the signal once shut down, so the exit status says "SIGTERM".
-    assert locked.process.wait(30) in (0, -signal.SIGTERM)
+    assert locked.process.wait(30) == 0  # a drained server exits cleanly
