@@ -1,0 +1,22 @@
+"""Quality studies of KV-cache eviction on held-out data, one module (and command) per study.
+
+=============  ==============================================  ===============================
+study          command                                         question
+=============  ==============================================  ===============================
+1 geometry     ``python -m bench.quality.geometry``             are the queries anisotropic?
+2 attention    ``python -m bench.quality.attention``            does each score predict attention?
+3 perplexity   ``python -m bench.quality.perplexity``           streaming perplexity per budget
+4 retrieval    ``python -m bench.quality.retrieval``            pass-key accuracy per compression
+5 stability    ``python -m bench.quality.stability``            how stable is the calibration?
+=============  ==============================================  ===============================
+
+Every command takes ``--model`` (default: the bundled ``models/qfserve-tiny``) and ``--quick``
+(a CI-sized smoke run), writes ``bench/results/<study>.json`` plus PNG plots, and prints a
+table; ``python -m bench.report`` renders the results page from the JSON. Shared plumbing:
+:mod:`~bench.quality.common` (CLI, model identity, output), :mod:`~bench.quality.data`
+(held-out data from the training package's evaluation split), :mod:`~bench.quality.calib`
+(calibrated filters), :mod:`~bench.quality.arms` (cache arms at matched budgets),
+:mod:`~bench.quality.teacher` (teacher-forced streaming log-likelihood).
+
+Importing this package does not import MLX (the report renderer imports it for its tables).
+"""

@@ -1,0 +1,106 @@
+"""The cache arms compared at a matched budget, and the check that each keeps exactly it.
+
+An arm is a method plus a recent window given as a fraction of the budget, so one arm
+definition spans every budget. Budgets count every stored row (sinks and recent rows
+included), the same for every arm. The key-SVD fallback freezes its direction after
+``min(budget, 128)`` keys, so it never holds more rows than the others while warming up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from engine.cache import EvictionCache
+from engine.config import DEFAULT_CALIB_TOKENS, DEFAULT_N_SINK, CacheConfig
+from engine.factory import make_caches
+
+LABELS = {
+    "full": "full cache",
+    "qfilters": "Q-Filters (calibrated)",
+    "fallback": "Q-Filters (key-SVD fallback)",
+    "knorm": "K-norm",
+    "streaming": "streaming (sinks + recent)",
+}
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One cache arm.
+
+    Args:
+        method: ``full``, ``qfilters`` (calibrated), ``fallback`` (key-SVD), ``knorm`` or
+            ``streaming``.
+        recent_frac: Recent window as a fraction of the budget (0 or 0.25 in the studies).
+    """
+
+    method: str
+    recent_frac: float = 0.0
+
+    @property
+    def name(self) -> str:
+        if self.method == "full":
+            return "full"
+        return f"{self.method}/r{int(round(self.recent_frac * 100))}"
+
+    def recent(self, budget: int) -> int:
+        return int(budget * self.recent_frac)
+
+    def config(self, budget: int | None, *, n_sink: int = DEFAULT_N_SINK) -> CacheConfig:
+        if self.method == "full" or budget is None:
+            return CacheConfig(method="full")
+        return CacheConfig(
+            method="qfilters" if self.method == "fallback" else self.method,
+            budget=budget,
+            n_sink=n_sink,
+            recent=self.recent(budget),
+            calib_tokens=min(DEFAULT_CALIB_TOKENS, budget),
+        )
+
+    def caches(self, model: Any, budget: int | None, filters: np.ndarray | None) -> list[Any]:
+        """Fresh caches for this arm (``filters`` used by the calibrated arm only)."""
+        config = self.config(budget)
+        if self.method == "qfilters":
+            if filters is None:
+                raise ValueError("the calibrated qfilters arm needs filters, got None")
+            return make_caches(model, config, filters=filters)
+        return make_caches(model, config)
+
+    def source(self, caches: list[Any]) -> str:
+        sources = {c.scorer.source for c in caches if isinstance(c, EvictionCache)}
+        return ",".join(sorted(sources)) or "none"
+
+
+def standard_arms(recent_fracs: tuple[float, ...] = (0.0, 0.25)) -> list[Arm]:
+    """Full, then calibrated, fallback, K-norm and streaming at each recent fraction.
+
+    Streaming keeps the latest rows by construction, so a recent window changes nothing for
+    it: it runs once, with ``recent = 0``.
+    """
+    arms = [Arm("full")]
+    for frac in recent_fracs:
+        arms += [Arm("qfilters", frac), Arm("fallback", frac), Arm("knorm", frac)]
+    arms.append(Arm("streaming", 0.0))
+    return arms
+
+
+def kept_rows(caches: list[Any]) -> list[int]:
+    """Stored rows of every evicting layer."""
+    return [c.size() for c in caches if isinstance(c, EvictionCache)]
+
+
+def check_budget(caches: list[Any], budget: int | None, tokens_seen: int) -> int:
+    """Raise unless every evicting layer holds exactly ``min(budget, tokens_seen)`` rows.
+
+    Returns:
+        The rows held (``tokens_seen`` for the full arm).
+    """
+    if budget is None:
+        return tokens_seen
+    rows = set(kept_rows(caches))
+    expected = min(budget, tokens_seen)
+    if rows != {expected}:
+        raise RuntimeError(f"budget violated: layers hold {sorted(rows)} rows, expected {expected}")
+    return expected

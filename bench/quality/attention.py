@@ -1,0 +1,233 @@
+"""Study 2: does each scorer's score predict the attention a key will receive?
+
+For every held-out sequence of ``L`` tokens we run the model once with a full cache, take
+each layer's post-RoPE queries (captured with :class:`calibrations.capture.QueryCapture`) and
+stored keys, and compute the true softmax attention explicitly. A key's *received attention*
+is its weight averaged over the later queries (positions ``L/2 .. L-1``) and over the query
+heads of its GQA group. Over the keys at positions ``n_sink .. L/2 - 1`` (sinks are always
+kept, so they are left out) we take the Spearman correlation between that and each scorer's
+score, computed by the engine's own scorer classes:
+
+* ``qfilters``: calibrated filter projection (:class:`engine.scorers.QFilterScorer`);
+* ``fallback+`` / ``fallback-``: the key-SVD direction frozen after the first 128 keys, as
+  the cache would, with both signs (:class:`engine.scorers.KeySVDScorer`);
+* ``knorm``: minus the key norm; ``recency``: the position.
+
+A correlation is per (sequence, layer, KV head); we report its mean over sequences per head,
+the mean over heads, and the share of heads where it is positive.
+
+Run: ``python -m bench.quality.attention [--quick]``.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
+from tqdm import tqdm
+
+from bench.quality import plots
+from bench.quality.calib import filters_for
+from bench.quality.common import (
+    base_parser,
+    command_line,
+    load_model,
+    print_table,
+    spread,
+    write_results,
+)
+from bench.quality.data import heldout_corpus, recall_windows, stdlib_windows
+from calibrations.capture import QueryCapture
+from calibrations.model_info import attention_modules
+from engine.config import DEFAULT_CALIB_TOKENS, DEFAULT_N_SINK
+from engine.scorers import KeySVDScorer, KNormScorer, QFilterScorer, RecencyScorer
+
+STUDY = "attention"
+SCORERS = ("qfilters", "fallback+", "fallback-", "knorm", "recency")
+
+
+def rankdata(a: np.ndarray) -> np.ndarray:
+    """Ranks ``0..n-1`` with ties averaged (as ``scipy.stats.rankdata`` minus one)."""
+    order = np.argsort(a, kind="mergesort")
+    ranks = np.empty(len(a), dtype=np.float64)
+    ranks[order] = np.arange(len(a))
+    _, inverse, counts = np.unique(a, return_inverse=True, return_counts=True)
+    return (np.bincount(inverse, weights=ranks) / counts)[inverse]
+
+
+def spearman(a: np.ndarray, b: np.ndarray) -> float:
+    ra, rb = rankdata(a), rankdata(b)
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    denom = np.sqrt((ra * ra).sum() * (rb * rb).sum())
+    return float((ra * rb).sum() / denom) if denom > 0 else float("nan")
+
+
+def received_attention(queries: np.ndarray, keys: np.ndarray, scale: float) -> np.ndarray:
+    """Mean attention each key gets from the later half of the queries, per KV head.
+
+    Args:
+        queries: ``(H, L, D)`` post-RoPE queries in position order.
+        keys: ``(KV, L, D)`` post-RoPE keys.
+    Returns:
+        ``(KV, L)`` attention averaged over queries ``L/2 .. L-1`` and the group's heads.
+    """
+    H, L, _ = queries.shape
+    kv = keys.shape[0]
+    group = H // kv
+    later = np.arange(L // 2, L)
+    logits = np.einsum("hid,hjd->hij", queries[:, later], keys[np.arange(H) // group]) * scale
+    logits[:, np.arange(len(later))[:, None] < (np.arange(L)[None, :] - later[0])] = -np.inf
+    logits -= logits.max(axis=-1, keepdims=True)
+    weights = np.exp(logits)
+    weights /= weights.sum(axis=-1, keepdims=True)  # (H, |later|, L)
+    return weights.mean(axis=1).reshape(kv, group, L).mean(axis=1)
+
+
+def scores_for(keys: mx.array, layer_filters: np.ndarray) -> dict[str, np.ndarray]:
+    """Every scorer's ``(KV, L)`` scores for one layer's keys ``(1, KV, L, D)``."""
+    out = {
+        "qfilters": QFilterScorer(mx.array(layer_filters)).score(keys, 0),
+        "knorm": KNormScorer().score(keys, 0),
+        "recency": RecencyScorer().score(keys, 0),
+    }
+    for sign, name in ((1, "fallback+"), (-1, "fallback-")):
+        scorer = KeySVDScorer(DEFAULT_CALIB_TOKENS, sign=sign)
+        scorer.observe(keys[:, :, :DEFAULT_CALIB_TOKENS], DEFAULT_CALIB_TOKENS)
+        out[name] = scorer.score(keys, 0)
+    return {k: np.array(v[0]) for k, v in out.items()}
+
+
+def sequence_correlations(model: Any, tokens: np.ndarray, filters: np.ndarray) -> np.ndarray:
+    """``(n_scorers, n_layers, n_kv)`` Spearman correlations on one sequence."""
+    L = len(tokens)
+    cache = make_prompt_cache(model)
+    with QueryCapture(model, samples_per_head=L) as capture:
+        model(mx.array(tokens.astype(np.int32))[None], cache=cache)
+        samples = capture.samples()
+    attns = attention_modules(model)
+    keys_of = np.arange(DEFAULT_N_SINK, L // 2)
+    out = np.zeros((len(SCORERS), len(attns), filters.shape[1]))
+    for layer, (attn, sample, c) in enumerate(zip(attns, samples, cache, strict=True)):
+        queries = sample.queries[:, np.argsort(sample.positions)]  # (H, L, D)
+        keys = c.keys[:, :, :L].astype(mx.float32)  # (1, KV, L, D)
+        received = received_attention(queries, np.array(keys[0]), float(attn.scale))
+        scores = scores_for(keys, filters[layer])
+        for s, name in enumerate(SCORERS):
+            for k in range(filters.shape[1]):
+                out[s, layer, k] = spearman(scores[name][k, keys_of], received[k, keys_of])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = base_parser(__doc__.splitlines()[0])
+    p.add_argument("--length", type=int, default=None, help="tokens per held-out sequence")
+    p.add_argument("--sequences", type=int, default=None, help="held-out sequences per kind")
+    args = p.parse_args(argv)
+    started = time.perf_counter()
+    length = args.length or (160 if args.quick else 1024)
+    n_seq = args.sequences or (1 if args.quick else 12)
+
+    model, tokenizer, identity = load_model(args.model)
+    filters, calibration = filters_for(
+        model, tokenizer, identity, mode=args.calibration, quick=args.quick, seed=args.seed
+    )
+    corpus = heldout_corpus(tokenizer)
+    datasets = {
+        "stdlib": stdlib_windows(corpus, length, n_seq),
+        "recall": recall_windows(corpus, length, n_seq),
+    }
+    rho: dict[str, np.ndarray] = {}
+    with tqdm(total=sum(len(v) for v in datasets.values()), desc="sequences") as bar:
+        for name, seqs in datasets.items():
+            per_seq = []
+            for tokens in seqs:
+                per_seq.append(sequence_correlations(model, tokens, filters))
+                bar.update(1)
+            rho[name] = np.stack(per_seq)  # (S, n_scorers, n_layers, n_kv)
+    rho["all"] = np.concatenate([rho["stdlib"], rho["recall"]])
+
+    results: dict[str, Any] = {}
+    table = []
+    for name, r in rho.items():
+        head_mean = np.nanmean(r, axis=0)  # (n_scorers, n_layers, n_kv)
+        results[name] = {}
+        for s, scorer in enumerate(SCORERS):
+            per_head = head_mean[s].ravel()
+            results[name][scorer] = {
+                "mean_rho": float(np.nanmean(per_head)),
+                "share_heads_positive": float(np.mean(per_head > 0)),
+                "share_cells_positive": float(np.mean(r[:, s] > 0)),
+                "per_head_spread": spread(per_head.tolist()),
+                "per_head": head_mean[s].tolist(),  # [layer][kv_head]
+            }
+            row = results[name][scorer]
+            table.append(
+                [name, scorer, row["mean_rho"], row["share_heads_positive"],
+                 row["per_head_spread"]["q1"], row["per_head_spread"]["q3"]]
+            )  # fmt: skip
+    print_table(
+        ["data", "scorer", "mean rho", "heads rho>0", "q1", "q3"],
+        table,
+        title=f"Spearman(score, received attention) per KV head ({identity['checkpoint']})",
+    )
+
+    n_layers, n_kv = filters.shape[:2]
+    fig, ax = plots.subplots(1, 2, figsize=(11, 3.8))
+    a = ax[0, 0]
+    for s, scorer in enumerate(SCORERS):
+        per_head = np.nanmean(rho["all"], axis=0)[s].ravel()
+        jitter = np.linspace(-0.15, 0.15, len(per_head))
+        a.scatter(s + jitter, per_head, s=12, color=plots.COLORS[scorer], alpha=0.8)
+        a.hlines(np.nanmean(per_head), s - 0.3, s + 0.3, color="black")
+    a.axhline(0, color="grey", lw=0.5)
+    a.set_xticks(range(len(SCORERS)), SCORERS)
+    a.set_ylabel("Spearman rho (per KV head, mean over sequences)")
+    a = ax[0, 1]
+    im = a.imshow(np.nanmean(rho["all"], axis=0)[0], cmap="RdBu", vmin=-1, vmax=1, aspect="auto")
+    a.set_xlabel("KV head")
+    a.set_ylabel("layer")
+    a.set_xticks(range(n_kv))
+    a.set_yticks(range(n_layers))
+    a.set_title("calibrated Q-Filters, rho per head", fontsize=9)
+    fig.colorbar(im, ax=a)
+    plots.save(
+        fig,
+        args.out,
+        STUDY,
+        f"{identity['path']} {identity['checkpoint']}: does the score predict attention?",
+    )
+
+    path = write_results(
+        STUDY,
+        {
+            "command": command_line(STUDY, argv),
+            "quick": args.quick,
+            "model": identity,
+            "calibration": calibration,
+            "data": {
+                "length": length,
+                "sequences": {k: len(v) for k, v in datasets.items()},
+                "keys": f"positions {DEFAULT_N_SINK} .. L/2-1",
+                "queries": "positions L/2 .. L-1, all query heads of the KV group",
+                "fallback_calib_tokens": DEFAULT_CALIB_TOKENS,
+            },
+            "scorers": list(SCORERS),
+            "results": results,
+            "plots": [f"{STUDY}.png"],
+        },
+        args.out,
+        started,
+    )
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    from engine.blas import reexec_with_openblas
+
+    reexec_with_openblas()
+    sys.exit(main())
