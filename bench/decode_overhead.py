@@ -90,8 +90,9 @@ def main() -> None:
     long_arms = {
         "full_a": decode_arm(model, kv_caches(model, args.context), args.steps, hold=True),
         "full_b": decode_arm(model, kv_caches(model, args.context), args.steps, hold=True),
-        "qfilters": decode_arm(model, ours(model, args.long_budget, args.context), args.steps,
-                               hold=False),
+        "qfilters": decode_arm(
+            model, ours(model, args.long_budget, args.context), args.steps, hold=False
+        ),
     }
     long = interleave(long_arms, args.reps)
 
@@ -100,22 +101,32 @@ def main() -> None:
         ("equal size", ratio_row(equal, "qfilters_fallback", "kvcache_a"), f"ours at budget {b}"),
         ("equal size", ratio_row(equal, "knorm", "kvcache_a"), f"ours (knorm) at budget {b}"),
         ("long context", ratio_row(long, "full_b", "full_a"), "A/A noise floor"),
-        ("long context", ratio_row(long, "qfilters", "full_a"),
-         f"budget {args.long_budget} vs full {args.context}"),
+        (
+            "long context",
+            ratio_row(long, "qfilters", "full_a"),
+            f"budget {args.long_budget} vs full {args.context}",
+        ),
     ]
     print(f"\n{'study':<13} {'arm / reference':<34} {'median':>7} {'q1':>7} {'q3':>7}  note")
     for study, r, note in rows:
-        print(f"{study:<13} {r['arm'] + ' / ' + r['reference']:<34} {r['median']:>7.3f} "
-              f"{r['q1']:>7.3f} {r['q3']:>7.3f}  {note}")
-    print("\nms/step medians: " + ", ".join(
-        f"{k}={summary(v)['median']:.3f}" for k, v in {**equal, **long}.items()))
+        print(
+            f"{study:<13} {r['arm'] + ' / ' + r['reference']:<34} {r['median']:>7.3f} "
+            f"{r['q1']:>7.3f} {r['q3']:>7.3f}  {note}"
+        )
+    print(
+        "\nms/step medians: "
+        + ", ".join(f"{k}={summary(v)['median']:.3f}" for k, v in {**equal, **long}.items())
+    )
 
-    path = write_json("decode_overhead", {
-        "model": "tests.tiny (random weights: 2 layers, 4 q heads, 2 kv heads, head_dim 32)",
-        "args": vars(args),
-        "ms_per_step": {k: summary(v) for k, v in {**equal, **long}.items()},
-        "ratios": [{"study": s, "note": n, **r} for s, r, n in rows],
-    })
+    path = write_json(
+        "decode_overhead",
+        {
+            "model": "tests.tiny (random weights: 2 layers, 4 q heads, 2 kv heads, head_dim 32)",
+            "args": vars(args),
+            "ms_per_step": {k: summary(v) for k, v in {**equal, **long}.items()},
+            "ratios": [{"study": s, "note": n, **r} for s, r, n in rows],
+        },
+    )
     print(f"wrote {path}")
 
 

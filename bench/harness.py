@@ -8,6 +8,7 @@ A/A pair (the reference against itself) showing the noise floor.
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
 import time
@@ -18,22 +19,39 @@ from typing import Any
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
-def interleave(arms: dict[str, Callable[[], float]], reps: int, warmup: int = 1) -> dict[str, list[float]]:
-    """Run each arm ``warmup + reps`` times, round-robin; each call returns one measurement."""
+def interleave(
+    arms: dict[str, Callable[[], float]],
+    reps: int,
+    warmup: int = 1,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, list[float]]:
+    """Run each arm ``warmup + reps`` times, round-robin; each call returns one measurement.
+
+    ``progress(done, total)`` is called after every round (warm-up rounds included).
+    """
     samples: dict[str, list[float]] = {name: [] for name in arms}
-    for rep in range(warmup + reps):
+    total = warmup + reps
+    for rep in range(total):
         for name, fn in arms.items():
             value = fn()
             if rep >= warmup:
                 samples[name].append(value)
+        if progress is not None:
+            progress(rep + 1, total)
     return samples
 
 
 def summary(values: list[float]) -> dict[str, float]:
     """Median and spread (min, max, interquartile range) of one arm's measurements."""
     q = statistics.quantiles(values, n=4) if len(values) >= 2 else [values[0]] * 3
-    return {"median": statistics.median(values), "min": min(values), "max": max(values),
-            "q1": q[0], "q3": q[2], "n": len(values)}
+    return {
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+        "q1": q[0],
+        "q3": q[2],
+        "n": len(values),
+    }
 
 
 def ratio_row(samples: dict[str, list[float]], arm: str, reference: str) -> dict[str, float]:
@@ -42,19 +60,52 @@ def ratio_row(samples: dict[str, list[float]], arm: str, reference: str) -> dict
     return {"arm": arm, "reference": reference, **summary(ratios)}
 
 
+def _training_running() -> bool:
+    # Another project process (the model's training) often shares the cores; say so.
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if b"training.train" in cmdline.read_bytes():
+                return True
+        except OSError:
+            continue
+    return False
+
+
 def machine() -> dict[str, Any]:
+    """Platform, MLX, BLAS, cores and how busy the machine was when the run wrote its JSON."""
     import mlx.core as mx
 
     from engine.blas import blas_summary
 
-    return {"platform": platform.platform(), "processor": platform.machine(),
-            "mlx": mx.__version__, "device": str(mx.default_device()), "blas": blas_summary()}
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "processor": platform.machine(),
+        "mlx": mx.__version__,
+        "device": str(mx.default_device()),
+        "blas": blas_summary(),
+        "cpu_count": os.cpu_count(),
+    }
+    if hasattr(os, "getloadavg"):
+        info["load_average"] = [round(x, 2) for x in os.getloadavg()]
+    if _training_running():
+        info["notes"] = (
+            "shared machine: a model was training in the background on the same cores "
+            "during this run, so absolute timings are inflated and noisy; read the ratios "
+            "against the A/A rows"
+        )
+    return info
 
 
-def write_json(name: str, payload: dict[str, Any]) -> Path:
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"{name}.json"
-    payload = {"benchmark": name, "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-               "machine": machine(), **payload}
+def write_json(name: str, payload: dict[str, Any], directory: Path | None = None) -> Path:
+    """Write ``<directory>/<name>.json`` (default ``bench/results``) with date and machine."""
+    directory = RESULTS_DIR if directory is None else Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}.json"
+    payload = {
+        "benchmark": name,
+        "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": machine(),
+        **payload,
+    }
     path.write_text(json.dumps(payload, indent=1))
     return path

@@ -1,0 +1,155 @@
+"""Study 7: time to first token with eviction against a full cache, at 1k / 2k / 4k prompts.
+
+Each measurement is one request as the engine runs it: build the caches with ``make_caches``,
+then mlx-lm's ``generate_step`` (default ``prefill_step_size`` 2048) with
+``prompt_cache=caches`` until it yields the first (greedy) token. Arms interleaved: full
+(twice, the A/A pair) and Q-Filters at budgets 256 and 512. Prompts longer than the model's
+trained context are labelled: RoPE runs past it, so speed is measurable there.
+
+Run: ``python -m bench.speed.ttft [--quick] [--model DIR] [--reps 5]``.
+Writes ``bench/results/ttft.json`` and ``ttft.png``.
+"""
+
+from __future__ import annotations
+
+from engine.blas import reexec_with_openblas
+
+reexec_with_openblas()
+
+import time  # noqa: E402
+
+import mlx.core as mx  # noqa: E402
+from mlx_lm.generate import generate_step  # noqa: E402
+from mlx_lm.sample_utils import make_sampler  # noqa: E402
+
+from bench.harness import interleave, ratio_row, summary, write_json  # noqa: E402
+from bench.speed import common  # noqa: E402
+
+PROMPTS = (1024, 2048, 4096)
+BUDGETS = (256, 512)
+
+
+def ttft_timer(sm, arm, tokens: list[int], kept: dict):
+    """A callable returning seconds to the first token of one fresh request."""
+    prompt = mx.array(tokens)
+    greedy = make_sampler(0.0)
+
+    def run() -> float:
+        tic = time.perf_counter()
+        caches = common.caches_for(sm, arm)
+        gen = generate_step(
+            prompt, sm.loaded.model, max_tokens=1, sampler=greedy, prompt_cache=caches
+        )
+        next(gen)  # yields y.item(): the token is evaluated
+        seconds = time.perf_counter() - tic
+        gen.close()
+        kept.update(common.kv_stats(caches))
+        return seconds
+
+    return run
+
+
+def plot(result, out) -> list[str]:
+    plt = common.plt()
+    rows = result["rows"]
+    x = [r["prompt_tokens"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    for arm in ("full_a", *(f"b{b}" for b in result["settings"]["budgets"])):
+        med, err = common.errorbars([r["ttft_s"][arm] for r in rows])
+        ax.errorbar(
+            x,
+            [m * 1e3 for m in med],
+            yerr=[[e * 1e3 for e in side] for side in err],
+            marker="o",
+            capsize=3,
+            label="full" if arm == "full_a" else f"Q-Filters {arm}",
+        )
+    trained = result["model"]["context_length"]
+    ax.axvline(trained, color="grey", ls=":", label=f"trained context {trained}")
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="prompt tokens",
+        ylabel="TTFT ms (median, IQR)",
+        title="Time to first token",
+    )
+    ax.set_xticks(x, [str(v) for v in x])
+    ax.legend()
+    return [common.save_figure(fig, out, "ttft")]
+
+
+def main(argv=None) -> dict:
+    args = common.make_parser(__doc__.splitlines()[0], reps=5).parse_args(argv)
+    reps = common.reps_of(args)
+    progress = common.Progress("ttft")
+    sm = common.load_study_model(args.model)
+    prompts = (64, 256) if args.quick else PROMPTS
+    budgets = (32, 128) if args.quick else BUDGETS
+    progress(f"model {sm.loaded.name}, prompts {prompts}, budgets {budgets}, reps {reps}")
+    rows = []
+    for n in prompts:
+        tokens = common.prompt_tokens(sm, n)
+        kept: dict[str, dict] = {}
+        arms = {}
+        for name, arm in [("full_a", "full"), ("full_b", "full"), *((f"b{b}", b) for b in budgets)]:
+            kept[name] = {}
+            arms[name] = ttft_timer(sm, arm, tokens, kept[name])
+        samples = interleave(arms, reps, progress=progress.rounds(f"prompt {n}"))
+        rows.append(
+            {
+                "prompt_tokens": n,
+                "beyond_trained_context": n > sm.context_length,
+                "ttft_s": {k: summary(v) for k, v in samples.items()},
+                "ratios": [ratio_row(samples, "full_b", "full_a")]
+                + [ratio_row(samples, f"b{b}", "full_a") for b in budgets],
+                "kv_after_prefill": kept,
+            }
+        )
+    result = {
+        "study": 7,
+        "command": "python -m bench.speed.ttft" + (" --quick" if args.quick else ""),
+        "quick": args.quick,
+        "model": sm.describe(),
+        "settings": {
+            "reps": reps,
+            "budgets": list(budgets),
+            "method": "qfilters",
+            "n_sink": 4,
+            "recent": 0,
+            "prefill_step_size": 2048,
+            "sampler": "greedy",
+            "timed": "make_caches + generate_step until the first token is yielded",
+        },
+        "rows": rows,
+    }
+    result["plots"] = plot(result, args.out)
+    result["runtime_s"] = round(progress.elapsed, 1)
+    path = write_json("ttft", result, args.out)
+
+    print("\nTTFT ms (median [IQR]); ratio = median of paired ratios to full_a")
+    table = []
+    for r in rows:
+        t, rr = r["ttft_s"], {x["arm"]: x for x in r["ratios"]}
+        label = f"{r['prompt_tokens']}" + (
+            " (beyond trained)" if r["beyond_trained_context"] else ""
+        )
+        table.append(
+            [
+                label,
+                f"{t['full_a']['median'] * 1e3:.1f}",
+                f"{rr['full_b']['median']:.3f} [{rr['full_b']['q1']:.2f}-{rr['full_b']['q3']:.2f}]",
+                *(
+                    f"{t[f'b{b}']['median'] * 1e3:.1f} ({rr[f'b{b}']['median']:.3f})"
+                    for b in budgets
+                ),
+            ]
+        )
+    common.print_table(
+        ["prompt", "full ms", "A/A ratio", *(f"b{b} ms (ratio)" for b in budgets)], table
+    )
+    print(f"\nwrote {path} in {result['runtime_s']}s")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""Study 9: qfserve against mlx-lm's own server, same model folder, same prompts.
+
+Both servers run as subprocesses on ephemeral 127.0.0.1 ports, both with OpenBLAS preloaded
+(qfserve does it for itself; ``mlx_lm.server`` gets the same ``LD_PRELOAD``). Every request
+is a streamed ``/v1/chat/completions`` call with temperature 0, the end-of-sequence tokens
+banned through ``logit_bias`` (so each makes exactly ``max_tokens``) and a unique prefix
+(``[<round>-<arm>]``) that keeps mlx-lm's prompt cache from reusing an earlier request.
+Arms interleaved per round: theirs (full cache), ours full, ours with Q-Filters, theirs again
+(the A/A pair). At a short and a long prompt: TTFT and decode tok/s, as ratios to theirs.
+
+Run: ``python -m bench.speed.vs_mlx_lm [--quick] [--model DIR] [--reps 7]``.
+Writes ``bench/results/vs_mlx_lm.json`` and ``vs_mlx_lm.png``.
+"""
+
+from __future__ import annotations
+
+from engine.blas import reexec_with_openblas
+
+reexec_with_openblas()
+
+import contextlib  # noqa: E402
+import itertools  # noqa: E402
+
+import httpx  # noqa: E402
+
+from bench.harness import interleave, ratio_row, summary, write_json  # noqa: E402
+from bench.speed import common  # noqa: E402
+
+ARMS = ("theirs_a", "ours_full", "ours_qfilters", "theirs_b")
+
+
+def plot(result, out) -> list[str]:
+    plt = common.plt()
+    rows = result["rows"]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    width = 0.2
+    for i, arm in enumerate(ARMS):
+        x = [j + (i - 1.5) * width for j in range(len(rows))]
+        for ax, key, scale in ((a1, "ttft_s", 1e3), (a2, "decode_tps", 1.0)):
+            med, err = common.errorbars([r[key][arm] for r in rows])
+            ax.bar(
+                x,
+                [m * scale for m in med],
+                width,
+                yerr=[[e * scale for e in s] for s in err],
+                capsize=3,
+                label=arm,
+            )
+    labels = [f"prompt {r['prompt_tokens']}" for r in rows]
+    a1.set(title="TTFT ms (median, IQR)")
+    a2.set(title="decode tokens/s (median, IQR)")
+    for ax in (a1, a2):
+        ax.set_xticks(range(len(rows)), labels)
+        ax.legend(fontsize=8)
+    return [common.save_figure(fig, out, "vs_mlx_lm")]
+
+
+def main(argv=None) -> dict:
+    p = common.make_parser(__doc__.splitlines()[0], reps=7)
+    p.add_argument("--max-tokens", type=int, default=None, help="(default 64; quick 8)")
+    p.add_argument("--budget", type=int, default=None, help="Q-Filters budget (default 256)")
+    args = p.parse_args(argv)
+    reps = common.reps_of(args)
+    max_tokens = args.max_tokens or (8 if args.quick else 64)
+    budget = args.budget or (32 if args.quick else 256)
+    progress = common.Progress("vs_mlx_lm")
+    sm = common.load_study_model(args.model)
+    # Long: as close to the context as prompt + max_tokens (+ the nonce) allow.
+    lengths = (64, 200) if args.quick else (256, sm.context_length - max_tokens - 32)
+    bias = common.eos_ban(sm)
+    seq = itertools.count()
+
+    def arm(client, url: str, n_prompt: int, name: str, extra: dict):
+        def run() -> common.StreamTiming:
+            nonce = f"[{next(seq):04d}-{name[:6]}] "
+            body = {
+                "model": sm.loaded.name if "ours" in name else str(sm.path),
+                "messages": [{"role": "user", "content": common.chat_content(sm, n_prompt, nonce)}],
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "logit_bias": bias,
+                **extra,
+            }
+            return common.stream_chat(client, url, body)
+
+        return run
+
+    rows = []
+    with contextlib.ExitStack() as stack:
+        progress("starting mlx_lm.server and qfserve")
+        theirs, ours = stack.enter_context(common.serve("mlx_lm", "qfserve", model=sm.path))
+        client = stack.enter_context(httpx.Client())
+        progress(f"theirs {theirs}, ours {ours}; prompts {lengths}, {reps} reps")
+        for n in lengths:
+            arms = {
+                "theirs_a": arm(client, theirs, n, "theirs_a", {}),
+                "ours_full": arm(client, ours, n, "ours_full", {"kv_method": "full"}),
+                "ours_qfilters": arm(
+                    client, ours, n, "ours_qf", {"kv_method": "qfilters", "qfilters_budget": budget}
+                ),
+                "theirs_b": arm(client, theirs, n, "theirs_b", {}),
+            }
+            runs = interleave(arms, reps, progress=progress.rounds(f"prompt {n}"))
+            ttft = {k: [t.ttft for t in v] for k, v in runs.items()}
+            tps = {k: [t.decode_tps for t in v] for k, v in runs.items()}
+            rows.append(
+                {
+                    "prompt_tokens": n,
+                    "prompt_tokens_seen": {
+                        k: sorted({t.prompt_tokens for t in v}) for k, v in runs.items()
+                    },
+                    "completion_tokens": {
+                        k: sorted({t.completion_tokens for t in v}) for k, v in runs.items()
+                    },
+                    "ttft_s": {k: summary(v) for k, v in ttft.items()},
+                    "decode_tps": {k: summary(v) for k, v in tps.items()},
+                    "ttft_ratios": [ratio_row(ttft, a, "theirs_a") for a in ARMS[1:]],
+                    "tps_ratios": [ratio_row(tps, a, "theirs_a") for a in ARMS[1:]],
+                    "kv_cache_ours_qfilters": runs["ours_qfilters"][-1].kv_cache,
+                }
+            )
+    result = {
+        "study": 9,
+        "command": "python -m bench.speed.vs_mlx_lm" + (" --quick" if args.quick else ""),
+        "quick": args.quick,
+        "model": sm.describe(),
+        "settings": {
+            "reps": reps,
+            "max_tokens": max_tokens,
+            "budget": budget,
+            "n_sink": 4,
+            "recent": 0,
+            "temperature": 0,
+            "eos_banned": True,
+            "endpoint": "/v1/chat/completions (stream, include_usage)",
+            "theirs": "python -m mlx_lm.server (defaults: full KVCache, prompt cache on; "
+            "defeated by a unique prompt prefix)",
+            "both_openblas": True,
+            "host": common.HOST,
+        },
+        "rows": rows,
+    }
+    result["plots"] = plot(result, args.out)
+    result["runtime_s"] = round(progress.elapsed, 1)
+    path = write_json("vs_mlx_lm", result, args.out)
+
+    print("\nMedians; ratios to theirs_a are medians of paired per-round ratios [IQR]")
+    table = []
+    for r in rows:
+        tr = {x["arm"]: x for x in r["ttft_ratios"]}
+        sr = {x["arm"]: x for x in r["tps_ratios"]}
+        for a in ARMS:
+            table.append(
+                [
+                    r["prompt_tokens"],
+                    a,
+                    f"{r['ttft_s'][a]['median'] * 1e3:.1f}",
+                    f"{r['decode_tps'][a]['median']:.0f}",
+                    ""
+                    if a == "theirs_a"
+                    else f"{tr[a]['median']:.3f} [{tr[a]['q1']:.2f}-{tr[a]['q3']:.2f}]",
+                    ""
+                    if a == "theirs_a"
+                    else f"{sr[a]['median']:.3f} [{sr[a]['q1']:.2f}-{sr[a]['q3']:.2f}]",
+                ]
+            )
+    common.print_table(["prompt", "arm", "TTFT ms", "tok/s", "TTFT ratio", "tok/s ratio"], table)
+    print(f"\nwrote {path} in {result['runtime_s']}s")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,23 @@
+"""Smoke test of the speed studies (bench/speed): each runs in --quick mode on the tiny
+random-weight model and writes its JSON and plots. Seconds, not a measurement."""
+
+from __future__ import annotations
+
+import importlib
+import json
+
+import pytest
+
+STUDIES = ("decode", "ttft", "server_overhead", "vs_mlx_lm", "bandwidth")
+
+
+@pytest.mark.parametrize("study", STUDIES)
+def test_study_quick(study, tmp_path):
+    module = importlib.import_module(f"bench.speed.{study}")
+    result = module.main(["--quick", "--model", "tiny", "--out", str(tmp_path)])
+    written = json.loads((tmp_path / f"{study}.json").read_text())
+    assert written["benchmark"] == study
+    assert written["quick"] is True
+    assert written["machine"]["cpu_count"] >= 1
+    for name in result["plots"]:
+        assert (tmp_path / name).stat().st_size > 0
