@@ -1,0 +1,268 @@
+"""Markdown for the ``## Speed and memory`` part of ``bench/RESULTS.md``, one renderer per
+study, read from ``bench/results/<study>.json``. :mod:`bench.report` assembles the page."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+MiB = 2**20
+
+
+def _r(row: dict[str, Any]) -> str:
+    """A paired-ratio row as ``median [q1-q3]``."""
+    return f"{row['median']:.3f} [{row['q1']:.2f}–{row['q3']:.2f}]"
+
+
+def _ms(s: dict[str, float], scale: float = 1.0, digits: int = 2) -> str:
+    return f"{s['median'] * scale:.{digits}f} [{s['q1'] * scale:.{digits}f}–{s['q3'] * scale:.{digits}f}]"
+
+
+def _table(headers: list[str], rows: list[list[Any]]) -> list[str]:
+    out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return out
+
+
+def _header(title: str, data: dict[str, Any]) -> list[str]:
+    m = data["machine"]
+    notes = m.get("notes", "")
+    lines = [
+        f"### {title}",
+        "",
+        f"`{data['command']}` — {data['when']}, {data.get('runtime_s', '?')} s; "
+        f"{m['processor']}, {m.get('cpu_count', '?')} cores, {m['device']}, MLX {m['mlx']}, "
+        f"load average {m.get('load_average', '?')}. {m['blas']}.",
+    ]
+    if notes:
+        lines += ["", f"*Machine note: {notes}.*"]
+    if data.get("quick"):
+        lines += ["", "*Quick (CI-sized) run: not a measurement.*"]
+    return [*lines, ""]
+
+
+def _plots(data: dict[str, Any]) -> list[str]:
+    return ["", *(f"![{p}](results/{p})" for p in data.get("plots", [])), ""]
+
+
+def decode(d: dict[str, Any]) -> list[str]:
+    budgets = d["settings"]["budgets"]
+    lines = _header("6. Decode step time, eviction overhead and memory against context", d)
+    lines.append(
+        f"ms per decode step, median [IQR] over {d['settings']['reps']} interleaved repetitions "
+        f"of {d['settings']['steps']} steps; ratios are medians of paired per-round ratios to "
+        "the first full arm (A/A = the second full arm: the noise floor). Q-Filters, "
+        f"n_sink 4, recent 0, filters: {d['model']['filter_source']}."
+    )
+    lines.append("")
+    rows = []
+    for r in d["sweep"]:
+        ms, rr = r["ms_per_step"], {x["arm"]: x for x in r["ratios"]}
+        label = str(r["context"]) + (
+            " (beyond trained context)" if r["beyond_trained_context"] else ""
+        )
+        rows.append(
+            [label, _ms(ms["full_a"]), _r(rr["full_b"])]
+            + [
+                f"{ms[f'b{b}']['median']:.2f} ({_r(rr[f'b{b}'])})"
+                + ("" if r["evicting"][f"b{b}"] else " no eviction yet")
+                for b in budgets
+            ]
+        )
+    lines += _table(
+        ["context", "full ms", "A/A", *(f"budget {b}: ms (ratio to full)" for b in budgets)], rows
+    )
+    lines += [
+        "",
+        "Eviction overhead at equal size: our cache at budget B holding B rows (one "
+        "evicted per step) against mlx-lm's `KVCache` holding B rows.",
+        "",
+    ]
+    lines += _table(
+        ["B", "KVCache ms", "ours ms", "A/A", "ours / KVCache"],
+        [
+            [
+                o["budget"],
+                _ms(o["ms_per_step"]["kvcache_a"]),
+                _ms(o["ms_per_step"]["ours"]),
+                _r(o["ratios"][0]),
+                _r(o["ratios"][1]),
+            ]
+            for o in d["overhead"]
+        ],
+    )
+    lines += [
+        "",
+        "Memory, MiB: kept KV (keys + values, all layers), what the cache arrays hold "
+        "(mlx-lm's `KVCache` preallocates in steps of 256; ours also holds scores), and "
+        "MLX's peak above the weights during prefill (512-token chunks) and during decode.",
+        "",
+    ]
+    lines += _table(
+        ["context", "arm", "kept KV", "cache arrays", "prefill peak", "decode peak"],
+        [
+            [
+                m["context"],
+                m["arm"],
+                f"{m['kept_bytes'] / MiB:.2f}",
+                f"{m['cache_nbytes'] / MiB:.2f}",
+                f"{m['prefill_peak_bytes'] / MiB:.1f}",
+                f"{m['decode_peak_bytes'] / MiB:.2f}",
+            ]
+            for m in d["memory"]
+        ],
+    )
+    return lines + _plots(d)
+
+
+def ttft(d: dict[str, Any]) -> list[str]:
+    budgets = d["settings"]["budgets"]
+    lines = _header("7. Time to first token, eviction vs full", d)
+    lines.append(
+        f"Timed: {d['settings']['timed']} (prefill step {d['settings']['prefill_step_size']}). "
+        f"ms, median [IQR] over {d['settings']['reps']} interleaved repetitions; ratios to full."
+    )
+    lines.append("")
+    rows = []
+    for r in d["rows"]:
+        t, rr = r["ttft_s"], {x["arm"]: x for x in r["ratios"]}
+        label = str(r["prompt_tokens"]) + (
+            " (beyond trained context)" if r["beyond_trained_context"] else ""
+        )
+        rows.append(
+            [label, _ms(t["full_a"], 1e3, 1), _r(rr["full_b"])]
+            + [f"{t[f'b{b}']['median'] * 1e3:.1f} ({_r(rr[f'b{b}'])})" for b in budgets]
+        )
+    lines += _table(
+        ["prompt tokens", "full ms", "A/A", *(f"budget {b}: ms (ratio)" for b in budgets)], rows
+    )
+    return lines + _plots(d)
+
+
+def server_overhead(d: dict[str, Any]) -> list[str]:
+    s = d["settings"]
+    lines = _header("8. Server overhead: streamed HTTP vs in-process", d)
+    lines.append(
+        f"Prompt {s['prompt_tokens']} tokens, {s['max_tokens']} generated (EOS banned), "
+        f"Q-Filters budget {s['budget']}, greedy; {s['reps']} interleaved repetitions. "
+        "TTFT = first non-empty text; ITL = (end − first) / (tokens − 1)."
+    )
+    lines.append("")
+    lines += _table(
+        ["arm", "TTFT ms", "ITL ms"],
+        [[k, _ms(d["ttft_s"][k], 1e3, 1), _ms(d["itl_s"][k], 1e3, 2)] for k in d["ttft_s"]],
+    )
+    lines.append("")
+    lines += _table(
+        ["ratio", "TTFT", "ITL"],
+        [
+            [f"{t['arm']} / {t['reference']}", _r(t), _r(i)]
+            for t, i in zip(d["ttft_ratios"], d["itl_ratios"], strict=True)
+        ],
+    )
+    return lines + _plots(d)
+
+
+def vs_mlx_lm(d: dict[str, Any]) -> list[str]:
+    s = d["settings"]
+    lines = _header("9. Against mlx-lm's own server", d)
+    lines.append(
+        f"Same model folder and prompts, streamed `/v1/chat/completions`, greedy, "
+        f"{s['max_tokens']} tokens (EOS banned), {s['reps']} interleaved rounds; theirs: {s['theirs']}; "
+        f"ours with Q-Filters at budget {s['budget']}. Ratios to `theirs_a` (`theirs_b` = A/A)."
+    )
+    lines.append("")
+    rows = []
+    for r in d["rows"]:
+        tr = {x["arm"]: x for x in r["ttft_ratios"]}
+        sr = {x["arm"]: x for x in r["tps_ratios"]}
+        for a in r["ttft_s"]:
+            rows.append(
+                [
+                    r["prompt_tokens"],
+                    a,
+                    _ms(r["ttft_s"][a], 1e3, 1),
+                    _ms(r["decode_tps"][a], 1.0, 0),
+                    "—" if a == "theirs_a" else _r(tr[a]),
+                    "—" if a == "theirs_a" else _r(sr[a]),
+                ]
+            )
+    lines += _table(["prompt", "arm", "TTFT ms", "decode tok/s", "TTFT ratio", "tok/s ratio"], rows)
+    return lines + _plots(d)
+
+
+def bandwidth(d: dict[str, Any]) -> list[str]:
+    b = d["bandwidth"]
+    lines = _header("10. The physical limit: memory bandwidth vs bytes read per token", d)
+    lines.append(
+        f"Bandwidth ({b['method']}, {b['buffer_mib']} MiB buffers): copy "
+        f"{_ms(b['copy_gbps'], 1.0, 1)} GB/s, read {_ms(b['read_gbps'], 1.0, 1)} GB/s; "
+        f"reference {b['reference_gbps']:.1f} GB/s. Decode at context {d['settings']['context']}."
+    )
+    lines.append("")
+    ratios = {r["arm"]: r for r in d["ratios"]}
+    lines += _table(
+        [
+            "arm",
+            "ms/step",
+            "ratio to full",
+            "MiB read/token",
+            "GB/s reached",
+            "% of bandwidth",
+            "% incl. cache copies",
+            "bandwidth floor ms",
+        ],
+        [
+            [
+                r["arm"],
+                _ms(r["ms_per_step"]),
+                "—" if r["arm"] == "full_a" else _r(ratios[r["arm"]]),
+                f"{r['bytes_per_token'] / MiB:.2f}",
+                f"{r['achieved_gbps']:.2f}",
+                f"{r['percent_of_bandwidth']:.1f}",
+                f"{r['percent_incl_cache_copies']:.1f}",
+                f"{r['floor_ms_at_bandwidth']:.3f}",
+            ]
+            for r in d["decode"]
+        ],
+    )
+    lines += ["", f"Caveat: {d['caveat']}."]
+    return lines + _plots(d)
+
+
+RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
+    "decode": decode,
+    "ttft": ttft,
+    "server_overhead": server_overhead,
+    "vs_mlx_lm": vs_mlx_lm,
+    "bandwidth": bandwidth,
+}
+
+
+def render_speed_section(results: dict[str, dict[str, Any]]) -> list[str]:
+    """``## Speed and memory``: one subsection per study whose JSON exists."""
+    lines = [
+        "## Speed and memory",
+        "",
+        "Studies 6–10 (`bench/speed/`). Each row compares arms run in the same process, "
+        "interleaved, with an A/A row for the noise floor; ratios are medians of per-round ratios "
+        "with their interquartile range.",
+        "",
+    ]
+    for name, render in RENDERERS.items():
+        if name in results:
+            lines += render(results[name])
+        else:
+            lines += [f"*{name}: no results yet (`python -m bench.speed.{name}`).*", ""]
+    return lines
+
+
+def load_results(directory: Path) -> dict[str, dict[str, Any]]:
+    import json
+
+    return {
+        name: json.loads((directory / f"{name}.json").read_text())
+        for name in RENDERERS
+        if (directory / f"{name}.json").exists()
+    }
