@@ -240,6 +240,87 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
 }
 
 
+def _find(rows: list[dict[str, Any]], arm: str) -> dict[str, Any]:
+    return next(r for r in rows if r["arm"] == arm)
+
+
+def headline(results: dict[str, dict[str, Any]]) -> list[str]:
+    """The ratios worth quoting, each beside its A/A noise floor (paired medians [IQR])."""
+    out = []
+    if "decode" in results:
+        d = results["decode"]
+        top = max(
+            (r for r in d["sweep"] if not r["beyond_trained_context"]), key=lambda r: r["context"]
+        )
+        parts = ", ".join(
+            f"budget {b}: {_r(_find(top['ratios'], f'b{b}'))}" for b in d["settings"]["budgets"]
+        )
+        out.append(
+            f"- Decode step at the trained maximum context ({top['context']}), "
+            f"eviction / full: {parts}; A/A {_r(_find(top['ratios'], 'full_b'))}."
+        )
+        for o in d["overhead"]:
+            out.append(
+                f"- Eviction overhead at equal size B={o['budget']} (ours / `KVCache`): "
+                f"{_r(o['ratios'][1])}; A/A {_r(o['ratios'][0])}."
+            )
+        full = max((m for m in d["memory"] if m["arm"] == "full"), key=lambda m: m["context"])
+        kept = {m["arm"]: m for m in d["memory"] if m["context"] == full["context"]}
+        out.append(
+            f"- Kept KV at context {full['context']}: full {full['kept_bytes'] / MiB:.2f} MiB; "
+            + ", ".join(
+                f"{a} {m['kept_bytes'] / MiB:.2f} MiB "
+                f"({full['kept_bytes'] / m['kept_bytes']:.0f}x less)"
+                for a, m in kept.items()
+                if a != "full"
+            )
+            + "."
+        )
+    if "ttft" in results:
+        for r in results["ttft"]["rows"]:
+            parts = ", ".join(f"{x['arm']}: {_r(x)}" for x in r["ratios"][1:])
+            out.append(
+                f"- TTFT at {r['prompt_tokens']} prompt tokens"
+                + (" (beyond trained context)" if r["beyond_trained_context"] else "")
+                + f", eviction / full: {parts}; A/A {_r(r['ratios'][0])}."
+            )
+    if "server_overhead" in results:
+        d = results["server_overhead"]
+        t, i = d["ttft_ratios"], d["itl_ratios"]
+        out.append(
+            f"- HTTP / in-process: TTFT {_r(t[2])}, inter-token latency {_r(i[2])}; "
+            f"A/A in-process {_r(t[0])} / {_r(i[0])}, HTTP {_r(t[1])} / {_r(i[1])}."
+        )
+    if "vs_mlx_lm" in results:
+        for r in results["vs_mlx_lm"]["rows"]:
+            tr = {x["arm"]: x for x in r["ttft_ratios"]}
+            sr = {x["arm"]: x for x in r["tps_ratios"]}
+            out.append(
+                f"- vs `mlx_lm.server` at a {r['prompt_tokens']}-token prompt: ours full "
+                f"TTFT {_r(tr['ours_full'])}, tok/s {_r(sr['ours_full'])}; ours with "
+                f"Q-Filters TTFT {_r(tr['ours_qfilters'])}, tok/s {_r(sr['ours_qfilters'])}; "
+                f"A/A TTFT {_r(tr['theirs_b'])}, tok/s {_r(sr['theirs_b'])}."
+            )
+    if "bandwidth" in results:
+        d = results["bandwidth"]
+        parts = ", ".join(f"{r['arm']} {r['percent_of_bandwidth']:.1f}%" for r in d["decode"])
+        out.append(
+            f"- Share of measured bandwidth ({d['bandwidth']['reference_gbps']:.1f} GB/s) "
+            f"reached in decode at context {d['settings']['context']}: {parts}."
+        )
+    return (
+        [
+            "**Headline ratios measured** (below 1 is faster for time ratios, above 1 is faster "
+            "for tok/s ratios):",
+            "",
+            *out,
+            "",
+        ]
+        if out
+        else []
+    )
+
+
 def render_speed_section(results: dict[str, dict[str, Any]]) -> list[str]:
     """``## Speed and memory``: one subsection per study whose JSON exists."""
     lines = [
@@ -249,6 +330,7 @@ def render_speed_section(results: dict[str, dict[str, Any]]) -> list[str]:
         "interleaved, with an A/A row for the noise floor; ratios are medians of per-round ratios "
         "with their interquartile range.",
         "",
+        *headline(results),
     ]
     for name, render in RENDERERS.items():
         if name in results:
