@@ -39,6 +39,9 @@ logger = logging.getLogger(__name__)
 State = Literal["queued", "prefill", "decode", "done", "cancelled", "error"]
 DEFAULT_MAX_QUEUE = 16
 DEFAULT_HISTORY = 64
+# Events a job may have waiting for its handler. A client that reads keeps this near zero;
+# one that stopped reading (its socket buffers full) lets it grow, and is cancelled here.
+DEFAULT_MAX_BACKLOG = 256
 _STATS_EVERY = 8  # decode steps between cache-stat refreshes of an active record
 
 
@@ -103,6 +106,8 @@ class Job:
         self._events: asyncio.Queue[Event] = asyncio.Queue()
         self._cancel = threading.Event()
         self.failure: Failed | None = None  # what a cancelled job tells its client, if anyone
+        self._emitted = 0  # written by the worker thread only
+        self._taken = 0  # written by the event loop only
 
     @property
     def id(self) -> str:
@@ -128,9 +133,17 @@ class Job:
         # A closed loop (server shut down) means nobody is listening any more.
         with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+            self._emitted += 1
+
+    @property
+    def backlog(self) -> int:
+        """Events posted that the handler has not taken yet."""
+        return self._emitted - self._taken
 
     async def next_event(self) -> Event:
-        return await self._events.get()
+        event = await self._events.get()
+        self._taken += 1
+        return event
 
 
 class Worker:
@@ -140,6 +153,8 @@ class Worker:
         model_ref: ``--model`` value (``None``: the bundled model), loaded on the thread.
         max_queue: Requests waiting at most; beyond, :meth:`submit` raises.
         history: Finished requests kept for the admin endpoint.
+        max_backlog: Events a running job may leave untaken (its client stopped reading)
+            before it is cancelled.
         loader: Replaces :func:`engine.loading.load_model` (tests).
     """
 
@@ -149,11 +164,15 @@ class Worker:
         *,
         max_queue: int = DEFAULT_MAX_QUEUE,
         history: int = DEFAULT_HISTORY,
+        max_backlog: int = DEFAULT_MAX_BACKLOG,
         loader: Callable[[str | None], LoadedModel] = load_model,
     ) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        if max_backlog < 1:
+            raise ValueError(f"max_backlog must be >= 1, got {max_backlog}")
         self._ref = model_ref
+        self._max_backlog = max_backlog
         self._loader = loader
         self._queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
         self._lock = threading.Lock()
@@ -447,6 +466,10 @@ class Worker:
             )
             if text or logprobs:
                 job.emit(Delta(text, logprobs))
+                if job.backlog > self._max_backlog:
+                    logger.warning("request %s: its client stopped reading; cancelled", job.id)
+                    job.cancel(Failed("cancelled", "the client stopped reading the stream"))
+                    raise _Cancelled
             if stopped:
                 finish_reason = "stop"
                 break
