@@ -125,6 +125,19 @@ def save_figure(fig, out: Path, name: str) -> str:
     return path.name
 
 
+def log2_axis(ax, ticks: Sequence[int], *, logy: bool = False) -> None:
+    """Log-2 x axis labelled only at ``ticks`` (no minor-tick clutter); optionally log y."""
+    from matplotlib.ticker import NullLocator, ScalarFormatter
+
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(list(ticks), [str(t) for t in ticks])
+    ax.xaxis.set_minor_locator(NullLocator())
+    if logy:
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(ScalarFormatter())
+        ax.yaxis.set_minor_formatter(ScalarFormatter())
+
+
 def errorbars(stats: Sequence[dict[str, float]]) -> tuple[list[float], list[list[float]]]:
     """Medians and the interquartile range as matplotlib's asymmetric ``yerr``."""
     med = [s["median"] for s in stats]

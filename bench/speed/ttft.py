@@ -67,13 +67,11 @@ def plot(result, out) -> list[str]:
     trained = result["model"]["context_length"]
     ax.axvline(trained, color="grey", ls=":", label=f"trained context {trained}")
     ax.set(
-        xscale="log",
-        yscale="log",
         xlabel="prompt tokens",
         ylabel="TTFT ms (median, IQR)",
         title="Time to first token",
     )
-    ax.set_xticks(x, [str(v) for v in x])
+    common.log2_axis(ax, x, logy=True)
     ax.legend()
     return [common.save_figure(fig, out, "ttft")]
 
