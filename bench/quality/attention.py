@@ -28,7 +28,6 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
-from tqdm import tqdm
 
 from bench.quality import plots
 from bench.quality.calib import filters_for
@@ -37,6 +36,8 @@ from bench.quality.common import (
     command_line,
     load_model,
     print_table,
+    progress,
+    run,
     spread,
     write_results,
 )
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         "recall": recall_windows(corpus, length, n_seq),
     }
     rho: dict[str, np.ndarray] = {}
-    with tqdm(total=sum(len(v) for v in datasets.values()), desc="sequences") as bar:
+    with progress(total=sum(len(v) for v in datasets.values()), desc="sequences") as bar:
         for name, seqs in datasets.items():
             per_seq = []
             for tokens in seqs:
@@ -227,7 +228,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from engine.blas import reexec_with_openblas
-
-    reexec_with_openblas()
-    sys.exit(main())
+    sys.exit(run(main))

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
+from bench.quality.common import progress
 from bench.quality.data import split_files
 from calibrations.capture import capture_queries
 from calibrations.compute import compute_filters
@@ -75,7 +75,7 @@ def capture(
         tokens=tokens,
     )
     total = sum(len(s) for s in sequences)
-    with tqdm(total=total, unit="tok", desc=f"calibrating on text {text}", leave=False) as bar:
+    with progress(total=total, unit="tok", desc=f"calibrating on text {text}", leave=False) as bar:
         found = capture_queries(
             model, sequences, samples_per_head=samples, seed=seed, progress=bar.update
         )

@@ -8,7 +8,7 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -147,3 +147,27 @@ def write_results(study: str, payload: dict[str, Any], out_dir: Path, started: f
     }
     path.write_text(json.dumps(_jsonable(data), indent=1) + "\n")
     return path
+
+
+def progress(**kwargs: Any) -> Any:
+    """A tqdm bar; in a log file (no terminal) it writes a line every 30 s, not every step."""
+    from tqdm import tqdm
+
+    if not sys.stderr.isatty():
+        kwargs.setdefault("mininterval", 30.0)
+    return tqdm(**kwargs)
+
+
+def run(main: Callable[[], int]) -> int:
+    """Entry point of a study: OpenBLAS for MLX (re-executes once), then ``main()``.
+
+    numpy's own OpenBLAS spins its thread pool on every tiny SVD; on a loaded two-core
+    machine that costs up to a second per call, so one thread is the default here.
+    """
+    import os
+
+    from engine.blas import reexec_with_openblas
+
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    reexec_with_openblas()
+    return main()

@@ -40,18 +40,30 @@ def fast_tokenizer(tokenizer: Any) -> Tokenizer:
 
 
 @lru_cache(maxsize=1)
+def _all_files() -> tuple[Path, ...]:
+    return tuple(stdlib_files())
+
+
+@lru_cache(maxsize=2)
 def split_files(split: str) -> tuple[Path, ...]:
     """Standard-library files of one split (``train`` or ``eval``), sorted."""
-    return tuple(p for p in stdlib_files() if split_of(p) == split)
+    return tuple(p for p in _all_files() if split_of(p) == split)
 
 
 def heldout_corpus(tokenizer: Any) -> Corpus:
+    """See :func:`_heldout_corpus` (memoised on the tokenizer's definition)."""
+    tok = fast_tokenizer(tokenizer)
+    return _heldout_corpus(tok.to_str())
+
+
+@lru_cache(maxsize=2)
+def _heldout_corpus(tokenizer_json: str) -> Corpus:
     """A :class:`training.data.Corpus` holding only the evaluation split.
 
     ``streams["eval"]`` is every held-out file as ``bos text eos`` (the training stream's
     layout); ``code_lines["eval"]`` feeds the generators' code filler.
     """
-    tok = fast_tokenizer(tokenizer)
+    tok = Tokenizer.from_str(tokenizer_json)
     texts = [read_text(p) for p in split_files("eval")]
     bos, eos = tok.token_to_id(BOS), tok.token_to_id(EOS)
     encs = tok.encode_batch(texts, add_special_tokens=False)

@@ -24,7 +24,6 @@ import time
 from collections.abc import Sequence
 
 import numpy as np
-from tqdm import tqdm
 
 from bench.quality import plots
 from bench.quality.calib import filters_for
@@ -33,6 +32,8 @@ from bench.quality.common import (
     command_line,
     load_model,
     print_table,
+    progress,
+    run,
     spread,
     write_results,
 )
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     corpus = heldout_corpus(tokenizer)
     sequences = [*stdlib_windows(corpus, length, n_seq), *recall_windows(corpus, length, n_seq)]
     total = sum(len(s) for s in sequences)
-    with tqdm(total=total, unit="tok", desc="held-out queries") as bar:
+    with progress(total=total, unit="tok", desc="held-out queries") as bar:
         found = capture_queries(
             model, [s.tolist() for s in sequences], samples_per_head=samples, progress=bar.update
         )
@@ -173,7 +174,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from engine.blas import reexec_with_openblas
-
-    reexec_with_openblas()
-    sys.exit(main())
+    sys.exit(run(main))

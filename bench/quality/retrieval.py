@@ -1,0 +1,296 @@
+"""Study 4: pass-key retrieval against context length, compression and needle depth.
+
+Held-out pass-key documents (:func:`training.data.passkey_eval_set`: evaluation seeds,
+evaluation-split filler) of 256 .. 2048 tokens, with the needle spread evenly over three
+depth bins (first, middle, last third of the prompt). Each prompt ends at "...The pass key
+is"; the model decodes greedily through :func:`mlx_lm.generate_step` with
+``prompt_cache=make_caches(...)`` and is right when the first number it writes is the key.
+
+Compression is ``prompt tokens / budget`` at 2x .. 32x, so every arm keeps the same number of
+rows (sinks and recent rows included): full cache, calibrated Q-Filters, key-SVD fallback
+and K-norm with ``recent`` 0 and budget/4, and streaming.
+
+mlx-lm prefills ``prompt[:-1]`` in one block (prompts here are < 2,048 tokens) and the block
+attends to all of itself before the cache evicts. That block's keys and values are the same
+for every arm, so we compute them once per document and hand them to each arm's fresh
+caches through ``update_and_fetch``, which evicts exactly as the block call would; the last
+prompt token and the answer then run through ``generate_step``. The first document is also
+run the direct way for every arm, and the two must agree token for token (recorded as
+``shared_prefill_check``).
+
+Run: ``python -m bench.quality.retrieval [--quick] [--lengths 256 512 1024 2048]``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import sys
+import time
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+
+from bench.quality import plots
+from bench.quality.arms import LABELS, Arm, check_budget, standard_arms
+from bench.quality.calib import filters_for
+from bench.quality.common import (
+    base_parser,
+    command_line,
+    load_model,
+    print_table,
+    progress,
+    run,
+    write_results,
+)
+from bench.quality.data import heldout_corpus, passkey_docs
+from engine.config import DEFAULT_N_SINK
+
+STUDY = "retrieval"
+BINS = ("first third", "middle third", "last third")
+
+
+def budget_for(prompt_len: int, ratio: int, arm: Arm) -> int | None:
+    """``round(prompt_len / ratio)``, or None when it leaves no evictable row."""
+    budget = round(prompt_len / ratio)
+    return budget if budget > DEFAULT_N_SINK + arm.recent(budget) else None
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of ``k`` successes in ``n``."""
+    if n == 0:
+        return (float("nan"), float("nan"))
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+def decode(model: Any, prompt: list[int], caches: list[Any], max_tokens: int) -> list[int]:
+    """Greedy tokens from ``generate_step`` with ``prompt_cache=caches``."""
+    out = []
+    for (token, _), _n in zip(
+        generate_step(mx.array(prompt), model, prompt_cache=caches, max_tokens=max_tokens),
+        range(max_tokens),
+        strict=False,
+    ):
+        out.append(int(token))
+    return out
+
+
+def prefill_block(model: Any, prompt: list[int]) -> list[tuple[mx.array, mx.array]]:
+    """Keys and values every layer stores for ``prompt[:-1]`` (one block, full cache)."""
+    cache = make_prompt_cache(model)
+    model(mx.array(prompt[:-1])[None], cache=cache)
+    n = len(prompt) - 1
+    kv = [(c.keys[..., :n, :], c.values[..., :n, :]) for c in cache]
+    mx.eval(kv)
+    return kv
+
+
+def run_arm(
+    model: Any,
+    prompt: list[int],
+    block: list[tuple[mx.array, mx.array]] | None,
+    arm: Arm,
+    budget: int | None,
+    filters: np.ndarray,
+    max_tokens: int,
+) -> list[int]:
+    """Generated tokens of one arm; ``block=None`` prefills the direct way."""
+    caches = arm.caches(model, budget, filters)
+    if block is None:
+        tokens = decode(model, prompt, caches, max_tokens)
+    else:
+        for cache, (keys, values) in zip(caches, block, strict=True):
+            cache.update_and_fetch(keys, values)
+        tokens = decode(model, prompt[-1:], caches, max_tokens)
+    check_budget(caches, budget, len(prompt) - 1 + len(tokens))
+    return tokens
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = base_parser(__doc__.splitlines()[0])
+    p.add_argument("--lengths", type=int, nargs="+", default=None, help="document tokens")
+    p.add_argument("--ratios", type=int, nargs="+", default=None, help="compression ratios")
+    p.add_argument("--per-bin", type=int, default=None, help="documents per depth bin")
+    p.add_argument("--filler", default="classic", choices=("classic", "prose", "code"))
+    args = p.parse_args(argv)
+    started = time.perf_counter()
+    lengths = args.lengths or ([160] if args.quick else [256, 512, 1024, 2048])
+    ratios = args.ratios or ([2, 8] if args.quick else [2, 4, 8, 16, 32])
+    per_bin = args.per_bin or (1 if args.quick else 5)
+
+    model, tokenizer, identity = load_model(args.model)
+    if identity["max_context"]:
+        lengths = [n for n in lengths if n <= identity["max_context"]]
+    filters, calibration = filters_for(
+        model, tokenizer, identity, mode=args.calibration, quick=args.quick, seed=args.seed
+    )
+    corpus = heldout_corpus(tokenizer)
+    arms = standard_arms()
+    configs = [(a, None) for a in arms if a.method == "full"]
+    configs += [(a, r) for r in ratios for a in arms if a.method != "full"]
+
+    docs = {
+        n: passkey_docs(corpus, n, per_bin, len(BINS), filler_kind=args.filler) for n in lengths
+    }
+    # hits[length][arm name][ratio or "-"] = list of (correct, bin)
+    hits: dict[int, dict[str, dict[str, list]]] = {n: {} for n in lengths}
+    budgets: dict[int, dict[str, list[int]]] = {n: {} for n in lengths}
+    check: dict[str, Any] = {"arms": 0, "identical": 0, "mismatches": []}
+    with progress(total=sum(len(d) for d in docs.values()), desc="documents") as bar:
+        for n in lengths:
+            for i, doc in enumerate(docs[n]):
+                prompt = doc["prompt"]
+                max_tokens = doc["key_tokens"] + 2
+                block = prefill_block(model, prompt)
+                for arm, ratio in configs:
+                    budget = None if ratio is None else budget_for(len(prompt), ratio, arm)
+                    if ratio is not None and budget is None:
+                        continue
+                    tokens = run_arm(model, prompt, block, arm, budget, filters, max_tokens)
+                    if i == 0 and n == lengths[0]:
+                        direct = run_arm(model, prompt, None, arm, budget, filters, max_tokens)
+                        check["arms"] += 1
+                        check["identical"] += direct == tokens
+                        if direct != tokens:
+                            check["mismatches"].append(f"{arm.name}@{ratio}x")
+                    found = re.search(r"\d+", tokenizer.decode(tokens))
+                    correct = bool(found and found.group() == doc["key"])
+                    key = "-" if ratio is None else str(ratio)
+                    hits[n].setdefault(arm.name, {}).setdefault(key, []).append(
+                        (correct, doc["bin"])
+                    )
+                    if budget is not None:
+                        budgets[n].setdefault(key, []).append(budget)
+                bar.update(1)
+
+    results: dict[str, Any] = {}
+    for n in lengths:
+        results[str(n)] = {
+            "docs": len(docs[n]),
+            "mean_prompt_tokens": float(np.mean([len(d["prompt"]) for d in docs[n]])),
+            "depths": [round(d["depth"], 3) for d in docs[n]],
+            "budget_by_ratio": {k: sorted(set(v)) for k, v in budgets[n].items()},
+            "arms": {},
+        }
+        for name, by_ratio in hits[n].items():
+            cells = {}
+            for key, outcomes in by_ratio.items():
+                k = sum(c for c, _ in outcomes)
+                cells[key] = {
+                    "accuracy": k / len(outcomes),
+                    "n": len(outcomes),
+                    "ci95": wilson(k, len(outcomes)),
+                    "by_depth": {
+                        BINS[b]: float(np.mean([c for c, bb in outcomes if bb == b]))
+                        if any(bb == b for _, bb in outcomes)
+                        else None
+                        for b in range(len(BINS))
+                    },
+                }
+            results[str(n)]["arms"][name] = cells
+
+    table = []
+    for n in lengths:
+        for name, cells in results[str(n)]["arms"].items():
+            row = [n, name]
+            for r in ["-", *map(str, ratios)]:
+                c = cells.get(r)
+                row.append("" if c is None else f"{c['accuracy']:.2f}")
+            table.append(row)
+    print_table(
+        ["length", "arm", "none", *[f"{r}x" for r in ratios]],
+        table,
+        title=f"pass-key accuracy ({identity['checkpoint']}), {per_bin * len(BINS)} docs/length",
+    )
+    print(
+        f"shared-prefill check: {check['identical']}/{check['arms']} arms identical to direct "
+        f"generate_step"
+    )
+
+    fig, ax = plots.subplots(1, len(lengths), figsize=(3.6 * len(lengths), 3.4), sharey=True)
+    for col, n in enumerate(lengths):
+        a = ax[0, col]
+        full = results[str(n)]["arms"]["full"]["-"]["accuracy"]
+        a.axhline(full, color="black", ls="--", label="full")
+        for arm in arms:
+            if arm.method == "full":
+                continue
+            cells = results[str(n)]["arms"].get(arm.name, {})
+            xs = [r for r in ratios if str(r) in cells]
+            a.plot(
+                xs,
+                [cells[str(r)]["accuracy"] for r in xs],
+                "o-" if arm.recent_frac == 0 else "s--",
+                color=plots.COLORS[arm.method],
+                label=f"{LABELS[arm.method]}{'' if arm.recent_frac == 0 else ', recent b/4'}",
+            )
+        a.set_xscale("log", base=2)
+        a.set_xticks(ratios, [f"{r}x" for r in ratios])
+        a.set_ylim(-0.05, 1.05)
+        a.set_title(f"{n}-token documents", fontsize=9)
+        a.set_xlabel("compression (prompt / budget)")
+        if col == 0:
+            a.set_ylabel("pass-key accuracy")
+            a.legend(fontsize=6)
+    plots.save(
+        fig, args.out, STUDY, f"{identity['path']} {identity['checkpoint']}: pass-key retrieval"
+    )
+
+    fig, ax = plots.subplots(1, 1, figsize=(7, 3.4))
+    a = ax[0, 0]
+    names = [arm.name for arm in arms]
+    width = 0.8 / len(BINS)
+    for b, label in enumerate(BINS):
+        means = []
+        for name in names:
+            vals = [
+                c["by_depth"][label]
+                for n in lengths
+                for c in results[str(n)]["arms"].get(name, {}).values()
+                if c["by_depth"][label] is not None
+            ]
+            means.append(float(np.mean(vals)) if vals else 0.0)
+        a.bar(np.arange(len(names)) + b * width, means, width, label=f"needle in {label}")
+    a.set_xticks(np.arange(len(names)) + width, names, rotation=30, fontsize=7)
+    a.set_ylabel("accuracy (mean over lengths, ratios)")
+    a.legend(fontsize=7)
+    plots.save(fig, args.out, f"{STUDY}_depth", "pass-key accuracy by needle depth")
+
+    path = write_results(
+        STUDY,
+        {
+            "command": command_line(STUDY, argv),
+            "quick": args.quick,
+            "model": identity,
+            "calibration": calibration,
+            "data": {
+                "generator": "training.data.passkey_eval_set (eval seeds, eval-split filler)",
+                "filler": args.filler,
+                "docs_per_depth_bin": per_bin,
+                "depth_bins": list(BINS),
+                "scoring": "first number in the greedy continuation equals the key",
+            },
+            "lengths": lengths,
+            "ratios": ratios,
+            "arms": [a.name for a in arms],
+            "budget_rule": "budget = round(prompt tokens / ratio); every arm the same; skipped "
+            "when it leaves no evictable row (n_sink + recent >= budget)",
+            "shared_prefill_check": check,
+            "results": results,
+            "plots": [f"{STUDY}.png", f"{STUDY}_depth.png"],
+        },
+        args.out,
+        started,
+    )
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run(main))
