@@ -7,6 +7,9 @@ Two studies, each with arms interleaved in one process:
    step, so both attend over ``budget + 1`` rows). Goal: ratio <= 1.05.
 2. Long context: ``KVCache`` holding ``context`` rows against our cache at a budget.
 
+Study 6 of the results page (``python -m bench.speed.decode``) repeats part 1 on the bundled
+model beside the context sweep; this script stays on the random test model, a quick check.
+
 Run: ``python -m bench.decode_overhead [--reps 7] [--steps 64]``. Prints a table and writes
 ``bench/results/decode_overhead.json``.
 """
