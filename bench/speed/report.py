@@ -244,6 +244,45 @@ def _find(rows: list[dict[str, Any]], arm: str) -> dict[str, Any]:
     return next(r for r in rows if r["arm"] == arm)
 
 
+def _worse(row: dict[str, Any], aa: dict[str, Any]) -> bool:
+    return row["q1"] > max(aa["q3"], 1.0)
+
+
+def where_eviction_loses(results: dict[str, dict[str, Any]]) -> list[str]:
+    """Time ratios of an eviction arm that sit above the noise floor, study by study."""
+    out = []
+    if "decode" in results:
+        d = results["decode"]
+        for r in d["sweep"]:
+            aa = _find(r["ratios"], "full_b")
+            out += [
+                f"decode at {r['context']}, {x['arm']} {_r(x)}"
+                for x in r["ratios"][1:]
+                if _worse(x, aa)
+            ]
+        for o in d["overhead"]:
+            if _worse(o["ratios"][1], o["ratios"][0]):
+                out.append(f"equal-size decode at B={o['budget']} {_r(o['ratios'][1])}")
+        for m in d["memory"]:
+            full = next(
+                f for f in d["memory"] if f["context"] == m["context"] and f["arm"] == "full"
+            )
+            if m["arm"] != "full" and m["decode_peak_bytes"] > full["decode_peak_bytes"]:
+                out.append(
+                    f"decode peak memory at {m['context']}, {m['arm']} "
+                    f"{m['decode_peak_bytes'] / MiB:.1f} vs full "
+                    f"{full['decode_peak_bytes'] / MiB:.1f} MiB"
+                )
+    if "ttft" in results:
+        for r in results["ttft"]["rows"]:
+            out += [
+                f"TTFT at {r['prompt_tokens']}, {x['arm']} {_r(x)}"
+                for x in r["ratios"][1:]
+                if _worse(x, r["ratios"][0])
+            ]
+    return out
+
+
 def headline(results: dict[str, dict[str, Any]]) -> list[str]:
     """The ratios worth quoting, each beside its A/A noise floor (paired medians [IQR])."""
     out = []
@@ -307,6 +346,12 @@ def headline(results: dict[str, dict[str, Any]]) -> list[str]:
         out.append(
             f"- Share of measured bandwidth ({d['bandwidth']['reference_gbps']:.1f} GB/s) "
             f"reached in decode at context {d['settings']['context']}: {parts}."
+        )
+    losses = where_eviction_loses(results)
+    if losses:
+        out.append(
+            "- Where eviction loses (its ratio's lower quartile above both 1 and the A/A upper "
+            "quartile): " + "; ".join(losses) + "."
         )
     return (
         [
