@@ -13,6 +13,7 @@ from typing import Any, Literal
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
 
 from server.schemas import KVCacheInfo, Usage
 
@@ -96,6 +97,42 @@ class Completion(BaseModel):
     kv_cache: KVCacheInfo
 
 
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One ``data:`` event of a chat stream; the last (with ``include_usage``) has no choices."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    kv_cache: KVCacheInfo | None = None
+
+
+class CompletionChunk(BaseModel):
+    """One ``data:`` event of a text-completion stream."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    kv_cache: KVCacheInfo | None = None
+
+
 class HealthStatus(BaseModel):
     status: Literal["ok"]
     model: str
@@ -110,15 +147,32 @@ _ERRORS = {
     415: "Content-Type is not JSON",
     503: "Loading, draining, queue full or worker down; see Retry-After",
 }
-_SSE = {
-    "text/event-stream": {
-        "schema": {
-            "type": "string",
-            "description": "`data: {chunk}` frames, then `data: [DONE]`; a failure after "
-            'the stream began arrives as `data: {"error": ...}` before `[DONE]`',
-        }
+_CHUNKS = (ChatCompletionChunk, CompletionChunk, ErrorResponse)
+
+
+def _sse(chunk: type[BaseModel]) -> dict[str, Any]:
+    """One server-sent event (OpenAPI 3.1: ``schema`` describes each event): a JSON chunk,
+    an error after the stream began, or the closing ``[DONE]``."""
+    payload = {
+        "contentMediaType": "application/json",
+        "contentSchema": {
+            "anyOf": [
+                {"$ref": f"#/components/schemas/{chunk.__name__}"},
+                {"$ref": "#/components/schemas/ErrorResponse"},
+            ]
+        },
     }
-}
+    event = {
+        "type": "object",
+        "required": ["data"],
+        "properties": {
+            "event": {"type": "string"},
+            "data": {"type": "string", "if": {"const": "[DONE]"}, "then": True, "else": payload},
+        },
+        "description": "`data: {chunk}` events, then `data: [DONE]`; a failure after the "
+        "stream began is a `data: {error}` event before `[DONE]`",
+    }
+    return {"text/event-stream": {"schema": event}}
 
 
 def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
@@ -126,9 +180,13 @@ def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {s: {"model": ErrorResponse, "description": _ERRORS[s]} for s in statuses}
 
 
-def generation(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
-    """``responses=`` of a generation route: JSON or SSE, and its errors."""
-    ok = {"model": model, "description": "The completion (JSON) or its stream", "content": _SSE}
+def generation(model: type[BaseModel], chunk: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
+    """``responses=`` of a generation route: JSON or SSE events, and its errors."""
+    ok = {
+        "model": model,
+        "description": "The completion (JSON) or its stream",
+        "content": _sse(chunk),
+    }
     return {200: ok, **errors(400, 401, 404, 413, 415, 503)}
 
 
@@ -141,9 +199,16 @@ def install_openapi(app: FastAPI) -> None:
             for operations in schema.get("paths", {}).values():
                 for operation in operations.values():
                     operation.get("responses", {}).pop("422", None)
-            components = schema.get("components", {}).get("schemas", {})
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
             for name in ("HTTPValidationError", "ValidationError"):
                 components.pop(name, None)
+            # The stream chunks are referenced only from the SSE event schema.
+            _, chunks = models_json_schema(
+                [(m, "serialization") for m in _CHUNKS],
+                ref_template="#/components/schemas/{model}",
+            )
+            for name, definition in chunks.get("$defs", {}).items():
+                components.setdefault(name, definition)
             app.openapi_schema = schema
         return app.openapi_schema
 

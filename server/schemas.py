@@ -182,6 +182,19 @@ LogitBias = dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None
 class ChatCompletionRequest(GenerationBody):
     """``POST /v1/chat/completions`` (the subset a local single-sequence server honours)."""
 
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "model": "qfserve-tiny",
+                    "messages": [{"role": "user", "content": "Write a haiku about caches."}],
+                    "max_tokens": 16,
+                    "qfilters_budget": 128,
+                }
+            ]
+        }
+    )
+
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     model: str
     frequency_penalty: Penalty = 0.0
@@ -214,6 +227,12 @@ class ChatCompletionRequest(GenerationBody):
 
 class CompletionRequest(GenerationBody):
     """``POST /v1/completions``: one prompt, as text or token ids."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [{"model": "qfserve-tiny", "prompt": "Once upon a time", "max_tokens": 16}]
+        }
+    )
 
     model: str
     prompt: str | list[str] | list[int]

@@ -7,7 +7,7 @@ from fastapi import APIRouter, Depends, Request
 from server.dependencies import MetricsDep, SettingsDep, WorkerDep, require_api_key, require_json
 from server.formats import ChatFormat
 from server.generation import Generation
-from server.openapi import ChatCompletion, generation
+from server.openapi import ChatCompletion, ChatCompletionChunk, generation
 from server.schemas import ChatCompletionRequest
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
@@ -16,7 +16,7 @@ router = APIRouter(dependencies=[Depends(require_api_key)])
 @router.post(
     "/v1/chat/completions",
     dependencies=[Depends(require_json)],
-    responses=generation(ChatCompletion),
+    responses=generation(ChatCompletion, ChatCompletionChunk),
 )
 async def create_chat_completion(
     body: ChatCompletionRequest,

@@ -7,7 +7,7 @@ from fastapi import APIRouter, Depends, Request
 from server.dependencies import MetricsDep, SettingsDep, WorkerDep, require_api_key, require_json
 from server.formats import CompletionFormat
 from server.generation import Generation
-from server.openapi import Completion, generation
+from server.openapi import Completion, CompletionChunk, generation
 from server.schemas import CompletionRequest
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
@@ -16,7 +16,7 @@ router = APIRouter(dependencies=[Depends(require_api_key)])
 @router.post(
     "/v1/completions",
     dependencies=[Depends(require_json)],
-    responses=generation(Completion),
+    responses=generation(Completion, CompletionChunk),
 )
 async def create_completion(
     body: CompletionRequest,
