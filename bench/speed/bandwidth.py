@@ -141,7 +141,7 @@ def main(argv=None) -> dict:
         )
     result = {
         "study": 10,
-        "command": "python -m bench.speed.bandwidth" + (" --quick" if args.quick else ""),
+        "command": common.command_line("bandwidth", argv),
         "quick": args.quick,
         "model": sm.describe(),
         "settings": {

@@ -62,6 +62,12 @@ def make_parser(description: str, *, reps: int) -> argparse.ArgumentParser:
     return p
 
 
+def command_line(study: str, argv: Sequence[str] | None) -> str:
+    """The command that reproduces this run, with the arguments it was given."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    return " ".join(["python -m bench.speed." + study, *args])
+
+
 def reps_of(args: argparse.Namespace) -> int:
     if args.reps is not None:
         if args.reps < 1:

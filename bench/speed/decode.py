@@ -182,7 +182,7 @@ def main(argv=None) -> dict:
 
     result = {
         "study": 6,
-        "command": "python -m bench.speed.decode" + (" --quick" if args.quick else ""),
+        "command": common.command_line("decode", argv),
         "quick": args.quick,
         "model": sm.describe(),
         "settings": {

@@ -144,7 +144,7 @@ def main(argv=None) -> dict:
     pairs = [("in_process_b", "in_process_a"), ("http_b", "http_a"), ("http_a", "in_process_a")]
     result = {
         "study": 8,
-        "command": "python -m bench.speed.server_overhead" + (" --quick" if args.quick else ""),
+        "command": common.command_line("server_overhead", argv),
         "quick": args.quick,
         "model": sm.describe(),
         "settings": {

@@ -105,7 +105,7 @@ def main(argv=None) -> dict:
         )
     result = {
         "study": 7,
-        "command": "python -m bench.speed.ttft" + (" --quick" if args.quick else ""),
+        "command": common.command_line("ttft", argv),
         "quick": args.quick,
         "model": sm.describe(),
         "settings": {

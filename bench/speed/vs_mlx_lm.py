@@ -121,7 +121,7 @@ def main(argv=None) -> dict:
             )
     result = {
         "study": 9,
-        "command": "python -m bench.speed.vs_mlx_lm" + (" --quick" if args.quick else ""),
+        "command": common.command_line("vs_mlx_lm", argv),
         "quick": args.quick,
         "model": sm.describe(),
         "settings": {
