@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import RESULTS_DIR
+from bench.quality.report import RENDERERS as QUALITY_RENDERERS
+from bench.quality.report import headlines as quality_headlines
 
 PAGE = Path(__file__).resolve().parent / "RESULTS.md"
 Renderer = Callable[[dict[str, Any]], list[str]]
@@ -20,15 +22,15 @@ Renderer = Callable[[dict[str, Any]], list[str]]
 
 # -- Quality (studies 1-5) -------------------------------------------------------------------
 # One renderer per study: QUALITY[<json name>] = function(json dict) -> markdown lines.
-QUALITY: dict[str, Renderer] = {}
+QUALITY: dict[str, Renderer] = dict(QUALITY_RENDERERS)
 
 
 def render_quality(results_dir: Path) -> list[str]:
-    lines = ["## Quality", ""]
+    lines = ["## Quality", "", *quality_headlines(results_dir), ""]
     for name, render in QUALITY.items():
         path = results_dir / f"{name}.json"
         if path.exists():
-            lines += render(json.loads(path.read_text()))
+            lines += [*render(json.loads(path.read_text())), ""]
         else:
             lines += [f"*{name}: no results yet.*", ""]
     if not QUALITY:

@@ -11,6 +11,7 @@ weights, text and settings, so the five studies calibrate once.
 from __future__ import annotations
 
 import hashlib
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,10 @@ from calibrations.compute import compute_filters
 from calibrations.corpus import make_sequences, read_documents
 from engine.filters import resolve_filters
 
-CACHE_DIR = Path(tempfile.gettempdir()) / "qfserve-bench-calibration"
+CACHE_DIR = Path(
+    os.environ.get("QFSERVE_BENCH_CACHE")
+    or Path(tempfile.gettempdir()) / "qfserve-bench-calibration"
+)
 # (sequences, tokens per sequence, samples per head): the paper's / `qfserve calibrate`'s
 # defaults in full mode, a few hundred tokens in quick mode.
 FULL_SETTINGS = (20, 2048, 3000)

@@ -102,7 +102,7 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: st
         return str(x)
 
     cells = [[fmt(c) for c in r] for r in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
     if title:
         print(f"\n{title}")
     print("  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True)))

@@ -102,14 +102,10 @@ def recall_windows(corpus: Corpus, length: int, n: int) -> np.ndarray:
     return np.stack([np.asarray(d[:cut], dtype=np.int64) for d in docs])
 
 
-def needle_depth(ids: list[int], targets: list[int]) -> float:
-    """Where the pass key is first stated, as a fraction of the prompt (NaN if not found)."""
-    key = [ids[t] for t in targets]
-    prompt_len = targets[0] - 1
-    for i in range(prompt_len - len(key) + 1):
-        if ids[i : i + len(key)] == key:
-            return i / prompt_len
-    return float("nan")
+def needle_depth(text: str, key: str) -> float:
+    """Where the pass key is first stated, as a fraction of the prompt's characters."""
+    pos = text.find(key)
+    return pos / len(text) if pos >= 0 and text else float("nan")
 
 
 def passkey_docs(
@@ -131,16 +127,18 @@ def passkey_docs(
         if doc is None:
             continue
         ids, targets = doc
-        depth = needle_depth(ids, targets)
+        # The prompt ends at "...The pass key is"; the model writes " 12345" (as evaluate).
+        prompt = ids[: targets[0] - 1]
+        key = corpus.tokenizer.decode([ids[t] for t in targets])
+        depth = needle_depth(corpus.tokenizer.decode(prompt), key)
         if not np.isfinite(depth):
             continue
         b = min(bins - 1, int(depth * bins))
         if len(chosen[b]) < per_bin:
-            # The prompt ends at "...The pass key is"; the model writes " 12345" (as evaluate).
             chosen[b].append(
                 {
-                    "prompt": ids[: targets[0] - 1],
-                    "key": corpus.tokenizer.decode([ids[t] for t in targets]),
+                    "prompt": prompt,
+                    "key": key,
                     "key_tokens": len(targets),
                     "depth": depth,
                     "bin": b,

@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sequences", type=int, default=None, help="held-out sequences per kind")
     args = p.parse_args(argv)
     started = time.perf_counter()
-    length = args.length or (64 if args.quick else 1024)
+    length = args.length or (160 if args.quick else 1024)
     n_seq = args.sequences or (2 if args.quick else 12)
     samples = 200 if args.quick else 3000
 

@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--filler", default="classic", choices=("classic", "prose", "code"))
     args = p.parse_args(argv)
     started = time.perf_counter()
-    lengths = args.lengths or ([160] if args.quick else [256, 512, 1024, 2048])
+    lengths = args.lengths or ([320] if args.quick else [256, 512, 1024, 2048])
     ratios = args.ratios or ([2, 8] if args.quick else [2, 4, 8, 16, 32])
     per_bin = args.per_bin or (1 if args.quick else 5)
 

@@ -1,0 +1,324 @@
+"""Markdown for the ``## Quality`` part of ``bench/RESULTS.md`` (studies 1-5).
+
+One renderer per study, ``RENDERERS[<json name>](data) -> markdown lines``, plus
+:func:`headlines`, the section's opening summary. Reads only the JSON the studies wrote;
+imports neither MLX nor the studies. :mod:`bench.report` assembles the page.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+STUDIES = ("geometry", "attention", "perplexity", "retrieval", "stability")
+ARM_ORDER = (
+    "qfilters/r0",
+    "qfilters/r25",
+    "fallback/r0",
+    "fallback/r25",
+    "knorm/r0",
+    "knorm/r25",
+    "streaming/r0",
+)
+ARM_NAMES = {
+    "full": "full cache",
+    "qfilters/r0": "Q-Filters calibrated, recent 0",
+    "qfilters/r25": "Q-Filters calibrated, recent b/4",
+    "fallback/r0": "key-SVD fallback, recent 0",
+    "fallback/r25": "key-SVD fallback, recent b/4",
+    "knorm/r0": "K-norm, recent 0",
+    "knorm/r25": "K-norm, recent b/4",
+    "streaming/r0": "streaming (sinks + latest)",
+}
+
+
+def _f(x: Any, digits: int = 3) -> str:
+    return "–" if x is None else f"{x:.{digits}f}"
+
+
+def _pct(x: Any) -> str:
+    return "–" if x is None else f"{100 * x:.0f}%"
+
+
+def _table(headers: list[str], rows: list[list[Any]]) -> list[str]:
+    out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return out
+
+
+def _header(title: str, data: dict[str, Any]) -> list[str]:
+    model = data["model"]
+    cal = data.get("calibration", {})
+    lines = [
+        f"### {title}",
+        "",
+        f"`{data['command']}` — {data['when']}, {data.get('runtime_s', '?')} s. Model "
+        f"`{model['path']}` at **{model['checkpoint']}** (weights sha1 "
+        f"`{model['weights_sha1']}`).",
+    ]
+    if cal.get("source"):
+        lines[-1] += (
+            f" Filters: {cal['source']} calibration, {cal.get('samples_per_head')} samples per "
+            f"head on {cal.get('text')}; disjoint from the evaluation text: "
+            f"{cal.get('disjoint_from_eval')}."
+        )
+    if data.get("quick"):
+        lines += ["", "**Quick (smoke-test) run: sizes too small to read anything into.**"]
+    return lines
+
+
+def _plots(data: dict[str, Any]) -> list[str]:
+    return ["", *[f"![{p}](results/{p})" for p in data.get("plots", [])]]
+
+
+def render_geometry(data: dict[str, Any]) -> list[str]:
+    s = data["summary"]
+    lines = _header("1. Geometry: are the queries anisotropic?", data)
+    lines += [
+        "",
+        f"Held-out queries ({data['data']['tokens']:,} tokens, {data['data']['samples_per_head']}"
+        " sampled per head) against the calibrated filter of their KV head. Spread is the "
+        "median [q1–q3] over query heads.",
+        "",
+        *_table(
+            ["measure", "median [q1–q3] over heads"],
+            [
+                [
+                    "heads whose mean query projects positively on the filter",
+                    f"{s['share_heads_positive'] * s['heads']:.0f} / {s['heads']}",
+                ],
+                ["share of held-out queries with q·f > 0", _spread(s["share_queries_positive"])],
+                ["mean projection / mean ‖q‖", _spread(s["mean_proj_rel"])],
+                ["top-component energy (own uncentred SVD)", _spread(s["top_energy"])],
+                [
+                    "drift ratio: \\|mean proj. on v1\\| / mean \\|mean proj. on v_i>1\\|",
+                    _spread(s["drift_ratio"], 1),
+                ],
+                ["cosine(held-out top vector, calibrated filter)", _spread(s["cos_to_calibrated"])],
+            ],
+        ),  # fmt: skip
+    ]
+    return lines + _plots(data)
+
+
+def _spread(s: dict[str, Any], digits: int = 3) -> str:
+    return f"{_f(s.get('median'), digits)} [{_f(s.get('q1'), digits)}–{_f(s.get('q3'), digits)}]"
+
+
+def render_attention(data: dict[str, Any]) -> list[str]:
+    lines = _header("2. Does the score predict attention?", data)
+    d = data["data"]
+    lines += [
+        "",
+        f"Spearman correlation, per KV head, between each score and the attention a key "
+        f"receives from later queries (keys {d['keys']}; queries {d['queries']}), "
+        f"{d['length']}-token held-out sequences {d['sequences']}. Mean over heads, the share "
+        "of heads where it is positive, and the spread of per-head values.",
+        "",
+    ]
+    rows = []
+    for dataset, res in data["results"].items():
+        for scorer, r in res.items():
+            rows.append(
+                [dataset, scorer, _f(r["mean_rho"]), _pct(r["share_heads_positive"]),
+                 _spread(r["per_head_spread"])]
+            )  # fmt: skip
+    lines += _table(["data", "scorer", "mean ρ", "heads ρ > 0", "per-head [q1–q3]"], rows)
+    return lines + _plots(data)
+
+
+def render_perplexity(data: dict[str, Any]) -> list[str]:
+    lines = _header("3. Streaming generation perplexity", data)
+    d = data["data"]
+    lines += [
+        "",
+        f"Teacher-forced, one token per step through the real caches; scored on {d['scored']}"
+        f" of {d['length']}-token sequences; batches {d['batches']}. Ratio = per-sequence "
+        "perplexity / full cache, median [q1–q3]. Gap closed = (NLL streaming − NLL arm) / "
+        "(NLL streaming − NLL full) at the same budget. Every arm held exactly `budget` rows "
+        "per layer and KV head (checked at every step).",
+    ]
+    for dataset, res in data["results"].items():
+        full = res["full"]["ppl"]
+        lines += ["", f"**{dataset}** (full cache: {full:.3f})", ""]
+        rows = []
+        for budget, arms in res["budgets"].items():
+            for name in ARM_ORDER:
+                if name not in arms:
+                    continue
+                r = arms[name]
+                rows.append(
+                    [budget, ARM_NAMES[name], _f(r["ppl"]), _spread(r["ratio_to_full"]),
+                     _pct(r["gap_closed_vs_streaming"]), r["max_rows_any_step"]]
+                )  # fmt: skip
+        lines += _table(
+            ["budget", "arm", "perplexity", "ratio to full", "gap closed vs streaming",
+             "max rows"],
+            rows,
+        )  # fmt: skip
+    return lines + _plots(data)
+
+
+def render_retrieval(data: dict[str, Any]) -> list[str]:
+    lines = _header("4. Pass-key retrieval", data)
+    check = data["shared_prefill_check"]
+    lines += [
+        "",
+        f"Greedy pass-key accuracy on held-out documents ({data['data']['generator']}, "
+        f"{data['data']['filler']} filler), {data['data']['docs_per_depth_bin']} per needle "
+        f"depth bin ({', '.join(data['data']['depth_bins'])}). Budget = prompt tokens / "
+        f"compression, the same for every arm. Shared-prefill check: {check['identical']}/"
+        f"{check['arms']} arms generated the same tokens as a direct `generate_step`.",
+    ]
+    ratios = data["ratios"]
+    for n, res in data["results"].items():
+        lines += ["", f"**{n}-token documents** ({res['docs']} docs, mean prompt "
+                  f"{res['mean_prompt_tokens']:.0f} tokens)", ""]  # fmt: skip
+        rows = []
+        for name in ("full", *ARM_ORDER):
+            cells = res["arms"].get(name)
+            if not cells:
+                continue
+            row = [ARM_NAMES[name], _f(cells["-"]["accuracy"], 2) if "-" in cells else ""]
+            row += [_f(cells[str(r)]["accuracy"], 2) if str(r) in cells else "" for r in ratios]
+            rows.append(row)
+        lines += _table(["arm", "no eviction", *[f"{r}×" for r in ratios]], rows)
+    return lines + _plots(data)
+
+
+def render_stability(data: dict[str, Any]) -> list[str]:
+    lines = _header("5. Calibration stability", data)
+    cal = data["calibration"]
+    lines += [
+        "",
+        f"Texts: A = {cal['A']['text']}; B = {cal['B']['text']}. Reference "
+        f"`{data['reference']}`; {data['repeats']} subsample draws per count; perplexity "
+        f"at budget {data['budget']} on {data['data']['perplexity']}.",
+        "",
+    ]
+    rows = []
+    for r in data["rows"]:
+        rows.append(
+            [r["samples_per_head"], _spread(r["cos_A_n_vs_A_ref"]), _f(r["cos_A_n_vs_A_ref"]["min"]),
+             _spread(r["cos_A_n_vs_B_n"]), _f(r["cos_A_n_vs_B_n"]["min"]),
+             f"{100 * r['ppl_change_A_r0']:+.2f}% / {100 * r['ppl_change_B_r0']:+.2f}%",
+             f"{100 * r['ppl_change_A_r25']:+.2f}% / {100 * r['ppl_change_B_r25']:+.2f}%"]
+        )  # fmt: skip
+    lines += _table(
+        ["samples/head", "cos(A_n, ref)", "min", "cos(A_n, B_n)", "min",
+         "Δppl A / B, recent 0", "Δppl A / B, recent b/4"],
+        rows,
+    )  # fmt: skip
+    ppl = data["ppl"]
+    lines += [
+        "",
+        f"For scale: full cache {ppl['full']['full']:.3f}; key-SVD fallback "
+        f"{ppl['r0']['fallback']:.3f} (recent 0) / {ppl['r25']['fallback']:.3f} (recent b/4); "
+        f"reference {ppl['r0'][data['reference']]:.3f} / {ppl['r25'][data['reference']]:.3f}.",
+    ]
+    return lines + _plots(data)
+
+
+RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
+    "geometry": render_geometry,
+    "attention": render_attention,
+    "perplexity": render_perplexity,
+    "retrieval": render_retrieval,
+    "stability": render_stability,
+}
+
+
+def headlines(results_dir: Path) -> list[str]:
+    """The section's opening lines: model checkpoint(s) and the headline numbers."""
+    data = {}
+    for name in STUDIES:
+        path = results_dir / f"{name}.json"
+        if path.is_file():
+            data[name] = json.loads(path.read_text())
+    if not data:
+        return []
+    models = {(d["model"]["checkpoint"], d["model"]["weights_sha1"]) for d in data.values()}
+    lines = [
+        "Held-out data only: evaluation-split standard-library files and generated documents "
+        "from the training package's evaluation seeds; calibration on training-split files. "
+        "Budgets are matched in rows (sinks and recent rows included) and every arm is checked "
+        "to keep exactly that many.",
+        "",
+    ]
+    if len(models) > 1:
+        lines += [f"**Warning: the studies ran on different weights: {sorted(models)}.**", ""]
+    else:
+        (checkpoint, sha), *_ = models
+        lines += [
+            f"All studies: `models/qfserve-tiny` at **{checkpoint}**, weights sha1 `{sha}`. "
+            "The numbers describe this checkpoint only: after training continues, re-export "
+            "the model and rerun the same commands.",
+            "",
+        ]
+    lines += ["Headlines (all from the tables below):", ""]
+    if "geometry" in data:
+        s = data["geometry"]["summary"]
+        lines.append(
+            f"- Geometry: {s['share_heads_positive'] * s['heads']:.0f}/{s['heads']} query heads "
+            f"have a positive mean held-out projection on their filter; median top-component "
+            f"energy {s['top_energy']['median']:.2f}, median drift ratio "
+            f"{s['drift_ratio']['median']:.0f}×."
+        )
+    if "attention" in data:
+        r = data["attention"]["results"]["all"]
+        lines.append(
+            "- Score vs attention (mean Spearman ρ over KV heads, share of heads positive): "
+            + "; ".join(
+                f"{k} {v['mean_rho']:+.2f} ({_pct(v['share_heads_positive'])})"
+                for k, v in r.items()
+            )
+            + "."
+        )
+    if "perplexity" in data:
+        res = data["perplexity"]["results"]
+        for dataset, d in res.items():
+            budgets = list(d["budgets"])
+            b = "128" if "128" in budgets else budgets[0]
+            arms = d["budgets"][b]
+            lines.append(
+                f"- Perplexity ({dataset}, budget {b}; full {d['full']['ppl']:.2f}): "
+                + ", ".join(
+                    f"{n} {arms[n]['ppl']:.2f}"
+                    + (
+                        f" (gap closed {_pct(arms[n]['gap_closed_vs_streaming'])})"
+                        if n != "streaming/r0"
+                        else ""
+                    )
+                    for n in ARM_ORDER
+                    if n in arms
+                )
+                + "."
+            )
+    if "retrieval" in data:
+        res = data["retrieval"]["results"]
+        full = [v["arms"]["full"]["-"]["accuracy"] for v in res.values() if "full" in v["arms"]]
+        acc = {}
+        for name in ARM_ORDER:
+            vals = [c["accuracy"] for v in res.values() for c in v["arms"].get(name, {}).values()]
+            if vals:
+                acc[name] = sum(vals) / len(vals)
+        lines.append(
+            f"- Pass-key accuracy, mean over lengths and compressions (full cache "
+            f"{sum(full) / max(1, len(full)):.2f}): "
+            + ", ".join(f"{k} {v:.2f}" for k, v in acc.items())
+            + "."
+        )
+    if "stability" in data:
+        rows = data["stability"]["rows"]
+        first, last = rows[0], rows[-1]
+        lines.append(
+            f"- Calibration stability: median per-head cosine between calibrations on disjoint "
+            f"texts {first['cos_A_n_vs_B_n']['median']:.3f} at {first['samples_per_head']} "
+            f"samples/head, {last['cos_A_n_vs_B_n']['median']:.3f} at "
+            f"{last['samples_per_head']}; perplexity change at budget "
+            f"{data['stability']['budget']} with {first['samples_per_head']} samples "
+            f"{100 * first['ppl_change_A_r0']:+.1f}% (recent 0)."
+        )
+    return lines

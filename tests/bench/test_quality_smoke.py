@@ -1,0 +1,93 @@
+"""Every quality study runs end to end in quick mode on a tiny random model, and renders.
+
+The sizes are far too small to mean anything; what is checked is the plumbing: each study
+writes its JSON and plots, every evicting arm kept exactly its budget, the retrieval study's
+shared prefill matches a direct ``generate_step``, and the report renders every study.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.tiny import save_tiny_model
+
+STUDIES = ("geometry", "attention", "perplexity", "retrieval", "stability")
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def results(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import os
+
+    out = tmp_path_factory.mktemp("results")
+    os.environ["QFSERVE_BENCH_CACHE"] = str(out / "cache")
+    try:
+        from bench.quality import calib
+
+        calib.CACHE_DIR = out / "cache"  # imported before the variable was set
+        for study in STUDIES:
+            module = importlib.import_module(f"bench.quality.{study}")
+            argv = ["--quick", "--model", str(tiny_model), "--out", str(out)]
+            assert module.main([*argv, "--calibration", "fresh"]
+                               if study != "stability" else argv) == 0  # fmt: skip
+    finally:
+        os.environ.pop("QFSERVE_BENCH_CACHE", None)
+    return out
+
+
+def _load(results: Path, study: str) -> dict:
+    return json.loads((results / f"{study}.json").read_text())
+
+
+@pytest.mark.parametrize("study", STUDIES)
+def test_study_writes_json_and_plots(results: Path, study: str) -> None:
+    data = _load(results, study)
+    assert data["benchmark"] == study and data["quick"] is True
+    assert data["model"]["weights_sha1"] and data["command"].startswith("python -m")
+    for plot in data["plots"]:
+        assert (results / plot).stat().st_size > 1000
+
+
+def test_calibration_is_fresh_and_disjoint_from_eval(results: Path) -> None:
+    cal = _load(results, "geometry")["calibration"]
+    assert cal["source"] == "fresh" and cal["disjoint_from_eval"] is True
+
+
+def test_every_perplexity_arm_kept_exactly_its_budget(results: Path) -> None:
+    data = _load(results, "perplexity")
+    for res in data["results"].values():
+        for budget, arms in res["budgets"].items():
+            assert set(arms) == set(data["arms"]) - {"full"}
+            for r in arms.values():
+                assert r["rows_kept_at_end"] == int(budget)
+                assert r["max_rows_any_step"] <= int(budget)
+
+
+def test_retrieval_shared_prefill_matches_generate_step(results: Path) -> None:
+    check = _load(results, "retrieval")["shared_prefill_check"]
+    assert check["arms"] > 0 and check["identical"] == check["arms"], check["mismatches"]
+
+
+def test_attention_and_stability_values_are_in_range(results: Path) -> None:
+    for res in _load(results, "attention")["results"].values():
+        for r in res.values():
+            assert -1 <= r["mean_rho"] <= 1 and 0 <= r["share_heads_positive"] <= 1
+    rows = _load(results, "stability")["rows"]
+    assert rows[-1]["cos_A_n_vs_A_ref"]["median"] == pytest.approx(1.0)
+
+
+def test_report_renders_every_quality_study(results: Path) -> None:
+    from bench.report import render_quality
+
+    text = "\n".join(render_quality(results))
+    for title in ("1. Geometry", "2. Does the score", "3. Streaming", "4. Pass-key", "5. Calib"):
+        assert title in text
+    assert "no results yet" not in text
