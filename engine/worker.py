@@ -41,7 +41,7 @@ DEFAULT_MAX_QUEUE = 16
 DEFAULT_HISTORY = 64
 # Events a job may have waiting for its handler. A client that reads keeps this near zero;
 # one that stopped reading (its socket buffers full) lets it grow, and is cancelled here.
-DEFAULT_MAX_BACKLOG = 256
+DEFAULT_MAX_BACKLOG = 128
 _STATS_EVERY = 8  # decode steps between cache-stat refreshes of an active record
 
 

@@ -12,11 +12,13 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import socket
 import sys
 import time
 from collections.abc import Sequence
 
 import uvicorn
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from engine.blas import blas_summary, reexec_with_openblas
 from engine.config import DEFAULT_BUDGET, DEFAULT_METHOD, DEFAULT_N_SINK, DEFAULT_RECENT, METHODS
@@ -151,6 +153,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 # After the drain, streams still open get this long to send their last event.
 _CLOSE_GRACE = 5
+# Kernel send buffer per connection. Linux grows it to megabytes by default, which hides a
+# client that stopped reading for minutes; this small one makes the stream's write block
+# (and the write timeout fire) within seconds. Plenty for token streams.
+SEND_BUFFER_BYTES = 64 * 1024
+
+
+class BoundedSendProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
+    """uvicorn's HTTP protocol with a fixed, small kernel send buffer."""
+
+    def connection_made(self, transport) -> None:  # type: ignore[no-untyped-def]
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+        super().connection_made(transport)
 
 
 def _serve(settings, log_level: str) -> int:
@@ -163,6 +179,7 @@ def _serve(settings, log_level: str) -> int:
         port=settings.port,
         log_level=log_level,
         timeout_graceful_shutdown=_CLOSE_GRACE,
+        http=BoundedSendProtocol,
     )
     server = DrainingServer(config, worker=app.state.worker, drain_timeout=settings.drain_timeout)
     server.run()
