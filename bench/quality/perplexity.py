@@ -216,6 +216,10 @@ def main(argv: list[str] | None = None) -> int:
                 "length": length,
                 "scored": f"tokens {length // 2 + 1} .. {length - 1} (second half)",
                 "batches": shapes,
+                "full_arm": "one forward pass over each sequence (what a full cache decodes, "
+                "up to float rounding)",
+                "prefill": "the first min(budget, calib_tokens - 1) tokens (fallback) or "
+                "budget tokens (others) go in as one block: identical stored rows",
                 "kinds": {
                     "stdlib": "evaluation-split stdlib windows, evenly spaced",
                     "recall": "held-out generated kv / fact / pass-key documents (eval seeds)",

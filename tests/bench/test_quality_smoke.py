@@ -91,3 +91,30 @@ def test_report_renders_every_quality_study(results: Path) -> None:
     for title in ("1. Geometry", "2. Does the score", "3. Streaming", "4. Pass-key", "5. Calib"):
         assert title in text
     assert "no results yet" not in text
+
+
+@pytest.mark.parametrize("method", ["qfilters", "fallback", "knorm", "streaming"])
+def test_block_prefill_matches_token_by_token(method: str) -> None:
+    """The teacher-forcing shortcut (first tokens as one block) stores and predicts the same."""
+    import numpy as np
+
+    from bench.quality.arms import Arm
+    from bench.quality.teacher import prefill_length, streaming_nll
+    from tests.tiny import make_tiny_model
+
+    model = make_tiny_model(seed=1)
+    tokens = np.random.default_rng(0).integers(0, 500, size=(2, 48))
+    filters = np.random.default_rng(1).standard_normal((2, 2, 32)).astype(np.float32)
+    filters /= np.linalg.norm(filters, axis=-1, keepdims=True)
+    arm, budget = Arm(method, 0.25), 16
+    calib = arm.config(budget).calib_tokens if method == "fallback" else None
+    runs = []
+    for prefill in (prefill_length(budget, calib), 1):
+        caches = arm.caches(model, budget, filters if method == "qfilters" else None)
+        nll, max_rows = streaming_nll(model, tokens, caches, budget=budget, prefill=prefill)
+        runs.append((nll, max_rows, [np.array(c.keys) for c in caches]))
+    (a, rows_a, keys_a), (b, rows_b, keys_b) = runs
+    assert rows_a == rows_b == budget
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+    for ka, kb in zip(keys_a, keys_b, strict=True):
+        np.testing.assert_allclose(ka, kb, rtol=1e-5, atol=1e-5)
