@@ -15,18 +15,11 @@ import re
 import time
 from pathlib import Path
 
-try:  # OpenBLAS makes MLX's Linux CPU backend much faster; harmless elsewhere.
-    from engine.blas import reexec_with_openblas
+import mlx.core as mx
+import numpy as np
+from mlx_lm import generate, load
 
-    reexec_with_openblas()
-except ImportError:
-    pass
-
-import mlx.core as mx  # noqa: E402
-import numpy as np  # noqa: E402
-from mlx_lm import generate, load  # noqa: E402
-
-from training.data import passkey_eval_set, prepare_corpus, recall_eval_set  # noqa: E402
+from training.data import passkey_eval_set, prepare_corpus, recall_eval_set
 
 DEFAULT_LENGTHS = (256, 512, 1024, 2048)
 
@@ -117,6 +110,12 @@ def evaluate(
 
 
 def main() -> None:
+    try:  # OpenBLAS makes MLX's Linux CPU matmul much faster; this re-executes the process once.
+        from engine.blas import reexec_with_openblas
+
+        reexec_with_openblas()
+    except ImportError:
+        pass
     parser = argparse.ArgumentParser(description="Evaluate an exported model folder with mlx-lm")
     parser.add_argument("--model", default="models/qfserve-tiny")
     parser.add_argument("--out", default=None, help="JSON path (default <model>/eval_results.json)")

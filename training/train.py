@@ -215,7 +215,8 @@ def train(cfg: dict, *, max_steps: int | None = None) -> Path:
         if step % cfg["log_every"] == 0 or step == end:
             now = time.time()
             print(
-                f"step {step}/{n_total} seq {stage['seq_len']} loss {log_loss / log_n:.4f} "
+                f"{time.strftime('%H:%M:%S')} step {step}/{n_total} seq {stage['seq_len']} "
+                f"loss {log_loss / log_n:.4f} "
                 f"lr {lr_at(cfg, step - 1):.2e} tok/s {log_tokens / (now - last_log):.0f} "
                 f"tokens {tokens_seen:,}",
                 flush=True,
