@@ -21,7 +21,6 @@ import pytest
 
 from tests.reliability.harness import (
     HOST,
-    REPO,
     Server,
     percentiles,
     start_server,
@@ -69,7 +68,7 @@ def run_schemathesis(server: Server, examples: int, out: Path, timeout: float) -
         "--output-truncate", "true",
     ]  # fmt: skip
     proc = subprocess.run(
-        command, cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False
+        command, cwd=out, capture_output=True, text=True, timeout=timeout, check=False
     )
     return {
         "returncode": proc.returncode,

@@ -1,0 +1,26 @@
+# qfserve for development on Linux: MLX's CPU backend (mlx[cpu], from pyproject's platform
+# marker) with OpenBLAS, serving the bundled model. Build and run: docker-compose.dev.yml.
+FROM python:3.11-slim-bookworm
+
+# OpenBLAS makes MLX's CPU float32 matmul ~30x faster; qfserve preloads it when installed.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends libopenblas0-pthread \
+    && rm -rf /var/lib/apt/lists/*
+
+WORKDIR /app
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 \
+    QFSERVE_CALIBRATIONS=/calibrations
+
+# Package metadata and sources first, the model last: editing code does not re-copy weights.
+COPY pyproject.toml README.md ./
+COPY server ./server
+COPY engine ./engine
+COPY metal ./metal
+COPY calibrations ./calibrations
+RUN pip install -e .
+COPY models/qfserve-tiny ./models/qfserve-tiny
+
+EXPOSE 8000
+# Inside the container the server must listen on every interface; the compose file publishes
+# the port on the host's loopback only.
+CMD ["qfserve", "--host", "0.0.0.0", "--port", "8000"]
