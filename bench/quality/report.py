@@ -100,6 +100,30 @@ def render_geometry(data: dict[str, Any]) -> list[str]:
             ],
         ),  # fmt: skip
     ]
+    anisotropy = data.get("calibration", {}).get("anisotropy")
+    if anisotropy:
+        lines += [
+            "",
+            "On the calibration queries themselves (`calibrations.compute`'s per-layer summary):",
+            "",
+            *_table(
+                [
+                    "layer",
+                    "heads positive on their KV filter",
+                    "top energy (mean)",
+                    "drift ratio (median)",
+                ],
+                [
+                    [
+                        a["layer"],
+                        _pct(a["positive_share"]),
+                        _f(a["top_energy"]),
+                        _f(a["drift_ratio"], 1),
+                    ]
+                    for a in anisotropy
+                ],
+            ),  # fmt: skip
+        ]
     return lines + _plots(data)
 
 
@@ -126,6 +150,19 @@ def render_attention(data: dict[str, Any]) -> list[str]:
                  _spread(r["per_head_spread"])]
             )  # fmt: skip
     lines += _table(["data", "scorer", "mean ρ", "heads ρ > 0", "per-head [q1–q3]"], rows)
+    res = data["results"].get("all")
+    if res:
+        scorers = list(res)
+        n_layers = len(res[scorers[0]]["per_head"])
+        lines += ["", "Per layer (all data; each cell: ρ of KV head 0 / 1 / ...):", ""]
+        lines += _table(
+            ["layer", *scorers],
+            [
+                [layer]
+                + [" / ".join(f"{v:+.2f}" for v in res[sc]["per_head"][layer]) for sc in scorers]
+                for layer in range(n_layers)
+            ],
+        )
     return lines + _plots(data)
 
 
@@ -185,6 +222,19 @@ def render_retrieval(data: dict[str, Any]) -> list[str]:
             row += [_f(cells[str(r)]["accuracy"], 2) if str(r) in cells else "" for r in ratios]
             rows.append(row)
         lines += _table(["arm", "no eviction", *[f"{r}×" for r in ratios]], rows)
+    bins = data["data"]["depth_bins"]
+    rows = []
+    for name in ("full", *ARM_ORDER):
+        cells = [c for res in data["results"].values() for c in res["arms"].get(name, {}).values()]
+        if not cells:
+            continue
+        row = [ARM_NAMES[name]]
+        for b in bins:
+            vals = [c["by_depth"][b] for c in cells if c["by_depth"].get(b) is not None]
+            row.append(_f(sum(vals) / len(vals), 2) if vals else "")
+        rows.append(row)
+    lines += ["", "By needle depth (mean over lengths and compressions):", ""]
+    lines += _table(["arm", *[f"needle in {b}" for b in bins]], rows)
     return lines + _plots(data)
 
 
