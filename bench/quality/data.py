@@ -117,8 +117,8 @@ def passkey_docs(
     order and keep the first ``per_bin`` of each bin, so every bin is equally represented.
 
     Returns:
-        Dicts with ``prompt`` (token ids ending before the key), ``key`` (the answer's token
-        ids), ``depth`` (0..1) and ``bin``.
+        Dicts with ``prompt`` (token ids ending before the key), ``key`` (its text),
+        ``answer`` (token ids of " " + key), ``key_tokens``, ``depth`` (0..1) and ``bin``.
     """
     chosen: dict[int, list[dict[str, Any]]] = {b: [] for b in range(bins)}
     n_candidates = per_bin * bins * 4
@@ -139,6 +139,7 @@ def passkey_docs(
                 {
                     "prompt": prompt,
                     "key": key,
+                    "answer": ids[targets[0] - 1 : targets[-1] + 1],
                     "key_tokens": len(targets),
                     "depth": depth,
                     "bin": b,

@@ -201,6 +201,14 @@ def render_perplexity(data: dict[str, Any]) -> list[str]:
 def render_retrieval(data: dict[str, Any]) -> list[str]:
     lines = _header("4. Pass-key retrieval", data)
     check = data["shared_prefill_check"]
+    full_acc = [r["arms"]["full"]["-"]["accuracy"] for r in data["results"].values()
+                if "full" in r["arms"]]  # fmt: skip
+    if full_acc and max(full_acc) == 0:
+        lines += [
+            "",
+            "**The model does not retrieve the key even with a full cache, so accuracy cannot "
+            "separate the arms at this checkpoint; read the answer NLL below instead.**",
+        ]
     lines += [
         "",
         f"Greedy pass-key accuracy on held-out documents ({data['data']['generator']}, "
@@ -221,6 +229,27 @@ def render_retrieval(data: dict[str, Any]) -> list[str]:
             row = [ARM_NAMES[name], _f(cells["-"]["accuracy"], 2) if "-" in cells else ""]
             row += [_f(cells[str(r)]["accuracy"], 2) if str(r) in cells else "" for r in ratios]
             rows.append(row)
+        lines += _table(["arm", "no eviction", *[f"{r}×" for r in ratios]], rows)
+    if any("answer_nll_mean" in c for r in data["results"].values()
+           for cells in r["arms"].values() for c in cells.values()):  # fmt: skip
+        rows = []
+        for name in ("full", *ARM_ORDER):
+            row = [ARM_NAMES[name]]
+            for k in ["-", *map(str, ratios)]:
+                vals = [
+                    r["arms"][name][k]["answer_nll_mean"]
+                    for r in data["results"].values()
+                    if k in r["arms"].get(name, {})
+                ]
+                row.append(_f(sum(vals) / len(vals)) if vals else "")
+            rows.append(row)
+        lines += [
+            "",
+            "Answer NLL (nats per answer token, teacher-forced through each arm's cache; lower "
+            "is better; mean over documents and lengths) — graded where accuracy is at the "
+            "floor:",
+            "",
+        ]
         lines += _table(["arm", "no eviction", *[f"{r}×" for r in ratios]], rows)
     bins = data["data"]["depth_bins"]
     rows = []
@@ -360,6 +389,21 @@ def headlines(results_dir: Path) -> list[str]:
             + ", ".join(f"{k} {v:.2f}" for k, v in acc.items())
             + "."
         )
+        nll = {}
+        for name in ("full", *ARM_ORDER):
+            vals = [
+                c["answer_nll_mean"]
+                for v in res.values()
+                for c in v["arms"].get(name, {}).values()
+                if "answer_nll_mean" in c
+            ]
+            if vals:
+                nll[name] = sum(vals) / len(vals)
+        if nll:
+            lines.append(
+                "- Pass-key answer NLL (nats/token, mean over lengths and compressions; lower is "
+                "better): " + ", ".join(f"{k} {v:.3f}" for k, v in nll.items()) + "."
+            )
     if "stability" in data:
         rows = data["stability"]["rows"]
         first, last = rows[0], rows[-1]

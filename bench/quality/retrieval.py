@@ -6,6 +6,11 @@ depth bins (first, middle, last third of the prompt). Each prompt ends at "...Th
 is"; the model decodes greedily through :func:`mlx_lm.generate_step` with
 ``prompt_cache=make_caches(...)`` and is right when the first number it writes is the key.
 
+An untrained or small model may retrieve nothing even with a full cache, which leaves
+accuracy at 0 for every arm; so each arm also reports ``answer_nll``, the teacher-forced
+negative log-likelihood (nats per token) of the true answer (" " + key digits) given what
+its cache kept: a graded signal that separates arms before accuracy can.
+
 Compression is ``prompt tokens / budget`` at 2x .. 32x, so every arm keeps the same number of
 rows (sinks and recent rows included): full cache, calibrated Q-Filters, key-SVD fallback
 and K-norm with ``recent`` 0 and budget/4, and streaming.
@@ -44,9 +49,11 @@ from bench.quality.common import (
     print_table,
     progress,
     run,
+    spread,
     write_results,
 )
 from bench.quality.data import heldout_corpus, passkey_docs
+from bench.quality.teacher import streaming_nll
 from engine.config import DEFAULT_N_SINK
 
 STUDY = "retrieval"
@@ -112,6 +119,50 @@ def run_arm(
     return tokens
 
 
+def answer_nll(
+    model: Any,
+    prompt: list[int],
+    answer: list[int],
+    block: list[tuple[mx.array, mx.array]],
+    arm: Arm,
+    budget: int | None,
+    filters: np.ndarray,
+) -> float:
+    """Mean NLL per answer token, teacher-forced one token per step after the prompt."""
+    caches = arm.caches(model, budget, filters)
+    for cache, (keys, values) in zip(caches, block, strict=True):
+        cache.update_and_fetch(keys, values)
+    tokens = np.array([[prompt[-1], *answer]])
+    # budget=None: the rows are checked against the whole document just below.
+    nll, _ = streaming_nll(model, tokens, caches, budget=None, prefill=1)
+    check_budget(caches, budget, len(prompt) - 1 + len(answer))
+    return float(nll.mean())
+
+
+def plot_metric(a: Any, res: dict[str, Any], arms: list[Arm], ratios: list[int], key: str) -> None:
+    """One panel: ``key`` against compression per arm, the full cache as a dashed line."""
+    full = res["arms"].get("full", {}).get("-")
+    if full is not None:
+        a.axhline(full[key], color="black", ls="--", label="full")
+    for arm in arms:
+        cells = res["arms"].get(arm.name, {})
+        xs = [r for r in ratios if str(r) in cells]
+        if arm.method == "full" or not xs:
+            continue
+        a.plot(
+            xs,
+            [cells[str(r)][key] for r in xs],
+            "o-" if arm.recent_frac == 0 else "s--",
+            color=plots.COLORS[arm.method],
+            label=f"{LABELS[arm.method]}{'' if arm.recent_frac == 0 else ', recent b/4'}",
+        )
+    a.set_xscale("log", base=2)
+    a.set_xticks(ratios, [f"{r}x" for r in ratios])
+    a.set_xlabel("compression (prompt / budget)")
+    if key == "accuracy":
+        a.set_ylim(-0.05, 1.05)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--lengths", type=int, nargs="+", default=None, help="document tokens")
@@ -153,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                     if ratio is not None and budget is None:
                         continue
                     tokens = run_arm(model, prompt, block, arm, budget, filters, max_tokens)
+                    nll = answer_nll(model, prompt, doc["answer"], block, arm, budget, filters)
                     if i == 0 and n == lengths[0]:
                         direct = run_arm(model, prompt, None, arm, budget, filters, max_tokens)
                         check["arms"] += 1
@@ -163,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
                     correct = bool(found and found.group() == doc["key"])
                     key = "-" if ratio is None else str(ratio)
                     hits[n].setdefault(arm.name, {}).setdefault(key, []).append(
-                        (correct, doc["bin"])
+                        (correct, doc["bin"], nll)
                     )
                     if budget is not None:
                         budgets[n].setdefault(key, []).append(budget)
@@ -181,14 +233,16 @@ def main(argv: list[str] | None = None) -> int:
         for name, by_ratio in hits[n].items():
             cells = {}
             for key, outcomes in by_ratio.items():
-                k = sum(c for c, _ in outcomes)
+                k = sum(c for c, _, _ in outcomes)
                 cells[key] = {
                     "accuracy": k / len(outcomes),
                     "n": len(outcomes),
                     "ci95": wilson(k, len(outcomes)),
+                    "answer_nll": spread([x for _, _, x in outcomes]),
+                    "answer_nll_mean": float(np.mean([x for _, _, x in outcomes])),
                     "by_depth": {
-                        BINS[b]: float(np.mean([c for c, bb in outcomes if bb == b]))
-                        if any(bb == b for _, bb in outcomes)
+                        BINS[b]: float(np.mean([c for c, bb, _ in outcomes if bb == b]))
+                        if any(bb == b for _, bb, _ in outcomes)
                         else None
                         for b in range(len(BINS))
                     },
@@ -208,40 +262,35 @@ def main(argv: list[str] | None = None) -> int:
         table,
         title=f"pass-key accuracy ({identity['checkpoint']}), {per_bin * len(BINS)} docs/length",
     )
+    table = []
+    for n in lengths:
+        for name, cells in results[str(n)]["arms"].items():
+            row = [n, name]
+            for r in ["-", *map(str, ratios)]:
+                c = cells.get(r)
+                row.append("" if c is None else f"{c['answer_nll_mean']:.3f}")
+            table.append(row)
+    print_table(
+        ["length", "arm", "none", *[f"{r}x" for r in ratios]],
+        table,
+        title="answer NLL (nats/token, teacher-forced, mean over documents)",
+    )
     print(
         f"shared-prefill check: {check['identical']}/{check['arms']} arms identical to direct "
         f"generate_step"
     )
 
-    fig, ax = plots.subplots(1, len(lengths), figsize=(3.6 * len(lengths), 3.4), sharey=True)
+    fig, ax = plots.subplots(2, len(lengths), figsize=(3.6 * len(lengths), 6.4), sharey="row")
     for col, n in enumerate(lengths):
-        a = ax[0, col]
-        full = results[str(n)]["arms"]["full"]["-"]["accuracy"]
-        a.axhline(full, color="black", ls="--", label="full")
-        for arm in arms:
-            if arm.method == "full":
-                continue
-            cells = results[str(n)]["arms"].get(arm.name, {})
-            xs = [r for r in ratios if str(r) in cells]
-            a.plot(
-                xs,
-                [cells[str(r)]["accuracy"] for r in xs],
-                "o-" if arm.recent_frac == 0 else "s--",
-                color=plots.COLORS[arm.method],
-                label=f"{LABELS[arm.method]}{'' if arm.recent_frac == 0 else ', recent b/4'}",
-            )
-        a.set_xscale("log", base=2)
-        a.set_xticks(ratios, [f"{r}x" for r in ratios])
-        a.set_ylim(-0.05, 1.05)
-        a.set_title(f"{n}-token documents", fontsize=9)
-        a.set_xlabel("compression (prompt / budget)")
-        if col == 0:
-            a.set_ylabel("pass-key accuracy")
-            a.legend(fontsize=6)
+        plot_metric(ax[0, col], results[str(n)], arms, ratios, "accuracy")
+        plot_metric(ax[1, col], results[str(n)], arms, ratios, "answer_nll_mean")
+        ax[0, col].set_title(f"{n}-token documents", fontsize=9)
+    ax[0, 0].set_ylabel("pass-key accuracy")
+    ax[1, 0].set_ylabel("answer NLL (nats/token)")
+    ax[0, 0].legend(fontsize=6)
     plots.save(
         fig, args.out, STUDY, f"{identity['path']} {identity['checkpoint']}: pass-key retrieval"
     )
-
     fig, ax = plots.subplots(1, 1, figsize=(7, 3.4))
     a = ax[0, 0]
     names = [arm.name for arm in arms]

@@ -72,8 +72,13 @@ def test_every_perplexity_arm_kept_exactly_its_budget(results: Path) -> None:
 
 
 def test_retrieval_shared_prefill_matches_generate_step(results: Path) -> None:
-    check = _load(results, "retrieval")["shared_prefill_check"]
+    data = _load(results, "retrieval")
+    check = data["shared_prefill_check"]
     assert check["arms"] > 0 and check["identical"] == check["arms"], check["mismatches"]
+    for res in data["results"].values():
+        for cells in res["arms"].values():
+            for c in cells.values():
+                assert 0 <= c["accuracy"] <= 1 and c["answer_nll_mean"] > 0
 
 
 def test_attention_and_stability_values_are_in_range(results: Path) -> None:
