@@ -59,6 +59,12 @@ def main(argv=None) -> dict:
     p = common.make_parser(__doc__.splitlines()[0], reps=7)
     p.add_argument("--max-tokens", type=int, default=None, help="(default 64; quick 8)")
     p.add_argument("--budget", type=int, default=None, help="Q-Filters budget (default 256)")
+    p.add_argument(
+        "--prompts",
+        type=lambda v: tuple(int(x) for x in v.split(",")),
+        default=None,
+        help="prompt lengths, comma-separated (default: 256 and the context - max_tokens - 32)",
+    )
     args = p.parse_args(argv)
     reps = common.reps_of(args)
     max_tokens = args.max_tokens or (8 if args.quick else 64)
@@ -66,7 +72,9 @@ def main(argv=None) -> dict:
     progress = common.Progress("vs_mlx_lm")
     sm = common.load_study_model(args.model)
     # Long: as close to the context as prompt + max_tokens (+ the nonce) allow.
-    lengths = (64, 200) if args.quick else (256, sm.context_length - max_tokens - 32)
+    lengths = args.prompts or (
+        (64, 200) if args.quick else (256, sm.context_length - max_tokens - 32)
+    )
     bias = common.eos_ban(sm)
     seq = itertools.count()
 
