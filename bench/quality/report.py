@@ -323,7 +323,9 @@ def headlines(results_dir: Path) -> list[str]:
         "Held-out data only: evaluation-split standard-library files and generated documents "
         "from the training package's evaluation seeds; calibration on training-split files. "
         "Budgets are matched in rows (sinks and recent rows included) and every arm is checked "
-        "to keep exactly that many.",
+        "to keep exactly that many. Quality figures are deterministic for given data, so there is "
+        "no timing noise to interleave against: all arms of a study see the same sequences in "
+        "one run, and the spreads shown are over sequences, heads or calibration draws.",
         "",
     ]
     if len(models) > 1:
