@@ -142,25 +142,30 @@ def ttft(d: dict[str, Any]) -> list[str]:
 
 def server_overhead(d: dict[str, Any]) -> list[str]:
     s = d["settings"]
-    lines = _header("8. Server overhead: streamed HTTP vs in-process", d)
+    lines = _header("8. Server overhead: streamed HTTP vs the worker vs in-process", d)
     lines.append(
-        f"Prompt {s['prompt_tokens']} tokens, {s['max_tokens']} generated (EOS banned), "
-        f"Q-Filters budget {s['budget']}, greedy; {s['reps']} interleaved repetitions. "
-        "TTFT = first non-empty text; ITL = (end − first) / (tokens − 1)."
+        f"{s['max_tokens']} tokens generated (EOS banned), Q-Filters budget {s['budget']}, "
+        f"greedy; {s['reps']} interleaved rounds. `in_process`: encode + `make_caches` + "
+        "`stream_generate` in the bench process; `worker`: the engine's `Worker` (queue, model "
+        "thread, event loop) in process; `http`: `qfserve` over loopback. TTFT = first non-empty "
+        "text; ITL = (end − first) / (tokens − 1)."
     )
     lines.append("")
-    lines += _table(
-        ["arm", "TTFT ms", "ITL ms"],
-        [[k, _ms(d["ttft_s"][k], 1e3, 1), _ms(d["itl_s"][k], 1e3, 2)] for k in d["ttft_s"]],
-    )
-    lines.append("")
-    lines += _table(
-        ["ratio", "TTFT", "ITL"],
-        [
-            [f"{t['arm']} / {t['reference']}", _r(t), _r(i)]
-            for t, i in zip(d["ttft_ratios"], d["itl_ratios"], strict=True)
-        ],
-    )
+    for r in d["rows"]:
+        lines += [f"Prompt {r['prompt_tokens']} tokens:", ""]
+        lines += _table(
+            ["arm", "TTFT ms", "ITL ms"],
+            [[k, _ms(r["ttft_s"][k], 1e3, 1), _ms(r["itl_s"][k], 1e3, 2)] for k in r["ttft_s"]],
+        )
+        lines.append("")
+        lines += _table(
+            ["ratio", "TTFT", "ITL"],
+            [
+                [f"{t['arm']} / {t['reference']}", _r(t), _r(i)]
+                for t, i in zip(r["ttft_ratios"], r["itl_ratios"], strict=True)
+            ],
+        )
+        lines.append("")
     return lines + _plots(d)
 
 
@@ -324,12 +329,17 @@ def headline(results: dict[str, dict[str, Any]]) -> list[str]:
                 + f", eviction / full: {parts}; A/A {_r(r['ratios'][0])}."
             )
     if "server_overhead" in results:
-        d = results["server_overhead"]
-        t, i = d["ttft_ratios"], d["itl_ratios"]
-        out.append(
-            f"- HTTP / in-process: TTFT {_r(t[2])}, inter-token latency {_r(i[2])}; "
-            f"A/A in-process {_r(t[0])} / {_r(i[0])}, HTTP {_r(t[1])} / {_r(i[1])}."
-        )
+        for r in results["server_overhead"]["rows"]:
+            t = {(x["arm"], x["reference"]): x for x in r["ttft_ratios"]}
+            i = {(x["arm"], x["reference"]): x for x in r["itl_ratios"]}
+            k, w = ("http_a", "in_process_a"), ("worker", "in_process_a")
+            aa, bb = ("in_process_b", "in_process_a"), ("http_b", "http_a")
+            out.append(
+                f"- Serving overhead at a {r['prompt_tokens']}-token prompt, HTTP / in-process: "
+                f"TTFT {_r(t[k])}, inter-token latency {_r(i[k])} (worker / in-process: "
+                f"{_r(t[w])}, {_r(i[w])}); A/A in-process {_r(t[aa])} / {_r(i[aa])}, "
+                f"HTTP {_r(t[bb])} / {_r(i[bb])}."
+            )
     if "vs_mlx_lm" in results:
         for r in results["vs_mlx_lm"]["rows"]:
             tr = {x["arm"]: x for x in r["ttft_ratios"]}

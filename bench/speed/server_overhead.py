@@ -1,14 +1,17 @@
-"""Study 8: what HTTP adds. A streamed chat request through ``qfserve`` against in-process
-generation of the same prompt (same engine code, caches and greedy settings).
+"""Study 8: what serving adds. A streamed chat request through ``qfserve`` over HTTP, through
+the engine's worker in process (queue, model thread, event loop, no HTTP), and as plain
+in-process generation of the same prompt (same engine code, caches and greedy settings).
 
 The server runs as a subprocess on an ephemeral 127.0.0.1 port, loading the same model
 folder; the client is ``httpx`` streaming ``/v1/chat/completions``. In process, the prompt
 goes through the engine's own ``encode_prompt``, ``make_caches`` and mlx-lm's
-``stream_generate`` with the sampler and logits processors the worker builds. Both ban the
-end-of-sequence tokens (``logit_bias``) so every request makes exactly ``max_tokens``.
-TTFT is the time to the first non-empty text; inter-token latency (ITL) is
-``(end - first) / (completion_tokens - 1)``. Arms interleaved: in-process, HTTP, in-process,
-HTTP; the two copies of each are the A/A pairs.
+``stream_generate`` with the sampler and logits processors the worker builds; the worker arm
+submits the same :class:`~engine.requests.GenerationRequest` to an in-process
+:class:`~engine.worker.Worker` sharing the loaded model. All ban the end-of-sequence tokens
+(``logit_bias``) so every request makes exactly ``max_tokens``. TTFT is the time to the first
+non-empty text; inter-token latency (ITL) is ``(end - first) / (completion_tokens - 1)``.
+Arms interleaved per round: in-process, worker, HTTP, in-process, HTTP; the two copies of
+in-process and of HTTP are the A/A pairs.
 
 Run: ``python -m bench.speed.server_overhead [--quick] [--model DIR] [--reps 7]``.
 Writes ``bench/results/server_overhead.json`` and ``server_overhead.png``.
@@ -20,6 +23,7 @@ from engine.blas import reexec_with_openblas
 
 reexec_with_openblas()
 
+import asyncio  # noqa: E402
 import time  # noqa: E402
 
 import httpx  # noqa: E402
@@ -30,12 +34,21 @@ from bench.harness import interleave, ratio_row, summary, write_json  # noqa: E4
 from bench.speed import common  # noqa: E402
 from engine.config import CacheConfig  # noqa: E402
 from engine.prompts import encode_prompt  # noqa: E402
-from engine.requests import GenerationRequest, SamplingParams  # noqa: E402
+from engine.requests import Delta, Failed, Finished, GenerationRequest, SamplingParams  # noqa: E402
+from engine.worker import Worker  # noqa: E402
+
+ARMS = ("in_process_a", "worker", "http_a", "in_process_b", "http_b")
+PAIRS = (
+    ("in_process_b", "in_process_a"),
+    ("http_b", "http_a"),
+    ("worker", "in_process_a"),
+    ("http_a", "worker"),
+    ("http_a", "in_process_a"),
+)
 
 
-def in_process(sm, content: str, max_tokens: int, config: CacheConfig, bias: dict):
-    """A callable generating like the worker does, timed the way the HTTP client is."""
-    request = GenerationRequest(
+def make_request(content: str, max_tokens: int, config: CacheConfig, bias: dict):
+    return GenerationRequest(
         kind="chat",
         sampling=SamplingParams(
             max_tokens=max_tokens,
@@ -45,6 +58,11 @@ def in_process(sm, content: str, max_tokens: int, config: CacheConfig, bias: dic
         cache=config,
         messages=({"role": "user", "content": content},),
     )
+
+
+def in_process(sm, request: GenerationRequest):
+    """A callable generating like the worker does, timed the way the HTTP client is."""
+    config = request.cache
 
     def run() -> common.StreamTiming:
         tic = time.perf_counter()
@@ -81,67 +99,145 @@ def in_process(sm, content: str, max_tokens: int, config: CacheConfig, bias: dic
     return run
 
 
-def over_http(client, url: str, body: dict):
-    return lambda: common.stream_chat(client, url, body)
+def through_worker(worker: Worker, loop: asyncio.AbstractEventLoop, request: GenerationRequest):
+    """A callable submitting ``request`` to the in-process worker and timing its events."""
+
+    async def one() -> common.StreamTiming:
+        tic = time.perf_counter()
+        job = worker.submit(request, loop)
+        ttft, chunks = None, 0
+        while True:
+            event = await job.next_event()
+            if isinstance(event, Delta) and event.text:
+                chunks += 1
+                if ttft is None:
+                    ttft = time.perf_counter() - tic
+            elif isinstance(event, Finished):
+                total = time.perf_counter() - tic
+                return common.StreamTiming(
+                    ttft=ttft or total,
+                    total=total,
+                    completion_tokens=event.completion_tokens,
+                    prompt_tokens=event.prompt_tokens,
+                    chunks=chunks,
+                    kv_cache=event.kv_cache,
+                )
+            elif isinstance(event, Failed):
+                raise RuntimeError(f"worker: {event.kind}: {event.message}")
+
+    return lambda: loop.run_until_complete(one())
+
+
+def start_worker(sm) -> Worker:
+    worker = Worker(str(sm.path), loader=lambda _ref: sm.loaded)
+    worker.start()
+    deadline = time.monotonic() + 60
+    while not worker.ready:
+        if worker.status not in ("loading", "ready") or time.monotonic() > deadline:
+            raise RuntimeError(f"in-process worker not ready: {worker.status} {worker.error}")
+        time.sleep(0.05)
+    return worker
 
 
 def plot(result, out) -> list[str]:
     plt = common.plt()
-    arms = list(result["ttft_s"])
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.6))
-    for ax, key, title in ((a1, "ttft_s", "TTFT (ms)"), (a2, "itl_s", "inter-token latency (ms)")):
-        med, err = common.errorbars([result[key][a] for a in arms])
-        ax.bar(
-            arms,
-            [m * 1e3 for m in med],
-            yerr=[[e * 1e3 for e in s] for s in err],
-            capsize=4,
-            color=["C0" if a.startswith("in_") else "C1" for a in arms],
-        )
-        ax.set(title=title + ", median and IQR")
-    fig.suptitle(
-        f"HTTP vs in-process, prompt {result['settings']['prompt_tokens']} tokens, "
-        f"{result['settings']['max_tokens']} generated"
-    )
+    rows = result["rows"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    width = 0.16
+    colors = {"in_": "C0", "wor": "C2", "htt": "C1"}
+    for ax, key, title in (
+        (axes[0], "ttft_s", "TTFT ms"),
+        (axes[1], "itl_s", "inter-token latency ms"),
+    ):
+        for i, arm in enumerate(ARMS):
+            x = [j + (i - 2) * width for j in range(len(rows))]
+            med, err = common.errorbars([r[key][arm] for r in rows])
+            ax.bar(
+                x,
+                [m * 1e3 for m in med],
+                width,
+                yerr=[[e * 1e3 for e in s] for s in err],
+                capsize=3,
+                color=colors[arm[:3]],
+                alpha=1.0 if not arm.endswith("_b") else 0.6,
+                label=arm,
+            )
+        ax.set_xticks(range(len(rows)), [f"prompt {r['prompt_tokens']}" for r in rows])
+        ax.set(title=title + " (median, IQR)")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"HTTP vs worker vs in-process, {result['settings']['max_tokens']} tokens")
     return [common.save_figure(fig, out, "server_overhead")]
 
 
 def main(argv=None) -> dict:
     p = common.make_parser(__doc__.splitlines()[0], reps=7)
-    p.add_argument("--prompt-tokens", type=int, default=None, help="(default 1000; quick 64)")
+    p.add_argument(
+        "--prompts",
+        type=lambda v: tuple(int(x) for x in v.split(",")),
+        default=None,
+        help="prompt lengths, comma-separated (default 256,1000; quick 64)",
+    )
     p.add_argument("--max-tokens", type=int, default=None, help="(default 64; quick 8)")
     p.add_argument("--budget", type=int, default=None, help="Q-Filters budget (default 512)")
     args = p.parse_args(argv)
     reps = common.reps_of(args)
-    n_prompt = args.prompt_tokens or (64 if args.quick else 1000)
+    prompts = args.prompts or ((64,) if args.quick else (256, 1000))
     max_tokens = args.max_tokens or (8 if args.quick else 64)
     budget = args.budget or (32 if args.quick else 512)
     progress = common.Progress("server_overhead")
     sm = common.load_study_model(args.model)
     config = CacheConfig(method="qfilters", budget=budget)
-    content = common.chat_content(sm, n_prompt)
     bias = common.eos_ban(sm)
-    body = {
-        "model": sm.loaded.name,
-        "messages": [{"role": "user", "content": content}],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "logit_bias": bias,
-        "kv_method": "qfilters",
-        "qfilters_budget": budget,
-    }
-    progress(f"starting qfserve on {sm.path.name}")
-    with common.serve("qfserve", model=sm.path) as (url,), httpx.Client() as client:
-        progress(f"serving at {url}; {reps} reps, prompt ~{n_prompt}, {max_tokens} tokens")
-        local = in_process(sm, content, max_tokens, config, bias)
-        remote = over_http(client, url, body)
-        arms = {"in_process_a": local, "http_a": remote, "in_process_b": local, "http_b": remote}
-        runs = interleave(arms, reps, progress=progress.rounds("requests"))
-    ttft = {k: [t.ttft for t in v] for k, v in runs.items()}
-    itl = {k: [t.itl for t in v] for k, v in runs.items()}
-    tokens = {k: sorted({t.completion_tokens for t in v}) for k, v in runs.items()}
-    prompt_tokens = {k: sorted({t.prompt_tokens for t in v}) for k, v in runs.items()}
-    pairs = [("in_process_b", "in_process_a"), ("http_b", "http_a"), ("http_a", "in_process_a")]
+    progress(f"starting qfserve on {sm.path.name} and an in-process worker")
+    worker = start_worker(sm)
+    loop = asyncio.new_event_loop()
+    rows = []
+    try:
+        with common.serve("qfserve", model=sm.path) as (url,), httpx.Client() as client:
+            progress(f"serving at {url}; {reps} reps, prompts {prompts}, {max_tokens} tokens")
+            for n in prompts:
+                content = common.chat_content(sm, n)
+                request = make_request(content, max_tokens, config, bias)
+                body = {
+                    "model": sm.loaded.name,
+                    "messages": [{"role": "user", "content": content}],
+                    "max_tokens": max_tokens,
+                    "temperature": 0,
+                    "logit_bias": bias,
+                    "kv_method": "qfilters",
+                    "qfilters_budget": budget,
+                }
+                local = in_process(sm, request)
+                remote = lambda body=body: common.stream_chat(client, url, body)  # noqa: E731
+                arms = {
+                    "in_process_a": local,
+                    "worker": through_worker(worker, loop, request),
+                    "http_a": remote,
+                    "in_process_b": local,
+                    "http_b": remote,
+                }
+                runs = interleave(arms, reps, progress=progress.rounds(f"prompt {n}"))
+                ttft = {k: [t.ttft for t in v] for k, v in runs.items()}
+                itl = {k: [t.itl for t in v] for k, v in runs.items()}
+                rows.append(
+                    {
+                        "prompt_tokens": runs["in_process_a"][0].prompt_tokens,
+                        "completion_tokens": {
+                            k: sorted({t.completion_tokens for t in v}) for k, v in runs.items()
+                        },
+                        "prompt_tokens_seen": {
+                            k: sorted({t.prompt_tokens for t in v}) for k, v in runs.items()
+                        },
+                        "ttft_s": {k: summary(v) for k, v in ttft.items()},
+                        "itl_s": {k: summary(v) for k, v in itl.items()},
+                        "ttft_ratios": [ratio_row(ttft, a, b) for a, b in PAIRS],
+                        "itl_ratios": [ratio_row(itl, a, b) for a, b in PAIRS],
+                        "kv_cache_http": runs["http_a"][-1].kv_cache,
+                    }
+                )
+    finally:
+        worker.stop()
+        loop.close()
     result = {
         "study": 8,
         "command": common.command_line("server_overhead", argv),
@@ -149,7 +245,6 @@ def main(argv=None) -> dict:
         "model": sm.describe(),
         "settings": {
             "reps": reps,
-            "prompt_tokens": prompt_tokens["in_process_a"][0],
             "max_tokens": max_tokens,
             "method": "qfilters",
             "budget": budget,
@@ -160,45 +255,40 @@ def main(argv=None) -> dict:
             "client": "httpx streaming, SSE parsed on the client",
             "host": common.HOST,
         },
-        "completion_tokens": tokens,
-        "prompt_tokens_seen": prompt_tokens,
-        "ttft_s": {k: summary(v) for k, v in ttft.items()},
-        "itl_s": {k: summary(v) for k, v in itl.items()},
-        "ttft_ratios": [ratio_row(ttft, a, b) for a, b in pairs],
-        "itl_ratios": [ratio_row(itl, a, b) for a, b in pairs],
-        "kv_cache_http": runs["http_a"][-1].kv_cache,
+        "rows": rows,
     }
     result["plots"] = plot(result, args.out)
     result["runtime_s"] = round(progress.elapsed, 1)
     path = write_json("server_overhead", result, args.out)
 
     print("\nMedians (IQR); ratios are medians of paired per-round ratios")
-    common.print_table(
-        ["arm", "TTFT ms", "ITL ms", "tokens"],
-        [
+    for r in rows:
+        print(f"\nprompt {r['prompt_tokens']} tokens")
+        common.print_table(
+            ["arm", "TTFT ms", "ITL ms", "tokens"],
             [
-                k,
-                f"{result['ttft_s'][k]['median'] * 1e3:.1f} ({result['ttft_s'][k]['q1'] * 1e3:.1f}-"
-                f"{result['ttft_s'][k]['q3'] * 1e3:.1f})",
-                f"{result['itl_s'][k]['median'] * 1e3:.2f} ({result['itl_s'][k]['q1'] * 1e3:.2f}-"
-                f"{result['itl_s'][k]['q3'] * 1e3:.2f})",
-                tokens[k],
-            ]
-            for k in runs
-        ],
-    )
-    print()
-    common.print_table(
-        ["ratio", "TTFT", "ITL"],
-        [
+                [
+                    k,
+                    f"{r['ttft_s'][k]['median'] * 1e3:.1f} ({r['ttft_s'][k]['q1'] * 1e3:.1f}-"
+                    f"{r['ttft_s'][k]['q3'] * 1e3:.1f})",
+                    f"{r['itl_s'][k]['median'] * 1e3:.2f} ({r['itl_s'][k]['q1'] * 1e3:.2f}-"
+                    f"{r['itl_s'][k]['q3'] * 1e3:.2f})",
+                    r["completion_tokens"][k],
+                ]
+                for k in ARMS
+            ],
+        )
+        common.print_table(
+            ["ratio", "TTFT", "ITL"],
             [
-                f"{t['arm']} / {t['reference']}",
-                f"{t['median']:.3f} [{t['q1']:.2f}-{t['q3']:.2f}]",
-                f"{i['median']:.3f} [{i['q1']:.2f}-{i['q3']:.2f}]",
-            ]
-            for t, i in zip(result["ttft_ratios"], result["itl_ratios"], strict=True)
-        ],
-    )
+                [
+                    f"{t['arm']} / {t['reference']}",
+                    f"{t['median']:.3f} [{t['q1']:.2f}-{t['q3']:.2f}]",
+                    f"{i['median']:.3f} [{i['q1']:.2f}-{i['q3']:.2f}]",
+                ]
+                for t, i in zip(r["ttft_ratios"], r["itl_ratios"], strict=True)
+            ],
+        )
     print(f"\nwrote {path} in {result['runtime_s']}s")
     return result
 
