@@ -105,6 +105,12 @@ class Report:
         print(f"\n[reliability:{self.size.name}] {part}: {json.dumps(figures, default=str)}")
 
     def write(self, path: Path) -> None:
+        """Write the figures; parts run earlier at the same size (``-k`` reruns) are kept."""
+        parts = {}
+        if path.exists():
+            old = json.loads(path.read_text())
+            parts = old.get("parts", {}) if old.get("size") == self.size.name else {}
+        self.parts = {**parts, **self.parts}
         doc = {
             "size": self.size.name,
             "sizes": asdict(self.size),
