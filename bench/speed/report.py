@@ -53,7 +53,9 @@ def decode(d: dict[str, Any]) -> list[str]:
         f"ms per decode step, median [IQR] over {d['settings']['reps']} interleaved repetitions "
         f"of {d['settings']['steps']} steps; ratios are medians of paired per-round ratios to "
         "the first full arm (A/A = the second full arm: the noise floor). Q-Filters, "
-        f"n_sink 4, recent 0, filters: {d['model']['filter_source']}."
+        f"n_sink 4, recent 0, filters: {d['model']['filter_source']}. Contexts run one after "
+        "another, so absolute ms across rows also track the machine's load at the time; "
+        "compare within a row."
     )
     lines.append("")
     rows = []
