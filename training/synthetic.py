@@ -209,6 +209,38 @@ def fact_doc(rng: random.Random, n_tokens: int, filler: Filler) -> Doc:
     return b.doc()
 
 
+def copy_doc(rng: random.Random, n_tokens: int, filler: Filler) -> Doc:
+    """A random segment (digit groups, made-up words or source lines) repeated 2-4 times.
+
+    Every repeated token is predictable only by looking back, which is the signal that makes
+    induction (copying) heads form; long documents put filler between the copies.
+    """
+    reps = rng.randint(2, 4)
+    gap = int(n_tokens * rng.uniform(0.2, 0.6)) if n_tokens > 256 and rng.random() < 0.5 else 0
+    seg_tokens = max(8, (n_tokens - gap - 8 * reps) // reps)
+    style = rng.choice(("digits", "words", "code"))
+    if style == "digits":
+        groups = []
+        while sum(len(g) + 1 for g in groups) < seg_tokens:
+            groups.append(make_number(rng, rng.randint(1, 6)))
+        segment = " ".join(groups)
+    elif style == "words":
+        segment = " ".join(make_word(rng, rng.randint(1, 3)) for _ in range(seg_tokens // 3 + 1))
+    else:
+        segment = filler(rng, seg_tokens, "code")
+    b = Builder("copy")
+    b.add("Copy the following text exactly.\n")
+    b.add(segment)
+    b.add("\n")
+    if gap:
+        b.add(filler(rng, gap) + "\n")
+    for _ in range(reps - 1):
+        b.add("Copy:\n")
+        b.add(segment, answer=True)
+        b.add("\n")
+    return b.doc()
+
+
 def chat_text(messages: list[dict[str, str]], bos: str) -> str:
     """Render messages exactly as the shipped chat template does (ChatML with a bos)."""
     turns = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
@@ -261,4 +293,10 @@ def chat_doc(
     return Doc(text, [(start, start + len(reply))], "chat")
 
 
-GENERATORS: dict[str, Callable[..., Doc]] = {"passkey": passkey_doc, "kv": kv_doc, "fact": fact_doc}
+# Order matters: the tokenizer corpus cycles through the first three.
+GENERATORS: dict[str, Callable[..., Doc]] = {
+    "passkey": passkey_doc,
+    "kv": kv_doc,
+    "fact": fact_doc,
+    "copy": copy_doc,
+}

@@ -64,13 +64,13 @@ def lr_at(cfg: dict, step: int) -> float:
 @torch.no_grad()
 def answer_accuracy(
     model: Llama, docs: list[tuple[list[int], list[int]]], device: torch.device, batch_size: int = 8
-) -> float:
-    """Fraction of answers whose every token is the argmax prediction (= greedy exact match).
+) -> tuple[float, float]:
+    """Exact-match rate of answers (= greedy decoding) and per-token accuracy of answer tokens.
 
     An answer is a run of consecutive target indices; ``docs`` are ``(ids, target_indices)``.
     """
     model.eval()
-    hits = total = 0
+    hits = total = token_hits = token_total = 0
     for i in range(0, len(docs), batch_size):
         chunk = docs[i : i + batch_size]
         width = max(len(ids) for ids, _ in chunk)
@@ -87,10 +87,11 @@ def answer_accuracy(
                 else:
                     answers.append([t])
             for answer in answers:
-                total += 1
-                hits += all(int(preds[r, t - 1]) == ids[t] for t in answer)
+                correct = [int(preds[r, t - 1]) == ids[t] for t in answer]
+                hits, total = hits + all(correct), total + 1
+                token_hits, token_total = token_hits + sum(correct), token_total + len(correct)
     model.train()
-    return hits / max(1, total)
+    return hits / max(1, total), token_hits / max(1, token_total)
 
 
 @torch.no_grad()
@@ -231,7 +232,10 @@ def train(cfg: dict, *, max_steps: int | None = None) -> Path:
                     model, corpus, device, min(512, model_cfg.max_position_embeddings)
                 ),
             }
-            row.update({k: answer_accuracy(model, v, device) for k, v in eval_sets.items()})
+            for name, docs in eval_sets.items():
+                row[name], token_acc = answer_accuracy(model, docs, device)
+                if name.startswith("kv"):
+                    row[f"{name}_tokens"] = token_acc
             with open(run_dir / "metrics.jsonl", "a") as metrics_log:
                 metrics_log.write(json.dumps(row) + "\n")
             print(
@@ -256,7 +260,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", required=True, help="training config JSON")
     parser.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="CPU threads (1 is faster on a busy machine)"
+    )
     args = parser.parse_args()
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     train(load_config(args.config), max_steps=args.max_steps)
 
 
