@@ -10,7 +10,8 @@ and streaming (sinks + latest rows, for which a recent window changes nothing).
 
 ``gap closed vs streaming`` is ``(nll_streaming - nll_arm) / (nll_streaming - nll_full)`` on
 the pooled mean NLL at the same budget: 100% matches the full cache, 0% is no better than
-keeping the latest rows, negative is worse. Every arm is checked to hold exactly ``budget``
+keeping the latest rows, negative is worse. It is left out (``None``) where streaming is not
+worse than the full cache by at least 0.002 nats/token: there is no gap to close. Every arm is checked to hold exactly ``budget``
 rows per layer and KV head at the end and never more at any step.
 
 Run: ``python -m bench.quality.perplexity [--quick] [--budgets 64 128 256 512]``.
@@ -98,6 +99,20 @@ def evaluate(
     return out
 
 
+# Below this (nats/token) streaming is not measurably worse than the full cache: no gap.
+MIN_GAP_NATS = 0.002
+
+
+def gap_closed(nll_streaming: float, nll_arm: float, nll_full: float) -> float | None:
+    """Share of streaming's gap to the full cache that an arm closes (1 = all of it).
+
+    ``None`` when streaming is within ``MIN_GAP_NATS`` of the full cache or better than it
+    (an undertrained model can do better with less context), where the ratio means nothing.
+    """
+    denom = nll_streaming - nll_full
+    return (nll_streaming - nll_arm) / denom if denom > MIN_GAP_NATS else None
+
+
 def summarise(raw: dict[str, Any]) -> dict[str, Any]:
     """Perplexities, per-sequence ratios to full and gap closed, from the NLL windows."""
     full = raw["full"]["nll"]
@@ -113,13 +128,12 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
         for name, r in arms.items():
             nll = float(r["nll"].mean())
             seq = r["nll"].mean(axis=1)
-            denom = stream - full_mean
             rows[name] = {
                 "ppl": math.exp(nll),
                 "nll": nll,
                 "ppl_per_seq": np.exp(seq),
                 "ratio_to_full": spread(np.exp(seq - full_seq).tolist()),
-                "gap_closed_vs_streaming": (stream - nll) / denom if abs(denom) > 1e-9 else None,
+                "gap_closed_vs_streaming": gap_closed(stream, nll, full_mean),
                 **{k: v for k, v in r.items() if k != "nll"},
             }
         out["budgets"][budget] = rows

@@ -174,7 +174,8 @@ def render_perplexity(data: dict[str, Any]) -> list[str]:
         f"Teacher-forced, one token per step through the real caches; scored on {d['scored']}"
         f" of {d['length']}-token sequences; batches {d['batches']}. Ratio = per-sequence "
         "perplexity / full cache, median [q1–q3]. Gap closed = (NLL streaming − NLL arm) / "
-        "(NLL streaming − NLL full) at the same budget. Every arm held exactly `budget` rows "
+        "(NLL streaming − NLL full) at the same budget; – where streaming is not worse than the "
+        "full cache (no gap to close). Every arm held exactly `budget` rows "
         "per layer and KV head (checked at every step).",
     ]
     for dataset, res in data["results"].items():
