@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn, cast
 
 import mlx.core as mx
 import numpy as np
@@ -92,7 +92,10 @@ class Calibration:
         return tuple(self.filters.shape)  # type: ignore[return-value]
 
 
-def _unit_rows(filters: np.ndarray, fail: Any) -> np.ndarray:
+def _unit_rows(
+    filters: np.ndarray, fail: Callable[[str], NoReturn]
+) -> tuple[np.ndarray, np.ndarray]:
+    """``filters`` checked (rank 3, finite, no zero row) and their row norms ``(L, H, 1)``."""
     if filters.ndim != 3 or 0 in filters.shape:
         fail(f"filters must have shape [n_layers, n_kv_heads, head_dim], got {filters.shape}")
     if not np.isfinite(filters).all():
@@ -136,7 +139,7 @@ def save_calibration(
     if not model_id:
         raise ValueError(f"model_id must be a non-empty string, got {model_id!r}")
 
-    def fail(reason: str) -> None:
+    def fail(reason: str) -> NoReturn:
         raise ValueError(f"cannot save {path}: {reason}")
 
     filters, norms = _unit_rows(np.asarray(filters), fail)
@@ -163,7 +166,7 @@ def save_calibration(
     return path
 
 
-def _parse_metadata(meta: dict[str, str], fail: Any) -> dict[str, Any]:
+def _parse_metadata(meta: dict[str, str], fail: Callable[[str], NoReturn]) -> dict[str, Any]:
     missing = [k for k in _REQUIRED if k not in meta]
     if meta.get("format") != FORMAT_NAME:
         fail(f"format is {meta.get('format')!r}, expected {FORMAT_NAME!r}")
@@ -199,11 +202,16 @@ def read_calibration(path: str | Path, *, model_id: str | None = None) -> Calibr
     if not path.is_file():
         raise FileNotFoundError(f"calibration file {path} does not exist")
 
-    def fail(reason: str) -> None:
+    def fail(reason: str) -> NoReturn:
         raise CalibrationError(path, reason)
 
     try:
-        tensors, meta = mx.load(str(path), format="safetensors", return_metadata=True)
+        # mx.load's stub returns a union over every format; safetensors with
+        # return_metadata=True gives (name -> array, str -> str metadata).
+        tensors, meta = cast(
+            "tuple[dict[str, mx.array], dict[str, str]]",
+            mx.load(str(path), format="safetensors", return_metadata=True),
+        )
     except Exception as e:  # mlx raises RuntimeError/ValueError with its own wording
         raise CalibrationError(
             path,

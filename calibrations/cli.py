@@ -19,6 +19,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 from tqdm import tqdm
 
@@ -36,6 +37,10 @@ from calibrations.corpus import (
 )
 from calibrations.model_info import attention_shape, max_context
 from calibrations.registry import artifact_name, default_output_dir, model_id_for, search_path
+
+if TYPE_CHECKING:
+    import mlx.nn as nn
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 
 def _positive_int(text: str) -> int:
@@ -126,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --text file(s) not found: {missing}", file=sys.stderr)
         return 2
     try:
-        model, tokenizer = mlx_lm.load(args.model)
+        # mlx_lm.load is typed as either a 2- or a 3-tuple; without return_config it is 2.
+        model, tokenizer = cast("tuple[nn.Module, TokenizerWrapper]", mlx_lm.load(args.model))
     except Exception as e:  # no such folder/id, no network, unsupported architecture
         print(f"error: cannot load model {args.model!r}: {e}", file=sys.stderr)
         return 1

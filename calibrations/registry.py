@@ -120,7 +120,7 @@ def _stored_id(path: Path) -> str:
 
 def available(search_dirs: Sequence[str | Path] | None = None) -> list[str]:
     """Sorted ids of every artifact on the search path (aliases not included)."""
-    ids = set()
+    ids: set[str] = set()
     for d in search_path(search_dirs):
         if d.is_dir():
             ids.update(_stored_id(p) for p in d.glob("*" + SUFFIX) if not p.name.startswith("."))

@@ -71,13 +71,14 @@ class EvictionCache:
         """Append ``keys``/``values`` ``(B, H, N, D)``; return every stored row plus them."""
         start = self.offset
         self.offset += keys.shape[2]
-        if self.keys is None:
+        if self.keys is None or self.values is None:  # set together; None before the first update
             all_keys, all_values = keys, values
         else:
             all_keys = mx.concatenate([self.keys, keys], axis=2)
             all_values = mx.concatenate([self.values, values], axis=2)
 
         scorer = self.scorer
+        scores: mx.array | None
         if scorer.ready:
             new_scores = scorer.score(keys, start)
             scores = (
@@ -126,7 +127,7 @@ class EvictionCache:
 
     @property
     def state(self) -> tuple[mx.array, ...]:
-        if self.keys is None:
+        if self.keys is None or self.values is None:
             return ()
         if self.scores is None:
             return self.keys, self.values
@@ -149,7 +150,7 @@ class EvictionCache:
 
     @property
     def nbytes(self) -> int:
-        if self.keys is None:
+        if self.keys is None or self.values is None:
             return 0
         scores = 0 if self.scores is None else self.scores.nbytes
         return self.keys.nbytes + self.values.nbytes + scores
@@ -164,14 +165,14 @@ class EvictionCache:
         n = min(self.offset, n)
         keep = self.size() - n
         self.offset -= n
-        if self.keys is not None:
+        if self.keys is not None and self.values is not None:
             self.keys, self.values = self.keys[..., :keep, :], self.values[..., :keep, :]
             if self.scores is not None:
                 self.scores = self.scores[..., :keep]
         return n
 
     def stats(self) -> CacheStats:
-        if self.keys is None:
+        if self.keys is None or self.values is None:
             return CacheStats(filter_source=self.scorer.source)
         row = _row_bytes(self.keys, self.values)
         return CacheStats(
@@ -189,7 +190,7 @@ class FullKVCache(KVCache):
     """mlx-lm's own ``KVCache`` (the no-eviction control arm) with the same statistics."""
 
     def stats(self) -> CacheStats:
-        if self.keys is None:
+        if self.keys is None or self.values is None:
             return CacheStats()
         row = _row_bytes(self.keys, self.values)
         return CacheStats(

@@ -10,9 +10,13 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import engine
+
+if TYPE_CHECKING:
+    import mlx.nn as nn
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 logger = logging.getLogger(__name__)
 
@@ -90,8 +94,8 @@ def model_id_for(ref: str) -> str:
     try:
         from calibrations.registry import model_id_for as registry_model_id_for
     except ImportError:
-        registry_model_id_for = None
-    if registry_model_id_for is not None:
+        pass
+    else:
         return registry_model_id_for(ref)
     config = Path(ref) / "config.json"
     if config.exists():
@@ -123,7 +127,11 @@ def load_model(ref: str | None) -> LoadedModel:
     import mlx_lm
 
     source = resolve_model_ref(ref)
-    model, tokenizer, config = mlx_lm.load(source, return_config=True)
+    # mlx_lm.load is typed as either a 2- or a 3-tuple; with return_config=True it is 3.
+    model, tokenizer, config = cast(
+        "tuple[nn.Module, TokenizerWrapper, dict[str, Any]]",
+        mlx_lm.load(source, return_config=True),
+    )
     model_id = model_id_for(source)
     # A local folder is served under its folder name (the bundled one: "qfserve-tiny").
     name = Path(source).name if Path(source).exists() else source

@@ -6,7 +6,7 @@ Thin wrappers over mlx-lm's tokenizer wrapper (chat template, encode) and its se
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from engine.loading import LoadedModel
 from engine.requests import GenerationRequest, TokenLogprob
@@ -104,7 +104,9 @@ def token_logprobs(tokenizer: Any, gen: Any, top_n: int) -> tuple[TokenLogprob, 
     if top_n > 0:
         ids = mx.argpartition(-gen.logprobs, kth=top_n - 1)[:top_n]
         values = gen.logprobs[ids].tolist()
-        pairs = sorted(zip(ids.tolist(), values, strict=True), key=lambda p: -p[1])
+        # array.tolist() is typed as any nesting of scalars; ids is 1-D, so a list of ints.
+        token_ids = cast("list[int]", ids.tolist())
+        pairs = sorted(zip(token_ids, values, strict=True), key=lambda p: -p[1])
         top = tuple((tokenizer.decode([i]), v) for i, v in pairs)
     token = tokenizer.decode([gen.token])
     return (TokenLogprob(token, gen.logprobs[gen.token].item(), top),)

@@ -55,7 +55,10 @@ def project(keys: mx.array, direction: mx.array, sign: int) -> mx.array:
 class _AlwaysReady:
     source = "none"
     ready = True
-    nbytes = 0
+
+    @property
+    def nbytes(self) -> int:
+        return 0
 
     def observe(self, keys: mx.array, tokens_seen: int) -> None:
         return None

@@ -21,7 +21,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from engine.loading import LoadedModel, load_model
 from engine.prompts import PromptError, StopText, encode_prompt, token_logprobs
@@ -30,6 +30,7 @@ from engine.requests import (
     Event,
     Failed,
     Finished,
+    FinishReason,
     GenerationRequest,
     Started,
 )
@@ -439,7 +440,7 @@ class Worker:
             if job.cancelled:
                 raise _Cancelled
 
-        finish_reason = "length"
+        finish_reason: FinishReason = "length"
         for gen in stream_generate(
             self.loaded.model,
             self.loaded.tokenizer,
@@ -458,7 +459,8 @@ class Worker:
                 self._update_stats(record, caches)
             text, stopped = stop.feed(gen.text) if stop else (gen.text, False)
             if gen.finish_reason is not None and not stopped:
-                finish_reason = gen.finish_reason
+                # mlx-lm types it as a str; stream_generate only ever sets "stop" or "length".
+                finish_reason = cast(FinishReason, gen.finish_reason)
                 if stop:
                     text += stop.flush()
             logprobs = (

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from functools import cache, lru_cache
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import mlx.core as mx
 
@@ -126,10 +126,26 @@ def check_kernel_budget(budget: int) -> None:
 @cache
 def _build(spec: KernelSpec, backend: Backend) -> Callable[..., list[mx.array]]:
     header, source = render(spec, backend)
-    names = {"input_names": list(spec.input_names), "output_names": list(spec.output_names)}
+    inputs, outputs = list(spec.input_names), list(spec.output_names)
+    built: object
     if backend == "metal":
-        return mx.fast.metal_kernel(name=spec.name, source=source, header=header, **names)
-    return mx.fast.cuda_kernel(name=spec.name, source=source, header=header, **names)
+        built = mx.fast.metal_kernel(
+            name=spec.name,
+            input_names=inputs,
+            output_names=outputs,
+            source=source,
+            header=header,
+        )
+    else:
+        built = mx.fast.cuda_kernel(
+            name=spec.name,
+            input_names=inputs,
+            output_names=outputs,
+            source=source,
+            header=header,
+        )
+    # The stubs type the kernel object as `object`; it is called with inputs and returns outputs.
+    return cast(Callable[..., list[mx.array]], built)
 
 
 def kernel(spec: KernelSpec) -> Callable[..., list[mx.array]]:

@@ -149,7 +149,8 @@ class Generation:
 
     async def json(self) -> JSONResponse:
         """The whole completion as one body; a client that leaves cancels generation."""
-        text, logprobs = [], []
+        text: list[str] = []
+        logprobs: list[TokenLogprob] = []
         while True:
             try:
                 event = await self._next(watch_disconnect=True)

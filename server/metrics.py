@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from engine.worker import Worker, mlx_memory
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+def _mlx_bytes(key: str) -> Callable[[], float]:
+    """Reads one of :func:`mlx_memory`'s figures (``key`` bound now, not when called)."""
+    return lambda: mlx_memory()[f"mlx_{key}_bytes"]
 
 
 class Metrics:
@@ -66,5 +73,5 @@ class Metrics:
             ("cache", "freed but kept for reuse"),
         ):
             Gauge(f"qfserve_mlx_{key}_bytes", f"MLX memory {what}", registry=r).set_function(
-                lambda key=key: mlx_memory()[f"mlx_{key}_bytes"]
+                _mlx_bytes(key)
             )

@@ -10,6 +10,7 @@ from engine.config import (
     DEFAULT_N_SINK,
     DEFAULT_RECENT,
     CacheConfig,
+    Method,
 )
 from engine.worker import DEFAULT_HISTORY, DEFAULT_MAX_QUEUE
 
@@ -42,7 +43,7 @@ class Settings:
     model: str | None = None
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
-    kv_method: str = DEFAULT_METHOD
+    kv_method: Method = DEFAULT_METHOD
     budget: int = DEFAULT_BUDGET
     recent: int = DEFAULT_RECENT
     n_sink: int = DEFAULT_N_SINK
@@ -70,7 +71,7 @@ class Settings:
         """The eviction settings a request gets when it sends none."""
         return CacheConfig(
             method=self.kv_method,
-            budget=self.budget,  # type: ignore[arg-type]
+            budget=self.budget,
             recent=self.recent,
             n_sink=self.n_sink,
         )
