@@ -35,16 +35,21 @@ def openblas_active() -> bool:
     return lib is not None and lib in os.environ.get("LD_PRELOAD", "")
 
 
-def reexec_with_openblas() -> None:
-    """Re-execute this process with OpenBLAS preloaded, when that helps and is possible.
+def wants_reexec() -> bool:
+    """True when :func:`reexec_with_openblas` would re-execute this process.
 
-    Does nothing off Linux, when OpenBLAS is missing, when it is already preloaded, when
+    False off Linux, when OpenBLAS is missing, when it is already preloaded, when
     ``QFSERVE_NO_OPENBLAS=1`` is set, or after one attempt (guarded by an env marker).
     """
+    if find_openblas() is None or openblas_active() or os.environ.get(_MARKER):
+        return False
+    return os.environ.get("QFSERVE_NO_OPENBLAS") != "1"
+
+
+def reexec_with_openblas() -> None:
+    """Re-execute this process with OpenBLAS preloaded, when that helps and is possible."""
     lib = find_openblas()
-    if lib is None or openblas_active() or os.environ.get(_MARKER):
-        return
-    if os.environ.get("QFSERVE_NO_OPENBLAS") == "1":
+    if lib is None or not wants_reexec():
         return
     env = dict(os.environ)
     env["LD_PRELOAD"] = ":".join(p for p in (lib, env.get("LD_PRELOAD", "")) if p)

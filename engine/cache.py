@@ -9,6 +9,13 @@ Timing: a block of N new rows is appended and returned whole, so its own queries
 all of it; eviction then trims what is *stored*, so the next block sees at most ``budget``
 old rows plus itself. ``offset`` is the absolute position (RoPE must see true positions after
 eviction); survivors keep the rotation they were stored with and are never renumbered.
+
+Layout: after a block the rows are stored in temporal order. Once the cache is full, each
+decode step writes the new row into the slot freed by the previous step's victim (``budget + 1``
+slots, one of them free between steps), so a step costs O(budget) comparisons and O(1) row
+writes instead of copying every row. Attention over a single new token does not depend on row
+order; :meth:`EvictionCache.kept` gives the rows in temporal order, and a block compacts them
+back before it is appended.
 """
 
 from __future__ import annotations
@@ -19,9 +26,11 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, create_attention_mask
 
 import metal
-from engine.evict import gather_rows, select_drop_one
+from engine.evict import gather_rows, select_victim
 from engine.scorers import Scorer
 from engine.stats import CacheStats
+
+_INF = float("inf")
 
 
 def _row_bytes(keys: mx.array, values: mx.array) -> int:
@@ -61,14 +70,22 @@ class EvictionCache:
         self.n_sink = n_sink
         self.recent = recent
         self.use_kernel = use_kernel
-        self.keys: mx.array | None = None  # (B, H, S, D), temporal order
+        self.keys: mx.array | None = None  # (B, H, S, D)
         self.values: mx.array | None = None  # (B, H, S, Dv)
         self.scores: mx.array | None = None  # (B, H, S) float32, once the scorer is ready
+        # Slot layout only (None in temporal order): each slot's rank in time (B, H, S) int32,
+        # and the slot the next token goes to (B, H, 1) uint32.
+        self.order: mx.array | None = None
+        self.free: mx.array | None = None
         self.offset = 0  # absolute position of the next token (= tokens seen)
         self.evictions = 0  # updates that dropped rows
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Append ``keys``/``values`` ``(B, H, N, D)``; return every stored row plus them."""
+        if self.free is not None:
+            if keys.shape[2] == 1:
+                return self._write_into_free_slot(keys, values)
+            self._to_temporal_order()
         start = self.offset
         self.offset += keys.shape[2]
         if self.keys is None or self.values is None:  # set together; None before the first update
@@ -96,10 +113,15 @@ class EvictionCache:
             self.keys, self.values, self.scores = all_keys, all_values, scores
         else:
             if keys.shape[2] == 1 and L == self.budget + 1:
-                keep = select_drop_one(scores, self.n_sink, self.recent)
-                self.keys = gather_rows(all_keys, keep)
-                self.values = gather_rows(all_values, keep)
-                self.scores = gather_rows(scores, keep)
+                # Full with one new row: switch to the slot layout, nothing is copied.
+                self.keys, self.values = all_keys, all_values
+                self.scores = mx.nan_to_num(scores, nan=-_INF, posinf=_INF, neginf=-_INF)
+                # Rank in time: the last rows get their true positions (the recent window
+                # is exact); older rows get smaller ranks in the same order.
+                self.order = mx.broadcast_to(
+                    mx.arange(self.offset - L, self.offset, dtype=mx.int32), scores.shape
+                )
+                self.free = self._victim()
             else:
                 self.keys, self.values, self.scores = metal.fused_evict(
                     all_keys,
@@ -113,6 +135,58 @@ class EvictionCache:
             self.evictions += 1
         return all_keys, all_values
 
+    def _victim(self) -> mx.array:
+        assert self.scores is not None and self.order is not None
+        return select_victim(self.scores, self.order, self.n_sink, self.offset - self.recent)
+
+    def _write_into_free_slot(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """One decode step at budget: the new row takes the free slot, then a victim is chosen."""
+        assert self.keys is not None and self.values is not None
+        assert self.scores is not None and self.order is not None and self.free is not None
+        position = self.offset
+        self.offset += 1
+        score = self.scorer.score(keys, position)  # (B, H, 1)
+        score = mx.nan_to_num(score, nan=-_INF, posinf=_INF, neginf=-_INF)
+        slot = self.free[..., None]  # (B, H, 1, 1)
+        self.keys = mx.put_along_axis(self.keys, slot, keys, axis=2)
+        self.values = mx.put_along_axis(self.values, slot, values, axis=2)
+        self.scores = mx.put_along_axis(self.scores, self.free, score, axis=2)
+        self.order = mx.put_along_axis(
+            self.order, self.free, mx.array(position, dtype=mx.int32), axis=2
+        )
+        self.free = self._victim()
+        self.evictions += 1
+        return self.keys, self.values
+
+    def _kept_slots(self) -> mx.array:
+        """Slots of the kept rows in temporal order ``(B, H, budget)`` (slot layout only)."""
+        assert self.order is not None and self.free is not None
+        slots = mx.arange(self.order.shape[-1], dtype=mx.uint32)
+        rank = mx.where(slots == self.free, mx.iinfo(mx.int32).max, self.order)
+        return mx.argsort(rank, axis=-1)[..., :-1].astype(mx.uint32)  # ranks are distinct
+
+    def _to_temporal_order(self) -> None:
+        assert self.keys is not None and self.values is not None and self.scores is not None
+        idx = self._kept_slots()
+        self.keys = gather_rows(self.keys, idx)
+        self.values = gather_rows(self.values, idx)
+        self.scores = gather_rows(self.scores, idx)
+        self.order = self.free = None
+
+    def kept(self) -> tuple[mx.array, mx.array, mx.array | None]:
+        """The kept keys, values and scores in temporal order (a view; the cache is unchanged)."""
+        if self.keys is None or self.values is None:
+            raise ValueError("the cache is empty")
+        if self.free is None:
+            return self.keys, self.values, self.scores
+        idx = self._kept_slots()
+        assert self.scores is not None
+        return (
+            gather_rows(self.keys, idx),
+            gather_rows(self.values, idx),
+            gather_rows(self.scores, idx),
+        )
+
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> Any:
         # The mask describes stored rows: every one of them is visible to the new block.
         return create_attention_mask(
@@ -120,23 +194,29 @@ class EvictionCache:
         )
 
     def size(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
+        if self.keys is None:
+            return 0
+        return self.keys.shape[2] - (self.free is not None)  # the free slot holds no token
 
     def empty(self) -> bool:
         return self.keys is None
 
     @property
     def state(self) -> tuple[mx.array, ...]:
+        # The arrays as stored (cheap to evaluate every step); kept() gives temporal order.
         if self.keys is None or self.values is None:
             return ()
         if self.scores is None:
             return self.keys, self.values
-        return self.keys, self.values, self.scores
+        if self.order is None or self.free is None:
+            return self.keys, self.values, self.scores
+        return self.keys, self.values, self.scores, self.order, self.free
 
     @state.setter
     def state(self, v: tuple[mx.array, ...]) -> None:
         self.keys, self.values, *rest = v
         self.scores = rest[0] if rest else None
+        self.order, self.free = (rest[1], rest[2]) if len(rest) == 3 else (None, None)
 
     @property
     def meta_state(self) -> tuple[str, ...]:

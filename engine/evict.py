@@ -1,40 +1,23 @@
 """The eviction core: which stored rows survive, written once for every scorer.
 
 Scores are ``(B, H, L)`` float32, higher = keep. The first ``n_sink`` rows and the last
-``recent`` rows are protected (forced to +inf); NaN ranks lowest. Survivors are row indices in
+``recent`` rows are protected (ranked as +inf); NaN ranks lowest. Survivors are row indices in
 temporal order. Ties are broken deterministically: among equal scores the lower position is
 kept.
 
 Two paths: a block eviction (:func:`select_keep`, the plain-MLX path of the fused kernel in
 :mod:`metal.qfilters_apply`, so kernel and CPU share one definition) and the decode step,
-where exactly one row goes (:func:`select_drop_one`, O(L), no sort).
+where exactly one row goes (:func:`select_victim`, O(budget), no sort: the cache then writes
+the next token into the freed slot instead of copying the rows).
 """
 
 from __future__ import annotations
-
-from functools import lru_cache
 
 import mlx.core as mx
 
 from metal.qfilters_apply import protected_rows, select_keep_reference
 
 _INF = mx.array(float("inf"), dtype=mx.float32)
-
-
-@lru_cache(maxsize=64)
-def _rows(L: int) -> mx.array:
-    return mx.arange(L, dtype=mx.uint32)
-
-
-def protect(scores: mx.array, n_sink: int, recent: int) -> mx.array:
-    """Force the first ``n_sink`` and the last ``recent`` rows of ``scores`` to +inf.
-
-    Args:
-        scores: ``(B, H, L)`` float32.
-    Returns:
-        ``(B, H, L)`` float32 with protected rows at +inf.
-    """
-    return mx.where(protected_rows(scores.shape[-1], n_sink, recent), _INF, scores)
 
 
 def select_keep(scores: mx.array, budget: int, n_sink: int, recent: int) -> mx.array:
@@ -54,24 +37,26 @@ def select_keep(scores: mx.array, budget: int, n_sink: int, recent: int) -> mx.a
     return select_keep_reference(scores, budget=budget, n_sink=n_sink, recent=recent)
 
 
-def select_drop_one(scores: mx.array, n_sink: int, recent: int) -> mx.array:
-    """Indices of the rows to keep when exactly one row must go (the decode path), O(L).
+def select_victim(scores: mx.array, order: mx.array, n_sink: int, first_recent: int) -> mx.array:
+    """The slot to free when exactly one row must go (the decode step), O(C), no sort.
 
-    Drops the lowest-scoring unprotected row; among ties the latest one, which matches
-    :func:`select_keep`'s lower-position-first tie-break. A NaN score counts as the lowest
-    (``argmin`` picks NaN first), as in :func:`select_keep`.
+    Rows may sit in any slot; ``order`` ranks them in time. The victim is the lowest-scoring
+    unprotected row, the latest among ties, which matches :func:`select_keep`'s
+    lower-position-first tie-break. Protected: slots ``< n_sink`` (sinks never move) and rows
+    whose ``order >= first_recent``.
 
     Args:
-        scores: ``(B, H, L)`` float32.
+        scores: ``(B, H, C)`` float32 without NaN (callers map NaN to -inf on insertion).
+        order: ``(B, H, C)`` int32, distinct per (b, h), increasing with position.
+        n_sink: Sink slots at the front.
+        first_recent: ``order`` of the oldest protected recent row.
     Returns:
-        ``(B, H, L - 1)`` uint32 row indices, ascending.
+        ``(B, H, 1)`` uint32 slot indices.
     """
-    L = scores.shape[-1]
-    masked = protect(scores, n_sink, recent)
-    # argmin returns the first minimum; on the reversed rows that is the latest one.
-    victim = (L - 1) - mx.argmin(masked[..., ::-1], axis=-1, keepdims=True)  # (B, H, 1)
-    rows = _rows(L - 1)
-    return rows + (rows >= victim)
+    guarded = protected_rows(scores.shape[-1], n_sink, 0) | (order >= first_recent)
+    masked = mx.where(guarded, _INF, scores)
+    tied = masked == masked.min(axis=-1, keepdims=True)
+    return mx.argmax(mx.where(tied, order, -1), axis=-1, keepdims=True).astype(mx.uint32)
 
 
 def gather_rows(x: mx.array, idx: mx.array) -> mx.array:

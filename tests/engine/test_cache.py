@@ -117,7 +117,8 @@ def test_calibrated_kept_set_is_invariant_to_chunking(filters, recent):
     for chunk in (700, 7, 64, 256, 1):
         cache = EvictionCache(QFilterScorer(mx.array(filters[0])), budget=96, recent=recent)
         _feed(cache, keys, values, chunk)
-        results.append((np.array(cache.keys), np.array(cache.values), cache.offset))
+        kept_keys, kept_values, _ = cache.kept()
+        results.append((np.array(kept_keys), np.array(kept_values), cache.offset))
     for k, v, offset in results[1:]:
         np.testing.assert_array_equal(k, results[0][0])
         np.testing.assert_array_equal(v, results[0][1])
@@ -216,7 +217,7 @@ class Recorder:
 
 def kept_positions(cache, rows):
     """Match each stored row to the position it was inserted at, per head."""
-    stored = np.array(cache.keys)  # (1, H, S, D)
+    stored = np.array(cache.kept()[0])  # (1, H, S, D), temporal order
     positions = sorted(rows)
     table = np.stack([np.array(rows[p][0]) for p in positions], axis=2)  # (1, H, T, D)
     out = []
@@ -354,3 +355,25 @@ def test_kernel_setting_is_resolved_once_at_construction(model):
         assert not any(c.use_kernel for c in make_caches(model, CacheConfig(kernel="off")))
     # The full arm never evicts, so it never needs the kernel, even when forced on.
     assert make_caches(model, CacheConfig(method="full", kernel="on"))
+
+
+def test_slot_layout_round_trips_through_state_and_compacts_for_a_block(filters):
+    rng = np.random.default_rng(8)
+    keys = mx.array(rng.standard_normal((2, 2, 90, 32)).astype(np.float32))
+    cache = EvictionCache(QFilterScorer(mx.array(filters[0])), budget=24, n_sink=2, recent=5)
+    _feed(cache, keys[:, :, :40], keys[:, :, :40], 40)  # a block: temporal order
+    _feed(cache, keys[:, :, 40:70], keys[:, :, 40:70], 1)  # decode: slot layout
+    assert cache.free is not None and cache.size() == 24 and len(cache.state) == 5
+    assert cache.stats().kept_bytes == 24 * 2 * 2 * 32 * 4 * 2
+    restored = EvictionCache(QFilterScorer(mx.array(filters[0])), budget=24, n_sink=2, recent=5)
+    restored.state, restored.meta_state = cache.state, cache.meta_state
+    for a, b in zip(restored.kept(), cache.kept(), strict=True):
+        np.testing.assert_array_equal(np.array(a), np.array(b))
+
+    # A block after decode steps sees the kept rows compacted back into temporal order.
+    reference = EvictionCache(QFilterScorer(mx.array(filters[0])), budget=24, n_sink=2, recent=5)
+    _feed(reference, keys[:, :, :70], keys[:, :, :70], 70)
+    _feed(cache, keys[:, :, 70:], keys[:, :, 70:], 20)
+    _feed(reference, keys[:, :, 70:], keys[:, :, 70:], 20)
+    assert cache.free is None
+    np.testing.assert_array_equal(np.array(cache.keys), np.array(reference.keys))
