@@ -56,7 +56,7 @@ def select_victim(scores: mx.array, order: mx.array, n_sink: int, first_recent: 
     guarded = protected_rows(scores.shape[-1], n_sink, 0) | (order >= first_recent)
     masked = mx.where(guarded, _INF, scores)
     tied = masked == masked.min(axis=-1, keepdims=True)
-    return mx.argmax(mx.where(tied, order, -1), axis=-1, keepdims=True).astype(mx.uint32)
+    return mx.argmax(mx.where(tied, order, -1), axis=-1, keepdims=True)  # uint32
 
 
 def gather_rows(x: mx.array, idx: mx.array) -> mx.array:
