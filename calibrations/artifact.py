@@ -13,6 +13,9 @@ unit rows, plus string metadata::
     post_rope         "true": queries were captured after RoPE
     created           ISO-8601 UTC timestamp
     anisotropy        JSON list, one {layer, positive_share, top_energy, drift_ratio} per layer
+    weights           optional: a digest of the calibrated model's q/k projections
+                      (:func:`calibrations.model_info.weights_fingerprint`); a model with the
+                      same id but other weights (retrained, requantized) is refused
 
 The Q-Filters authors publish a safetensors file holding only a ``q_filters`` tensor of the
 same shape; it loads too (its model id comes from the caller). Their scorer (kvpress's
@@ -118,6 +121,7 @@ def save_calibration(
     anisotropy: Sequence[dict[str, Any]] = (),
     post_rope: bool = True,
     created: datetime | None = None,
+    weights: str = "",
 ) -> Path:
     """Write an artifact in qfserve's format (atomically: never a half-written file).
 
@@ -130,6 +134,7 @@ def save_calibration(
         anisotropy: One summary dict per layer (from :func:`calibrations.compute.compute_filters`).
         post_rope: Whether queries were captured after RoPE.
         created: Timestamp; default now (UTC).
+        weights: The model's weights fingerprint; recorded when non-empty.
     Returns:
         The path written.
     Raises:
@@ -156,6 +161,8 @@ def save_calibration(
         "created": (created or datetime.now(timezone.utc)).isoformat(timespec="seconds"),
         "anisotropy": json.dumps(list(anisotropy)),
     }
+    if weights:
+        metadata["weights"] = weights
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
@@ -245,6 +252,7 @@ def check_calibration(
     n_layers: int | None = None,
     n_kv_heads: int | None = None,
     head_dim: int | None = None,
+    weights: str = "",
 ) -> Calibration:
     """Check a calibration against the model it is about to be used for.
 
@@ -253,10 +261,12 @@ def check_calibration(
         model_id: The model's id; a stored id must equal it or one of ``accept_ids``.
         accept_ids: Other ids that name the same filters (an alias's base model).
         n_layers, n_kv_heads, head_dim: The model's attention shape, each checked if given.
+        weights: The model's weights fingerprint. When the file records one for this very id
+            (not reached through an alias, which names a variant on purpose), they must match.
     Returns:
         ``calibration``, with ``model_id`` filled in when the file stored none.
     Raises:
-        CalibrationError: model id or shape mismatch.
+        CalibrationError: model id, shape or weights mismatch.
     """
     path = calibration.path or Path("<in memory>")
     stored = calibration.model_id
@@ -275,6 +285,13 @@ def check_calibration(
                 f"has filters of shape {calibration.shape} (n_layers, n_kv_heads, "
                 f"head_dim) but the model needs {name}={want}, got {got}",
             )
+    recorded = calibration.metadata.get("weights", "")
+    if weights and recorded and stored == model_id and recorded != weights:
+        raise CalibrationError(
+            path,
+            f"was calibrated on other weights of {stored!r} (fingerprint {recorded}, this "
+            f"model's is {weights}); recalibrate with `qfserve calibrate`",
+        )
     if stored is None and model_id is not None:
         return Calibration(
             calibration.filters,
@@ -294,6 +311,7 @@ def load_calibration(
     n_layers: int | None = None,
     n_kv_heads: int | None = None,
     head_dim: int | None = None,
+    weights: str = "",
 ) -> Calibration:
     """:func:`read_calibration` then :func:`check_calibration` (same arguments)."""
     calibration = read_calibration(path, model_id=model_id)
@@ -304,4 +322,5 @@ def load_calibration(
         n_layers=n_layers,
         n_kv_heads=n_kv_heads,
         head_dim=head_dim,
+        weights=weights,
     )

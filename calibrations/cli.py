@@ -35,7 +35,7 @@ from calibrations.corpus import (
     read_documents,
     stdlib_files,
 )
-from calibrations.model_info import attention_shape, max_context
+from calibrations.model_info import attention_shape, max_context, weights_fingerprint
 from calibrations.registry import artifact_name, default_output_dir, model_id_for, search_path
 
 if TYPE_CHECKING:
@@ -180,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         samples_per_head=min(s.queries.shape[1] for s in samples),
         text=text,
         anisotropy=summaries,
+        weights=weights_fingerprint(model),
     )
     _print_summary(summaries)
     print(

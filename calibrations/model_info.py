@@ -7,9 +7,12 @@ holds ``n_heads``, ``n_kv_heads`` and (usually) ``head_dim``, and rotates querie
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
+import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 
 def attention_modules(model: nn.Module) -> list[Any]:
@@ -94,3 +97,23 @@ def max_context(model: nn.Module) -> int | None:
     args = _args(model)
     value = getattr(args, "max_position_embeddings", None) if args is not None else None
     return int(value) if value else None
+
+
+def weights_fingerprint(model: nn.Module) -> str:
+    """A short digest of the weights that shape queries and keys, recorded in an artifact.
+
+    Hashes ``q_proj`` and ``k_proj`` of the first and last attention layers (exact bytes,
+    shapes and dtypes): enough to tell a retrained or differently quantized copy that shares
+    the model id, and cheap even for large models. ``""`` when the layers name them otherwise.
+    """
+    modules = attention_modules(model)
+    digest = hashlib.sha256()
+    for attn in (modules[0], modules[-1]):
+        for name in ("q_proj", "k_proj"):
+            weight = getattr(getattr(attn, name, None), "weight", None)
+            if not isinstance(weight, mx.array):
+                return ""
+            data = np.array(weight.view(mx.uint8) if weight.dtype == mx.bfloat16 else weight)
+            digest.update(f"{name}{weight.shape}{weight.dtype}".encode())
+            digest.update(np.ascontiguousarray(data).tobytes())
+    return digest.hexdigest()[:16]

@@ -164,6 +164,7 @@ def load_for_model(
     n_layers: int,
     n_kv_heads: int,
     head_dim: int,
+    weights: str = "",
     search_dirs: Sequence[str | Path] | None = None,
 ) -> Calibration | None:
     """Load and check the calibration of a model, or ``None`` when it has none.
@@ -171,12 +172,13 @@ def load_for_model(
     Args:
         model_id: The model's id (see :func:`model_id_for`).
         n_layers, n_kv_heads, head_dim: The model's attention shape.
+        weights: The model's weights fingerprint (checked when the file records one).
         search_dirs: Folders searched before the default search path.
     Returns:
         The :class:`~calibrations.artifact.Calibration`, or ``None`` when no artifact exists.
     Raises:
-        CalibrationError: an artifact exists but is for another model, has the wrong shape,
-            or is truncated, corrupt or non-finite. Never silently skipped.
+        CalibrationError: an artifact exists but is for another model (or other weights of
+            it), has the wrong shape, or is truncated, corrupt or non-finite. Never silently skipped.
     """
     path, chain = _locate(model_id, search_dirs)
     if path is None:
@@ -188,6 +190,7 @@ def load_for_model(
         n_layers=n_layers,
         n_kv_heads=n_kv_heads,
         head_dim=head_dim,
+        weights=weights,
     )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from calibrations.model_info import attention_shape
+from calibrations.model_info import attention_shape, weights_fingerprint
 from calibrations.registry import (
     CalibrationNotFoundError,
     find,
@@ -30,7 +30,8 @@ def resolve_filters(model: nn.Module, model_id: str) -> tuple[mx.array | None, s
         ``(filters, "calibrated")`` with filters ``[n_layers, n_kv_heads, head_dim]`` float32,
         or ``(None, "fallback")`` when no artifact exists for the model.
     Raises:
-        calibrations.artifact.CalibrationError: an artifact exists but must not be used.
+        calibrations.artifact.CalibrationError: an artifact exists but must not be used
+            (another model, other weights of this one, wrong shape, damaged file).
         ValueError: an artifact exists but the model's attention shape cannot be read.
     """
     model_id = model_id_for(model_id)
@@ -42,7 +43,11 @@ def resolve_filters(model: nn.Module, model_id: str) -> tuple[mx.array | None, s
         return None, "fallback"
     n_layers, n_kv_heads, head_dim = attention_shape(model)
     calibration = load_for_model(
-        model_id, n_layers=n_layers, n_kv_heads=n_kv_heads, head_dim=head_dim
+        model_id,
+        n_layers=n_layers,
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
+        weights=weights_fingerprint(model),
     )
     if calibration is None:  # removed between the two look-ups
         return None, "fallback"

@@ -293,10 +293,60 @@ def chat_doc(
     return Doc(text, [(start, start + len(reply))], "chat")
 
 
+RECALL_TEMPLATES = (
+    "The pass key of {n} is ",
+    "The code of {n} is ",
+    "The secret number of {n} is ",
+    "{n} = ",
+)
+
+
+def recall_doc(rng: random.Random, n_tokens: int, filler: Filler) -> Doc:
+    """Named codes scattered through filler, then many out-of-order queries in the same words.
+
+    Every query repeats its statement's words up to the code, so each answer is predictable by
+    finding the one earlier sentence that shares its prefix, however far back: the dense,
+    long-range copying signal pass-key retrieval needs (one pass key per document gives a few
+    answer tokens; this gives dozens). With a single name it is a pass key asked many times.
+    """
+    per_line = 16  # rough tokens of one statement or query
+    n_pairs = min(rng.choice((1, 1, 2, 4, 8, 16)), max(1, n_tokens // (3 * per_line)))
+    if n_pairs == 1 and rng.random() < 0.5:
+        template = "The pass key is "
+        names = [""]
+    else:
+        template = rng.choice(RECALL_TEMPLATES)
+        names = list(dict.fromkeys(make_word(rng, rng.choice((2, 3))) for _ in range(n_pairs)))
+    codes = {name: make_number(rng, rng.randint(3, 6)) for name in names}
+    kind = rng.choice(filler.kinds)
+    # Each name is asked once, in a new order; sometimes a second round in yet another order.
+    queries = rng.sample(names, len(names))
+    if rng.random() < 0.5:
+        queries += rng.sample(names, len(names))
+    spare = max(0, n_tokens - 20 - per_line * (len(names) + len(queries)))
+    cuts = sorted(rng.random() for _ in range(len(names)))
+    shares = [b - a for a, b in zip([0.0, *cuts], [*cuts, 1.0], strict=True)]
+    b = Builder("recall")
+    b.add("Remember every code stated below; you will be asked for them.\n")
+    for name, share in zip(rng.sample(names, len(names)), shares, strict=False):
+        if int(spare * share) > 0:
+            b.add(filler(rng, int(spare * share), kind) + "\n")
+        b.add(f"{template.format(n=name)}{codes[name]}.\n")
+    if int(spare * shares[-1]) > 0:
+        b.add(filler(rng, int(spare * shares[-1]), kind) + "\n")
+    b.add("Questions.\n")
+    for name in queries:
+        b.add(template.format(n=name))
+        b.add(codes[name], answer=True)
+        b.add(".\n")
+    return b.doc()
+
+
 # Order matters: the tokenizer corpus cycles through the first three.
 GENERATORS: dict[str, Callable[..., Doc]] = {
     "passkey": passkey_doc,
     "kv": kv_doc,
     "fact": fact_doc,
     "copy": copy_doc,
+    "recall": recall_doc,
 }

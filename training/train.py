@@ -12,6 +12,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -115,6 +116,12 @@ def make_eval_sets(cfg: dict, corpus: Corpus) -> dict[str, list]:
     n = cfg["eval"]["docs"]
     sets = {f"passkey@{L}": passkey_eval_set(corpus, L, n) for L in cfg["eval"]["lengths"]}
     sets.update({f"kv@{L}": recall_eval_set(corpus, "kv", L, n) for L in cfg["eval"]["kv_lengths"]})
+    sets.update(
+        {
+            f"recall@{L}": recall_eval_set(corpus, "recall", L, n)
+            for L in cfg["eval"].get("recall_lengths", [])
+        }
+    )
     return sets
 
 
@@ -140,13 +147,54 @@ def save_checkpoint(
     os.replace(tmp, path)  # atomic: a kill mid-save leaves the previous checkpoint intact
 
 
-def train(cfg: dict, *, max_steps: int | None = None) -> Path:
-    """Run (or resume) training; returns the checkpoint path. ``max_steps`` stops early (tests)."""
+def parent_state(cfg: dict, device: torch.device) -> dict | None:
+    """The weights a run starts from: its ``init_from`` parent's checkpoint at ``init_from.step``.
+
+    ``init_from = {"config": <parent config path>, "step": N}`` continues another run's model
+    under a new curriculum. The parent is trained up to step N first when its checkpoint is
+    missing or behind, so the child's one command reproduces the whole lineage. Returns None
+    when the run has no parent or the parent was interrupted before reaching step N.
+    """
+    init = cfg.get("init_from")
+    if not init:
+        return None
+    parent = load_config(init["config"])
+    if parent["model"] != cfg["model"]:
+        raise ValueError(f"init_from {init['config']}: config.model differs from the parent's")
+    ckpt = CHECKPOINT_ROOT / parent["run_name"] / "latest.pt"
+    state = torch.load(ckpt, map_location=device, weights_only=False) if ckpt.exists() else None
+    if state is None or state["step"] < init["step"]:
+        print(f"training the parent run {parent['run_name']} to step {init['step']}", flush=True)
+        train(parent, stop_step=init["step"])
+        state = torch.load(ckpt, map_location=device, weights_only=False)
+        if state["step"] < init["step"]:
+            return None  # stopped by a signal: the same command resumes it
+    if state["step"] != init["step"]:
+        raise ValueError(
+            f"{ckpt} is at step {state['step']}, past init_from.step {init['step']}; "
+            "restore that run's checkpoint at the step the child starts from"
+        )
+    return state
+
+
+def train(cfg: dict, *, max_steps: int | None = None, stop_step: int | None = None) -> Path:
+    """Run (or resume) training; returns the checkpoint path.
+
+    ``max_steps`` stops after that many more steps (tests); ``stop_step`` stops at that step.
+    """
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     run_dir = CHECKPOINT_ROOT / cfg["run_name"]
     run_dir.mkdir(parents=True, exist_ok=True)
     ckpt_path = run_dir / "latest.pt"
     tokenizer_path = run_dir / "tokenizer.json"
+    init = None
+    if not ckpt_path.exists() and cfg.get("init_from"):
+        init = parent_state(cfg, device)
+        if init is None:
+            return ckpt_path
+        parent_dir = CHECKPOINT_ROOT / load_config(cfg["init_from"]["config"])["run_name"]
+        if not tokenizer_path.exists():
+            shutil.copyfile(parent_dir / "tokenizer.json", tokenizer_path)
     corpus = prepare_corpus(
         tokenizer_path if tokenizer_path.exists() else None, vocab_size=cfg["model"]["vocab_size"]
     )
@@ -177,6 +225,14 @@ def train(cfg: dict, *, max_steps: int | None = None) -> Path:
         optimizer.load_state_dict(state["optimizer"])
         step, tokens_seen = state["step"], state["tokens_seen"]
         print(f"resumed from {ckpt_path} at step {step} ({tokens_seen:,} tokens)", flush=True)
+    elif init is not None:
+        model.load_state_dict(init["model"])  # weights only: a fresh optimizer and schedule
+        tokens_seen = init["tokens_seen"]  # tokens count the whole lineage
+        print(
+            f"starting from {cfg['init_from']['config']} step {init['step']} "
+            f"({tokens_seen:,} tokens)",
+            flush=True,
+        )
     n_total = total_steps(cfg)
     print(
         f"device {device} threads {torch.get_num_threads()} params {model.num_params():,} "
@@ -190,6 +246,8 @@ def train(cfg: dict, *, max_steps: int | None = None) -> Path:
     last_save = last_log = time.time()
     log_tokens, log_loss, log_n = 0, 0.0, 0
     end = n_total if max_steps is None else min(n_total, step + max_steps)
+    if stop_step is not None:
+        end = min(end, stop_step)
     while step < end and not stop["flag"]:
         stage = stage_at(cfg, step)
         batch = make_batch(
@@ -234,7 +292,7 @@ def train(cfg: dict, *, max_steps: int | None = None) -> Path:
             }
             for name, docs in eval_sets.items():
                 row[name], token_acc = answer_accuracy(model, docs, device)
-                if name.startswith("kv"):
+                if name.startswith(("kv", "recall")):
                     row[f"{name}_tokens"] = token_acc
             with open(run_dir / "metrics.jsonl", "a") as metrics_log:
                 metrics_log.write(json.dumps(row) + "\n")

@@ -15,7 +15,7 @@ from safetensors import safe_open
 from calibrations import registry
 from calibrations.artifact import read_calibration
 from calibrations.cli import main
-from calibrations.model_info import attention_shape
+from calibrations.model_info import attention_shape, weights_fingerprint
 from engine.config import CacheConfig
 from engine.factory import make_caches
 from engine.filters import resolve_filters
@@ -119,6 +119,26 @@ def test_engine_refuses_a_wrong_shape_artifact(calibrated, monkeypatch, tmp_path
     assert attention_shape(bigger) == (3, 2, 32)
     with pytest.raises(ValueError, match="test--tiny-llama.safetensors.*n_layers=3"):
         resolve_filters(bigger, MODEL_ID)
+
+
+def test_artifact_records_the_weights_and_refuses_other_weights(calibrated, model_dir, monkeypatch):
+    """Retrained weights under the same id are refused; an alias (a variant) is not checked."""
+    out, _, _ = calibrated
+    monkeypatch.setenv(registry.ENV_VAR, str(out))
+    model, _ = mlx_lm.load(str(model_dir))
+    recorded = read_calibration(out / "test--tiny-llama.safetensors").metadata["weights"]
+    assert recorded == weights_fingerprint(model) and len(recorded) == 16
+    # Same shapes and id, other values: what a retrained checkpoint of the model looks like.
+    attn = model.model.layers[-1].self_attn
+    attn.k_proj.weight = attn.k_proj.weight * 1.01
+    assert weights_fingerprint(model) != recorded
+    with pytest.raises(ValueError, match=r"test--tiny-llama.safetensors.*other weights"):
+        resolve_filters(model, MODEL_ID)
+    (out / "aliases.json").write_text(json.dumps({"test/tiny-llama-variant": MODEL_ID}))
+    try:
+        assert resolve_filters(model, "test/tiny-llama-variant")[1] == "calibrated"
+    finally:
+        (out / "aliases.json").unlink()
 
 
 def test_text_files_and_context_clamp(tmp_path, capsys):

@@ -9,7 +9,12 @@ import pytest
 from safetensors.numpy import save_file
 
 from calibrations import registry
-from calibrations.artifact import CalibrationError, read_calibration, save_calibration
+from calibrations.artifact import (
+    CalibrationError,
+    load_calibration,
+    read_calibration,
+    save_calibration,
+)
 from calibrations.registry import (
     CalibrationNotFoundError,
     aliases,
@@ -187,3 +192,17 @@ def test_shipped_aliases_and_artifacts_are_valid(monkeypatch):
     for path in sorted(registry.BUILTIN_DIR.glob("*.safetensors")):
         cal = read_calibration(path)
         assert cal.model_id is None or artifact_name(cal.model_id) == path.name
+
+
+def test_weights_fingerprint_is_checked_only_when_both_sides_have_one(tmp_path):
+    f = np.random.default_rng(0).standard_normal((2, 2, 8)).astype(np.float32)
+    args = dict(model_id="org/m", n_sequences=1, tokens_per_sequence=16, samples_per_head=16)
+    with_fp = save_calibration(tmp_path / "a.safetensors", f, text="t", weights="00ff", **args)
+    without = save_calibration(tmp_path / "b.safetensors", f, text="t", **args)
+    assert read_calibration(with_fp).metadata["weights"] == "00ff"
+    assert "weights" not in read_calibration(without).metadata
+    load_calibration(with_fp, model_id="org/m", weights="00ff", **SHAPE)
+    load_calibration(with_fp, model_id="org/m", **SHAPE)  # caller without a fingerprint
+    load_calibration(without, model_id="org/m", weights="1234", **SHAPE)  # older artifact
+    with pytest.raises(CalibrationError, match=r"a.safetensors.*other weights.*00ff.*1234"):
+        load_calibration(with_fp, model_id="org/m", weights="1234", **SHAPE)
