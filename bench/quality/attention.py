@@ -22,7 +22,6 @@ Run: ``python -m bench.quality.attention [--quick]``.
 from __future__ import annotations
 
 import sys
-import time
 from typing import Any
 
 import mlx.core as mx
@@ -30,18 +29,15 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from bench.quality import plots
-from bench.quality.calib import filters_for
 from bench.quality.common import (
     base_parser,
-    command_line,
-    load_model,
     print_table,
     progress,
     run,
     spread,
-    write_results,
 )
-from bench.quality.data import heldout_corpus, recall_windows, stdlib_windows
+from bench.quality.data import recall_windows, stdlib_windows
+from bench.quality.study import add_data_arguments, open_study
 from calibrations.capture import QueryCapture
 from calibrations.model_info import attention_modules
 from engine.config import DEFAULT_CALIB_TOKENS, DEFAULT_N_SINK
@@ -125,18 +121,13 @@ def sequence_correlations(model: Any, tokens: np.ndarray, filters: np.ndarray) -
 
 def main(argv: list[str] | None = None) -> int:
     p = base_parser(__doc__.splitlines()[0])
-    p.add_argument("--length", type=int, default=None, help="tokens per held-out sequence")
-    p.add_argument("--sequences", type=int, default=None, help="held-out sequences per kind")
+    add_data_arguments(p)
     args = p.parse_args(argv)
-    started = time.perf_counter()
     length = args.length or (160 if args.quick else 1024)
     n_seq = args.sequences or (1 if args.quick else 12)
 
-    model, tokenizer, identity = load_model(args.model)
-    filters, calibration = filters_for(
-        model, tokenizer, identity, mode=args.calibration, quick=args.quick, seed=args.seed
-    )
-    corpus = heldout_corpus(tokenizer)
+    study = open_study(STUDY, args, argv)
+    model, identity, filters, corpus = study.model, study.identity, study.filters, study.corpus
     datasets = {
         "stdlib": stdlib_windows(corpus, length, n_seq),
         "recall": recall_windows(corpus, length, n_seq),
@@ -202,13 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{identity['path']} {identity['checkpoint']}: does the score predict attention?",
     )
 
-    path = write_results(
-        STUDY,
+    return study.save(
         {
-            "command": command_line(STUDY, argv),
-            "quick": args.quick,
-            "model": identity,
-            "calibration": calibration,
             "data": {
                 "length": length,
                 "sequences": {k: len(v) for k, v in datasets.items()},
@@ -219,12 +205,8 @@ def main(argv: list[str] | None = None) -> int:
             "scorers": list(SCORERS),
             "results": results,
             "plots": [f"{STUDY}.png"],
-        },
-        args.out,
-        started,
+        }
     )
-    print(f"wrote {path}")
-    return 0
 
 
 if __name__ == "__main__":

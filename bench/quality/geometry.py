@@ -20,24 +20,20 @@ Run: ``python -m bench.quality.geometry [--quick]``.
 from __future__ import annotations
 
 import sys
-import time
 from collections.abc import Sequence
 
 import numpy as np
 
 from bench.quality import plots
-from bench.quality.calib import filters_for
 from bench.quality.common import (
     base_parser,
-    command_line,
-    load_model,
     print_table,
     progress,
     run,
     spread,
-    write_results,
 )
-from bench.quality.data import heldout_corpus, recall_windows, stdlib_windows
+from bench.quality.data import recall_windows, stdlib_windows
+from bench.quality.study import add_data_arguments, open_study
 from calibrations.capture import capture_queries
 from calibrations.compute import layer_filters
 
@@ -71,19 +67,14 @@ def head_rows(queries: Sequence[np.ndarray], filters: np.ndarray) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     p = base_parser(__doc__.splitlines()[0])
-    p.add_argument("--length", type=int, default=None, help="tokens per held-out sequence")
-    p.add_argument("--sequences", type=int, default=None, help="held-out sequences per kind")
+    add_data_arguments(p)
     args = p.parse_args(argv)
-    started = time.perf_counter()
     length = args.length or (160 if args.quick else 1024)
     n_seq = args.sequences or (2 if args.quick else 12)
     samples = 200 if args.quick else 3000
 
-    model, tokenizer, identity = load_model(args.model)
-    filters, calibration = filters_for(
-        model, tokenizer, identity, mode=args.calibration, quick=args.quick, seed=args.seed
-    )
-    corpus = heldout_corpus(tokenizer)
+    study = open_study(STUDY, args, argv)
+    model, identity, filters, corpus = study.model, study.identity, study.filters, study.corpus
     sequences = [*stdlib_windows(corpus, length, n_seq), *recall_windows(corpus, length, n_seq)]
     total = sum(len(s) for s in sequences)
     with progress(total=total, unit="tok", desc="held-out queries") as bar:
@@ -148,13 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{identity['path']} {identity['checkpoint']}: query geometry per head (held-out)",
     )
 
-    path = write_results(
-        STUDY,
+    return study.save(
         {
-            "command": command_line(STUDY, argv),
-            "quick": args.quick,
-            "model": identity,
-            "calibration": calibration,
             "data": {
                 "kinds": ["stdlib eval split windows", "held-out generated kv/fact/passkey"],
                 "sequences": len(sequences),
@@ -165,12 +151,8 @@ def main(argv: list[str] | None = None) -> int:
             "summary": summary,
             "heads": rows,
             "plots": [f"{STUDY}.png"],
-        },
-        args.out,
-        started,
+        }
     )
-    print(f"wrote {path}")
-    return 0
 
 
 if __name__ == "__main__":

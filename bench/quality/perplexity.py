@@ -21,25 +21,21 @@ from __future__ import annotations
 
 import math
 import sys
-import time
 from typing import Any
 
 import numpy as np
 
 from bench.quality import plots
 from bench.quality.arms import LABELS, Arm, standard_arms
-from bench.quality.calib import filters_for
 from bench.quality.common import (
     base_parser,
-    command_line,
-    load_model,
     print_table,
     progress,
     run,
     spread,
-    write_results,
 )
-from bench.quality.data import heldout_corpus, recall_windows, stdlib_windows
+from bench.quality.data import recall_windows, stdlib_windows
+from bench.quality.study import open_study
 from bench.quality.teacher import full_nll, prefill_length, streaming_nll
 
 STUDY = "perplexity"
@@ -178,7 +174,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budgets", type=int, nargs="+", default=None)
     p.add_argument("--datasets", nargs="+", choices=("stdlib", "recall"), default=None)
     args = p.parse_args(argv)
-    started = time.perf_counter()
     length = args.length or (96 if args.quick else 1024)
     n_seq = args.sequences or (2 if args.quick else 8)
     budgets = [b for b in (args.budgets or ((16, 32) if args.quick else (64, 128, 256, 512)))]
@@ -187,11 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     if not budgets:
         raise ValueError(f"budgets must be <= length/2 = {length // 2}, got {args.budgets}")
 
-    model, tokenizer, identity = load_model(args.model)
-    filters, calibration = filters_for(
-        model, tokenizer, identity, mode=args.calibration, quick=args.quick, seed=args.seed
-    )
-    corpus = heldout_corpus(tokenizer)
+    study = open_study(STUDY, args, argv)
+    model, identity, filters, corpus = study.model, study.identity, study.filters, study.corpus
     make = {"stdlib": stdlib_windows, "recall": recall_windows}
     arms = standard_arms()
     results, shapes = {}, {}
@@ -219,13 +211,8 @@ def main(argv: list[str] | None = None) -> int:
         f"({identity['checkpoint']})",
     )
     names = plot(results, identity, args.out)
-    path = write_results(
-        STUDY,
+    return study.save(
         {
-            "command": command_line(STUDY, argv),
-            "quick": args.quick,
-            "model": identity,
-            "calibration": calibration,
             "data": {
                 "length": length,
                 "scored": f"tokens {length // 2 + 1} .. {length - 1} (second half)",
@@ -243,12 +230,8 @@ def main(argv: list[str] | None = None) -> int:
             "arms": [a.name for a in arms],
             "results": results,
             "plots": names,
-        },
-        args.out,
-        started,
+        }
     )
-    print(f"wrote {path}")
-    return 0
 
 
 if __name__ == "__main__":

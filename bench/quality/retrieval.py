@@ -31,7 +31,6 @@ from __future__ import annotations
 import math
 import re
 import sys
-import time
 from typing import Any
 
 import mlx.core as mx
@@ -41,18 +40,15 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from bench.quality import plots
 from bench.quality.arms import LABELS, Arm, check_budget, standard_arms
-from bench.quality.calib import filters_for
 from bench.quality.common import (
     base_parser,
-    command_line,
-    load_model,
     print_table,
     progress,
     run,
     spread,
-    write_results,
 )
-from bench.quality.data import heldout_corpus, passkey_docs
+from bench.quality.data import passkey_docs
+from bench.quality.study import open_study
 from bench.quality.teacher import streaming_nll
 from engine.config import DEFAULT_N_SINK
 
@@ -170,18 +166,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--per-bin", type=int, default=None, help="documents per depth bin")
     p.add_argument("--filler", default="classic", choices=("classic", "prose", "code"))
     args = p.parse_args(argv)
-    started = time.perf_counter()
     lengths = args.lengths or ([320] if args.quick else [256, 512, 1024, 2048])
     ratios = args.ratios or ([2, 8] if args.quick else [2, 4, 8, 16, 32])
     per_bin = args.per_bin or (1 if args.quick else 5)
 
-    model, tokenizer, identity = load_model(args.model)
+    study = open_study(STUDY, args, argv)
+    model, identity, filters, corpus = study.model, study.identity, study.filters, study.corpus
     if identity["max_context"]:
         lengths = [n for n in lengths if n <= identity["max_context"]]
-    filters, calibration = filters_for(
-        model, tokenizer, identity, mode=args.calibration, quick=args.quick, seed=args.seed
-    )
-    corpus = heldout_corpus(tokenizer)
     arms = standard_arms()
     configs = [(a, None) for a in arms if a.method == "full"]
     configs += [(a, r) for r in ratios for a in arms if a.method != "full"]
@@ -211,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                         check["identical"] += direct == tokens
                         if direct != tokens:
                             check["mismatches"].append(f"{arm.name}@{ratio}x")
-                    found = re.search(r"\d+", tokenizer.decode(tokens))
+                    found = re.search(r"\d+", study.tokenizer.decode(tokens))
                     correct = bool(found and found.group() == doc["key"])
                     key = "-" if ratio is None else str(ratio)
                     hits[n].setdefault(arm.name, {}).setdefault(key, []).append(
@@ -311,13 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     a.legend(fontsize=7)
     plots.save(fig, args.out, f"{STUDY}_depth", "pass-key accuracy by needle depth")
 
-    path = write_results(
-        STUDY,
+    return study.save(
         {
-            "command": command_line(STUDY, argv),
-            "quick": args.quick,
-            "model": identity,
-            "calibration": calibration,
             "data": {
                 "generator": "training.data.passkey_eval_set (eval seeds, eval-split filler)",
                 "filler": args.filler,
@@ -333,12 +320,8 @@ def main(argv: list[str] | None = None) -> int:
             "shared_prefill_check": check,
             "results": results,
             "plots": [f"{STUDY}.png", f"{STUDY}_depth.png"],
-        },
-        args.out,
-        started,
+        }
     )
-    print(f"wrote {path}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 import sys
-import time
 from typing import Any
 
 import numpy as np
@@ -29,15 +28,13 @@ from bench.quality.arms import Arm
 from bench.quality.calib import FULL_SETTINGS, QUICK_SETTINGS, capture
 from bench.quality.common import (
     base_parser,
-    command_line,
-    load_model,
     print_table,
     progress,
     run,
     spread,
-    write_results,
 )
-from bench.quality.data import heldout_corpus, stdlib_windows
+from bench.quality.data import stdlib_windows
+from bench.quality.study import add_data_arguments, open_study
 from bench.quality.teacher import full_nll, prefill_length, streaming_nll
 from calibrations.compute import compute_filters
 
@@ -77,10 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--counts", type=int, nargs="+", default=None, help="samples per head")
     p.add_argument("--repeats", type=int, default=None, help="subsample draws per count")
     p.add_argument("--budget", type=int, default=None)
-    p.add_argument("--length", type=int, default=None, help="tokens per held-out sequence")
-    p.add_argument("--sequences", type=int, default=None)
+    add_data_arguments(p)
     args = p.parse_args(argv)
-    started = time.perf_counter()
     settings = QUICK_SETTINGS if args.quick else FULL_SETTINGS
     counts = args.counts or ([30, 100, 300] if args.quick else [100, 300, 1000, 3000])
     repeats = args.repeats or (2 if args.quick else 5)
@@ -88,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     length = args.length or (64 if args.quick else 512)
     n_seq = args.sequences or (2 if args.quick else 8)
 
-    model, tokenizer, identity = load_model(args.model)
+    study = open_study(STUDY, args, argv, calibrate=False)  # it calibrates its own sets
+    model, tokenizer, identity = study.model, study.tokenizer, study.identity
     texts = {}
     for text in ("A", "B"):
         queries, info = capture(model, tokenizer, identity, text=text, settings=settings)
@@ -123,8 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             }
         )
 
-    corpus = heldout_corpus(tokenizer)
-    tokens = stdlib_windows(corpus, length, n_seq)
+    tokens = stdlib_windows(study.corpus, length, n_seq)
     sets = {f"{t}_{n}": filters[t][n][0] for n in counts for t in ("A", "B")}
     runs = [(name, frac) for frac in (0.0, 0.25) for name in sets]
     ppl: dict[str, dict[str, float]] = {"r0": {}, "r25": {}}
@@ -196,16 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         fig, args.out, STUDY, f"{identity['path']} {identity['checkpoint']}: calibration stability"
     )
 
-    path = write_results(
-        STUDY,
+    return study.save(
         {
-            "command": command_line(STUDY, argv),
-            "quick": args.quick,
-            "model": identity,
-            "calibration": {
-                t: {"text": info["description"], "tokens": info["tokens"]}
-                for t, (_, info) in texts.items()
-            },
             "reference": ref_name,
             "budget": budget,
             "data": {
@@ -219,11 +206,11 @@ def main(argv: list[str] | None = None) -> int:
             "ppl": ppl,
             "plots": [f"{STUDY}.png"],
         },
-        args.out,
-        started,
+        calibration={
+            t: {"text": info["description"], "tokens": info["tokens"]}
+            for t, (_, info) in texts.items()
+        },
     )
-    print(f"wrote {path}")
-    return 0
 
 
 if __name__ == "__main__":
