@@ -79,9 +79,13 @@ def export(
         "eos_token_id": eos_token_ids(tokenizer),
     }
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    config = state.get("config", {})
     meta = {
+        "run": config.get("run_name"),
         "step": state["step"],
-        "tokens_seen": state["tokens_seen"],
+        "run_steps": sum(stage.get("steps", 0) for stage in config.get("stages", [])) or None,
+        "init_from": config.get("init_from"),  # the parent run and step this one started from
+        "tokens_seen": state["tokens_seen"],  # the whole lineage's
         "params": model.num_params(),
     }
     (out / "training_state.json").write_text(json.dumps(meta, indent=2) + "\n")
@@ -109,7 +113,9 @@ def compare_logits(checkpoint: str | Path, folder: str | Path, n_tokens: int = 2
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Export a checkpoint to an mlx-lm folder")
-    parser.add_argument("--checkpoint", default="training/checkpoints/qfserve-tiny/latest.pt")
+    parser.add_argument(
+        "--checkpoint", default="training/checkpoints/qfserve-tiny-recall/latest.pt"
+    )
     parser.add_argument("--out", default="models/qfserve-tiny")
     parser.add_argument("--tolerance", type=float, default=1e-3, help="max allowed |logit diff|")
     args = parser.parse_args()

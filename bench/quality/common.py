@@ -71,10 +71,12 @@ def load_model(path: str) -> tuple[Any, Any, dict[str, Any]]:
 
 
 def checkpoint_label(state: dict[str, Any] | None) -> str:
-    """``"step 56 (229,376 tokens)"`` from ``training_state.json``, or ``"unknown"``."""
+    """``"qfserve-tiny-recall step 1952 (18,711,040 training tokens)"`` from
+    ``training_state.json``, or ``"unknown"``."""
     if not state:
         return "unknown (no training_state.json)"
-    return f"step {state.get('step')} ({state.get('tokens_seen', 0):,} training tokens)"
+    run = f"{state['run']} " if state.get("run") else ""
+    return f"{run}step {state.get('step')} ({state.get('tokens_seen', 0):,} training tokens)"
 
 
 def spread(values: Sequence[float]) -> dict[str, float]:
