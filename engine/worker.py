@@ -213,6 +213,10 @@ class Worker:
             self._current.cancel()
         self._thread.join(timeout)
 
+    def alive(self) -> bool:
+        """The worker thread is still running (``stop`` returns after its timeout regardless)."""
+        return self._thread.is_alive()
+
     def drain(self) -> None:
         """Refuse new requests; the running and queued ones continue."""
         self._draining = True
@@ -407,6 +411,11 @@ class Worker:
             self._finish(job.record, "error")
         finally:
             del caches
+            # A cancelled generation leaves mlx-lm's next step queued (async_eval) on its
+            # stream: wait for it, so no MLX work outlives the request or runs during exit.
+            from mlx_lm.generate import generation_stream
+
+            mx.synchronize(generation_stream)
             mx.clear_cache()
 
     def _make_caches(self, job: Job) -> list[Any]:

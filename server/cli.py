@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import socket
 import sys
@@ -181,8 +182,17 @@ def _serve(settings, log_level: str) -> int:
         timeout_graceful_shutdown=_CLOSE_GRACE,
         http=BoundedSendProtocol,
     )
-    server = DrainingServer(config, worker=app.state.worker, drain_timeout=settings.drain_timeout)
+    worker = app.state.worker
+    server = DrainingServer(config, worker=worker, drain_timeout=settings.drain_timeout)
     server.run()
+    if worker.alive():
+        # Still inside an MLX call after stop()'s timeout: tearing the interpreter down now
+        # would destroy MLX's threads under it (SIGABRT). Leave without teardown instead.
+        logger.warning("generation worker still busy at exit; exiting without cleanup")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(server.exit_code)
     return server.exit_code
 
 
