@@ -335,8 +335,8 @@ def headlines(results_dir: Path) -> list[str]:
         (checkpoint, sha), *_ = models
         lines += [
             f"All studies: `models/qfserve-tiny` at **{checkpoint}**, weights sha1 `{sha}`. "
-            "The numbers describe this checkpoint only: after training continues, re-export "
-            "the model and rerun the same commands.",
+            "The numbers describe these weights only: after retraining, re-export the model "
+            "and rerun the same commands (`bench/run_all.sh quality`).",
             "",
         ]
     lines += ["Headlines (all from the tables below):", ""]
