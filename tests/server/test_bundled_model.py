@@ -60,7 +60,8 @@ def default_server(tmp_path_factory):
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                 break
         except httpx.HTTPError:
-            time.sleep(0.2)
+            pass
+        time.sleep(0.2)
     else:
         process.kill()
         pytest.fail(f"qfserve did not start:\n{log.read_text(errors='replace')}")
