@@ -381,6 +381,7 @@ class Worker:
 
     def _run(self, job: Job) -> None:
         import mlx.core as mx
+        from mlx_lm.generate import generation_stream
 
         if job.cancelled:
             if job.failure is not None:
@@ -413,8 +414,6 @@ class Worker:
             del caches
             # A cancelled generation leaves mlx-lm's next step queued (async_eval) on its
             # stream: wait for it, so no MLX work outlives the request or runs during exit.
-            from mlx_lm.generate import generation_stream
-
             mx.synchronize(generation_stream)
             mx.clear_cache()
 

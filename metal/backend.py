@@ -126,24 +126,14 @@ def check_kernel_budget(budget: int) -> None:
 @cache
 def _build(spec: KernelSpec, backend: Backend) -> Callable[..., list[mx.array]]:
     header, source = render(spec, backend)
-    inputs, outputs = list(spec.input_names), list(spec.output_names)
-    built: object
-    if backend == "metal":
-        built = mx.fast.metal_kernel(
-            name=spec.name,
-            input_names=inputs,
-            output_names=outputs,
-            source=source,
-            header=header,
-        )
-    else:
-        built = mx.fast.cuda_kernel(
-            name=spec.name,
-            input_names=inputs,
-            output_names=outputs,
-            source=source,
-            header=header,
-        )
+    make = mx.fast.metal_kernel if backend == "metal" else mx.fast.cuda_kernel
+    built: object = make(
+        name=spec.name,
+        input_names=list(spec.input_names),
+        output_names=list(spec.output_names),
+        source=source,
+        header=header,
+    )
     # The stubs type the kernel object as `object`; it is called with inputs and returns outputs.
     return cast(Callable[..., list[mx.array]], built)
 

@@ -192,8 +192,8 @@ def train(cfg: dict, *, max_steps: int | None = None, stop_step: int | None = No
         init = parent_state(cfg, device)
         if init is None:
             return ckpt_path
-        parent_dir = CHECKPOINT_ROOT / load_config(cfg["init_from"]["config"])["run_name"]
         if not tokenizer_path.exists():
+            parent_dir = CHECKPOINT_ROOT / init["config"]["run_name"]
             shutil.copyfile(parent_dir / "tokenizer.json", tokenizer_path)
     corpus = prepare_corpus(
         tokenizer_path if tokenizer_path.exists() else None, vocab_size=cfg["model"]["vocab_size"]
