@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -35,7 +36,7 @@ from calibrations.corpus import (
     read_documents,
     stdlib_files,
 )
-from calibrations.model_info import attention_shape, max_context, weights_fingerprint
+from calibrations.model_info import attention_shape, max_context, model_fingerprint
 from calibrations.registry import artifact_name, default_output_dir, model_id_for, search_path
 
 if TYPE_CHECKING:
@@ -62,7 +63,12 @@ def build_parser(prog: str = "qfserve calibrate") -> argparse.ArgumentParser:
             "where qfserve finds them by model id."
         ),
     )
-    p.add_argument("--model", required=True, help="Hugging Face id or local mlx-lm folder")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="Hugging Face id, local mlx-lm folder, or (through qfserve) a GGUF file or "
+        "catalog name such as smollm2-135m-instruct",
+    )
     p.add_argument(
         "--model-id",
         help="id to register the filters under "
@@ -120,19 +126,37 @@ def _print_summary(summaries: list[dict]) -> None:
         )
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run ``qfserve calibrate``; returns the process exit code."""
+def main(
+    argv: list[str] | None = None, *, resolve_model: Callable[[str], str] | None = None
+) -> int:
+    """Run ``qfserve calibrate``; returns the process exit code.
+
+    Args:
+        argv: The arguments (default: ``sys.argv[1:]``).
+        resolve_model: Turns ``--model`` into what ``mlx_lm.load`` reads (the server passes
+            :func:`engine.loading.resolve_model_ref`, which converts GGUF files and fetches
+            catalog models); default: ``--model`` as given.
+    """
     args = build_parser().parse_args(argv)
     import mlx_lm  # imported here so `--help` stays fast
 
-    model_id = args.model_id or model_id_for(args.model)
+    source = args.model
+    if resolve_model is not None:
+        try:
+            source = resolve_model(args.model)
+        except (OSError, ValueError, RuntimeError) as e:  # missing, unservable, unfetchable
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+    model_id = args.model_id or model_id_for(source)
     missing = [str(f) for f in args.text or () if not f.is_file()]
     if missing:
         print(f"error: --text file(s) not found: {missing}", file=sys.stderr)
         return 2
     try:
-        # mlx_lm.load is typed as either a 2- or a 3-tuple; without return_config it is 2.
-        model, tokenizer = cast("tuple[nn.Module, TokenizerWrapper]", mlx_lm.load(args.model))
+        # mlx_lm.load is typed as either a 2- or a 3-tuple; with return_config it is 3.
+        model, tokenizer, config = cast(
+            "tuple[nn.Module, TokenizerWrapper, dict]", mlx_lm.load(source, return_config=True)
+        )
     except Exception as e:  # no such folder/id, no network, unsupported architecture
         print(f"error: cannot load model {args.model!r}: {e}", file=sys.stderr)
         return 1
@@ -180,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         samples_per_head=min(s.queries.shape[1] for s in samples),
         text=text,
         anisotropy=summaries,
-        weights=weights_fingerprint(model),
+        weights=model_fingerprint(model, config),
     )
     _print_summary(summaries)
     print(

