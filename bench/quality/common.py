@@ -23,7 +23,11 @@ DEFAULT_MODEL = str(REPO / "models" / "qfserve-tiny")
 def base_parser(description: str) -> argparse.ArgumentParser:
     """Arguments every study takes: ``--model``, ``--quick``, ``--out``, ``--calibration``."""
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--model", default=DEFAULT_MODEL, help="mlx-lm model folder (default: bundled)")
+    p.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="GGUF file, mlx-lm folder or catalog name (default: bundled qfserve-tiny)",
+    )
     p.add_argument("--quick", action="store_true", help="CI-sized smoke run (tiny sizes)")
     p.add_argument("--out", type=Path, default=RESULTS_DIR, help="results folder")
     p.add_argument(
@@ -41,10 +45,17 @@ def load_model(path: str) -> tuple[Any, Any, dict[str, Any]]:
     """``(model, tokenizer, identity)`` where identity names the exact weights measured."""
     import mlx_lm
 
-    from calibrations.model_info import attention_modules, head_counts, max_context
+    from calibrations.model_info import (
+        attention_modules,
+        head_counts,
+        max_context,
+        model_fingerprint,
+    )
     from calibrations.registry import model_id_for
+    from engine.loading import resolve_model_ref
 
-    model, tokenizer = mlx_lm.load(path)
+    path = resolve_model_ref(path)  # a GGUF file or catalog name becomes its converted folder
+    model, tokenizer, config = mlx_lm.load(path, return_config=True)
     folder = Path(path)
     weights = sorted(folder.glob("*.safetensors"))
     digest = hashlib.sha1()
@@ -59,6 +70,7 @@ def load_model(path: str) -> tuple[Any, Any, dict[str, Any]]:
         else str(folder),
         "model_id": model_id_for(path),
         "weights_sha1": digest.hexdigest()[:12],
+        "fingerprint": model_fingerprint(model, config),
         "training_state": state,
         "checkpoint": checkpoint_label(state),
         "n_layers": len(attention_modules(model)),

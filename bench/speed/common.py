@@ -48,7 +48,8 @@ def make_parser(description: str, *, reps: int) -> argparse.ArgumentParser:
     p.add_argument(
         "--model",
         default=None,
-        help=f"model folder (default: the bundled {default_model_path().name}); "
+        help=f"GGUF file, model folder or catalog name (default: the bundled "
+        f"{default_model_path().name}); "
         f"'{TINY}' builds the random-weight test model",
     )
     p.add_argument(
@@ -197,7 +198,11 @@ def model_path(ref: str | None) -> Path:
 
             _TINY_DIR = save_tiny_model(Path(tempfile.mkdtemp(prefix="qfserve-tiny-")) / "tiny")
         return _TINY_DIR
-    return Path(ref).resolve() if ref else default_model_path()
+    if not ref:
+        return default_model_path()
+    from engine.loading import resolve_model_ref
+
+    return Path(resolve_model_ref(ref))  # a GGUF file or catalog name: its converted folder
 
 
 def load_study_model(ref: str | None) -> StudyModel:
@@ -205,9 +210,14 @@ def load_study_model(ref: str | None) -> StudyModel:
     path = model_path(ref)
     loaded = load_model(str(path))
     try:
+        from calibrations.model_info import model_fingerprint
         from engine.filters import resolve_filters
 
-        filters, source = resolve_filters(loaded.model, loaded.model_id)
+        filters, source = resolve_filters(
+            loaded.model,
+            loaded.model_id,
+            fingerprint=model_fingerprint(loaded.model, loaded.config),
+        )
     except ImportError:
         filters, source = None, "fallback"
     return StudyModel(loaded, path, filters, source)

@@ -86,7 +86,8 @@ def build_tokenizer(file: GGUFFile) -> Any:
     tokens = [str(t) for t in file.vocab.get("tokens", ())]
     if not tokens or "merges" not in file.vocab:
         raise GGUFError(file.path, "no tokenizer.ggml.tokens / tokenizer.ggml.merges vocabulary")
-    merges = [tuple(str(m).split(" ", 1)) for m in file.vocab["merges"]]
+    # Byte-level symbols never contain a space, so the first one separates the pair.
+    merges = [(a, b) for a, _, b in (str(m).partition(" ") for m in file.vocab["merges"])]
     bpe = models.BPE(
         vocab={t: i for i, t in enumerate(tokens)},
         merges=merges,

@@ -11,12 +11,12 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFWriter
+from gguf import GGMLQuantizationType
 
 from engine.gguf import GGUFError
 from engine.gguf.convert import converted_folder
 from engine.gguf.reader import open_gguf
-from tests.gguf_files import write_tiny_gguf
+from tests.gguf_files import write_other_architecture, write_tiny_gguf, write_with_q8_1
 from tests.tiny import _CORPUS, SPECIAL_TOKENS, TINY_CONFIG, _train_tokenizer
 
 TOKENS = [3, 17, 99, 250, 4, 8, 15, 16, 23, 42, 108, 7, 1, 300, 64, 5, 9, 77, 31, 200, 12, 2, 6, 11]
@@ -111,18 +111,6 @@ def test_conversion_runs_once_and_again_when_the_file_changes(tmp_path):
     assert not list(first.parent.glob(".converting-*"))
 
 
-def _write_bare(path, arch="llama", tensors=(), **kv):
-    writer = GGUFWriter(str(path), arch)
-    for key, value in kv.items():
-        writer.add_string(key, value)
-    for name, data, dtype in tensors:
-        writer.add_tensor(name, data, raw_dtype=dtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
 def test_truncated_file_is_refused_naming_it(tmp_path):
     path = tmp_path / "cut.gguf"
     write_tiny_gguf(path)
@@ -137,43 +125,17 @@ def test_truncated_file_is_refused_naming_it(tmp_path):
 
 
 def test_unsupported_architecture_is_refused(tmp_path):
-    path = tmp_path / "falcon.gguf"
-    _write_bare(
-        path, arch="falcon", tensors=[("token_embd.weight", np.zeros((4, 8), np.float32), None)]
-    )
+    path = write_other_architecture(tmp_path / "falcon.gguf", "falcon")
     with pytest.raises(GGUFError, match=r"falcon.gguf: unsupported architecture 'falcon'"):
         open_gguf(path)
 
 
 def test_unsupported_tensor_type_is_refused(tmp_path):
-    path = tmp_path / "q8_1.gguf"
-    write_tiny_gguf(path)
-    reader = GGUFReader(path)
-    # Rewrite one tensor as Q8_1 (llama.cpp's intermediate type, which nothing here decodes).
-    writer = GGUFWriter(str(tmp_path / "q8_1b.gguf"), "llama")
-    for field in reader.fields.values():
-        if field.name.startswith(("GGUF.", "general.architecture")):
-            continue
-        value = field.contents()
-        kind = field.types[0]
-        sub = field.types[-1] if kind.name == "ARRAY" else None
-        writer.add_key_value(field.name, value, kind, sub_type=sub)
-    for tensor in reader.tensors:
-        if tensor.name == "blk.0.attn_k.weight":
-            rows, cols = (int(d) for d in reversed(tensor.shape))
-            block, size = GGML_QUANT_SIZES[GGMLQuantizationType.Q8_1]
-            raw = np.zeros((rows, cols // block * size), np.uint8)
-            writer.add_tensor(tensor.name, raw, raw_dtype=GGMLQuantizationType.Q8_1)
-        else:
-            writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    path = write_with_q8_1(tmp_path / "q8_1.gguf")
     with pytest.raises(
-        GGUFError, match=r"q8_1b.gguf: unsupported tensor type Q8_1 \(tensor blk.0.attn_k.weight\)"
+        GGUFError, match=r"q8_1.gguf: unsupported tensor type Q8_1 \(tensor blk.0.attn_k.weight\)"
     ):
-        open_gguf(tmp_path / "q8_1b.gguf")
+        open_gguf(path)
 
 
 @pytest.mark.parametrize(

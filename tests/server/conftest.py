@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -18,7 +19,7 @@ import pytest
 from tests.tiny import save_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
-MODEL_NAME = "qfserve-tiny"  # what the README examples send; tests serve a tiny model by that name
+MODEL_NAME = "qfserve-tiny"  # tests serve a tiny random model under the bundled model's name
 
 
 @dataclass
@@ -47,11 +48,28 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(model: Path, log: Path, *flags: str, timeout: float = 90.0) -> Server:
+def start_server(
+    model: Path | str | None,
+    log: Path,
+    *flags: str,
+    timeout: float = 90.0,
+    env: dict[str, str] | None = None,
+    console_script: bool = False,
+) -> Server:
+    """Start qfserve on a free port and wait for ``/health`` 200.
+
+    Args:
+        model: ``--model`` (``None``: no ``--model``, the default model).
+        env: Replaces the environment (default: this process's).
+        console_script: Run the installed ``qfserve`` script rather than ``python -m``.
+    """
     port = free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"}
+    script = shutil.which("qfserve", path=str(Path(sys.executable).parent))
+    command = [script] if console_script and script else [sys.executable, "-m", "server.cli"]
+    model_flags = [] if model is None else ["--model", str(model)]
     process = subprocess.Popen(
-        [sys.executable, "-m", "server.cli", "--model", str(model), "--port", str(port), *flags],
+        [*command, *model_flags, "--port", str(port), *flags],
         cwd=REPO,
         env=env,
         stdout=log.open("wb"),

