@@ -34,16 +34,26 @@ class Arm:
         method: ``full``, ``qfilters`` (calibrated), ``fallback`` (key-SVD), ``knorm`` or
             ``streaming``.
         recent_frac: Recent window as a fraction of the budget (0 or 0.25 in the studies).
+        sign: ``-1`` keeps the other end of the scoring axis (the fallback's ablation: its
+            axis oriented *to* the keys' mean).
     """
 
     method: str
     recent_frac: float = 0.0
+    sign: int = 1
 
     @property
     def name(self) -> str:
         if self.method == "full":
             return "full"
-        return f"{self.method}/r{int(round(self.recent_frac * 100))}"
+        flipped = "-" if self.sign < 0 else ""
+        return f"{self.method}{flipped}/r{int(round(self.recent_frac * 100))}"
+
+    @property
+    def label(self) -> str:
+        flipped = ", sign flipped" if self.sign < 0 else ""
+        recent = "" if self.recent_frac == 0 or self.method == "full" else ", recent b/4"
+        return f"{LABELS[self.method]}{flipped}{recent}"
 
     def recent(self, budget: int) -> int:
         return int(budget * self.recent_frac)
@@ -57,6 +67,7 @@ class Arm:
             n_sink=n_sink,
             recent=self.recent(budget),
             calib_tokens=min(DEFAULT_CALIB_TOKENS, budget),
+            sign=self.sign,
         )
 
     def caches(self, model: Any, budget: int | None, filters: np.ndarray | None) -> list[Any]:
@@ -73,15 +84,20 @@ class Arm:
         return ",".join(sorted(sources)) or "none"
 
 
-def standard_arms(recent_fracs: tuple[float, ...] = (0.0, 0.25)) -> list[Arm]:
-    """Full, then calibrated, fallback, K-norm and streaming at each recent fraction.
+def standard_arms(
+    recent_fracs: tuple[float, ...] = (0.0, 0.25), *, fallback_signs: tuple[int, ...] = (1, -1)
+) -> list[Arm]:
+    """Full, then calibrated, fallback (each sign), K-norm and streaming at each recent
+    fraction.
 
     Streaming keeps the latest rows by construction, so a recent window changes nothing for
     it: it runs once, with ``recent = 0``.
     """
     arms = [Arm("full")]
     for frac in recent_fracs:
-        arms += [Arm("qfilters", frac), Arm("fallback", frac), Arm("knorm", frac)]
+        arms.append(Arm("qfilters", frac))
+        arms += [Arm("fallback", frac, sign) for sign in fallback_signs]
+        arms.append(Arm("knorm", frac))
     arms.append(Arm("streaming", 0.0))
     return arms
 

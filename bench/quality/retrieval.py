@@ -39,7 +39,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 from bench.quality import plots
-from bench.quality.arms import LABELS, Arm, check_budget, standard_arms
+from bench.quality.arms import Arm, check_budget, standard_arms
 from bench.quality.common import (
     base_parser,
     print_table,
@@ -150,7 +150,8 @@ def plot_metric(a: Any, res: dict[str, Any], arms: list[Arm], ratios: list[int],
             [cells[str(r)][key] for r in xs],
             "o-" if arm.recent_frac == 0 else "s--",
             color=plots.COLORS[arm.method],
-            label=f"{LABELS[arm.method]}{'' if arm.recent_frac == 0 else ', recent b/4'}",
+            label=arm.label,
+            linestyle="--" if arm.sign < 0 else "-",
         )
     a.set_xscale("log", base=2)
     a.set_xticks(ratios, [f"{r}x" for r in ratios])

@@ -155,7 +155,8 @@ def test_fallback_warms_up_then_respects_budget(chunk):
 
 def test_fallback_sign_is_a_convention_and_direction_is_path_dependent():
     # Sign: flipping every key flips the estimate, so which end of the axis is "important"
-    # comes from the data's orientation, not from any query.
+    # comes from the data's orientation, not from any query: the direction points against
+    # the keys' mean (keys low on their shared axis are kept).
     D = 32
     rng = np.random.default_rng(4)
     axis = rng.standard_normal(D).astype(np.float32)
@@ -166,7 +167,9 @@ def test_fallback_sign_is_a_convention_and_direction_is_path_dependent():
     down.observe(-keys, 256)
     cos_up = np.array(up.direction) @ axis
     cos_down = np.array(down.direction) @ axis
-    assert np.all(cos_up > 0.99) and np.all(cos_down < -0.99)
+    assert np.all(cos_up < -0.99) and np.all(cos_down > 0.99)
+    mean_projection = np.einsum("bhtd,bhd->bh", np.array(keys), np.array(up.direction))
+    assert np.all(mean_projection < 0)
 
     # Path: the first 128 keys point one way, the rest another. Freezing after 128 keys
     # (token by token) and after all 512 (one block) gives different directions.
