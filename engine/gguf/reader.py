@@ -100,7 +100,11 @@ def open_gguf(path: str | Path) -> GGUFFile:
     try:
         reader = GGUFReader(path)
     except Exception as exc:  # the reader raises bare ValueErrors, struct and numpy errors
-        raise GGUFError(path, f"not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
+        raise GGUFError(
+            path,
+            f"not a readable GGUF file: truncated or corrupt (file is {path.stat().st_size} "
+            f"bytes; {type(exc).__name__}: {exc})",
+        ) from exc
     metadata: dict[str, Any] = {}
     vocab: dict[str, list[Any]] = {}
     for key, field in reader.fields.items():
@@ -120,6 +124,12 @@ def open_gguf(path: str | Path) -> GGUFFile:
                 path, f"truncated: tensor {tensor.name} ends at byte {end}, file has {size}"
             )
         tensor_types[tensor.name] = tensor.tensor_type.name
+    if int(metadata.get("split.count", 1)) > 1:
+        raise GGUFError(
+            path,
+            f"one part of a split GGUF ({metadata['split.count']} files); merge them first with "
+            "llama.cpp's `llama-gguf-split --merge`",
+        )
     file = GGUFFile(path, metadata, vocab, tensor_types, config={})
     config = _config(file)
     _check_tensors(file, config)
@@ -150,8 +160,6 @@ def _config(file: GGUFFile) -> dict[str, Any]:
     head_dim = int(get("attention.key_length", hidden // n_heads))
     if int(get("rope.dimension_count", head_dim)) != head_dim:
         raise GGUFError(path, "partial rotary embeddings (rope.dimension_count < head size)")
-    if "rope_freqs.weight" in file.tensor_types:
-        raise GGUFError(path, "per-frequency RoPE scaling (a rope_freqs tensor, Llama 3.1 style)")
     model_type, _ = ARCHITECTURES[arch]
     n_vocab = len(file.vocab.get("tokens", ())) or int(get("vocab_size"))
     config: dict[str, Any] = {
@@ -174,10 +182,50 @@ def _config(file: GGUFFile) -> dict[str, Any]:
         if scaling != "linear":
             raise GGUFError(path, f"unsupported RoPE scaling {scaling!r} (linear is supported)")
         config["rope_scaling"] = {"type": "linear", "factor": float(get("rope.scaling.factor"))}
+    if "rope_freqs.weight" in file.tensor_types:
+        config["rope_scaling"] = _llama3_rope_scaling(file, head_dim, config["rope_theta"])
     if model_type == "llama":
         config["attention_bias"] = "blk.0.attn_q.bias" in file.tensor_types
         config["mlp_bias"] = "blk.0.ffn_up.bias" in file.tensor_types
     return config
+
+
+# Llama 3.1 / 3.2 RoPE scaling as their config.json states it; GGUF keeps only the per-pair
+# frequency factors it implies (a ``rope_freqs`` tensor), so the config is recovered by
+# trying the factors those releases use and checking that one reproduces the tensor.
+_LLAMA3_FACTORS = (8.0, 32.0, 16.0, 4.0, 2.0)
+_LLAMA3_SCALING = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+def llama3_freq_factors(factor: float, head_dim: int, base: float) -> np.ndarray:
+    """The per-pair factors ``rope_freqs`` holds for Llama 3 scaling with ``factor``."""
+    low, high = _LLAMA3_SCALING["low_freq_factor"], _LLAMA3_SCALING["high_freq_factor"]
+    old = _LLAMA3_SCALING["original_max_position_embeddings"]
+    freqs = 1.0 / base ** (np.arange(0, head_dim, 2) / head_dim)
+    wavelen = 2 * np.pi / freqs
+    smooth = (old / wavelen - low) / (high - low)
+    mid = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < old / high, 1.0, np.where(wavelen > old / low, factor, mid))
+
+
+def _llama3_rope_scaling(file: GGUFFile, head_dim: int, base: float) -> dict[str, Any]:
+    from gguf import GGUFReader
+
+    (tensor,) = [t for t in GGUFReader(file.path).tensors if t.name == "rope_freqs.weight"]
+    stored = np.asarray(tensor.data, dtype=np.float64).reshape(-1)
+    for factor in _LLAMA3_FACTORS:
+        expected = llama3_freq_factors(factor, head_dim, base)
+        if expected.shape == stored.shape and np.allclose(stored, expected, rtol=1e-4):
+            return {"rope_type": "llama3", "factor": factor, **_LLAMA3_SCALING}
+    raise GGUFError(
+        file.path,
+        "unsupported RoPE scaling: its rope_freqs tensor matches no Llama 3 scaling factor "
+        f"in {list(_LLAMA3_FACTORS)}",
+    )
 
 
 def source_fingerprint(file: GGUFFile) -> str:
@@ -207,6 +255,8 @@ def _check_tensors(file: GGUFFile, config: dict[str, Any]) -> None:
     n_layers = config["num_hidden_layers"]
     for name, type_name in file.tensor_types.items():
         target = mlx_name(name)
+        if name == "rope_freqs.weight":  # folded into the config (see _llama3_rope_scaling)
+            continue
         if target is None or (name.startswith("blk.") and int(name.split(".")[1]) >= n_layers):
             raise GGUFError(file.path, f"tensor {name!r} has no counterpart in mlx-lm's model")
         if type_name not in readable:
@@ -250,6 +300,10 @@ def load_weights(file: GGUFFile, *, dequantize: bool) -> dict[str, Any]:
     raw = _read_native(file) if file.native else _read_numpy(file)
     out: dict[str, Any] = {}
     for name, parts in raw.items():
+        if name == "rope_freqs.weight":
+            continue
+        if not file.native and not dequantize:  # float32 from gguf.quants: halve it
+            parts = {k: v.astype(mx.float16) for k, v in parts.items()}
         if "scales" in parts:
             parts = {k: v if k == "weight" else v.astype(mx.float32) for k, v in parts.items()}
             if dequantize:

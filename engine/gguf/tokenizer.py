@@ -26,6 +26,16 @@ _QWEN2_SPLIT = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 PRE_TOKENIZERS = ("gpt2", "smollm", "llama-bpe", "qwen2")
+# Other names llama.cpp gives the same pre-tokenizers (llama-vocab.cpp).
+PRE_ALIASES = {
+    "gpt-2": "gpt2",
+    "llama3": "llama-bpe",
+    "llama-v3": "llama-bpe",
+    "falcon3": "llama-bpe",
+    "pixtral": "llama-bpe",
+    "deepseek-r1-qwen": "qwen2",
+    "megrez": "qwen2",
+}
 # Tokens that close a turn in common chat templates; generation stops at those the
 # template uses, as well as at EOS.
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>")
@@ -52,13 +62,30 @@ def _pre_tokenizer(name: str) -> tuple[Any, Any]:
     )
 
 
-def token_text(file: GGUFFile, key: str) -> str | None:
-    """The text of the token whose id is metadata ``tokenizer.ggml.<key>_token_id``."""
-    token_id = file.metadata.get(f"tokenizer.ggml.{key}_token_id")
-    tokens = file.vocab["tokens"]
-    if token_id is None or not 0 <= int(token_id) < len(tokens):
+def token_id(file: GGUFFile, key: str) -> int | None:
+    """Metadata ``tokenizer.ggml.<key>_token_id``, when it names a token of the vocabulary."""
+    value = file.metadata.get(f"tokenizer.ggml.{key}_token_id")
+    if value is None or not 0 <= int(value) < len(file.vocab["tokens"]):
         return None
-    return str(tokens[int(token_id)])
+    return int(value)
+
+
+def token_text(file: GGUFFile, key: str) -> str | None:
+    """The text of the token :func:`token_id` names."""
+    index = token_id(file, key)
+    return None if index is None else str(file.vocab["tokens"][index])
+
+
+def pre_tokenizer_name(file: GGUFFile) -> str:
+    """``tokenizer.ggml.pre`` with llama.cpp's aliases resolved (absent: GPT-2's)."""
+    pre = str(file.metadata.get("tokenizer.ggml.pre", "gpt2"))
+    return PRE_ALIASES.get(pre, pre)
+
+
+def adds_bos(file: GGUFFile) -> bool:
+    """``tokenizer.ggml.add_bos_token``; when absent, llama.cpp's default (Llama 3 adds it)."""
+    value = file.metadata.get("tokenizer.ggml.add_bos_token")
+    return pre_tokenizer_name(file) == "llama-bpe" if value is None else bool(value)
 
 
 def build_tokenizer(file: GGUFFile) -> Any:
@@ -75,13 +102,15 @@ def build_tokenizer(file: GGUFFile) -> Any:
     if kind != "gpt2":
         what = "SentencePiece (" + repr(kind) + ")" if kind == "llama" else repr(kind)
         raise GGUFError(
-            file.path, f"unsupported tokenizer model {what}; qfserve reads byte-level BPE ('gpt2')"
+            file.path,
+            f"unsupported tokenizer model {what}; qfserve reads byte-level BPE ('gpt2')",
         )
-    pre = meta.get("tokenizer.ggml.pre", "gpt2")
+    pre = pre_tokenizer_name(file)
     if pre not in PRE_TOKENIZERS:
         raise GGUFError(
             file.path,
-            f"unsupported pre-tokenizer {pre!r} (tokenizer.ggml.pre); supported: {list(PRE_TOKENIZERS)}",
+            f"unsupported pre-tokenizer {pre!r} (tokenizer.ggml.pre); supported: "
+            f"{[*PRE_TOKENIZERS, *PRE_ALIASES]}",
         )
     tokens = [str(t) for t in file.vocab.get("tokens", ())]
     if not tokens or "merges" not in file.vocab:
@@ -114,9 +143,8 @@ def build_tokenizer(file: GGUFFile) -> Any:
             if k == USER_DEFINED
         ]
     )
-    bos = token_text(file, "bos")
-    if meta.get("tokenizer.ggml.add_bos_token", False) and bos is not None:
-        bos_id = tokens.index(bos)
+    bos, bos_id = token_text(file, "bos"), token_id(file, "bos")
+    if adds_bos(file) and bos is not None and bos_id is not None:
         tokenizer.post_processor = processors.TemplateProcessing(
             single=f"{bos}:0 $A:0",
             pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
@@ -133,9 +161,9 @@ def stop_token_ids(file: GGUFFile) -> list[int]:
     template = str(file.metadata.get("tokenizer.chat_template") or "")
     ids: list[int] = []
     for key in ("eos", "eot", "eom"):
-        text = token_text(file, key)
-        if text is not None:
-            ids.append(tokens.index(text))
+        index = token_id(file, key)
+        if index is not None:
+            ids.append(index)
     types = file.vocab.get("token_type", [])
     for text in END_OF_TURN:
         if text in template and text in tokens:
@@ -154,7 +182,7 @@ def tokenizer_config(file: GGUFFile, context_length: int) -> dict[str, Any]:
         "eos_token": token_text(file, "eos"),
         "unk_token": token_text(file, "unknown"),
         "pad_token": token_text(file, "padding"),
-        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        "add_bos_token": adds_bos(file),
         "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
         "clean_up_tokenization_spaces": False,
         "model_max_length": context_length,

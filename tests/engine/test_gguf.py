@@ -28,13 +28,13 @@ def _cache(tmp_path, monkeypatch):
 
 
 def reference_logits(
-    model_type: str, weights: dict[str, np.ndarray], vocab_size: int
+    model_type: str, weights: dict[str, np.ndarray], vocab_size: int, **config
 ) -> np.ndarray:
     import importlib
 
     arch = importlib.import_module(f"mlx_lm.models.{model_type}")
     args = arch.ModelArgs.from_dict(
-        {**TINY_CONFIG, "model_type": model_type, "vocab_size": vocab_size}
+        {**TINY_CONFIG, "model_type": model_type, "vocab_size": vocab_size, **config}
     )
     model = arch.Model(args)
     model.load_weights([(k, mx.array(v)) for k, v in weights.items()], strict=True)
@@ -162,3 +162,29 @@ def test_types_mlx_cannot_read_are_dequantized_by_the_gguf_package(tmp_path):
     folder = converted_folder(path, dequantize=True)
     vocab = decoded["model.embed_tokens.weight"].shape[0]
     np.testing.assert_array_equal(served_logits(folder), reference_logits("llama", decoded, vocab))
+
+
+def test_llama3_rope_scaling_is_recovered_from_the_rope_freqs_tensor(tmp_path):
+    path = tmp_path / "llama31.gguf"
+    decoded = write_tiny_gguf(path, llama3_factor=32.0, rope_theta=500000.0)
+    folder = converted_folder(path, dequantize=True)
+    scaling = json.loads((folder / "config.json").read_text())["rope_scaling"]
+    assert scaling == {
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    vocab = decoded["model.embed_tokens.weight"].shape[0]
+    reference = reference_logits("llama", decoded, vocab, rope_theta=500000.0, rope_scaling=scaling)
+    np.testing.assert_array_equal(served_logits(folder), reference)
+    unscaled = reference_logits("llama", decoded, vocab, rope_theta=500000.0)
+    assert not np.allclose(reference, unscaled)  # the scaling matters at these positions
+
+
+def test_one_part_of_a_split_file_is_refused(tmp_path):
+    path = tmp_path / "model-00001-of-00002.gguf"
+    write_tiny_gguf(path, extra_kv={"split.count": 2})
+    with pytest.raises(GGUFError, match=r"split GGUF \(2 files\); merge them first .*llama-gguf-split --merge"):
+        open_gguf(path)
