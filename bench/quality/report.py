@@ -1,4 +1,4 @@
-"""Markdown for the ``## Quality`` part of ``bench/RESULTS.md`` (studies 1-5).
+"""Markdown for the ``## Quality`` part of ``bench/RESULTS.md`` (studies 1-6).
 
 One renderer per study, ``RENDERERS[<json name>](data) -> markdown lines``, plus
 :func:`headlines`, the section's opening summary. Reads only the JSON the studies wrote;
@@ -12,12 +12,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-STUDIES = ("geometry", "attention", "perplexity", "retrieval", "stability")
+STUDIES = ("geometry", "attention", "perplexity", "retrieval", "stability", "niah")
 ARM_ORDER = (
     "qfilters/r0",
     "qfilters/r25",
     "fallback/r0",
     "fallback/r25",
+    "fallback-/r0",
+    "fallback-/r25",
     "knorm/r0",
     "knorm/r25",
     "streaming/r0",
@@ -28,6 +30,8 @@ ARM_NAMES = {
     "qfilters/r25": "Q-Filters calibrated, recent b/4",
     "fallback/r0": "key-SVD fallback, recent 0",
     "fallback/r25": "key-SVD fallback, recent b/4",
+    "fallback-/r0": "key-SVD fallback sign-flipped (ablation), recent 0",
+    "fallback-/r25": "key-SVD fallback sign-flipped (ablation), recent b/4",
     "knorm/r0": "K-norm, recent 0",
     "knorm/r25": "K-norm, recent b/4",
     "streaming/r0": "streaming (sinks + latest)",
@@ -301,12 +305,39 @@ def render_stability(data: dict[str, Any]) -> list[str]:
     return lines + _plots(data)
 
 
+def render_niah(data: dict[str, Any]) -> list[str]:
+    lines = _header("6. Needle in a haystack, in prose", data)
+    d = data["data"]
+    lengths, depths, ratios = data["lengths"], data["depths"], data["ratios"]
+    lines += [
+        "",
+        f'Haystack: {d["haystack"]}; needle: "{d["needle"]}", asked at the end; '
+        f"{d['scoring']}. {d['docs_per_cell']} document(s) per depth x length "
+        f"({', '.join(map(str, lengths))} tokens; depths {', '.join(f'{x:.0%}' for x in depths)}); "
+        f"{data['budget_rule']}. Exact match, mean over the grid:",
+        "",
+    ]
+    rows = []
+    for name in ("full", *ARM_ORDER):
+        by_ratio = data["grid"].get(name)
+        if not by_ratio:
+            continue
+        row = [ARM_NAMES[name]]
+        for key in ["-", *map(str, ratios)]:
+            vals = [v for line in by_ratio.get(key) or [] for v in line if v is not None]
+            row.append(_f(sum(vals) / len(vals), 2) if vals else "")
+        rows.append(row)
+    lines += _table(["arm", "no eviction", *[f"{r}×" for r in ratios]], rows)
+    return lines + _plots(data)
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "geometry": render_geometry,
     "attention": render_attention,
     "perplexity": render_perplexity,
     "retrieval": render_retrieval,
     "stability": render_stability,
+    "niah": render_niah,
 }
 
 

@@ -148,10 +148,10 @@ def plot_metric(a: Any, res: dict[str, Any], arms: list[Arm], ratios: list[int],
         a.plot(
             xs,
             [cells[str(r)][key] for r in xs],
-            "o-" if arm.recent_frac == 0 else "s--",
+            marker="o" if arm.recent_frac == 0 else "s",
+            linestyle=":" if arm.sign < 0 else "-" if arm.recent_frac == 0 else "--",
             color=plots.COLORS[arm.method],
             label=arm.label,
-            linestyle="--" if arm.sign < 0 else "-",
         )
     a.set_xscale("log", base=2)
     a.set_xticks(ratios, [f"{r}x" for r in ratios])

@@ -15,7 +15,7 @@ import pytest
 
 from tests.tiny import save_tiny_model
 
-STUDIES = ("geometry", "attention", "perplexity", "retrieval", "stability")
+STUDIES = ("geometry", "attention", "perplexity", "retrieval", "stability", "niah")
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +81,31 @@ def test_retrieval_shared_prefill_matches_generate_step(results: Path) -> None:
                 assert 0 <= c["accuracy"] <= 1 and c["answer_nll_mean"] > 0
 
 
+def test_niah_places_the_needle_and_resumes(results: Path, tiny_model: Path) -> None:
+    from bench.quality.niah import main
+
+    data = _load(results, "niah")
+    assert {r["target_depth"] for r in data["records"]} == set(data["depths"])
+    for r in data["records"]:
+        assert abs(r["depth"] - r["target_depth"]) < 0.35  # paragraph boundaries are coarse
+        assert abs(r["tokens"] - r["length"]) <= 0.25 * r["length"]
+        for cells in r["arms"].values():
+            for c in cells.values():
+                assert isinstance(c["correct"], bool) and c["answer_nll"] > 0
+    for cells in data["grid"].values():
+        for rows in cells.values():
+            assert all(v is None or 0 <= v <= 1 for row in rows for v in row)
+    # A full run appends one line per document and skips those already done.
+    out = results / "niah-resume"
+    argv = ["--model", str(tiny_model), "--out", str(out), "--calibration", "fresh",
+            "--lengths", "192", "--depths", "0", "1", "--ratios", "4"]  # fmt: skip
+    assert main(argv) == 0
+    lines = (out / "niah.jsonl").read_text().splitlines()
+    assert len(lines) == 2
+    assert main(argv) == 0
+    assert (out / "niah.jsonl").read_text().splitlines() == lines
+
+
 def test_attention_and_stability_values_are_in_range(results: Path) -> None:
     for res in _load(results, "attention")["results"].values():
         for r in res.values():
@@ -93,7 +118,9 @@ def test_report_renders_every_quality_study(results: Path) -> None:
     from bench.report import render_quality
 
     text = "\n".join(render_quality(results))
-    for title in ("1. Geometry", "2. Does the score", "3. Streaming", "4. Pass-key", "5. Calib"):
+    for title in (
+        "1. Geometry", "2. Does the score", "3. Streaming", "4. Pass-key", "5. Calib", "6. Needle"
+    ):  # fmt: skip
         assert title in text
     assert "no results yet" not in text
 

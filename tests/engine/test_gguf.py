@@ -186,5 +186,7 @@ def test_llama3_rope_scaling_is_recovered_from_the_rope_freqs_tensor(tmp_path):
 def test_one_part_of_a_split_file_is_refused(tmp_path):
     path = tmp_path / "model-00001-of-00002.gguf"
     write_tiny_gguf(path, extra_kv={"split.count": 2})
-    with pytest.raises(GGUFError, match=r"split GGUF \(2 files\); merge them first .*llama-gguf-split --merge"):
+    with pytest.raises(
+        GGUFError, match=r"split GGUF \(2 files\); merge them first .*llama-gguf-split --merge"
+    ):
         open_gguf(path)
