@@ -166,6 +166,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ratios", type=int, nargs="+", default=None, help="compression ratios")
     p.add_argument("--per-bin", type=int, default=None, help="documents per depth bin")
     p.add_argument("--filler", default="classic", choices=("classic", "prose", "code"))
+    p.add_argument(
+        "--recent-fracs",
+        type=float,
+        nargs="+",
+        default=[0.0, 0.25],
+        help="recent windows as fractions of the budget (default: 0 0.25)",
+    )
     args = p.parse_args(argv)
     lengths = args.lengths or ([320] if args.quick else [256, 512, 1024, 2048])
     ratios = args.ratios or ([2, 8] if args.quick else [2, 4, 8, 16, 32])
@@ -175,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     model, identity, filters, corpus = study.model, study.identity, study.filters, study.corpus
     if identity["max_context"]:
         lengths = [n for n in lengths if n <= identity["max_context"]]
-    arms = standard_arms()
+    arms = standard_arms(tuple(args.recent_fracs))
     configs = [(a, None) for a in arms if a.method == "full"]
     configs += [(a, r) for r in ratios for a in arms if a.method != "full"]
 
