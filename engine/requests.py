@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from engine.config import CacheConfig
+from engine.structured import JSONConstraint
 
 Kind = Literal["chat", "completion"]
 FinishReason = Literal["stop", "length"]
@@ -32,6 +33,9 @@ class SamplingParams:
         logit_bias: Token id -> additive bias.
         logprobs: Return each sampled token's log-probability.
         top_logprobs: Also return the ``top_logprobs`` most likely tokens per step.
+        top_k: Sample among the ``top_k`` most likely tokens; ``0`` disables it.
+        min_p: Drop tokens less likely than ``min_p`` times the most likely; ``0`` disables it.
+        repetition_penalty: Divide the logits of recent tokens by it (``1`` disables it).
     """
 
     max_tokens: int | None = None
@@ -44,6 +48,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -57,6 +64,7 @@ class GenerationRequest:
         prompt: Completion prompt: text or token ids.
         sampling: See :class:`SamplingParams`.
         cache: The eviction settings this request runs with.
+        constraint: The output must be JSON (of a schema) when set.
     """
 
     kind: Kind
@@ -64,6 +72,7 @@ class GenerationRequest:
     cache: CacheConfig
     messages: tuple[dict[str, Any], ...] = ()
     prompt: str | tuple[int, ...] = ""
+    constraint: JSONConstraint | None = None
 
 
 @dataclass(frozen=True)

@@ -439,12 +439,18 @@ class Worker:
         sp, record = job.request.sampling, job.record
         if sp.seed is not None:
             mx.random.seed(sp.seed % 2**64)
-        sampler = make_sampler(sp.temperature, top_p=sp.top_p)  # temperature 0: greedy
+        # temperature 0: greedy; top_p 1 / min_p 0 / top_k 0 are off.
+        sampler = make_sampler(sp.temperature, top_p=sp.top_p, min_p=sp.min_p, top_k=sp.top_k)
         processors = make_logits_processors(
             dict(sp.logit_bias) or None,
+            repetition_penalty=sp.repetition_penalty if sp.repetition_penalty != 1 else None,
             presence_penalty=sp.presence_penalty or None,
             frequency_penalty=sp.frequency_penalty or None,
         )
+        if job.request.constraint is not None:
+            from engine.structured import GrammarProcessor
+
+            processors.append(GrammarProcessor(self.loaded.tokenizer, job.request.constraint))
         stop = StopText(sp.stop) if sp.stop else None
 
         def on_progress(done: int, total: int) -> None:

@@ -8,12 +8,23 @@ Requests are strict (no type coercion, unknown fields rejected) so mistakes surf
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import json
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.config import METHODS, CacheConfig
 from engine.requests import GenerationRequest, SamplingParams
+from engine.structured import GrammarError, JSONConstraint
+from server.compat import (
+    CHAT_FATES,
+    COMPLETION_FATES,
+    REQUIRED,
+    JSONObjectFormat,
+    JSONSchemaFormat,
+    ResponseFormat,
+    refused,
+)
 from server.errors import APIError
 
 KVMethod = Literal["qfilters", "knorm", "streaming", "full"]
@@ -31,7 +42,8 @@ class _Strict(BaseModel):
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
+    include_usage: bool | None = False
+    include_obfuscation: bool | None = None  # a no-op: nothing here needs padding
 
 
 class TextPart(_Strict):
@@ -85,6 +97,58 @@ class EvictionFields(_Strict):
 class GenerationBody(EvictionFields):
     """Fields shared by chat and text completions, and the conversion to engine parameters."""
 
+    FATES: ClassVar[dict[str, tuple[str, str]]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fates(cls, data: Any) -> Any:
+        """``null`` means the default; no-op parameters are dropped; refused ones are a 400."""
+        if not isinstance(data, dict):
+            return data
+        hit = refused(data, cls.FATES)  # type: ignore[arg-type]
+        if hit is not None:
+            name, why = hit
+            raise APIError(
+                400, f"'{name}' is not supported: {why}", param=name, code="unsupported_parameter"
+            )
+        if data.get("modalities") not in (None, ["text"]):
+            raise APIError(
+                400,
+                "only the text modality is supported",
+                param="modalities",
+                code="unsupported_value",
+            )
+        if data.get("tool_choice") not in (None, "none"):
+            raise APIError(
+                400,
+                "tool calling is not implemented; tool_choice may only be 'none'",
+                param="tool_choice",
+                code="unsupported_value",
+            )
+        ignored = {n for n, (fate, _) in cls.FATES.items() if fate == "no-op"}
+        ignored |= {"modalities", "tool_choice"}
+        return {
+            k: v
+            for k, v in data.items()
+            if k not in ignored and not (v is None and k not in REQUIRED)
+        }
+
+    def constraint(self) -> JSONConstraint | None:
+        """The JSON the answer must be (``response_format``); 400 if the schema cannot compile."""
+        fmt = getattr(self, "response_format", None)
+        if isinstance(fmt, JSONObjectFormat):
+            constraint = JSONConstraint(None)
+        elif isinstance(fmt, JSONSchemaFormat):
+            schema = fmt.json_schema.schema_
+            constraint = JSONConstraint(None if schema is None else json.dumps(schema))
+        else:
+            return None
+        try:
+            constraint.grammar()
+        except GrammarError as exc:
+            raise APIError(400, str(exc), param="response_format", code="invalid_value") from None
+        return constraint
+
     def cache_config(self, defaults: CacheConfig) -> CacheConfig:
         """The request's eviction settings over the server defaults; 400 names a bad field."""
         chosen = {
@@ -129,18 +193,27 @@ class GenerationBody(EvictionFields):
             logit_bias=tuple((int(k), float(v)) for k, v in (fields["logit_bias"] or {}).items()),
             logprobs=logprobs is not None and logprobs is not False,
             top_logprobs=top or 0,
+            top_k=fields["top_k"],
+            min_p=fields["min_p"],
+            repetition_penalty=fields["repetition_penalty"],
         )
         cache = self.cache_config(defaults)
+        constraint = self.constraint()
         if isinstance(self, ChatCompletionRequest):
             return GenerationRequest(
                 kind="chat",
                 sampling=sampling,
                 cache=cache,
                 messages=tuple(m.as_template_input() for m in self.messages),
+                constraint=constraint,
             )
         assert isinstance(self, CompletionRequest)
         return GenerationRequest(
-            kind="completion", sampling=sampling, cache=cache, prompt=self.single_prompt()
+            kind="completion",
+            sampling=sampling,
+            cache=cache,
+            prompt=self.single_prompt(),
+            constraint=constraint,
         )
 
     @model_validator(mode="after")
@@ -177,6 +250,9 @@ MaxTokens = Annotated[int | None, Field(ge=1)]
 # MLX seeds its generator with an unsigned 64-bit integer; negative seeds wrap around.
 Seed = Annotated[int | None, Field(ge=-(2**63), le=2**64 - 1)]
 LogitBias = dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None
+TopK = Annotated[int, Field(ge=0)]
+MinP = Annotated[float, Field(ge=0.0, le=1.0)]
+RepetitionPenalty = Annotated[float, Field(gt=0.0, le=10.0)]
 
 
 class ChatCompletionRequest(GenerationBody):
@@ -195,6 +271,8 @@ class ChatCompletionRequest(GenerationBody):
         }
     )
 
+    FATES = CHAT_FATES
+
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     model: str
     frequency_penalty: Penalty = 0.0
@@ -204,6 +282,7 @@ class ChatCompletionRequest(GenerationBody):
     max_tokens: MaxTokens = None
     n: Annotated[int, Field(ge=1)] = 1
     presence_penalty: Penalty = 0.0
+    response_format: ResponseFormat | None = None
     seed: Seed = None
     stop: Stop = None
     stream: bool = False
@@ -211,7 +290,16 @@ class ChatCompletionRequest(GenerationBody):
     temperature: Temperature = 1.0
     top_logprobs: Annotated[int | None, Field(ge=0, le=20)] = None
     top_p: TopP = 1.0
-    user: str | None = None
+    # Sampler extensions of local servers (mlx_lm.server, llama-server, vLLM).
+    top_k: Annotated[
+        TopK, Field(description="Sample among the k most likely tokens; 0 is off.")
+    ] = 0
+    min_p: Annotated[MinP, Field(description="Drop tokens below min_p x the top probability.")] = (
+        0.0
+    )
+    repetition_penalty: Annotated[
+        RepetitionPenalty, Field(description="mlx-lm's repetition penalty; 1 is off.")
+    ] = 1.0
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
@@ -234,8 +322,11 @@ class CompletionRequest(GenerationBody):
         }
     )
 
+    FATES = COMPLETION_FATES
+
     model: str
     prompt: str | list[str] | list[int]
+    best_of: Annotated[int, Field(ge=1)] = 1
     echo: bool = False
     frequency_penalty: Penalty = 0.0
     logit_bias: LogitBias = None
@@ -249,7 +340,16 @@ class CompletionRequest(GenerationBody):
     stream_options: StreamOptions | None = None
     temperature: Temperature = 1.0
     top_p: TopP = 1.0
-    user: str | None = None
+    response_format: ResponseFormat | None = None
+    top_k: Annotated[
+        TopK, Field(description="Sample among the k most likely tokens; 0 is off.")
+    ] = 0
+    min_p: Annotated[MinP, Field(description="Drop tokens below min_p x the top probability.")] = (
+        0.0
+    )
+    repetition_penalty: Annotated[
+        RepetitionPenalty, Field(description="mlx-lm's repetition penalty; 1 is off.")
+    ] = 1.0
 
     @model_validator(mode="after")
     def _one_prompt(self) -> CompletionRequest:
@@ -267,6 +367,10 @@ class CompletionRequest(GenerationBody):
             )
         if self.echo:
             raise APIError(400, "echo is not supported", param="echo", code="unsupported_value")
+        if self.best_of != 1:
+            raise APIError(
+                400, "only best_of=1 is supported", param="best_of", code="unsupported_value"
+            )
         return self
 
     def single_prompt(self) -> str | tuple[int, ...]:
