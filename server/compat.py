@@ -91,9 +91,11 @@ def refused(body: dict[str, Any], fates: dict[str, tuple[Fate, str]]) -> tuple[s
     """The first refused parameter sent with an effect (not null, false or empty) and why."""
     for name, (fate, why) in fates.items():
         value = body.get(name)
-        if fate == "refused" and value is not None and value is not False and value != 0:
-            if not (isinstance(value, str | list | dict) and not value):
-                return name, why
+        empty = (
+            value is None or value is False or (isinstance(value, str | list | dict) and not value)
+        )
+        if fate == "refused" and not empty:
+            return name, why
     return None
 
 

@@ -18,6 +18,7 @@ from engine.requests import GenerationRequest, SamplingParams
 from engine.structured import GrammarError, JSONConstraint
 from server.compat import (
     CHAT_FATES,
+    Fate,
     COMPLETION_FATES,
     REQUIRED,
     JSONObjectFormat,
@@ -97,7 +98,7 @@ class EvictionFields(_Strict):
 class GenerationBody(EvictionFields):
     """Fields shared by chat and text completions, and the conversion to engine parameters."""
 
-    FATES: ClassVar[dict[str, tuple[str, str]]] = {}
+    FATES: ClassVar[dict[str, tuple[Fate, str]]] = {}
 
     @model_validator(mode="before")
     @classmethod
@@ -105,7 +106,7 @@ class GenerationBody(EvictionFields):
         """``null`` means the default; no-op parameters are dropped; refused ones are a 400."""
         if not isinstance(data, dict):
             return data
-        hit = refused(data, cls.FATES)  # type: ignore[arg-type]
+        hit = refused(data, cls.FATES)
         if hit is not None:
             name, why = hit
             raise APIError(
