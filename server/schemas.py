@@ -18,9 +18,9 @@ from engine.requests import GenerationRequest, SamplingParams
 from engine.structured import GrammarError, JSONConstraint
 from server.compat import (
     CHAT_FATES,
-    Fate,
     COMPLETION_FATES,
     REQUIRED,
+    Fate,
     JSONObjectFormat,
     JSONSchemaFormat,
     ResponseFormat,
