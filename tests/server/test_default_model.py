@@ -10,7 +10,9 @@ import signal
 import subprocess
 from pathlib import Path
 
+import jsonschema
 import pytest
+from pydantic import BaseModel, ConfigDict, Field
 
 from engine.gguf.convert import cache_root
 from tests.server.conftest import start_server
@@ -98,3 +100,48 @@ def test_default_model_retrieves_a_pass_key_from_2000_tokens(client):
     )
     assert 1800 <= resp.usage.prompt_tokens <= 2300
     assert resp.choices[0].text.strip().startswith(PASSKEY), resp.choices[0].text
+
+
+class City(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # additionalProperties: false, as strict mode has
+    # Bounded fields: a valid answer always fits in max_tokens (an unbounded number or
+    # string lets a sampled small model go on until the limit cuts the JSON short).
+    name: str = Field(pattern=r"^[A-Za-z .'-]{1,30}$")
+    country: str = Field(pattern=r"^[A-Za-z .'-]{1,30}$")
+    population: int = Field(ge=0, le=100_000_000)
+
+
+def test_sdk_parse_returns_a_parsed_object(client):
+    completion = client.chat.completions.parse(
+        model="smollm2-135m-instruct",
+        messages=[{"role": "user", "content": "Describe Paris as JSON."}],
+        response_format=City,
+        temperature=0,
+        max_tokens=120,
+    )
+    city = completion.choices[0].message.parsed
+    assert isinstance(city, City) and city.name
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_sampled_structured_output_always_validates(client, stream):
+    """10 sampled requests per mode (20 in all) at temperature 0.8 with a budget of 128."""
+    schema = City.model_json_schema()
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}}
+    for seed in range(10):
+        kwargs = dict(
+            model="smollm2-135m-instruct",
+            messages=[{"role": "user", "content": f"Describe a city (number {seed}) as JSON."}],
+            response_format=fmt,
+            temperature=0.8,
+            seed=seed,
+            max_tokens=120,
+            extra_body={"qfilters_budget": 128, "qfilters_recent": 32},
+        )
+        if stream:
+            chunks = client.chat.completions.create(stream=True, **kwargs)
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        else:
+            text = client.chat.completions.create(**kwargs).choices[0].message.content
+        assert text.endswith("}"), text
+        jsonschema.validate(json.loads(text), schema)

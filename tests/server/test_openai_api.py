@@ -220,3 +220,22 @@ def test_metrics_exposes_prometheus_counters(server):
     ):
         assert name in text
     assert 'outcome="ok"' in text
+
+
+def test_sdk_parse_on_the_tiny_model(server):
+    from pydantic import BaseModel, Field
+
+    class Item(BaseModel):
+        label: str = Field(max_length=8)
+        size: int = Field(ge=0, le=99)
+
+    completion = server.client().chat.completions.parse(
+        model=MODEL_NAME,
+        messages=CHAT,
+        response_format=Item,
+        temperature=0,
+        max_tokens=64,
+        extra_body={"qfilters_budget": 16},
+    )
+    item = completion.choices[0].message.parsed
+    assert isinstance(item, Item) and len(item.label) <= 8
