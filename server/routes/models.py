@@ -1,4 +1,5 @@
-"""``GET /v1/models``: the one served model, with its context length."""
+"""``GET /v1/models`` and ``GET /v1/models/{model}``: the one served model, with its context
+length."""
 
 from __future__ import annotations
 
@@ -6,20 +7,31 @@ from fastapi import APIRouter, Depends
 
 from server.dependencies import WorkerDep, require_api_key
 from server.errors import APIError
+from server.generation import check_model
 from server.openapi import errors
 from server.schemas import ModelCard, ModelList
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
 
-@router.get("/v1/models", response_model=ModelList, responses=errors(401, 503))
-async def list_models(worker: WorkerDep) -> ModelList:
+def _card(worker: WorkerDep) -> ModelCard:
     loaded = worker.loaded
     if loaded is None:
         raise APIError(
             503, "the model is still loading", code="unavailable", headers={"Retry-After": "5"}
         )
-    card = ModelCard(
+    return ModelCard(
         id=loaded.name, created=worker.started_at, context_length=loaded.context_length
     )
-    return ModelList(data=[card])
+
+
+@router.get("/v1/models", response_model=ModelList, responses=errors(401, 503))
+async def list_models(worker: WorkerDep) -> ModelList:
+    return ModelList(data=[_card(worker)])
+
+
+@router.get("/v1/models/{model:path}", response_model=ModelCard, responses=errors(401, 404, 503))
+async def retrieve_model(model: str, worker: WorkerDep) -> ModelCard:
+    card = _card(worker)
+    check_model(model, worker)  # 404 in OpenAI's shape for another id
+    return card

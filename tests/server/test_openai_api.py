@@ -239,3 +239,15 @@ def test_sdk_parse_on_the_tiny_model(server):
     )
     item = completion.choices[0].message.parsed
     assert isinstance(item, Item) and len(item.label) <= 8
+
+
+def test_sdk_retrieves_the_model_and_404s_another(server):
+    import openai
+
+    client = server.client()
+    model = client.models.retrieve(MODEL_NAME)
+    assert model.id == MODEL_NAME and model.object == "model"
+    assert model.model_extra["context_length"] == 2048
+    with pytest.raises(openai.NotFoundError) as exc:
+        client.models.retrieve("org/other-model")
+    assert exc.value.body["code"] == "model_not_found"
