@@ -175,6 +175,11 @@ def main(
     sequences, used = make_sequences(
         tokenizer, read_documents(files), n_sequences=args.sequences, tokens=tokens
     )
+    if len(sequences) < args.sequences:
+        print(
+            f"note: the text ran out after {len(sequences)} of the {args.sequences} sequences "
+            f"asked for ({sum(len(s) for s in sequences)} tokens); pass more --text for more"
+        )
     text = describe_files(files, used) if args.text else describe_stdlib(args.seed, used)
     total = sum(len(s) for s in sequences)
     print(

@@ -65,11 +65,13 @@ def make_sequences(
 ) -> tuple[list[list[int]], int]:
     """Cut documents into calibration sequences of ``tokens`` tokens each.
 
-    Each document contributes at most one sequence's worth of tokens (its beginning), so the
-    sequences span many documents rather than the first few long ones; short documents are
-    concatenated. Each sequence starts the way the tokenizer starts a prompt (its BOS, if it
-    adds one). Only as many documents as needed are read. If the text runs out, the last
-    sequence may be shorter and fewer sequences are returned.
+    Each document first contributes at most one sequence's worth of tokens (its beginning),
+    so the sequences span many documents rather than the first few long ones; short
+    documents are concatenated. When every document has given its beginning and sequences
+    are still missing, the rest of the long documents is cut up too (one long file gives as
+    many sequences as it holds). Each sequence starts the way the tokenizer starts a prompt
+    (its BOS, if it adds one). Only as many documents as needed are read. If the text runs
+    out, the last sequence may be shorter and fewer sequences are returned.
 
     Args:
         tokenizer: mlx-lm tokenizer wrapper or any object with a Hugging Face ``encode``.
@@ -90,15 +92,29 @@ def make_sequences(
     sequences: list[list[int]] = []
     stream: list[int] = []
     used = 0
+    longer: list[str] = []  # documents with more than their head, for a second pass
+
+    def cut() -> None:
+        nonlocal stream
+        while len(stream) >= body and len(sequences) < n_sequences:
+            sequences.append(prefix + stream[:body])
+            stream = stream[body:]
+
     for doc in documents:
         used += 1
         # Tokenise only the document's head: a token is rarely longer than 16 characters.
         head = doc[: body * _MAX_CHARS_PER_TOKEN] + "\n\n"
         ids = tokenizer.encode(head, add_special_tokens=False, verbose=False)
         stream.extend(ids[:body])
-        while len(stream) >= body and len(sequences) < n_sequences:
-            sequences.append(prefix + stream[:body])
-            stream = stream[body:]
+        if len(ids) > body or len(doc) > len(head):
+            longer.append(doc)
+        cut()
+        if len(sequences) == n_sequences:
+            break
+    for doc in longer if len(sequences) < n_sequences else ():
+        ids = tokenizer.encode(doc + "\n\n", add_special_tokens=False, verbose=False)
+        stream.extend(ids[body:])
+        cut()
         if len(sequences) == n_sequences:
             break
     if len(sequences) < n_sequences and stream:

@@ -211,3 +211,38 @@ def test_python_dash_m_entry_point():
         timeout=60,
     )
     assert done.returncode == 0 and "--samples-per-head" in done.stdout
+
+
+def test_one_long_text_file_gives_every_sequence_asked_for(tmp_path, model_dir, capsys):
+    from calibrations.artifact import read_calibration
+
+    words = [
+        "alpha",
+        "beta",
+        "gamma",
+        "delta",
+        "epsilon",
+        "zeta",
+        "eta",
+        "theta",
+        "iota",
+        "kappa",
+        "lambda",
+        "mu",
+    ]
+    rng = np.random.default_rng(0)
+    text = tmp_path / "big.txt"
+    text.write_text(" ".join(rng.choice(words, 40_000)))
+    assert len(text.read_text()) >= 200_000
+    argv = ["--model", str(model_dir), "--text", str(text), "--out", str(tmp_path / "out")]
+    assert main([*argv, "--sequences", "8", "--tokens", "512", "--samples-per-head", "64"]) == 0
+    (artifact,) = (tmp_path / "out").glob("*.safetensors")
+    meta = read_calibration(artifact).metadata
+    assert meta["n_sequences"] == 8 and meta["tokens_per_sequence"] == 512
+    assert "ran out" not in capsys.readouterr().out
+    # Asking for more than the text holds says so.
+    small = tmp_path / "small.txt"
+    small.write_text(text.read_text()[:3000])
+    argv = ["--model", str(model_dir), "--text", str(small), "--out", str(tmp_path / "out2")]
+    assert main([*argv, "--sequences", "8", "--tokens", "512", "--samples-per-head", "64"]) == 0
+    assert "note: the text ran out after" in capsys.readouterr().out

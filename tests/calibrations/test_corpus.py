@@ -23,8 +23,10 @@ def test_each_document_contributes_its_beginning():
 
 
 def test_short_text_gives_a_shorter_last_sequence():
+    # Beginnings first ("abcd", "g"), then the rest of the long document ("ef"); the text
+    # then runs out, so the last sequence is short and fewer than 5 come back.
     seqs, used = make_sequences(_CharTokenizer(), ["abcdef", "g"], n_sequences=5, tokens=5)
-    assert seqs == [[0, *map(ord, "abcd")], [0, *map(ord, "g\n\n")]]
+    assert seqs == [[0, *map(ord, "abcd")], [0, *map(ord, "g\n\ne")], [0, *map(ord, "f\n\n")]]
     assert used == 2
 
 
