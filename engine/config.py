@@ -17,6 +17,14 @@ DEFAULT_RECENT = 0
 DEFAULT_CALIB_TOKENS = 128
 
 
+class ConfigError(ValueError):
+    """An invalid eviction setting; ``param`` names the :class:`CacheConfig` field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """How one request's KV caches evict.
@@ -45,27 +53,30 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+            raise ConfigError("method", f"method must be one of {METHODS}, got {self.method!r}")
         if self.kernel not in KERNEL_MODES:
-            raise ValueError(f"kernel must be one of {KERNEL_MODES}, got {self.kernel!r}")
+            raise ConfigError(
+                "kernel", f"kernel must be one of {KERNEL_MODES}, got {self.kernel!r}"
+            )
         for name in ("budget", "n_sink", "recent", "calib_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"{name} must be an integer, got {value!r}")
+                raise ConfigError(name, f"{name} must be an integer, got {value!r}")
         if self.budget < 1:
-            raise ValueError(f"budget must be >= 1, got {self.budget}")
+            raise ConfigError("budget", f"budget must be >= 1, got {self.budget}")
         if self.n_sink < 0:
-            raise ValueError(f"n_sink must be >= 0, got {self.n_sink}")
+            raise ConfigError("n_sink", f"n_sink must be >= 0, got {self.n_sink}")
         if self.recent < 0:
-            raise ValueError(f"recent must be >= 0, got {self.recent}")
+            raise ConfigError("recent", f"recent must be >= 0, got {self.recent}")
         if self.calib_tokens < 1:
-            raise ValueError(f"calib_tokens must be >= 1, got {self.calib_tokens}")
+            raise ConfigError("calib_tokens", f"calib_tokens must be >= 1, got {self.calib_tokens}")
         if self.sign not in (1, -1) or isinstance(self.sign, bool):
-            raise ValueError(f"sign must be +1 or -1, got {self.sign!r}")
+            raise ConfigError("sign", f"sign must be +1 or -1, got {self.sign!r}")
         if self.method != "full" and self.n_sink + self.recent >= self.budget:
-            raise ValueError(
+            raise ConfigError(
+                "budget",
                 "n_sink + recent must be < budget (some rows must be evictable): "
-                f"got n_sink={self.n_sink} + recent={self.recent} >= budget={self.budget}"
+                f"got n_sink={self.n_sink} + recent={self.recent} >= budget={self.budget}",
             )
 
     @property

@@ -13,7 +13,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from engine.config import METHODS, CacheConfig
+from engine.config import METHODS, CacheConfig, ConfigError
 from engine.requests import GenerationRequest, SamplingParams
 from engine.structured import GrammarError, JSONConstraint
 from server.compat import (
@@ -161,15 +161,13 @@ class GenerationBody(EvictionFields):
         overrides = {k: v for k, v in chosen.items() if v is not None}
         try:
             return CacheConfig(**{**defaults.__dict__, **overrides})
-        except ValueError as exc:
-            # "n_sink + recent must be < budget" is about the relation: name the budget.
-            name = "budget" if " + " in str(exc).split(" must")[0] else str(exc).split()[0]
+        except ConfigError as exc:
             sent = [_CACHE_PARAMS[k] for k in overrides]
-            param = _CACHE_PARAMS.get(name) if _CACHE_PARAMS.get(name) in sent else None
+            param = _CACHE_PARAMS.get(exc.param)
             raise APIError(
                 400,
                 f"invalid eviction settings: {exc}",
-                param=param or (sent[0] if sent else None),
+                param=param if param in sent else (sent[0] if sent else None),
                 code="invalid_value",
             ) from None
 

@@ -84,7 +84,11 @@ class Settings:
     history: int = DEFAULT_HISTORY
 
     def __post_init__(self) -> None:
-        self.cache_defaults()  # raises ValueError naming a bad eviction flag
+        # Built once: a bad eviction flag raises engine.config.ConfigError (a ValueError).
+        defaults = CacheConfig(
+            method=self.kv_method, budget=self.budget, recent=self.recent, n_sink=self.n_sink
+        )
+        object.__setattr__(self, "_cache_defaults", defaults)
         if self.max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
         if self.max_body_bytes < 1024:
@@ -95,10 +99,5 @@ class Settings:
             raise ValueError(f"write_timeout must be > 0, got {self.write_timeout}")
 
     def cache_defaults(self) -> CacheConfig:
-        """The eviction settings a request gets when it sends none."""
-        return CacheConfig(
-            method=self.kv_method,
-            budget=self.budget,
-            recent=self.recent,
-            n_sink=self.n_sink,
-        )
+        """The eviction settings a request gets when it sends none (built at construction)."""
+        return self._cache_defaults  # type: ignore[attr-defined, no-any-return]
