@@ -21,3 +21,12 @@ def test_study_quick(study, tmp_path):
     assert written["machine"]["cpu_count"] >= 1
     for name in result["plots"]:
         assert (tmp_path / name).stat().st_size > 0
+
+
+def test_structured_overhead_study_runs(tmp_path):
+    from bench.speed import structured
+
+    assert structured.main(["--quick", "--model", "tiny", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "structured.json").read_text())
+    assert data["ratios"]["schema/free"]["median"] > 0
+    assert 0 < data["processor_ms_per_token"]["median"] < data["ms_per_token"]["schema"]["median"]

@@ -1,0 +1,140 @@
+"""What constrained decoding costs per token: a JSON schema through llguidance vs free text.
+
+One chat prompt, greedy decoding, three arms interleaved in one run: ``free`` (no
+constraint), ``free_again`` (the same: the A/A row for the noise floor) and ``schema``
+(``response_format`` json_schema as the server applies it, :class:`engine.structured.
+GrammarProcessor`). Each repetition times the decode steps after the first token (prefill
+and the grammar's first mask excluded) up to ``--tokens`` or the end of the answer, and
+reports milliseconds per token; the schema arm also reports the time spent inside the
+processor (the matcher's mask and its application).
+
+Run: ``python -m bench.speed.structured [--quick] [--model smollm2-135m-instruct]``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+from engine.blas import reexec_with_openblas
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench.harness import interleave, ratio_row, summary, write_json
+    from bench.speed.common import (
+        Progress,
+        command_line,
+        load_study_model,
+        make_parser,
+        print_table,
+        reps_of,
+    )
+
+    p = make_parser(__doc__.splitlines()[0], reps=9)
+    p.add_argument("--tokens", type=int, default=None, help="decode steps per repetition")
+    args = p.parse_args(argv)
+    reps, steps = reps_of(args), args.tokens or (8 if args.quick else 48)
+    progress = Progress("structured")
+    sm = load_study_model(args.model)
+    tokenizer = sm.loaded.tokenizer
+    schema = {
+        "type": "object",
+        "properties": {
+            "title": {"type": "string"},
+            "summary": {"type": "string"},
+            "tags": {"type": "array", "items": {"type": "string"}},
+        },
+        "required": ["title", "summary", "tags"],
+    }
+    messages = [{"role": "user", "content": "Describe the Python language as JSON."}]
+    prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    inside: list[float] = []
+
+    def run(constrained: bool) -> float:
+        import mlx.core as mx
+        from mlx_lm.generate import generate_step
+        from mlx_lm.sample_utils import make_sampler
+
+        from engine.structured import GrammarProcessor, JSONConstraint
+
+        processors: list[Any] = []
+        if constrained:
+            grammar = GrammarProcessor(tokenizer, JSONConstraint(json.dumps(schema)))
+            spent = [0.0]
+
+            def timed(tokens: Any, logits: Any) -> Any:
+                mx.eval(tokens, logits)  # the model's step is not the processor's time
+                t = time.perf_counter()
+                out = grammar(tokens, logits)
+                mx.eval(out)
+                spent[0] += time.perf_counter() - t
+                return out
+
+            processors.append(timed)
+        start = None
+        n = 0
+        for n, _ in enumerate(
+            generate_step(
+                mx.array(prompt),
+                sm.loaded.model,
+                max_tokens=steps,
+                sampler=make_sampler(0.0),
+                logits_processors=processors,
+            ),
+            start=1,
+        ):
+            if n == 1:
+                start = time.perf_counter()
+                if constrained:
+                    spent[0] = 0.0
+        assert start is not None and n > 1
+        per_token = (time.perf_counter() - start) / (n - 1) * 1000
+        if constrained:
+            inside.append(spent[0] / (n - 1) * 1000)
+        return per_token
+
+    samples = interleave(
+        {"free": lambda: run(False), "free_again": lambda: run(False), "schema": lambda: run(True)},
+        reps,
+        progress=progress.rounds("arms"),
+    )
+    rows = {
+        "schema/free": ratio_row(samples, "schema", "free"),
+        "free_again/free (A/A)": ratio_row(samples, "free_again", "free"),
+    }
+    stats = {arm: summary(values) for arm, values in samples.items()}
+    processor = summary(inside[-reps:])
+    print_table(
+        ["arm", "ms/token median", "q1", "q3"],
+        [[a, s["median"], s["q1"], s["q3"]] for a, s in stats.items()],
+    )
+    print_table(
+        ["ratio", "median", "q1", "q3"],
+        [[k, r["median"], r["q1"], r["q3"]] for k, r in rows.items()],
+    )
+    print(f"inside the grammar processor: {processor['median']:.2f} ms/token (median)")
+    path = write_json(
+        "structured",
+        {
+            "command": command_line("structured", argv),
+            "quick": args.quick,
+            "model": str(sm.path),
+            "steps": steps,
+            "reps": reps,
+            "schema": schema,
+            "ms_per_token": stats,
+            "ratios": rows,
+            "processor_ms_per_token": processor,
+            "grammar_engine": "llguidance",
+        },
+        args.out,
+    )
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    reexec_with_openblas()
+    sys.exit(main())
