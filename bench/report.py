@@ -25,16 +25,54 @@ Renderer = Callable[[dict[str, Any]], list[str]]
 QUALITY: dict[str, Renderer] = dict(QUALITY_RENDERERS)
 
 
-def render_quality(results_dir: Path) -> list[str]:
-    lines = ["## Quality", "", *quality_headlines(results_dir), ""]
+def render_quality(results_dir: Path, title: str = "Quality", *, missing: bool = True) -> list[str]:
+    """One quality section; ``missing=False`` leaves out studies that have not run."""
+    lines = [f"## {title}", "", *quality_headlines(results_dir), ""]
     for name, render in QUALITY.items():
         path = results_dir / f"{name}.json"
         if path.exists():
             lines += [*render(json.loads(path.read_text())), ""]
-        else:
+        elif missing:
             lines += [f"*{name}: no results yet.*", ""]
-    if not QUALITY:
-        lines += ["*Studies 1–5: renderers not written yet.*", ""]
+    relative = (
+        results_dir.relative_to(RESULTS_DIR.parent)
+        if results_dir.is_relative_to(RESULTS_DIR.parent)
+        else results_dir
+    )
+    # Renderers link plots as results/<file>; point them at this section's folder.
+    return [line.replace("](results/", f"]({relative}/") for line in lines]
+
+
+def render_default_model(results_dir: Path) -> list[str]:
+    """The default model's section (``bench/results/smollm2/``), studies run so far."""
+    if not results_dir.is_dir() or not any(results_dir.glob("*.json")):
+        return []
+    lines = render_quality(
+        results_dir, "SmolLM2-135M-Instruct (the default model): quality", missing=False
+    )
+    structured = results_dir / "structured.json"
+    if structured.exists():
+        data = json.loads(structured.read_text())
+        r, aa = data["ratios"]["schema/free"], data["ratios"]["free_again/free (A/A)"]
+        ms = data["ms_per_token"]
+        lines += [
+            "### Structured output: what a JSON-schema constraint costs per token",
+            "",
+            f"`{data['command']}` — {data['when']}. Greedy decode, {data['reps']} interleaved "
+            f"repetitions, {data['grammar_engine']}.",
+            "",
+            "| arm | ms/token median [q1–q3] |",
+            "|---|---|",
+            *[
+                f"| {arm} | {s['median']:.1f} [{s['q1']:.1f}–{s['q3']:.1f}] |"
+                for arm, s in ms.items()
+            ],
+            "",
+            f"schema/free = **{r['median']:.3f}** [{r['q1']:.3f}–{r['q3']:.3f}] (A/A "
+            f"{aa['median']:.3f}); inside the grammar processor "
+            f"{data['processor_ms_per_token']['median']:.2f} ms/token.",
+            "",
+        ]
     return lines
 
 
@@ -54,7 +92,8 @@ def render(results_dir: Path = RESULTS_DIR) -> str:
         f"Rendered by `python -m bench.report` on {time.strftime('%Y-%m-%d')} from "
         "`bench/results/*.json`; each section names the command and date of its run.",
         "",
-        *render_quality(results_dir),
+        *render_default_model(results_dir / "smollm2"),
+        *render_quality(results_dir, "qfserve-tiny (the bundled test model): quality"),
         *render_speed(results_dir),
     ]
     return "\n".join(lines).rstrip() + "\n"

@@ -22,6 +22,7 @@ import time
 from collections.abc import Sequence
 from importlib.metadata import version
 from pathlib import Path
+from typing import NoReturn
 
 import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
@@ -242,7 +243,7 @@ class BoundedSendProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
         super().connection_made(transport)
 
 
-def _serve(settings, log_level: str) -> int:
+def _serve(settings, log_level: str) -> NoReturn:
     from server.app import build_app
 
     app = build_app(settings)
@@ -258,14 +259,15 @@ def _serve(settings, log_level: str) -> int:
     server = DrainingServer(config, worker=worker, drain_timeout=settings.drain_timeout)
     server.run()
     if worker.alive():
-        # Still inside an MLX call after stop()'s timeout: tearing the interpreter down now
-        # would destroy MLX's threads under it (SIGABRT). Leave without teardown instead.
         logger.warning("generation worker still busy at exit; exiting without cleanup")
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(server.exit_code)
-    return server.exit_code
+    # Leave without interpreter teardown, always: MLX's static destructors can run while one
+    # of its threads is still joinable (a queued async step, a thread-pool worker) and abort
+    # with "terminate called without an active exception" (SIGABRT, seen intermittently on a
+    # clean SIGTERM here). Everything worth keeping is flushed first; nothing else is held.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(server.exit_code)
 
 
 class DrainingServer(uvicorn.Server):

@@ -350,7 +350,10 @@ def headlines(results_dir: Path) -> list[str]:
             data[name] = json.loads(path.read_text())
     if not data:
         return []
-    models = {(d["model"]["checkpoint"], d["model"]["weights_sha1"]) for d in data.values()}
+    models = {
+        (d["model"]["path"], d["model"]["checkpoint"], d["model"]["weights_sha1"])
+        for d in data.values()
+    }
     lines = [
         "Held-out data only: evaluation-split standard-library files and generated documents "
         "from the training package's evaluation seeds; calibration on training-split files. "
@@ -363,11 +366,11 @@ def headlines(results_dir: Path) -> list[str]:
     if len(models) > 1:
         lines += [f"**Warning: the studies ran on different weights: {sorted(models)}.**", ""]
     else:
-        (checkpoint, sha), *_ = models
+        (path, checkpoint, sha), *_ = models
         lines += [
-            f"All studies: `models/qfserve-tiny` at **{checkpoint}**, weights sha1 `{sha}`. "
-            "The numbers describe these weights only: after retraining, re-export the model "
-            "and rerun the same commands (`bench/run_all.sh quality`).",
+            f"All studies: `{path}` at **{checkpoint}**, weights sha1 `{sha}`. "
+            "The numbers describe these weights only: after changing them, rerun the same "
+            "commands.",
             "",
         ]
     lines += ["Headlines (all from the tables below):", ""]
