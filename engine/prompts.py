@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any, cast
 
 from engine.loading import LoadedModel
+from engine.tools import template_renders_tools
 from engine.requests import GenerationRequest, TokenLogprob
 
 
@@ -38,9 +39,21 @@ def encode_prompt(loaded: LoadedModel, request: GenerationRequest) -> tuple[list
         )
     if request.kind == "chat":
         messages = [dict(m) for m in request.messages]
+        uses_tools = bool(request.tools) or any(
+            m.get("role") == "tool" or m.get("tool_calls") for m in messages
+        )
+        if uses_tools and not template_renders_tools(tok):
+            raise PromptError(
+                "this model's chat template has no tool support (it does not render tools), "
+                "so the model cannot be told about them",
+                "tools" if request.tools else "messages",
+            )
+        extra = {"tools": list(request.tools)} if request.tools else {}
         if getattr(tok, "chat_template", None):
             try:
-                prompt = list(tok.apply_chat_template(messages, add_generation_prompt=True))
+                prompt = list(
+                    tok.apply_chat_template(messages, add_generation_prompt=True, **extra)
+                )
             except Exception as exc:  # a template may raise on what a client sent (jinja2)
                 raise PromptError(
                     f"the chat template rejected the messages: {exc}", "messages"

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from engine.config import CacheConfig
-from engine.structured import JSONConstraint
+from engine.structured import JSONConstraint, ToolCallConstraint
 
 Kind = Literal["chat", "completion"]
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 ErrorKind = Literal["invalid_request", "unavailable", "cancelled", "internal"]
 
 
@@ -64,7 +64,8 @@ class GenerationRequest:
         prompt: Completion prompt: text or token ids.
         sampling: See :class:`SamplingParams`.
         cache: The eviction settings this request runs with.
-        constraint: The output must be JSON (of a schema) when set.
+        constraint: The output must be JSON (of a schema), or a tool call, when set.
+        tools: OpenAI ``tools`` entries rendered through the chat template (chat only).
     """
 
     kind: Kind
@@ -72,7 +73,8 @@ class GenerationRequest:
     cache: CacheConfig
     messages: tuple[dict[str, Any], ...] = ()
     prompt: str | tuple[int, ...] = ""
-    constraint: JSONConstraint | None = None
+    constraint: JSONConstraint | ToolCallConstraint | None = None
+    tools: tuple[dict[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,51 @@ class JSONConstraint:
         return compile_grammar(self.schema)
 
 
+@dataclass(frozen=True)
+class ToolCallConstraint:
+    """The answer must be one ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
+    block calling one of ``tools`` with arguments of its parameters schema.
+
+    Args:
+        tools: ``[{"name": ..., "parameters": {...}}, ...]``, serialised.
+    """
+
+    tools: str
+
+    def grammar(self) -> str:
+        return compile_tool_grammar(self.tools)
+
+
+Constraint = JSONConstraint | ToolCallConstraint
+
+
+@lru_cache(maxsize=64)
+def compile_tool_grammar(tools: str) -> str:
+    """A Lark grammar (llguidance's dialect, JSON embedded with ``%json``) for one tool call."""
+    import llguidance
+
+    calls = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": t["name"]},
+                "arguments": t.get("parameters") or {"type": "object"},
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for t in json.loads(tools)
+    ]
+    spec = {"anyOf": calls} if len(calls) > 1 else calls[0]
+    grammar = llguidance.LLMatcher.grammar_from_lark(
+        f'start: "<tool_call>" call "</tool_call>"\ncall: %json {json.dumps(spec)}'
+    )
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise GrammarError(f"the tools' parameters cannot be compiled: {error}")
+    return str(grammar)
+
+
 @lru_cache(maxsize=64)
 def compile_grammar(schema: str | None) -> str:
     """The llguidance grammar of a serialised schema (``None``: any JSON object).
@@ -81,7 +126,7 @@ class GrammarProcessor:
     token so far; the tokens added since the last call are fed to the grammar first.
     """
 
-    def __init__(self, tokenizer: Any, constraint: JSONConstraint) -> None:
+    def __init__(self, tokenizer: Any, constraint: JSONConstraint | ToolCallConstraint) -> None:
         self.tokenizer = tokenizer
         self.grammar = constraint.grammar()
         self.matcher: Any = None

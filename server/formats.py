@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from engine.requests import TokenLogprob
+from engine.tools import parse_tool_calls
 
 
 class ResponseFormat(Protocol):
@@ -13,6 +14,7 @@ class ResponseFormat(Protocol):
     id_prefix: str
     object: str
     chunk_object: str
+    holds_text: bool  # streams send the text at the end (it may turn out to be tool calls)
 
     def choice(
         self, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str | None
@@ -45,17 +47,42 @@ def _chat_logprobs(items: list[TokenLogprob] | None) -> dict[str, Any] | None:
 
 
 class ChatFormat:
+    """Chat bodies; with ``tools``, ``<tool_call>`` blocks in the text become ``tool_calls``
+    (and a stream sends its text once generation ended, when the calls are known)."""
+
     id_prefix = "chatcmpl-"
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
+    def __init__(self, *, tools: bool = False) -> None:
+        self.holds_text = tools
+
+    def _split(self, text: str, finish_reason: str | None) -> tuple[str | None, list, str | None]:
+        if not self.holds_text:
+            return text, [], finish_reason
+        content, calls = parse_tool_calls(text)
+        return content, calls, ("tool_calls" if calls and finish_reason else finish_reason)
+
     def choice(self, text, logprobs, finish_reason):
+        content, calls, finish_reason = self._split(text, finish_reason)
+        message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+        if calls:
+            message["tool_calls"] = calls
         return {
             "index": 0,
-            "message": {"role": "assistant", "content": text, "refusal": None},
+            "message": message,
             "logprobs": _chat_logprobs(logprobs),
             "finish_reason": finish_reason,
         }
+
+    def held_chunk_choice(self, text: str, finish_reason: str) -> tuple[dict[str, Any], str]:
+        """The held-back text of a tools stream as one delta, and the finish reason."""
+        content, calls, finish = self._split(text, finish_reason)
+        delta: dict[str, Any] = {"content": content} if content else {}
+        if calls:
+            delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+        return choice, finish or finish_reason
 
     def chunk_choice(self, text, logprobs, finish_reason, *, first):
         delta: dict[str, Any] = (
@@ -75,6 +102,7 @@ class CompletionFormat:
     id_prefix = "cmpl-"
     object = "text_completion"
     chunk_object = "text_completion"
+    holds_text = False
 
     def __init__(self) -> None:
         self._offset = 0  # text_offset of the next token, across stream chunks

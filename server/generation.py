@@ -192,19 +192,30 @@ class Generation:
 
     async def _chunks(self, include_usage: bool) -> AsyncIterator[str]:
         done = False
+        held: list[str] = []  # a tools stream's text, sent once the calls are known
         try:
             yield self._chunk("", None, first=True, usage=include_usage)
             while True:
                 event = await self._next(watch_disconnect=False)
                 if isinstance(event, Delta):
                     self._saw_text()
+                    if self.fmt.holds_text:
+                        held.append(event.text)
+                        continue
                     yield self._chunk(event.text, event.logprobs, usage=include_usage)
                 elif isinstance(event, Finished):
                     self._finished(event)
+                    finish: str = event.finish_reason
+                    if held:
+                        choice, finish = self.fmt.held_chunk_choice("".join(held), finish)  # type: ignore[attr-defined]
+                        payload = {**self._envelope(self.fmt.chunk_object), "choices": [choice]}
+                        if include_usage:
+                            payload["usage"] = None
+                        yield json.dumps(payload)
                     yield self._chunk(
                         "",
                         None,
-                        finish=event.finish_reason,
+                        finish=finish,
                         usage=include_usage,
                         kv_cache=event.kv_cache,
                     )

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.config import METHODS, CacheConfig, ConfigError
 from engine.requests import GenerationRequest, SamplingParams
-from engine.structured import GrammarError, JSONConstraint
+from engine.structured import GrammarError, JSONConstraint, ToolCallConstraint
 from server.compat import (
     CHAT_FATES,
     COMPLETION_FATES,
@@ -52,16 +52,69 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class FunctionDef(_Strict):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: dict[Literal["name"], str]
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant turns that called tools
+    tool_call_id: str | None = None  # a tool's answer
 
     def as_template_input(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content or ""}
+        out: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.tool_calls:
+            # Chat templates take arguments as a mapping (the Hugging Face convention).
+            out["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {
+                        "name": c.function.name,
+                        "arguments": _json_or_text(c.function.arguments),
+                    },
+                }
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 class EvictionFields(_Strict):
@@ -119,15 +172,8 @@ class GenerationBody(EvictionFields):
                 param="modalities",
                 code="unsupported_value",
             )
-        if data.get("tool_choice") not in (None, "none"):
-            raise APIError(
-                400,
-                "tool calling is not implemented; tool_choice may only be 'none'",
-                param="tool_choice",
-                code="unsupported_value",
-            )
         ignored = {n for n, (fate, _) in cls.FATES.items() if fate == "no-op"}
-        ignored |= {"modalities", "tool_choice"}
+        ignored |= {"modalities"}
         return {
             k: v
             for k, v in data.items()
@@ -199,12 +245,21 @@ class GenerationBody(EvictionFields):
         cache = self.cache_config(defaults)
         constraint = self.constraint()
         if isinstance(self, ChatCompletionRequest):
+            tools, tool_constraint = self.tool_setup()
+            if tool_constraint is not None and constraint is not None:
+                raise APIError(
+                    400,
+                    "tool_choice that forces a call cannot be combined with response_format",
+                    param="tool_choice",
+                    code="invalid_value",
+                )
             return GenerationRequest(
                 kind="chat",
                 sampling=sampling,
                 cache=cache,
                 messages=tuple(m.as_template_input() for m in self.messages),
-                constraint=constraint,
+                constraint=constraint or tool_constraint,
+                tools=tools,
             )
         assert isinstance(self, CompletionRequest)
         return GenerationRequest(
@@ -287,6 +342,8 @@ class ChatCompletionRequest(GenerationBody):
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: Temperature = 1.0
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tools: list[Tool] | None = None
     top_logprobs: Annotated[int | None, Field(ge=0, le=20)] = None
     top_p: TopP = 1.0
     # Sampler extensions of local servers (mlx_lm.server, llama-server, vLLM).
@@ -299,6 +356,41 @@ class ChatCompletionRequest(GenerationBody):
     repetition_penalty: Annotated[
         RepetitionPenalty, Field(description="mlx-lm's repetition penalty; 1 is off.")
     ] = 1.0
+
+    def tool_setup(self) -> tuple[tuple[dict[str, Any], ...], ToolCallConstraint | None]:
+        """The tools the template renders, and the constraint when a call is forced."""
+        choice = self.tool_choice or ("auto" if self.tools else "none")
+        if choice != "none" and not self.tools:
+            raise APIError(
+                400, "tool_choice needs tools", param="tool_choice", code="invalid_value"
+            )
+        if choice == "none":
+            return (), None
+        assert self.tools is not None
+        tools = tuple(t.model_dump(exclude_none=True) for t in self.tools)
+        if choice == "auto":
+            return tools, None
+        chosen = self.tools
+        if isinstance(choice, NamedToolChoice):
+            chosen = [t for t in self.tools if t.function.name == choice.function.get("name")]
+            if not chosen:
+                raise APIError(
+                    400,
+                    "tool_choice names no tool in tools",
+                    param="tool_choice",
+                    code="invalid_value",
+                )
+        spec = [{"name": t.function.name, "parameters": t.function.parameters} for t in chosen]
+        constraint = ToolCallConstraint(json.dumps(spec))
+        try:
+            constraint.grammar()
+        except GrammarError as exc:
+            raise APIError(400, str(exc), param="tools", code="invalid_value") from None
+        return tools, constraint
+
+    @property
+    def wants_tool_calls(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:

@@ -72,8 +72,21 @@ def _train_tokenizer(vocab_size: int):
     return tok
 
 
+TOOL_CHAT_TEMPLATE = (
+    "{% if tools %}<|system|>You may call these tools: {{ tools | tojson }}<|end|>{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+    "{% for c in m.get('tool_calls') or [] %}<tool_call>{{ c['function'] | tojson }}</tool_call>"
+    "{% endfor %}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
 def save_tiny_model(
-    path: str | Path, seed: int = 0, model_id: str = "test/tiny-llama", **overrides: Any
+    path: str | Path,
+    seed: int = 0,
+    model_id: str = "test/tiny-llama",
+    chat_template: str = CHAT_TEMPLATE,
+    **overrides: Any,
 ) -> Path:
     """Write a folder that ``mlx_lm.load`` accepts: config, weights, tokenizer, chat template."""
     path = Path(path)
@@ -90,7 +103,7 @@ def save_tiny_model(
                 "eos_token": "<|end|>",
                 "pad_token": "<|end|>",
                 "model_max_length": config["max_position_embeddings"],
-                "chat_template": CHAT_TEMPLATE,
+                "chat_template": chat_template,
             },
             indent=1,
         )

@@ -31,7 +31,7 @@ async def create_chat_completion(
         worker=worker,
         settings=settings,
         metrics=metrics,
-        fmt=ChatFormat(),
+        fmt=ChatFormat(tools=body.wants_tool_calls),
         endpoint="chat",
     ).start()
     return generation.sse() if body.stream else await generation.json()

@@ -145,3 +145,20 @@ def test_sampled_structured_output_always_validates(client, stream):
             text = client.chat.completions.create(**kwargs).choices[0].message.content
         assert text.endswith("}"), text
         jsonschema.validate(json.loads(text), schema)
+
+
+def test_smollm2_template_has_no_tool_support(client):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(
+            model="smollm2-135m-instruct",
+            messages=[{"role": "user", "content": "Weather in Paris?"}],
+            tools=[
+                {
+                    "type": "function",
+                    "function": {"name": "get_weather", "parameters": {"type": "object"}},
+                }
+            ],
+        )
+    assert exc.value.body["param"] == "tools" and "no tool support" in exc.value.body["message"]

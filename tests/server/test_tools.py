@@ -1,0 +1,116 @@
+"""Tool calling: a template that renders tools gets them; ``<tool_call>`` blocks come back as
+OpenAI ``tool_calls`` (checked with the official SDK's strict parser); a forced call is
+constrained decoding, so even a random-weight model produces a valid one."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from engine.tools import parse_tool_calls
+from tests.server.conftest import MODEL_NAME, start_server, stop_server
+from tests.tiny import TOOL_CHAT_TEMPLATE, save_tiny_model
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "pattern": "^[a-z]{1,8}$"}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def tool_server(tmp_path_factory):
+    model = save_tiny_model(
+        tmp_path_factory.mktemp("models") / MODEL_NAME, chat_template=TOOL_CHAT_TEMPLATE
+    )
+    server = start_server(model, tmp_path_factory.mktemp("logs") / "tools.log")
+    yield server
+    stop_server(server)
+
+
+def test_forced_tool_call_is_parsed(tool_server):
+    resp = tool_server.client().chat.completions.create(
+        model=MODEL_NAME,
+        messages=MESSAGES,
+        tools=[WEATHER],
+        tool_choice="required",
+        temperature=0.7,
+        seed=1,
+        max_tokens=200,
+        extra_body={"qfilters_budget": 16},
+    )
+    choice = resp.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather"
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, WEATHER["function"]["parameters"])
+
+
+def test_forced_tool_call_streams(tool_server):
+    stream = tool_server.client().chat.completions.create(
+        model=MODEL_NAME,
+        messages=MESSAGES,
+        tools=[WEATHER],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=200,
+        temperature=0,
+        stream=True,
+    )
+    chunks = list(stream)
+    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [c.function.name for c in calls] == ["get_weather"]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_history_with_tool_calls_and_results_is_rendered(tool_server):
+    history = [
+        *MESSAGES,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },  # fmt: skip
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+    ]
+    resp = tool_server.client().chat.completions.create(
+        model=MODEL_NAME, messages=history, tools=[WEATHER], max_tokens=4, temperature=0
+    )
+    assert resp.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_template_without_tool_support_is_a_400(server):
+    with pytest.raises(openai.BadRequestError) as exc:
+        server.client().chat.completions.create(
+            model=MODEL_NAME, messages=MESSAGES, tools=[WEATHER], max_tokens=4
+        )
+    assert exc.value.body["param"] == "tools"
+    assert "no tool support" in exc.value.body["message"]
+
+
+def test_parse_tool_calls_keeps_the_rest_as_content():
+    text = 'Let me check. <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call> <tool_call>nope</tool_call>'
+    content, calls = parse_tool_calls(text)
+    assert content == "Let me check.  <tool_call>nope</tool_call>"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("f", {"x": 1})
+    ]
+    assert parse_tool_calls("plain") == ("plain", [])
