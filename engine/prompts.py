@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Any, cast
 
 from engine.loading import LoadedModel
-from engine.tools import template_renders_tools
 from engine.requests import GenerationRequest, TokenLogprob
+from engine.tools import template_renders_tools
 
 
 class PromptError(ValueError):
