@@ -329,32 +329,32 @@ class ChatCompletionRequest(GenerationBody):
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     model: str
-    frequency_penalty: Penalty = 0.0
+    frequency_penalty: Penalty | None = 0.0
     logit_bias: LogitBias = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     max_completion_tokens: MaxTokens = None
     max_tokens: MaxTokens = None
-    n: Annotated[int, Field(ge=1)] = 1
-    presence_penalty: Penalty = 0.0
+    n: Annotated[int, Field(ge=1)] | None = 1
+    presence_penalty: Penalty | None = 0.0
     response_format: ResponseFormat | None = None
     seed: Seed = None
     stop: Stop = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    temperature: Temperature = 1.0
+    temperature: Temperature | None = 1.0
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     tools: list[Tool] | None = None
     top_logprobs: Annotated[int | None, Field(ge=0, le=20)] = None
-    top_p: TopP = 1.0
+    top_p: TopP | None = 1.0
     # Sampler extensions of local servers (mlx_lm.server, llama-server, vLLM).
     top_k: Annotated[
-        TopK, Field(description="Sample among the k most likely tokens; 0 is off.")
+        TopK | None, Field(description="Sample among the k most likely tokens; 0 is off.")
     ] = 0
-    min_p: Annotated[MinP, Field(description="Drop tokens below min_p x the top probability.")] = (
-        0.0
-    )
+    min_p: Annotated[
+        MinP | None, Field(description="Drop tokens below min_p x the top probability.")
+    ] = 0.0
     repetition_penalty: Annotated[
-        RepetitionPenalty, Field(description="mlx-lm's repetition penalty; 1 is off.")
+        RepetitionPenalty | None, Field(description="mlx-lm's repetition penalty; 1 is off.")
     ] = 1.0
 
     def tool_setup(self) -> tuple[tuple[dict[str, Any], ...], ToolCallConstraint | None]:
@@ -417,29 +417,29 @@ class CompletionRequest(GenerationBody):
 
     model: str
     prompt: str | list[str] | list[int]
-    best_of: Annotated[int, Field(ge=1)] = 1
-    echo: bool = False
-    frequency_penalty: Penalty = 0.0
+    best_of: Annotated[int, Field(ge=1)] | None = 1
+    echo: bool | None = False
+    frequency_penalty: Penalty | None = 0.0
     logit_bias: LogitBias = None
     logprobs: Annotated[int | None, Field(ge=0, le=5)] = None
     max_tokens: MaxTokens = 16
-    n: Annotated[int, Field(ge=1)] = 1
-    presence_penalty: Penalty = 0.0
+    n: Annotated[int, Field(ge=1)] | None = 1
+    presence_penalty: Penalty | None = 0.0
     seed: Seed = None
     stop: Stop = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    temperature: Temperature = 1.0
-    top_p: TopP = 1.0
+    temperature: Temperature | None = 1.0
+    top_p: TopP | None = 1.0
     response_format: ResponseFormat | None = None
     top_k: Annotated[
-        TopK, Field(description="Sample among the k most likely tokens; 0 is off.")
+        TopK | None, Field(description="Sample among the k most likely tokens; 0 is off.")
     ] = 0
-    min_p: Annotated[MinP, Field(description="Drop tokens below min_p x the top probability.")] = (
-        0.0
-    )
+    min_p: Annotated[
+        MinP | None, Field(description="Drop tokens below min_p x the top probability.")
+    ] = 0.0
     repetition_penalty: Annotated[
-        RepetitionPenalty, Field(description="mlx-lm's repetition penalty; 1 is off.")
+        RepetitionPenalty | None, Field(description="mlx-lm's repetition penalty; 1 is off.")
     ] = 1.0
 
     @model_validator(mode="after")
