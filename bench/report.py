@@ -68,9 +68,19 @@ def render_default_model(results_dir: Path) -> list[str]:
                 for arm, s in ms.items()
             ],
             "",
-            f"schema/free = **{r['median']:.3f}** [{r['q1']:.3f}–{r['q3']:.3f}] (A/A "
-            f"{aa['median']:.3f}); inside the grammar processor "
-            f"{data['processor_ms_per_token']['median']:.2f} ms/token.",
+            f"llguidance (served) schema/free = **{r['median']:.3f}** [{r['q1']:.3f}–"
+            f"{r['q3']:.3f}] (A/A {aa['median']:.3f})"
+            + (
+                f"; outlines-core schema/free = {data['ratios']['schema_outlines/free']['median']:.3f}"
+                if "schema_outlines/free" in data["ratios"]
+                else ""
+            )
+            + ". Time inside the grammar processor per token: "
+            + ", ".join(
+                f"{lib} {v['median']:.2f} ms"
+                for lib, v in data.get("processor_ms_per_token_by_library", {}).items()
+            )
+            + ".",
             "",
         ]
     return lines

@@ -1,9 +1,11 @@
 """What constrained decoding costs per token: a JSON schema through llguidance vs free text.
 
-One chat prompt, greedy decoding, three arms interleaved in one run: ``free`` (no
-constraint), ``free_again`` (the same: the A/A row for the noise floor) and ``schema``
-(``response_format`` json_schema as the server applies it, :class:`engine.structured.
-GrammarProcessor`). Each repetition times the decode steps after the first token (prefill
+One chat prompt, greedy decoding, arms interleaved in one run: ``free`` (no constraint),
+``free_again`` (the same: the A/A row for the noise floor), ``schema`` (``response_format``
+json_schema as the server applies it: llguidance, :class:`engine.structured.
+GrammarProcessor`) and, when outlines-core is installed, ``schema_outlines`` (the same schema
+through outlines-core's regex index, the other grammar library considered; its vocabulary is
+given the tokenizer's own token strings, which is enough to time it, not to serve with). Each repetition times the decode steps after the first token (prefill
 and the grammar's first mask excluded) up to ``--tokens`` or the end of the answer, and
 reports milliseconds per token; the schema arm also reports the time spent inside the
 processor (the matcher's mask and its application).
@@ -50,9 +52,35 @@ def main(argv: list[str] | None = None) -> int:
     }
     messages = [{"role": "user", "content": "Describe the Python language as JSON."}]
     prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-    inside: list[float] = []
+    inside: dict[str, list[float]] = {}
 
-    def run(constrained: bool) -> float:
+    def outlines_processor() -> Any:
+        import mlx.core as mx
+        import numpy as np
+        import outlines_core as oc
+        from outlines_core.json_schema import build_regex_from_schema
+
+        eos = min(tokenizer.eos_token_ids)
+        vocab: dict[str, list[int]] = {}
+        for text, i in tokenizer._tokenizer.get_vocab().items():
+            if i != eos:
+                vocab.setdefault(text, []).append(i)
+        index = oc.Index(build_regex_from_schema(json.dumps(schema)), oc.Vocabulary(eos, vocab))
+        guide = oc.Guide(index)
+        seen = [0]
+
+        def process(tokens: Any, logits: Any) -> Any:
+            if seen[0]:
+                for token in tokens.tolist()[seen[0] :]:
+                    guide.advance(token)
+            seen[0] = tokens.size
+            allowed = np.zeros(logits.shape[-1], dtype=np.bool_)
+            allowed[guide.get_tokens()] = True
+            return mx.where(mx.array(allowed), logits, -mx.inf)
+
+        return process
+
+    def run(constrained: bool | str) -> float:
         import mlx.core as mx
         from mlx_lm.generate import generate_step
         from mlx_lm.sample_utils import make_sampler
@@ -61,7 +89,11 @@ def main(argv: list[str] | None = None) -> int:
 
         processors: list[Any] = []
         if constrained:
-            grammar = GrammarProcessor(tokenizer, JSONConstraint(json.dumps(schema)))
+            grammar = (
+                outlines_processor()
+                if constrained == "outlines"
+                else GrammarProcessor(tokenizer, JSONConstraint(json.dumps(schema)))
+            )
             spent = [0.0]
 
             def timed(tokens: Any, logits: Any) -> Any:
@@ -92,20 +124,30 @@ def main(argv: list[str] | None = None) -> int:
         assert start is not None and n > 1
         per_token = (time.perf_counter() - start) / (n - 1) * 1000
         if constrained:
-            inside.append(spent[0] / (n - 1) * 1000)
+            inside.setdefault(str(constrained), []).append(spent[0] / (n - 1) * 1000)
         return per_token
 
-    samples = interleave(
-        {"free": lambda: run(False), "free_again": lambda: run(False), "schema": lambda: run(True)},
-        reps,
-        progress=progress.rounds("arms"),
-    )
+    arms = {
+        "free": lambda: run(False),
+        "free_again": lambda: run(False),
+        "schema": lambda: run(True),
+    }
+    try:
+        import outlines_core  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        arms["schema_outlines"] = lambda: run("outlines")
+    samples = interleave(arms, reps, progress=progress.rounds("arms"))
     rows = {
         "schema/free": ratio_row(samples, "schema", "free"),
         "free_again/free (A/A)": ratio_row(samples, "free_again", "free"),
     }
+    if "schema_outlines" in samples:
+        rows["schema_outlines/free"] = ratio_row(samples, "schema_outlines", "free")
     stats = {arm: summary(values) for arm, values in samples.items()}
-    processor = summary(inside[-reps:])
+    processors_ms = {k: summary(v[-reps:]) for k, v in inside.items()}
+    processor = processors_ms["True"]
     print_table(
         ["arm", "ms/token median", "q1", "q3"],
         [[a, s["median"], s["q1"], s["q3"]] for a, s in stats.items()],
@@ -127,6 +169,10 @@ def main(argv: list[str] | None = None) -> int:
             "ms_per_token": stats,
             "ratios": rows,
             "processor_ms_per_token": processor,
+            "processor_ms_per_token_by_library": {
+                ("llguidance" if k == "True" else "outlines-core"): v
+                for k, v in processors_ms.items()
+            },
             "grammar_engine": "llguidance",
         },
         args.out,
