@@ -23,11 +23,16 @@ prompt token and the answer then run through ``generate_step``. The first docume
 run the direct way for every arm, and the two must agree token for token (recorded as
 ``shared_prefill_check``).
 
+Each document's outcomes are appended to ``<out>/retrieval.jsonl`` as soon as they are
+measured, and a rerun with the same arms, ratios and filler skips those documents, so a long
+run that was stopped resumes where it was.
+
 Run: ``python -m bench.quality.retrieval [--quick] [--lengths 256 512 1024 2048]``.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import sys
@@ -135,6 +140,39 @@ def answer_nll(
     return float(nll.mean())
 
 
+def measure_doc(
+    study: Any,
+    doc: dict[str, Any],
+    configs: list[tuple[Arm, int | None]],
+    filters: Any,
+    *,
+    first: bool,
+) -> dict[str, Any]:
+    """Every arm at every ratio on one document (``first``: also check the shared prefill
+    against a direct ``generate_step``)."""
+    model, prompt = study.model, doc["prompt"]
+    max_tokens = doc["key_tokens"] + 2
+    block = prefill_block(model, prompt)
+    cells: list[list[Any]] = []
+    check: dict[str, Any] = {"arms": 0, "identical": 0, "mismatches": []}
+    for arm, ratio in configs:
+        budget = None if ratio is None else budget_for(len(prompt), ratio, arm)
+        if ratio is not None and budget is None:
+            continue
+        tokens = run_arm(model, prompt, block, arm, budget, filters, max_tokens)
+        nll = answer_nll(model, prompt, doc["answer"], block, arm, budget, filters)
+        if first:
+            direct = run_arm(model, prompt, None, arm, budget, filters, max_tokens)
+            check["arms"] += 1
+            check["identical"] += direct == tokens
+            if direct != tokens:
+                check["mismatches"].append(f"{arm.name}@{ratio}x")
+        found = re.search(r"\d+", study.tokenizer.decode(tokens))
+        correct = bool(found and found.group() == doc["key"])
+        cells.append([arm.name, "-" if ratio is None else str(ratio), correct, nll, budget])
+    return {"bin": doc["bin"], "cells": cells, "check": check}
+
+
 def plot_metric(a: Any, res: dict[str, Any], arms: list[Arm], ratios: list[int], key: str) -> None:
     """One panel: ``key`` against compression per arm, the full cache as a dashed line."""
     full = res["arms"].get("full", {}).get("-")
@@ -179,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     per_bin = args.per_bin or (1 if args.quick else 5)
 
     study = open_study(STUDY, args, argv)
-    model, identity, filters, corpus = study.model, study.identity, study.filters, study.corpus
+    identity, filters, corpus = study.identity, study.filters, study.corpus
     if identity["max_context"]:
         lengths = [n for n in lengths if n <= identity["max_context"]]
     arms = standard_arms(tuple(args.recent_fracs))
@@ -189,37 +227,48 @@ def main(argv: list[str] | None = None) -> int:
     docs = {
         n: passkey_docs(corpus, n, per_bin, len(BINS), filler_kind=args.filler) for n in lengths
     }
-    # hits[length][arm name][ratio or "-"] = list of (correct, bin)
+    # Every document's outcomes go to a JSONL as they are measured; a rerun with the same
+    # arguments skips the documents already there (delete the file to start afresh).
+    log = args.out / f"{STUDY}.jsonl"
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.quick and log.exists():
+        log.unlink()
+    signature = {"arms": [a.name for a in arms], "ratios": ratios, "filler": args.filler}
+    done: dict[tuple[int, int], dict[str, Any]] = {}
+    if log.exists():
+        for line in log.read_text().splitlines():
+            rec = json.loads(line) if line.strip() else None
+            if rec and rec["signature"] == signature:
+                done[(rec["length"], rec["index"])] = rec
+    with (
+        progress(total=sum(len(d) for d in docs.values()), desc="documents") as bar,
+        log.open("a") as f,
+    ):
+        for n in lengths:
+            for i, doc in enumerate(docs[n]):
+                if (n, i) not in done:
+                    rec = measure_doc(
+                        study, doc, configs, filters, first=i == 0 and n == lengths[0]
+                    )
+                    rec.update(length=n, index=i, signature=signature)
+                    f.write(json.dumps(rec) + "\n")
+                    f.flush()
+                    done[(n, i)] = rec
+                bar.update(1)
+    # hits[length][arm name][ratio or "-"] = list of (correct, bin, nll)
     hits: dict[int, dict[str, dict[str, list]]] = {n: {} for n in lengths}
     budgets: dict[int, dict[str, list[int]]] = {n: {} for n in lengths}
     check: dict[str, Any] = {"arms": 0, "identical": 0, "mismatches": []}
-    with progress(total=sum(len(d) for d in docs.values()), desc="documents") as bar:
-        for n in lengths:
-            for i, doc in enumerate(docs[n]):
-                prompt = doc["prompt"]
-                max_tokens = doc["key_tokens"] + 2
-                block = prefill_block(model, prompt)
-                for arm, ratio in configs:
-                    budget = None if ratio is None else budget_for(len(prompt), ratio, arm)
-                    if ratio is not None and budget is None:
-                        continue
-                    tokens = run_arm(model, prompt, block, arm, budget, filters, max_tokens)
-                    nll = answer_nll(model, prompt, doc["answer"], block, arm, budget, filters)
-                    if i == 0 and n == lengths[0]:
-                        direct = run_arm(model, prompt, None, arm, budget, filters, max_tokens)
-                        check["arms"] += 1
-                        check["identical"] += direct == tokens
-                        if direct != tokens:
-                            check["mismatches"].append(f"{arm.name}@{ratio}x")
-                    found = re.search(r"\d+", study.tokenizer.decode(tokens))
-                    correct = bool(found and found.group() == doc["key"])
-                    key = "-" if ratio is None else str(ratio)
-                    hits[n].setdefault(arm.name, {}).setdefault(key, []).append(
-                        (correct, doc["bin"], nll)
-                    )
-                    if budget is not None:
-                        budgets[n].setdefault(key, []).append(budget)
-                bar.update(1)
+    for (n, i), rec in sorted(done.items()):
+        if n not in hits or i >= len(docs[n]):
+            continue
+        for name, key, correct, nll, budget in rec["cells"]:
+            hits[n].setdefault(name, {}).setdefault(key, []).append((correct, rec["bin"], nll))
+            if budget is not None:
+                budgets[n].setdefault(key, []).append(budget)
+        for k in ("arms", "identical"):
+            check[k] += rec.get("check", {}).get(k, 0)
+        check["mismatches"] += rec.get("check", {}).get("mismatches", [])
 
     results: dict[str, Any] = {}
     for n in lengths:

@@ -73,6 +73,8 @@ def test_every_perplexity_arm_kept_exactly_its_budget(results: Path) -> None:
 
 def test_retrieval_shared_prefill_matches_generate_step(results: Path) -> None:
     data = _load(results, "retrieval")
+    lines = (results / "retrieval.jsonl").read_text().splitlines()
+    assert len(lines) == sum(r["docs"] for r in data["results"].values())  # one per document
     check = data["shared_prefill_check"]
     assert check["arms"] > 0 and check["identical"] == check["arms"], check["mismatches"]
     for res in data["results"].values():
