@@ -309,7 +309,21 @@ MinP = Annotated[float, Field(ge=0.0, le=1.0)]
 RepetitionPenalty = Annotated[float, Field(gt=0.0, le=10.0)]
 
 
-class ChatCompletionRequest(GenerationBody):
+class SamplerExtensions(_Strict):
+    """Sampler extensions local servers share (mlx_lm.server, llama-server, vLLM)."""
+
+    top_k: Annotated[
+        TopK | None, Field(description="Sample among the k most likely tokens; 0 is off.")
+    ] = 0
+    min_p: Annotated[
+        MinP | None, Field(description="Drop tokens below min_p x the top probability.")
+    ] = 0.0
+    repetition_penalty: Annotated[
+        RepetitionPenalty | None, Field(description="mlx-lm's repetition penalty; 1 is off.")
+    ] = 1.0
+
+
+class ChatCompletionRequest(SamplerExtensions, GenerationBody):
     """``POST /v1/chat/completions`` (the subset a local single-sequence server honours)."""
 
     model_config = ConfigDict(
@@ -346,16 +360,6 @@ class ChatCompletionRequest(GenerationBody):
     tools: list[Tool] | None = None
     top_logprobs: Annotated[int | None, Field(ge=0, le=20)] = None
     top_p: TopP | None = 1.0
-    # Sampler extensions of local servers (mlx_lm.server, llama-server, vLLM).
-    top_k: Annotated[
-        TopK | None, Field(description="Sample among the k most likely tokens; 0 is off.")
-    ] = 0
-    min_p: Annotated[
-        MinP | None, Field(description="Drop tokens below min_p x the top probability.")
-    ] = 0.0
-    repetition_penalty: Annotated[
-        RepetitionPenalty | None, Field(description="mlx-lm's repetition penalty; 1 is off.")
-    ] = 1.0
 
     def tool_setup(self) -> tuple[tuple[dict[str, Any], ...], ToolCallConstraint | None]:
         """The tools the template renders, and the constraint when a call is forced."""
@@ -404,7 +408,7 @@ class ChatCompletionRequest(GenerationBody):
         return self
 
 
-class CompletionRequest(GenerationBody):
+class CompletionRequest(SamplerExtensions, GenerationBody):
     """``POST /v1/completions``: one prompt, as text or token ids."""
 
     model_config = ConfigDict(
@@ -432,15 +436,6 @@ class CompletionRequest(GenerationBody):
     temperature: Temperature | None = 1.0
     top_p: TopP | None = 1.0
     response_format: ResponseFormat | None = None
-    top_k: Annotated[
-        TopK | None, Field(description="Sample among the k most likely tokens; 0 is off.")
-    ] = 0
-    min_p: Annotated[
-        MinP | None, Field(description="Drop tokens below min_p x the top probability.")
-    ] = 0.0
-    repetition_penalty: Annotated[
-        RepetitionPenalty | None, Field(description="mlx-lm's repetition penalty; 1 is off.")
-    ] = 1.0
 
     @model_validator(mode="after")
     def _one_prompt(self) -> CompletionRequest:
