@@ -149,7 +149,7 @@ class GrammarProcessor:
             self._start(logits.shape[-1])
             self._seen = tokens.size
         else:
-            for token in tokens.tolist()[self._seen :]:
+            for token in tokens[self._seen :].tolist():  # only the new ones leave the device
                 self.matcher.consume_token(token)
             self._seen = tokens.size
         if self.matcher.is_error():
