@@ -1,4 +1,4 @@
-"""Shared benchmark plumbing: interleaved arms, medians with spread, JSON output.
+"""Shared benchmark plumbing: interleaved arms, medians with spread, JSON results, tables.
 
 Machines running these are shared and noisy, so arms always run in the same process,
 interleaved (A B A B ...), and results are read as ratios against a reference arm, with an
@@ -8,11 +8,12 @@ A/A pair (the reference against itself) showing the noise floor.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -96,16 +97,61 @@ def machine() -> dict[str, Any]:
     return info
 
 
-def write_json(name: str, payload: dict[str, Any], directory: Path | None = None) -> Path:
-    """Write ``<directory>/<name>.json`` (default ``bench/results``) with date and machine."""
-    directory = RESULTS_DIR if directory is None else Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{name}.json"
-    payload = {
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if hasattr(x, "tolist"):  # numpy arrays and scalars
+        return _jsonable(x.tolist())
+    if isinstance(x, float) and not math.isfinite(x):
+        return None  # JSON has no NaN
+    if isinstance(x, Path):
+        return str(x)
+    return x
+
+
+def write_results(
+    name: str,
+    payload: dict[str, Any],
+    out: Path,
+    *,
+    section: str,
+    started: float | None = None,
+) -> Path:
+    """Write ``<out>/<name>.json``: the study's payload with its date, machine, section
+    (``quality`` or ``speed``) and, given the ``time.perf_counter()`` it started at, runtime."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
+    data: dict[str, Any] = {
         "benchmark": name,
+        "section": section,
         "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": machine(),
-        **payload,
     }
-    path.write_text(json.dumps(payload, indent=1))
+    if started is not None:
+        data["runtime_s"] = round(time.perf_counter() - started, 1)
+    data.update(payload)
+    path.write_text(json.dumps(_jsonable(data), indent=1) + "\n")
     return path
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: str = "") -> None:
+    """A fixed-width table on stdout, right-aligned; floats with 3 significant digits."""
+
+    def fmt(x: Any) -> str:
+        if isinstance(x, float):
+            if not math.isfinite(x):
+                return "nan"
+            return f"{x:.3g}" if abs(x) < 1000 else f"{x:.0f}"
+        return str(x)
+
+    cells = [[fmt(c) for c in r] for r in rows]
+    widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
+    if title:
+        print(f"\n{title}")
+    print("  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True)))
+    print("  ".join("-" * w for w in widths))
+    for r in cells:
+        print("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))

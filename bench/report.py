@@ -1,5 +1,7 @@
-"""Render ``bench/results/*.json`` into ``bench/RESULTS.md``: every figure on the page comes
-from those files. One renderer per study, grouped in two sections.
+"""Render ``bench/results/<model>/*.json`` into ``bench/RESULTS.md``: every figure on the page
+comes from those files. The default model (SmolLM2-135M-Instruct, ``bench/results/smollm2/``)
+comes first; the bundled test model's results (``bench/results/qfserve-tiny/``) follow,
+labelled as such. Each model has a quality and a speed section, one renderer per study.
 
 Run: ``python -m bench.report`` (after the studies; a missing study is listed, not an error).
 """
@@ -8,21 +10,25 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from bench.harness import RESULTS_DIR
-from bench.quality.report import RENDERERS as QUALITY_RENDERERS
+from bench.quality.report import RENDERERS as QUALITY
 from bench.quality.report import headlines as quality_headlines
+from bench.speed.report import load_results, render_speed_section
 
 PAGE = Path(__file__).resolve().parent / "RESULTS.md"
-Renderer = Callable[[dict[str, Any]], list[str]]
 
-
-# -- Quality (studies 1-5) -------------------------------------------------------------------
-# One renderer per study: QUALITY[<json name>] = function(json dict) -> markdown lines.
-QUALITY: dict[str, Renderer] = dict(QUALITY_RENDERERS)
+# (folder under bench/results, section title, list the studies that have not run)
+MODELS = (
+    ("smollm2", "SmolLM2-135M-Instruct (the default model)", True),
+    (
+        "qfserve-tiny",
+        "qfserve-tiny (the bundled 6-layer test model: what CI's smoke runs use; kept where "
+        "it still says something)",
+        False,
+    ),
+)
 
 
 def render_quality(results_dir: Path, title: str = "Quality", *, missing: bool = True) -> list[str]:
@@ -33,66 +39,27 @@ def render_quality(results_dir: Path, title: str = "Quality", *, missing: bool =
         if path.exists():
             lines += [*render(json.loads(path.read_text())), ""]
         elif missing:
-            lines += [f"*{name}: no results yet.*", ""]
-    relative = (
-        results_dir.relative_to(RESULTS_DIR.parent)
-        if results_dir.is_relative_to(RESULTS_DIR.parent)
-        else results_dir
-    )
-    # Renderers link plots as results/<file>; point them at this section's folder.
-    return [line.replace("](results/", f"]({relative}/") for line in lines]
-
-
-def render_default_model(results_dir: Path) -> list[str]:
-    """The default model's section (``bench/results/smollm2/``), studies run so far."""
-    if not results_dir.is_dir() or not any(results_dir.glob("*.json")):
-        return []
-    lines = render_quality(
-        results_dir, "SmolLM2-135M-Instruct (the default model): quality", missing=False
-    )
-    structured = results_dir / "structured.json"
-    if structured.exists():
-        data = json.loads(structured.read_text())
-        r, aa = data["ratios"]["schema/free"], data["ratios"]["free_again/free (A/A)"]
-        ms = data["ms_per_token"]
-        lines += [
-            "### Structured output: what a JSON-schema constraint costs per token",
-            "",
-            f"`{data['command']}` — {data['when']}. Greedy decode, {data['reps']} interleaved "
-            f"repetitions, {data['grammar_engine']}.",
-            "",
-            "| arm | ms/token median [q1–q3] |",
-            "|---|---|",
-            *[
-                f"| {arm} | {s['median']:.1f} [{s['q1']:.1f}–{s['q3']:.1f}] |"
-                for arm, s in ms.items()
-            ],
-            "",
-            f"llguidance (served) schema/free = **{r['median']:.3f}** [{r['q1']:.3f}–"
-            f"{r['q3']:.3f}] (A/A {aa['median']:.3f})"
-            + (
-                f"; outlines-core schema/free = {data['ratios']['schema_outlines/free']['median']:.3f}"
-                if "schema_outlines/free" in data["ratios"]
-                else ""
-            )
-            + ". Time inside the grammar processor per token: "
-            + ", ".join(
-                f"{lib} {v['median']:.2f} ms"
-                for lib, v in data.get("processor_ms_per_token_by_library", {}).items()
-            )
-            + ".",
-            "",
-        ]
+            lines += [f"*{name}: no results yet (`python -m bench.quality.{name}`).*", ""]
     return lines
 
 
-# -- Speed and memory (studies 6-10) -----------------------------------------------------------
-
-
-def render_speed(results_dir: Path) -> list[str]:
-    from bench.speed.report import load_results, render_speed_section
-
-    return render_speed_section(load_results(results_dir))
+def render_model(results_dir: Path, title: str, *, missing: bool) -> list[str]:
+    """A model's quality and speed sections, plots linked into its results folder."""
+    if not results_dir.is_dir() or not any(results_dir.glob("*.json")):
+        return []
+    lines = [
+        *render_quality(results_dir, f"{title}: quality", missing=missing),
+        *render_speed_section(
+            load_results(results_dir), f"{title}: speed and memory", missing=missing
+        ),
+    ]
+    relative = (
+        results_dir.relative_to(PAGE.parent)
+        if results_dir.is_relative_to(PAGE.parent)
+        else results_dir
+    )
+    # Renderers link plots as results/<file>; point them at this model's folder.
+    return [line.replace("](results/", f"]({relative}/") for line in lines]
 
 
 def render(results_dir: Path = RESULTS_DIR) -> str:
@@ -100,12 +67,11 @@ def render(results_dir: Path = RESULTS_DIR) -> str:
         "# qfserve benchmark results",
         "",
         f"Rendered by `python -m bench.report` on {time.strftime('%Y-%m-%d')} from "
-        "`bench/results/*.json`; each section names the command and date of its run.",
+        "`bench/results/<model>/*.json`; each section names the command and date of its run.",
         "",
-        *render_default_model(results_dir / "smollm2"),
-        *render_quality(results_dir, "qfserve-tiny (the bundled test model): quality"),
-        *render_speed(results_dir),
     ]
+    for folder, title, missing in MODELS:
+        lines += render_model(results_dir / folder, title, missing=missing)
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -28,10 +28,10 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
+from bench.cli import parse, parser
+from bench.harness import print_table
 from bench.quality import plots
 from bench.quality.common import (
-    base_parser,
-    print_table,
     progress,
     run,
     spread,
@@ -120,9 +120,9 @@ def sequence_correlations(model: Any, tokens: np.ndarray, filters: np.ndarray) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = base_parser(__doc__.splitlines()[0])
+    p = parser(__doc__.splitlines()[0], calibration=True)
     add_data_arguments(p)
-    args = p.parse_args(argv)
+    args = parse(p, argv)
     length = args.length or (160 if args.quick else 1024)
     n_seq = args.sequences or (1 if args.quick else 12)
 

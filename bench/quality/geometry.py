@@ -24,10 +24,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from bench.cli import parse, parser
+from bench.harness import print_table
 from bench.quality import plots
 from bench.quality.common import (
-    base_parser,
-    print_table,
     progress,
     run,
     spread,
@@ -66,9 +66,9 @@ def head_rows(queries: Sequence[np.ndarray], filters: np.ndarray) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = base_parser(__doc__.splitlines()[0])
+    p = parser(__doc__.splitlines()[0], calibration=True)
     add_data_arguments(p)
-    args = p.parse_args(argv)
+    args = parse(p, argv)
     length = args.length or (160 if args.quick else 1024)
     n_seq = args.sequences or (2 if args.quick else 12)
     samples = 200 if args.quick else 3000

@@ -28,9 +28,11 @@ from typing import Any
 
 import numpy as np
 
+from bench.cli import parse, parser
+from bench.harness import print_table
 from bench.quality import plots
 from bench.quality.arms import Arm
-from bench.quality.common import base_parser, print_table, progress, run
+from bench.quality.common import progress, run
 from bench.quality.prose import stdlib_prose
 from bench.quality.retrieval import answer_nll, budget_for, prefill_block, run_arm
 from bench.quality.study import open_study
@@ -190,12 +192,12 @@ def plot(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = base_parser(__doc__.splitlines()[0])
+    p = parser(__doc__.splitlines()[0], calibration=True)
     p.add_argument("--lengths", type=int, nargs="+", default=None, help="prompt tokens")
     p.add_argument("--depths", type=float, nargs="+", default=None, help="needle depths, 0..1")
     p.add_argument("--ratios", type=int, nargs="+", default=None, help="compression ratios")
     p.add_argument("--per-cell", type=int, default=None, help="documents per depth x length")
-    args = p.parse_args(argv)
+    args = parse(p, argv)
     lengths = args.lengths or ([256] if args.quick else [1024, 2048, 4096, 8192])
     depths = args.depths or ([0.0, 1.0] if args.quick else [0.0, 0.25, 0.5, 0.75, 1.0])
     ratios = args.ratios or ([4] if args.quick else [2, 4, 8, 16, 32])

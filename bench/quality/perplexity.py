@@ -25,11 +25,11 @@ from typing import Any
 
 import numpy as np
 
+from bench.cli import parse, parser
+from bench.harness import print_table
 from bench.quality import plots
 from bench.quality.arms import LABELS, Arm, standard_arms
 from bench.quality.common import (
-    base_parser,
-    print_table,
     progress,
     run,
     spread,
@@ -168,12 +168,12 @@ def plot(results: dict[str, Any], identity: dict[str, Any], out_dir: Any) -> lis
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = base_parser(__doc__.splitlines()[0])
+    p = parser(__doc__.splitlines()[0], calibration=True)
     p.add_argument("--length", type=int, default=None, help="tokens per sequence")
     p.add_argument("--sequences", type=int, default=None, help="sequences per data set")
     p.add_argument("--budgets", type=int, nargs="+", default=None)
     p.add_argument("--datasets", nargs="+", choices=("stdlib", "recall"), default=None)
-    args = p.parse_args(argv)
+    args = parse(p, argv)
     length = args.length or (96 if args.quick else 1024)
     n_seq = args.sequences or (2 if args.quick else 8)
     budgets = [b for b in (args.budgets or ((16, 32) if args.quick else (64, 128, 256, 512)))]

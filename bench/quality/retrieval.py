@@ -43,11 +43,11 @@ import numpy as np
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
+from bench.cli import parse, parser
+from bench.harness import print_table
 from bench.quality import plots
 from bench.quality.arms import Arm, check_budget, standard_arms
 from bench.quality.common import (
-    base_parser,
-    print_table,
     progress,
     run,
     spread,
@@ -199,7 +199,7 @@ def plot_metric(a: Any, res: dict[str, Any], arms: list[Arm], ratios: list[int],
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = base_parser(__doc__.splitlines()[0])
+    p = parser(__doc__.splitlines()[0], calibration=True)
     p.add_argument("--lengths", type=int, nargs="+", default=None, help="document tokens")
     p.add_argument("--ratios", type=int, nargs="+", default=None, help="compression ratios")
     p.add_argument("--per-bin", type=int, default=None, help="documents per depth bin")
@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         default=[0.0, 0.25],
         help="recent windows as fractions of the budget (default: 0 0.25)",
     )
-    args = p.parse_args(argv)
+    args = parse(p, argv)
     lengths = args.lengths or ([320] if args.quick else [256, 512, 1024, 2048])
     ratios = args.ratios or ([2, 8] if args.quick else [2, 4, 8, 16, 32])
     per_bin = args.per_bin or (1 if args.quick else 5)

@@ -23,12 +23,12 @@ from typing import Any
 
 import numpy as np
 
+from bench.cli import parse, parser
+from bench.harness import print_table
 from bench.quality import plots
 from bench.quality.arms import Arm
 from bench.quality.calib import FULL_SETTINGS, QUICK_SETTINGS, capture
 from bench.quality.common import (
-    base_parser,
-    print_table,
     progress,
     run,
     spread,
@@ -70,12 +70,12 @@ def ppl_window(model: Any, tokens: np.ndarray, arm: Arm, budget: int, filters: A
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = base_parser(__doc__.splitlines()[0])
+    p = parser(__doc__.splitlines()[0], calibration=True)
     p.add_argument("--counts", type=int, nargs="+", default=None, help="samples per head")
     p.add_argument("--repeats", type=int, default=None, help="subsample draws per count")
     p.add_argument("--budget", type=int, default=None)
     add_data_arguments(p)
-    args = p.parse_args(argv)
+    args = parse(p, argv)
     settings = QUICK_SETTINGS if args.quick else FULL_SETTINGS
     counts = args.counts or ([30, 100, 300] if args.quick else [100, 300, 1000, 3000])
     repeats = args.repeats or (2 if args.quick else 5)

@@ -1,6 +1,6 @@
 """What every quality study does around its own measurement: load, calibrate, save.
 
-A study parses its arguments with :func:`bench.quality.common.base_parser`, calls
+A study parses its arguments with :func:`bench.cli.parser`, calls
 :func:`open_study` for the model, its held-out corpus and (unless it makes its own) the
 calibrated filters, measures, and ends with :meth:`Study.save`, which writes the JSON every
 study shares (command line, quick flag, model identity, calibration) plus its own payload.
@@ -14,8 +14,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from bench.cli import command_line
+from bench.harness import write_results
+from bench.models import load
 from bench.quality.calib import filters_for
-from bench.quality.common import command_line, load_model, write_results
 from bench.quality.data import heldout_corpus
 from training.data import Corpus
 
@@ -43,14 +45,15 @@ class Study:
         path = write_results(
             self.name,
             {
-                "command": command_line(self.name, self.argv),
+                "command": command_line(f"bench.quality.{self.name}", self.argv),
                 "quick": self.args.quick,
                 "model": self.identity,
                 "calibration": self.calibration if calibration is None else calibration,
                 **payload,
             },
             self.args.out,
-            self.started,
+            section="quality",
+            started=self.started,
         )
         print(f"wrote {path}")
         return 0
@@ -70,10 +73,17 @@ def open_study(
     The clock for the JSON's ``runtime_s`` starts here.
     """
     started = time.perf_counter()
-    model, tokenizer, identity = load_model(args.model)
-    study = Study(name, args, argv, started, model, tokenizer, identity, heldout_corpus(tokenizer))
+    bm = load(args.model)
+    study = Study(
+        name, args, argv, started, bm.model, bm.tokenizer, bm.identity, heldout_corpus(bm.tokenizer)
+    )
     if calibrate:
         study.filters, study.calibration = filters_for(
-            model, tokenizer, identity, mode=args.calibration, quick=args.quick, seed=args.seed
+            bm.model,
+            bm.tokenizer,
+            bm.identity,
+            mode=args.calibration,
+            quick=args.quick,
+            seed=args.seed,
         )
     return study

@@ -27,7 +27,14 @@ import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from bench.harness import interleave, ratio_row, summary, write_json  # noqa: E402
+from bench.cli import command_line, parse, parser  # noqa: E402
+from bench.harness import (  # noqa: E402
+    interleave,
+    print_table,
+    ratio_row,
+    summary,
+    write_results,
+)
 from bench.speed import common  # noqa: E402
 
 BUDGETS = (256, 512)
@@ -90,11 +97,11 @@ def plot(result, out) -> list[str]:
 
 
 def main(argv=None) -> dict:
-    p = common.make_parser(__doc__.splitlines()[0], reps=7)
+    p = parser(__doc__.splitlines()[0], reps=7)
     p.add_argument("--buffer-mib", type=int, default=None, help="(default 512; quick 64)")
     p.add_argument("--steps", type=int, default=None, help="decode steps per timing (32)")
-    args = p.parse_args(argv)
-    reps = common.reps_of(args)
+    args = parse(p, argv)
+    reps = args.reps
     steps = args.steps or (4 if args.quick else 32)
     progress = common.Progress("bandwidth")
     bandwidth = measure_bandwidth(args.buffer_mib or (64 if args.quick else 512), reps, progress)
@@ -112,7 +119,7 @@ def main(argv=None) -> dict:
         arms[name] = common.decode_timer(model, caches[name], steps, hold=True)
     samples = interleave(arms, reps, progress=progress.rounds("decode"))
 
-    weights = common.weight_bytes(model)
+    weights = sm.describe()["weight_bytes"]
     rows = []
     for name, ms in samples.items():
         kv = common.kv_stats(caches[name])
@@ -141,7 +148,7 @@ def main(argv=None) -> dict:
         )
     result = {
         "study": 10,
-        "command": common.command_line("bandwidth", argv),
+        "command": command_line("bench.speed.bandwidth", argv),
         "quick": args.quick,
         "model": sm.describe(),
         "settings": {
@@ -164,7 +171,7 @@ def main(argv=None) -> dict:
     }
     result["plots"] = plot(result, args.out)
     result["runtime_s"] = round(progress.elapsed, 1)
-    path = write_json("bandwidth", result, args.out)
+    path = write_results("bandwidth", result, args.out, section="speed")
 
     b = bandwidth
     print(
@@ -174,7 +181,7 @@ def main(argv=None) -> dict:
         f"{b['read_gbps']['q3']:.1f}]; reference {b['reference_gbps']:.1f} GB/s"
     )
     ratios = {r["arm"]: r for r in result["ratios"]}
-    common.print_table(
+    print_table(
         [
             "arm",
             "ms/step",

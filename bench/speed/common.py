@@ -1,5 +1,6 @@
-"""Plumbing shared by the speed studies: model and prompts, caches per arm, progress, tables,
-plots, and the HTTP side (servers on ephemeral loopback ports, timed streaming requests).
+"""What the speed studies share beyond :mod:`bench.cli`, :mod:`bench.models`,
+:mod:`bench.harness` and :mod:`bench.servers`: model and prompts, caches per arm, progress,
+plots, and timed streaming requests.
 
 Every entry point calls :func:`engine.blas.reexec_with_openblas` before importing this module
 (it imports MLX).
@@ -7,16 +8,11 @@ Every entry point calls :func:`engine.blas.reexec_with_openblas` before importin
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
-import os
-import socket
-import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,53 +24,14 @@ with contextlib.suppress(ImportError):  # quiet "sequence longer than the model"
 
     transformers.logging.set_verbosity_error()
 
-from bench.harness import RESULTS_DIR
+from bench.models import BenchModel, load
 from engine.config import CacheConfig
 from engine.factory import make_caches
-from engine.loading import LoadedModel, default_model_path, load_model
 
 REPO = Path(__file__).resolve().parents[2]
-HOST = "127.0.0.1"  # loopback only, always
-TINY = "tiny"  # --model value for the random-weight test model (tests/tiny.py)
 
 
-# -- arguments, progress, output -----------------------------------------------------------
-
-
-def make_parser(description: str, *, reps: int) -> argparse.ArgumentParser:
-    """The arguments every study takes: ``--quick``, ``--model``, ``--reps``, ``--out``."""
-    p = argparse.ArgumentParser(description=description)
-    p.add_argument("--quick", action="store_true", help="CI-sized run (seconds, not minutes)")
-    p.add_argument(
-        "--model",
-        default=None,
-        help=f"GGUF file, model folder or catalog name (default: the bundled "
-        f"{default_model_path().name}); "
-        f"'{TINY}' builds the random-weight test model",
-    )
-    p.add_argument(
-        "--reps",
-        type=int,
-        default=None,
-        help=f"timed repetitions per arm (default: {reps}; quick: 2)",
-    )
-    p.add_argument("--out", type=Path, default=RESULTS_DIR, help="folder for JSON and PNG files")
-    p.set_defaults(default_reps=reps)
-    return p
-
-
-def command_line(study: str, argv: Sequence[str] | None) -> str:
-    """The command that reproduces this run, with the arguments it was given."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    return " ".join(["python -m bench.speed." + study, *args])
-
-
-def reps_of(args: argparse.Namespace) -> int:
-    if args.reps is not None:
-        if args.reps < 1:
-            raise ValueError(f"--reps must be >= 1, got {args.reps}")
-        return args.reps
-    return 2 if args.quick else args.default_reps
+# -- progress and plots --------------------------------------------------------------------
 
 
 class Progress:
@@ -95,22 +52,6 @@ class Progress:
     @property
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
-
-
-def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
-    """A plain fixed-width table on stdout."""
-    cells = [[_fmt(c) for c in row] for row in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
-    print("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)))
-    print("  ".join("-" * w for w in widths))
-    for r in cells:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
-
-
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
-    return str(value)
 
 
 def plt():
@@ -159,74 +100,40 @@ def errorbars(stats: Sequence[dict[str, float]]) -> tuple[list[float], list[list
 
 @dataclass(frozen=True)
 class StudyModel:
-    """The loaded model, the folder it came from (servers load the same folder), filters."""
+    """The measured model (:class:`bench.models.BenchModel`) and the filters the server
+    would use for it (the registry's calibrated ones, else the key-SVD fallback)."""
 
-    loaded: LoadedModel
-    path: Path
+    bench: BenchModel
     filters: Any
     filter_source: str
 
     @property
+    def loaded(self) -> Any:
+        return self.bench.loaded
+
+    @property
+    def path(self) -> Path:
+        """The folder servers started by a study load (a GGUF's converted folder)."""
+        return self.bench.folder
+
+    @property
     def context_length(self) -> int:
-        return self.loaded.context_length
+        return self.bench.context_length
 
     def describe(self) -> dict[str, Any]:
-        args = self.loaded.model.args
-        return {
-            "name": self.loaded.name,
-            "path": str(self.path.relative_to(REPO)) if self.path.is_relative_to(REPO) else "tiny",
-            "layers": args.num_hidden_layers,
-            "hidden_size": args.hidden_size,
-            "q_heads": args.num_attention_heads,
-            "kv_heads": args.num_key_value_heads,
-            "head_dim": self.loaded.model.layers[0].self_attn.head_dim,
-            "context_length": self.context_length,
-            "weight_bytes": weight_bytes(self.loaded.model),
-            "filter_source": self.filter_source,
-        }
+        return {**self.bench.identity, "filter_source": self.filter_source}
 
 
-_TINY_DIR: Path | None = None
+def load_study_model(ref: str) -> StudyModel:
+    """Load through the server's loader, with the filters the server would use."""
+    from calibrations.model_info import model_fingerprint
+    from engine.filters import resolve_filters
 
-
-def model_path(ref: str | None) -> Path:
-    """``None``: the bundled model; ``tiny``: the test model saved once to a temp folder."""
-    global _TINY_DIR
-    if ref == TINY:
-        if _TINY_DIR is None:
-            from tests.tiny import save_tiny_model
-
-            _TINY_DIR = save_tiny_model(Path(tempfile.mkdtemp(prefix="qfserve-tiny-")) / "tiny")
-        return _TINY_DIR
-    if not ref:
-        return default_model_path()
-    from engine.loading import resolve_model_ref
-
-    return Path(resolve_model_ref(ref))  # a GGUF file or catalog name: its converted folder
-
-
-def load_study_model(ref: str | None) -> StudyModel:
-    """Load through the engine's own loader, with the filters the server would use."""
-    path = model_path(ref)
-    loaded = load_model(str(path))
-    try:
-        from calibrations.model_info import model_fingerprint
-        from engine.filters import resolve_filters
-
-        filters, source = resolve_filters(
-            loaded.model,
-            loaded.model_id,
-            fingerprint=model_fingerprint(loaded.model, loaded.config),
-        )
-    except ImportError:
-        filters, source = None, "fallback"
-    return StudyModel(loaded, path, filters, source)
-
-
-def weight_bytes(model) -> int:
-    from mlx.utils import tree_flatten
-
-    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    bm = load(ref)
+    filters, source = resolve_filters(
+        bm.model, bm.loaded.model_id, fingerprint=model_fingerprint(bm.model, bm.loaded.config)
+    )
+    return StudyModel(bm, filters, source)
 
 
 def cache_config(arm: str | int) -> CacheConfig:
@@ -336,86 +243,6 @@ def decode_timer(model, caches: list[Any], steps: int, *, hold: bool):
 
 
 # -- HTTP side ------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
-def _env() -> dict[str, str]:
-    # Both servers get OpenBLAS preloaded, as qfserve arranges for itself; mlx_lm.server
-    # would otherwise run float32 matmul on MLX's reference BLAS (~30x slower).
-    from engine.blas import find_openblas
-
-    env = dict(os.environ)
-    lib = find_openblas()
-    if lib and lib not in env.get("LD_PRELOAD", ""):
-        env["LD_PRELOAD"] = ":".join(p for p in (lib, env.get("LD_PRELOAD", "")) if p)
-    env["PYTHONPATH"] = ":".join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    return env
-
-
-def _command(kind: str, model: Path, port: int) -> tuple[list[str], str]:
-    if kind == "qfserve":
-        cmd = ["-m", "server.cli", "--model", str(model), "--log-level", "warning"]
-        health = "/health"
-    elif kind == "mlx_lm":
-        cmd = ["-m", "mlx_lm.server", "--model", str(model), "--log-level", "WARNING"]
-        health = "/v1/models"
-    else:
-        raise ValueError(f"kind must be 'qfserve' or 'mlx_lm', got {kind!r}")
-    return [sys.executable, *cmd, "--host", HOST, "--port", str(port)], health
-
-
-@contextlib.contextmanager
-def serve(*kinds: str, model: Path, timeout: float = 120.0) -> Iterator[list[str]]:
-    """Start servers (``qfserve`` and/or ``mlx_lm``) on ephemeral loopback ports, together.
-
-    Yields their base URLs, in the order of ``kinds``, once every one answers its health
-    route; stops them all on exit.
-    """
-    import httpx
-
-    procs = []
-    try:
-        for kind in kinds:
-            port = free_port()
-            cmd, health = _command(kind, model, port)
-            # Kept open until the server stops; closed and removed in the finally below.
-            log = tempfile.NamedTemporaryFile(  # noqa: SIM115
-                prefix=f"{kind}-", suffix=".log", delete=False
-            )
-            proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=log, stderr=subprocess.STDOUT)
-            procs.append((kind, proc, log, f"http://{HOST}:{port}", health))
-        deadline = time.monotonic() + timeout
-        for kind, proc, log, url, health in procs:
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"{kind} exited ({proc.returncode}): {_tail(log.name)}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(url + health, timeout=2.0).status_code == 200:
-                        break
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{kind} not ready after {timeout}s: {_tail(log.name)}")
-                time.sleep(0.2)
-        yield [url for _, _, _, url, _ in procs]
-    finally:
-        for _, proc, _log, _, _ in procs:
-            proc.terminate()
-        for _, proc, log, _, _ in procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            log.close()
-            os.unlink(log.name)
-
-
-def _tail(path: str, n: int = 2000) -> str:
-    return Path(path).read_text(errors="replace")[-n:]
 
 
 @dataclass(frozen=True)

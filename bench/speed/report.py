@@ -97,12 +97,21 @@ def decode(d: dict[str, Any]) -> list[str]:
     lines += [
         "",
         "Memory, MiB: kept KV (keys + values, all layers), what the cache arrays hold "
-        "(mlx-lm's `KVCache` preallocates in steps of 256; ours also holds scores), and "
-        "MLX's peak above the weights during prefill (512-token chunks) and during decode.",
+        "(mlx-lm's `KVCache` preallocates in steps of 256; ours also holds scores), "
+        "MLX's peak above what was live before the arm during prefill (512-token chunks) and "
+        "during decode, and how much the process's RSS grew for the arm (an upper bound: the "
+        "allocator may keep freed pages)."
+        + (
+            f" KV bytes per token of this model (full cache): {d['kv_bytes_per_token']:,.0f}."
+            if "kv_bytes_per_token" in d
+            else ""
+        ),
         "",
     ]
+    rss = all("rss_growth_bytes" in m for m in d["memory"])
     lines += _table(
-        ["context", "arm", "kept KV", "cache arrays", "prefill peak", "decode peak"],
+        ["context", "arm", "kept KV", "cache arrays", "prefill peak", "decode peak"]
+        + (["RSS growth"] if rss else []),
         [
             [
                 m["context"],
@@ -112,6 +121,7 @@ def decode(d: dict[str, Any]) -> list[str]:
                 f"{m['prefill_peak_bytes'] / MiB:.1f}",
                 f"{m['decode_peak_bytes'] / MiB:.2f}",
             ]
+            + ([f"{m['rss_growth_bytes'] / MiB:.1f}"] if rss else [])
             for m in d["memory"]
         ],
     )
@@ -238,12 +248,43 @@ def bandwidth(d: dict[str, Any]) -> list[str]:
     return lines + _plots(d)
 
 
+def structured(d: dict[str, Any]) -> list[str]:
+    r, aa = d["ratios"]["schema/free"], d["ratios"]["free_again/free (A/A)"]
+    lines = _header("11. Structured output: what a JSON-schema constraint costs per token", d)
+    lines += [
+        f"Greedy decode, {d['reps']} interleaved repetitions of {d['steps']} tokens, "
+        f"served grammar engine {d['grammar_engine']}.",
+        "",
+        *_table(
+            ["arm", "ms/token median [q1–q3]"],
+            [[arm, _ms(s, digits=1)] for arm, s in d["ms_per_token"].items()],
+        ),
+        "",
+        f"llguidance (served) schema/free = **{r['median']:.3f}** [{r['q1']:.3f}–"
+        f"{r['q3']:.3f}] (A/A {aa['median']:.3f})"
+        + (
+            f"; outlines-core schema/free = {d['ratios']['schema_outlines/free']['median']:.3f}"
+            if "schema_outlines/free" in d["ratios"]
+            else ""
+        )
+        + ". Time inside the grammar processor per token: "
+        + ", ".join(
+            f"{lib} {v['median']:.2f} ms"
+            for lib, v in d.get("processor_ms_per_token_by_library", {}).items()
+        )
+        + ".",
+        "",
+    ]
+    return lines
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "decode": decode,
     "ttft": ttft,
     "server_overhead": server_overhead,
     "vs_mlx_lm": vs_mlx_lm,
     "bandwidth": bandwidth,
+    "structured": structured,
 }
 
 
@@ -378,12 +419,17 @@ def headline(results: dict[str, dict[str, Any]]) -> list[str]:
     )
 
 
-def render_speed_section(results: dict[str, dict[str, Any]]) -> list[str]:
-    """``## Speed and memory``: one subsection per study whose JSON exists."""
+def render_speed_section(
+    results: dict[str, dict[str, Any]], title: str = "Speed and memory", *, missing: bool = True
+) -> list[str]:
+    """One speed section: a subsection per study whose JSON exists (``missing``: a line for
+    each that does not)."""
+    if not results and not missing:
+        return []
     lines = [
-        "## Speed and memory",
+        f"## {title}",
         "",
-        "Studies 6–10 (`bench/speed/`). Each row compares arms run in the same process, "
+        "Studies 6–11 (`bench/speed/`). Each row compares arms run in the same process, "
         "interleaved, with an A/A row for the noise floor; ratios are medians of per-round ratios "
         "with their interquartile range.",
         "",
@@ -392,7 +438,7 @@ def render_speed_section(results: dict[str, dict[str, Any]]) -> list[str]:
     for name, render in RENDERERS.items():
         if name in results:
             lines += render(results[name])
-        else:
+        elif missing:
             lines += [f"*{name}: no results yet (`python -m bench.speed.{name}`).*", ""]
     return lines
 

@@ -30,7 +30,15 @@ import httpx  # noqa: E402
 from mlx_lm import stream_generate  # noqa: E402
 from mlx_lm.sample_utils import make_logits_processors, make_sampler  # noqa: E402
 
-from bench.harness import interleave, ratio_row, summary, write_json  # noqa: E402
+from bench import servers  # noqa: E402
+from bench.cli import command_line, parse, parser  # noqa: E402
+from bench.harness import (  # noqa: E402
+    interleave,
+    print_table,
+    ratio_row,
+    summary,
+    write_results,
+)
 from bench.speed import common  # noqa: E402
 from engine.config import CacheConfig  # noqa: E402
 from engine.prompts import encode_prompt  # noqa: E402
@@ -170,7 +178,7 @@ def plot(result, out) -> list[str]:
 
 
 def main(argv=None) -> dict:
-    p = common.make_parser(__doc__.splitlines()[0], reps=7)
+    p = parser(__doc__.splitlines()[0], reps=7)
     p.add_argument(
         "--prompts",
         type=lambda v: tuple(int(x) for x in v.split(",")),
@@ -179,8 +187,8 @@ def main(argv=None) -> dict:
     )
     p.add_argument("--max-tokens", type=int, default=None, help="(default 64; quick 8)")
     p.add_argument("--budget", type=int, default=None, help="Q-Filters budget (default 512)")
-    args = p.parse_args(argv)
-    reps = common.reps_of(args)
+    args = parse(p, argv)
+    reps = args.reps
     prompts = args.prompts or ((64,) if args.quick else (256, 1000))
     max_tokens = args.max_tokens or (8 if args.quick else 64)
     budget = args.budget or (32 if args.quick else 512)
@@ -193,7 +201,7 @@ def main(argv=None) -> dict:
     loop = asyncio.new_event_loop()
     rows = []
     try:
-        with common.serve("qfserve", model=sm.path) as (url,), httpx.Client() as client:
+        with servers.serve("qfserve", model=sm.path) as (url,), httpx.Client() as client:
             progress(f"serving at {url}; {reps} reps, prompts {prompts}, {max_tokens} tokens")
             for n in prompts:
                 content = common.chat_content(sm, n)
@@ -240,7 +248,7 @@ def main(argv=None) -> dict:
         loop.close()
     result = {
         "study": 8,
-        "command": common.command_line("server_overhead", argv),
+        "command": command_line("bench.speed.server_overhead", argv),
         "quick": args.quick,
         "model": sm.describe(),
         "settings": {
@@ -253,18 +261,18 @@ def main(argv=None) -> dict:
             "temperature": 0,
             "eos_banned": True,
             "client": "httpx streaming, SSE parsed on the client",
-            "host": common.HOST,
+            "host": servers.HOST,
         },
         "rows": rows,
     }
     result["plots"] = plot(result, args.out)
     result["runtime_s"] = round(progress.elapsed, 1)
-    path = write_json("server_overhead", result, args.out)
+    path = write_results("server_overhead", result, args.out, section="speed")
 
     print("\nMedians (IQR); ratios are medians of paired per-round ratios")
     for r in rows:
         print(f"\nprompt {r['prompt_tokens']} tokens")
-        common.print_table(
+        print_table(
             ["arm", "TTFT ms", "ITL ms", "tokens"],
             [
                 [
@@ -278,7 +286,7 @@ def main(argv=None) -> dict:
                 for k in ARMS
             ],
         )
-        common.print_table(
+        print_table(
             ["ratio", "TTFT", "ITL"],
             [
                 [

@@ -24,20 +24,14 @@ from engine.blas import reexec_with_openblas
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.harness import interleave, ratio_row, summary, write_json
-    from bench.speed.common import (
-        Progress,
-        command_line,
-        load_study_model,
-        make_parser,
-        print_table,
-        reps_of,
-    )
+    from bench.cli import command_line, parse, parser
+    from bench.harness import interleave, print_table, ratio_row, summary, write_results
+    from bench.speed.common import Progress, load_study_model
 
-    p = make_parser(__doc__.splitlines()[0], reps=9)
+    p = parser(__doc__.splitlines()[0], reps=9)
     p.add_argument("--tokens", type=int, default=None, help="decode steps per repetition")
-    args = p.parse_args(argv)
-    reps, steps = reps_of(args), args.tokens or (8 if args.quick else 48)
+    args = parse(p, argv)
+    reps, steps = args.reps, args.tokens or (8 if args.quick else 48)
     progress = Progress("structured")
     sm = load_study_model(args.model)
     tokenizer = sm.loaded.tokenizer
@@ -157,12 +151,12 @@ def main(argv: list[str] | None = None) -> int:
         [[k, r["median"], r["q1"], r["q3"]] for k, r in rows.items()],
     )
     print(f"inside the grammar processor: {processor['median']:.2f} ms/token (median)")
-    path = write_json(
+    path = write_results(
         "structured",
         {
-            "command": command_line("structured", argv),
+            "command": command_line("bench.speed.structured", argv),
             "quick": args.quick,
-            "model": str(sm.path),
+            "model": sm.describe(),
             "steps": steps,
             "reps": reps,
             "schema": schema,
@@ -176,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             "grammar_engine": "llguidance",
         },
         args.out,
+        section="speed",
     )
     print(f"wrote {path}")
     return 0

@@ -22,7 +22,14 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.sample_utils import make_sampler  # noqa: E402
 
-from bench.harness import interleave, ratio_row, summary, write_json  # noqa: E402
+from bench.cli import command_line, parse, parser  # noqa: E402
+from bench.harness import (  # noqa: E402
+    interleave,
+    print_table,
+    ratio_row,
+    summary,
+    write_results,
+)
 from bench.speed import common  # noqa: E402
 
 PROMPTS = (1024, 2048, 4096)
@@ -64,7 +71,7 @@ def plot(result, out) -> list[str]:
             capsize=3,
             label="full" if arm == "full_a" else f"Q-Filters {arm}",
         )
-    trained = result["model"]["context_length"]
+    trained = result["model"]["max_context"]
     ax.axvline(trained, color="grey", ls=":", label=f"trained context {trained}")
     ax.set(
         xlabel="prompt tokens",
@@ -77,8 +84,8 @@ def plot(result, out) -> list[str]:
 
 
 def main(argv=None) -> dict:
-    args = common.make_parser(__doc__.splitlines()[0], reps=5).parse_args(argv)
-    reps = common.reps_of(args)
+    args = parse(parser(__doc__.splitlines()[0], reps=5), argv)
+    reps = args.reps
     progress = common.Progress("ttft")
     sm = common.load_study_model(args.model)
     prompts = (64, 256) if args.quick else PROMPTS
@@ -105,7 +112,7 @@ def main(argv=None) -> dict:
         )
     result = {
         "study": 7,
-        "command": common.command_line("ttft", argv),
+        "command": command_line("bench.speed.ttft", argv),
         "quick": args.quick,
         "model": sm.describe(),
         "settings": {
@@ -122,7 +129,7 @@ def main(argv=None) -> dict:
     }
     result["plots"] = plot(result, args.out)
     result["runtime_s"] = round(progress.elapsed, 1)
-    path = write_json("ttft", result, args.out)
+    path = write_results("ttft", result, args.out, section="speed")
 
     print("\nTTFT ms (median [IQR]); ratio = median of paired ratios to full_a")
     table = []
@@ -142,9 +149,7 @@ def main(argv=None) -> dict:
                 ),
             ]
         )
-    common.print_table(
-        ["prompt", "full ms", "A/A ratio", *(f"b{b} ms (ratio)" for b in budgets)], table
-    )
+    print_table(["prompt", "full ms", "A/A ratio", *(f"b{b} ms (ratio)" for b in budgets)], table)
     print(f"\nwrote {path} in {result['runtime_s']}s")
     return result
 

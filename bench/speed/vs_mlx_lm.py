@@ -23,7 +23,15 @@ import itertools  # noqa: E402
 
 import httpx  # noqa: E402
 
-from bench.harness import interleave, ratio_row, summary, write_json  # noqa: E402
+from bench import servers  # noqa: E402
+from bench.cli import command_line, parse, parser  # noqa: E402
+from bench.harness import (  # noqa: E402
+    interleave,
+    print_table,
+    ratio_row,
+    summary,
+    write_results,
+)
 from bench.speed import common  # noqa: E402
 
 ARMS = ("theirs_a", "ours_full", "ours_qfilters", "theirs_b")
@@ -56,7 +64,7 @@ def plot(result, out) -> list[str]:
 
 
 def main(argv=None) -> dict:
-    p = common.make_parser(__doc__.splitlines()[0], reps=7)
+    p = parser(__doc__.splitlines()[0], reps=7)
     p.add_argument("--max-tokens", type=int, default=None, help="(default 64; quick 8)")
     p.add_argument("--budget", type=int, default=None, help="Q-Filters budget (default 256)")
     p.add_argument(
@@ -65,8 +73,8 @@ def main(argv=None) -> dict:
         default=None,
         help="prompt lengths, comma-separated (default: 256 and the context - max_tokens - 32)",
     )
-    args = p.parse_args(argv)
-    reps = common.reps_of(args)
+    args = parse(p, argv)
+    reps = args.reps
     max_tokens = args.max_tokens or (8 if args.quick else 64)
     budget = args.budget or (32 if args.quick else 256)
     progress = common.Progress("vs_mlx_lm")
@@ -96,7 +104,7 @@ def main(argv=None) -> dict:
     rows = []
     with contextlib.ExitStack() as stack:
         progress("starting mlx_lm.server and qfserve")
-        theirs, ours = stack.enter_context(common.serve("mlx_lm", "qfserve", model=sm.path))
+        theirs, ours = stack.enter_context(servers.serve("mlx_lm", "qfserve", model=sm.path))
         client = stack.enter_context(httpx.Client())
         progress(f"theirs {theirs}, ours {ours}; prompts {lengths}, {reps} reps")
         for n in lengths:
@@ -129,7 +137,7 @@ def main(argv=None) -> dict:
             )
     result = {
         "study": 9,
-        "command": common.command_line("vs_mlx_lm", argv),
+        "command": command_line("bench.speed.vs_mlx_lm", argv),
         "quick": args.quick,
         "model": sm.describe(),
         "settings": {
@@ -144,13 +152,13 @@ def main(argv=None) -> dict:
             "theirs": "python -m mlx_lm.server (defaults: full KVCache, prompt cache on; "
             "defeated by a unique prompt prefix)",
             "both_openblas": True,
-            "host": common.HOST,
+            "host": servers.HOST,
         },
         "rows": rows,
     }
     result["plots"] = plot(result, args.out)
     result["runtime_s"] = round(progress.elapsed, 1)
-    path = write_json("vs_mlx_lm", result, args.out)
+    path = write_results("vs_mlx_lm", result, args.out, section="speed")
 
     print("\nMedians; ratios to theirs_a are medians of paired per-round ratios [IQR]")
     table = []
@@ -172,7 +180,7 @@ def main(argv=None) -> dict:
                     else f"{sr[a]['median']:.3f} [{sr[a]['q1']:.2f}-{sr[a]['q3']:.2f}]",
                 ]
             )
-    common.print_table(["prompt", "arm", "TTFT ms", "tok/s", "TTFT ratio", "tok/s ratio"], table)
+    print_table(["prompt", "arm", "TTFT ms", "tok/s", "TTFT ratio", "tok/s ratio"], table)
     print(f"\nwrote {path} in {result['runtime_s']}s")
     return result
 

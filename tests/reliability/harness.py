@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -22,11 +19,12 @@ from typing import Any
 import httpx
 import psutil
 
-REPO = Path(__file__).resolve().parents[2]
+from bench import servers
+from bench.servers import HOST, REPO
+
 BUNDLED = REPO / "models" / "qfserve-tiny"
 RESULTS = REPO / "bench" / "results" / "reliability.json"
 ENV_SIZE = "QFSERVE_RELIABILITY"  # "full" runs the full sizes (python -m tests.reliability --full)
-HOST = "127.0.0.1"
 
 
 @dataclass(frozen=True)
@@ -166,38 +164,13 @@ def eos_ids(model: Path) -> list[int]:
 # -- the server ----------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
-
-
 @dataclass
-class Server:
-    """A ``python -m server.cli`` subprocess on 127.0.0.1 and an ephemeral port."""
+class Server(servers.ServerProcess):
+    """A ``python -m server.cli`` subprocess on 127.0.0.1 and an ephemeral port, with probes
+    of its state and the ``logit_bias`` that keeps its model from ending early."""
 
-    process: subprocess.Popen
-    port: int
-    log: Path
     model: Path
     no_bias: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def url(self) -> str:
-        return f"http://{HOST}:{self.port}"
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def logs(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def openai(self, **kwargs: Any):
-        from openai import OpenAI
-
-        kwargs = {"api_key": "unused", "max_retries": 0, "timeout": 60, **kwargs}
-        return OpenAI(base_url=f"{self.url}/v1", **kwargs)
 
     def admin(self) -> dict[str, Any]:
         return httpx.get(f"{self.url}/admin/cache", timeout=10).json()
@@ -238,44 +211,20 @@ def start_server(
     timeout: float = 120.0,
     wait: bool = True,
 ) -> Server:
-    """Start qfserve; with ``wait`` return once ``/health`` is 200 (raise if it exits)."""
-    port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "server.cli", "--model", str(model), "--host", HOST]
-        + ["--port", str(port), "--log-level", "warning", *flags],
-        cwd=REPO,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
+    """Start qfserve at log level warning; with ``wait`` return once ``/health`` is 200
+    (raise if it exits). ``env`` is added to this process's environment."""
+    base = servers.launch(
+        "qfserve", model, *flags, log=log, env={**os.environ, **(env or {})}, log_level="warning"
     )
-    server = Server(process, port, log, model)
-    server.no_bias = {str(t): -100 for t in eos_ids(model)}
-    if not wait:
-        return server
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"qfserve exited with {process.returncode}:\n{server.logs()}")
-        try:
-            if httpx.get(f"{server.url}/health", timeout=1).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    stop_server(server)
-    raise RuntimeError(f"qfserve did not become healthy in {timeout} s:\n{server.logs()}")
+    server = Server(**vars(base), no_bias={str(t): -100 for t in eos_ids(model)})
+    if wait:
+        servers.wait_ready(server, timeout)
+    return server
 
 
 def stop_server(server: Server, timeout: float = 30.0) -> int:
     """SIGTERM, wait (kill after ``timeout``); returns the exit status."""
-    if server.process.poll() is None:
-        server.process.send_signal(signal.SIGTERM)
-        try:
-            server.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            server.process.kill()
-            server.process.wait()
-    return server.process.returncode
+    return server.stop(timeout)
 
 
 class Sampler:

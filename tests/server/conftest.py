@@ -2,50 +2,32 @@
 
 from __future__ import annotations
 
-import os
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import httpx
 import pytest
 
+from bench import servers
+from bench.servers import REPO, free_port
 from tests.tiny import save_tiny_model
 
-REPO = Path(__file__).resolve().parents[2]
+if TYPE_CHECKING:
+    from openai import OpenAI
+
+__all__ = ["MODEL_NAME", "REPO", "Server", "free_port", "start_server", "stop_server"]
+
 MODEL_NAME = "qfserve-tiny"  # tests serve a tiny random model under the bundled model's name
 
 
 @dataclass
-class Server:
-    process: subprocess.Popen
-    port: int
-    log: Path
+class Server(servers.ServerProcess):
+    """A qfserve subprocess whose clients validate every response strictly."""
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def client(self, **kwargs):
-        from openai import OpenAI
-
-        kwargs = {"api_key": "unused", "_strict_response_validation": True, **kwargs}
-        return OpenAI(base_url=f"{self.url}/v1", max_retries=0, timeout=30, **kwargs)
-
-    def logs(self) -> str:
-        return self.log.read_text(errors="replace")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    def client(self, **kwargs: Any) -> OpenAI:
+        """The official SDK in strict mode (30 s timeout, no retries)."""
+        return self.openai(**{"_strict_response_validation": True, "timeout": 30, **kwargs})
 
 
 def start_server(
@@ -63,41 +45,19 @@ def start_server(
         env: Replaces the environment (default: this process's).
         console_script: Run the installed ``qfserve`` script rather than ``python -m``.
     """
-    port = free_port()
-    env = {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"}
-    script = shutil.which("qfserve", path=str(Path(sys.executable).parent))
-    command = [script] if console_script and script else [sys.executable, "-m", "server.cli"]
-    model_flags = [] if model is None else ["--model", str(model)]
-    process = subprocess.Popen(
-        [*command, *model_flags, "--port", str(port), *flags],
-        cwd=REPO,
-        env=env,
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
+    server = Server(
+        **vars(
+            servers.launch(
+                "qfserve", model, *flags, log=log, env=env, console_script=console_script
+            )
+        )
     )
-    server = Server(process, port, log)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"qfserve exited with {process.returncode}:\n{server.logs()}")
-        try:
-            if httpx.get(f"{server.url}/health", timeout=1).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    process.kill()
-    raise RuntimeError(f"qfserve did not become healthy:\n{server.logs()}")
+    servers.wait_ready(server, timeout)
+    return server
 
 
 def stop_server(server: Server) -> None:
-    if server.process.poll() is None:
-        server.process.send_signal(signal.SIGTERM)
-        try:
-            server.process.wait(15)
-        except subprocess.TimeoutExpired:
-            server.process.kill()
-            server.process.wait()
+    server.stop(15)
 
 
 @pytest.fixture(scope="session")
