@@ -12,6 +12,7 @@ import json
 import time
 from pathlib import Path
 
+from bench.goals import render_goals
 from bench.harness import RESULTS_DIR
 from bench.quality.report import RENDERERS as QUALITY
 from bench.quality.report import headlines as quality_headlines
@@ -69,6 +70,7 @@ def render(results_dir: Path = RESULTS_DIR) -> str:
         f"Rendered by `python -m bench.report` on {time.strftime('%Y-%m-%d')} from "
         "`bench/results/<model>/*.json`; each section names the command and date of its run.",
         "",
+        *render_goals(results_dir / MODELS[0][0]),
     ]
     for folder, title, missing in MODELS:
         lines += render_model(results_dir / folder, title, missing=missing)

@@ -1,0 +1,195 @@
+"""The goals the default model's evidence is read against, each beside what was measured.
+
+Every figure is read from ``bench/results/smollm2/*.json`` when the page is rendered, so the
+table can only say what a study wrote; a study that has not run says so. A goal is *met*
+only when every number it names is met.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+Row = tuple[str, str, str]  # goal, measured, verdict
+
+
+def _load(folder: Path, name: str) -> dict[str, Any] | None:
+    path = folder / f"{name}.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _verdict(ok: bool) -> str:
+    return "**met**" if ok else "**not met**"
+
+
+def _accuracy(data: dict[str, Any], lengths: list[str], arm: str, ratio: int) -> float | None:
+    """Pass-key accuracy of ``arm`` at ``ratio``, pooled over ``lengths`` (documents)."""
+    hits = n = 0
+    for length in lengths:
+        cell = data["results"].get(length, {}).get("arms", {}).get(arm, {}).get(str(ratio))
+        if cell:
+            hits += cell["accuracy"] * cell["n"]
+            n += cell["n"]
+    return hits / n if n else None
+
+
+def retrieval(folder: Path) -> Row:
+    goal = (
+        "Pass-key retrieval at 4k-8k: Q-Filters ≥ 95% / 90% / 80% at 8× / 16× / 32×, above "
+        "K-norm and streaming at every compression"
+    )
+    data = _load(folder, "retrieval")
+    lengths = [n for n in ("4096", "8192") if data and n in data["results"]]
+    if not data or not lengths:
+        return goal, "not run at 4k-8k yet", "not run"
+    targets = {8: 0.95, 16: 0.90, 32: 0.80}
+    parts, ok = [], True
+    for ratio in data["ratios"]:
+        q = _accuracy(data, lengths, "qfilters/r25", ratio)
+        k = _accuracy(data, lengths, "knorm/r25", ratio)
+        s = _accuracy(data, lengths, "streaming/r0", ratio)
+        if q is None or k is None or s is None:
+            continue
+        above = q > k and q > s
+        ok &= above and q >= targets.get(ratio, 0.0)
+        parts.append(f"{ratio}×: {q:.2f} (K-norm {k:.2f}, streaming {s:.2f})")
+    return goal, "Q-Filters " + "; ".join(parts), _verdict(ok)
+
+
+def niah(folder: Path) -> Row:
+    goal = "Needle in prose (paper: 99% at 32× on 8B models): Q-Filters at 8×-32×"
+    data = _load(folder, "niah")
+    if not data:
+        return goal, "not run yet", "not run"
+
+    def mean(arm: str, key: str) -> float | None:
+        vals = [v for row in data["grid"].get(arm, {}).get(key) or [] for v in row if v is not None]
+        return sum(vals) / len(vals) if vals else None
+
+    full = mean("full", "-")
+    parts = [f"full cache {full:.2f}" if full is not None else "full cache not run"]
+    for ratio in (8, 16, 32):
+        q = mean("qfilters/r25", str(ratio))
+        if q is not None:
+            parts.append(f"{ratio}×: {q:.2f}")
+    lengths = ", ".join(f"{n // 1024}k" for n in data["lengths"])
+    return goal, f"exact match over {lengths}: " + "; ".join(parts), "reported (no target)"
+
+
+def attention(folder: Path) -> Row:
+    goal = "Score vs attention: mean Spearman ≥ +0.6, above K-norm and recency"
+    data = _load(folder, "attention")
+    if not data:
+        return goal, "not run yet", "not run"
+    pooled = data["results"]["all"]
+    rho = {name: pooled[name]["mean_rho"] for name in pooled}
+    q = rho["qfilters"]
+    ok = q >= 0.6 and q > rho["knorm"] and q > rho["recency"]
+    others = ", ".join(f"{n} {v:+.2f}" for n, v in rho.items() if n != "qfilters")
+    return goal, f"Q-Filters {q:+.2f} ({others})", _verdict(ok)
+
+
+def perplexity(folder: Path) -> Row:
+    goal = (
+        "Perplexity at budgets 256-1,024 with a recent window: Q-Filters closes ≥ 50% of the "
+        "streaming-to-full gap (paper: up to 65% less perplexity drop than StreamingLLM)"
+    )
+    data = _load(folder, "perplexity")
+    if not data:
+        return goal, "not run yet", "not run"
+    parts, ok = [], True
+    for dataset, res in data["results"].items():
+        for budget, arms in res["budgets"].items():
+            if int(budget) < 256 or "qfilters/r25" not in arms:
+                continue
+            gap = arms["qfilters/r25"].get("gap_closed_vs_streaming")
+            if gap is None:
+                parts.append(f"{dataset} {budget}: no gap to close")
+                continue
+            ok &= gap >= 0.5
+            parts.append(f"{dataset} {budget}: {gap:.0%}")
+    if not parts:
+        return goal, "no budget ≥ 256 in the run", "not run"
+    return goal, "gap closed: " + "; ".join(parts), _verdict(ok)
+
+
+def decode(folder: Path) -> Row:
+    goal = (
+        "Decode at 8k: budget 512 ≥ 2× faster per step than the full cache; peak memory "
+        "flat in context with eviction"
+    )
+    data = _load(folder, "decode")
+    if not data:
+        return goal, "not run yet", "not run"
+    top = max(data["sweep"], key=lambda r: r["context"])
+    ratios = {r["arm"]: r for r in top["ratios"]}
+    if "b512" not in ratios:
+        return goal, "budget 512 not in the run", "not run"
+    speedup = 1 / ratios["b512"]["median"]
+    peaks = [
+        max(m["prefill_peak_bytes"], m["decode_peak_bytes"])
+        for m in data["memory"]
+        if m["arm"] == "b512"
+    ]
+    full_peaks = [
+        max(m["prefill_peak_bytes"], m["decode_peak_bytes"])
+        for m in data["memory"]
+        if m["arm"] == "full"
+    ]
+    growth = max(peaks) / min(peaks)
+    full_growth = max(full_peaks) / min(full_peaks)
+    ok = speedup >= 2 and growth < 1.5
+    return (
+        goal,
+        f"at {top['context']}: {speedup:.2f}× (A/A {ratios['full_b']['median']:.3f}); "
+        f"budget-512 peak memory grows {growth:.2f}× from {data['sweep'][0]['context']} to "
+        f"{top['context']} tokens (full cache {full_growth:.2f}×)",
+        _verdict(ok),
+    )
+
+
+def vs_mlx_lm(folder: Path) -> Row:
+    goal = "Against mlx_lm.server: parity with the full cache; ≥ 2× decode tokens/s at 8k"
+    data = _load(folder, "vs_mlx_lm")
+    if not data:
+        return goal, "not run yet", "not run"
+    top = max(data["rows"], key=lambda r: r["prompt_tokens"])
+    tps = {r["arm"]: r["median"] for r in top["tps_ratios"]}
+    ttft = {r["arm"]: r["median"] for r in top["ttft_ratios"]}
+    ok = top["prompt_tokens"] >= 8000 and tps["ours_qfilters"] >= 2
+    return (
+        goal,
+        f"at {top['prompt_tokens']} prompt tokens: full TTFT {ttft['ours_full']:.2f}×, "
+        f"tokens/s {tps['ours_full']:.2f}×; Q-Filters tokens/s {tps['ours_qfilters']:.2f}× "
+        f"(A/A {tps['theirs_b']:.2f}×)",
+        _verdict(ok),
+    )
+
+
+GOALS: tuple[Callable[[Path], Row], ...] = (
+    retrieval,
+    niah,
+    attention,
+    perplexity,
+    decode,
+    vs_mlx_lm,
+)
+
+
+def render_goals(folder: Path) -> list[str]:
+    """``### Goals`` as a markdown table (empty when the folder has no results)."""
+    if not folder.is_dir() or not any(folder.glob("*.json")):
+        return []
+    rows = [goal(folder) for goal in GOALS]
+    return [
+        "## Goals on the default model, against what was measured",
+        "",
+        "Read from the JSON files below when this page was rendered.",
+        "",
+        "| goal | measured | verdict |",
+        "|---|---|---|",
+        *(f"| {g} | {m} | {v} |" for g, m, v in rows),
+        "",
+    ]
