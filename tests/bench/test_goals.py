@@ -1,0 +1,79 @@
+"""The goals table says met only when the figures a study wrote meet every number it names."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench.goals import attention, decode, render_goals, retrieval
+
+
+def _write(folder: Path, name: str, data: dict) -> None:
+    (folder / f"{name}.json").write_text(json.dumps(data))
+
+
+def _cell(acc: float, n: int = 6) -> dict:
+    return {"accuracy": acc, "n": n}
+
+
+def test_attention_goal_needs_the_threshold_and_both_baselines(tmp_path: Path) -> None:
+    def run(q: float, knorm: float) -> str:
+        pooled = {"qfilters": q, "knorm": knorm, "recency": 0.1}
+        _write(tmp_path, "attention", {"results": {"all": {
+            k: {"mean_rho": v} for k, v in pooled.items()}}})  # fmt: skip
+        return attention(tmp_path)[2]
+
+    assert run(0.65, 0.3) == "**met**"
+    assert run(0.55, 0.3) == "**not met**"  # below +0.6
+    assert run(0.65, 0.7) == "**not met**"  # K-norm above
+
+
+def test_retrieval_goal_pools_4k_and_8k_and_requires_beating_baselines(tmp_path: Path) -> None:
+    def arms(q: list[float], k: list[float]) -> dict:
+        ratios = (8, 16, 32)
+        return {"arms": {
+            "qfilters/r25": {str(r): _cell(a) for r, a in zip(ratios, q, strict=True)},
+            "knorm/r25": {str(r): _cell(a) for r, a in zip(ratios, k, strict=True)},
+            "streaming/r0": {str(r): _cell(0.0) for r in ratios},
+        }}  # fmt: skip
+
+    good = arms([1.0, 1.0, 1.0], [0.5, 0.5, 0.5])
+    _write(tmp_path, "retrieval", {"ratios": [8, 16, 32], "results": {
+        "1024": arms([0.0] * 3, [1.0] * 3), "4096": good, "8192": good}})  # fmt: skip
+    goal, measured, verdict = retrieval(tmp_path)
+    assert verdict == "**met**"  # the 1k documents are not part of the goal
+    assert "8×: 1.00 (K-norm 0.50, streaming 0.00)" in measured
+    tied = arms([1.0, 0.83, 1.0], [0.5, 0.83, 0.5])
+    _write(tmp_path, "retrieval", {"ratios": [8, 16, 32], "results": {"4096": tied}})
+    assert retrieval(tmp_path)[2] == "**not met**"  # 16x: below 90% and tied with K-norm
+
+
+def test_decode_goal_reads_the_longest_context(tmp_path: Path) -> None:
+    def mem(context: int, arm: str, peak: int) -> dict:
+        return {"context": context, "arm": arm, "prefill_peak_bytes": peak,
+                "decode_peak_bytes": peak // 2}  # fmt: skip
+
+    sweep = [
+        {
+            "context": c,
+            "ratios": [{"arm": "full_b", "median": 1.0}, {"arm": "b512", "median": ratio}],
+        }  # fmt: skip
+        for c, ratio in ((1024, 0.9), (8192, 0.4))
+    ]
+    memory = [mem(1024, "b512", 100), mem(8192, "b512", 110), mem(1024, "full", 100),
+              mem(8192, "full", 800)]  # fmt: skip
+    _write(tmp_path, "decode", {"sweep": sweep, "memory": memory})
+    goal, measured, verdict = decode(tmp_path)
+    assert verdict == "**met**" and "at 8192: 2.50×" in measured
+    assert "full cache 8.00×" in measured
+
+
+def test_missing_studies_say_not_run(tmp_path: Path) -> None:
+    _write(tmp_path, "structured", {})
+    lines = render_goals(tmp_path)
+    assert lines and all(
+        line.endswith("| not run |")
+        for line in lines
+        if line.startswith("| ") and "goal" not in line
+    )
+    assert render_goals(tmp_path / "nothing") == []
