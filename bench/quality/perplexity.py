@@ -1,26 +1,35 @@
 """Study 3: perplexity of streaming generation with eviction active, per budget and arm.
 
-Held-out sequences of ``L`` tokens (evaluation-split stdlib windows, and held-out generated
-recall documents) are fed one token per step through each arm's real caches
-(:mod:`bench.quality.teacher`), teacher-forced, at budgets 64 / 128 / 256 / 512 (those with
-``budget <= L/2``). Perplexity is scored on the second half of each sequence, where every
-budget is full and evicting, so budgets are comparable. Arms: full cache, calibrated
-Q-Filters, key-SVD fallback and K-norm, each with ``recent = 0`` and ``recent = budget/4``,
-and streaming (sinks + latest rows, for which a recent window changes nothing).
+Sequences of ``L`` tokens (default 4 x 2,048) are fed one token per step through each arm's
+real caches (:mod:`bench.quality.teacher`), teacher-forced, at budgets 256 / 512 / 1,024 by
+default (those with ``budget <= L/2``). Data sets: ``stdlib`` (evaluation-split standard
+library code windows), ``prose`` (running English prose: standard-library docstring
+paragraphs, :mod:`bench.quality.prose`) and ``recall`` (held-out generated recall
+documents). Perplexity is scored on the second half of each sequence, where every budget is
+full and evicting, so budgets are comparable. Arms: full cache, calibrated Q-Filters and
+K-norm with ``recent = budget/4`` (``--methods`` adds the key-SVD fallback in either
+orientation, ``--recent-fracs`` other windows; quick runs all of them at 0 and b/4), and
+streaming (sinks + latest rows, for which a recent window changes nothing).
 
 ``gap closed vs streaming`` is ``(nll_streaming - nll_arm) / (nll_streaming - nll_full)`` on
 the pooled mean NLL at the same budget: 100% matches the full cache, 0% is no better than
 keeping the latest rows, negative is worse. It is left out (``None``) where streaming is not
-worse than the full cache by at least 0.002 nats/token: there is no gap to close. Every arm is checked to hold exactly ``budget``
-rows per layer and KV head at the end and never more at any step.
+worse than the full cache by at least 0.002 nats/token: there is no gap to close. Every arm
+is checked to hold exactly ``budget`` rows per layer and KV head at the end and never more
+at any step.
 
-Run: ``python -m bench.quality.perplexity [--quick] [--budgets 64 128 256 512]``.
+Each (data set, budget, arm) is appended to ``<out>/perplexity.jsonl`` as it finishes, so an
+interrupted run resumes where it stopped.
+
+Run: ``python -m bench.quality.perplexity [--quick] [--budgets ...] [--datasets ...]``.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -35,10 +44,13 @@ from bench.quality.common import (
     spread,
 )
 from bench.quality.data import recall_windows, stdlib_windows
+from bench.quality.prose import prose_windows
 from bench.quality.study import open_study
 from bench.quality.teacher import full_nll, prefill_length, streaming_nll
 
 STUDY = "perplexity"
+METHODS = ("qfilters", "fallback", "fallback-", "knorm")
+DEFAULT_METHODS = ("qfilters", "knorm")
 
 
 def run_arm(
@@ -79,19 +91,44 @@ def evaluate(
     budgets: list[int],
     filters: np.ndarray,
     desc: str,
+    log: Path | None = None,
 ) -> dict[str, Any]:
-    """NLL windows and budget records of every (budget, arm) on one batch of sequences."""
+    """NLL windows and budget records of every (budget, arm) on one batch of sequences.
+
+    With ``log``, each (budget, arm) is appended to that JSONL file as it finishes and those
+    already there (same data set, shape and budget) are read back instead of rerun.
+    """
     L = tokens.shape[1]
     window = slice(L // 2, None)  # nll index i predicts token i + 1
     full = full_nll(model, tokens)[:, window]
-    out: dict[str, Any] = {"full": {"nll": full}, "budgets": {}}
+    out: dict[str, Any] = {"full": {"nll": full}, "budgets": {b: {} for b in budgets}}
+    shape = list(tokens.shape)
+    done = {}
+    if log is not None and log.exists():
+        for line in log.read_text().splitlines():
+            rec = json.loads(line) if line.strip() else None
+            if rec and rec["dataset"] == desc and rec["shape"] == shape:
+                done[(rec["budget"], rec["arm"])] = rec
     evicting = [a for a in arms if a.method != "full"]
-    with progress(total=(L - 1) * len(evicting) * len(budgets), unit="tok", desc=desc) as bar:
+    todo = [(b, a) for b in budgets for a in evicting if (b, a.name) not in done]
+    with progress(total=(L - 1) * len(todo), unit="tok", desc=desc) as bar:
         for budget in budgets:
-            out["budgets"][budget] = {}
             for arm in evicting:
+                if (budget, arm.name) in done:
+                    rec = done[(budget, arm.name)]
+                    out["budgets"][budget][arm.name] = {
+                        **rec["record"],
+                        "nll": np.asarray(rec["nll"], dtype=np.float32),
+                    }
+                    continue
                 nll, record = run_arm(model, tokens, arm, budget, filters, bar)
                 out["budgets"][budget][arm.name] = {"nll": nll[:, window], **record}
+                if log is not None:
+                    with log.open("a") as f:
+                        f.write(json.dumps({
+                            "dataset": desc, "shape": shape, "budget": budget, "arm": arm.name,
+                            "record": record, "nll": nll[:, window].tolist(),
+                        }) + "\n")  # fmt: skip
     return out
 
 
@@ -140,12 +177,16 @@ def plot(results: dict[str, Any], identity: dict[str, Any], out_dir: Any) -> lis
     names = []
     for dataset, res in results.items():
         budgets = sorted(res["budgets"])
-        fig, ax = plots.subplots(1, 2, figsize=(10, 3.8), sharey=True)
-        for col, frac in enumerate((0, 25)):
+        names_run = set(res["budgets"][budgets[0]])
+        fracs = sorted({int(n.split("/r")[1]) for n in names_run if not n.startswith("streaming")})
+        fig, ax = plots.subplots(1, len(fracs), figsize=(5 * len(fracs), 3.8), sharey=True)
+        for col, frac in enumerate(fracs):
             a = ax[0, col]
             a.axhline(res["full"]["ppl"], color="black", ls="--", label="full")
             for method in ("qfilters", "fallback", "knorm", "streaming"):
                 name = f"{method}/r{0 if method == 'streaming' else frac}"
+                if name not in names_run:
+                    continue
                 ppl = [res["budgets"][b][name]["ppl"] for b in budgets]
                 a.plot(budgets, ppl, "o-", color=plots.COLORS[method], label=LABELS[method])
             a.set_xscale("log", base=2)
@@ -172,25 +213,50 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--length", type=int, default=None, help="tokens per sequence")
     p.add_argument("--sequences", type=int, default=None, help="sequences per data set")
     p.add_argument("--budgets", type=int, nargs="+", default=None)
-    p.add_argument("--datasets", nargs="+", choices=("stdlib", "recall"), default=None)
+    p.add_argument("--datasets", nargs="+", choices=("stdlib", "recall", "prose"), default=None)
+    p.add_argument(
+        "--recent-fracs",
+        type=float,
+        nargs="+",
+        default=None,
+        help="recent windows as fractions of the budget (default 0.25; quick: 0 and 0.25)",
+    )
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        choices=METHODS,
+        default=None,
+        help="evicting arms beside streaming (default: qfilters and knorm; quick: all)",
+    )
     args = parse(p, argv)
-    length = args.length or (96 if args.quick else 1024)
-    n_seq = args.sequences or (2 if args.quick else 8)
-    budgets = [b for b in (args.budgets or ((16, 32) if args.quick else (64, 128, 256, 512)))]
+    length = args.length or (96 if args.quick else 2048)
+    n_seq = args.sequences or (2 if args.quick else 4)
+    budgets = [b for b in (args.budgets or ((16, 32) if args.quick else (256, 512, 1024)))]
     budgets = [b for b in budgets if b <= length // 2]
-    datasets = args.datasets or (["stdlib"] if args.quick else ["stdlib", "recall"])
+    datasets = args.datasets or ["stdlib", "prose"]
     if not budgets:
         raise ValueError(f"budgets must be <= length/2 = {length // 2}, got {args.budgets}")
 
     study = open_study(STUDY, args, argv)
     model, identity, filters, corpus = study.model, study.identity, study.filters, study.corpus
-    make = {"stdlib": stdlib_windows, "recall": recall_windows}
-    arms = standard_arms()
+    make = {
+        "stdlib": lambda: stdlib_windows(corpus, length, n_seq),
+        "recall": lambda: recall_windows(corpus, length, n_seq),
+        "prose": lambda: prose_windows(study.tokenizer, length, n_seq),
+    }
+    arms = [
+        a
+        for a in standard_arms(tuple(args.recent_fracs or ((0.0, 0.25) if args.quick else (0.25,))))
+        if a.method in ("full", "streaming")
+        or a.name.split("/")[0] in (args.methods or (METHODS if args.quick else DEFAULT_METHODS))
+    ]
+    log = None if args.quick else args.out / f"{STUDY}.jsonl"
+    args.out.mkdir(parents=True, exist_ok=True)
     results, shapes = {}, {}
     for dataset in datasets:
-        tokens = make[dataset](corpus, length, n_seq)
+        tokens = make[dataset]()
         shapes[dataset] = list(tokens.shape)
-        raw = evaluate(model, tokens, arms, budgets, filters, desc=dataset)
+        raw = evaluate(model, tokens, arms, budgets, filters, desc=dataset, log=log)
         results[dataset] = summarise(raw)
 
     table = []
@@ -223,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
                 "budget tokens (others) go in as one block: identical stored rows",
                 "kinds": {
                     "stdlib": "evaluation-split stdlib windows, evenly spaced",
+                    "prose": "running English prose: stdlib docstring paragraphs "
+                    "(bench.quality.prose), windows from evenly spaced paragraphs",
                     "recall": "held-out generated kv / fact / pass-key documents (eval seeds)",
                 },
             },

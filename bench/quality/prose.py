@@ -12,6 +12,9 @@ import ast
 import sysconfig
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 MIN_CHARS = 120
 
@@ -45,3 +48,21 @@ def stdlib_prose() -> tuple[str, ...]:
                 if _is_prose(paragraph):
                     out.append(paragraph)
     return tuple(dict.fromkeys(out))  # docstrings repeat (overloads, aliases): once each
+
+
+def prose_windows(tokenizer: Any, length: int, n: int) -> np.ndarray:
+    """``(n, length)`` token windows of running prose, starting at ``n`` evenly spaced
+    paragraphs of :func:`stdlib_prose` (paragraphs joined by blank lines, as in a text)."""
+    paragraphs = stdlib_prose()
+    starts = np.linspace(0, len(paragraphs) - 1, n, endpoint=False).astype(int)
+    windows = []
+    for start in starts:
+        ids: list[int] = []
+        i = int(start)
+        while len(ids) < length:
+            ids += tokenizer.encode(
+                paragraphs[i % len(paragraphs)] + "\n\n", add_special_tokens=False
+            )
+            i += 1
+        windows.append(ids[:length])
+    return np.asarray(windows, dtype=np.int64)

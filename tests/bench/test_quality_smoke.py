@@ -83,6 +83,26 @@ def test_retrieval_shared_prefill_matches_generate_step(results: Path) -> None:
                 assert 0 <= c["accuracy"] <= 1 and c["answer_nll_mean"] > 0
 
 
+def test_perplexity_resumes_from_its_log(results: Path, tiny_model: Path) -> None:
+    """A full-size run appends one line per (data set, budget, arm) and, run again, reads
+    them back instead of recomputing: the same figures, no new lines."""
+    from bench.quality.perplexity import main
+
+    out = results / "perplexity-resume"
+    argv = ["--model", str(tiny_model), "--out", str(out), "--calibration", "fresh",
+            "--length", "64", "--sequences", "2", "--budgets", "16", "--datasets", "prose"]  # fmt: skip
+    assert main(argv) == 0
+    lines = (out / "perplexity.jsonl").read_text().splitlines()
+    assert [json.loads(line)["arm"] for line in lines] == [
+        "qfilters/r25", "knorm/r25", "streaming/r0"]  # fmt: skip
+    first = json.loads((out / "perplexity.json").read_text())["results"]
+    assert main(argv) == 0
+    assert (out / "perplexity.jsonl").read_text().splitlines() == lines
+    again = json.loads((out / "perplexity.json").read_text())["results"]
+    for name, row in first["prose"]["budgets"]["16"].items():
+        assert again["prose"]["budgets"]["16"][name]["ppl"] == pytest.approx(row["ppl"], rel=1e-6)
+
+
 def test_niah_places_the_needle_and_resumes(results: Path, tiny_model: Path) -> None:
     from bench.quality.niah import main
 
