@@ -16,6 +16,14 @@ slots, one of them free between steps), so a step costs O(budget) comparisons an
 writes instead of copying every row. Attention over a single new token does not depend on row
 order; :meth:`EvictionCache.kept` gives the rows in temporal order, and a block compacts them
 back before it is appended.
+
+Chunks (``chunk > 1``): a block eviction ranks rows by their chunk's mean score
+(:func:`engine.evict.chunk_scores` over the per-token scores and absolute positions the cache
+then also stores), so prefill and new turns keep whole chunks, on the plain-MLX path. The
+decode step stays O(budget) and per row: at the first eviction every stored row is ranked by
+the mean over its chunk's stored rows, a decoded row carries its own score (its chunk is
+still being written), and the victim is the lowest of those, so decoding eats the weakest
+chunk from its end instead of picking single tokens out of many chunks.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, create_attention_mask
 
 import metal
-from engine.evict import gather_rows, select_victim
+from engine.evict import chunk_scores, gather_rows, select_keep, select_victim
 from engine.scorers import Scorer
 from engine.stats import CacheStats
 
@@ -47,9 +55,10 @@ class EvictionCache:
         budget: Rows kept per KV head after every update, sinks and recent rows included.
         n_sink: Leading positions never evicted.
         recent: Trailing positions never evicted.
+        chunk: Positions per chunk for block evictions (1 = per-row selection).
         use_kernel: Evict blocks with the fused GPU kernel (see
             :func:`metal.resolve_kernel_mode`); the decode step's single-row eviction is
-            O(budget) in plain MLX either way.
+            O(budget) in plain MLX either way, and chunked blocks use plain MLX.
     """
 
     def __init__(
@@ -59,16 +68,20 @@ class EvictionCache:
         budget: int,
         n_sink: int = 4,
         recent: int = 0,
+        chunk: int = 1,
         use_kernel: bool = False,
     ):
         if n_sink + recent >= budget:
             raise ValueError(
                 f"n_sink + recent must be < budget, got {n_sink} + {recent} >= {budget}"
             )
+        if not 1 <= chunk < budget:
+            raise ValueError(f"chunk must be in [1, budget={budget}), got {chunk}")
         self.scorer = scorer
         self.budget = budget
         self.n_sink = n_sink
         self.recent = recent
+        self.chunk = chunk
         self.use_kernel = use_kernel
         self.keys: mx.array | None = None  # (B, H, S, D)
         self.values: mx.array | None = None  # (B, H, S, Dv)
@@ -77,6 +90,10 @@ class EvictionCache:
         # and the slot the next token goes to (B, H, 1) uint32.
         self.order: mx.array | None = None
         self.free: mx.array | None = None
+        # Chunks only: per-token scores (``scores`` then holds the ranks the decode step
+        # compares) and absolute positions (B, H, S) int32 (``order`` in the slot layout).
+        self.token_scores: mx.array | None = None
+        self.positions: mx.array | None = None
         self.offset = 0  # absolute position of the next token (= tokens seen)
         self.evictions = 0  # updates that dropped rows
 
@@ -98,42 +115,91 @@ class EvictionCache:
         scores: mx.array | None
         if scorer.ready:
             new_scores = scorer.score(keys, start)
+            old_scores = self.scores if self.chunk == 1 else self.token_scores
             scores = (
                 new_scores
-                if self.scores is None
-                else mx.concatenate([self.scores, new_scores], axis=2)
+                if old_scores is None
+                else mx.concatenate([old_scores, new_scores], axis=2)
             )
         else:
             # Nothing has been evicted yet, so the stored rows are positions 0 .. offset-1.
             scorer.observe(all_keys, self.offset)
             scores = scorer.score(all_keys, 0) if scorer.ready else None
+        positions = None
+        if self.chunk > 1:
+            new_positions = mx.broadcast_to(
+                mx.arange(start, self.offset, dtype=mx.int32), keys.shape[:3]
+            )
+            positions = (
+                new_positions
+                if self.positions is None
+                else mx.concatenate([self.positions, new_positions], axis=2)
+            )
 
         L = all_keys.shape[2]
         if scores is None or L <= self.budget:
-            self.keys, self.values, self.scores = all_keys, all_values, scores
-        else:
-            if keys.shape[2] == 1 and L == self.budget + 1:
-                # Full with one new row: switch to the slot layout, nothing is copied.
-                self.keys, self.values = all_keys, all_values
-                self.scores = mx.nan_to_num(scores, nan=-_INF, posinf=_INF, neginf=-_INF)
+            self.keys, self.values, self.positions = all_keys, all_values, positions
+            self._set_scores(scores)
+        elif keys.shape[2] == 1 and L == self.budget + 1:
+            # Full with one new row: switch to the slot layout, nothing is copied.
+            self.keys, self.values = all_keys, all_values
+            if positions is not None:
+                # The stored rows are ranked by chunk; the decoded row carries its own score.
+                self.positions = positions[..., :-1]
+                self._set_scores(scores[..., :-1], ranked=True)
+                assert self.scores is not None
+                own = mx.nan_to_num(scores[..., -1:], nan=-_INF, posinf=_INF, neginf=-_INF)
+                self.scores = mx.concatenate([self.scores, own], axis=2)
+                self.token_scores = scores
+                self.positions = self.order = positions
+            else:
+                self._set_scores(scores, ranked=True)
                 # Rank in time: the last rows get their true positions (the recent window
                 # is exact); older rows get smaller ranks in the same order.
                 self.order = mx.broadcast_to(
                     mx.arange(self.offset - L, self.offset, dtype=mx.int32), scores.shape
                 )
-                self.free = self._victim()
-            else:
-                self.keys, self.values, self.scores = metal.fused_evict(
-                    all_keys,
-                    all_values,
-                    scores,
-                    budget=self.budget,
-                    n_sink=self.n_sink,
-                    recent=self.recent,
-                    use_kernel=self.use_kernel,
-                )
+            self.free = self._victim()
+            self.evictions += 1
+        elif positions is not None:
+            idx = select_keep(
+                chunk_scores(scores, positions, self.chunk),
+                self.budget,
+                self.n_sink,
+                self.recent,
+            )
+            self.keys, self.values = gather_rows(all_keys, idx), gather_rows(all_values, idx)
+            self.positions = gather_rows(positions, idx)
+            self._set_scores(gather_rows(scores, idx), ranked=True)
+            self.evictions += 1
+        else:
+            self.keys, self.values, self.scores = metal.fused_evict(
+                all_keys,
+                all_values,
+                scores,
+                budget=self.budget,
+                n_sink=self.n_sink,
+                recent=self.recent,
+                use_kernel=self.use_kernel,
+            )
             self.evictions += 1
         return all_keys, all_values
+
+    def _set_scores(self, scores: mx.array | None, *, ranked: bool = False) -> None:
+        """Store per-token ``scores`` (temporal order); once ``ranked`` (evicting), NaN maps
+        to -inf and, with chunks, the decode step's ranks are the chunk means."""
+        if self.chunk == 1 or scores is None:
+            self.scores = scores
+            if ranked and scores is not None:
+                self.scores = mx.nan_to_num(scores, nan=-_INF, posinf=_INF, neginf=-_INF)
+            return
+        self.token_scores = scores
+        if ranked:
+            assert self.positions is not None
+            means = chunk_scores(scores, self.positions, self.chunk)
+            self.scores = mx.nan_to_num(means, nan=-_INF, posinf=_INF, neginf=-_INF)
+        else:
+            self.scores = scores
 
     def _victim(self) -> mx.array:
         assert self.scores is not None and self.order is not None
@@ -145,8 +211,8 @@ class EvictionCache:
         assert self.scores is not None and self.order is not None and self.free is not None
         position = self.offset
         self.offset += 1
-        score = self.scorer.score(keys, position)  # (B, H, 1)
-        score = mx.nan_to_num(score, nan=-_INF, posinf=_INF, neginf=-_INF)
+        raw = self.scorer.score(keys, position)  # (B, H, 1)
+        score = mx.nan_to_num(raw, nan=-_INF, posinf=_INF, neginf=-_INF)
         slot = self.free[..., None]  # (B, H, 1, 1)
         self.keys = mx.put_along_axis(self.keys, slot, keys, axis=2)
         self.values = mx.put_along_axis(self.values, slot, values, axis=2)
@@ -154,6 +220,9 @@ class EvictionCache:
         self.order = mx.put_along_axis(
             self.order, self.free, mx.array(position, dtype=mx.int32), axis=2
         )
+        if self.token_scores is not None:
+            self.token_scores = mx.put_along_axis(self.token_scores, self.free, raw, axis=2)
+            self.positions = self.order
         self.free = self._victim()
         self.evictions += 1
         return self.keys, self.values
@@ -171,6 +240,9 @@ class EvictionCache:
         self.keys = gather_rows(self.keys, idx)
         self.values = gather_rows(self.values, idx)
         self.scores = gather_rows(self.scores, idx)
+        if self.token_scores is not None and self.positions is not None:
+            self.token_scores = gather_rows(self.token_scores, idx)
+            self.positions = gather_rows(self.positions, idx)
         self.order = self.free = None
 
     def kept(self) -> tuple[mx.array, mx.array, mx.array | None]:
@@ -204,36 +276,56 @@ class EvictionCache:
     @property
     def state(self) -> tuple[mx.array, ...]:
         # The arrays as stored (cheap to evaluate every step); kept() gives temporal order.
+        # Chunks add the per-token scores and positions (``order`` in the slot layout).
         if self.keys is None or self.values is None:
             return ()
         if self.scores is None:
             return self.keys, self.values
+        extra: tuple[mx.array, ...] = ()
+        if self.token_scores is not None and self.positions is not None:
+            extra = (self.token_scores, self.positions)
         if self.order is None or self.free is None:
-            return self.keys, self.values, self.scores
-        return self.keys, self.values, self.scores, self.order, self.free
+            return self.keys, self.values, self.scores, *extra
+        return self.keys, self.values, self.scores, *extra, self.order, self.free
 
     @state.setter
     def state(self, v: tuple[mx.array, ...]) -> None:
+        # Read from the tuple alone (mlx-lm's from_state sets state before meta_state): the
+        # slot layout ends with ``free``, the only uint32 array; chunks add two arrays.
         self.keys, self.values, *rest = v
-        self.scores = rest[0] if rest else None
-        self.order, self.free = (rest[1], rest[2]) if len(rest) == 3 else (None, None)
+        self.scores = rest.pop(0) if rest else None
+        slots = bool(rest) and rest[-1].dtype == mx.uint32
+        self.order, self.free = (rest[-2], rest[-1]) if slots else (None, None)
+        chunked = rest[:-2] if slots else rest
+        self.token_scores, self.positions = (chunked[0], chunked[1]) if chunked else (None, None)
 
     @property
     def meta_state(self) -> tuple[str, ...]:
         return tuple(
-            str(x) for x in (self.offset, self.budget, self.n_sink, self.recent, self.evictions)
+            str(x)
+            for x in (
+                self.offset,
+                self.budget,
+                self.n_sink,
+                self.recent,
+                self.evictions,
+                self.chunk,
+            )
         )
 
     @meta_state.setter
     def meta_state(self, v: tuple[str, ...]) -> None:
-        self.offset, self.budget, self.n_sink, self.recent, self.evictions = map(int, v)
+        self.offset, self.budget, self.n_sink, self.recent, self.evictions, *chunk = map(int, v)
+        self.chunk = chunk[0] if chunk else 1
 
     @property
     def nbytes(self) -> int:
         if self.keys is None or self.values is None:
             return 0
-        scores = 0 if self.scores is None else self.scores.nbytes
-        return self.keys.nbytes + self.values.nbytes + scores
+        extra = sum(
+            x.nbytes for x in (self.scores, self.token_scores, self.positions) if x is not None
+        )
+        return self.keys.nbytes + self.values.nbytes + extra
 
     def is_trimmable(self) -> bool:
         # Once rows were dropped, "remove the last n tokens" no longer maps onto stored rows.
@@ -249,6 +341,10 @@ class EvictionCache:
             self.keys, self.values = self.keys[..., :keep, :], self.values[..., :keep, :]
             if self.scores is not None:
                 self.scores = self.scores[..., :keep]
+            if self.token_scores is not None:
+                self.token_scores = self.token_scores[..., :keep]
+            if self.positions is not None:
+                self.positions = self.positions[..., :keep]
         return n
 
     def stats(self) -> CacheStats:

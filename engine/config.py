@@ -15,6 +15,7 @@ DEFAULT_BUDGET = 512
 DEFAULT_N_SINK = 4
 DEFAULT_RECENT = 0
 DEFAULT_CALIB_TOKENS = 128
+DEFAULT_CHUNK = 1
 
 
 class ConfigError(ValueError):
@@ -39,6 +40,8 @@ class CacheConfig:
         sign: ``+1`` keeps keys with a large projection on the filter, ``-1`` the opposite
             (an ablation; meaningful on the key-SVD fallback, whose sign is ambiguous).
         calib_tokens: Keys observed before the key-SVD fallback freezes its direction.
+        chunk: Block evictions keep whole chunks of this many positions, ranked by their
+            mean score (ChunkKV); ``1`` (default) ranks rows one by one.
         kernel: Fused eviction kernel: ``auto`` (where a GPU backend exists), ``on``
             (require it) or ``off`` (pure MLX).
     """
@@ -49,6 +52,7 @@ class CacheConfig:
     recent: int = DEFAULT_RECENT
     sign: int = 1
     calib_tokens: int = DEFAULT_CALIB_TOKENS
+    chunk: int = DEFAULT_CHUNK
     kernel: KernelMode = "auto"
 
     def __post_init__(self) -> None:
@@ -58,7 +62,7 @@ class CacheConfig:
             raise ConfigError(
                 "kernel", f"kernel must be one of {KERNEL_MODES}, got {self.kernel!r}"
             )
-        for name in ("budget", "n_sink", "recent", "calib_tokens"):
+        for name in ("budget", "n_sink", "recent", "calib_tokens", "chunk"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ConfigError(name, f"{name} must be an integer, got {value!r}")
@@ -70,6 +74,10 @@ class CacheConfig:
             raise ConfigError("recent", f"recent must be >= 0, got {self.recent}")
         if self.calib_tokens < 1:
             raise ConfigError("calib_tokens", f"calib_tokens must be >= 1, got {self.calib_tokens}")
+        if self.chunk < 1:
+            raise ConfigError("chunk", f"chunk must be >= 1, got {self.chunk}")
+        if self.method != "full" and self.chunk >= self.budget:
+            raise ConfigError("chunk", f"chunk must be < budget={self.budget}, got {self.chunk}")
         if self.sign not in (1, -1) or isinstance(self.sign, bool):
             raise ConfigError("sign", f"sign must be +1 or -1, got {self.sign!r}")
         if self.method != "full" and self.n_sink + self.recent >= self.budget:

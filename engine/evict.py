@@ -9,6 +9,11 @@ Two paths: a block eviction (:func:`select_keep`, the plain-MLX path of the fuse
 :mod:`metal.qfilters_apply`, so kernel and CPU share one definition) and the decode step,
 where exactly one row goes (:func:`select_victim`, O(budget), no sort: the cache then writes
 the next token into the freed slot instead of copying the rows).
+
+Chunk-level selection (ChunkKV, arXiv 2502.00299) ranks a block's rows by the mean score of
+their chunk, ``position // chunk`` (:func:`chunk_scores`), so :func:`select_keep` keeps whole
+chunks: members tie, and ties go lowest position first, so only the chunk at the boundary
+can be cut, from its end.
 """
 
 from __future__ import annotations
@@ -57,6 +62,34 @@ def select_victim(scores: mx.array, order: mx.array, n_sink: int, first_recent: 
     masked = mx.where(guarded, _INF, scores)
     tied = masked == masked.min(axis=-1, keepdims=True)
     return mx.argmax(mx.where(tied, order, -1), axis=-1, keepdims=True)  # uint32
+
+
+def chunk_scores(scores: mx.array, positions: mx.array, chunk: int) -> mx.array:
+    """Each row's chunk mean: the mean score of the stored rows sharing ``position // chunk``.
+
+    A NaN score makes its chunk's mean NaN (ranked lowest, as a NaN row would be).
+
+    Args:
+        scores: ``(B, H, L)`` float32 per-row scores.
+        positions: ``(B, H, L)`` int32 absolute positions, ascending along ``L``.
+        chunk: Positions per chunk, ``>= 1`` (1 returns ``scores``).
+    Returns:
+        ``(B, H, L)`` float32.
+    """
+    if chunk == 1:
+        return scores
+    B, H, L = scores.shape
+    ids = positions // chunk  # (B, H, L), non-decreasing along L
+    first = mx.concatenate(
+        [mx.ones((B, H, 1), dtype=mx.bool_), ids[..., 1:] != ids[..., :-1]], axis=-1
+    )
+    # Segment number of each row, made unique over (b, h) for one flat scatter.
+    segment = mx.cumsum(first.astype(mx.int32), axis=-1) - 1
+    segment = segment + (mx.arange(B * H, dtype=mx.int32) * L).reshape(B, H, 1)
+    flat = segment.reshape(-1)
+    sums = mx.zeros((B * H * L,), dtype=mx.float32).at[flat].add(scores.reshape(-1))
+    counts = mx.zeros((B * H * L,), dtype=mx.float32).at[flat].add(1.0)
+    return (sums[flat] / counts[flat]).reshape(B, H, L)
 
 
 def gather_rows(x: mx.array, idx: mx.array) -> mx.array:

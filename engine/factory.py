@@ -84,6 +84,7 @@ def make_caches(
             budget=config.budget,
             n_sink=config.n_sink,
             recent=config.recent,
+            chunk=config.chunk,
             use_kernel=use_kernel,
         )
     return caches
