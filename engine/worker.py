@@ -81,6 +81,7 @@ class RequestRecord:
     budget: int
     recent: int
     n_sink: int
+    chunk: int = 1
     state: State = "queued"
     filter_source: str = "none"
     prompt_tokens: int = 0
@@ -284,6 +285,7 @@ class Worker:
             budget=request.cache.budget,
             recent=request.cache.recent,
             n_sink=request.cache.n_sink,
+            chunk=request.cache.chunk,
         )
         job = Job(request, record, loop)
         with self._lock:
@@ -523,6 +525,7 @@ class Worker:
             "budget": config.budget,
             "recent": config.recent,
             "n_sink": config.n_sink,
+            "chunk": config.chunk,
             "filter_source": record.filter_source,
             "tokens_seen": record.tokens_seen,
             "tokens_kept": record.tokens_kept,

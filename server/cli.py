@@ -77,6 +77,13 @@ def make_parser(env: EnvDefaults | None = None) -> argparse.ArgumentParser:
         help="default leading positions never evicted (default: %(default)s)",
     )
     p.add_argument(
+        "--chunk",
+        type=int,
+        default=s.chunk,
+        help="default chunk size: prefill keeps whole chunks of this many positions "
+        "(default: %(default)s, token by token)",
+    )
+    p.add_argument(
         "--max-queue",
         type=int,
         default=s.max_queue,
@@ -146,6 +153,7 @@ def settings_from_args(args: argparse.Namespace):
         budget=args.budget,
         recent=args.recent,
         n_sink=args.n_sink,
+        chunk=args.chunk,
         max_queue=args.max_queue,
         api_key=api_key,
         admin_key=args.admin_key,

@@ -89,6 +89,7 @@ EXTENSION_FATES: dict[str, tuple[Fate, str]] = {
     "qfilters_budget": ("implemented", "qfserve: KV rows kept per layer and KV head"),
     "qfilters_recent": ("implemented", "qfserve: recent positions never evicted"),
     "qfilters_n_sink": ("implemented", "qfserve: leading positions never evicted"),
+    "qfilters_chunk": ("implemented", "qfserve: prefill keeps whole chunks of positions"),
 }
 REQUIRED = frozenset({"model", "messages", "prompt"})
 

@@ -2,7 +2,7 @@
 
 Requests are strict (no type coercion, unknown fields rejected) so mistakes surface as a
 400 naming the field. Our extensions (``qfilters_budget``, ``qfilters_recent``,
-``qfilters_n_sink``, ``kv_method``) sit together in :class:`EvictionFields`;
+``qfilters_n_sink``, ``qfilters_chunk``, ``kv_method``) sit together in :class:`EvictionFields`;
 :meth:`GenerationBody.to_engine` is the one conversion into the engine's frozen parameters.
 """
 
@@ -35,6 +35,7 @@ _CACHE_PARAMS = {
     "budget": "qfilters_budget",
     "recent": "qfilters_recent",
     "n_sink": "qfilters_n_sink",
+    "chunk": "qfilters_chunk",
 }
 
 
@@ -139,6 +140,14 @@ class EvictionFields(_Strict):
             description="Leading positions (attention sinks) never evicted. Default: --n-sink.",
         ),
     ] = None
+    qfilters_chunk: Annotated[
+        int | None,
+        Field(
+            ge=1,
+            description="Prefill and new turns keep whole chunks of this many positions, "
+            "ranked by their mean score (1 = token by token). Default: --chunk.",
+        ),
+    ] = None
     kv_method: Annotated[
         KVMethod | None,
         Field(
@@ -203,6 +212,7 @@ class GenerationBody(EvictionFields):
             "budget": self.qfilters_budget,
             "recent": self.qfilters_recent,
             "n_sink": self.qfilters_n_sink,
+            "chunk": self.qfilters_chunk,
         }
         overrides = {k: v for k, v in chosen.items() if v is not None}
         try:
@@ -483,6 +493,7 @@ class KVCacheInfo(BaseModel):
     budget: int
     recent: int
     n_sink: int
+    chunk: int = 1
     filter_source: str
     tokens_seen: int
     tokens_kept: int

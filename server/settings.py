@@ -9,6 +9,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from engine.config import (
     DEFAULT_BUDGET,
+    DEFAULT_CHUNK,
     DEFAULT_METHOD,
     DEFAULT_N_SINK,
     DEFAULT_RECENT,
@@ -36,6 +37,7 @@ class EnvDefaults(BaseSettings):
     budget: int = DEFAULT_BUDGET
     recent: int = DEFAULT_RECENT
     n_sink: int = DEFAULT_N_SINK
+    chunk: int = DEFAULT_CHUNK
     max_queue: int = DEFAULT_MAX_QUEUE
     api_key: str | None = None
     api_key_file: str | None = None
@@ -54,8 +56,8 @@ class Settings:
     Args:
         model: What ``--model`` names (see :func:`engine.loading.resolve_model_ref`);
             ``None`` serves the default catalog model.
-        kv_method, budget, recent, n_sink: Eviction defaults for requests that do not
-            send ``kv_method`` / ``qfilters_*``.
+        kv_method, budget, recent, n_sink, chunk: Eviction defaults for requests that do
+            not send ``kv_method`` / ``qfilters_*``.
         max_queue: Requests waiting for the worker at most (then 503 + Retry-After).
         api_key: When set, every route but ``/health`` needs ``Authorization: Bearer <key>``.
         admin_key: When set, the admin endpoint needs it instead of ``api_key``.
@@ -74,6 +76,7 @@ class Settings:
     budget: int = DEFAULT_BUDGET
     recent: int = DEFAULT_RECENT
     n_sink: int = DEFAULT_N_SINK
+    chunk: int = DEFAULT_CHUNK
     max_queue: int = DEFAULT_MAX_QUEUE
     api_key: str | None = None
     admin_key: str | None = None
@@ -86,7 +89,11 @@ class Settings:
     def __post_init__(self) -> None:
         # Built once: a bad eviction flag raises engine.config.ConfigError (a ValueError).
         defaults = CacheConfig(
-            method=self.kv_method, budget=self.budget, recent=self.recent, n_sink=self.n_sink
+            method=self.kv_method,
+            budget=self.budget,
+            recent=self.recent,
+            n_sink=self.n_sink,
+            chunk=self.chunk,
         )
         object.__setattr__(self, "_cache_defaults", defaults)
         if self.max_queue < 1:

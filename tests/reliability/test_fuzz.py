@@ -179,7 +179,9 @@ def raw_payloads(model: str, rng: random.Random) -> Iterator[tuple[str, bytes, s
         True,
         "",
     ]
-    for field in ("qfilters_budget", "qfilters_recent", "qfilters_n_sink", "kv_method"):
+    for field in (
+        "qfilters_budget", "qfilters_recent", "qfilters_n_sink", "qfilters_chunk", "kv_method"
+    ):  # fmt: skip
         for g in garbage:
             doc = json.loads(good)
             doc[field] = g

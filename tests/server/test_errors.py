@@ -60,6 +60,17 @@ BAD = [
     ("budget-float", "POST", CHAT_URL, chat(qfilters_budget=64.5), None, 400, "qfilters_budget"),
     ("recent-negative", "POST", CHAT_URL, chat(qfilters_recent=-1), None, 400, "qfilters_recent"),
     ("n-sink-bool", "POST", CHAT_URL, chat(qfilters_n_sink=True), None, 400, "qfilters_n_sink"),
+    ("chunk-0", "POST", CHAT_URL, chat(qfilters_chunk=0), None, 400, "qfilters_chunk"),
+    ("chunk-string", "POST", CHAT_URL, chat(qfilters_chunk="8"), None, 400, "qfilters_chunk"),
+    (
+        "chunk-over-budget",
+        "POST",
+        CHAT_URL,
+        chat(qfilters_budget=16, qfilters_chunk=16),
+        None,
+        400,
+        "qfilters_chunk",
+    ),
     (
         "sink-plus-recent-over-budget",
         "POST",

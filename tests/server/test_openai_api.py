@@ -123,6 +123,23 @@ def test_budget_from_extra_body_is_honoured_and_shown_by_admin(server):
     assert "content" not in json.dumps(admin) and LONG_PROMPT[:20] not in json.dumps(admin)
 
 
+def test_chunk_from_extra_body_is_honoured_echoed_and_shown_by_admin(server):
+    client = server.client()
+    kwargs = dict(model=MODEL_NAME, messages=[{"role": "user", "content": LONG_PROMPT}],
+                  max_tokens=8, temperature=0)  # fmt: skip
+    resp = client.chat.completions.create(
+        **kwargs, extra_body={"qfilters_budget": 32, "qfilters_chunk": 8}
+    )
+    kv = resp.model_extra["kv_cache"]
+    assert kv["chunk"] == 8 and kv["budget"] == 32 and kv["evictions"] > 0
+    record = next(
+        r for r in httpx.get(f"{server.url}/admin/cache").json()["history"] if r["id"] == resp.id
+    )
+    assert record["chunk"] == 8 and 0 < record["tokens_kept"] <= 32
+    plain = client.chat.completions.create(**kwargs, extra_body={"qfilters_budget": 32})
+    assert plain.model_extra["kv_cache"]["chunk"] == 1
+
+
 def test_temperature_zero_stream_equals_non_stream(server):
     client = server.client()
     kwargs = dict(model=MODEL_NAME, messages=CHAT, max_tokens=40, temperature=0)
