@@ -36,24 +36,28 @@ class Arm:
         recent_frac: Recent window as a fraction of the budget (0 or 0.25 in the studies).
         sign: ``-1`` keeps the other end of the scoring axis (the fallback's ablation: its
             axis oriented *to* the keys' mean).
+        chunk: Block evictions keep whole chunks of this many positions (1 = per row).
     """
 
     method: str
     recent_frac: float = 0.0
     sign: int = 1
+    chunk: int = 1
 
     @property
     def name(self) -> str:
         if self.method == "full":
             return "full"
         flipped = "-" if self.sign < 0 else ""
-        return f"{self.method}{flipped}/r{int(round(self.recent_frac * 100))}"
+        chunk = f"/c{self.chunk}" if self.chunk > 1 else ""
+        return f"{self.method}{flipped}/r{int(round(self.recent_frac * 100))}{chunk}"
 
     @property
     def label(self) -> str:
         flipped = ", sign flipped" if self.sign < 0 else ""
         recent = "" if self.recent_frac == 0 or self.method == "full" else ", recent b/4"
-        return f"{LABELS[self.method]}{flipped}{recent}"
+        chunk = f", chunks of {self.chunk}" if self.chunk > 1 else ""
+        return f"{LABELS[self.method]}{flipped}{recent}{chunk}"
 
     def recent(self, budget: int) -> int:
         return int(budget * self.recent_frac)
@@ -68,6 +72,7 @@ class Arm:
             recent=self.recent(budget),
             calib_tokens=min(DEFAULT_CALIB_TOKENS, budget),
             sign=self.sign,
+            chunk=self.chunk,
         )
 
     def caches(self, model: Any, budget: int | None, filters: np.ndarray | None) -> list[Any]:
@@ -100,6 +105,38 @@ def standard_arms(
         arms.append(Arm("knorm", frac))
     arms.append(Arm("streaming", 0.0))
     return arms
+
+
+def add_arm_arguments(p: Any) -> None:
+    """``--chunks`` (chunked Q-Filters arms) and ``--only`` (keep the named arms)."""
+    p.add_argument(
+        "--chunks",
+        type=int,
+        nargs="+",
+        default=[],
+        help="also run calibrated Q-Filters keeping whole chunks of these sizes",
+    )
+    p.add_argument("--only", nargs="+", default=None, help="run only these arm names")
+
+
+def select_arms(arms: list[Arm], args: Any) -> list[Arm]:
+    """``arms`` plus a chunked Q-Filters arm per ``--chunks`` size and recent fraction of
+    the plain one, filtered by ``--only`` (the full cache always runs)."""
+    extra = [
+        Arm("qfilters", a.recent_frac, chunk=c)
+        for c in args.chunks
+        for a in arms
+        if a.method == "qfilters" and a.chunk == 1
+    ]
+    out = [*arms, *extra]
+    if args.only:
+        unknown = set(args.only) - {a.name for a in out}
+        if unknown:
+            raise ValueError(
+                f"--only names unknown arms {sorted(unknown)}; have {[a.name for a in out]}"
+            )
+        out = [a for a in out if a.method == "full" or a.name in args.only]
+    return out
 
 
 def kept_rows(caches: list[Any]) -> list[int]:

@@ -31,7 +31,7 @@ import numpy as np
 from bench.cli import parse, parser
 from bench.harness import print_table
 from bench.quality import plots
-from bench.quality.arms import Arm
+from bench.quality.arms import Arm, add_arm_arguments, select_arms
 from bench.quality.common import progress, run
 from bench.quality.prose import stdlib_prose
 from bench.quality.retrieval import answer_nll, budget_for, prefill_block, run_arm
@@ -45,7 +45,7 @@ CITIES = (
 INTRO = "Read the text below. A special magic number is hidden in it; remember it.\n\n"
 
 
-def arms() -> list[Arm]:
+def default_arms() -> list[Arm]:
     """Full cache, then every method with a recent window of budget/4 (and the fallback's
     sign ablation)."""
     return [
@@ -100,14 +100,19 @@ def make_doc(
 
 
 def measure(
-    model: Any, tokenizer: Any, doc: dict[str, Any], filters: Any, ratios: list[int]
+    model: Any,
+    tokenizer: Any,
+    doc: dict[str, Any],
+    filters: Any,
+    ratios: list[int],
+    arms: list[Arm],
 ) -> dict:
     """Every arm at every ratio on one document: correct and answer NLL."""
     prompt = doc["prompt"]
     block = prefill_block(model, prompt)
     max_tokens = len(doc["answer"]) + 2
     out: dict[str, dict[str, Any]] = {}
-    for arm in arms():
+    for arm in arms:
         for ratio in [None] if arm.method == "full" else ratios:
             budget = None if ratio is None else budget_for(len(prompt), ratio, arm)
             if ratio is not None and budget is None:
@@ -133,10 +138,12 @@ def load_done(path: Any) -> dict[tuple[int, float, int], dict]:
     return done
 
 
-def aggregate(records: list[dict], lengths: list[int], depths: list[float]) -> dict:
+def aggregate(
+    records: list[dict], lengths: list[int], depths: list[float], arms: list[Arm]
+) -> dict:
     """``grid[arm][ratio]`` = accuracy matrix ``[depth][length]`` (None where not run)."""
     grid: dict[str, dict[str, list[list[float | None]]]] = {}
-    for arm in arms():
+    for arm in arms:
         for key in (
             ["-"]
             if arm.method == "full"
@@ -160,9 +167,15 @@ def aggregate(records: list[dict], lengths: list[int], depths: list[float]) -> d
 
 
 def plot(
-    grid: dict, lengths: list[int], depths: list[float], ratios: list[int], out_dir: Any, title: str
+    grid: dict,
+    lengths: list[int],
+    depths: list[float],
+    ratios: list[int],
+    arms: list[Arm],
+    out_dir: Any,
+    title: str,
 ) -> None:
-    names = [a.name for a in arms() if a.method != "full"]
+    names = [a.name for a in arms if a.method != "full"]
     fig, ax = plots.subplots(
         len(names) + 1, len(ratios), figsize=(2.1 * len(ratios), 1.9 * (len(names) + 1))
     )
@@ -184,7 +197,7 @@ def plot(
 
     heat(ax[0, 0], grid["full"]["-"], "full cache")
     for row, name in enumerate(names, start=1):
-        label = next(a.label for a in arms() if a.name == name)
+        label = next(a.label for a in arms if a.name == name)
         for col, r in enumerate(ratios):
             if str(r) in grid.get(name, {}):
                 heat(ax[row, col], grid[name][str(r)], f"{label}\n{r}x")
@@ -197,7 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--depths", type=float, nargs="+", default=None, help="needle depths, 0..1")
     p.add_argument("--ratios", type=int, nargs="+", default=None, help="compression ratios")
     p.add_argument("--per-cell", type=int, default=None, help="documents per depth x length")
+    add_arm_arguments(p)
     args = parse(p, argv)
+    arms = select_arms(default_arms(), args)
     lengths = args.lengths or ([256] if args.quick else [1024, 2048, 4096, 8192])
     depths = args.depths or ([0.0, 1.0] if args.quick else [0.0, 0.25, 0.5, 0.75, 1.0])
     ratios = args.ratios or ([4] if args.quick else [2, 4, 8, 16, 32])
@@ -224,14 +239,14 @@ def main(argv: list[str] | None = None) -> int:
                     "depth": doc["depth"],
                     "tokens": doc["tokens"],
                     "model": study.identity["path"],
-                    "arms": measure(study.model, study.tokenizer, doc, study.filters, ratios),
+                    "arms": measure(study.model, study.tokenizer, doc, study.filters, ratios, arms),
                 }
                 f.write(json.dumps(rec) + "\n")
                 f.flush()
                 done[(n, d, i)] = rec
             bar.update(1)
     records = [done[k] for k in todo]
-    grid = aggregate(records, lengths, depths)
+    grid = aggregate(records, lengths, depths, arms)
     table = []
     for name, by_ratio in grid.items():
         row = [name]
@@ -245,7 +260,9 @@ def main(argv: list[str] | None = None) -> int:
         table,
         title=f"NIAH in prose: exact match, mean over {len(depths)} depths x {len(lengths)} lengths",
     )
-    plot(grid, lengths, depths, ratios, args.out, f"{study.identity['path']}: needle in prose")
+    plot(
+        grid, lengths, depths, ratios, arms, args.out, f"{study.identity['path']}: needle in prose"
+    )
     return study.save(
         {
             "data": {
@@ -257,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
             "lengths": lengths,
             "depths": depths,
             "ratios": ratios,
-            "arms": [a.name for a in arms()],
+            "arms": [a.name for a in arms],
             "budget_rule": "budget = round(prompt tokens / ratio), recent = budget/4",
             "grid": grid,
             "records": records,

@@ -13,9 +13,11 @@ from pathlib import Path
 from typing import Any
 
 STUDIES = ("geometry", "attention", "perplexity", "retrieval", "stability", "niah")
+CHUNKS = (4, 8, 16)  # chunk sizes the studies may run (bench.quality.arms.Arm.chunk)
 ARM_ORDER = (
     "qfilters/r0",
     "qfilters/r25",
+    *(f"qfilters/r{r}/c{c}" for r in (0, 25) for c in CHUNKS),
     "fallback/r0",
     "fallback/r25",
     "fallback-/r0",
@@ -35,6 +37,11 @@ ARM_NAMES = {
     "knorm/r0": "K-norm, recent 0",
     "knorm/r25": "K-norm, recent b/4",
     "streaming/r0": "streaming (sinks + latest)",
+    **{
+        f"qfilters/r{r}/c{c}": f"Q-Filters calibrated, recent {'b/4' if r else 0}, chunks of {c}"
+        for r in (0, 25)
+        for c in CHUNKS
+    },
 }
 
 

@@ -46,7 +46,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from bench.cli import parse, parser
 from bench.harness import print_table
 from bench.quality import plots
-from bench.quality.arms import Arm, check_budget, standard_arms
+from bench.quality.arms import Arm, add_arm_arguments, check_budget, select_arms, standard_arms
 from bench.quality.common import (
     progress,
     run,
@@ -211,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         default=[0.0, 0.25],
         help="recent windows as fractions of the budget (default: 0 0.25)",
     )
+    add_arm_arguments(p)
     args = parse(p, argv)
     lengths = args.lengths or ([320] if args.quick else [256, 512, 1024, 2048])
     ratios = args.ratios or ([2, 8] if args.quick else [2, 4, 8, 16, 32])
@@ -220,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     identity, filters, corpus = study.identity, study.filters, study.corpus
     if identity["max_context"]:
         lengths = [n for n in lengths if n <= identity["max_context"]]
-    arms = standard_arms(tuple(args.recent_fracs))
+    arms = select_arms(standard_arms(tuple(args.recent_fracs)), args)
     configs = [(a, None) for a in arms if a.method == "full"]
     configs += [(a, r) for r in ratios for a in arms if a.method != "full"]
 

@@ -83,6 +83,21 @@ def test_retrieval_shared_prefill_matches_generate_step(results: Path) -> None:
                 assert 0 <= c["accuracy"] <= 1 and c["answer_nll_mean"] > 0
 
 
+def test_chunked_arms_run_beside_the_plain_ones(results: Path, tiny_model: Path) -> None:
+    from bench.quality.retrieval import main
+
+    out = results / "retrieval-chunks"
+    argv = ["--quick", "--model", str(tiny_model), "--out", str(out), "--calibration", "fresh",
+            "--chunks", "4", "--only", "qfilters/r25", "qfilters/r25/c4", "streaming/r0"]  # fmt: skip
+    assert main(argv) == 0
+    data = json.loads((out / "retrieval.json").read_text())
+    assert data["arms"] == ["full", "qfilters/r25", "streaming/r0", "qfilters/r25/c4"]
+    for res in data["results"].values():
+        assert set(res["arms"]) == set(data["arms"])
+    with pytest.raises(ValueError, match="unknown arms"):
+        main([*argv[:-3], "qfilters/r25/c5"])
+
+
 def test_perplexity_resumes_from_its_log(results: Path, tiny_model: Path) -> None:
     """A full-size run appends one line per (data set, budget, arm) and, run again, reads
     them back instead of recomputing: the same figures, no new lines."""
