@@ -1,22 +1,29 @@
 #!/usr/bin/env bash
-# Every study at full size on the bundled model, one after another, then the results page.
-# Usage: bench/run_all.sh [quality|speed|all]   (about 1 hour for all on a 2-core CPU)
+# Every study on the default model (SmolLM2-135M-Instruct), one after another, then the
+# results page. Each study is sized to about an hour or less on a 2-core CPU (the long
+# quality studies append to a JSONL and resume where they stopped); results go to
+# bench/results/smollm2/. Run one at a time: timings are read as interleaved ratios, but a
+# second study on the same cores still adds noise.
+# Usage: bench/run_all.sh [quality|speed|all]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 which="${1:-all}"
 run() { echo "== python -m $*"; python -m "$@"; }
 if [[ "$which" == quality || "$which" == all ]]; then
-    run bench.quality.geometry
-    run bench.quality.attention
-    run bench.quality.perplexity
-    run bench.quality.retrieval
+    run bench.quality.geometry --calibration registry
+    run bench.quality.attention --calibration registry
+    run bench.quality.retrieval --calibration registry --lengths 1024 4096 8192 \
+        --ratios 2 4 8 16 32 --per-bin 2 --recent-fracs 0.25
+    run bench.quality.niah --calibration registry
+    run bench.quality.perplexity --calibration registry
     run bench.quality.stability
 fi
 if [[ "$which" == speed || "$which" == all ]]; then
     run bench.speed.decode
-    run bench.speed.ttft --reps 7
-    run bench.speed.server_overhead --reps 11
-    run bench.speed.vs_mlx_lm --reps 15
-    run bench.speed.bandwidth --reps 11
+    run bench.speed.ttft
+    run bench.speed.server_overhead
+    run bench.speed.vs_mlx_lm
+    run bench.speed.bandwidth
+    run bench.speed.structured --reps 5 --tokens 40
 fi
 run bench.report

@@ -78,10 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(p, argv)
     settings = QUICK_SETTINGS if args.quick else FULL_SETTINGS
     counts = args.counts or ([30, 100, 300] if args.quick else [100, 300, 1000, 3000])
-    repeats = args.repeats or (2 if args.quick else 5)
+    repeats = args.repeats or (2 if args.quick else 3)
     budget = args.budget or (16 if args.quick else 128)
     length = args.length or (64 if args.quick else 512)
-    n_seq = args.sequences or (2 if args.quick else 8)
+    n_seq = args.sequences or (2 if args.quick else 4)
 
     study = open_study(STUDY, args, argv, calibrate=False)  # it calibrates its own sets
     model, tokenizer, identity = study.model, study.tokenizer, study.identity

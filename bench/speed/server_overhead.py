@@ -13,8 +13,8 @@ non-empty text; inter-token latency (ITL) is ``(end - first) / (completion_token
 Arms interleaved per round: in-process, worker, HTTP, in-process, HTTP; the two copies of
 in-process and of HTTP are the A/A pairs.
 
-Run: ``python -m bench.speed.server_overhead [--quick] [--model DIR] [--reps 7]``.
-Writes ``bench/results/server_overhead.json`` and ``server_overhead.png``.
+Run: ``python -m bench.speed.server_overhead [--quick] [--model M] [--reps 7]``.
+Writes ``bench/results/<model>/server_overhead.json`` and ``server_overhead.png``.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ then mlx-lm's ``generate_step`` (default ``prefill_step_size`` 2048) with
 (twice, the A/A pair) and Q-Filters at budgets 256 and 512. Prompts longer than the model's
 trained context are labelled: RoPE runs past it, so speed is measurable there.
 
-Run: ``python -m bench.speed.ttft [--quick] [--model DIR] [--reps 5]``.
-Writes ``bench/results/ttft.json`` and ``ttft.png``.
+Run: ``python -m bench.speed.ttft [--quick] [--model M] [--reps 5] [--prompts ...] [--budgets ...]``.
+Writes ``bench/results/<model>/ttft.json`` and ``ttft.png``.
 """
 
 from __future__ import annotations
@@ -84,12 +84,15 @@ def plot(result, out) -> list[str]:
 
 
 def main(argv=None) -> dict:
-    args = parse(parser(__doc__.splitlines()[0], reps=5), argv)
+    p = parser(__doc__.splitlines()[0], reps=5)
+    p.add_argument("--prompts", type=int, nargs="+", default=None, help="prompt tokens")
+    p.add_argument("--budgets", type=int, nargs="+", default=None, help="Q-Filters budgets")
+    args = parse(p, argv)
     reps = args.reps
     progress = common.Progress("ttft")
     sm = common.load_study_model(args.model)
-    prompts = (64, 256) if args.quick else PROMPTS
-    budgets = (32, 128) if args.quick else BUDGETS
+    prompts = tuple(args.prompts or ((64, 256) if args.quick else PROMPTS))
+    budgets = tuple(args.budgets or ((32, 128) if args.quick else BUDGETS))
     progress(f"model {sm.loaded.name}, prompts {prompts}, budgets {budgets}, reps {reps}")
     rows = []
     for n in prompts:

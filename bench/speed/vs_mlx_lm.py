@@ -8,8 +8,8 @@ banned through ``logit_bias`` (so each makes exactly ``max_tokens``) and a uniqu
 Arms interleaved per round: theirs (full cache), ours full, ours with Q-Filters, theirs again
 (the A/A pair). At a short and a long prompt: TTFT and decode tok/s, as ratios to theirs.
 
-Run: ``python -m bench.speed.vs_mlx_lm [--quick] [--model DIR] [--reps 7]``.
-Writes ``bench/results/vs_mlx_lm.json`` and ``vs_mlx_lm.png``.
+Run: ``python -m bench.speed.vs_mlx_lm [--quick] [--model M] [--reps 3] [--prompts 256,8096]``.
+Writes ``bench/results/<model>/vs_mlx_lm.json`` and ``vs_mlx_lm.png``.
 """
 
 from __future__ import annotations
@@ -64,9 +64,9 @@ def plot(result, out) -> list[str]:
 
 
 def main(argv=None) -> dict:
-    p = parser(__doc__.splitlines()[0], reps=7)
+    p = parser(__doc__.splitlines()[0], reps=3)
     p.add_argument("--max-tokens", type=int, default=None, help="(default 64; quick 8)")
-    p.add_argument("--budget", type=int, default=None, help="Q-Filters budget (default 256)")
+    p.add_argument("--budget", type=int, default=None, help="Q-Filters budget (default 512)")
     p.add_argument(
         "--prompts",
         type=lambda v: tuple(int(x) for x in v.split(",")),
@@ -76,7 +76,7 @@ def main(argv=None) -> dict:
     args = parse(p, argv)
     reps = args.reps
     max_tokens = args.max_tokens or (8 if args.quick else 64)
-    budget = args.budget or (32 if args.quick else 256)
+    budget = args.budget or (32 if args.quick else 512)
     progress = common.Progress("vs_mlx_lm")
     sm = common.load_study_model(args.model)
     # Long: as close to the context as prompt + max_tokens (+ the nonce) allow.
