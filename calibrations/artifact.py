@@ -1,10 +1,12 @@
 """Calibration artifacts: one safetensors file of Q-Filters per model, saved and validated.
 
 qfserve's format holds a ``filters`` tensor ``[n_layers, n_kv_heads, head_dim]`` float32 of
-unit rows, plus string metadata::
+unit rows, from version 2 a ``query_scale`` tensor ``[n_layers, n_kv_heads]`` float32 (each
+KV head's mean query projection on its filter, ``E<q, f>``: what makes projections comparable
+across heads), plus string metadata::
 
     format            "qfserve-qfilters"
-    format_version    "1"
+    format_version    "2" (version "1" files, without ``query_scale``, still load)
     model_id          the model the filters were calibrated on
     n_sequences       calibration sequences
     tokens_per_sequence
@@ -41,8 +43,10 @@ import numpy as np
 from safetensors.numpy import save_file
 
 FORMAT_NAME = "qfserve-qfilters"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READ_VERSIONS = (1, 2)
 FILTERS_KEY = "filters"
+SCALE_KEY = "query_scale"
 AUTHORS_KEY = "q_filters"
 # kvpress keeps keys with a high -(q_filters . k); we keep a high +(filters . k).
 AUTHORS_SIGN = -1.0
@@ -81,6 +85,8 @@ class Calibration:
             authors' format only ``format`` and ``post_rope`` (``None``, not recorded).
         path: The file they came from, if any.
         format: ``"qfserve"`` or ``"q_filters"`` (the authors' format).
+        query_scale: ``(n_layers, n_kv_heads)`` float32 ``E<q, f>``, or ``None`` where the
+            file predates it (version 1) or is the authors' format.
     """
 
     filters: np.ndarray
@@ -88,6 +94,7 @@ class Calibration:
     metadata: dict[str, Any] = field(default_factory=dict)
     path: Path | None = None
     format: str = "qfserve"
+    query_scale: np.ndarray | None = None
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -122,6 +129,7 @@ def save_calibration(
     post_rope: bool = True,
     created: datetime | None = None,
     weights: str = "",
+    query_scale: np.ndarray | None = None,
 ) -> Path:
     """Write an artifact in qfserve's format (atomically: never a half-written file).
 
@@ -135,10 +143,13 @@ def save_calibration(
         post_rope: Whether queries were captured after RoPE.
         created: Timestamp; default now (UTC).
         weights: The model's weights fingerprint; recorded when non-empty.
+        query_scale: ``(n_layers, n_kv_heads)`` ``E<q, f>`` (from
+            :func:`calibrations.compute.query_scales`); required by format version 2.
     Returns:
         The path written.
     Raises:
-        ValueError: empty ``model_id``, or filters of the wrong rank, non-finite or zero rows.
+        ValueError: empty ``model_id``, filters of the wrong rank, non-finite or zero rows,
+            or a missing, misshapen or non-finite ``query_scale``.
     """
     path = Path(path)
     if not model_id:
@@ -149,6 +160,9 @@ def save_calibration(
 
     filters, norms = _unit_rows(np.asarray(filters), fail)
     unit = (filters / norms).astype(np.float32)
+    if query_scale is None:
+        fail("query_scale is required (format version 2)")
+    scale = _check_scale(np.asarray(query_scale, dtype=np.float32), unit.shape, fail)
     metadata = {
         "format": FORMAT_NAME,
         "format_version": str(FORMAT_VERSION),
@@ -166,21 +180,32 @@ def save_calibration(
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        save_file({FILTERS_KEY: np.ascontiguousarray(unit)}, str(tmp), metadata=metadata)
+        tensors = {FILTERS_KEY: np.ascontiguousarray(unit), SCALE_KEY: scale}
+        save_file(tensors, str(tmp), metadata=metadata)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
     return path
 
 
+def _check_scale(
+    scale: np.ndarray, filters_shape: tuple[int, ...], fail: Callable[[str], NoReturn]
+) -> np.ndarray:
+    if scale.shape != tuple(filters_shape[:2]):
+        fail(f"query_scale must have shape {tuple(filters_shape[:2])}, got {scale.shape}")
+    if not np.isfinite(scale).all():
+        fail("query_scale contains non-finite values (NaN or inf)")
+    return np.ascontiguousarray(scale.astype(np.float32))
+
+
 def _parse_metadata(meta: dict[str, str], fail: Callable[[str], NoReturn]) -> dict[str, Any]:
     missing = [k for k in _REQUIRED if k not in meta]
     if meta.get("format") != FORMAT_NAME:
         fail(f"format is {meta.get('format')!r}, expected {FORMAT_NAME!r}")
-    if meta.get("format_version") != str(FORMAT_VERSION):
+    if meta.get("format_version") not in {str(v) for v in READ_VERSIONS}:
         fail(
-            f"format_version is {meta.get('format_version')!r}; this qfserve reads version "
-            f"{FORMAT_VERSION} only (recalibrate with `qfserve calibrate`)"
+            f"format_version is {meta.get('format_version')!r}; this qfserve reads versions "
+            f"{', '.join(map(str, READ_VERSIONS))} (recalibrate with `qfserve calibrate`)"
         )
     if missing:
         fail(f"metadata is missing {missing}")
@@ -233,7 +258,16 @@ def read_calibration(path: str | Path, *, model_id: str | None = None) -> Calibr
         filters, norms = _unit_rows(filters, fail)
         if np.abs(norms - 1.0).max() > _UNIT_TOL:
             fail(f"filter rows must be unit length, found norms up to {norms.max():.4g}")
-        return Calibration(filters.astype(np.float32), parsed["model_id"], parsed, path)
+        scale = None
+        if parsed["format_version"] >= 2:
+            if SCALE_KEY not in tensors:
+                fail(f"format_version {parsed['format_version']} needs a {SCALE_KEY!r} tensor")
+            scale = _check_scale(
+                np.array(tensors[SCALE_KEY].astype(mx.float32)), filters.shape, fail
+            )
+        return Calibration(
+            filters.astype(np.float32), parsed["model_id"], parsed, path, query_scale=scale
+        )
     if AUTHORS_KEY in tensors:
         raw = np.array(tensors[AUTHORS_KEY].astype(mx.float32))
         raw, norms = _unit_rows(raw, fail)
@@ -299,6 +333,7 @@ def check_calibration(
             calibration.metadata,
             calibration.path,
             calibration.format,
+            calibration.query_scale,
         )
     return calibration
 

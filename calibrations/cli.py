@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from calibrations.artifact import save_calibration
 from calibrations.capture import DEFAULT_SAMPLES_PER_HEAD, capture_queries
-from calibrations.compute import compute_filters
+from calibrations.compute import compute_filters, query_scales
 from calibrations.corpus import (
     DEFAULT_SEQUENCES,
     DEFAULT_TOKENS,
@@ -210,6 +210,7 @@ def main(
         text=text,
         anisotropy=summaries,
         weights=model_fingerprint(model, config),
+        query_scale=query_scales([s.queries for s in samples], filters),
     )
     _print_summary(summaries)
     print(

@@ -155,6 +155,34 @@ def layer_filters(queries: np.ndarray, n_kv_heads: int) -> tuple[np.ndarray, dic
     return filters.astype(np.float32), summary
 
 
+def query_scales(queries_per_layer: Sequence[np.ndarray], filters: np.ndarray) -> np.ndarray:
+    """``E<q, f>``: each KV head's mean query projection on its filter, over its GQA group.
+
+    A key's expected attention logit is about ``E<q, f> * (f . k) / sqrt(D)``, so this scale
+    makes projections comparable across heads (filter norms are 1, query scales are not).
+
+    Args:
+        queries_per_layer: one ``(H, N, D)`` array per layer (the calibration's queries).
+        filters: ``(n_layers, n_kv_heads, D)`` their filters.
+    Returns:
+        ``(n_layers, n_kv_heads)`` float32; positive where the sign anchoring held.
+    """
+    n_layers, n_kv_heads, _ = filters.shape
+    if len(queries_per_layer) != n_layers:
+        raise ValueError(
+            f"queries_per_layer must hold {n_layers} layers (one per filter layer), "
+            f"got {len(queries_per_layer)}"
+        )
+    out = np.empty((n_layers, n_kv_heads), dtype=np.float64)
+    for i, queries in enumerate(queries_per_layer):
+        q = _check_queries(queries, 3, f"queries of layer {i}")
+        group = _check_groups(q.shape[0], n_kv_heads)
+        for k in range(n_kv_heads):
+            pooled = q[k * group : (k + 1) * group].reshape(-1, q.shape[-1])
+            out[i, k] = (pooled @ filters[i, k].astype(np.float64)).mean()
+    return out.astype(np.float32)
+
+
 def compute_filters(
     queries_per_layer: Sequence[np.ndarray], n_kv_heads: int
 ) -> tuple[np.ndarray, list[dict[str, Any]]]:

@@ -44,8 +44,10 @@ def _save(path, filters=None, **overrides):
         text="unit test text",
         anisotropy=SUMMARY,
     )
+    filters = _filters() if filters is None else filters
+    kwargs.setdefault("query_scale", np.full(np.shape(filters)[:2], 2.5, dtype=np.float32))
     kwargs.update(overrides)
-    return save_calibration(path, _filters() if filters is None else filters, **kwargs)
+    return save_calibration(path, filters, **kwargs)
 
 
 def _raw_metadata(**overrides) -> dict[str, str]:
@@ -72,7 +74,8 @@ def test_round_trip(tmp_path):
     assert cal.filters.dtype == np.float32 and cal.shape == SHAPE
     assert cal.model_id == MODEL and cal.format == "qfserve" and cal.path == path
     meta = cal.metadata
-    assert meta["format_version"] == 1 and meta["post_rope"] is True
+    assert meta["format_version"] == 2 and meta["post_rope"] is True
+    np.testing.assert_array_equal(cal.query_scale, np.full((2, 2), 2.5, dtype=np.float32))
     assert (meta["n_sequences"], meta["tokens_per_sequence"], meta["samples_per_head"]) == (
         2,
         128,
@@ -114,6 +117,38 @@ def test_shape_mismatch(tmp_path, field, value):
     expected = {"n_layers": 2, "n_kv_heads": 2, "head_dim": 32, field: value}
     with pytest.raises(CalibrationError, match=rf"{_at(path)}.*{field}={value}"):
         load_calibration(path, model_id=MODEL, **expected)
+
+
+def test_version_1_files_still_load_without_a_query_scale(tmp_path):
+    path = tmp_path / "v1.safetensors"
+    save_file({"filters": _filters()}, str(path), metadata=_raw_metadata(format_version="1"))
+    cal = load_calibration(path, model_id=MODEL, n_layers=2, n_kv_heads=2, head_dim=32)
+    assert cal.metadata["format_version"] == 1 and cal.query_scale is None
+    np.testing.assert_allclose(cal.filters, _filters(), atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    ("scale", "message"),
+    [
+        (None, "needs a 'query_scale' tensor"),
+        (np.ones((3, 2), dtype=np.float32), r"query_scale must have shape \(2, 2\)"),
+        (
+            np.array([[1.0, np.nan], [1.0, 1.0]], dtype=np.float32),
+            "query_scale contains non-finite",
+        ),
+    ],
+)
+def test_version_2_query_scale_is_validated(tmp_path, scale, message):
+    path = tmp_path / "v2.safetensors"
+    tensors = {"filters": _filters()} | ({} if scale is None else {"query_scale": scale})
+    save_file(tensors, str(path), metadata=_raw_metadata(format_version="2"))
+    with pytest.raises(CalibrationError, match=rf"{_at(path)}.*{message}"):
+        read_calibration(path)
+
+
+def test_saving_needs_a_query_scale(tmp_path):
+    with pytest.raises(ValueError, match="query_scale is required"):
+        _save(tmp_path / "a.safetensors", query_scale=None)
 
 
 def test_version_mismatch(tmp_path):
@@ -211,4 +246,4 @@ def test_anisotropy_is_json_in_the_file(tmp_path):
     with safe_open(str(path), framework="numpy") as f:
         meta = f.metadata()
     assert json.loads(meta["anisotropy"]) == SUMMARY
-    assert meta["post_rope"] == "true" and meta["format_version"] == "1"
+    assert meta["post_rope"] == "true" and meta["format_version"] == "2"

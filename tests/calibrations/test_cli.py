@@ -69,6 +69,8 @@ def test_calibrate_writes_a_registered_artifact(calibrated):
     assert meta["samples_per_head"] == 256 and meta["post_rope"] is True
     assert "standard library" in meta["text"]
     assert [s["layer"] for s in meta["anisotropy"]] == [0, 1]
+    assert meta["format_version"] == 2 and cal.query_scale is not None
+    assert cal.query_scale.shape == (2, 2) and np.isfinite(cal.query_scale).all()
     assert registry.find(MODEL_ID, search_dirs=[out]) == path
     assert MODEL_ID in registry.available([out])
 

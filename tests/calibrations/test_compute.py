@@ -11,6 +11,7 @@ from calibrations.compute import (
     head_filters,
     layer_filters,
     query_filter,
+    query_scales,
 )
 
 D = 16
@@ -149,3 +150,28 @@ def test_compute_filters_stacks_layers():
 def test_query_filter_rejects_bad_input(bad):
     with pytest.raises(ValueError, match="queries"):
         query_filter(bad)
+
+
+def test_query_scale_is_the_group_mean_projection_on_the_kv_filter():
+    """E<q, f> per KV head: planted drifts of 3 and 1 on two groups, each the mean over both
+    query heads of the group, computed against a plain numpy mean."""
+    rng = np.random.default_rng(5)
+    basis = _basis(rng)
+    heads = [
+        _planted(rng, basis[:, 0], basis[:, 1], drift=d, spread=0.5, n=2000)
+        for d in (3.0, 3.0, 1.0, 1.0)
+    ]
+    queries = np.stack(heads)  # (4, N, D): query heads 0, 1 -> KV 0; 2, 3 -> KV 1
+    filters, _ = compute_filters([queries, -queries], n_kv_heads=2)
+    scale = query_scales([queries, -queries], filters)
+    assert scale.shape == (2, 2) and scale.dtype == np.float32
+    for layer, q in enumerate((queries, -queries)):
+        for k in range(2):
+            pooled = q[2 * k : 2 * k + 2].reshape(-1, D)
+            np.testing.assert_allclose(
+                scale[layer, k], (pooled @ filters[layer, k]).mean(), rtol=1e-5
+            )
+    np.testing.assert_allclose(scale[:, 0], 3.0, rtol=0.05)  # sign anchoring: positive
+    np.testing.assert_allclose(scale[:, 1], 1.0, rtol=0.1)
+    with pytest.raises(ValueError, match="must hold 2 layers"):
+        query_scales([queries], filters)

@@ -48,6 +48,7 @@ def _write(folder, model_id, *, seed=0, stored_id=None, shape=(2, 2, 8)):
         tokens_per_sequence=16,
         samples_per_head=16,
         text="t",
+        query_scale=np.ones(shape[:2], dtype=np.float32),
     )
 
 
@@ -196,7 +197,8 @@ def test_shipped_aliases_and_artifacts_are_valid(monkeypatch):
 
 def test_weights_fingerprint_is_checked_only_when_both_sides_have_one(tmp_path):
     f = np.random.default_rng(0).standard_normal((2, 2, 8)).astype(np.float32)
-    args = dict(model_id="org/m", n_sequences=1, tokens_per_sequence=16, samples_per_head=16)
+    args = dict(model_id="org/m", n_sequences=1, tokens_per_sequence=16, samples_per_head=16,
+                query_scale=np.ones((2, 2), dtype=np.float32))  # fmt: skip
     with_fp = save_calibration(tmp_path / "a.safetensors", f, text="t", weights="00ff", **args)
     without = save_calibration(tmp_path / "b.safetensors", f, text="t", **args)
     assert read_calibration(with_fp).metadata["weights"] == "00ff"

@@ -34,6 +34,7 @@ def write_artifact(registry: Path, model_id: str, shape, *, stored_id: str | Non
     return save_calibration(
         registry / artifact_name(model_id), filters, model_id=stored_id or model_id,
         n_sequences=1, tokens_per_sequence=16, samples_per_head=16, text="reliability test",
+        query_scale=np.ones(shape[:2], dtype=np.float32),
     )  # fmt: skip
 
 
