@@ -1,0 +1,101 @@
+"""Head-adaptive budgets (AdaKV, arXiv 2407.11550): one layer's rows shared by its heads.
+
+Per-head eviction keeps ``budget`` rows in every KV head. Adaptive selection keeps
+``budget * H`` rows per layer and lets heads whose scores are concentrated give rows to heads
+that need them: every head first keeps its ``floor`` best rows (its protected rows among
+them), then one top-k over the rest of the layer's scores fills the remaining
+``(budget - floor) * H``. Scores must be comparable across heads for that to mean anything
+(:class:`engine.scorers.QFilterScorer` with the calibration's query scales).
+
+The result is ragged: head ``h`` keeps ``counts[h]`` rows. It is stored padded to the
+largest count, with a ``valid`` mask that attention applies (:mod:`engine.attention`).
+
+Ties, as everywhere in the eviction core, go to the lower position; across heads in the
+shared top-k, to the lower head.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from metal.qfilters_apply import protected_rows
+
+_INF = float("inf")
+_LOWEST = float(mx.finfo(mx.float32).min)  # below every eligible score, above ineligible
+
+
+def exactly_k(ranked: mx.array, k: mx.array | int) -> mx.array:
+    """``(G, L)`` bool: the ``k`` largest of each group, ties to the lower index.
+
+    Args:
+        ranked: ``(G, L)`` float32 without NaN (``-inf`` allowed).
+        k: Rows to keep per group (an int, or ``(G, 1)`` int32), ``0 <= k <= L``.
+    """
+    G, L = ranked.shape
+    kk = mx.full((G, 1), k, dtype=mx.int32) if isinstance(k, int) else k
+    ascending = mx.sort(ranked, axis=-1)
+    kth = mx.take_along_axis(ascending, mx.clip(L - kk, 0, L - 1), axis=-1)  # (G, 1)
+    above = ranked > kth
+    tied = ranked == kth
+    quota = kk - above.sum(axis=-1, keepdims=True)
+    keep = above | (tied & (mx.cumsum(tied.astype(mx.int32), axis=-1) <= quota))
+    return keep & (kk > 0)
+
+
+def select_adaptive(
+    scores: mx.array,
+    *,
+    budget: int,
+    n_sink: int,
+    recent: int,
+    floor: int,
+    eligible: mx.array | None = None,
+) -> tuple[mx.array, mx.array]:
+    """Which rows each head keeps when the layer shares ``budget * H`` rows.
+
+    Args:
+        scores: ``(B, H, L)`` float32, comparable across heads; NaN ranks lowest.
+        budget: Mean rows per head; the layer keeps ``budget * H``.
+        n_sink, recent: Protected rows of every head (the first and the last of ``L``).
+        floor: Rows every head keeps at least, ``n_sink + recent <= floor <= budget``.
+        eligible: ``(B, H, L)`` bool, False on padding rows that must never be kept.
+    Returns:
+        ``keep`` ``(B, H, L)`` bool and ``counts`` ``(B, H)`` int32 (``counts.sum(-1)`` is
+        ``budget * H`` for every batch row).
+    Raises:
+        ValueError: ``floor`` outside ``[n_sink + recent, budget]``.
+    """
+    if not n_sink + recent <= floor <= budget:
+        raise ValueError(
+            f"floor must be in [n_sink + recent = {n_sink + recent}, budget = {budget}], "
+            f"got {floor}"
+        )
+    B, H, L = scores.shape
+    ok = mx.ones(scores.shape, dtype=mx.bool_) if eligible is None else eligible
+    finite = mx.where(mx.isnan(scores) | (scores == -_INF), _LOWEST, scores)
+    ranked = mx.where(ok, finite, -_INF)
+    guarded = mx.where(protected_rows(L, n_sink, recent) & ok, _INF, ranked)
+    own = exactly_k(guarded.reshape(B * H, L), floor).reshape(B, H, L)
+    # The shared top-k over what the floors left, flattened head-major: ties to lower heads.
+    rest = mx.where(own, -_INF, ranked).reshape(B, H * L)
+    shared = exactly_k(rest, (budget - floor) * H).reshape(B, H, L)
+    keep = own | shared
+    return keep, keep.sum(axis=-1).astype(mx.int32)
+
+
+def ragged_gather(keep: mx.array, counts: mx.array) -> tuple[mx.array, mx.array]:
+    """Kept row indices per head, in temporal order, padded to the largest count.
+
+    Args:
+        keep: ``(B, H, L)`` bool.
+        counts: ``(B, H)`` int32, ``keep.sum(-1)``.
+    Returns:
+        ``idx`` ``(B, H, S)`` uint32 (``S = counts.max()``; padding repeats row 0) and
+        ``valid`` ``(B, H, S)`` bool.
+    """
+    L = keep.shape[-1]
+    S = int(counts.max().item())  # type: ignore[arg-type]  # an int32 scalar
+    rows = mx.arange(L, dtype=mx.uint32)
+    idx = mx.sort(mx.where(keep, rows, rows + L), axis=-1)[..., :S]
+    valid = mx.arange(S)[None, None, :] < counts[..., None]
+    return mx.where(valid, idx, 0).astype(mx.uint32), valid

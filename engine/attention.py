@@ -1,0 +1,80 @@
+"""Per-head attention masks for caches that store their heads ragged (adaptive budgets).
+
+mlx-lm builds one mask per forward pass from the *first* layer's cache and hands it to every
+layer, so a mask that differs per layer and per head cannot travel through ``make_mask``.
+What every attention layer does call with its own cache is its module's
+``scaled_dot_product_attention(queries, keys, values, cache=..., scale=..., mask=...)``.
+:func:`install_head_masks` wraps that one function in the model's module: when the layer's
+cache exposes ``head_mask`` (``(B, H_kv, S)`` bool over the keys it just returned, False on
+padding), the layer's mask becomes mlx-lm's (causal for a block) AND that one, repeated over
+each KV head's query heads. Caches without a ``head_mask`` pass through untouched, so the
+model runs unchanged for every other cache.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+_MARK = "_qfserve_head_masks"
+
+
+def combine_masks(mask: Any, head_mask: mx.array, queries: mx.array) -> mx.array:
+    """mlx-lm's ``mask`` (None, ``"causal"`` or an array) AND a per-KV-head one.
+
+    Args:
+        mask: What the model passes to attention for this block.
+        head_mask: ``(B, H_kv, S)`` bool, True where a stored key may be attended.
+        queries: ``(B, H_q, N, D)``; ``H_q`` is a multiple of ``H_kv`` (GQA).
+    Returns:
+        ``(B, H_q, N, S)`` bool, or float additive where ``mask`` was additive.
+    """
+    B, Hq, N, _ = queries.shape
+    S = head_mask.shape[-1]
+    per_head = mx.repeat(head_mask, Hq // head_mask.shape[1], axis=1)[:, :, None, :]
+    if mask is None:
+        return per_head
+    if isinstance(mask, str):  # "causal": the block's queries see the stored rows and their past
+        rows = mx.arange(S - N, S)[:, None]
+        mask = rows >= mx.arange(S)[None]
+    if mask.dtype == mx.bool_:
+        return mask & per_head
+    return mx.where(per_head, mask, mx.array(-mx.inf, dtype=mask.dtype))
+
+
+def _masked(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
+    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, **kwargs):  # type: ignore[no-untyped-def]
+        head_mask = getattr(cache, "head_mask", None)
+        if head_mask is not None:
+            mask = combine_masks(mask, head_mask, queries)
+        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, **kwargs)
+
+    setattr(scaled_dot_product_attention, _MARK, True)
+    return scaled_dot_product_attention
+
+
+def install_head_masks(model: nn.Module) -> None:
+    """Make ``model``'s attention honour per-head cache masks (idempotent).
+
+    Raises:
+        ValueError: the model's attention does not go through mlx-lm's
+            ``scaled_dot_product_attention``, so ragged caches cannot be masked.
+    """
+    modules = {type(layer.self_attn).__module__ for layer in getattr(model, "layers", [])
+               if hasattr(layer, "self_attn")}  # fmt: skip
+    if not modules:
+        raise ValueError("head-adaptive budgets need a model whose layers have self_attn")
+    for name in modules:
+        module = sys.modules[name]
+        original = getattr(module, "scaled_dot_product_attention", None)
+        if original is None:
+            raise ValueError(
+                f"head-adaptive budgets need attention through mlx-lm's "
+                f"scaled_dot_product_attention; {name} does not call it"
+            )
+        if not getattr(original, _MARK, False):
+            module.scaled_dot_product_attention = _masked(original)  # type: ignore[attr-defined]

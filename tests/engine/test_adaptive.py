@@ -1,0 +1,104 @@
+"""Head-adaptive selection against an independent numpy reference: floors first, then one
+top-k over the layer; every head keeps at least its floor and the layer exactly budget * H."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine.adaptive import exactly_k, ragged_gather, select_adaptive
+
+
+def ref_adaptive(scores, budget, n_sink, recent, floor, eligible=None):
+    """Per batch row: each head's floor (protected first, score desc, position asc), then
+    the layer's best remaining rows (score desc, head asc, position asc)."""
+    B, H, L = scores.shape
+    eligible = np.ones(scores.shape, bool) if eligible is None else eligible
+    keep = np.zeros(scores.shape, bool)
+    s = np.where(np.isnan(scores), -np.inf, scores.astype(np.float64))
+    for b in range(B):
+        for h in range(H):
+            rows = [r for r in range(L) if eligible[b, h, r]]
+            prot = {r for r in range(L) if (r < n_sink or r >= L - recent) and eligible[b, h, r]}
+            rows.sort(key=lambda r: (r not in prot, -s[b, h, r], r))
+            keep[b, h, rows[:floor]] = True
+        rest = [
+            (h, r) for h in range(H) for r in range(L) if eligible[b, h, r] and not keep[b, h, r]
+        ]
+        rest.sort(key=lambda hr: (-s[b, hr[0], hr[1]], hr[0], hr[1]))
+        for h, r in rest[: (budget - floor) * H]:
+            keep[b, h, r] = True
+    return keep
+
+
+def test_exactly_k_matches_a_stable_numpy_top_k():
+    rng = np.random.default_rng(0)
+    ranked = rng.integers(0, 5, (6, 40)).astype(np.float32)  # many ties
+    ranked[0, :5] = -np.inf
+    k = rng.integers(0, 41, (6, 1)).astype(np.int32)
+    got = np.array(exactly_k(mx.array(ranked), mx.array(k)))
+    for g in range(6):
+        order = np.lexsort((np.arange(40), -ranked[g]))
+        want = np.zeros(40, bool)
+        want[order[: k[g, 0]]] = True
+        np.testing.assert_array_equal(got[g], want)
+
+
+@pytest.mark.parametrize(
+    ("budget", "n_sink", "recent", "floor"),
+    [(16, 4, 0, 4), (16, 2, 4, 8), (20, 0, 0, 1), (12, 4, 4, 12), (24, 4, 6, 10)],
+)
+def test_select_adaptive_matches_the_reference(budget, n_sink, recent, floor):
+    rng = np.random.default_rng(budget + floor)
+    B, H, L = 2, 3, 64
+    # Heads on different scales, so the shared top-k really moves rows between heads.
+    scores = rng.standard_normal((B, H, L)).astype(np.float32) * np.array([0.2, 1.0, 3.0])[:, None]
+    scores[0, 1, 7] = np.nan
+    keep, counts = select_adaptive(
+        mx.array(scores), budget=budget, n_sink=n_sink, recent=recent, floor=floor
+    )
+    keep, counts = np.array(keep), np.array(counts)
+    np.testing.assert_array_equal(keep, ref_adaptive(scores, budget, n_sink, recent, floor))
+    assert (counts.sum(-1) == budget * H).all() and (counts >= floor).all()
+    assert keep[..., :n_sink].all() and keep[..., L - recent :].all()
+    if floor < budget:
+        assert counts.max() > budget  # the large-scale head took rows
+    else:
+        assert (counts == budget).all()  # a floor of the whole budget is per-head eviction
+
+
+def test_padding_rows_are_never_kept():
+    rng = np.random.default_rng(3)
+    B, H, L = 1, 3, 50
+    scores = rng.standard_normal((B, H, L)).astype(np.float32)
+    eligible = np.ones((B, H, L), bool)
+    eligible[0, 0, 10:20] = False  # padding of a head that kept fewer rows
+    scores[0, 0, 10:20] = 100.0  # whatever sits in padding must not matter
+    keep, counts = select_adaptive(
+        mx.array(scores), budget=12, n_sink=2, recent=3, floor=6, eligible=mx.array(eligible)
+    )
+    keep = np.array(keep)
+    assert not keep[~eligible].any()
+    np.testing.assert_array_equal(keep, ref_adaptive(scores, 12, 2, 3, 6, eligible))
+    assert int(np.array(counts).sum()) == 12 * H
+
+
+def test_ragged_gather_keeps_temporal_order_and_marks_padding():
+    keep = np.zeros((1, 2, 10), bool)
+    keep[0, 0, [1, 4, 5]] = True
+    keep[0, 1, [0, 2, 3, 8, 9]] = True
+    idx, valid = ragged_gather(mx.array(keep), mx.array(keep.sum(-1).astype(np.int32)))
+    idx, valid = np.array(idx), np.array(valid)
+    assert idx.shape == (1, 2, 5)
+    np.testing.assert_array_equal(idx[0, 0, :3], [1, 4, 5])
+    np.testing.assert_array_equal(idx[0, 1], [0, 2, 3, 8, 9])
+    np.testing.assert_array_equal(valid, [[[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]])
+
+
+def test_floor_outside_its_range_is_refused():
+    scores = mx.zeros((1, 2, 30))
+    with pytest.raises(ValueError, match="floor must be in"):
+        select_adaptive(scores, budget=10, n_sink=4, recent=4, floor=6)
+    with pytest.raises(ValueError, match="floor must be in"):
+        select_adaptive(scores, budget=10, n_sink=0, recent=0, floor=11)
