@@ -99,3 +99,53 @@ def ragged_gather(keep: mx.array, counts: mx.array) -> tuple[mx.array, mx.array]
     idx = mx.sort(mx.where(keep, rows, rows + L), axis=-1)[..., :S]
     valid = mx.arange(S)[None, None, :] < counts[..., None]
     return mx.where(valid, idx, 0).astype(mx.uint32), valid
+
+
+def evict_block(
+    keys: mx.array,
+    values: mx.array,
+    scores: mx.array,
+    valid: mx.array | None,
+    *,
+    budget: int,
+    n_sink: int,
+    recent: int,
+    floor: int,
+) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """A block eviction with a shared layer budget: the kept rows of every head, padded.
+
+    Args:
+        keys, values: ``(B, H, L, D)`` stored rows then the block (padding included).
+        scores: ``(B, H, L)`` float32.
+        valid: ``(B, H, L)`` bool, False on padding (``None``: every row is real).
+    Returns:
+        ``(keys, values, scores, valid)`` of ``S = max kept per head`` rows, temporal order.
+    """
+    keep, counts = select_adaptive(
+        scores, budget=budget, n_sink=n_sink, recent=recent, floor=floor, eligible=valid
+    )
+    idx, kept_valid = ragged_gather(keep, counts)
+    return (
+        mx.take_along_axis(keys, idx[..., None], axis=2),
+        mx.take_along_axis(values, idx[..., None], axis=2),
+        mx.take_along_axis(scores, idx, axis=2),
+        kept_valid,
+    )
+
+
+def slot_order(valid: mx.array, offset: int) -> mx.array:
+    """Rank in time of every slot when a decode row joins ragged rows (the slot layout).
+
+    ``valid`` ``(B, H, S + 1)`` marks each head's kept rows (slots ``0 .. count - 1``, in
+    temporal order), padding, and the new row in the last slot. The new row gets position
+    ``offset - 1``; each head's kept rows the positions just before it, so its latest rows
+    (the recent window) carry their true positions; padding gets -1.
+
+    Returns:
+        ``(B, H, S + 1)`` int32.
+    """
+    S = valid.shape[-1] - 1
+    counts = valid[..., :S].sum(axis=-1, keepdims=True).astype(mx.int32)  # (B, H, 1)
+    slots = mx.arange(S + 1, dtype=mx.int32)
+    order = (offset - 1) - counts + slots
+    return mx.where(slots == S, offset - 1, mx.where(valid, order, -1)).astype(mx.int32)

@@ -34,6 +34,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, create_attention_mask
 
 import metal
+from engine import adaptive
 from engine.evict import chunk_scores, gather_rows, select_keep, select_victim
 from engine.scorers import Scorer
 from engine.stats import CacheStats
@@ -56,6 +57,9 @@ class EvictionCache:
         n_sink: Leading positions never evicted.
         recent: Trailing positions never evicted.
         chunk: Positions per chunk for block evictions (1 = per-row selection).
+        floor: Head-adaptive budgets (:mod:`engine.adaptive`): block evictions keep
+            ``budget * H`` rows per layer, every head at least ``floor``, stored padded with
+            a per-head mask that attention applies (``None``: ``budget`` rows per head).
         use_kernel: Evict blocks with the fused GPU kernel (see
             :func:`metal.resolve_kernel_mode`); the decode step's single-row eviction is
             O(budget) in plain MLX either way, and chunked blocks use plain MLX.
@@ -69,6 +73,7 @@ class EvictionCache:
         n_sink: int = 4,
         recent: int = 0,
         chunk: int = 1,
+        floor: int | None = None,
         use_kernel: bool = False,
     ):
         if n_sink + recent >= budget:
@@ -77,11 +82,19 @@ class EvictionCache:
             )
         if not 1 <= chunk < budget:
             raise ValueError(f"chunk must be in [1, budget={budget}), got {chunk}")
+        if floor is not None and not n_sink + recent <= floor <= budget:
+            raise ValueError(
+                f"floor must be in [n_sink + recent = {n_sink + recent}, budget = {budget}], "
+                f"got {floor}"
+            )
+        if floor is not None and chunk > 1:
+            raise ValueError("chunk > 1 and head-adaptive budgets cannot be combined yet")
         self.scorer = scorer
         self.budget = budget
         self.n_sink = n_sink
         self.recent = recent
         self.chunk = chunk
+        self.floor = floor
         self.use_kernel = use_kernel
         self.keys: mx.array | None = None  # (B, H, S, D)
         self.values: mx.array | None = None  # (B, H, S, Dv)
@@ -94,6 +107,10 @@ class EvictionCache:
         # compares) and absolute positions (B, H, S) int32 (``order`` in the slot layout).
         self.token_scores: mx.array | None = None
         self.positions: mx.array | None = None
+        # Adaptive budgets only, once heads are ragged: (B, H, S) bool, False on padding;
+        # head_mask is the mask of the rows update_and_fetch last returned.
+        self.valid: mx.array | None = None
+        self.head_mask: mx.array | None = None
         self.offset = 0  # absolute position of the next token (= tokens seen)
         self.evictions = 0  # updates that dropped rows
 
@@ -101,6 +118,7 @@ class EvictionCache:
         """Append ``keys``/``values`` ``(B, H, N, D)``; return every stored row plus them."""
         if self.free is not None:
             if keys.shape[2] == 1:
+                self.head_mask = self.valid
                 return self._write_into_free_slot(keys, values)
             self._to_temporal_order()
         start = self.offset
@@ -136,8 +154,15 @@ class EvictionCache:
                 else mx.concatenate([self.positions, new_positions], axis=2)
             )
 
+        valid = None
+        if self.valid is not None:
+            valid = mx.concatenate([self.valid, mx.ones(keys.shape[:3], dtype=mx.bool_)], axis=2)
+        self.head_mask = valid
+
         L = all_keys.shape[2]
-        if scores is None or L <= self.budget:
+        if valid is not None and scores is not None:
+            self._evict_ragged(all_keys, all_values, scores, valid, keys.shape[2])
+        elif scores is None or L <= self.budget:
             self.keys, self.values, self.positions = all_keys, all_values, positions
             self._set_scores(scores)
         elif keys.shape[2] == 1 and L == self.budget + 1:
@@ -160,6 +185,18 @@ class EvictionCache:
                     mx.arange(self.offset - L, self.offset, dtype=mx.int32), scores.shape
                 )
             self.free = self._victim()
+            self.evictions += 1
+        elif self.floor is not None:
+            self.keys, self.values, self.scores, self.valid = adaptive.evict_block(
+                all_keys,
+                all_values,
+                scores,
+                None,
+                budget=self.budget,
+                n_sink=self.n_sink,
+                recent=self.recent,
+                floor=self.floor,
+            )
             self.evictions += 1
         elif positions is not None:
             idx = select_keep(
@@ -184,6 +221,30 @@ class EvictionCache:
             )
             self.evictions += 1
         return all_keys, all_values
+
+    def _evict_ragged(
+        self, keys: mx.array, values: mx.array, scores: mx.array, valid: mx.array, N: int
+    ) -> None:
+        """Heads already ragged: a block shares the layer budget again; a decode row takes
+        the slot layout, every head then evicting one row per step as always."""
+        if N > 1:
+            self.keys, self.values, self.scores, self.valid = adaptive.evict_block(
+                keys,
+                values,
+                scores,
+                valid,
+                budget=self.budget,
+                n_sink=self.n_sink,
+                recent=self.recent,
+                floor=self.floor or self.budget,
+            )
+        else:
+            self.keys, self.values, self.valid = keys, values, valid
+            finite = mx.nan_to_num(scores, nan=-_INF, posinf=_INF, neginf=-_INF)
+            self.scores = mx.where(valid, finite, _INF)  # padding is never the victim
+            self.order = adaptive.slot_order(valid, self.offset)
+            self.free = self._victim()
+        self.evictions += 1
 
     def _set_scores(self, scores: mx.array | None, *, ranked: bool = False) -> None:
         """Store per-token ``scores`` (temporal order); once ``ranked`` (evicting), NaN maps
@@ -228,11 +289,22 @@ class EvictionCache:
         return self.keys, self.values
 
     def _kept_slots(self) -> mx.array:
-        """Slots of the kept rows in temporal order ``(B, H, budget)`` (slot layout only)."""
+        """Slots of the kept rows in temporal order ``(B, H, S)`` (slot layout only); with
+        ragged heads, each head's rows first, then padding."""
         assert self.order is not None and self.free is not None
         slots = mx.arange(self.order.shape[-1], dtype=mx.uint32)
-        rank = mx.where(slots == self.free, mx.iinfo(mx.int32).max, self.order)
-        return mx.argsort(rank, axis=-1)[..., :-1].astype(mx.uint32)  # ranks are distinct
+        gone = slots == self.free
+        if self.valid is not None:
+            gone = gone | ~self.valid
+        rank = mx.where(gone, mx.iinfo(mx.int32).max, self.order)
+        return mx.argsort(rank, axis=-1)[..., : self._kept_count()].astype(mx.uint32)
+
+    def _kept_count(self) -> int:
+        """Stored slots once compacted: all but the free one, or the most any head keeps."""
+        assert self.keys is not None
+        if self.valid is None:
+            return self.keys.shape[2] - 1
+        return int((self.valid.sum(axis=-1) - 1).max().item())  # type: ignore[arg-type]
 
     def _to_temporal_order(self) -> None:
         assert self.keys is not None and self.values is not None and self.scores is not None
@@ -243,6 +315,9 @@ class EvictionCache:
         if self.token_scores is not None and self.positions is not None:
             self.token_scores = gather_rows(self.token_scores, idx)
             self.positions = gather_rows(self.positions, idx)
+        if self.valid is not None:
+            counts = self.valid.sum(axis=-1, keepdims=True) - 1  # the free slot's row is gone
+            self.valid = mx.arange(idx.shape[-1])[None, None, :] < counts
         self.order = self.free = None
 
     def kept(self) -> tuple[mx.array, mx.array, mx.array | None]:
@@ -284,16 +359,19 @@ class EvictionCache:
         extra: tuple[mx.array, ...] = ()
         if self.token_scores is not None and self.positions is not None:
             extra = (self.token_scores, self.positions)
+        ragged = () if self.valid is None else (self.valid,)
         if self.order is None or self.free is None:
-            return self.keys, self.values, self.scores, *extra
-        return self.keys, self.values, self.scores, *extra, self.order, self.free
+            return self.keys, self.values, self.scores, *extra, *ragged
+        return self.keys, self.values, self.scores, *extra, self.order, self.free, *ragged
 
     @state.setter
     def state(self, v: tuple[mx.array, ...]) -> None:
-        # Read from the tuple alone (mlx-lm's from_state sets state before meta_state): the
-        # slot layout ends with ``free``, the only uint32 array; chunks add two arrays.
+        # Read from the tuple alone (mlx-lm's from_state sets state before meta_state): ragged
+        # heads end with ``valid`` (bool), the slot layout then with ``free`` (the only
+        # uint32 array); chunks add two arrays.
         self.keys, self.values, *rest = v
         self.scores = rest.pop(0) if rest else None
+        self.valid = rest.pop() if rest and rest[-1].dtype == mx.bool_ else None
         slots = bool(rest) and rest[-1].dtype == mx.uint32
         self.order, self.free = (rest[-2], rest[-1]) if slots else (None, None)
         chunked = rest[:-2] if slots else rest
@@ -310,20 +388,24 @@ class EvictionCache:
                 self.recent,
                 self.evictions,
                 self.chunk,
+                -1 if self.floor is None else self.floor,
             )
         )
 
     @meta_state.setter
     def meta_state(self, v: tuple[str, ...]) -> None:
-        self.offset, self.budget, self.n_sink, self.recent, self.evictions, *chunk = map(int, v)
-        self.chunk = chunk[0] if chunk else 1
+        self.offset, self.budget, self.n_sink, self.recent, self.evictions, *more = map(int, v)
+        self.chunk = more[0] if more else 1
+        self.floor = more[1] if len(more) > 1 and more[1] >= 0 else None
 
     @property
     def nbytes(self) -> int:
         if self.keys is None or self.values is None:
             return 0
         extra = sum(
-            x.nbytes for x in (self.scores, self.token_scores, self.positions) if x is not None
+            x.nbytes
+            for x in (self.scores, self.token_scores, self.positions, self.valid)
+            if x is not None
         )
         return self.keys.nbytes + self.values.nbytes + extra
 
@@ -351,10 +433,15 @@ class EvictionCache:
         if self.keys is None or self.values is None:
             return CacheStats(filter_source=self.scorer.source)
         row = _row_bytes(self.keys, self.values)
+        kept = self.size()
+        if self.valid is not None:  # ragged heads: the mean rows per head (budget, exactly)
+            B, H = self.keys.shape[:2]
+            rows = self.valid.sum().item() - (B * H if self.free is not None else 0)
+            kept = int(rows) // (B * H)  # type: ignore[arg-type]
         return CacheStats(
             tokens_seen=self.offset,
-            tokens_kept=self.size(),
-            kept_bytes=row * self.size(),
+            tokens_kept=kept,
+            kept_bytes=row * kept,
             full_seq_bytes=row * self.offset,
             evictions=self.evictions,
             filter_source=self.scorer.source,

@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
 Method = Literal["qfilters", "knorm", "streaming", "full"]
 KernelMode = Literal["auto", "on", "off"]
+BudgetMode = Literal["per_head", "adaptive"]
 
 METHODS: tuple[str, ...] = ("qfilters", "knorm", "streaming", "full")
 KERNEL_MODES: tuple[str, ...] = ("auto", "on", "off")
+BUDGET_MODES: tuple[str, ...] = ("per_head", "adaptive")
 DEFAULT_METHOD: Method = "qfilters"
 DEFAULT_BUDGET = 512
 DEFAULT_N_SINK = 4
 DEFAULT_RECENT = 0
 DEFAULT_CALIB_TOKENS = 128
 DEFAULT_CHUNK = 1
+DEFAULT_BUDGET_MODE: BudgetMode = "per_head"
+DEFAULT_FLOOR = 0.2  # AdaKV's default share of the budget every head keeps
 
 
 class ConfigError(ValueError):
@@ -42,6 +47,10 @@ class CacheConfig:
         calib_tokens: Keys observed before the key-SVD fallback freezes its direction.
         chunk: Block evictions keep whole chunks of this many positions, ranked by their
             mean score (ChunkKV); ``1`` (default) ranks rows one by one.
+        budget_mode: ``per_head`` (default): ``budget`` rows in every KV head;
+            ``adaptive``: block evictions share ``budget * n_kv_heads`` rows across a
+            layer's heads (AdaKV), each keeping at least ``floor`` of its budget.
+        floor: Share of ``budget`` every head keeps under ``adaptive`` (``0 < floor <= 1``).
         kernel: Fused eviction kernel: ``auto`` (where a GPU backend exists), ``on``
             (require it) or ``off`` (pure MLX).
     """
@@ -53,6 +62,8 @@ class CacheConfig:
     sign: int = 1
     calib_tokens: int = DEFAULT_CALIB_TOKENS
     chunk: int = DEFAULT_CHUNK
+    budget_mode: BudgetMode = DEFAULT_BUDGET_MODE
+    floor: float = DEFAULT_FLOOR
     kernel: KernelMode = "auto"
 
     def __post_init__(self) -> None:
@@ -78,6 +89,19 @@ class CacheConfig:
             raise ConfigError("chunk", f"chunk must be >= 1, got {self.chunk}")
         if self.method != "full" and self.chunk >= self.budget:
             raise ConfigError("chunk", f"chunk must be < budget={self.budget}, got {self.chunk}")
+        if self.budget_mode not in BUDGET_MODES:
+            raise ConfigError(
+                "budget_mode",
+                f"budget_mode must be one of {BUDGET_MODES}, got {self.budget_mode!r}",
+            )
+        if isinstance(self.floor, bool) or not isinstance(self.floor, (int, float)):
+            raise ConfigError("floor", f"floor must be a number, got {self.floor!r}")
+        if not 0 < self.floor <= 1:
+            raise ConfigError("floor", f"floor must be in (0, 1], got {self.floor}")
+        if self.budget_mode == "adaptive" and self.chunk > 1:
+            raise ConfigError(
+                "chunk", "chunk > 1 cannot be combined with budget_mode='adaptive' yet"
+            )
         if self.sign not in (1, -1) or isinstance(self.sign, bool):
             raise ConfigError("sign", f"sign must be +1 or -1, got {self.sign!r}")
         if self.method != "full" and self.n_sink + self.recent >= self.budget:
@@ -86,6 +110,12 @@ class CacheConfig:
                 "n_sink + recent must be < budget (some rows must be evictable): "
                 f"got n_sink={self.n_sink} + recent={self.recent} >= budget={self.budget}",
             )
+
+    @property
+    def floor_rows(self) -> int:
+        """Rows every head keeps under adaptive budgets: ``floor * budget``, at least the
+        protected rows."""
+        return min(self.budget, max(self.n_sink + self.recent, math.ceil(self.floor * self.budget)))
 
     @property
     def evicts(self) -> bool:

@@ -10,16 +10,20 @@ import numpy as np
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 import metal
+from engine.attention import install_head_masks
 from engine.cache import EvictionCache, FullKVCache
 from engine.config import CacheConfig
 from engine.scorers import KeySVDScorer, KNormScorer, QFilterScorer, RecencyScorer, Scorer
 
 
-def make_scorer(config: CacheConfig, layer_filters: mx.array | None) -> Scorer:
-    """The scorer for one layer: calibrated filters ``(H, D)`` when given, else the method's."""
+def make_scorer(
+    config: CacheConfig, layer_filters: mx.array | None, layer_scale: mx.array | None = None
+) -> Scorer:
+    """The scorer for one layer: calibrated filters ``(H, D)`` when given (scaled to expected
+    logits by ``(H,)`` query scales under adaptive budgets), else the method's."""
     if config.method == "qfilters":
         if layer_filters is not None:
-            return QFilterScorer(layer_filters, sign=config.sign)
+            return QFilterScorer(layer_filters, sign=config.sign, query_scale=layer_scale)
         return KeySVDScorer(config.calib_tokens, sign=config.sign)
     if config.method == "knorm":
         return KNormScorer()
@@ -46,8 +50,35 @@ def _check_filters(filters: mx.array, caches: list[Any], model: nn.Module) -> No
             )
 
 
+def _adaptive_scale(
+    config: CacheConfig, filters: mx.array | None, query_scale: mx.array | np.ndarray | None
+) -> mx.array:
+    if config.method != "qfilters" or filters is None:
+        raise ValueError(
+            "budget_mode='adaptive' needs calibrated Q-Filters: only their scores, scaled by "
+            "each head's query scale, are comparable across heads (K-norm, streaming and the "
+            "key-SVD fallback are not)"
+        )
+    if query_scale is None:
+        raise ValueError(
+            "budget_mode='adaptive' needs the query scales that calibration format version 2 "
+            "records beside the filters; this model's calibration predates them (recalibrate "
+            "with `qfserve calibrate`)"
+        )
+    scale = mx.array(query_scale, dtype=mx.float32)
+    if scale.shape != filters.shape[:2]:
+        raise ValueError(
+            f"query_scale must have shape {tuple(filters.shape[:2])}, got {tuple(scale.shape)}"
+        )
+    return scale
+
+
 def make_caches(
-    model: nn.Module, config: CacheConfig, *, filters: mx.array | np.ndarray | None = None
+    model: nn.Module,
+    config: CacheConfig,
+    *,
+    filters: mx.array | np.ndarray | None = None,
+    query_scale: mx.array | np.ndarray | None = None,
 ) -> list[Any]:
     """One cache per layer, built the way mlx-lm does, with plain ``KVCache`` layers replaced.
 
@@ -60,8 +91,13 @@ def make_caches(
         config: The eviction settings.
         filters: Calibrated Q-Filters ``[n_layers, n_kv_heads, head_dim]`` (qfilters only);
             without them the key-SVD fallback estimates a direction online.
+        query_scale: ``[n_layers, n_kv_heads]`` ``E<q, f>`` from the calibration (format
+            version 2); required by ``budget_mode="adaptive"``.
     Returns:
         A list to pass as ``prompt_cache=`` to mlx-lm's generation functions.
+    Raises:
+        ValueError: filters of the wrong layout, or adaptive budgets without calibrated
+            filters and their query scales (scores must be comparable across heads).
     """
     # Resolved once per request: "on" without a GPU backend (or over its budget bound) raises.
     use_kernel = config.evicts and metal.resolve_kernel_mode(config.kernel, config.budget)
@@ -71,6 +107,10 @@ def make_caches(
             raise ValueError(f"filters are only used by method='qfilters', got {config.method!r}")
         filters = mx.array(filters, dtype=mx.float32)
         _check_filters(filters, caches, model)
+    scale = None
+    if config.evicts and config.budget_mode == "adaptive":
+        scale = _adaptive_scale(config, filters, query_scale)
+        install_head_masks(model)
 
     for i, cache in enumerate(caches):
         if type(cache) is not KVCache:  # subclasses and other cache kinds stay as they are
@@ -78,13 +118,18 @@ def make_caches(
         if not config.evicts:
             caches[i] = FullKVCache()
             continue
-        scorer = make_scorer(config, None if filters is None else filters[i])
+        scorer = make_scorer(
+            config,
+            None if filters is None else filters[i],
+            None if scale is None else scale[i],
+        )
         caches[i] = EvictionCache(
             scorer,
             budget=config.budget,
             n_sink=config.n_sink,
             recent=config.recent,
             chunk=config.chunk,
+            floor=config.floor_rows if scale is not None else None,
             use_kernel=use_kernel,
         )
     return caches

@@ -70,20 +70,28 @@ class QFilterScorer(_AlwaysReady):
     Args:
         filters: ``(H, D)`` unit filters for this layer's KV heads.
         sign: ``+1`` (the paper's direction) or ``-1`` (ablation).
+        query_scale: ``(H,)`` each head's ``E<q, f>`` from calibration; given, scores are
+            expected attention logits ``E<q, f> * (f . k) / sqrt(D)``, comparable across
+            heads (what head-adaptive budgets rank by).
     """
 
     source = "calibrated"
 
-    def __init__(self, filters: mx.array, sign: int = 1):
+    def __init__(self, filters: mx.array, sign: int = 1, query_scale: mx.array | None = None):
         self.filters = filters.astype(mx.float32)
         self.sign = sign
+        self.scale = None
+        if query_scale is not None:
+            D = self.filters.shape[-1]
+            self.scale = (query_scale.astype(mx.float32) / D**0.5)[:, None]  # (H, 1)
 
     @property
     def nbytes(self) -> int:
         return self.filters.nbytes
 
     def score(self, keys: mx.array, start: int) -> mx.array:
-        return project(keys, self.filters, self.sign)
+        scores = project(keys, self.filters, self.sign)
+        return scores if self.scale is None else scores * self.scale
 
 
 class KeySVDScorer:
