@@ -12,7 +12,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 import metal
 from engine.attention import install_head_masks
 from engine.cache import EvictionCache, FullKVCache
-from engine.config import CacheConfig
+from engine.config import CacheConfig, ConfigError
 from engine.scorers import KeySVDScorer, KNormScorer, QFilterScorer, RecencyScorer, Scorer
 
 
@@ -54,16 +54,18 @@ def _adaptive_scale(
     config: CacheConfig, filters: mx.array | None, query_scale: mx.array | np.ndarray | None
 ) -> mx.array:
     if config.method != "qfilters" or filters is None:
-        raise ValueError(
+        raise ConfigError(
+            "budget_mode",
             "budget_mode='adaptive' needs calibrated Q-Filters: only their scores, scaled by "
             "each head's query scale, are comparable across heads (K-norm, streaming and the "
-            "key-SVD fallback are not)"
+            "key-SVD fallback are not)",
         )
     if query_scale is None:
-        raise ValueError(
+        raise ConfigError(
+            "budget_mode",
             "budget_mode='adaptive' needs the query scales that calibration format version 2 "
             "records beside the filters; this model's calibration predates them (recalibrate "
-            "with `qfserve calibrate`)"
+            "with `qfserve calibrate`)",
         )
     scale = mx.array(query_scale, dtype=mx.float32)
     if scale.shape != filters.shape[:2]:

@@ -22,7 +22,16 @@ from calibrations.registry import (
 def resolve_filters(
     model: nn.Module, model_id: str, *, fingerprint: str | None = None
 ) -> tuple[mx.array | None, str]:
-    """Calibrated filters for ``model``, or none.
+    """Calibrated filters for ``model``, or none (:func:`resolve_calibration` without the
+    query scales)."""
+    filters, _, source = resolve_calibration(model, model_id, fingerprint=fingerprint)
+    return filters, source
+
+
+def resolve_calibration(
+    model: nn.Module, model_id: str, *, fingerprint: str | None = None
+) -> tuple[mx.array | None, mx.array | None, str]:
+    """Calibrated filters for ``model`` and their query scales, or none.
 
     Args:
         model: The loaded mlx-lm model (its attention shape is checked against the file).
@@ -32,8 +41,10 @@ def resolve_filters(
             (:func:`calibrations.model_info.model_fingerprint`); default: computed from
             its tensors.
     Returns:
-        ``(filters, "calibrated")`` with filters ``[n_layers, n_kv_heads, head_dim]`` float32,
-        or ``(None, "fallback")`` when no artifact exists for the model.
+        ``(filters, query_scale, "calibrated")`` with filters ``[n_layers, n_kv_heads,
+        head_dim]`` float32 and query scales ``[n_layers, n_kv_heads]`` (``None`` for a
+        calibration older than format version 2), or ``(None, None, "fallback")`` when no
+        artifact exists for the model.
     Raises:
         calibrations.artifact.CalibrationError: an artifact exists but must not be used
             (another model, other weights of this one, wrong shape, damaged file).
@@ -45,7 +56,7 @@ def resolve_filters(
     except CalibrationNotFoundError:
         # Checked before reading the model's shape, so models calibrations cannot handle
         # (no standard attention) still run on the fallback when nobody calibrated them.
-        return None, "fallback"
+        return None, None, "fallback"
     n_layers, n_kv_heads, head_dim = attention_shape(model)
     calibration = load_for_model(
         model_id,
@@ -55,5 +66,10 @@ def resolve_filters(
         weights=fingerprint or weights_fingerprint(model),
     )
     if calibration is None:  # removed between the two look-ups
-        return None, "fallback"
-    return mx.array(calibration.filters, dtype=mx.float32), "calibrated"
+        return None, None, "fallback"
+    scale = calibration.query_scale
+    return (
+        mx.array(calibration.filters, dtype=mx.float32),
+        None if scale is None else mx.array(scale, dtype=mx.float32),
+        "calibrated",
+    )

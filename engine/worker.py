@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, cast
 
+from engine.config import ConfigError
 from engine.loading import LoadedModel, load_model
 from engine.prompts import PromptError, StopText, encode_prompt, token_logprobs
 from engine.requests import (
@@ -82,6 +83,7 @@ class RequestRecord:
     recent: int
     n_sink: int
     chunk: int = 1
+    budget_mode: str = "per_head"
     state: State = "queued"
     filter_source: str = "none"
     prompt_tokens: int = 0
@@ -199,6 +201,7 @@ class Worker:
         self.error: str | None = None
         self.loaded: LoadedModel | None = None
         self.filters: Any = None
+        self.query_scale: Any = None
         self.filter_source = "none"
         self.started_at = int(time.time())
 
@@ -286,6 +289,7 @@ class Worker:
             recent=request.cache.recent,
             n_sink=request.cache.n_sink,
             chunk=request.cache.chunk,
+            budget_mode=request.cache.budget_mode,
         )
         job = Job(request, record, loop)
         with self._lock:
@@ -351,12 +355,12 @@ class Worker:
         self.loaded = self._loader(self._ref)
         try:
             from calibrations.model_info import model_fingerprint
-            from engine.filters import resolve_filters
+            from engine.filters import resolve_calibration
         except ImportError:  # no calibration support installed: the key-SVD fallback
             logger.warning("engine.filters is unavailable; Q-Filters use the online fallback")
             self.filters, self.filter_source = None, "fallback"
         else:
-            self.filters, self.filter_source = resolve_filters(
+            self.filters, self.query_scale, self.filter_source = resolve_calibration(
                 self.loaded.model,
                 self.loaded.model_id,
                 fingerprint=model_fingerprint(self.loaded.model, self.loaded.config),
@@ -403,8 +407,13 @@ class Worker:
                 self._finish(job.record, "error")
                 return
             job.record.prompt_tokens = len(prompt)
+            try:
+                caches = self._make_caches(job)
+            except ConfigError as exc:  # settings this model cannot honour (adaptive budgets)
+                job.emit(Failed("invalid_request", str(exc), exc.param))
+                self._finish(job.record, "error")
+                return
             job.emit(Started(prompt_tokens=len(prompt), max_tokens=max_tokens))
-            caches = self._make_caches(job)
             finish = self._generate(job, prompt, max_tokens, caches)
             job.emit(finish)
             self._finish(job.record, "done")
@@ -427,8 +436,13 @@ class Worker:
 
         assert self.loaded is not None
         config = job.request.cache
-        filters = self.filters if config.method == "qfilters" else None
-        return make_caches(self.loaded.model, config, filters=filters)
+        calibrated = config.method == "qfilters"
+        return make_caches(
+            self.loaded.model,
+            config,
+            filters=self.filters if calibrated else None,
+            query_scale=self.query_scale if calibrated else None,
+        )
 
     def _generate(
         self, job: Job, prompt: list[int], max_tokens: int, caches: list[Any]
@@ -526,6 +540,8 @@ class Worker:
             "recent": config.recent,
             "n_sink": config.n_sink,
             "chunk": config.chunk,
+            "budget_mode": config.budget_mode,
+            "floor": config.floor if config.budget_mode == "adaptive" else None,
             "filter_source": record.filter_source,
             "tokens_seen": record.tokens_seen,
             "tokens_kept": record.tokens_kept,

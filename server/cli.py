@@ -28,7 +28,7 @@ import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from engine.blas import blas_summary, reexec_with_openblas
-from engine.config import METHODS
+from engine.config import BUDGET_MODES, METHODS
 from server.settings import EnvDefaults
 
 logger = logging.getLogger("qfserve")
@@ -82,6 +82,20 @@ def make_parser(env: EnvDefaults | None = None) -> argparse.ArgumentParser:
         default=s.chunk,
         help="default chunk size: prefill keeps whole chunks of this many positions "
         "(default: %(default)s, token by token)",
+    )
+    p.add_argument(
+        "--budget-mode",
+        choices=BUDGET_MODES,
+        default=s.budget_mode,
+        help="default budget mode: per_head, or adaptive (a layer's heads share the budget; "
+        "needs calibrated filters with query scales) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--floor",
+        type=float,
+        default=s.floor,
+        help="default share of the budget every head keeps under adaptive budgets "
+        "(default: %(default)s)",
     )
     p.add_argument(
         "--max-queue",
@@ -154,6 +168,8 @@ def settings_from_args(args: argparse.Namespace):
         recent=args.recent,
         n_sink=args.n_sink,
         chunk=args.chunk,
+        budget_mode=args.budget_mode,
+        floor=args.floor,
         max_queue=args.max_queue,
         api_key=api_key,
         admin_key=args.admin_key,

@@ -90,6 +90,11 @@ EXTENSION_FATES: dict[str, tuple[Fate, str]] = {
     "qfilters_recent": ("implemented", "qfserve: recent positions never evicted"),
     "qfilters_n_sink": ("implemented", "qfserve: leading positions never evicted"),
     "qfilters_chunk": ("implemented", "qfserve: prefill keeps whole chunks of positions"),
+    "qfilters_budget_mode": (
+        "implemented",
+        "qfserve: per_head, or adaptive across a layer's heads",
+    ),
+    "qfilters_floor": ("implemented", "qfserve: share of the budget each head keeps (adaptive)"),
 }
 REQUIRED = frozenset({"model", "messages", "prompt"})
 

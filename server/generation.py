@@ -26,7 +26,7 @@ from engine.worker import Job, Worker, WorkerUnavailable
 from server.errors import APIError
 from server.formats import ResponseFormat
 from server.metrics import Metrics
-from server.schemas import GenerationBody
+from server.schemas import CACHE_PARAMS, GenerationBody
 from server.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -53,7 +53,8 @@ def failure(event: Failed) -> APIError:
     status = _FAILED_STATUS[event.kind]
     headers = {"Retry-After": "5"} if status == 503 else None
     code = {400: "invalid_value", 503: "unavailable", 499: "cancelled"}.get(status, "internal")
-    return APIError(status, event.message, param=event.param, code=code, headers=headers)
+    param = CACHE_PARAMS.get(event.param, event.param) if event.param else None
+    return APIError(status, event.message, param=param, code=code, headers=headers)
 
 
 class Stream(EventSourceResponse):

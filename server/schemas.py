@@ -2,7 +2,8 @@
 
 Requests are strict (no type coercion, unknown fields rejected) so mistakes surface as a
 400 naming the field. Our extensions (``qfilters_budget``, ``qfilters_recent``,
-``qfilters_n_sink``, ``qfilters_chunk``, ``kv_method``) sit together in :class:`EvictionFields`;
+``qfilters_n_sink``, ``qfilters_chunk``, ``qfilters_budget_mode``, ``qfilters_floor``,
+``kv_method``) sit together in :class:`EvictionFields`;
 :meth:`GenerationBody.to_engine` is the one conversion into the engine's frozen parameters.
 """
 
@@ -30,12 +31,14 @@ from server.errors import APIError
 
 KVMethod = Literal["qfilters", "knorm", "streaming", "full"]
 assert set(METHODS) == set(KVMethod.__args__)  # type: ignore[attr-defined]
-_CACHE_PARAMS = {
+CACHE_PARAMS = {
     "method": "kv_method",
     "budget": "qfilters_budget",
     "recent": "qfilters_recent",
     "n_sink": "qfilters_n_sink",
     "chunk": "qfilters_chunk",
+    "budget_mode": "qfilters_budget_mode",
+    "floor": "qfilters_floor",
 }
 
 
@@ -148,6 +151,23 @@ class EvictionFields(_Strict):
             "ranked by their mean score (1 = token by token). Default: --chunk.",
         ),
     ] = None
+    qfilters_budget_mode: Annotated[
+        Literal["per_head", "adaptive"] | None,
+        Field(
+            description="per_head: budget rows in every KV head; adaptive: a layer's heads "
+            "share budget x heads rows (AdaKV), ranked by expected attention logits; needs "
+            "calibrated filters with query scales. Default: --budget-mode.",
+        ),
+    ] = None
+    qfilters_floor: Annotated[
+        float | None,
+        Field(
+            gt=0,
+            le=1,
+            description="Share of the budget every head keeps under adaptive budgets. "
+            "Default: --floor.",
+        ),
+    ] = None
     kv_method: Annotated[
         KVMethod | None,
         Field(
@@ -213,13 +233,15 @@ class GenerationBody(EvictionFields):
             "recent": self.qfilters_recent,
             "n_sink": self.qfilters_n_sink,
             "chunk": self.qfilters_chunk,
+            "budget_mode": self.qfilters_budget_mode,
+            "floor": self.qfilters_floor,
         }
         overrides = {k: v for k, v in chosen.items() if v is not None}
         try:
             return CacheConfig(**{**defaults.__dict__, **overrides})
         except ConfigError as exc:
-            sent = [_CACHE_PARAMS[k] for k in overrides]
-            param = _CACHE_PARAMS.get(exc.param)
+            sent = [CACHE_PARAMS[k] for k in overrides]
+            param = CACHE_PARAMS.get(exc.param)
             raise APIError(
                 400,
                 f"invalid eviction settings: {exc}",
@@ -494,6 +516,8 @@ class KVCacheInfo(BaseModel):
     recent: int
     n_sink: int
     chunk: int = 1
+    budget_mode: str = "per_head"
+    floor: float | None = None
     filter_source: str
     tokens_seen: int
     tokens_kept: int

@@ -9,10 +9,13 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from engine.config import (
     DEFAULT_BUDGET,
+    DEFAULT_BUDGET_MODE,
     DEFAULT_CHUNK,
+    DEFAULT_FLOOR,
     DEFAULT_METHOD,
     DEFAULT_N_SINK,
     DEFAULT_RECENT,
+    BudgetMode,
     CacheConfig,
     Method,
 )
@@ -38,6 +41,8 @@ class EnvDefaults(BaseSettings):
     recent: int = DEFAULT_RECENT
     n_sink: int = DEFAULT_N_SINK
     chunk: int = DEFAULT_CHUNK
+    budget_mode: str = DEFAULT_BUDGET_MODE
+    floor: float = DEFAULT_FLOOR
     max_queue: int = DEFAULT_MAX_QUEUE
     api_key: str | None = None
     api_key_file: str | None = None
@@ -56,8 +61,8 @@ class Settings:
     Args:
         model: What ``--model`` names (see :func:`engine.loading.resolve_model_ref`);
             ``None`` serves the default catalog model.
-        kv_method, budget, recent, n_sink, chunk: Eviction defaults for requests that do
-            not send ``kv_method`` / ``qfilters_*``.
+        kv_method, budget, recent, n_sink, chunk, budget_mode, floor: Eviction defaults
+            for requests that do not send ``kv_method`` / ``qfilters_*``.
         max_queue: Requests waiting for the worker at most (then 503 + Retry-After).
         api_key: When set, every route but ``/health`` needs ``Authorization: Bearer <key>``.
         admin_key: When set, the admin endpoint needs it instead of ``api_key``.
@@ -77,6 +82,8 @@ class Settings:
     recent: int = DEFAULT_RECENT
     n_sink: int = DEFAULT_N_SINK
     chunk: int = DEFAULT_CHUNK
+    budget_mode: BudgetMode = DEFAULT_BUDGET_MODE
+    floor: float = DEFAULT_FLOOR
     max_queue: int = DEFAULT_MAX_QUEUE
     api_key: str | None = None
     admin_key: str | None = None
@@ -94,6 +101,8 @@ class Settings:
             recent=self.recent,
             n_sink=self.n_sink,
             chunk=self.chunk,
+            budget_mode=self.budget_mode,
+            floor=self.floor,
         )
         object.__setattr__(self, "_cache_defaults", defaults)
         if self.max_queue < 1:
