@@ -37,12 +37,14 @@ class Arm:
         sign: ``-1`` keeps the other end of the scoring axis (the fallback's ablation: its
             axis oriented *to* the keys' mean).
         chunk: Block evictions keep whole chunks of this many positions (1 = per row).
+        adaptive: Head-adaptive budgets (calibrated Q-Filters with query scales only).
     """
 
     method: str
     recent_frac: float = 0.0
     sign: int = 1
     chunk: int = 1
+    adaptive: bool = False
 
     @property
     def name(self) -> str:
@@ -50,14 +52,16 @@ class Arm:
             return "full"
         flipped = "-" if self.sign < 0 else ""
         chunk = f"/c{self.chunk}" if self.chunk > 1 else ""
-        return f"{self.method}{flipped}/r{int(round(self.recent_frac * 100))}{chunk}"
+        ada = "/ada" if self.adaptive else ""
+        return f"{self.method}{flipped}/r{int(round(self.recent_frac * 100))}{chunk}{ada}"
 
     @property
     def label(self) -> str:
         flipped = ", sign flipped" if self.sign < 0 else ""
         recent = "" if self.recent_frac == 0 or self.method == "full" else ", recent b/4"
         chunk = f", chunks of {self.chunk}" if self.chunk > 1 else ""
-        return f"{LABELS[self.method]}{flipped}{recent}{chunk}"
+        ada = ", adaptive budgets" if self.adaptive else ""
+        return f"{LABELS[self.method]}{flipped}{recent}{chunk}{ada}"
 
     def recent(self, budget: int) -> int:
         return int(budget * self.recent_frac)
@@ -73,6 +77,7 @@ class Arm:
             calib_tokens=min(DEFAULT_CALIB_TOKENS, budget),
             sign=self.sign,
             chunk=self.chunk,
+            budget_mode="adaptive" if self.adaptive else "per_head",
         )
 
     def caches(self, model: Any, budget: int | None, filters: np.ndarray | None) -> list[Any]:
@@ -81,7 +86,8 @@ class Arm:
         if self.method == "qfilters":
             if filters is None:
                 raise ValueError("the calibrated qfilters arm needs filters, got None")
-            return make_caches(model, config, filters=filters)
+            scale = getattr(filters, "query_scale", None) if self.adaptive else None
+            return make_caches(model, config, filters=np.asarray(filters), query_scale=scale)
         return make_caches(model, config)
 
     def source(self, caches: list[Any]) -> str:
@@ -116,18 +122,21 @@ def add_arm_arguments(p: Any) -> None:
         default=[],
         help="also run calibrated Q-Filters keeping whole chunks of these sizes",
     )
+    p.add_argument(
+        "--adaptive",
+        action="store_true",
+        help="also run calibrated Q-Filters with head-adaptive budgets",
+    )
     p.add_argument("--only", nargs="+", default=None, help="run only these arm names")
 
 
 def select_arms(arms: list[Arm], args: Any) -> list[Arm]:
     """``arms`` plus a chunked Q-Filters arm per ``--chunks`` size and recent fraction of
     the plain one, filtered by ``--only`` (the full cache always runs)."""
-    extra = [
-        Arm("qfilters", a.recent_frac, chunk=c)
-        for c in args.chunks
-        for a in arms
-        if a.method == "qfilters" and a.chunk == 1
-    ]
+    plain = [a for a in arms if a.method == "qfilters" and a.chunk == 1 and not a.adaptive]
+    extra = [Arm("qfilters", a.recent_frac, chunk=c) for c in args.chunks for a in plain]
+    if args.adaptive:
+        extra += [Arm("qfilters", a.recent_frac, adaptive=True) for a in plain]
     out = [*arms, *extra]
     if args.only:
         unknown = set(args.only) - {a.name for a in out}
@@ -140,8 +149,13 @@ def select_arms(arms: list[Arm], args: Any) -> list[Arm]:
 
 
 def kept_rows(caches: list[Any]) -> list[int]:
-    """Stored rows of every evicting layer."""
-    return [c.size() for c in caches if isinstance(c, EvictionCache)]
+    """Rows each evicting layer keeps per KV head (under adaptive budgets, the mean over its
+    heads: their total is what the budget bounds)."""
+    return [
+        c.stats().tokens_kept if c.valid is not None else c.size()
+        for c in caches
+        if isinstance(c, EvictionCache)
+    ]
 
 
 def check_budget(caches: list[Any], budget: int | None, tokens_seen: int) -> int:

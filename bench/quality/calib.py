@@ -21,7 +21,7 @@ import numpy as np
 from bench.quality.common import progress
 from bench.quality.data import split_files
 from calibrations.capture import capture_queries
-from calibrations.compute import compute_filters
+from calibrations.compute import compute_filters, query_scales
 from calibrations.corpus import make_sequences, read_documents
 from engine.filters import resolve_filters
 
@@ -97,6 +97,22 @@ def capture(
     return queries, {"description": description, "tokens": total}
 
 
+class CalibratedFilters(np.ndarray):
+    """``(n_layers, n_kv_heads, head_dim)`` filters that also carry the calibration's query
+    scales ``(n_layers, n_kv_heads)`` (``query_scale``; ``None`` for a version-1 artifact),
+    so studies pass one object to every arm and the adaptive arm finds both."""
+
+    query_scale: np.ndarray | None
+
+    def __new__(cls, filters: np.ndarray, query_scale: np.ndarray | None) -> CalibratedFilters:
+        obj = np.asarray(filters, dtype=np.float32).view(cls)
+        obj.query_scale = None if query_scale is None else np.asarray(query_scale, np.float32)
+        return obj
+
+    def __array_finalize__(self, obj: Any) -> None:
+        self.query_scale = getattr(obj, "query_scale", None)
+
+
 def filters_for(
     model: Any,
     tokenizer: Any,
@@ -129,7 +145,8 @@ def filters_for(
                 identity["model_id"], n_layers=n_layers, n_kv_heads=n_kv, head_dim=head_dim
             )
             meta = cal.metadata if cal is not None else {}
-            return np.array(filters), {
+            scale = cal.query_scale if cal is not None else None
+            return CalibratedFilters(np.array(filters), scale), {
                 "source": "registry",
                 "path": str(path),
                 "text": meta.get("text"),
@@ -143,7 +160,7 @@ def filters_for(
     settings = QUICK_SETTINGS if quick else FULL_SETTINGS
     queries, info = capture(model, tokenizer, identity, text="A", settings=settings, seed=seed)
     filters, summaries = compute_filters(queries, identity["n_kv_heads"])
-    return filters, {
+    return CalibratedFilters(filters, query_scales(queries, filters)), {
         "source": "fresh",
         "text": info["description"],
         "tokens": info["tokens"],

@@ -18,6 +18,8 @@ ARM_ORDER = (
     "qfilters/r0",
     "qfilters/r25",
     *(f"qfilters/r{r}/c{c}" for r in (0, 25) for c in CHUNKS),
+    "qfilters/r0/ada",
+    "qfilters/r25/ada",
     "fallback/r0",
     "fallback/r25",
     "fallback-/r0",
@@ -42,6 +44,8 @@ ARM_NAMES = {
         for r in (0, 25)
         for c in CHUNKS
     },
+    "qfilters/r0/ada": "Q-Filters calibrated, recent 0, adaptive budgets",
+    "qfilters/r25/ada": "Q-Filters calibrated, recent b/4, adaptive budgets",
 }
 
 

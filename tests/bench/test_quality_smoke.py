@@ -88,14 +88,16 @@ def test_chunked_arms_run_beside_the_plain_ones(results: Path, tiny_model: Path)
 
     out = results / "retrieval-chunks"
     argv = ["--quick", "--model", str(tiny_model), "--out", str(out), "--calibration", "fresh",
-            "--chunks", "4", "--only", "qfilters/r25", "qfilters/r25/c4", "streaming/r0"]  # fmt: skip
+            "--chunks", "4", "--adaptive",
+            "--only", "qfilters/r25", "qfilters/r25/c4", "qfilters/r25/ada", "streaming/r0"]  # fmt: skip
     assert main(argv) == 0
     data = json.loads((out / "retrieval.json").read_text())
-    assert data["arms"] == ["full", "qfilters/r25", "streaming/r0", "qfilters/r25/c4"]
+    assert data["arms"] == [
+        "full", "qfilters/r25", "streaming/r0", "qfilters/r25/c4", "qfilters/r25/ada"]  # fmt: skip
     for res in data["results"].values():
         assert set(res["arms"]) == set(data["arms"])
     with pytest.raises(ValueError, match="unknown arms"):
-        main([*argv[:-3], "qfilters/r25/c5"])
+        main([*argv[:-4], "qfilters/r25/c5"])
 
 
 def test_perplexity_resumes_from_its_log(results: Path, tiny_model: Path) -> None:
