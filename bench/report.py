@@ -24,6 +24,11 @@ PAGE = Path(__file__).resolve().parent / "RESULTS.md"
 MODELS = (
     ("smollm2", "SmolLM2-135M-Instruct (the default model)", True),
     (
+        "smollm2/refinements",
+        "SmolLM2-135M-Instruct: chunked and head-adaptive Q-Filters against plain",
+        False,
+    ),
+    (
         "qfserve-tiny",
         "qfserve-tiny (the bundled 6-layer test model: what CI's smoke runs use; kept where "
         "it still says something)",

@@ -4,7 +4,7 @@
 # quality studies append to a JSONL and resume where they stopped); results go to
 # bench/results/smollm2/. Run one at a time: timings are read as interleaved ratios, but a
 # second study on the same cores still adds noise.
-# Usage: bench/run_all.sh [quality|speed|all]
+# Usage: bench/run_all.sh [quality|speed|refinements|all]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 which="${1:-all}"
@@ -25,5 +25,17 @@ if [[ "$which" == speed || "$which" == all ]]; then
     run bench.speed.vs_mlx_lm
     run bench.speed.bandwidth
     run bench.speed.structured --reps 5 --tokens 40
+fi
+if [[ "$which" == refinements || "$which" == all ]]; then
+    # Chunk-level selection and head-adaptive budgets beside plain Q-Filters, K-norm and
+    # streaming: pass key and prose needle at 2k/4k, 2x-16x; perplexity at 256-1,024.
+    out=bench/results/smollm2/refinements
+    arms=(--chunks 4 8 16 --adaptive --only qfilters/r25 qfilters/r25/c4 qfilters/r25/c8
+          qfilters/r25/c16 qfilters/r25/ada knorm/r25 streaming/r0)
+    run bench.quality.retrieval --calibration registry --lengths 2048 4096 --ratios 2 4 8 16 \
+        --per-bin 2 --recent-fracs 0.25 --out "$out" "${arms[@]}"
+    run bench.quality.niah --calibration registry --lengths 2048 4096 --ratios 2 4 8 16 \
+        --out "$out" "${arms[@]}"
+    run bench.quality.perplexity --calibration registry --out "$out" "${arms[@]}"
 fi
 run bench.report

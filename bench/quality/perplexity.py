@@ -37,7 +37,7 @@ import numpy as np
 from bench.cli import parse, parser
 from bench.harness import print_table
 from bench.quality import plots
-from bench.quality.arms import LABELS, Arm, standard_arms
+from bench.quality.arms import LABELS, Arm, add_arm_arguments, select_arms, standard_arms
 from bench.quality.common import (
     progress,
     run,
@@ -177,18 +177,26 @@ def plot(results: dict[str, Any], identity: dict[str, Any], out_dir: Any) -> lis
     names = []
     for dataset, res in results.items():
         budgets = sorted(res["budgets"])
-        names_run = set(res["budgets"][budgets[0]])
-        fracs = sorted({int(n.split("/r")[1]) for n in names_run if not n.startswith("streaming")})
+        names_run = sorted(res["budgets"][budgets[0]])
+
+        def recent_of(name: str) -> int:
+            return int(name.split("/")[1][1:])  # "qfilters/r25/c4" -> 25
+
+        fracs = sorted({recent_of(n) for n in names_run if not n.startswith("streaming")})
         fig, ax = plots.subplots(1, len(fracs), figsize=(5 * len(fracs), 3.8), sharey=True)
+        styles = ["o-", "s--", "^:", "v-.", "D--", "x:"]
         for col, frac in enumerate(fracs):
             a = ax[0, col]
             a.axhline(res["full"]["ppl"], color="black", ls="--", label="full")
-            for method in ("qfilters", "fallback", "knorm", "streaming"):
-                name = f"{method}/r{0 if method == 'streaming' else frac}"
-                if name not in names_run:
-                    continue
+            shown = [n for n in names_run if n.startswith("streaming") or recent_of(n) == frac]
+            for i, name in enumerate(shown):
+                method = name.split("/")[0].rstrip("-")
                 ppl = [res["budgets"][b][name]["ppl"] for b in budgets]
-                a.plot(budgets, ppl, "o-", color=plots.COLORS[method], label=LABELS[method])
+                variant = "/".join(name.split("/")[2:])
+                label = LABELS[method] + (f" ({variant})" if variant else "")
+                a.plot(
+                    budgets, ppl, styles[i % len(styles)], color=plots.COLORS[method], label=label
+                )
             a.set_xscale("log", base=2)
             a.set_yscale("log")
             a.set_xticks(budgets, [str(b) for b in budgets])
@@ -228,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="evicting arms beside streaming (default: qfilters and knorm; quick: all)",
     )
+    add_arm_arguments(p)
     args = parse(p, argv)
     length = args.length or (96 if args.quick else 2048)
     n_seq = args.sequences or (2 if args.quick else 4)
@@ -250,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.method in ("full", "streaming")
         or a.name.split("/")[0] in (args.methods or (METHODS if args.quick else DEFAULT_METHODS))
     ]
+    arms = select_arms(arms, args)
     log = None if args.quick else args.out / f"{STUDY}.jsonl"
     args.out.mkdir(parents=True, exist_ok=True)
     results, shapes = {}, {}
