@@ -61,7 +61,8 @@ def default_arms() -> list[Arm]:
 def make_doc(
     tokenizer: Any, paragraphs: list[str], length: int, depth: float, index: int
 ) -> dict[str, Any]:
-    """A prompt of about ``length`` tokens with the needle at ``depth`` of the haystack."""
+    """A prompt of at most ``length`` tokens (a few percent under, at a sentence end) with the
+    needle at ``depth`` of the haystack."""
     rng = random.Random(f"niah-{length}-{depth}-{index}")
     city = rng.choice(CITIES)
     number = str(rng.randrange(1_000_000, 10_000_000))
@@ -71,30 +72,39 @@ def make_doc(
     )
     reserve = len(tokenizer.encode(INTRO + needle + question)) + 8
     start = rng.randrange(len(paragraphs))
-    chosen: list[str] = []
-    sizes: list[int] = []
+
+    def build(room: int) -> tuple[list[int], float]:
+        chosen: list[str] = []
+        sizes: list[int] = []
+        while sum(sizes) < room:
+            para = paragraphs[(start + len(chosen)) % len(paragraphs)]
+            chosen.append(para)
+            sizes.append(len(tokenizer.encode(para + "\n\n")))
+        # Cut the last paragraph at a word so the haystack fits (it still ends a sentence).
+        words = chosen[-1].split()
+        while sum(sizes) > room and len(words) > 1:
+            words = words[: max(1, len(words) * 3 // 4)]
+            chosen[-1] = " ".join(words).rstrip(".,;:") + "."
+            sizes[-1] = len(tokenizer.encode(chosen[-1] + "\n\n"))
+        # The needle goes between paragraphs, at the boundary nearest to `depth` of the tokens.
+        cumulative = np.concatenate([[0], np.cumsum(sizes)])
+        slot = int(np.argmin(np.abs(cumulative - depth * cumulative[-1])))
+        parts = [*chosen[:slot], needle, *chosen[slot:]]
+        prompt = tokenizer.encode(INTRO + "\n\n".join(parts) + question)
+        return prompt, float(cumulative[slot] / max(cumulative[-1], 1))
+
+    # The whole text's tokens are not the sum of its paragraphs' (merges across the joins):
+    # shrink the room by the overshoot until the prompt fits, never past the model's context.
     room = length - reserve
-    while sum(sizes) < room:
-        para = paragraphs[(start + len(chosen)) % len(paragraphs)]
-        chosen.append(para)
-        sizes.append(len(tokenizer.encode(para + "\n\n")))
-    # Cut the last paragraph at a word so the haystack fits (it still ends a sentence).
-    words = chosen[-1].split()
-    while sum(sizes) > room and len(words) > 1:
-        words = words[: max(1, len(words) * 3 // 4)]
-        chosen[-1] = " ".join(words).rstrip(".,;:") + "."
-        sizes[-1] = len(tokenizer.encode(chosen[-1] + "\n\n"))
-    # The needle goes between paragraphs, at the boundary nearest to `depth` of the tokens.
-    cumulative = np.concatenate([[0], np.cumsum(sizes)])
-    slot = int(np.argmin(np.abs(cumulative - depth * cumulative[-1])))
-    parts = [*chosen[:slot], needle, *chosen[slot:]]
-    prompt_text = INTRO + "\n\n".join(parts) + question
-    prompt = tokenizer.encode(prompt_text)
+    prompt, where = build(room)
+    while len(prompt) > length:
+        room -= len(prompt) - length + 4
+        prompt, where = build(room)
     return {
         "prompt": prompt,
         "number": number,
         "answer": tokenizer.encode(" " + number)[-len(tokenizer.encode(number)) :],
-        "depth": float(cumulative[slot] / max(cumulative[-1], 1)),
+        "depth": where,
         "tokens": len(prompt),
     }
 
