@@ -1,0 +1,53 @@
+"""The command line every study shares: defaults that depend on other arguments."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench.cli import command_line, parse, parser
+from bench.harness import RESULTS_DIR
+from bench.models import results_dir
+
+
+def test_the_default_model_is_the_served_one_and_quick_runs_the_bundled_one():
+    p = parser("x", reps=5, calibration=True)
+    args = parse(p, [])
+    assert (args.model, args.out, args.reps) == (
+        "smollm2-135m-instruct",
+        RESULTS_DIR / "smollm2",
+        5,
+    )
+    assert args.calibration == "auto"
+    quick = parse(p, ["--quick"])
+    assert (quick.model, quick.out, quick.reps) == ("qfserve-tiny", RESULTS_DIR / "qfserve-tiny", 2)
+    mine = parse(p, ["--model", "/models/My-Model.Q4_0.gguf", "--out", "/tmp/r", "--reps", "3"])
+    assert (mine.out, mine.reps) == (Path("/tmp/r"), 3)
+
+
+def test_results_go_to_a_folder_named_after_the_model():
+    assert results_dir("/m/SmolLM2-360M.Q8_0.gguf") == RESULTS_DIR / "SmolLM2-360M.Q8_0"
+    assert results_dir("/models/qwen2-0.5b/") == RESULTS_DIR / "qwen2-0.5b"
+    assert (
+        results_dir("HuggingFaceTB/SmolLM2-1.7B-Instruct") == RESULTS_DIR / "SmolLM2-1.7B-Instruct"
+    )
+
+
+def test_bad_reps_are_an_argument_error(capsys):
+    with pytest.raises(SystemExit):
+        parse(parser("x", reps=5), ["--reps", "0"])
+    assert "--reps must be >= 1" in capsys.readouterr().err
+
+
+def test_studies_without_reps_or_calibration_do_not_take_them():
+    with pytest.raises(SystemExit):
+        parse(parser("x"), ["--reps", "3"])
+    with pytest.raises(SystemExit):
+        parse(parser("x"), ["--calibration", "fresh"])
+
+
+def test_the_command_line_reproduces_the_run():
+    assert command_line("bench.speed.decode", ["--quick", "--reps", "2"]) == (
+        "python -m bench.speed.decode --quick --reps 2"
+    )
