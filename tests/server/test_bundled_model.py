@@ -84,6 +84,29 @@ def test_qfserve_tiny_answers_with_calibrated_filters(default_server):
     assert kv["method"] == "qfilters" and kv["filter_source"] == "calibrated"
 
 
+def test_adaptive_budgets_run_on_calibrated_filters_and_share_the_layer(default_server):
+    """The bundled calibration records query scales (format version 2), so adaptive budgets
+    run; statistics say what ran and the layer kept budget x heads rows."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{default_server}/v1", api_key="unused", max_retries=0, timeout=60)
+    resp = client.completions.create(
+        model="qfserve-tiny",
+        prompt=PASSKEY_PROMPT,
+        max_tokens=4,
+        temperature=0,
+        extra_body={
+            "qfilters_budget": 64,
+            "qfilters_budget_mode": "adaptive",
+            "qfilters_floor": 0.5,
+        },
+    )
+    kv = resp.model_extra["kv_cache"]
+    assert (kv["budget_mode"], kv["floor"], kv["filter_source"]) == ("adaptive", 0.5, "calibrated")
+    assert kv["tokens_kept"] == 64 and kv["evictions"] > 0
+    assert kv["tokens_seen"] == resp.usage.prompt_tokens + 4  # one step ahead, as mlx-lm
+
+
 @pytest.mark.parametrize("method", ["full", "qfilters"])
 def test_the_served_model_retrieves_a_pass_key(default_server, method):
     """About 450 prompt tokens under the default budget of 512: nothing is evicted, so both
