@@ -76,13 +76,13 @@ def make_doc(
     def build(room: int) -> tuple[list[int], float]:
         chosen: list[str] = []
         sizes: list[int] = []
-        while sum(sizes) < room:
+        while not chosen or sum(sizes) < room:
             para = paragraphs[(start + len(chosen)) % len(paragraphs)]
             chosen.append(para)
             sizes.append(len(tokenizer.encode(para + "\n\n")))
         # Cut the last paragraph at a word so the haystack fits (it still ends a sentence).
         words = chosen[-1].split()
-        while sum(sizes) > room and len(words) > 1:
+        while sum(sizes) > max(room, 1) and len(words) > 1:
             words = words[: max(1, len(words) * 3 // 4)]
             chosen[-1] = " ".join(words).rstrip(".,;:") + "."
             sizes[-1] = len(tokenizer.encode(chosen[-1] + "\n\n"))
@@ -97,9 +97,11 @@ def make_doc(
     # shrink the room by the overshoot until the prompt fits, never past the model's context.
     room = length - reserve
     prompt, where = build(room)
-    while len(prompt) > length:
-        room -= len(prompt) - length + 4
+    while len(prompt) > length and room > 1:
+        room = max(1, room - (len(prompt) - length + 4))
         prompt, where = build(room)
+    if len(prompt) > length:
+        raise ValueError(f"length {length} is too short for the needle and question")
     return {
         "prompt": prompt,
         "number": number,

@@ -137,7 +137,7 @@ def test_niah_places_the_needle_and_resumes(results: Path, tiny_model: Path) -> 
     # A full run appends one line per document and skips those already done.
     out = results / "niah-resume"
     argv = ["--model", str(tiny_model), "--out", str(out), "--calibration", "fresh",
-            "--lengths", "192", "--depths", "0", "1", "--ratios", "4"]  # fmt: skip
+            "--lengths", "320", "--depths", "0", "1", "--ratios", "4"]  # fmt: skip
     assert main(argv) == 0
     lines = (out / "niah.jsonl").read_text().splitlines()
     assert len(lines) == 2
