@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from metal.qfilters_apply import protected_rows
-
 _INF = float("inf")
 _LOWEST = float(mx.finfo(mx.float32).min)  # below every eligible score, above ineligible
 
@@ -74,7 +72,13 @@ def select_adaptive(
     ok = mx.ones(scores.shape, dtype=mx.bool_) if eligible is None else eligible
     finite = mx.where(mx.isnan(scores) | (scores == -_INF), _LOWEST, scores)
     ranked = mx.where(ok, finite, -_INF)
-    guarded = mx.where(protected_rows(L, n_sink, recent) & ok, _INF, ranked)
+    # Sinks and recent rows are each head's first and last *real* rows: a padded head's
+    # padding sits between its rows and the block, so slot indices would miss them.
+    real = ok.astype(mx.int32)
+    from_start = mx.cumsum(real, axis=-1)
+    from_end = mx.cumsum(real, axis=-1, reverse=True)
+    protected = ok & ((from_start <= n_sink) | (from_end <= recent))
+    guarded = mx.where(protected, _INF, ranked)
     own = exactly_k(guarded.reshape(B * H, L), floor).reshape(B, H, L)
     # The shared top-k over what the floors left, flattened head-major: ties to lower heads.
     rest = mx.where(own, -_INF, ranked).reshape(B, H * L)

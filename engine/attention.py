@@ -38,7 +38,9 @@ def combine_masks(mask: Any, head_mask: mx.array, queries: mx.array) -> mx.array
     per_head = mx.repeat(head_mask, Hq // head_mask.shape[1], axis=1)[:, :, None, :]
     if mask is None:
         return per_head
-    if isinstance(mask, str):  # "causal": the block's queries see the stored rows and their past
+    if isinstance(mask, str) or mask.shape[-1] != S:
+        # "causal", or an array built from the first layer's cache, whose row count differs
+        # from this layer's under adaptive budgets: causal over this layer's rows.
         rows = mx.arange(S - N, S)[:, None]
         mask = rows >= mx.arange(S)[None]
     if mask.dtype == mx.bool_:

@@ -146,6 +146,12 @@ class EvictionCache(SlotLayout):
             scorer.observe(all_keys, self.offset)
             scores = scorer.score(all_keys, 0) if scorer.ready else None
         positions = None
+        if self.chunk > 1 and self.positions is None and self.keys is not None:
+            # Restored from a state saved before the scorer was ready: nothing was evicted,
+            # so the stored rows are positions 0 .. start - 1.
+            self.positions = mx.broadcast_to(
+                mx.arange(start - self.keys.shape[2], start, dtype=mx.int32), self.keys.shape[:3]
+            )
         if self.chunk > 1:
             new_positions = mx.broadcast_to(
                 mx.arange(start, self.offset, dtype=mx.int32), keys.shape[:3]
@@ -238,7 +244,7 @@ class EvictionCache(SlotLayout):
                 budget=self.budget,
                 n_sink=self.n_sink,
                 recent=self.recent,
-                floor=self.floor or self.budget,
+                floor=self.budget if self.floor is None else self.floor,
             )
         else:
             self.keys, self.values, self.valid = keys, values, valid
@@ -364,14 +370,15 @@ class EvictionCache(SlotLayout):
             return CacheStats(filter_source=self.scorer.source)
         row = _row_bytes(self.keys, self.values)
         kept = self.size()
-        if self.valid is not None:  # ragged heads: the mean rows per head (budget, exactly)
-            B, H = self.keys.shape[:2]
+        held = kept  # rows per head the arrays hold
+        if self.valid is not None:  # ragged heads: the mean real rows per head (the budget),
+            B, H = self.keys.shape[:2]  # while the arrays hold the longest head's, padded
             rows = self.valid.sum().item() - (B * H if self.free is not None else 0)
             kept = int(rows) // (B * H)  # type: ignore[arg-type]
         return CacheStats(
             tokens_seen=self.offset,
             tokens_kept=kept,
-            kept_bytes=row * kept,
+            kept_bytes=row * held,
             full_seq_bytes=row * self.offset,
             evictions=self.evictions,
             filter_source=self.scorer.source,

@@ -69,8 +69,9 @@ def _adaptive_scale(
         )
     scale = mx.array(query_scale, dtype=mx.float32)
     if scale.shape != filters.shape[:2]:
-        raise ValueError(
-            f"query_scale must have shape {tuple(filters.shape[:2])}, got {tuple(scale.shape)}"
+        raise ConfigError(
+            "budget_mode",
+            f"query_scale must have shape {tuple(filters.shape[:2])}, got {tuple(scale.shape)}",
         )
     return scale
 
@@ -112,7 +113,10 @@ def make_caches(
     scale = None
     if config.evicts and config.budget_mode == "adaptive":
         scale = _adaptive_scale(config, filters, query_scale)
-        install_head_masks(model)
+        try:
+            install_head_masks(model)
+        except ValueError as exc:
+            raise ConfigError("budget_mode", str(exc)) from None
 
     for i, cache in enumerate(caches):
         if type(cache) is not KVCache:  # subclasses and other cache kinds stay as they are

@@ -20,7 +20,8 @@ def ref_adaptive(scores, budget, n_sink, recent, floor, eligible=None):
     for b in range(B):
         for h in range(H):
             rows = [r for r in range(L) if eligible[b, h, r]]
-            prot = {r for r in range(L) if (r < n_sink or r >= L - recent) and eligible[b, h, r]}
+            # Sinks and recent rows: the head's first and last real rows.
+            prot = set(rows[:n_sink]) | set(rows[len(rows) - recent :] if recent else [])
             rows.sort(key=lambda r: (r not in prot, -s[b, h, r], r))
             keep[b, h, rows[:floor]] = True
         rest = [
@@ -73,13 +74,14 @@ def test_padding_rows_are_never_kept():
     B, H, L = 1, 3, 50
     scores = rng.standard_normal((B, H, L)).astype(np.float32)
     eligible = np.ones((B, H, L), bool)
-    eligible[0, 0, 10:20] = False  # padding of a head that kept fewer rows
-    scores[0, 0, 10:20] = 100.0  # whatever sits in padding must not matter
+    eligible[0, 0, 40:48] = False  # padding of a head that kept fewer rows, before the block
+    scores[0, 0, 40:48] = 100.0  # whatever sits in padding must not matter
     keep, counts = select_adaptive(
         mx.array(scores), budget=12, n_sink=2, recent=3, floor=6, eligible=mx.array(eligible)
     )
     keep = np.array(keep)
     assert not keep[~eligible].any()
+    assert keep[0, 0, [39, 48, 49]].all()  # head 0's last real rows are its recent window
     np.testing.assert_array_equal(keep, ref_adaptive(scores, 12, 2, 3, 6, eligible))
     assert int(np.array(counts).sum()) == 12 * H
 

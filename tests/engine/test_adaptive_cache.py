@@ -59,8 +59,8 @@ def simulate(keys: np.ndarray, blocks: list[int]) -> list[list[int]]:
             keep = np.zeros_like(eligible)
             for h in range(H):
                 real = [i for i, p in enumerate(pad[h]) if p >= 0]
-                order = sorted(real, key=lambda i: (not (i < N_SINK or i >= S - RECENT),
-                                                    -table[h, i], i))  # fmt: skip
+                prot = set(real[:N_SINK]) | set(real[len(real) - RECENT :])  # first/last real
+                order = sorted(real, key=lambda i: (i not in prot, -table[h, i], i))
                 keep[h, order[:FLOOR]] = True
             rest = [(h, i) for h in range(H) for i in range(S) if eligible[h, i] and not keep[h, i]]
             rest.sort(key=lambda hi: (-table[hi], hi[0], hi[1]))
@@ -117,6 +117,7 @@ def test_one_block_matches_the_selection_reference():
         [50] + [1] * 12,  # prefill, then decode steps per head
         [50] + [1] * 12 + [30] + [1] * 5,  # a new turn after decode, then decode again
         [10] + [1] * 20,  # a prompt under budget, then decode past it (per head, as always)
+        [60, 2, 1, 1],  # a block shorter than the recent window after ragged heads
     ],
 )
 @pytest.mark.parametrize("fading", [False, True])
@@ -181,3 +182,17 @@ def test_under_budget_generation_is_unchanged_by_adaptive_budgets():
         want = model(prompt[:, s : s + 50], cache=full)
         got = model(prompt[:, s : s + 50], cache=adaptive)
         np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
+
+
+def test_a_floor_of_zero_holds_for_later_blocks_and_bytes_count_the_padding():
+    keys = make_keys(90, seed=11)
+    cache = EvictionCache(FirstComponent(), budget=BUDGET, n_sink=0, recent=0, floor=0)
+    feed(cache, keys, [60])
+    first = [len(p) for p in kept_positions(cache)]
+    feed(cache, keys[:, :, 60:], [30])
+    counts = [len(p) for p in kept_positions(cache)]
+    assert sum(counts) == BUDGET * H and counts != [BUDGET] * H and min(first) < BUDGET
+    stats = cache.stats()
+    assert stats.tokens_kept == BUDGET  # the mean real rows per head
+    S = cache.keys.shape[2]
+    assert S == max(counts) and stats.kept_bytes == S * H * 2 * D * 4  # what the arrays hold

@@ -204,3 +204,18 @@ def test_invalid_chunk_is_refused_naming_it(kwargs, message) -> None:
     with pytest.raises(ValueError, match=message) as err:
         CacheConfig(**kwargs)
     assert err.value.param == "chunk"
+
+
+def test_a_state_saved_before_the_scorer_is_ready_restores_its_positions():
+    from engine.scorers import KeySVDScorer
+
+    keys = mx.array(make_keys(80, seed=9))
+    cache = EvictionCache(KeySVDScorer(64), budget=32, n_sink=4, recent=4, chunk=4)
+    cache.update_and_fetch(keys[:, :, :10], keys[:, :, :10])
+    restored = EvictionCache(KeySVDScorer(64), budget=32, n_sink=4, recent=4, chunk=4)
+    restored.state, restored.meta_state = cache.state, cache.meta_state
+    for c in (cache, restored):
+        c.update_and_fetch(keys[:, :, 10:20], keys[:, :, 10:20])
+        c.update_and_fetch(keys[:, :, 20:], keys[:, :, 20:])
+    assert kept_positions(restored) == kept_positions(cache)
+    assert restored.size() == 32 and restored.offset == 80
