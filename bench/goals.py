@@ -128,18 +128,16 @@ def decode(folder: Path) -> Row:
     if "b512" not in ratios:
         return goal, "budget 512 not in the run", "not run"
     speedup = 1 / ratios["b512"]["median"]
-    peaks = [
-        max(m["prefill_peak_bytes"], m["decode_peak_bytes"])
-        for m in data["memory"]
-        if m["arm"] == "b512"
-    ]
-    full_peaks = [
-        max(m["prefill_peak_bytes"], m["decode_peak_bytes"])
-        for m in data["memory"]
-        if m["arm"] == "full"
-    ]
-    growth = max(peaks) / min(peaks)
-    full_growth = max(full_peaks) / min(full_peaks)
+
+    def growth_of(arm: str) -> float:
+        peaks = [
+            max(m["prefill_peak_bytes"], m["decode_peak_bytes"])
+            for m in data["memory"]
+            if m["arm"] == arm
+        ]
+        return max(peaks) / min(peaks)
+
+    growth, full_growth = growth_of("b512"), growth_of("full")
     ok = speedup >= 2 and growth < 1.5
     return (
         goal,

@@ -195,17 +195,7 @@ class EvictionCache(SlotLayout):
             self.free = self._victim()
             self.evictions += 1
         elif self.floor is not None:
-            self.keys, self.values, self.scores, self.valid = adaptive.evict_block(
-                all_keys,
-                all_values,
-                scores,
-                None,
-                budget=self.budget,
-                n_sink=self.n_sink,
-                recent=self.recent,
-                floor=self.floor,
-            )
-            self.evictions += 1
+            self._evict_ragged(all_keys, all_values, scores, None, keys.shape[2])
         elif positions is not None:
             idx = select_keep(
                 chunk_scores(scores, positions, self.chunk),
@@ -231,11 +221,12 @@ class EvictionCache(SlotLayout):
         return all_keys, all_values
 
     def _evict_ragged(
-        self, keys: mx.array, values: mx.array, scores: mx.array, valid: mx.array, N: int
+        self, keys: mx.array, values: mx.array, scores: mx.array, valid: mx.array | None, N: int
     ) -> None:
-        """Heads already ragged: a block shares the layer budget again; a decode row takes
-        the slot layout, every head then evicting one row per step as always."""
-        if N > 1:
+        """A block shares the layer budget across heads (``valid``: None before heads are
+        ragged); a decode row joining ragged heads takes the slot layout, every head then
+        evicting one row per step as always."""
+        if N > 1 or valid is None:
             self.keys, self.values, self.scores, self.valid = adaptive.evict_block(
                 keys,
                 values,
