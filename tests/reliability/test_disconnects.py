@@ -115,6 +115,15 @@ def test_disconnect_storm_leaves_nothing_behind(server, size, report):
     settled = server.state()
     time.sleep(2.0)  # idle, then compare memory with the baseline
     idle = server.state()
+    # A leak grows with every storm. A one-off does not: glibc gives a thread that first
+    # allocates under contention its own arena (up to 64 MiB, kept for the process's life),
+    # and which storm triggers that is chance. So the same storm runs again, and the leak
+    # check is on the smaller of the two steps.
+    storm(server, size.storm_requests, size.storm_concurrency, seed=3)
+    assert server.wait_idle(10) is not None
+    time.sleep(2.0)
+    again = server.state()
+    steps = [idle["rss_bytes"] - baseline["rss_bytes"], again["rss_bytes"] - idle["rss_bytes"]]
     fresh = fresh_request_completes(server)
     snap = server.admin()["totals"]
     figures: dict[str, Any] = {
@@ -124,11 +133,16 @@ def test_disconnect_storm_leaves_nothing_behind(server, size, report):
         "client_errors": sum("client_error" in o for o in outcomes),
         "idle_after_last_s": None if settle is None else round(settle, 3),
         "after": {k: settled[k] for k in ("active", "queued", "kv_bytes")},
-        "rss_bytes": {"baseline": baseline["rss_bytes"], "after_idle": idle["rss_bytes"]},
-        "rss_growth_pct": round(100 * (idle["rss_bytes"] / baseline["rss_bytes"] - 1), 2),
+        "rss_bytes": {
+            "baseline": baseline["rss_bytes"],
+            "after_storm": idle["rss_bytes"],
+            "after_second_storm": again["rss_bytes"],
+        },
+        "rss_growth_pct_per_storm": [round(100 * d / baseline["rss_bytes"], 2) for d in steps],
         "mlx_active_bytes": {
             "baseline": baseline["mlx_active_bytes"],
             "after_idle": idle["mlx_active_bytes"],
+            "after_second_storm": again["mlx_active_bytes"],
         },
         "server_totals": {k: snap[k] for k in ("requests", "done", "cancelled", "error")},
         "fresh_request_ok": fresh,
@@ -136,6 +150,7 @@ def test_disconnect_storm_leaves_nothing_behind(server, size, report):
     report.add("disconnect_storm", figures)
     assert settle is not None and settle <= 1.0, figures
     assert settled["kv_bytes"] == baseline["kv_bytes"] == 0
-    assert idle["rss_bytes"] <= 1.05 * baseline["rss_bytes"], figures
+    assert min(steps) <= 0.02 * baseline["rss_bytes"], figures
     assert idle["mlx_active_bytes"] <= baseline["mlx_active_bytes"], figures
+    assert again["mlx_active_bytes"] <= baseline["mlx_active_bytes"], figures
     assert fresh
