@@ -1,9 +1,10 @@
-"""The one thread that owns the model: a bounded FIFO of requests, generated one at a time.
+"""The one thread that owns the model: a bounded FIFO of requests, batched as they come.
 
 Handlers on the asyncio event loop call :meth:`Worker.submit` and await the job's events;
-the worker thread loads the model, builds each request's eviction caches with
-``make_caches``, generates with mlx-lm's ``stream_generate`` and posts events back with
-``loop.call_soon_threadsafe``. MLX is only ever evaluated on this thread.
+the worker thread loads the model, admits queued requests while the batch has room
+(``max_batch``), builds each one's eviction caches with ``make_caches``, steps them together
+(:mod:`engine.scheduler`) and posts events back with ``loop.call_soon_threadsafe``. MLX is
+only ever evaluated on this thread.
 
 The worker also keeps a record per request (counts only, never prompt text or token ids)
 for the admin endpoint: the active ones and a bounded history of finished ones.
@@ -21,20 +22,12 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 from engine.config import ConfigError
 from engine.loading import LoadedModel, load_model
-from engine.prompts import PromptError, StopText, encode_prompt, token_logprobs
-from engine.requests import (
-    Delta,
-    Event,
-    Failed,
-    Finished,
-    FinishReason,
-    GenerationRequest,
-    Started,
-)
+from engine.prompts import PromptError, encode_prompt
+from engine.requests import Event, Failed, GenerationRequest, Started
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +37,8 @@ DEFAULT_HISTORY = 64
 # Events a job may have waiting for its handler. A client that reads keeps this near zero;
 # one that stopped reading (its socket buffers full) lets it grow, and is cancelled here.
 DEFAULT_MAX_BACKLOG = 128
-_STATS_EVERY = 8  # decode steps between cache-stat refreshes of an active record
+DEFAULT_MAX_BATCH = 8
+DEFAULT_PREFILL_CHUNK = 512
 
 
 def mlx_memory() -> dict[str, int]:
@@ -67,10 +61,6 @@ class WorkerUnavailable(RuntimeError):
         self.retry_after = retry_after
 
 
-class _Cancelled(Exception):
-    """Raised inside the generation loop when the client went away."""
-
-
 @dataclass
 class RequestRecord:
     """Counts about one request for the admin endpoint; written by the worker thread only."""
@@ -91,6 +81,7 @@ class RequestRecord:
     tokens_seen: int = 0
     tokens_kept: int = 0
     kept_bytes: int = 0
+    kv_reserved_bytes: int = 0
     full_seq_bytes: int = 0
     compression_ratio: float = 1.0
     evictions: int = 0
@@ -151,7 +142,7 @@ class Job:
 
 
 class Worker:
-    """Owns the model on one thread and runs queued requests in FIFO order.
+    """Owns the model on one thread; admits queued requests in FIFO order into one batch.
 
     Args:
         model_ref: ``--model`` value (``None``: the bundled model), loaded on the thread.
@@ -159,6 +150,12 @@ class Worker:
         history: Finished requests kept for the admin endpoint.
         max_backlog: Events a running job may leave untaken (its client stopped reading)
             before it is cancelled.
+        max_batch: Requests generating at once (prefilling or decoding); 1 serves them one
+            at a time.
+        prefill_chunk: Prompt tokens per prefill step: how long a newcomer's prefill may
+            hold up the running streams.
+        max_kv_bytes: KV bytes the running requests' caches may hold together at most
+            (:mod:`engine.admission`; ``None``: a share of physical memory).
         loader: Replaces :func:`engine.loading.load_model` (tests).
     """
 
@@ -169,14 +166,32 @@ class Worker:
         max_queue: int = DEFAULT_MAX_QUEUE,
         history: int = DEFAULT_HISTORY,
         max_backlog: int = DEFAULT_MAX_BACKLOG,
+        max_batch: int = DEFAULT_MAX_BATCH,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        max_kv_bytes: int | None = None,
         loader: Callable[[str | None], LoadedModel] = load_model,
     ) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         if max_backlog < 1:
             raise ValueError(f"max_backlog must be >= 1, got {max_backlog}")
         self._ref = model_ref
         self._max_backlog = max_backlog
+        self.max_batch = max_batch
+        self._prefill_chunk = prefill_chunk
+        if max_kv_bytes is None:
+            from engine.admission import default_max_kv_bytes
+
+            max_kv_bytes = default_max_kv_bytes()
+        if max_kv_bytes < 1:
+            raise ValueError(f"max_kv_bytes must be >= 1, got {max_kv_bytes}")
+        self.max_kv_bytes = max_kv_bytes
+        self._reserved: dict[str, int] = {}  # KV bytes per admitted request
+        self._next: Any = None  # the oldest request, prepared, waiting for KV memory
         self._loader = loader
         self._queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
         self._lock = threading.Lock()
@@ -196,7 +211,8 @@ class Worker:
         self._stopping = threading.Event()
         self._draining = False
         self._thread = threading.Thread(target=self._main, name="qfserve-worker", daemon=True)
-        self._current: Job | None = None
+        self._scheduler: Any = None  # engine.scheduler.Scheduler, built on the thread
+        self._running: list[Job] = []  # admitted and not finished (read off-thread to cancel)
         self.status: Literal["loading", "ready", "failed", "dead", "stopped"] = "loading"
         self.error: str | None = None
         self.loaded: LoadedModel | None = None
@@ -211,10 +227,10 @@ class Worker:
         self._thread.start()
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Finish the running request's current step, fail the waiting ones, join."""
+        """Finish the running requests' current step, fail the waiting ones, join."""
         self._stopping.set()
-        if self._current is not None:
-            self._current.cancel()
+        for job in list(self._running):
+            job.cancel()
         self._thread.join(timeout)
 
     def alive(self) -> bool:
@@ -232,7 +248,7 @@ class Worker:
             How many requests were cancelled.
         """
         with self._queue.mutex:
-            jobs = [*self._queue.queue, self._current]
+            jobs = [*self._queue.queue, *self._running]
         failure = Failed("unavailable", message)
         aborted = 0
         for job in jobs:
@@ -310,8 +326,13 @@ class Worker:
             active = [asdict(r) for r in self._active.values()]
             history = [asdict(r) for r in reversed(self._history)]
             totals = dict(self._totals)
+            totals["kv_reserved_bytes"] = sum(self._reserved.values())
         totals["active"] = len(active)
         totals["queued"] = sum(r["state"] == "queued" for r in active)
+        totals["batch"] = sum(r["state"] in ("prefill", "decode") for r in active)
+        totals["kv_used_bytes"] = sum(r["kept_bytes"] for r in active)
+        totals["max_kv_bytes"] = self.max_kv_bytes
+        totals["max_batch"] = self.max_batch
         totals.update(mlx_memory())
         return {"active": active, "history": history, "totals": totals}
 
@@ -331,24 +352,23 @@ class Worker:
             logger.error("could not load the model: %s", self.error)
             self._fail_waiting("the model failed to load")
             return
+        scheduler = self._scheduler = self._make_scheduler()
         try:
             while not self._stopping.is_set():
-                try:
-                    job = self._queue.get(timeout=0.2)
-                except queue.Empty:
-                    continue
-                self._current = job
-                self._run(job)
-                self._current = None
+                self._admit(wait=len(scheduler) == 0)
+                if len(scheduler):
+                    scheduler.step()
+                    self._running = [s.job for s in scheduler.sequences()]
         except BaseException as exc:  # noqa: BLE001 - the thread dies; say why
             self.error = f"{type(exc).__name__}: {exc}"
             logger.exception("generation worker died")
             raise
         finally:
             self.status = "stopped" if self._stopping.is_set() else "dead"
-            if self._current is not None:
-                self._current.emit(Failed("unavailable", "the generation worker stopped"))
-                self._finish(self._current.record, "error")
+            scheduler.clear()
+            for job in list(self._running):
+                job.emit(Failed("unavailable", "the generation worker stopped"))
+                self._finish(job.record, "error")
             self._fail_waiting("the generation worker stopped")
 
     def _load(self) -> None:
@@ -368,6 +388,27 @@ class Worker:
         logger.info("Q-Filters for %s: %s", self.loaded.model_id, self.filter_source)
         self.status = "ready"
 
+    def _make_scheduler(self) -> Any:
+        from engine.scheduler import Scheduler
+
+        assert self.loaded is not None
+        if self.max_batch > 1:
+            from engine.attention import install_head_masks
+
+            try:  # a batch masks its members' padding per head
+                install_head_masks(self.loaded.model)
+            except ValueError as exc:
+                logger.warning("requests run one at a time: %s", exc)
+                self.max_batch = 1
+        return Scheduler(
+            self.loaded,
+            finish=self._finish,
+            update_stats=self._update_stats,
+            kv_cache=self._kv_cache,
+            max_backlog=self._max_backlog,
+            prefill_chunk=self._prefill_chunk,
+        )
+
     def _fail_waiting(self, message: str) -> None:
         while True:
             try:
@@ -378,8 +419,10 @@ class Worker:
             self._finish(job.record, "error")
 
     def _finish(self, record: RequestRecord, state: State) -> None:
+        self._running = [j for j in self._running if j.record is not record]
         record.state, record.finished = state, time.time()
         with self._lock:
+            self._reserved.pop(record.id, None)
             self._active.pop(record.id, None)
             self._history.append(record)
             self._totals[state] += 1
@@ -388,48 +431,68 @@ class Worker:
             self._totals["kept_bytes"] += record.kept_bytes
             self._totals["full_seq_bytes"] += record.full_seq_bytes
 
-    def _run(self, job: Job) -> None:
-        import mlx.core as mx
-        from mlx_lm.generate import generation_stream
+    def _admit(self, *, wait: bool) -> None:
+        """Move queued requests into the batch while it has room and their KV memory fits
+        (``wait``: block briefly for the first, the batch being empty). The oldest request
+        that does not fit yet waits for running ones to finish; none overtakes it."""
+        scheduler = self._scheduler
+        while len(scheduler) < self.max_batch:
+            if self._next is None:
+                try:
+                    job = self._queue.get(timeout=0.2) if wait else self._queue.get_nowait()
+                except queue.Empty:
+                    return
+                wait = False
+                self._running.append(job)
+                self._next = self._start(job)
+                if self._next is None:
+                    continue
+            job, prompt, max_tokens, caches, need = self._next
+            if job.cancelled:
+                self._next = None
+                job.emit(job.failure or Failed("cancelled", "the request was cancelled"))
+                self._finish(job.record, "cancelled")
+                continue
+            with self._lock:
+                if len(scheduler) and sum(self._reserved.values()) + need > self.max_kv_bytes:
+                    return
+                self._reserved[job.id] = need
+            self._next = None
+            job.record.kv_reserved_bytes = need
+            job.emit(Started(prompt_tokens=len(prompt), max_tokens=max_tokens))
+            scheduler.add(job, prompt, max_tokens, caches)
+
+    def _start(self, job: Job) -> tuple[Job, list[int], int, list[Any], int] | None:
+        """Encode the prompt, build the caches and size their KV memory (``None``: the job
+        already ended, with its event sent)."""
+        from engine.admission import kv_need
 
         if job.cancelled:
             if job.failure is not None:
                 job.emit(job.failure)
             self._finish(job.record, "cancelled")
-            return
-        job.record.state = "prefill"
-        caches: list[Any] = []
+            return None
         try:
-            try:
-                prompt, max_tokens = encode_prompt(self.loaded, job.request)  # type: ignore[arg-type]
-            except PromptError as exc:
-                job.emit(Failed("invalid_request", str(exc), exc.param))
-                self._finish(job.record, "error")
-                return
+            prompt, max_tokens = encode_prompt(self.loaded, job.request)  # type: ignore[arg-type]
             job.record.prompt_tokens = len(prompt)
-            try:
-                caches = self._make_caches(job)
-            except ConfigError as exc:  # settings this model cannot honour (adaptive budgets)
-                job.emit(Failed("invalid_request", str(exc), exc.param))
-                self._finish(job.record, "error")
-                return
-            job.emit(Started(prompt_tokens=len(prompt), max_tokens=max_tokens))
-            finish = self._generate(job, prompt, max_tokens, caches)
-            job.emit(finish)
-            self._finish(job.record, "done")
-        except _Cancelled:
-            job.emit(job.failure or Failed("cancelled", "the request was cancelled"))
-            self._finish(job.record, "cancelled")
+            caches = self._make_caches(job)
+            need, param = kv_need(self.loaded, job.request.cache, len(prompt), max_tokens)
+            if need > self.max_kv_bytes:
+                raise PromptError(
+                    f"this request's KV cache can hold {need} bytes, more than the server's "
+                    f"--max-kv-bytes {self.max_kv_bytes}; lower {param}",
+                    param,
+                )
+        except (PromptError, ConfigError) as exc:  # ConfigError: settings this model cannot honour
+            job.emit(Failed("invalid_request", str(exc), exc.param))
+            self._finish(job.record, "error")
+            return None
         except Exception as exc:  # noqa: BLE001 - one request failing must not stop the worker
             logger.exception("request %s failed", job.id)
             job.emit(Failed("internal", f"generation failed: {type(exc).__name__}: {exc}"))
             self._finish(job.record, "error")
-        finally:
-            del caches
-            # A cancelled generation leaves mlx-lm's next step queued (async_eval) on its
-            # stream: wait for it, so no MLX work outlives the request or runs during exit.
-            mx.synchronize(generation_stream)
-            mx.clear_cache()
+            return None
+        return job, prompt, max_tokens, caches, need
 
     def _make_caches(self, job: Job) -> list[Any]:
         from engine.factory import make_caches
@@ -442,78 +505,6 @@ class Worker:
             config,
             filters=self.filters if calibrated else None,
             query_scale=self.query_scale if calibrated else None,
-        )
-
-    def _generate(
-        self, job: Job, prompt: list[int], max_tokens: int, caches: list[Any]
-    ) -> Finished:
-        import mlx.core as mx
-        from mlx_lm import stream_generate
-        from mlx_lm.sample_utils import make_logits_processors, make_sampler
-
-        assert self.loaded is not None
-        sp, record = job.request.sampling, job.record
-        if sp.seed is not None:
-            mx.random.seed(sp.seed % 2**64)
-        # temperature 0: greedy; top_p 1 / min_p 0 / top_k 0 are off.
-        sampler = make_sampler(sp.temperature, top_p=sp.top_p, min_p=sp.min_p, top_k=sp.top_k)
-        processors = make_logits_processors(
-            dict(sp.logit_bias) or None,
-            repetition_penalty=sp.repetition_penalty if sp.repetition_penalty != 1 else None,
-            presence_penalty=sp.presence_penalty or None,
-            frequency_penalty=sp.frequency_penalty or None,
-        )
-        if job.request.constraint is not None:
-            from engine.structured import GrammarProcessor
-
-            processors.append(GrammarProcessor(self.loaded.tokenizer, job.request.constraint))
-        stop = StopText(sp.stop) if sp.stop else None
-
-        def on_progress(done: int, total: int) -> None:
-            if job.cancelled:
-                raise _Cancelled
-
-        finish_reason: FinishReason = "length"
-        for gen in stream_generate(
-            self.loaded.model,
-            self.loaded.tokenizer,
-            prompt,
-            max_tokens=max_tokens,
-            sampler=sampler,
-            logits_processors=processors,
-            prompt_cache=caches,
-            prompt_progress_callback=on_progress,
-        ):
-            if job.cancelled:
-                raise _Cancelled
-            record.state = "decode"
-            record.completion_tokens = gen.generation_tokens
-            if gen.generation_tokens % _STATS_EVERY == 1:
-                self._update_stats(record, caches)
-            text, stopped = stop.feed(gen.text) if stop else (gen.text, False)
-            if gen.finish_reason is not None and not stopped:
-                # mlx-lm types it as a str; stream_generate only ever sets "stop" or "length".
-                finish_reason = cast(FinishReason, gen.finish_reason)
-                if stop:
-                    text += stop.flush()
-            logprobs = (
-                token_logprobs(self.loaded.tokenizer, gen, sp.top_logprobs) if sp.logprobs else ()
-            )
-            if text or logprobs:
-                job.emit(Delta(text, logprobs))
-                if job.backlog > self._max_backlog:
-                    logger.warning("request %s: its client stopped reading; cancelled", job.id)
-                    job.cancel(Failed("cancelled", "the client stopped reading the stream"))
-                    raise _Cancelled
-            if stopped:
-                finish_reason = "stop"
-                break
-        self._update_stats(record, caches)
-        return Finished(
-            finish_reason=finish_reason,
-            prompt_tokens=len(prompt),
-            completion_tokens=record.completion_tokens,
-            kv_cache=self._kv_cache(job, record),
         )
 
     def _update_stats(self, record: RequestRecord, caches: list[Any]) -> None:

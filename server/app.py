@@ -37,7 +37,12 @@ def build_app(settings: Settings | None = None, *, worker: Worker | None = None)
     )
     app.state.settings = settings
     app.state.worker = worker or Worker(
-        settings.model, max_queue=settings.max_queue, history=settings.history
+        settings.model,
+        max_queue=settings.max_queue,
+        history=settings.history,
+        max_batch=settings.max_batch,
+        prefill_chunk=settings.prefill_chunk,
+        max_kv_bytes=settings.max_kv_bytes,
     )
     app.state.metrics = Metrics(app.state.worker)
     install_error_handlers(app)

@@ -104,6 +104,26 @@ def make_parser(env: EnvDefaults | None = None) -> argparse.ArgumentParser:
         help="requests waiting at most before 503 (default: %(default)s)",
     )
     p.add_argument(
+        "--max-batch",
+        type=int,
+        default=s.max_batch,
+        help="requests generating at once, batched (1: one at a time) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=s.prefill_chunk,
+        help="prompt tokens per prefill step: how long a newcomer's prefill may hold up the "
+        "running streams (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-kv-bytes",
+        type=int,
+        default=s.max_kv_bytes,
+        help="KV bytes the running requests' caches may hold together; a request waits until "
+        "it fits (default: a quarter of physical memory)",
+    )
+    p.add_argument(
         "--api-key",
         default=s.api_key,
         help="require 'Authorization: Bearer KEY' on every route but /health "
@@ -171,6 +191,9 @@ def settings_from_args(args: argparse.Namespace):
         budget_mode=args.budget_mode,
         floor=args.floor,
         max_queue=args.max_queue,
+        max_batch=args.max_batch,
+        prefill_chunk=args.prefill_chunk,
+        max_kv_bytes=args.max_kv_bytes,
         api_key=api_key,
         admin_key=args.admin_key,
         admin_enabled=not args.no_admin,

@@ -11,6 +11,10 @@ from engine.worker import Worker, mlx_memory
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
+def _total(worker: Worker, key: str) -> Callable[[], float]:
+    return lambda: float(worker.snapshot()["totals"][key])
+
+
 def _mlx_bytes(key: str) -> Callable[[], float]:
     """Reads one of :func:`mlx_memory`'s figures (``key`` bound now, not when called)."""
     return lambda: mlx_memory()[f"mlx_{key}_bytes"]
@@ -67,6 +71,12 @@ class Metrics:
             "KV-cache bytes full caches would hold for active requests",
             registry=r,
         ).set_function(lambda: worker.active_kv_bytes()[1])
+        for key, what in (
+            ("batch", "Requests in the running batch (prefilling or decoding)"),
+            ("kv_reserved_bytes", "KV bytes the running requests' caches can hold at most"),
+            ("max_kv_bytes", "KV bytes the running requests may reserve together"),
+        ):
+            Gauge(f"qfserve_{key}", what, registry=r).set_function(_total(worker, key))
         for key, what in (
             ("active", "held by live arrays"),
             ("peak", "peak held since start"),

@@ -19,7 +19,12 @@ from engine.config import (
     CacheConfig,
     Method,
 )
-from engine.worker import DEFAULT_HISTORY, DEFAULT_MAX_QUEUE
+from engine.worker import (
+    DEFAULT_HISTORY,
+    DEFAULT_MAX_BATCH,
+    DEFAULT_MAX_QUEUE,
+    DEFAULT_PREFILL_CHUNK,
+)
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -44,6 +49,9 @@ class EnvDefaults(BaseSettings):
     budget_mode: str = DEFAULT_BUDGET_MODE
     floor: float = DEFAULT_FLOOR
     max_queue: int = DEFAULT_MAX_QUEUE
+    max_batch: int = DEFAULT_MAX_BATCH
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    max_kv_bytes: int | None = None
     api_key: str | None = None
     api_key_file: str | None = None
     admin_key: str | None = None
@@ -64,6 +72,11 @@ class Settings:
         kv_method, budget, recent, n_sink, chunk, budget_mode, floor: Eviction defaults
             for requests that do not send ``kv_method`` / ``qfilters_*``.
         max_queue: Requests waiting for the worker at most (then 503 + Retry-After).
+        max_batch: Requests generating at once in one batch (1: one at a time).
+        prefill_chunk: Prompt tokens per prefill step; bounds how long a newcomer's prefill
+            holds up the streams already running.
+        max_kv_bytes: KV bytes the running requests' caches may hold together (``None``: a
+            quarter of physical memory); a request that can never fit gets a 400.
         api_key: When set, every route but ``/health`` needs ``Authorization: Bearer <key>``.
         admin_key: When set, the admin endpoint needs it instead of ``api_key``.
         admin_enabled: ``False`` removes the admin endpoint.
@@ -85,6 +98,9 @@ class Settings:
     budget_mode: BudgetMode = DEFAULT_BUDGET_MODE
     floor: float = DEFAULT_FLOOR
     max_queue: int = DEFAULT_MAX_QUEUE
+    max_batch: int = DEFAULT_MAX_BATCH
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    max_kv_bytes: int | None = None
     api_key: str | None = None
     admin_key: str | None = None
     admin_enabled: bool = True
@@ -105,8 +121,11 @@ class Settings:
             floor=self.floor,
         )
         object.__setattr__(self, "_cache_defaults", defaults)
-        if self.max_queue < 1:
-            raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
+        for name in ("max_queue", "max_batch", "prefill_chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_kv_bytes is not None and self.max_kv_bytes < 1:
+            raise ValueError(f"max_kv_bytes must be >= 1, got {self.max_kv_bytes}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if self.drain_timeout < 0:

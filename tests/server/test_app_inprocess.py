@@ -117,7 +117,7 @@ def test_a_dying_worker_fails_waiting_requests_fast():
         release.wait(10)
         raise SystemExit("simulated crash")  # a BaseException: the thread dies
 
-    worker._run = crash
+    worker._start = crash
     worker.start()
     while not worker.ready:
         time.sleep(0.01)

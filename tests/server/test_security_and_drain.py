@@ -37,6 +37,8 @@ def locked(tiny_model_dir, tmp_path_factory) -> Iterator[Server]:
         ADMIN_KEY,
         "--max-queue",
         "1",
+        "--max-batch",  # one running, one waiting: the queue is full
+        "1",
         "--drain-timeout",
         "20",
     )

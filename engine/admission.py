@@ -1,0 +1,78 @@
+"""Admission by KV memory: what a request's caches can hold, known before it starts.
+
+An evicting cache never holds more than its budget (plus the one free slot of the decode
+step's slot layout), so its KV bytes are bounded by its settings alone; a full cache holds
+its prompt and its completion. The worker admits a request only while the sum of what the
+running ones can hold, plus its own, fits ``max_kv_bytes``; one that can never fit is refused
+with the parameter to lower. Transient rows (a prefill chunk, before the block eviction
+trims it) are activations of that step, not cache, and are not reserved.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, cast
+
+from engine.config import CacheConfig
+
+DEFAULT_KV_SHARE = 0.25  # of physical memory, when --max-kv-bytes is not given
+
+
+def default_max_kv_bytes() -> int:
+    """A quarter of the machine's physical memory."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not POSIX: 4 GiB
+        total = 16 * 2**30
+    return int(total * DEFAULT_KV_SHARE)
+
+
+def kv_row_bytes(model: Any, config: dict[str, Any]) -> int:
+    """Bytes one position occupies in one request's caches: layers x KV heads x (K + V)."""
+    args = getattr(model, "args", None)
+
+    def field(name: str, default: Any = None) -> Any:
+        value = getattr(args, name, None) if args is not None else None
+        return config.get(name, default) if value is None else value
+
+    layers = len(getattr(model, "layers", ())) or int(field("num_hidden_layers"))
+    heads = int(field("num_attention_heads"))
+    kv_heads = int(field("num_key_value_heads", heads))
+    head_dim = int(field("head_dim") or int(field("hidden_size")) // heads)
+    return layers * kv_heads * 2 * head_dim * _activation_bytes(model)
+
+
+def _activation_bytes(model: Any) -> int:
+    """Bytes per element of the keys the model writes (its norm weights' float type)."""
+    from mlx.utils import tree_flatten
+
+    for entry in tree_flatten(model.parameters()):
+        name, p = cast("tuple[str, Any]", entry)
+        if "norm" in name and hasattr(p, "dtype"):
+            return int(p.dtype.size)
+    return 4
+
+
+def rows_needed(cache: CacheConfig, n_kv_heads: int, prompt_tokens: int, max_tokens: int) -> int:
+    """Rows per KV head the request's caches hold at most."""
+    if not cache.evicts:
+        return prompt_tokens + max_tokens
+    if cache.budget_mode == "adaptive":  # the longest head, padded: every other at its floor
+        rows = n_kv_heads * cache.budget - (n_kv_heads - 1) * cache.floor_rows
+    else:
+        rows = cache.budget
+    return min(rows + 1, prompt_tokens + max_tokens)  # + the decode step's free slot
+
+
+def kv_need(
+    loaded: Any, cache: CacheConfig, prompt_tokens: int, max_tokens: int
+) -> tuple[int, str]:
+    """(bytes the request's caches hold at most, the parameter that sets them)."""
+    row = kv_row_bytes(loaded.model, loaded.config)
+    args = getattr(loaded.model, "args", None)
+    kv_heads = getattr(args, "num_key_value_heads", None) or loaded.config.get(
+        "num_key_value_heads", 1
+    )
+    rows = rows_needed(cache, int(kv_heads), prompt_tokens, max_tokens)
+    param = "qfilters_budget" if cache.evicts else "max_tokens"
+    return rows * row, param

@@ -1,0 +1,120 @@
+"""One layer's cache for a decode batch: every request keeps its own cache, stepped together.
+
+mlx-lm batches requests through batch caches (``BatchKVCache``: one padded tensor, left
+padding, ``merge``/``filter``/``extend``/``extract``), and its ``GenerationBatch`` drives
+any cache with that protocol. A padded tensor cannot express what qfserve's requests need:
+each one evicts with its own method, budget, recent window, sinks and filters, so their row
+counts, slot layouts and eviction steps all differ. :class:`BatchCache` therefore keeps the
+members' own caches (:class:`engine.cache.EvictionCache`, ``FullKVCache`` or whatever the
+model uses) and, per decode step, lets each member update and evict exactly as it would
+alone (O(budget) per request), then right-pads their rows to the longest for one batched
+attention. Padding is masked per KV head through ``head_mask``
+(:mod:`engine.attention`), together with any member's own ragged-head mask.
+
+The price of keeping eviction per request is one copy of the batch's kept rows per layer
+and step (the padding), the same bytes attention then reads once more; weights, read once
+per step for the whole batch, dominate a small model's step on a CPU.
+
+Only decode steps (one new token per member) go through a batch: prompts are prefilled per
+request, on its own caches, and join the batch when done (:mod:`engine.scheduler`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+
+def _pad_rows(x: mx.array, n: int) -> mx.array:
+    """Append ``n`` zero rows along the sequence axis (axis 2)."""
+    if n == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[2] = (0, n)
+    return mx.pad(x, widths)
+
+
+class BatchCache:
+    """The caches of one layer for every member of a decode batch, in batch order."""
+
+    def __init__(self, members: list[Any]) -> None:
+        self.members = members
+        self.head_mask: mx.array | None = None  # (B, H, S) bool over the rows last returned
+
+    @classmethod
+    def merge(cls, caches: list[Any]) -> BatchCache:
+        """mlx-lm's constructor name for a batch of single-request caches."""
+        members: list[Any] = []
+        for c in caches:
+            members.extend(c.members if isinstance(c, BatchCache) else [c])
+        return cls(members)
+
+    @property
+    def offset(self) -> Any:
+        """Each member's absolute position: ``(B,)`` int32, which RoPE takes per row."""
+        if len(self.members) == 1:
+            return self.members[0].offset
+        return mx.array([m.offset for m in self.members], dtype=mx.int32)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """One decode step: ``keys``/``values`` ``(B, H, 1, D)``, one row per member."""
+        if keys.shape[2] != 1:
+            raise ValueError(
+                f"a batch cache takes decode steps only (one row per member), got {keys.shape[2]}"
+            )
+        outs = [m.update_and_fetch(keys[i : i + 1], values[i : i + 1])
+                for i, m in enumerate(self.members)]  # fmt: skip
+        masks = [getattr(m, "head_mask", None) for m in self.members]
+        if len(outs) == 1:
+            self.head_mask = masks[0]
+            return outs[0]
+        S = max(k.shape[2] for k, _ in outs)
+        if all(k.shape[2] == S for k, _ in outs) and all(m is None for m in masks):
+            self.head_mask = None
+            return (
+                mx.concatenate([k for k, _ in outs], axis=0),
+                mx.concatenate([v for _, v in outs], axis=0),
+            )
+        ks, vs, hms = [], [], []
+        for (k, v), hm in zip(outs, masks, strict=True):
+            pad = S - k.shape[2]
+            real = mx.ones(k.shape[:3], dtype=mx.bool_) if hm is None else hm
+            ks.append(_pad_rows(k, pad))
+            vs.append(_pad_rows(v, pad))
+            hms.append(_pad_rows(real, pad))
+        self.head_mask = mx.concatenate(hms, axis=0)
+        return mx.concatenate(ks, axis=0), mx.concatenate(vs, axis=0)
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> Any:
+        # A decode row sees every row its member returns; padding goes through head_mask.
+        return None
+
+    # -- mlx-lm's batch protocol -----------------------------------------------------------
+
+    def filter(self, batch_indices: list[int]) -> None:
+        self.members = [self.members[i] for i in batch_indices]
+
+    def extend(self, other: BatchCache) -> None:
+        self.members.extend(other.members)
+
+    def extract(self, idx: int) -> Any:
+        return self.members[idx]
+
+    def size(self) -> int:
+        return max((m.size() for m in self.members), default=0)
+
+    def empty(self) -> bool:
+        return all(m.empty() for m in self.members)
+
+    @property
+    def state(self) -> tuple[mx.array, ...]:
+        """Every member's arrays (what ``mx.eval`` needs to materialise the batch)."""
+        return tuple(a for m in self.members for a in m.state)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.nbytes for m in self.members)
+
+    def is_trimmable(self) -> bool:
+        return False

@@ -1,0 +1,315 @@
+"""Continuous batching: requests join and leave one running decode batch at step boundaries.
+
+Each :meth:`Scheduler.step` runs at most one prefill chunk of the oldest request still
+reading its prompt, then one decode step of the batch. A newcomer therefore stalls the
+running streams for one chunk at most (``prefill_chunk`` tokens), and joins the batch when
+its prompt is done.
+
+Decoding reuses mlx-lm's ``GenerationBatch`` (per-request samplers, logits processors, EOS
+matching and ``max_tokens``; ``filter``/``extend`` as requests leave and join) over
+:class:`engine.batch.BatchCache`, which keeps each request's own eviction caches. Prompts are
+prefilled here, one request at a time on its own caches, rather than by mlx-lm's
+``PromptProcessingBatch``: that one right-pads a batch of prompts into shared batch caches
+and rolls the padding away afterwards (``prepare``/``finalize``), which an eviction cache
+that drops rows during the prompt cannot follow. What is left per request (streaming
+detokenization, stop strings, logprobs, cancellation, the client's backlog) is the
+:class:`Sequence` below.
+
+Everything here runs on the worker thread that owns the model.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
+
+import mlx.core as mx
+from mlx_lm.generate import GenerationBatch, generation_stream, make_stop_sequences
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+from engine.batch import BatchCache
+from engine.prompts import StopText, token_logprobs
+from engine.requests import Delta, Failed, Finished, FinishReason
+from engine.sampling import request_sampler
+
+if TYPE_CHECKING:
+    from engine.loading import LoadedModel
+    from engine.worker import Job, RequestRecord, State
+
+logger = logging.getLogger(__name__)
+
+STATS_EVERY = 8  # decode steps between cache-stat refreshes of an active record
+
+
+@dataclass
+class Sequence:
+    """One admitted request: its prompt, its caches and its streaming state."""
+
+    job: Job
+    prompt: list[int]
+    max_tokens: int
+    caches: list[Any]
+    detokenizer: Any
+    stop: StopText | None
+    read: int = 0  # prompt tokens prefilled so far
+    tokens: int = 0  # tokens generated so far (EOS included)
+    uid: int = -1
+
+    @property
+    def record(self) -> RequestRecord:
+        return self.job.record
+
+
+class Scheduler:
+    """The prefill queue and the decode batch of one model.
+
+    Args:
+        loaded: The model and tokenizer.
+        finish: Called once per request that leaves, with its final state.
+        update_stats: Refreshes a record's cache statistics from its caches.
+        kv_cache: The ``kv_cache`` summary a finished request reports.
+        max_backlog: Events a client may leave untaken before it is cancelled.
+        prefill_chunk: Prompt tokens per prefill step.
+    """
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        finish: Callable[[RequestRecord, State], None],
+        update_stats: Callable[[RequestRecord, list[Any]], None],
+        kv_cache: Callable[[Job, RequestRecord], dict[str, Any]],
+        max_backlog: int,
+        prefill_chunk: int,
+    ) -> None:
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        self.loaded = loaded
+        self._finish = finish
+        self._update_stats = update_stats
+        self._kv_cache = kv_cache
+        self._max_backlog = max_backlog
+        self.prefill_chunk = prefill_chunk
+        self._prefilling: deque[Sequence] = deque()
+        self._batch = self._empty_batch()
+        self._decoding: dict[int, Sequence] = {}
+        self._uids = 0
+
+    def _empty_batch(self) -> GenerationBatch:
+        return GenerationBatch.empty(self.loaded.model, make_sampler(0.0))
+
+    def __len__(self) -> int:
+        """Requests admitted and not finished (prefilling or decoding)."""
+        return len(self._prefilling) + len(self._decoding)
+
+    def sequences(self) -> list[Sequence]:
+        return [*self._prefilling, *self._decoding.values()]
+
+    def add(self, job: Job, prompt: list[int], max_tokens: int, caches: list[Any]) -> None:
+        """Admit a request whose caches are built and whose ``Started`` was sent."""
+        stop = job.request.sampling.stop
+        self._prefilling.append(
+            Sequence(
+                job=job,
+                prompt=prompt,
+                max_tokens=max_tokens,
+                caches=caches,
+                detokenizer=self.loaded.tokenizer.detokenizer,
+                stop=StopText(stop) if stop else None,
+            )
+        )
+        job.record.state = "prefill"
+
+    # -- one step ------------------------------------------------------------------------
+
+    def step(self) -> None:
+        """One prefill chunk (if a prompt is waiting), then one decode step (if any)."""
+        with mx.stream(generation_stream):
+            self._drop_cancelled()
+            if self._prefilling:
+                self._prefill_chunk(self._prefilling[0])
+            if self._decoding:
+                self._decode()
+            if not self:
+                # Nothing left: no MLX work may outlive its requests (a removed member's
+                # next token was queued by async_eval), nor any array (the last step's
+                # tokens and logprobs), and freed buffers go back.
+                self._batch = self._empty_batch()
+                mx.synchronize(generation_stream)
+                mx.clear_cache()
+
+    def _prefill_chunk(self, seq: Sequence) -> None:
+        try:
+            todo = len(seq.prompt) - 1 - seq.read  # the last token starts the decoding
+            if todo > 0:
+                n = min(self.prefill_chunk, todo)
+                chunk = mx.array(seq.prompt[seq.read : seq.read + n])[None]
+                self.loaded.model(chunk, cache=seq.caches)
+                mx.eval([c.state for c in seq.caches])
+                seq.read += n
+                if seq.read < len(seq.prompt) - 1:
+                    return
+            self._prefilling.popleft()
+            self._join(seq)
+        except Exception as exc:  # noqa: BLE001 - one request failing must not stop the others
+            if self._prefilling and self._prefilling[0] is seq:
+                self._prefilling.popleft()
+            self._fail(seq, exc)
+
+    def _join(self, seq: Sequence) -> None:
+        """The prompt is read: the last prompt token starts the request's decoding."""
+        sp = seq.job.request.sampling
+        processors = make_logits_processors(
+            dict(sp.logit_bias) or None,
+            repetition_penalty=sp.repetition_penalty if sp.repetition_penalty != 1 else None,
+            presence_penalty=sp.presence_penalty or None,
+            frequency_penalty=sp.frequency_penalty or None,
+        )
+        if seq.job.request.constraint is not None:
+            from engine.structured import GrammarProcessor
+
+            processors.append(GrammarProcessor(self.loaded.tokenizer, seq.job.request.constraint))
+        seq.uid, self._uids = self._uids, self._uids + 1
+        sampler = request_sampler(sp)
+        newcomer = GenerationBatch(
+            self.loaded.model,
+            [seq.uid],
+            mx.array(seq.prompt[-1:]),
+            [BatchCache([c]) for c in seq.caches],
+            [list(seq.prompt)],
+            [sampler],
+            sampler,
+            [processors],
+            [make_stop_sequences(self.loaded.tokenizer)],
+            [seq.max_tokens],
+        )
+        seq.read = len(seq.prompt)
+        seq.record.state = "decode"
+        self._batch.extend(newcomer)
+        self._decoding[seq.uid] = seq
+
+    def _decode(self) -> None:
+        try:
+            responses = self._batch.next()
+        except Exception as exc:  # noqa: BLE001 - the batch's step failed: fail its members
+            logger.exception("a decode step failed")
+            members = list(self._decoding.values())
+            self._decoding.clear()
+            self._batch.filter([])
+            for seq in members:
+                self._fail(seq, exc, logged=True)
+            return
+        leaving: list[int] = []
+        for r in responses:
+            seq = self._decoding[r.uid]
+            try:
+                done = self._emit(seq, r.token, r.logprobs, r.finish_reason)
+            except _Leave as leave:
+                leaving.append(r.uid)
+                self._leave(seq, leave.state, leave.event)
+                continue
+            except Exception as exc:  # noqa: BLE001 - this member only
+                leaving.append(r.uid)
+                self._decoding.pop(r.uid)
+                self._fail(seq, exc)
+                continue
+            if done is not None:
+                self._decoding.pop(r.uid)
+                leaving.append(r.uid)  # a stop string: still in mlx-lm's batch
+                seq.job.emit(done)
+                self._finish(seq.record, "done")
+        if leaving:
+            self._remove(leaving)
+
+    def _emit(
+        self, seq: Sequence, token: int, logprobs: mx.array, finish: str | None
+    ) -> Finished | None:
+        """Stream one generated token; the request's ``Finished`` once it ends."""
+        seq.tokens += 1
+        record, sp = seq.record, seq.job.request.sampling
+        record.completion_tokens = seq.tokens
+        if seq.tokens % STATS_EVERY == 1:
+            self._update_stats(record, seq.caches)
+        if finish != "stop":  # EOS is not text
+            seq.detokenizer.add_token(token)
+        if finish is not None:
+            seq.detokenizer.finalize()
+        piece = seq.detokenizer.last_segment
+        text, stopped = seq.stop.feed(piece) if seq.stop else (piece, False)
+        reason: FinishReason | None = None
+        if finish is not None and not stopped:
+            reason = cast(FinishReason, finish)  # mlx-lm sets only "stop" and "length"
+            if seq.stop:
+                text += seq.stop.flush()
+        if stopped:
+            reason = "stop"
+        lp = _Token(token, logprobs)
+        logged = token_logprobs(self.loaded.tokenizer, lp, sp.top_logprobs) if sp.logprobs else ()
+        if text or logged:
+            seq.job.emit(Delta(text, logged))
+            if seq.job.backlog > self._max_backlog:
+                logger.warning("request %s: its client stopped reading; cancelled", seq.job.id)
+                seq.job.cancel(Failed("cancelled", "the client stopped reading the stream"))
+                raise _Leave("cancelled", seq.job.failure)
+        if reason is None:
+            return None
+        self._update_stats(record, seq.caches)
+        return Finished(
+            finish_reason=reason,
+            prompt_tokens=len(seq.prompt),
+            completion_tokens=seq.tokens,
+            kv_cache=self._kv_cache(seq.job, record),
+        )
+
+    # -- leaving -------------------------------------------------------------------------
+
+    def _drop_cancelled(self) -> None:
+        for seq in [s for s in self._prefilling if s.job.cancelled]:
+            self._prefilling.remove(seq)
+            self._leave(seq, "cancelled", seq.job.failure)
+        gone = [uid for uid, s in self._decoding.items() if s.job.cancelled]
+        for uid in gone:
+            seq = self._decoding.pop(uid)
+            self._leave(seq, "cancelled", seq.job.failure)
+        if gone:
+            self._remove(gone)
+
+    def _remove(self, uids: list[int]) -> None:
+        """Take these members out of mlx-lm's batch (its caches with them)."""
+        gone = set(uids)
+        keep = [i for i, uid in enumerate(self._batch.uids) if uid not in gone]
+        if len(keep) < len(self._batch.uids):
+            self._batch.filter(keep)
+
+    def _leave(self, seq: Sequence, state: State, event: Failed | None) -> None:
+        self._decoding.pop(seq.uid, None)
+        seq.job.emit(event or Failed("cancelled", "the request was cancelled"))
+        self._finish(seq.record, state)
+
+    def _fail(self, seq: Sequence, exc: BaseException, *, logged: bool = False) -> None:
+        if not logged:
+            logger.exception("request %s failed", seq.job.id)
+        seq.job.emit(Failed("internal", f"generation failed: {type(exc).__name__}: {exc}"))
+        self._finish(seq.record, "error")
+
+    def clear(self) -> None:
+        """Forget every admitted request (the worker is stopping and tells their clients)."""
+        self._prefilling.clear()
+        self._decoding.clear()
+        self._batch = self._empty_batch()
+
+
+class _Leave(Exception):  # noqa: N818 - control flow, not an error
+    def __init__(self, state: State, event: Failed | None) -> None:
+        self.state, self.event = state, event
+
+
+@dataclass
+class _Token:
+    """What :func:`engine.prompts.token_logprobs` reads of a generated token."""
+
+    token: int
+    logprobs: mx.array

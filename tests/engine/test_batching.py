@@ -1,0 +1,284 @@
+"""Continuous batching against requests run alone through mlx-lm's own ``stream_generate``.
+
+The reference for every request is mlx-lm's generation loop on that request's own caches
+(the same ``make_caches``, prefilled in the same chunks); the batched worker must give the
+same greedy tokens and log-probabilities within batched-matmul tolerance, with each request
+keeping its own eviction settings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import replace
+
+import pytest
+from mlx_lm import stream_generate
+from mlx_lm.sample_utils import make_sampler
+
+from calibrations.model_info import model_fingerprint
+from engine.config import CacheConfig
+from engine.factory import make_caches
+from engine.filters import resolve_calibration
+from engine.loading import default_model_path, load_model
+from engine.requests import Delta, Failed, Finished, GenerationRequest, SamplingParams
+from engine.worker import DEFAULT_PREFILL_CHUNK, Worker
+
+MAX_TOKENS = 20
+SETTINGS = [  # method, budget, recent, budget_mode: every kind of cache in one batch
+    CacheConfig(method="full"),
+    CacheConfig(method="streaming", budget=48, recent=0, n_sink=4),
+    CacheConfig(method="knorm", budget=64, recent=16),
+    CacheConfig(method="qfilters", budget=96, recent=24),
+    CacheConfig(method="qfilters", budget=64, recent=16, chunk=8),
+    CacheConfig(method="qfilters", budget=80, recent=16, budget_mode="adaptive", floor=0.25),
+]
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return load_model(str(default_model_path()))
+
+
+@pytest.fixture(scope="module")
+def calibration(loaded):
+    filters, scale, source = resolve_calibration(
+        loaded.model, loaded.model_id, fingerprint=model_fingerprint(loaded.model, loaded.config)
+    )
+    assert source == "calibrated"
+    return filters, scale
+
+
+def prompt_of(loaded, i: int) -> tuple[int, ...]:
+    """Prompts of different lengths (120-720 tokens), so members evict at different times."""
+    words = [
+        "the",
+        "pass",
+        "key",
+        "is",
+        "4821",
+        "remember",
+        "it",
+        "well",
+        "and",
+        "keep",
+        "the",
+        "fox",
+        "in",
+        "the",
+        "box",
+    ]
+    text = " ".join(words[(i + k) % len(words)] for k in range(60 + 110 * i))
+    return tuple(loaded.tokenizer.encode(text))
+
+
+def request(loaded, i: int, config: CacheConfig, **sampling) -> GenerationRequest:
+    params = {"max_tokens": MAX_TOKENS, "temperature": 0.0, "logprobs": True, **sampling}
+    return GenerationRequest(
+        kind="completion",
+        prompt=prompt_of(loaded, i),
+        sampling=SamplingParams(**params),
+        cache=config,
+    )
+
+
+def alone(loaded, calibration, req: GenerationRequest) -> tuple[list[int], list[float], str]:
+    """mlx-lm's ``stream_generate`` on the request's own caches: tokens, logprobs, text."""
+    filters, scale = calibration
+    calibrated = req.cache.method == "qfilters"
+    caches = make_caches(
+        loaded.model,
+        req.cache,
+        filters=filters if calibrated else None,
+        query_scale=scale if calibrated else None,
+    )
+    tokens, logprobs, text = [], [], ""
+    for gen in stream_generate(
+        loaded.model,
+        loaded.tokenizer,
+        list(req.prompt),  # type: ignore[arg-type]
+        max_tokens=req.sampling.max_tokens,
+        sampler=make_sampler(0.0),
+        prompt_cache=caches,
+        prefill_step_size=DEFAULT_PREFILL_CHUNK,
+    ):
+        tokens.append(gen.token)
+        logprobs.append(gen.logprobs[gen.token].item())
+        text += gen.text
+    return tokens, logprobs, text
+
+
+def run_batched(loaded, requests, *, max_batch: int = 8, cancel_after: dict | None = None):
+    """Every request submitted at once; returns per request (deltas, final event, worker)."""
+    worker = Worker("qfserve-tiny", loader=lambda _ref: loaded, max_batch=max_batch)
+    worker.start()
+    deadline = time.monotonic() + 60
+    while not worker.ready:
+        assert worker.status == "loading" and time.monotonic() < deadline, worker.error
+        time.sleep(0.02)
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        jobs = [worker.submit(r, loop) for r in requests]
+
+        async def collect(i, job):
+            deltas = []
+            while True:
+                event = await job.next_event()
+                if isinstance(event, Delta):
+                    deltas.append(event)
+                    if cancel_after and cancel_after.get(i) == len(deltas):
+                        job.cancel()
+                elif isinstance(event, (Finished, Failed)):
+                    return deltas, event
+
+        return await asyncio.wait_for(
+            asyncio.gather(*(collect(i, j) for i, j in enumerate(jobs))), 300
+        )
+
+    try:
+        return asyncio.run(go()), worker
+    finally:
+        worker.stop()
+
+
+def test_a_mixed_batch_matches_each_request_alone(loaded, calibration):
+    requests = [request(loaded, i, c) for i, c in enumerate(SETTINGS)]
+    results, worker = run_batched(loaded, requests)
+    for req, (deltas, final) in zip(requests, results, strict=True):
+        assert isinstance(final, Finished), final
+        ref_tokens, ref_logprobs, ref_text = alone(loaded, calibration, req)
+        got = [lp.logprob for d in deltas for lp in d.logprobs]
+        assert [lp.token for d in deltas for lp in d.logprobs] == [
+            loaded.tokenizer.decode([t]) for t in ref_tokens
+        ], req.cache
+        assert "".join(d.text for d in deltas) == ref_text
+        assert len(got) == len(ref_logprobs) == final.completion_tokens
+        assert max(abs(a - b) for a, b in zip(got, ref_logprobs, strict=True)) < 1e-4
+        kv = final.kv_cache
+        assert kv["method"] == req.cache.method
+        if req.cache.evicts:  # each request keeps its own budget, whatever the others keep
+            assert kv["evictions"] > 0 and kv["tokens_kept"] <= req.cache.budget
+        else:
+            # Pipelined one step ahead, as mlx-lm: the last token was fed in too.
+            assert kv["tokens_kept"] == final.prompt_tokens + final.completion_tokens
+    assert worker.snapshot()["totals"]["done"] == len(SETTINGS)
+
+
+def test_a_cancelled_member_leaves_the_others_unchanged(loaded, calibration):
+    requests = [request(loaded, i, c) for i, c in enumerate(SETTINGS[:4])]
+    results, worker = run_batched(loaded, requests, cancel_after={1: 3})
+    deltas, final = results[1]
+    assert isinstance(final, Failed) and final.kind == "cancelled"
+    assert len(deltas) < MAX_TOKENS  # it left the batch within a step or two of the cancel
+    for i in (0, 2, 3):
+        deltas, final = results[i]
+        ref_tokens, _, _ = alone(loaded, calibration, requests[i])
+        assert isinstance(final, Finished)
+        assert [lp.token for d in deltas for lp in d.logprobs] == [
+            loaded.tokenizer.decode([t]) for t in ref_tokens
+        ]
+    snap = worker.snapshot()
+    assert snap["totals"]["cancelled"] == 1 and snap["totals"]["active"] == 0
+    assert all(r["kept_bytes"] == 0 for r in snap["active"])
+
+
+def test_a_seeded_sample_is_the_same_alone_and_in_a_batch(loaded):
+    seeded = request(loaded, 2, SETTINGS[3], temperature=1.0, seed=1234, top_p=0.9)
+    others = [request(loaded, i, c, temperature=1.0) for i, c in enumerate(SETTINGS[:3])]
+    (solo,), _ = run_batched(loaded, [seeded], max_batch=1)
+    batched, _ = run_batched(loaded, [others[0], seeded, *others[1:]])
+    text = ["".join(d.text for d in deltas) for deltas, _ in (solo, batched[1])]
+    assert text[0] == text[1] and text[0]
+    different_seed = replace(seeded, sampling=replace(seeded.sampling, seed=99))
+    (other,), _ = run_batched(loaded, [different_seed], max_batch=1)
+    assert "".join(d.text for d in other[0]) != text[0]
+
+
+def test_max_batch_bounds_what_runs_at_once(loaded):
+    requests = [request(loaded, 0, SETTINGS[1], max_tokens=6) for _ in range(5)]
+    worker = Worker("qfserve-tiny", loader=lambda _ref: loaded, max_batch=2)
+    seen: list[int] = []
+    original = worker._make_scheduler
+
+    def spy():
+        scheduler = original()
+        step = scheduler.step
+
+        def counted():
+            seen.append(len(scheduler))
+            step()
+
+        scheduler.step = counted
+        return scheduler
+
+    worker._make_scheduler = spy
+    worker.start()
+    while not worker.ready:
+        time.sleep(0.02)
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        jobs = [worker.submit(r, loop) for r in requests]
+        finals = []
+        for job in jobs:
+            while not isinstance(event := await job.next_event(), (Finished, Failed)):
+                pass
+            finals.append(event)
+        return finals
+
+    try:
+        finals = asyncio.run(asyncio.wait_for(go(), 120))
+    finally:
+        worker.stop()
+    assert all(isinstance(f, Finished) for f in finals)
+    assert max(seen) == 2  # two at once, never more, though five were waiting
+
+
+def test_admission_by_kv_memory_waits_then_refuses_what_can_never_fit(loaded):
+    from engine.admission import kv_need, kv_row_bytes
+
+    config = CacheConfig(method="qfilters", budget=64, recent=16)
+    reqs = [request(loaded, 1, config, max_tokens=8) for _ in range(3)]
+    need, _ = kv_need(loaded, config, len(reqs[0].prompt), 8)
+    # budget + the free slot, per layer and KV head, keys and values in float32
+    assert need == 65 * kv_row_bytes(loaded.model, loaded.config)
+    n_layers, kv_heads = len(loaded.model.layers), loaded.config["num_key_value_heads"]
+    assert kv_row_bytes(loaded.model, loaded.config) == (
+        n_layers * kv_heads * 2 * loaded.config["head_dim"] * 4
+    )
+    too_big = request(loaded, 1, CacheConfig(method="qfilters", budget=512, recent=16))
+    too_long = request(loaded, 1, CacheConfig(method="full"), max_tokens=1000)
+    worker = Worker(
+        "qfserve-tiny", loader=lambda _ref: loaded, max_batch=8, max_kv_bytes=2 * need + need // 2
+    )
+    worker.start()
+    while not worker.ready:
+        time.sleep(0.02)
+    order: list[tuple[int, str]] = []
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        jobs = [worker.submit(r, loop) for r in [*reqs, too_big, too_long]]
+
+        async def collect(i, job):
+            while True:
+                event = await job.next_event()
+                order.append((i, type(event).__name__))
+                if isinstance(event, (Finished, Failed)):
+                    return event
+
+        return await asyncio.gather(*(collect(i, j) for i, j in enumerate(jobs)))
+
+    try:
+        finals = asyncio.run(asyncio.wait_for(go(), 120))
+    finally:
+        worker.stop()
+    assert all(isinstance(f, Finished) for f in finals[:3])
+    # Two fit at once; the third starts only after one of them finished.
+    first_done = min(order.index((i, "Finished")) for i in (0, 1))
+    assert order.index((2, "Started")) > first_done
+    for final, param in zip(finals[3:], ("qfilters_budget", "max_tokens"), strict=True):
+        assert isinstance(final, Failed) and final.kind == "invalid_request"
+        assert final.param == param and "--max-kv-bytes" in final.message
+    assert worker.snapshot()["totals"]["kv_reserved_bytes"] == 0
