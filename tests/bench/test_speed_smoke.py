@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-STUDIES = ("decode", "ttft", "server_overhead", "vs_mlx_lm", "bandwidth")
+STUDIES = ("decode", "ttft", "server_overhead", "vs_mlx_lm", "bandwidth", "batching")
 
 
 @pytest.mark.parametrize("study", STUDIES)

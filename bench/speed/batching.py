@@ -1,0 +1,203 @@
+"""Continuous batching: aggregate decode tokens/s and TTFT under 1-16 concurrent streams.
+
+Three servers on the same model folder, as subprocesses on 127.0.0.1 (OpenBLAS preloaded
+for all): qfserve batching (``--max-batch 16``), qfserve one request at a time
+(``--max-batch 1``, the serving loop before batching) and ``mlx_lm.server`` with its own
+batching. Each burst sends ``c`` streamed chat requests at once (prompts alternating between
+a short and a long length; for qfserve, methods and budgets mixed: Q-Filters 512, full,
+K-norm 256, streaming 256; temperature 0, EOS banned so each makes exactly ``max_tokens``; a
+unique prefix defeats mlx-lm's prompt cache). Per burst: wall time from the first request sent
+to the last stream done, aggregate completion tokens/s over that wall, and every stream's
+TTFT. Arms are interleaved per round; ratios are to qfserve one-at-a-time, and
+``batched_b`` (the batching server again) is the A/A row.
+
+Run: ``python -m bench.speed.batching [--quick] [--model M] [--reps 1] [--streams 1 4 8 16]``.
+Writes ``bench/results/<model>/batching.json`` and ``batching.png``.
+"""
+
+from __future__ import annotations
+
+from engine.blas import reexec_with_openblas
+
+reexec_with_openblas()
+
+import contextlib  # noqa: E402
+import itertools  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from concurrent.futures import ThreadPoolExecutor  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import httpx  # noqa: E402
+
+from bench import servers  # noqa: E402
+from bench.cli import command_line, parse, parser  # noqa: E402
+from bench.harness import interleave, print_table, ratio_row, summary, write_results  # noqa: E402
+from bench.speed import common  # noqa: E402
+
+ARMS = ("serial", "batched_a", "theirs", "batched_b")
+MIXES = (  # what qfserve's streams ask for, in turn
+    {"kv_method": "qfilters", "qfilters_budget": 512},
+    {"kv_method": "full"},
+    {"kv_method": "knorm", "qfilters_budget": 256, "qfilters_recent": 64},
+    {"kv_method": "streaming", "qfilters_budget": 256},
+)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def plot(result, out) -> list[str]:
+    plt = common.plt()
+    rows = result["rows"]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    streams = [r["streams"] for r in rows]
+    for arm in ARMS:
+        a1.plot(streams, [r["tokens_per_s"][arm]["median"] for r in rows], "o-", label=arm)
+        a2.plot(streams, [r["ttft_p99_s"][arm]["median"] for r in rows], "o-", label=arm)
+    a1.set(title="aggregate decode tokens/s", xlabel="concurrent streams")
+    a2.set(title="TTFT p99 (s)", xlabel="concurrent streams", yscale="log")
+    for ax in (a1, a2):
+        common.log2_axis(ax, streams)
+        ax.legend(fontsize=8)
+    return [common.save_figure(fig, out, "batching")]
+
+
+def main(argv=None) -> dict:
+    p = parser(__doc__.splitlines()[0], reps=1)
+    p.add_argument("--max-tokens", type=int, default=None, help="(default 64; quick 8)")
+    p.add_argument("--streams", type=int, nargs="+", default=None, help="(default 1 4 8 16)")
+    p.add_argument(
+        "--prompts", type=int, nargs=2, default=None, help="short and long (default 256 2048)"
+    )
+    args = parse(p, argv)
+    max_tokens = args.max_tokens or (8 if args.quick else 64)
+    counts = args.streams or ([1, 2, 4] if args.quick else [1, 4, 8, 16])
+    short, long = args.prompts or ((32, 96) if args.quick else (256, 2048))
+    progress = common.Progress("batching")
+    sm = common.load_study_model(args.model)
+    bias = common.eos_ban(sm)
+    seq = itertools.count()
+
+    def burst(client: httpx.Client, url: str, name: str, c: int):
+        ours = name != "theirs"
+
+        def one(i: int) -> common.StreamTiming:
+            nonce = f"[{next(seq):05d}-{name[:6]}] "
+            n = short if i % 2 == 0 else long
+            body = {
+                "model": sm.loaded.name if ours else str(sm.path),
+                "messages": [{"role": "user", "content": common.chat_content(sm, n, nonce)}],
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "logit_bias": bias,
+                **(MIXES[i % len(MIXES)] if ours else {}),
+            }
+            return common.stream_chat(client, url, body)
+
+        def run() -> dict:
+            tic = time.perf_counter()
+            with ThreadPoolExecutor(c) as pool:
+                timings = list(pool.map(one, range(c)))
+            wall = time.perf_counter() - tic
+            ttfts = [t.ttft for t in timings]
+            return {
+                "wall_s": wall,
+                "tokens_per_s": sum(t.completion_tokens for t in timings) / wall,
+                "ttft_p50_s": percentile(ttfts, 50),
+                "ttft_p99_s": percentile(ttfts, 99),
+            }
+
+        return run
+
+    rows = []
+    with contextlib.ExitStack() as stack:
+        progress("starting qfserve (--max-batch 1 and 16) and mlx_lm.server")
+        logs = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        procs = {
+            "serial": servers.launch(
+                "qfserve", sm.path, "--max-batch", "1", "--max-queue", "64",
+                log=logs / "serial.log", log_level="warning",
+            ),
+            "batched": servers.launch(
+                "qfserve", sm.path, "--max-batch", "16", "--max-queue", "64",
+                log=logs / "batched.log", log_level="warning",
+            ),
+            "theirs": servers.launch("mlx_lm", sm.path, log=logs / "theirs.log"),
+        }  # fmt: skip
+        stack.callback(servers.stop_all, list(procs.values()), 10)
+        for proc in procs.values():
+            servers.wait_ready(proc, 180)
+        limits = httpx.Limits(max_connections=64)
+        client = stack.enter_context(httpx.Client(limits=limits))
+        urls = {"serial": procs["serial"].url, "batched_a": procs["batched"].url,
+                "theirs": procs["theirs"].url, "batched_b": procs["batched"].url}  # fmt: skip
+        for c in counts:
+            arms = {a: burst(client, urls[a], a, c) for a in ARMS}
+            runs = interleave(  # one warm-up round, before the first count only
+                arms,
+                args.reps,
+                warmup=int(c == counts[0]),
+                progress=progress.rounds(f"{c} streams"),
+            )
+            row: dict = {"streams": c}
+            for key in ("tokens_per_s", "ttft_p50_s", "ttft_p99_s", "wall_s"):
+                values = {a: [r[key] for r in v] for a, v in runs.items()}
+                row[key] = {a: summary(v) for a, v in values.items()}
+                row[f"{key}_ratios"] = [ratio_row(values, a, "serial") for a in ARMS[1:]]
+            rows.append(row)
+            progress(f"{c} streams: " + ", ".join(
+                f"{a} {row['tokens_per_s'][a]['median']:.1f} tok/s" for a in ARMS))  # fmt: skip
+    one = rows[0]["tokens_per_s"]["batched_a"]["median"] if rows[0]["streams"] == 1 else None
+    result = {
+        "study": "batching",
+        "command": command_line("bench.speed.batching", argv),
+        "quick": args.quick,
+        "model": sm.describe(),
+        "settings": {
+            "reps": args.reps,
+            "max_tokens": max_tokens,
+            "streams": counts,
+            "prompts": [short, long],
+            "mixes_ours": list(MIXES),
+            "temperature": 0,
+            "eos_banned": True,
+            "serial": "qfserve --max-batch 1",
+            "batched": "qfserve --max-batch 16",
+            "theirs": "python -m mlx_lm.server (its defaults: batched decoding, full KVCache)",
+        },
+        "rows": rows,
+        "speedup_over_one_stream": None
+        if one is None
+        else {r["streams"]: r["tokens_per_s"]["batched_a"]["median"] / one for r in rows},
+    }
+    result["plots"] = plot(result, args.out)
+    result["runtime_s"] = round(progress.elapsed, 1)
+    path = write_results("batching", result, args.out, section="speed")
+
+    print("\nMedians over rounds; ratios to serial are medians of paired per-round ratios")
+    table = []
+    for r in rows:
+        ratios = {x["arm"]: x for x in r["tokens_per_s_ratios"]}
+        for a in ARMS:
+            table.append(
+                [
+                    r["streams"],
+                    a,
+                    f"{r['tokens_per_s'][a]['median']:.2f}",
+                    "" if a == "serial" else f"{ratios[a]['median']:.2f}",
+                    f"{r['ttft_p50_s'][a]['median']:.2f}",
+                    f"{r['ttft_p99_s'][a]['median']:.2f}",
+                ]
+            )
+    print_table(["streams", "arm", "tok/s", "tok/s ratio", "TTFT p50 s", "TTFT p99 s"], table)
+    print(f"\nwrote {path} in {result['runtime_s']}s")
+    return result
+
+
+if __name__ == "__main__":
+    main()
