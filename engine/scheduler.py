@@ -37,7 +37,8 @@ from engine.sampling import request_sampler
 
 if TYPE_CHECKING:
     from engine.loading import LoadedModel
-    from engine.worker import Job, RequestRecord, State
+    from engine.records import RequestRecord, State
+    from engine.worker import Job
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +70,6 @@ class Scheduler:
     Args:
         loaded: The model and tokenizer.
         finish: Called once per request that leaves, with its final state.
-        update_stats: Refreshes a record's cache statistics from its caches.
-        kv_cache: The ``kv_cache`` summary a finished request reports.
         max_backlog: Events a client may leave untaken before it is cancelled.
         prefill_chunk: Prompt tokens per prefill step.
     """
@@ -80,8 +79,6 @@ class Scheduler:
         loaded: LoadedModel,
         *,
         finish: Callable[[RequestRecord, State], None],
-        update_stats: Callable[[RequestRecord, list[Any]], None],
-        kv_cache: Callable[[Job, RequestRecord], dict[str, Any]],
         max_backlog: int,
         prefill_chunk: int,
     ) -> None:
@@ -89,8 +86,6 @@ class Scheduler:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.loaded = loaded
         self._finish = finish
-        self._update_stats = update_stats
-        self._kv_cache = kv_cache
         self._max_backlog = max_backlog
         self.prefill_chunk = prefill_chunk
         self._prefilling: deque[Sequence] = deque()
@@ -232,7 +227,7 @@ class Scheduler:
         record, sp = seq.record, seq.job.request.sampling
         record.completion_tokens = seq.tokens
         if seq.tokens % STATS_EVERY == 1:
-            self._update_stats(record, seq.caches)
+            record.update(seq.caches)
         if finish != "stop":  # EOS is not text
             seq.detokenizer.add_token(token)
         if finish is not None:
@@ -256,12 +251,12 @@ class Scheduler:
                 raise _Leave("cancelled", seq.job.failure)
         if reason is None:
             return None
-        self._update_stats(record, seq.caches)
+        record.update(seq.caches)
         return Finished(
             finish_reason=reason,
             prompt_tokens=len(seq.prompt),
             completion_tokens=seq.tokens,
-            kv_cache=self._kv_cache(seq.job, record),
+            kv_cache=record.kv_cache(seq.job.request.cache),
         )
 
     # -- leaving -------------------------------------------------------------------------

@@ -19,19 +19,17 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from engine.config import ConfigError
 from engine.loading import LoadedModel, load_model
 from engine.prompts import PromptError, encode_prompt
+from engine.records import Ledger, RequestRecord, State
 from engine.requests import Event, Failed, GenerationRequest, Started
 
 logger = logging.getLogger(__name__)
 
-State = Literal["queued", "prefill", "decode", "done", "cancelled", "error"]
 DEFAULT_MAX_QUEUE = 16
 DEFAULT_HISTORY = 64
 # Events a job may have waiting for its handler. A client that reads keeps this near zero;
@@ -41,52 +39,12 @@ DEFAULT_MAX_BATCH = 8
 DEFAULT_PREFILL_CHUNK = 512
 
 
-def mlx_memory() -> dict[str, int]:
-    """MLX allocator figures in bytes: held by arrays now, the peak since start, and freed
-    buffers kept for reuse. Counter reads only (safe off the worker thread)."""
-    import mlx.core as mx
-
-    return {
-        "mlx_active_bytes": int(mx.get_active_memory()),
-        "mlx_peak_bytes": int(mx.get_peak_memory()),
-        "mlx_cache_bytes": int(mx.get_cache_memory()),
-    }
-
-
 class WorkerUnavailable(RuntimeError):
     """The worker cannot take the request now (loading, dead, draining or queue full)."""
 
     def __init__(self, message: str, *, retry_after: int | None = None) -> None:
         super().__init__(message)
         self.retry_after = retry_after
-
-
-@dataclass
-class RequestRecord:
-    """Counts about one request for the admin endpoint; written by the worker thread only."""
-
-    id: str
-    model: str
-    kind: str
-    method: str
-    budget: int
-    recent: int
-    n_sink: int
-    chunk: int = 1
-    budget_mode: str = "per_head"
-    state: State = "queued"
-    filter_source: str = "none"
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    tokens_seen: int = 0
-    tokens_kept: int = 0
-    kept_bytes: int = 0
-    kv_reserved_bytes: int = 0
-    full_seq_bytes: int = 0
-    compression_ratio: float = 1.0
-    evictions: int = 0
-    created: float = field(default_factory=time.time)
-    finished: float | None = None
 
 
 class Job:
@@ -189,24 +147,11 @@ class Worker:
             max_kv_bytes = default_max_kv_bytes()
         if max_kv_bytes < 1:
             raise ValueError(f"max_kv_bytes must be >= 1, got {max_kv_bytes}")
-        self.max_kv_bytes = max_kv_bytes
-        self._reserved: dict[str, int] = {}  # KV bytes per admitted request
         self._next: Any = None  # the oldest request, prepared, waiting for KV memory
         self._loader = loader
         self._queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
-        self._lock = threading.Lock()
-        self._active: dict[str, RequestRecord] = {}
-        self._history: deque[RequestRecord] = deque(maxlen=history)
-        self._totals = {
-            "requests": 0,
-            "done": 0,
-            "cancelled": 0,
-            "error": 0,
-            "prompt_tokens": 0,
-            "completion_tokens": 0,
-            "kept_bytes": 0,
-            "full_seq_bytes": 0,
-        }
+        self._lock = threading.Lock()  # submit: the queue and the ledger together
+        self.ledger = Ledger(history, max_kv_bytes)
         self._ids = itertools.count(1)
         self._stopping = threading.Event()
         self._draining = False
@@ -259,8 +204,11 @@ class Worker:
 
     def idle(self) -> bool:
         """Nothing queued or running."""
-        with self._lock:
-            return not self._active
+        return self.ledger.idle()
+
+    @property
+    def max_kv_bytes(self) -> int:
+        return self.ledger.max_kv_bytes
 
     @property
     def draining(self) -> bool:
@@ -316,31 +264,18 @@ class Worker:
                     f"too many requests waiting ({self._queue.maxsize}); retry shortly",
                     retry_after=1,
                 ) from None
-            self._active[record.id] = record
-            self._totals["requests"] += 1
+            self.ledger.open(record)
         return job
 
     def snapshot(self) -> dict[str, Any]:
         """Active and recent requests plus totals, as plain dicts (counts only)."""
-        with self._lock:
-            active = [asdict(r) for r in self._active.values()]
-            history = [asdict(r) for r in reversed(self._history)]
-            totals = dict(self._totals)
-            totals["kv_reserved_bytes"] = sum(self._reserved.values())
-        totals["active"] = len(active)
-        totals["queued"] = sum(r["state"] == "queued" for r in active)
-        totals["batch"] = sum(r["state"] in ("prefill", "decode") for r in active)
-        totals["kv_used_bytes"] = sum(r["kept_bytes"] for r in active)
-        totals["max_kv_bytes"] = self.max_kv_bytes
-        totals["max_batch"] = self.max_batch
-        totals.update(mlx_memory())
-        return {"active": active, "history": history, "totals": totals}
+        snap = self.ledger.snapshot()
+        snap["totals"]["max_batch"] = self.max_batch
+        return snap
 
     def active_kv_bytes(self) -> tuple[int, int]:
         """(kept, full-cache) bytes over the active requests."""
-        with self._lock:
-            records = list(self._active.values())
-        return sum(r.kept_bytes for r in records), sum(r.full_seq_bytes for r in records)
+        return self.ledger.active_kv_bytes()
 
     # -- the worker thread ---------------------------------------------------------------
 
@@ -403,8 +338,6 @@ class Worker:
         return Scheduler(
             self.loaded,
             finish=self._finish,
-            update_stats=self._update_stats,
-            kv_cache=self._kv_cache,
             max_backlog=self._max_backlog,
             prefill_chunk=self._prefill_chunk,
         )
@@ -420,16 +353,7 @@ class Worker:
 
     def _finish(self, record: RequestRecord, state: State) -> None:
         self._running = [j for j in self._running if j.record is not record]
-        record.state, record.finished = state, time.time()
-        with self._lock:
-            self._reserved.pop(record.id, None)
-            self._active.pop(record.id, None)
-            self._history.append(record)
-            self._totals[state] += 1
-            self._totals["prompt_tokens"] += record.prompt_tokens
-            self._totals["completion_tokens"] += record.completion_tokens
-            self._totals["kept_bytes"] += record.kept_bytes
-            self._totals["full_seq_bytes"] += record.full_seq_bytes
+        self.ledger.close(record, state)
 
     def _admit(self, *, wait: bool) -> None:
         """Move queued requests into the batch while it has room and their KV memory fits
@@ -453,12 +377,9 @@ class Worker:
                 job.emit(job.failure or Failed("cancelled", "the request was cancelled"))
                 self._finish(job.record, "cancelled")
                 continue
-            with self._lock:
-                if len(scheduler) and sum(self._reserved.values()) + need > self.max_kv_bytes:
-                    return
-                self._reserved[job.id] = need
+            if not self.ledger.reserve(job.record, need, alone=not len(scheduler)):
+                return
             self._next = None
-            job.record.kv_reserved_bytes = need
             job.emit(Started(prompt_tokens=len(prompt), max_tokens=max_tokens))
             scheduler.add(job, prompt, max_tokens, caches)
 
@@ -506,38 +427,3 @@ class Worker:
             filters=self.filters if calibrated else None,
             query_scale=self.query_scale if calibrated else None,
         )
-
-    def _update_stats(self, record: RequestRecord, caches: list[Any]) -> None:
-        from engine.stats import summarize
-
-        stats = summarize(caches)
-        for name in (
-            "filter_source",
-            "tokens_seen",
-            "tokens_kept",
-            "kept_bytes",
-            "full_seq_bytes",
-            "compression_ratio",
-            "evictions",
-        ):
-            setattr(record, name, getattr(stats, name))
-
-    @staticmethod
-    def _kv_cache(job: Job, record: RequestRecord) -> dict[str, Any]:
-        config = job.request.cache
-        return {
-            "method": config.method,
-            "budget": config.budget,
-            "recent": config.recent,
-            "n_sink": config.n_sink,
-            "chunk": config.chunk,
-            "budget_mode": config.budget_mode,
-            "floor": config.floor if config.budget_mode == "adaptive" else None,
-            "filter_source": record.filter_source,
-            "tokens_seen": record.tokens_seen,
-            "tokens_kept": record.tokens_kept,
-            "kept_bytes": record.kept_bytes,
-            "full_seq_bytes": record.full_seq_bytes,
-            "compression_ratio": record.compression_ratio,
-            "evictions": record.evictions,
-        }

@@ -1,11 +1,11 @@
 """Study 8: what serving adds. A streamed chat request through ``qfserve`` over HTTP, through
-the engine's worker in process (queue, model thread, event loop, no HTTP), and as plain
-in-process generation of the same prompt (same engine code, caches and greedy settings).
+the engine's worker in process (queue, model thread, the batching scheduler, event loop, no
+HTTP), and as plain mlx-lm generation of the same prompt on the same caches (the floor).
 
 The server runs as a subprocess on an ephemeral 127.0.0.1 port, loading the same model
 folder; the client is ``httpx`` streaming ``/v1/chat/completions``. In process, the prompt
 goes through the engine's own ``encode_prompt``, ``make_caches`` and mlx-lm's
-``stream_generate`` with the sampler and logits processors the worker builds; the worker arm
+``stream_generate`` (greedy, the same logit bias, the worker's prefill chunk); the worker arm
 submits the same :class:`~engine.requests.GenerationRequest` to an in-process
 :class:`~engine.worker.Worker` sharing the loaded model. All ban the end-of-sequence tokens
 (``logit_bias``) so every request makes exactly ``max_tokens``. TTFT is the time to the first
@@ -43,7 +43,7 @@ from bench.speed import common  # noqa: E402
 from engine.config import CacheConfig  # noqa: E402
 from engine.prompts import encode_prompt  # noqa: E402
 from engine.requests import Delta, Failed, Finished, GenerationRequest, SamplingParams  # noqa: E402
-from engine.worker import Worker  # noqa: E402
+from engine.worker import DEFAULT_PREFILL_CHUNK, Worker  # noqa: E402
 
 ARMS = ("in_process_a", "worker", "http_a", "in_process_b", "http_b")
 PAIRS = (
@@ -89,6 +89,7 @@ def in_process(sm, request: GenerationRequest):
             sampler=sampler,
             logits_processors=processors,
             prompt_cache=caches,
+            prefill_step_size=DEFAULT_PREFILL_CHUNK,
         ):
             if gen.text:
                 chunks += 1
