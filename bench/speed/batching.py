@@ -3,15 +3,17 @@
 Three servers on the same model folder, as subprocesses on 127.0.0.1 (OpenBLAS preloaded
 for all): qfserve batching (``--max-batch 16``), qfserve one request at a time
 (``--max-batch 1``, the serving loop before batching) and ``mlx_lm.server`` with its own
-batching. Each burst sends ``c`` streamed chat requests at once (prompts alternating between
-a short and a long length; for qfserve, methods and budgets mixed: Q-Filters 512, full,
-K-norm 256, streaming 256; temperature 0, EOS banned so each makes exactly ``max_tokens``; a
-unique prefix defeats mlx-lm's prompt cache). Per burst: wall time from the first request sent
-to the last stream done, aggregate completion tokens/s over that wall, and every stream's
-TTFT. Arms are interleaved per round; ratios are to qfserve one-at-a-time, and
-``batched_b`` (the batching server again) is the A/A row.
+batching. Each burst sends ``c`` streamed chat requests of one prompt length at once (for
+qfserve, methods and budgets mixed: Q-Filters 512, full, K-norm 256, streaming 256;
+temperature 0, EOS banned so each makes exactly ``max_tokens``; a unique prefix defeats
+mlx-lm's prompt cache). Per burst: aggregate decode tokens/s (completion tokens after each
+stream's first, over the span from the first stream's first token to the last stream's end),
+end-to-end tokens/s (all completion tokens over the burst's wall time, prefill included), and
+every stream's TTFT (p50, p99). Arms are interleaved per round; ratios are to qfserve
+one-at-a-time, and ``batched_b`` (the batching server again) is the A/A row.
 
-Run: ``python -m bench.speed.batching [--quick] [--model M] [--reps 1] [--streams 1 4 8 16]``.
+Run: ``python -m bench.speed.batching [--quick] [--model M] [--reps 1] [--streams 1 4 8 16]
+[--prompts 256 2048]``.
 Writes ``bench/results/<model>/batching.json`` and ``batching.png``.
 """
 
@@ -55,10 +57,14 @@ def plot(result, out) -> list[str]:
     plt = common.plt()
     rows = result["rows"]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
-    streams = [r["streams"] for r in rows]
-    for arm in ARMS:
-        a1.plot(streams, [r["tokens_per_s"][arm]["median"] for r in rows], "o-", label=arm)
-        a2.plot(streams, [r["ttft_p99_s"][arm]["median"] for r in rows], "o-", label=arm)
+    streams = sorted({r["streams"] for r in rows})
+    for n in sorted({r["prompt_tokens"] for r in rows}):
+        mine = [r for r in rows if r["prompt_tokens"] == n]
+        for arm in ARMS:
+            x = [r["streams"] for r in mine]
+            label = f"{arm}, prompt {n}"
+            a1.plot(x, [r["tokens_per_s"][arm]["median"] for r in mine], "o-", label=label)
+            a2.plot(x, [r["ttft_p99_s"][arm]["median"] for r in mine], "o-", label=label)
     a1.set(title="aggregate decode tokens/s", xlabel="concurrent streams")
     a2.set(title="TTFT p99 (s)", xlabel="concurrent streams", yscale="log")
     for ax in (a1, a2):
@@ -71,24 +77,21 @@ def main(argv=None) -> dict:
     p = parser(__doc__.splitlines()[0], reps=1)
     p.add_argument("--max-tokens", type=int, default=None, help="(default 64; quick 8)")
     p.add_argument("--streams", type=int, nargs="+", default=None, help="(default 1 4 8 16)")
-    p.add_argument(
-        "--prompts", type=int, nargs=2, default=None, help="short and long (default 256 2048)"
-    )
+    p.add_argument("--prompts", type=int, nargs="+", default=None, help="(default 256 2048)")
     args = parse(p, argv)
     max_tokens = args.max_tokens or (8 if args.quick else 64)
     counts = args.streams or ([1, 2, 4] if args.quick else [1, 4, 8, 16])
-    short, long = args.prompts or ((32, 96) if args.quick else (256, 2048))
+    lengths = args.prompts or ([32, 96] if args.quick else [256, 2048])
     progress = common.Progress("batching")
     sm = common.load_study_model(args.model)
     bias = common.eos_ban(sm)
     seq = itertools.count()
 
-    def burst(client: httpx.Client, url: str, name: str, c: int):
+    def burst(client: httpx.Client, url: str, name: str, n: int, c: int):
         ours = name != "theirs"
 
-        def one(i: int) -> common.StreamTiming:
+        def one(i: int) -> tuple[float, common.StreamTiming]:
             nonce = f"[{next(seq):05d}-{name[:6]}] "
-            n = short if i % 2 == 0 else long
             body = {
                 "model": sm.loaded.name if ours else str(sm.path),
                 "messages": [{"role": "user", "content": common.chat_content(sm, n, nonce)}],
@@ -97,17 +100,21 @@ def main(argv=None) -> dict:
                 "logit_bias": bias,
                 **(MIXES[i % len(MIXES)] if ours else {}),
             }
-            return common.stream_chat(client, url, body)
+            sent = time.perf_counter()
+            return sent, common.stream_chat(client, url, body)
 
         def run() -> dict:
             tic = time.perf_counter()
             with ThreadPoolExecutor(c) as pool:
-                timings = list(pool.map(one, range(c)))
+                streams = list(pool.map(one, range(c)))
             wall = time.perf_counter() - tic
-            ttfts = [t.ttft for t in timings]
+            first = min(sent + t.ttft for sent, t in streams)
+            last = max(sent + t.total for sent, t in streams)
+            ttfts = [t.ttft for _, t in streams]
             return {
                 "wall_s": wall,
-                "tokens_per_s": sum(t.completion_tokens for t in timings) / wall,
+                "tokens_per_s": sum(t.completion_tokens - 1 for _, t in streams) / (last - first),
+                "e2e_tokens_per_s": sum(t.completion_tokens for _, t in streams) / wall,
                 "ttft_p50_s": percentile(ttfts, 50),
                 "ttft_p99_s": percentile(ttfts, 99),
             }
@@ -136,23 +143,27 @@ def main(argv=None) -> dict:
         client = stack.enter_context(httpx.Client(limits=limits))
         urls = {"serial": procs["serial"].url, "batched_a": procs["batched"].url,
                 "theirs": procs["theirs"].url, "batched_b": procs["batched"].url}  # fmt: skip
-        for c in counts:
-            arms = {a: burst(client, urls[a], a, c) for a in ARMS}
-            runs = interleave(  # one warm-up round, before the first count only
-                arms,
-                args.reps,
-                warmup=int(c == counts[0]),
-                progress=progress.rounds(f"{c} streams"),
+        for n, c in itertools.product(lengths, counts):
+            arms = {a: burst(client, urls[a], a, n, c) for a in ARMS}
+            label = f"prompt {n}, {c} streams"
+            runs = interleave(  # one warm-up round, before the first burst only
+                arms, args.reps, warmup=int(not rows), progress=progress.rounds(label)
             )
-            row: dict = {"streams": c}
-            for key in ("tokens_per_s", "ttft_p50_s", "ttft_p99_s", "wall_s"):
+            row: dict = {"prompt_tokens": n, "streams": c}
+            for key in ("tokens_per_s", "e2e_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "wall_s"):
                 values = {a: [r[key] for r in v] for a, v in runs.items()}
                 row[key] = {a: summary(v) for a, v in values.items()}
                 row[f"{key}_ratios"] = [ratio_row(values, a, "serial") for a in ARMS[1:]]
             rows.append(row)
-            progress(f"{c} streams: " + ", ".join(
+            progress(f"{label}: " + ", ".join(
                 f"{a} {row['tokens_per_s'][a]['median']:.1f} tok/s" for a in ARMS))  # fmt: skip
-    one = rows[0]["tokens_per_s"]["batched_a"]["median"] if rows[0]["streams"] == 1 else None
+
+    def speedup(n: int) -> dict[int, float] | None:
+        """Batched decode tokens/s at each stream count over one stream, at prompt ``n``."""
+        mine = {r["streams"]: r["tokens_per_s"]["batched_a"]["median"]
+                for r in rows if r["prompt_tokens"] == n}  # fmt: skip
+        return None if 1 not in mine else {c: v / mine[1] for c, v in mine.items()}
+
     result = {
         "study": "batching",
         "command": command_line("bench.speed.batching", argv),
@@ -162,7 +173,7 @@ def main(argv=None) -> dict:
             "reps": args.reps,
             "max_tokens": max_tokens,
             "streams": counts,
-            "prompts": [short, long],
+            "prompts": lengths,
             "mixes_ours": list(MIXES),
             "temperature": 0,
             "eos_banned": True,
@@ -171,9 +182,7 @@ def main(argv=None) -> dict:
             "theirs": "python -m mlx_lm.server (its defaults: batched decoding, full KVCache)",
         },
         "rows": rows,
-        "speedup_over_one_stream": None
-        if one is None
-        else {r["streams"]: r["tokens_per_s"]["batched_a"]["median"] / one for r in rows},
+        "speedup_over_one_stream": {n: speedup(n) for n in lengths},
     }
     result["plots"] = plot(result, args.out)
     result["runtime_s"] = round(progress.elapsed, 1)
@@ -186,15 +195,18 @@ def main(argv=None) -> dict:
         for a in ARMS:
             table.append(
                 [
+                    r["prompt_tokens"],
                     r["streams"],
                     a,
                     f"{r['tokens_per_s'][a]['median']:.2f}",
                     "" if a == "serial" else f"{ratios[a]['median']:.2f}",
+                    f"{r['e2e_tokens_per_s'][a]['median']:.2f}",
                     f"{r['ttft_p50_s'][a]['median']:.2f}",
                     f"{r['ttft_p99_s'][a]['median']:.2f}",
                 ]
             )
-    print_table(["streams", "arm", "tok/s", "tok/s ratio", "TTFT p50 s", "TTFT p99 s"], table)
+    headers = ["prompt", "streams", "arm", "decode tok/s", "ratio", "e2e tok/s"]
+    print_table([*headers, "TTFT p50 s", "TTFT p99 s"], table)
     print(f"\nwrote {path} in {result['runtime_s']}s")
     return result
 
