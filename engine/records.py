@@ -136,6 +136,11 @@ class Ledger:
         record.kv_reserved_bytes = need
         return True
 
+    def reserved(self) -> int:
+        """KV bytes the admitted requests have reserved."""
+        with self._lock:
+            return sum(self._reserved.values())
+
     def idle(self) -> bool:
         with self._lock:
             return not self._active

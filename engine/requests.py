@@ -66,6 +66,8 @@ class GenerationRequest:
         cache: The eviction settings this request runs with.
         constraint: The output must be JSON (of a schema), or a tool call, when set.
         tools: OpenAI ``tools`` entries rendered through the chat template (chat only).
+        reuse: Continue a finished request's caches when they hold a prefix of the prompt
+            (:mod:`engine.reuse`), and keep this one's for the next turn.
     """
 
     kind: Kind
@@ -75,6 +77,7 @@ class GenerationRequest:
     prompt: str | tuple[int, ...] = ""
     constraint: JSONConstraint | ToolCallConstraint | None = None
     tools: tuple[dict[str, Any], ...] = ()
+    reuse: bool = True
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,7 @@ class Finished:
     prompt_tokens: int
     completion_tokens: int
     kv_cache: dict[str, Any] = field(default_factory=dict)
+    cached_tokens: int = 0  # prompt tokens a reused cache already held
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
@@ -55,9 +55,11 @@ class Sequence:
     caches: list[Any]
     detokenizer: Any
     stop: StopText | None
-    read: int = 0  # prompt tokens prefilled so far
+    read: int = 0  # prompt tokens the caches hold so far (a reused cache starts with some)
     tokens: int = 0  # tokens generated so far (EOS included)
     uid: int = -1
+    cached: int = 0  # prompt tokens a reused cache already held
+    generated: list[int] = field(default_factory=list)
 
     @property
     def record(self) -> RequestRecord:
@@ -70,6 +72,8 @@ class Scheduler:
     Args:
         loaded: The model and tokenizer.
         finish: Called once per request that leaves, with its final state.
+        keep: Called with a request that finished normally, its caches and the tokens they
+            hold (prompt and every generated token), for the next turn to continue.
         max_backlog: Events a client may leave untaken before it is cancelled.
         prefill_chunk: Prompt tokens per prefill step.
     """
@@ -79,6 +83,7 @@ class Scheduler:
         loaded: LoadedModel,
         *,
         finish: Callable[[RequestRecord, State], None],
+        keep: Callable[[Sequence], None] | None = None,
         max_backlog: int,
         prefill_chunk: int,
     ) -> None:
@@ -86,6 +91,7 @@ class Scheduler:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.loaded = loaded
         self._finish = finish
+        self._keep = keep
         self._max_backlog = max_backlog
         self.prefill_chunk = prefill_chunk
         self._prefilling: deque[Sequence] = deque()
@@ -103,8 +109,11 @@ class Scheduler:
     def sequences(self) -> list[Sequence]:
         return [*self._prefilling, *self._decoding.values()]
 
-    def add(self, job: Job, prompt: list[int], max_tokens: int, caches: list[Any]) -> None:
-        """Admit a request whose caches are built and whose ``Started`` was sent."""
+    def add(
+        self, job: Job, prompt: list[int], max_tokens: int, caches: list[Any], cached: int = 0
+    ) -> None:
+        """Admit a request whose caches are built (holding its first ``cached`` prompt
+        tokens, when reused) and whose ``Started`` was sent."""
         stop = job.request.sampling.stop
         self._prefilling.append(
             Sequence(
@@ -114,6 +123,8 @@ class Scheduler:
                 caches=caches,
                 detokenizer=self.loaded.tokenizer.detokenizer,
                 stop=StopText(stop) if stop else None,
+                read=cached,
+                cached=cached,
             )
         )
         job.record.state = "prefill"
@@ -216,6 +227,10 @@ class Scheduler:
                 leaving.append(r.uid)  # a stop string: still in mlx-lm's batch
                 seq.job.emit(done)
                 self._finish(seq.record, "done")
+                if self._keep is not None and r.finish_reason is not None:
+                    # Ended by EOS or max_tokens, so the caches hold every token the client
+                    # gets back (a stop string cuts what it gets: not worth keeping).
+                    self._keep(seq)
         if leaving:
             self._remove(leaving)
 
@@ -224,6 +239,7 @@ class Scheduler:
     ) -> Finished | None:
         """Stream one generated token; the request's ``Finished`` once it ends."""
         seq.tokens += 1
+        seq.generated.append(token)
         record, sp = seq.record, seq.job.request.sampling
         record.completion_tokens = seq.tokens
         if seq.tokens % STATS_EVERY == 1:
@@ -257,6 +273,7 @@ class Scheduler:
             prompt_tokens=len(seq.prompt),
             completion_tokens=seq.tokens,
             kv_cache=record.kv_cache(seq.job.request.cache),
+            cached_tokens=seq.cached,
         )
 
     # -- leaving -------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from engine.loading import LoadedModel, load_model
 from engine.prompts import PromptError, encode_prompt
 from engine.records import Ledger, RequestRecord, State
 from engine.requests import Event, Failed, GenerationRequest, Started
+from engine.reuse import DEFAULT_PROMPT_CACHE_SIZE, PromptCache, cache_key
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +114,11 @@ class Worker:
         prefill_chunk: Prompt tokens per prefill step: how long a newcomer's prefill may
             hold up the running streams.
         max_kv_bytes: KV bytes the running requests' caches may hold together at most
-            (:mod:`engine.admission`; ``None``: a share of physical memory).
+            (:mod:`engine.admission`; ``None``: a share of physical memory). Kept caches
+            (``prompt_cache_*``) count too, and give way to running requests.
+        prompt_cache_size: Finished requests' caches kept for later turns to continue
+            (:mod:`engine.reuse`); 0 turns reuse off.
+        prompt_cache_bytes: Bytes those may hold (``None``: up to ``max_kv_bytes``).
         loader: Replaces :func:`engine.loading.load_model` (tests).
     """
 
@@ -127,6 +132,8 @@ class Worker:
         max_batch: int = DEFAULT_MAX_BATCH,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         max_kv_bytes: int | None = None,
+        prompt_cache_size: int = DEFAULT_PROMPT_CACHE_SIZE,
+        prompt_cache_bytes: int | None = None,
         loader: Callable[[str | None], LoadedModel] = load_model,
     ) -> None:
         if max_batch < 1:
@@ -148,6 +155,14 @@ class Worker:
         if max_kv_bytes < 1:
             raise ValueError(f"max_kv_bytes must be >= 1, got {max_kv_bytes}")
         self._next: Any = None  # the oldest request, prepared, waiting for KV memory
+        if prompt_cache_size < 0:
+            raise ValueError(f"prompt_cache_size must be >= 0, got {prompt_cache_size}")
+        self.prompt_cache = (
+            PromptCache(prompt_cache_size, prompt_cache_bytes or max_kv_bytes)
+            if prompt_cache_size
+            else None
+        )
+        self._prompt_cache_view: dict[str, Any] = _view(self.prompt_cache)
         self._loader = loader
         self._queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
         self._lock = threading.Lock()  # submit: the queue and the ledger together
@@ -271,6 +286,7 @@ class Worker:
         """Active and recent requests plus totals, as plain dicts (counts only)."""
         snap = self.ledger.snapshot()
         snap["totals"]["max_batch"] = self.max_batch
+        snap["prompt_cache"] = self._prompt_cache_view
         return snap
 
     def active_kv_bytes(self) -> tuple[int, int]:
@@ -338,6 +354,7 @@ class Worker:
         return Scheduler(
             self.loaded,
             finish=self._finish,
+            keep=self._keep,
             max_backlog=self._max_backlog,
             prefill_chunk=self._prefill_chunk,
         )
@@ -371,7 +388,7 @@ class Worker:
                 self._next = self._start(job)
                 if self._next is None:
                     continue
-            job, prompt, max_tokens, caches, need = self._next
+            job, prompt, max_tokens, caches, need, cached = self._next
             if job.cancelled:
                 self._next = None
                 job.emit(job.failure or Failed("cancelled", "the request was cancelled"))
@@ -380,10 +397,13 @@ class Worker:
             if not self.ledger.reserve(job.record, need, alone=not len(scheduler)):
                 return
             self._next = None
+            if self.prompt_cache is not None:  # kept caches give way to running requests
+                self.prompt_cache.shrink(self.max_kv_bytes - self.ledger.reserved())
+                self._publish()
             job.emit(Started(prompt_tokens=len(prompt), max_tokens=max_tokens))
-            scheduler.add(job, prompt, max_tokens, caches)
+            scheduler.add(job, prompt, max_tokens, caches, cached)
 
-    def _start(self, job: Job) -> tuple[Job, list[int], int, list[Any], int] | None:
+    def _start(self, job: Job) -> tuple[Job, list[int], int, list[Any], int, int] | None:
         """Encode the prompt, build the caches and size their KV memory (``None``: the job
         already ended, with its event sent)."""
         from engine.admission import kv_need
@@ -396,7 +416,9 @@ class Worker:
         try:
             prompt, max_tokens = encode_prompt(self.loaded, job.request)  # type: ignore[arg-type]
             job.record.prompt_tokens = len(prompt)
-            caches = self._make_caches(job)
+            caches, cached = self._reused_caches(job, prompt)
+            if caches is None:
+                caches = self._make_caches(job)
             need, param = kv_need(self.loaded, job.request.cache, len(prompt), max_tokens)
             if need > self.max_kv_bytes:
                 raise PromptError(
@@ -413,7 +435,32 @@ class Worker:
             job.emit(Failed("internal", f"generation failed: {type(exc).__name__}: {exc}"))
             self._finish(job.record, "error")
             return None
-        return job, prompt, max_tokens, caches, need
+        return job, prompt, max_tokens, caches, need, cached
+
+    def _key(self, job: Job) -> tuple[Any, ...]:
+        assert self.loaded is not None
+        return cache_key(self.loaded.name, job.request.cache, self.filter_source)
+
+    def _reused_caches(self, job: Job, prompt: list[int]) -> tuple[list[Any] | None, int]:
+        """A finished request's caches that hold a prefix of ``prompt`` (a copy), and how many
+        prompt tokens they hold; ``(None, 0)`` when none does or reuse is off."""
+        if self.prompt_cache is None or not job.request.reuse:
+            return None, 0
+        caches, held = self.prompt_cache.fetch(self._key(job), prompt)
+        self._publish()
+        return caches, held
+
+    def _keep(self, seq: Any) -> None:
+        """A request ended normally: its caches stay for the next turn to continue."""
+        if self.prompt_cache is None or not seq.job.request.reuse:
+            return
+        self.prompt_cache.insert(self._key(seq.job), [*seq.prompt, *seq.generated], seq.caches)
+        self.prompt_cache.shrink(self.max_kv_bytes - self.ledger.reserved())
+        self._publish()
+
+    def _publish(self) -> None:
+        """What the admin endpoint shows of the prompt cache (read off the thread)."""
+        self._prompt_cache_view = _view(self.prompt_cache)
 
     def _make_caches(self, job: Job) -> list[Any]:
         from engine.factory import make_caches
@@ -427,3 +474,15 @@ class Worker:
             filters=self.filters if calibrated else None,
             query_scale=self.query_scale if calibrated else None,
         )
+
+
+def _view(cache: PromptCache | None) -> dict[str, Any]:
+    if cache is None:
+        return {"enabled": False}
+    return {
+        "enabled": True,
+        "entries": cache.entries(),
+        "bytes": cache.nbytes,
+        "hits": cache.hits,
+        "misses": cache.misses,
+    }

@@ -43,6 +43,8 @@ def build_app(settings: Settings | None = None, *, worker: Worker | None = None)
         max_batch=settings.max_batch,
         prefill_chunk=settings.prefill_chunk,
         max_kv_bytes=settings.max_kv_bytes,
+        prompt_cache_size=settings.prompt_cache_size,
+        prompt_cache_bytes=settings.prompt_cache_bytes,
     )
     app.state.metrics = Metrics(app.state.worker)
     install_error_handlers(app)

@@ -124,6 +124,19 @@ def make_parser(env: EnvDefaults | None = None) -> argparse.ArgumentParser:
         "it fits (default: a quarter of physical memory)",
     )
     p.add_argument(
+        "--prompt-cache-size",
+        type=int,
+        default=s.prompt_cache_size,
+        help="finished requests' caches kept for later turns to continue (0: no reuse) "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--prompt-cache-bytes",
+        type=int,
+        default=s.prompt_cache_bytes,
+        help="bytes those may hold (default: up to --max-kv-bytes, giving way to running requests)",
+    )
+    p.add_argument(
         "--api-key",
         default=s.api_key,
         help="require 'Authorization: Bearer KEY' on every route but /health "
@@ -194,6 +207,8 @@ def settings_from_args(args: argparse.Namespace):
         max_batch=args.max_batch,
         prefill_chunk=args.prefill_chunk,
         max_kv_bytes=args.max_kv_bytes,
+        prompt_cache_size=args.prompt_cache_size,
+        prompt_cache_bytes=args.prompt_cache_bytes,
         api_key=api_key,
         admin_key=args.admin_key,
         admin_enabled=not args.no_admin,

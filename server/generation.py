@@ -286,9 +286,10 @@ class Generation:
         self.metrics.requests.labels(endpoint=self.endpoint, outcome=outcome).inc()
 
 
-def _usage(event: Finished) -> dict[str, int]:
+def _usage(event: Finished) -> dict[str, Any]:
     return {
         "prompt_tokens": event.prompt_tokens,
         "completion_tokens": event.completion_tokens,
         "total_tokens": event.prompt_tokens + event.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": event.cached_tokens},
     }

@@ -168,6 +168,14 @@ class EvictionFields(_Strict):
             "Default: --floor.",
         ),
     ] = None
+    qfilters_reuse: Annotated[
+        bool | None,
+        Field(
+            description="Continue a finished request's KV cache when it holds the start of "
+            "this prompt (multi-turn chat), and keep this one's for the next turn. "
+            "Default: true (when the server keeps a prompt cache).",
+        ),
+    ] = None
     kv_method: Annotated[
         KVMethod | None,
         Field(
@@ -289,6 +297,7 @@ class GenerationBody(EvictionFields):
                 kind="chat",
                 sampling=sampling,
                 cache=cache,
+                reuse=self.qfilters_reuse is not False,
                 messages=tuple(m.as_template_input() for m in self.messages),
                 constraint=constraint or tool_constraint,
                 tools=tools,
@@ -298,6 +307,7 @@ class GenerationBody(EvictionFields):
             kind="completion",
             sampling=sampling,
             cache=cache,
+            reuse=self.qfilters_reuse is not False,
             prompt=self.single_prompt(),
             constraint=constraint,
         )
@@ -502,10 +512,15 @@ class CompletionRequest(SamplerExtensions, GenerationBody):
 # -- responses (built as dicts by server.generation; these document and type-check them) --
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="Prompt tokens a reused KV cache already held.")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class KVCacheInfo(BaseModel):

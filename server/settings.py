@@ -19,6 +19,7 @@ from engine.config import (
     CacheConfig,
     Method,
 )
+from engine.reuse import DEFAULT_PROMPT_CACHE_SIZE
 from engine.worker import (
     DEFAULT_HISTORY,
     DEFAULT_MAX_BATCH,
@@ -52,6 +53,8 @@ class EnvDefaults(BaseSettings):
     max_batch: int = DEFAULT_MAX_BATCH
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     max_kv_bytes: int | None = None
+    prompt_cache_size: int = DEFAULT_PROMPT_CACHE_SIZE
+    prompt_cache_bytes: int | None = None
     api_key: str | None = None
     api_key_file: str | None = None
     admin_key: str | None = None
@@ -77,6 +80,8 @@ class Settings:
             holds up the streams already running.
         max_kv_bytes: KV bytes the running requests' caches may hold together (``None``: a
             quarter of physical memory); a request that can never fit gets a 400.
+        prompt_cache_size: Finished requests' caches kept for later turns (0: no reuse).
+        prompt_cache_bytes: Bytes those may hold (``None``: up to ``max_kv_bytes``).
         api_key: When set, every route but ``/health`` needs ``Authorization: Bearer <key>``.
         admin_key: When set, the admin endpoint needs it instead of ``api_key``.
         admin_enabled: ``False`` removes the admin endpoint.
@@ -101,6 +106,8 @@ class Settings:
     max_batch: int = DEFAULT_MAX_BATCH
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     max_kv_bytes: int | None = None
+    prompt_cache_size: int = DEFAULT_PROMPT_CACHE_SIZE
+    prompt_cache_bytes: int | None = None
     api_key: str | None = None
     admin_key: str | None = None
     admin_enabled: bool = True
@@ -124,8 +131,12 @@ class Settings:
         for name in ("max_queue", "max_batch", "prefill_chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_kv_bytes is not None and self.max_kv_bytes < 1:
-            raise ValueError(f"max_kv_bytes must be >= 1, got {self.max_kv_bytes}")
+        for name in ("max_kv_bytes", "prompt_cache_bytes"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.prompt_cache_size < 0:
+            raise ValueError(f"prompt_cache_size must be >= 0, got {self.prompt_cache_size}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if self.drain_timeout < 0:

@@ -7,6 +7,7 @@ import os
 import signal
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.server.conftest import REPO, start_server
@@ -123,3 +124,45 @@ def test_the_served_model_retrieves_a_pass_key(default_server, method):
     )
     assert resp.usage.prompt_tokens < 512
     assert resp.choices[0].text.strip().startswith(PASSKEY), resp.choices[0].text
+
+
+def test_a_second_chat_turn_continues_the_first_turns_cache(default_server):
+    """Multi-turn reuse through the OpenAI SDK (its own parser reads
+    ``usage.prompt_tokens_details.cached_tokens``), with eviction running."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{default_server}/v1", api_key="unused", max_retries=0, timeout=60)
+    budget = {"qfilters_budget": 64, "qfilters_recent": 16}
+    first = [{"role": "user", "content": PASSKEY_PROMPT}]
+    one = client.chat.completions.create(
+        model="qfserve-tiny", messages=first, temperature=0, extra_body=budget
+    )
+    assert one.choices[0].finish_reason == "stop"  # EOS: the answer ends as the template ends it
+    assert one.usage.prompt_tokens_details.cached_tokens == 0
+    second = [
+        *first,
+        {"role": "assistant", "content": one.choices[0].message.content},
+        {"role": "user", "content": "What is the pass key again?"},
+    ]
+
+    def turn(**extra):
+        return client.chat.completions.create(
+            model="qfserve-tiny", messages=second, max_tokens=4, temperature=0,
+            extra_body={**budget, **extra},
+        )  # fmt: skip
+
+    assert turn(qfilters_reuse=False).usage.prompt_tokens_details.cached_tokens == 0
+    reused = turn()
+    # Turn one's prompt and answer (its EOS included), as the template renders them again.
+    cached = reused.usage.prompt_tokens_details.cached_tokens
+    assert cached == one.usage.prompt_tokens + one.usage.completion_tokens
+    assert cached < reused.usage.prompt_tokens
+    assert reused.model_extra["kv_cache"]["tokens_kept"] <= 64
+    admin = httpx.get(f"{default_server}/admin/cache").json()["prompt_cache"]
+    assert admin["enabled"] and admin["hits"] >= 1
+    assert any(e["settings"]["budget"] == 64 for e in admin["entries"])
+    other = client.chat.completions.create(  # other settings never continue that cache
+        model="qfserve-tiny", messages=second, max_tokens=4, temperature=0,
+        extra_body={"qfilters_budget": 96},
+    )  # fmt: skip
+    assert other.usage.prompt_tokens_details.cached_tokens == 0

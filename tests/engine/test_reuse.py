@@ -1,0 +1,152 @@
+"""Multi-turn reuse of finished requests' caches, against requests that rebuild them.
+
+Turn ``k``'s prompt is turn ``k-1``'s prompt, what turn ``k-1`` generated and a new user
+part, as token ids, so the cached token list is an exact prefix. References: the same
+conversation with reuse off, and (under eviction) the same cache objects continued by hand
+through mlx-lm's ``stream_generate``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from mlx_lm import stream_generate
+from mlx_lm.sample_utils import make_sampler
+
+from engine.config import CacheConfig
+from engine.factory import make_caches
+from engine.loading import default_model_path, load_model
+from engine.requests import Delta, Failed, Finished, GenerationRequest, SamplingParams
+from engine.worker import DEFAULT_PREFILL_CHUNK, Worker
+
+TURN_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return load_model(str(default_model_path()))
+
+
+@pytest.fixture(scope="module")
+def worker(loaded):
+    w = Worker("qfserve-tiny", loader=lambda _ref: loaded, prompt_cache_size=64)
+    w.start()
+    deadline = time.monotonic() + 60
+    while not w.ready:
+        assert time.monotonic() < deadline, w.error
+        time.sleep(0.02)
+    yield w
+    w.stop()
+
+
+def ask(worker, req: GenerationRequest) -> tuple[list[str], Finished]:
+    """One request; the generated tokens' text pieces and its ``Finished``."""
+
+    async def go():
+        job = worker.submit(req, asyncio.get_running_loop())
+        pieces = []
+        while True:
+            event = await job.next_event()
+            if isinstance(event, Delta):
+                pieces.extend(lp.token for lp in event.logprobs)
+            elif isinstance(event, Failed):
+                raise AssertionError(event)
+            elif isinstance(event, Finished):
+                return pieces, event
+
+    return asyncio.run(asyncio.wait_for(go(), 120))
+
+
+def user_part(loaded, k: int) -> list[int]:
+    return loaded.tokenizer.encode(f" and then turn {k} asks about the fox and the box number {k}")
+
+
+def request(prompt: list[int], config: CacheConfig, *, reuse: bool = True) -> GenerationRequest:
+    return GenerationRequest(
+        kind="completion",
+        prompt=tuple(prompt),
+        sampling=SamplingParams(max_tokens=TURN_TOKENS, temperature=0.0, logprobs=True),
+        cache=config,
+        reuse=reuse,
+    )
+
+
+OPENING = "the pass key is 4821 remember it"
+
+
+def conversation(
+    worker, loaded, config: CacheConfig, turns: int, *, reuse: bool, opening: str = OPENING
+):
+    """Every turn's generated token ids and ``Finished``."""
+    vocab = {loaded.tokenizer.decode([i]): i for i in range(len(loaded.tokenizer.vocab))}
+    prompt = loaded.tokenizer.encode(opening)
+    out = []
+    for k in range(turns):
+        pieces, final = ask(worker, request(prompt, config, reuse=reuse))
+        ids = [vocab[p] for p in pieces]
+        out.append((ids, final))
+        prompt = [*prompt, *ids, *user_part(loaded, k)]
+    return out
+
+
+@pytest.mark.parametrize("method", ["full", "streaming", "knorm", "qfilters"])
+def test_reuse_under_the_budget_changes_no_token(worker, loaded, method):
+    config = CacheConfig(method=method, budget=1024, recent=16)
+    fresh = conversation(worker, loaded, config, 5, reuse=False)
+    reused = conversation(worker, loaded, config, 5, reuse=True)
+    assert [ids for ids, _ in reused] == [ids for ids, _ in fresh]
+    assert [f.cached_tokens for _, f in fresh] == [0] * 5
+    cached = [f.cached_tokens for _, f in reused]
+    assert cached[0] == 0 and all(c > 0 for c in cached[1:])
+    # Each turn continues the previous one's caches: prompt and generated tokens.
+    for (_, before), (_, after) in zip(reused, reused[1:], strict=False):
+        assert after.cached_tokens == before.prompt_tokens + before.completion_tokens
+
+
+def test_a_reused_evicted_cache_continues_like_the_same_caches_by_hand(worker, loaded):
+    config = CacheConfig(method="qfilters", budget=48, recent=8)
+    opening = " ".join([OPENING] * 10)  # longer than the budget: turn 1 evicts
+    (ids1, first), (ids2, second) = conversation(
+        worker, loaded, config, 2, reuse=True, opening=opening
+    )
+    assert first.kv_cache["evictions"] > 0 and second.cached_tokens > 0
+    prompt1 = loaded.tokenizer.encode(opening)
+    caches = make_caches(
+        loaded.model, config, filters=worker.filters, query_scale=worker.query_scale
+    )
+
+    def feed(tokens: list[int]) -> list[int]:
+        return [
+            g.token
+            for g in stream_generate(
+                loaded.model,
+                loaded.tokenizer,
+                tokens,
+                max_tokens=TURN_TOKENS,
+                sampler=make_sampler(0.0),
+                prompt_cache=caches,
+                prefill_step_size=DEFAULT_PREFILL_CHUNK,
+            )
+        ]
+
+    assert feed(prompt1) == ids1
+    assert feed(user_part(loaded, 0)) == ids2  # the caches already hold turn 1 and its answer
+
+
+def test_a_prompt_that_differs_from_what_was_generated_is_a_counted_miss(worker, loaded):
+    config = CacheConfig(method="knorm", budget=40, recent=8)
+    prompt = loaded.tokenizer.encode(" ".join(["pack my box with five dozen liquor jugs"] * 8))
+    pieces, first = ask(worker, request(prompt, config))
+    assert first.kv_cache["evictions"] > 0
+    vocab = {loaded.tokenizer.decode([i]): i for i in range(len(loaded.tokenizer.vocab))}
+    ids = [vocab[p] for p in pieces]
+    edited = [*prompt, *ids[:-1], (ids[-1] + 1) % len(vocab), *user_part(loaded, 7)]
+    misses = worker.snapshot()["prompt_cache"]["misses"]
+    _, second = ask(worker, request(edited, config))
+    assert second.cached_tokens == 0
+    assert worker.snapshot()["prompt_cache"]["misses"] == misses + 1
+    entries = worker.snapshot()["prompt_cache"]["entries"]
+    assert any(e["settings"]["method"] == "knorm" and e["tokens"] > 0 for e in entries)
+    assert all("prompt" not in e for e in entries)  # counts and settings only
