@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-STUDIES = ("decode", "ttft", "server_overhead", "vs_mlx_lm", "bandwidth", "batching")
+STUDIES = ("decode", "ttft", "server_overhead", "vs_mlx_lm", "bandwidth", "batching", "multiturn")
 
 
 @pytest.mark.parametrize("study", STUDIES)

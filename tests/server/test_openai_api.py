@@ -268,4 +268,3 @@ def test_sdk_retrieves_the_model_and_404s_another(server):
     with pytest.raises(openai.NotFoundError) as exc:
         client.models.retrieve("org/other-model")
     assert exc.value.body["code"] == "model_not_found"
-

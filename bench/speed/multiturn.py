@@ -1,0 +1,215 @@
+"""Multi-turn chat: time to first token, KV bytes and RSS per turn, with and without reuse.
+
+Three servers on the same model folder, as subprocesses on 127.0.0.1 (OpenBLAS preloaded
+for all): qfserve with its prompt cache (the default), qfserve with ``--prompt-cache-size 0``
+(every turn prefilled again) and ``mlx_lm.server`` with its own prompt cache (full caches).
+Four conversations run side by side, one turn each per round: Q-Filters (budget 512) with
+reuse, Q-Filters without, a full cache with reuse (qfserve), and mlx-lm's. Every turn adds the
+same new user text (about ``--turn-tokens`` tokens of English prose from the standard
+library's docstrings, :mod:`bench.quality.prose`) to that conversation's own history, with
+the model's own answers (greedy, at most ``--max-tokens``, ending where the model ends them,
+so the template renders each answer back as it was generated). Per turn and arm: TTFT,
+prompt tokens, the tokens a reused cache held (``cached_tokens``), KV bytes kept (qfserve's
+``kv_cache``) and the server's RSS after the turn.
+
+Run: ``python -m bench.speed.multiturn [--quick] [--model M] [--turns 20]``.
+Writes ``bench/results/<model>/multiturn.json`` and ``multiturn.png``.
+"""
+
+from __future__ import annotations
+
+from engine.blas import reexec_with_openblas
+
+reexec_with_openblas()
+
+import contextlib  # noqa: E402
+import json  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import httpx  # noqa: E402
+
+from bench import servers  # noqa: E402
+from bench.cli import command_line, parse, parser  # noqa: E402
+from bench.harness import print_table, write_results  # noqa: E402
+from bench.speed import common  # noqa: E402
+
+ARMS = ("qfilters_reuse", "qfilters_fresh", "full_reuse", "theirs")
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def user_turns(sm: common.StudyModel, turns: int, n_tokens: int) -> list[str]:
+    """``turns`` user messages of about ``n_tokens`` tokens each, consecutive prose."""
+    from bench.quality.prose import prose_windows
+
+    tok = sm.loaded.tokenizer
+    (ids,) = prose_windows(tok, n_tokens * turns, 1)
+    return [
+        f"Turn {k + 1}. Read on: " + tok.decode(ids[k * n_tokens : (k + 1) * n_tokens].tolist())
+        for k in range(turns)
+    ]
+
+
+def chat_turn(client: httpx.Client, url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """One streamed turn: TTFT on the client, the answer, and the final usage and kv_cache."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    tic = time.perf_counter()
+    ttft: float | None = None
+    text, kv = "", None
+    usage: dict[str, Any] = {}
+    with client.stream("POST", url + "/v1/chat/completions", json=body, timeout=900) as r:
+        if r.status_code != 200:
+            r.read()
+            raise RuntimeError(f"{url}: HTTP {r.status_code}: {r.text[:300]}")
+        for line in r.iter_lines():
+            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                continue
+            event = json.loads(line[5:])
+            for choice in event.get("choices") or ():
+                piece = (choice.get("delta") or {}).get("content") or ""
+                if piece and ttft is None:
+                    ttft = time.perf_counter() - tic
+                text += piece
+            usage = event.get("usage") or usage
+            kv = event.get("kv_cache") or kv
+    details = usage.get("prompt_tokens_details") or {}
+    return {
+        "ttft_s": ttft if ttft is not None else time.perf_counter() - tic,
+        "answer": text,
+        "prompt_tokens": usage.get("prompt_tokens"),
+        "completion_tokens": usage.get("completion_tokens"),
+        "cached_tokens": details.get("cached_tokens"),
+        "kept_bytes": None if kv is None else kv["kept_bytes"],
+    }
+
+
+def plot(result, out) -> list[str]:
+    plt = common.plt()
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+    for arm in ARMS:
+        turns = result["turns"][arm]
+        x = [t["turn"] for t in turns]
+        axes[0].plot(x, [t["ttft_s"] for t in turns], "o-", label=arm)
+        kept = [t["kept_bytes"] for t in turns]
+        if all(k is not None for k in kept):
+            axes[1].plot(x, [k / 2**20 for k in kept], "o-", label=arm)
+        axes[2].plot(x, [t["rss_bytes"] / 2**20 for t in turns], "o-", label=arm)
+    axes[0].set(title="TTFT (s)", xlabel="turn", yscale="log")
+    axes[1].set(title="KV MiB kept (qfserve)", xlabel="turn")
+    axes[2].set(title="server RSS MiB", xlabel="turn")
+    for ax in axes:
+        ax.legend(fontsize=8)
+    return [common.save_figure(fig, out, "multiturn")]
+
+
+def main(argv=None) -> dict:
+    p = parser(__doc__.splitlines()[0], reps=1)
+    p.add_argument("--turns", type=int, default=None, help="(default 20; quick 4)")
+    p.add_argument("--turn-tokens", type=int, default=None, help="(default 150; quick 40)")
+    p.add_argument("--max-tokens", type=int, default=None, help="(default 48; quick 8)")
+    p.add_argument("--budget", type=int, default=None, help="Q-Filters budget (default 512)")
+    args = parse(p, argv)
+    n_turns = args.turns or (4 if args.quick else 20)
+    turn_tokens = args.turn_tokens or (40 if args.quick else 150)
+    max_tokens = args.max_tokens or (8 if args.quick else 48)
+    budget = args.budget or (64 if args.quick else 512)
+    progress = common.Progress("multiturn")
+    sm = common.load_study_model(args.model)
+    users = user_turns(sm, n_turns, turn_tokens)
+    extra: dict[str, dict[str, Any]] = {
+        "qfilters_reuse": {"kv_method": "qfilters", "qfilters_budget": budget},
+        "qfilters_fresh": {"kv_method": "qfilters", "qfilters_budget": budget},
+        "full_reuse": {"kv_method": "full"},
+        "theirs": {},
+    }
+    history: dict[str, list[dict[str, str]]] = {a: [] for a in ARMS}
+    turns: dict[str, list[dict[str, Any]]] = {a: [] for a in ARMS}
+    with contextlib.ExitStack() as stack:
+        progress("starting qfserve (with and without reuse) and mlx_lm.server")
+        logs = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        procs = {
+            "reuse": servers.launch("qfserve", sm.path, log=logs / "reuse.log", log_level="warning"),
+            "fresh": servers.launch(
+                "qfserve", sm.path, "--prompt-cache-size", "0",
+                log=logs / "fresh.log", log_level="warning",
+            ),
+            "theirs": servers.launch("mlx_lm", sm.path, log=logs / "theirs.log"),
+        }  # fmt: skip
+        stack.callback(servers.stop_all, list(procs.values()), 10)
+        for proc in procs.values():
+            servers.wait_ready(proc, 180)
+        serving = {"qfilters_reuse": "reuse", "qfilters_fresh": "fresh", "full_reuse": "reuse",
+                   "theirs": "theirs"}  # fmt: skip
+        client = stack.enter_context(httpx.Client())
+        for k, user in enumerate(users, start=1):
+            for arm in ARMS:
+                proc = procs[serving[arm]]
+                history[arm].append({"role": "user", "content": user})
+                body = {
+                    "model": sm.loaded.name if arm != "theirs" else str(sm.path),
+                    "messages": history[arm],
+                    "max_tokens": max_tokens,
+                    "temperature": 0,
+                    **extra[arm],
+                }
+                t = chat_turn(client, proc.url, body)
+                history[arm].append({"role": "assistant", "content": t.pop("answer")})
+                t.update(turn=k, rss_bytes=rss_bytes(proc.pid))
+                turns[arm].append(t)
+            progress(f"turn {k}/{n_turns}: " + ", ".join(
+                f"{a} {turns[a][-1]['ttft_s']:.2f}s" for a in ARMS))  # fmt: skip
+
+    def ttft_ratio(arm: str) -> float | None:
+        """TTFT at the last turn over turn 2's (turn 1 has nothing to reuse)."""
+        ts = turns[arm]
+        return None if len(ts) < 2 else ts[-1]["ttft_s"] / ts[1]["ttft_s"]
+
+    result = {
+        "study": "multiturn",
+        "command": command_line("bench.speed.multiturn", argv),
+        "quick": args.quick,
+        "model": sm.describe(),
+        "settings": {
+            "turns": n_turns,
+            "turn_tokens": turn_tokens,
+            "max_tokens": max_tokens,
+            "budget": budget,
+            "temperature": 0,
+            "arms": {a: {"server": serving[a], **extra[a]} for a in ARMS},
+            "theirs": "python -m mlx_lm.server (its prompt cache on, full KVCache)",
+        },
+        "turns": turns,
+        "last_over_second_ttft": {a: ttft_ratio(a) for a in ARMS},
+    }
+    result["plots"] = plot(result, args.out)
+    result["runtime_s"] = round(progress.elapsed, 1)
+    path = write_results("multiturn", result, args.out, section="speed")
+    table = [
+        [
+            t["turn"],
+            a,
+            t["prompt_tokens"],
+            "" if t["cached_tokens"] is None else t["cached_tokens"],
+            f"{t['ttft_s']:.2f}",
+            "" if t["kept_bytes"] is None else f"{t['kept_bytes'] / 2**20:.1f}",
+            f"{t['rss_bytes'] / 2**20:.0f}",
+        ]
+        for a in ARMS
+        for t in turns[a]
+    ]
+    print_table(["turn", "arm", "prompt", "cached", "TTFT s", "KV MiB", "RSS MiB"], table)
+    print("\nTTFT at the last turn / turn 2:", result["last_over_second_ttft"])
+    print(f"\nwrote {path} in {result['runtime_s']}s")
+    return result
+
+
+if __name__ == "__main__":
+    main()
