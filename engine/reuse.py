@@ -43,6 +43,7 @@ class PromptCache:
     """
 
     def __init__(self, max_size: int = DEFAULT_PROMPT_CACHE_SIZE, max_bytes: int = 1 << 62):
+        self.max_size = max_size
         self._lru = LRUPromptCache(max_size=max_size, max_bytes=max_bytes)
         self.hits = 0
         self.misses = 0
@@ -90,6 +91,13 @@ class PromptCache:
         """Drop least recently used entries until they hold ``max_bytes`` at most."""
         self._lru.trim_to(n_bytes=max_bytes)
         self._forget_evicted()
+
+    def stored(self) -> list[tuple[tuple[Any, ...], tuple[int, ...]]]:
+        """(key, tokens) of every entry."""
+        return list(self._entries)
+
+    def __contains__(self, entry: object) -> bool:
+        return entry in self._entries
 
     def entries(self) -> list[dict[str, Any]]:
         """What the admin endpoint lists: tokens, bytes, settings and hits, never tokens' ids."""

@@ -20,8 +20,10 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Literal
 
+from engine import persist
 from engine.config import ConfigError
 from engine.loading import LoadedModel, load_model
 from engine.prompts import PromptError, encode_prompt
@@ -119,6 +121,8 @@ class Worker:
         prompt_cache_size: Finished requests' caches kept for later turns to continue
             (:mod:`engine.reuse`); 0 turns reuse off.
         prompt_cache_bytes: Bytes those may hold (``None``: up to ``max_kv_bytes``).
+        prompt_cache_dir: Keep those on disk too, and start with the ones saved there
+            (:mod:`engine.persist`).
         loader: Replaces :func:`engine.loading.load_model` (tests).
     """
 
@@ -134,6 +138,7 @@ class Worker:
         max_kv_bytes: int | None = None,
         prompt_cache_size: int = DEFAULT_PROMPT_CACHE_SIZE,
         prompt_cache_bytes: int | None = None,
+        prompt_cache_dir: str | None = None,
         loader: Callable[[str | None], LoadedModel] = load_model,
     ) -> None:
         if max_batch < 1:
@@ -163,6 +168,9 @@ class Worker:
             else None
         )
         self._prompt_cache_view: dict[str, Any] = _view(self.prompt_cache)
+        self._cache_dir = Path(prompt_cache_dir) if prompt_cache_dir and prompt_cache_size else None
+        self.fingerprint = ""
+        self._saved: set[str] = set()  # entry files this server wrote or loaded
         self._loader = loader
         self._queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
         self._lock = threading.Lock()  # submit: the queue and the ledger together
@@ -330,11 +338,11 @@ class Worker:
         except ImportError:  # no calibration support installed: the key-SVD fallback
             logger.warning("engine.filters is unavailable; Q-Filters use the online fallback")
             self.filters, self.filter_source = None, "fallback"
+            self.fingerprint = self.loaded.model_id
         else:
+            self.fingerprint = model_fingerprint(self.loaded.model, self.loaded.config)
             self.filters, self.query_scale, self.filter_source = resolve_calibration(
-                self.loaded.model,
-                self.loaded.model_id,
-                fingerprint=model_fingerprint(self.loaded.model, self.loaded.config),
+                self.loaded.model, self.loaded.model_id, fingerprint=self.fingerprint
             )
         logger.info("Q-Filters for %s: %s", self.loaded.model_id, self.filter_source)
         self.status = "ready"
@@ -343,6 +351,15 @@ class Worker:
         from engine.scheduler import Scheduler
 
         assert self.loaded is not None
+        if self._cache_dir is not None and self.prompt_cache is not None:
+            for key, tokens, caches in persist.load_folder(
+                self._cache_dir, self.fingerprint, self._caches_for, self.prompt_cache.max_size
+            ):
+                self.prompt_cache.insert(key, tokens, caches)
+                self._saved.add(persist.entry_name(key, tokens))
+            logger.info("prompt cache: %d saved entries from %s", len(self.prompt_cache),
+                        self._cache_dir)  # fmt: skip
+            self._publish()
         if self.max_batch > 1:
             from engine.attention import install_head_masks
 
@@ -454,8 +471,19 @@ class Worker:
         """A request ended normally: its caches stay for the next turn to continue."""
         if self.prompt_cache is None or not seq.job.request.reuse:
             return
-        self.prompt_cache.insert(self._key(seq.job), [*seq.prompt, *seq.generated], seq.caches)
+        key, tokens = self._key(seq.job), [*seq.prompt, *seq.generated]
+        self.prompt_cache.insert(key, tokens, seq.caches)
         self.prompt_cache.shrink(self.max_kv_bytes - self.ledger.reserved())
+        if self._cache_dir is not None:
+            try:
+                if (key, tuple(tokens)) in self.prompt_cache:
+                    persist.save(self._cache_dir, key, tokens, seq.caches, self.fingerprint)
+                    self._saved.add(persist.entry_name(key, tokens))
+                live = {persist.entry_name(k, list(t)) for k, t in self.prompt_cache.stored()}
+                persist.prune(self._cache_dir, self._saved, live)
+                self._saved &= live
+            except OSError as exc:  # a full or read-only disk must not fail the request
+                logger.warning("could not save the prompt cache to %s: %s", self._cache_dir, exc)
         self._publish()
 
     def _publish(self) -> None:
@@ -463,10 +491,12 @@ class Worker:
         self._prompt_cache_view = _view(self.prompt_cache)
 
     def _make_caches(self, job: Job) -> list[Any]:
+        return self._caches_for(job.request.cache)
+
+    def _caches_for(self, config: Any) -> list[Any]:
         from engine.factory import make_caches
 
         assert self.loaded is not None
-        config = job.request.cache
         calibrated = config.method == "qfilters"
         return make_caches(
             self.loaded.model,

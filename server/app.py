@@ -45,6 +45,7 @@ def build_app(settings: Settings | None = None, *, worker: Worker | None = None)
         max_kv_bytes=settings.max_kv_bytes,
         prompt_cache_size=settings.prompt_cache_size,
         prompt_cache_bytes=settings.prompt_cache_bytes,
+        prompt_cache_dir=settings.prompt_cache_dir,
     )
     app.state.metrics = Metrics(app.state.worker)
     install_error_handlers(app)

@@ -137,6 +137,12 @@ def make_parser(env: EnvDefaults | None = None) -> argparse.ArgumentParser:
         help="bytes those may hold (default: up to --max-kv-bytes, giving way to running requests)",
     )
     p.add_argument(
+        "--prompt-cache-dir",
+        default=s.prompt_cache_dir,
+        help="keep those caches on disk too, and start with the ones saved there (files "
+        "for other weights are skipped) (default: memory only)",
+    )
+    p.add_argument(
         "--api-key",
         default=s.api_key,
         help="require 'Authorization: Bearer KEY' on every route but /health "
@@ -209,6 +215,7 @@ def settings_from_args(args: argparse.Namespace):
         max_kv_bytes=args.max_kv_bytes,
         prompt_cache_size=args.prompt_cache_size,
         prompt_cache_bytes=args.prompt_cache_bytes,
+        prompt_cache_dir=args.prompt_cache_dir,
         api_key=api_key,
         admin_key=args.admin_key,
         admin_enabled=not args.no_admin,

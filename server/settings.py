@@ -55,6 +55,7 @@ class EnvDefaults(BaseSettings):
     max_kv_bytes: int | None = None
     prompt_cache_size: int = DEFAULT_PROMPT_CACHE_SIZE
     prompt_cache_bytes: int | None = None
+    prompt_cache_dir: str | None = None
     api_key: str | None = None
     api_key_file: str | None = None
     admin_key: str | None = None
@@ -82,6 +83,7 @@ class Settings:
             quarter of physical memory); a request that can never fit gets a 400.
         prompt_cache_size: Finished requests' caches kept for later turns (0: no reuse).
         prompt_cache_bytes: Bytes those may hold (``None``: up to ``max_kv_bytes``).
+        prompt_cache_dir: Keep those on disk and start with the ones saved there.
         api_key: When set, every route but ``/health`` needs ``Authorization: Bearer <key>``.
         admin_key: When set, the admin endpoint needs it instead of ``api_key``.
         admin_enabled: ``False`` removes the admin endpoint.
@@ -108,6 +110,7 @@ class Settings:
     max_kv_bytes: int | None = None
     prompt_cache_size: int = DEFAULT_PROMPT_CACHE_SIZE
     prompt_cache_bytes: int | None = None
+    prompt_cache_dir: str | None = None
     api_key: str | None = None
     admin_key: str | None = None
     admin_enabled: bool = True

@@ -150,3 +150,44 @@ def test_a_prompt_that_differs_from_what_was_generated_is_a_counted_miss(worker,
     entries = worker.snapshot()["prompt_cache"]["entries"]
     assert any(e["settings"]["method"] == "knorm" and e["tokens"] > 0 for e in entries)
     assert all("prompt" not in e for e in entries)  # counts and settings only
+
+
+def test_saved_caches_survive_a_restart(loaded, tmp_path, caplog):
+    from engine import persist
+
+    def started(ld):
+        w = Worker("qfserve-tiny", loader=lambda _ref: ld, prompt_cache_dir=str(tmp_path))
+        w.start()
+        while not w.ready or w._scheduler is None:
+            time.sleep(0.02)
+        return w
+
+    config = CacheConfig(method="qfilters", budget=48, recent=8)
+    opening = " ".join([OPENING] * 10)
+    first = started(loaded)
+    try:
+        (_, one), (ids2, two) = conversation(first, loaded, config, 2, reuse=True, opening=opening)
+    finally:
+        first.stop()
+    assert one.kv_cache["evictions"] > 0 and two.cached_tokens > 0
+    saved = sorted(tmp_path.glob("*" + persist.SUFFIX))
+    assert len(saved) == 2  # both turns' caches
+    # Another model's file in the same folder is skipped, not loaded.
+    other = tmp_path / ("0" * 20 + persist.SUFFIX)
+    fingerprint = first.fingerprint.encode()
+    other.write_bytes(saved[0].read_bytes().replace(fingerprint, b"f" * len(fingerprint)))
+    second = started(loaded)
+    try:
+        assert len(second.prompt_cache) == 2
+        prompt1 = loaded.tokenizer.encode(opening)
+        vocab = {loaded.tokenizer.decode([i]): i for i in range(len(loaded.tokenizer.vocab))}
+        first_ids = [vocab[p] for p in ask(second, request(prompt1, config, reuse=False))[0]]
+        prompt2 = [*prompt1, *first_ids, *user_part(loaded, 0)]
+        pieces, again = ask(second, request(prompt2, config))
+    finally:
+        second.stop()
+    assert again.cached_tokens == two.cached_tokens  # turn one's cache, read back from disk
+    assert [vocab[p] for p in pieces] == ids2
+    assert any("skipping saved cache" in r.message and other.name in r.message
+               for r in caplog.records)  # fmt: skip
+    assert other.exists()  # another server's file is left alone
