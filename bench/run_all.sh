@@ -17,6 +17,7 @@ if [[ "$which" == quality || "$which" == all ]]; then
     run bench.quality.niah --calibration registry
     run bench.quality.perplexity --calibration registry
     run bench.quality.stability
+    run bench.quality.multiturn_recall
 fi
 if [[ "$which" == speed || "$which" == all ]]; then
     run bench.speed.decode

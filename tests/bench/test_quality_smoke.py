@@ -15,7 +15,15 @@ import pytest
 
 from tests.tiny import save_tiny_model
 
-STUDIES = ("geometry", "attention", "perplexity", "retrieval", "stability", "niah")
+STUDIES = (
+    "geometry",
+    "attention",
+    "perplexity",
+    "retrieval",
+    "stability",
+    "niah",
+    "multiturn_recall",
+)
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +44,8 @@ def results(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
         for study in STUDIES:
             module = importlib.import_module(f"bench.quality.{study}")
             argv = ["--quick", "--model", str(tiny_model), "--out", str(out)]
-            assert module.main([*argv, "--calibration", "fresh"]
-                               if study != "stability" else argv) == 0  # fmt: skip
+            fresh = study not in ("stability", "multiturn_recall")  # these use the registry's own
+            assert module.main([*argv, "--calibration", "fresh"] if fresh else argv) == 0
     finally:
         os.environ.pop("QFSERVE_BENCH_CACHE", None)
     return out

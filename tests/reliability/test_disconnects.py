@@ -151,6 +151,9 @@ def test_disconnect_storm_leaves_nothing_behind(server, size, report):
     assert settle is not None and settle <= 1.0, figures
     assert settled["kv_bytes"] == baseline["kv_bytes"] == 0
     assert min(steps) <= 0.02 * baseline["rss_bytes"], figures
-    assert idle["mlx_active_bytes"] <= baseline["mlx_active_bytes"], figures
-    assert again["mlx_active_bytes"] <= baseline["mlx_active_bytes"], figures
+    # MLX counts exact bytes. A request leaves at least its KV rows behind if it leaks (over
+    # 1 KiB per token on this model), and a leak grows with every storm; a lazily created
+    # constant of a few bytes appears once.
+    assert idle["mlx_active_bytes"] <= baseline["mlx_active_bytes"] + 1024, figures
+    assert again["mlx_active_bytes"] <= idle["mlx_active_bytes"], figures
     assert fresh
