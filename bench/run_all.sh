@@ -34,7 +34,7 @@ if [[ "$which" == refinements || "$which" == all ]]; then
     # streaming: pass key and prose needle at 2k/4k, 2x-16x; perplexity at 256-1,024.
     out=bench/results/smollm2/refinements
     arms=(--chunks 4 8 16 --adaptive --only qfilters/r25 qfilters/r25/c4 qfilters/r25/c8
-          qfilters/r25/c16 qfilters/r25/ada knorm/r25 streaming/r0)
+          qfilters/r25/c16 qfilters/r25/ada qfilters/r25/c8/ada knorm/r25 streaming/r0)
     run bench.quality.retrieval --calibration registry --lengths 2048 4096 --ratios 2 4 8 16 \
         --per-bin 2 --recent-fracs 0.25 --out "$out" "${arms[@]}"
     run bench.quality.niah --calibration registry --lengths 2048 4096 --ratios 2 4 8 16 \

@@ -105,38 +105,6 @@ def ragged_gather(keep: mx.array, counts: mx.array) -> tuple[mx.array, mx.array]
     return mx.where(valid, idx, 0).astype(mx.uint32), valid
 
 
-def evict_block(
-    keys: mx.array,
-    values: mx.array,
-    scores: mx.array,
-    valid: mx.array | None,
-    *,
-    budget: int,
-    n_sink: int,
-    recent: int,
-    floor: int,
-) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-    """A block eviction with a shared layer budget: the kept rows of every head, padded.
-
-    Args:
-        keys, values: ``(B, H, L, D)`` stored rows then the block (padding included).
-        scores: ``(B, H, L)`` float32.
-        valid: ``(B, H, L)`` bool, False on padding (``None``: every row is real).
-    Returns:
-        ``(keys, values, scores, valid)`` of ``S = max kept per head`` rows, temporal order.
-    """
-    keep, counts = select_adaptive(
-        scores, budget=budget, n_sink=n_sink, recent=recent, floor=floor, eligible=valid
-    )
-    idx, kept_valid = ragged_gather(keep, counts)
-    return (
-        mx.take_along_axis(keys, idx[..., None], axis=2),
-        mx.take_along_axis(values, idx[..., None], axis=2),
-        mx.take_along_axis(scores, idx, axis=2),
-        kept_valid,
-    )
-
-
 def slot_order(valid: mx.array, offset: int) -> mx.array:
     """Rank in time of every slot when a decode row joins ragged rows (the slot layout).
 

@@ -89,8 +89,6 @@ class EvictionCache(SlotLayout):
                 f"floor must be in [n_sink + recent = {n_sink + recent}, budget = {budget}], "
                 f"got {floor}"
             )
-        if floor is not None and chunk > 1:
-            raise ValueError("chunk > 1 and head-adaptive budgets cannot be combined yet")
         self.scorer = scorer
         self.budget = budget
         self.n_sink = n_sink
@@ -169,7 +167,7 @@ class EvictionCache(SlotLayout):
 
         L = all_keys.shape[2]
         if valid is not None and scores is not None:
-            self._evict_ragged(all_keys, all_values, scores, valid, keys.shape[2])
+            self._evict_ragged(all_keys, all_values, scores, valid, positions, keys.shape[2])
         elif scores is None or L <= self.budget:
             self.keys, self.values, self.positions = all_keys, all_values, positions
             self._set_scores(scores)
@@ -195,7 +193,7 @@ class EvictionCache(SlotLayout):
             self.free = self._victim()
             self.evictions += 1
         elif self.floor is not None:
-            self._evict_ragged(all_keys, all_values, scores, None, keys.shape[2])
+            self._evict_ragged(all_keys, all_values, scores, None, positions, keys.shape[2])
         elif positions is not None:
             idx = select_keep(
                 chunk_scores(scores, positions, self.chunk),
@@ -221,27 +219,50 @@ class EvictionCache(SlotLayout):
         return all_keys, all_values
 
     def _evict_ragged(
-        self, keys: mx.array, values: mx.array, scores: mx.array, valid: mx.array | None, N: int
+        self,
+        keys: mx.array,
+        values: mx.array,
+        scores: mx.array,
+        valid: mx.array | None,
+        positions: mx.array | None,
+        N: int,
     ) -> None:
         """A block shares the layer budget across heads (``valid``: None before heads are
-        ragged); a decode row joining ragged heads takes the slot layout, every head then
-        evicting one row per step as always."""
+        ragged), ranked by chunk means with chunks; a decode row joining ragged heads takes
+        the slot layout, every head then evicting one row per step as always."""
         if N > 1 or valid is None:
-            self.keys, self.values, self.scores, self.valid = adaptive.evict_block(
-                keys,
-                values,
-                scores,
-                valid,
+            ranked = scores
+            if positions is not None:
+                ranked = chunk_scores(scores, positions, self.chunk, valid)
+            keep, counts = adaptive.select_adaptive(
+                ranked,
                 budget=self.budget,
                 n_sink=self.n_sink,
                 recent=self.recent,
                 floor=self.budget if self.floor is None else self.floor,
+                eligible=valid,
             )
+            idx, self.valid = adaptive.ragged_gather(keep, counts)
+            self.keys, self.values = gather_rows(keys, idx), gather_rows(values, idx)
+            self.scores = gather_rows(scores, idx)
+            if positions is not None:
+                self.token_scores, self.positions = self.scores, gather_rows(positions, idx)
         else:
             self.keys, self.values, self.valid = keys, values, valid
-            finite = mx.nan_to_num(scores, nan=-_INF, posinf=_INF, neginf=-_INF)
+            ranks = scores
+            if positions is not None:
+                # As without ragged heads: the stored rows rank by their chunk's mean, the
+                # decoded row by its own score; the slots' order is their true position.
+                means = chunk_scores(
+                    scores[..., :-1], positions[..., :-1], self.chunk, valid[..., :-1]
+                )
+                ranks = mx.concatenate([means, scores[..., -1:]], axis=2)
+                self.token_scores = scores
+                self.positions = self.order = mx.where(valid, positions, -1)
+            else:
+                self.order = adaptive.slot_order(valid, self.offset)
+            finite = mx.nan_to_num(ranks, nan=-_INF, posinf=_INF, neginf=-_INF)
             self.scores = mx.where(valid, finite, _INF)  # padding is never the victim
-            self.order = adaptive.slot_order(valid, self.offset)
             self.free = self._victim()
         self.evictions += 1
 

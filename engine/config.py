@@ -98,10 +98,6 @@ class CacheConfig:
             raise ConfigError("floor", f"floor must be a number, got {self.floor!r}")
         if not 0 < self.floor <= 1:
             raise ConfigError("floor", f"floor must be in (0, 1], got {self.floor}")
-        if self.budget_mode == "adaptive" and self.chunk > 1:
-            raise ConfigError(
-                "chunk", "chunk > 1 cannot be combined with budget_mode='adaptive' yet"
-            )
         if self.sign not in (1, -1) or isinstance(self.sign, bool):
             raise ConfigError("sign", f"sign must be +1 or -1, got {self.sign!r}")
         if self.method != "full" and self.n_sink + self.recent >= self.budget:

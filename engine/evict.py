@@ -64,32 +64,40 @@ def select_victim(scores: mx.array, order: mx.array, n_sink: int, first_recent: 
     return mx.argmax(mx.where(tied, order, -1), axis=-1, keepdims=True)  # uint32
 
 
-def chunk_scores(scores: mx.array, positions: mx.array, chunk: int) -> mx.array:
+def chunk_scores(
+    scores: mx.array, positions: mx.array, chunk: int, valid: mx.array | None = None
+) -> mx.array:
     """Each row's chunk mean: the mean score of the stored rows sharing ``position // chunk``.
 
-    A NaN score makes its chunk's mean NaN (ranked lowest, as a NaN row would be).
+    A NaN score makes its chunk's mean NaN (ranked lowest, as a NaN row would be). Rows are
+    grouped by chunk id, not by adjacency, so a chunk split by padding (ragged heads: a
+    head's rows, its padding, then the new block) is still one chunk.
 
     Args:
         scores: ``(B, H, L)`` float32 per-row scores.
-        positions: ``(B, H, L)`` int32 absolute positions, ascending along ``L``.
+        positions: ``(B, H, L)`` int32 absolute positions.
         chunk: Positions per chunk, ``>= 1`` (1 returns ``scores``).
+        valid: ``(B, H, L)`` bool, False on padding rows, which join no chunk (their own
+            score is returned for them).
     Returns:
         ``(B, H, L)`` float32.
     """
     if chunk == 1:
         return scores
     B, H, L = scores.shape
-    ids = positions // chunk  # (B, H, L), non-decreasing along L
-    first = mx.concatenate(
-        [mx.ones((B, H, 1), dtype=mx.bool_), ids[..., 1:] != ids[..., :-1]], axis=-1
+    real = mx.ones(scores.shape, dtype=mx.bool_) if valid is None else valid
+    ids = mx.where(real, positions // chunk, 0)
+    n = int(ids.max().item()) + 1  # type: ignore[arg-type]  # block evictions only
+    flat = (ids + (mx.arange(B * H, dtype=mx.int32) * n).reshape(B, H, 1)).reshape(-1)
+    weight = real.astype(mx.float32).reshape(-1)
+    sums = (
+        mx.zeros((B * H * n,), dtype=mx.float32)
+        .at[flat]
+        .add(mx.where(real, scores, 0.0).reshape(-1))
     )
-    # Segment number of each row, made unique over (b, h) for one flat scatter.
-    segment = mx.cumsum(first.astype(mx.int32), axis=-1) - 1
-    segment = segment + (mx.arange(B * H, dtype=mx.int32) * L).reshape(B, H, 1)
-    flat = segment.reshape(-1)
-    sums = mx.zeros((B * H * L,), dtype=mx.float32).at[flat].add(scores.reshape(-1))
-    counts = mx.zeros((B * H * L,), dtype=mx.float32).at[flat].add(1.0)
-    return (sums[flat] / counts[flat]).reshape(B, H, L)
+    counts = mx.zeros((B * H * n,), dtype=mx.float32).at[flat].add(weight)
+    means = (sums[flat] / mx.maximum(counts[flat], 1.0)).reshape(B, H, L)
+    return means if valid is None else mx.where(real, means, scores)
 
 
 def gather_rows(x: mx.array, idx: mx.array) -> mx.array:

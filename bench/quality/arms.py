@@ -132,11 +132,14 @@ def add_arm_arguments(p: Any) -> None:
 
 def select_arms(arms: list[Arm], args: Any) -> list[Arm]:
     """``arms`` plus a chunked Q-Filters arm per ``--chunks`` size and recent fraction of
-    the plain one, filtered by ``--only`` (the full cache always runs)."""
+    the plain one, with ``--adaptive`` an adaptive arm and one per chunk size with both,
+    filtered by ``--only`` (the full cache always runs)."""
     plain = [a for a in arms if a.method == "qfilters" and a.chunk == 1 and not a.adaptive]
     extra = [Arm("qfilters", a.recent_frac, chunk=c) for c in args.chunks for a in plain]
     if args.adaptive:
         extra += [Arm("qfilters", a.recent_frac, adaptive=True) for a in plain]
+        extra += [Arm("qfilters", a.recent_frac, chunk=c, adaptive=True)
+                  for c in args.chunks for a in plain]  # fmt: skip  # both refinements
     out = [*arms, *extra]
     if args.only:
         unknown = set(args.only) - {a.name for a in out}

@@ -32,10 +32,23 @@ def make_keys(L: int, seed: int, *, fading: bool = False) -> np.ndarray:
     return keys
 
 
-def simulate(keys: np.ndarray, blocks: list[int]) -> list[list[int]]:
-    """Kept positions per head after each block (decode steps are blocks of one)."""
+def chunk_means(score: np.ndarray, rows: list[int], chunk: int) -> dict[int, float]:
+    """Each row's rank: the mean score of the given rows in its chunk (``p // chunk``)."""
+    groups: dict[int, list[float]] = {}
+    for p in rows:
+        groups.setdefault(p // chunk, []).append(float(score[p]))
+    return {p: float(np.mean(groups[p // chunk])) for p in rows}
+
+
+def simulate(keys: np.ndarray, blocks: list[int], chunk: int = 1) -> list[list[int]]:
+    """Kept positions per head after each block (decode steps are blocks of one).
+
+    With chunks, a block ranks rows by their chunk's mean over the head's rows; the first
+    decode eviction after a block ranks the stored rows the same way once, and every decoded
+    row by its own score."""
     score = keys[0, :, :, 0]
     stored: list[list[int]] = [[] for _ in range(H)]
+    rank: list[dict[int, float]] | None = None  # the decode step's ranks, since the last block
     start = 0
     for n in blocks:
         new = list(range(start, start + n))
@@ -43,17 +56,23 @@ def simulate(keys: np.ndarray, blocks: list[int]) -> list[list[int]]:
         total = sum(len(s) for s in stored) + n * H
         ragged = any(len(s) != len(stored[0]) for s in stored)
         if n == 1 and (ragged or total > BUDGET * H):  # decode: each head drops one row
+            if rank is None:
+                rank = [chunk_means(score[h], stored[h], chunk) for h in range(H)]
             for h in range(H):
+                rank[h][new[0]] = float(score[h, new[0]])
                 rows = stored[h] + new
                 free = rows[N_SINK : len(rows) - RECENT]
-                stored[h] = sorted(set(rows) - {min(free, key=lambda p: (score[h, p], -p))})
-        elif total > BUDGET * H:  # a block: the heads share budget x H rows
+                stored[h] = sorted(set(rows) - {min(free, key=lambda p: (rank[h][p], -p))})
+            continue
+        rank = None
+        if total > BUDGET * H:  # a block: the heads share budget x H rows
             S = max(len(s) for s in stored) + n
             # As stored: each head's rows, its padding, then the block (the recent rows last).
             pad = [s + [-1] * (S - n - len(s)) + new for s in stored]
-            table = np.array(
-                [[score[h, p] if p >= 0 else 0.0 for p in r] for h, r in enumerate(pad)]
-            )
+            means = [chunk_means(score[h], [p for p in r if p >= 0], chunk)
+                     for h, r in enumerate(pad)]  # fmt: skip
+            table = np.array([[means[h][p] if p >= 0 else 0.0 for p in r]
+                              for h, r in enumerate(pad)])  # fmt: skip
             eligible = np.array([[p >= 0 for p in r] for r in pad])
             # Protected rows are the first of each head's real rows and the block's last.
             keep = np.zeros_like(eligible)
@@ -121,16 +140,18 @@ def test_one_block_matches_the_selection_reference():
     ],
 )
 @pytest.mark.parametrize("fading", [False, True])
-def test_blocks_and_decode_follow_the_simulation(blocks, fading):
+@pytest.mark.parametrize("chunk", [1, 4])
+def test_blocks_and_decode_follow_the_simulation(blocks, fading, chunk):
     keys = make_keys(sum(blocks), seed=len(blocks), fading=fading)
     cache = EvictionCache(
-        FirstComponent(), budget=BUDGET, n_sink=N_SINK, recent=RECENT, floor=FLOOR
+        FirstComponent(), budget=BUDGET, n_sink=N_SINK, recent=RECENT, floor=FLOOR, chunk=chunk
     )
     start = 0
     for i, n in enumerate(blocks):  # after every block and every decode step
         feed(cache, keys[:, :, start : start + n], [n])
         start += n
-        assert kept_positions(cache) == simulate(keys, blocks[: i + 1]), f"after block {i}"
+        want = simulate(keys, blocks[: i + 1], chunk)
+        assert kept_positions(cache) == want, f"after block {i}"
 
 
 def test_the_head_mask_marks_padding_and_the_slot_layout_round_trips():
@@ -166,6 +187,9 @@ def test_factory_refuses_adaptive_budgets_it_cannot_honour():
         make_caches(model, CacheConfig(method="knorm", budget=64, budget_mode="adaptive"))
     caches = make_caches(model, config, filters=filters, query_scale=np.ones(shape, np.float32))
     assert all(c.floor == config.floor_rows for c in caches)
+    both = CacheConfig(budget=64, budget_mode="adaptive", chunk=8)  # the two refinements
+    caches = make_caches(model, both, filters=filters, query_scale=np.ones(shape, np.float32))
+    assert all((c.floor, c.chunk) == (both.floor_rows, 8) for c in caches)
 
 
 def test_under_budget_generation_is_unchanged_by_adaptive_budgets():
@@ -196,3 +220,20 @@ def test_a_floor_of_zero_holds_for_later_blocks_and_bytes_count_the_padding():
     assert stats.tokens_kept == BUDGET  # the mean real rows per head
     S = cache.keys.shape[2]
     assert S == max(counts) and stats.kept_bytes == S * H * 2 * D * 4  # what the arrays hold
+
+
+def test_chunks_with_adaptive_budgets_round_trip_through_state():
+    keys = make_keys(90, seed=5)
+    cache = EvictionCache(
+        FirstComponent(), budget=BUDGET, n_sink=N_SINK, recent=RECENT, floor=FLOOR, chunk=4
+    )
+    feed(cache, keys, [60, 1, 1])
+    assert cache.free is not None and cache.valid is not None and cache.positions is not None
+    restored = EvictionCache.__new__(EvictionCache)
+    restored.state, restored.meta_state = cache.state, cache.meta_state
+    restored.scorer = cache.scorer
+    assert (restored.chunk, restored.floor) == (4, FLOOR)
+    for c in (cache, restored):
+        feed(c, keys[:, :, 62:], [1, 1, 20, 1])
+    assert kept_positions(restored) == kept_positions(cache)
+    assert kept_positions(cache) == simulate(keys, [60, 1, 1, 1, 1, 20, 1], 4)

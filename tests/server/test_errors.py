@@ -73,15 +73,6 @@ BAD = [
     ("floor-0", "POST", CHAT_URL, chat(qfilters_floor=0), None, 400, "qfilters_floor"),
     ("floor-over-1", "POST", CHAT_URL, chat(qfilters_floor=1.5), None, 400, "qfilters_floor"),
     (
-        "adaptive-with-chunks",
-        "POST",
-        CHAT_URL,
-        chat(qfilters_budget_mode="adaptive", qfilters_chunk=4),
-        None,
-        400,
-        "qfilters_chunk",
-    ),
-    (
         "adaptive-with-knorm",
         "POST",
         CHAT_URL,
