@@ -282,3 +282,58 @@ def test_admission_by_kv_memory_waits_then_refuses_what_can_never_fit(loaded):
         assert isinstance(final, Failed) and final.kind == "invalid_request"
         assert final.param == param and "--max-kv-bytes" in final.message
     assert worker.snapshot()["totals"]["kv_reserved_bytes"] == 0
+
+
+def test_a_newcomer_prefills_one_chunk_per_step_while_the_batch_decodes(loaded):
+    """A running stream gets one token per step while a long prompt is read chunk by chunk:
+    the newcomer holds it up for one chunk at most, never for its whole prompt."""
+    chunk = 64
+    running = request(loaded, 0, SETTINGS[1], max_tokens=40)
+    newcomer = request(loaded, 5, SETTINGS[3], max_tokens=4)  # ~600 tokens: ~10 chunks
+    worker = Worker("qfserve-tiny", loader=lambda _ref: loaded, prefill_chunk=chunk)
+    steps: list[tuple[int, int]] = []  # (newcomer's prompt tokens read, running's tokens)
+    original = worker._make_scheduler
+
+    def spy():
+        scheduler = original()
+        step = scheduler.step
+
+        def counted():
+            step()
+            seqs = {s.job.id: s for s in scheduler.sequences()}
+            if len(seqs) == 2:
+                a, b = seqs[jobs[0].id], seqs[jobs[1].id]
+                steps.append((b.read, a.tokens))
+
+        scheduler.step = counted
+        return scheduler
+
+    worker._make_scheduler = spy
+    worker.start()
+    while not worker.ready:
+        time.sleep(0.02)
+    jobs = []
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        jobs.append(worker.submit(running, loop))
+        while not isinstance(await jobs[0].next_event(), Delta):  # it is decoding
+            pass
+        jobs.append(worker.submit(newcomer, loop))
+        finals = []
+        for job in jobs:
+            while not isinstance(event := await job.next_event(), (Finished, Failed)):
+                pass
+            finals.append(event)
+        return finals
+
+    try:
+        finals = asyncio.run(asyncio.wait_for(go(), 120))
+    finally:
+        worker.stop()
+    assert all(isinstance(f, Finished) for f in finals)
+    reading = [(r, t) for r, t in steps if r < len(newcomer.prompt)]
+    assert len(reading) >= 5  # the prompt took several steps...
+    for (r0, t0), (r1, t1) in zip(reading, reading[1:], strict=False):
+        assert 0 < r1 - r0 <= chunk  # ...one chunk each...
+        assert t1 == t0 + 1  # ...and the running stream decoded a token in every one
