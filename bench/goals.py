@@ -166,6 +166,48 @@ def vs_mlx_lm(folder: Path) -> Row:
     )
 
 
+def batching(folder: Path) -> Row:
+    goal = "Continuous batching: ≥ 3× aggregate decode tokens/s at 8 streams over one stream"
+    data = _load(folder, "batching")
+    if not data:
+        return goal, "not run yet", "not run"
+    parts, ok = [], bool(data["rows"])
+    for n, speedups in sorted(data["speedup_over_one_stream"].items(), key=lambda kv: int(kv[0])):
+        if not speedups or "8" not in speedups:
+            ok = False
+            continue
+        rows = {r["streams"]: r for r in data["rows"] if r["prompt_tokens"] == int(n)}
+        theirs = rows[8]["tokens_per_s"]["theirs"]["median"]
+        mine = rows[8]["tokens_per_s"]["batched_a"]["median"]
+        parts.append(f"prompt {n}: {speedups['8']:.2f}× (mlx_lm.server / ours at 8: "
+                     f"{theirs / mine:.2f}×)")  # fmt: skip
+        ok &= speedups["8"] >= 3
+    return goal, "; ".join(parts) or "no 8-stream row", _verdict(ok)
+
+
+def multiturn(folder: Path) -> Row:
+    goal = (
+        "Multi-turn reuse (budget 512): TTFT at the last turn within 1.3× of turn 2's; "
+        "KV bytes flat once the budget fills"
+    )
+    data = _load(folder, "multiturn")
+    if not data:
+        return goal, "not run yet", "not run"
+    ratio = data["last_over_second_ttft"]["qfilters_reuse"]
+    kept = [t["kept_bytes"] for t in data["turns"]["qfilters_reuse"]]
+    full = [t["kept_bytes"] for t in data["turns"]["full_reuse"]]
+    flat = len(kept) >= 3 and kept[-1] == kept[-2]
+    ok = ratio is not None and ratio <= 1.3 and flat
+    fresh = data["last_over_second_ttft"]["qfilters_fresh"]
+    return (
+        goal,
+        f"turn {len(kept)} / turn 2 TTFT: {ratio:.2f}× with reuse ({fresh:.2f}× without); KV "
+        f"{kept[-1] / 2**20:.1f} MiB at the end ({'flat' if flat else 'not flat'}; full cache "
+        f"{full[1] / 2**20:.1f} → {full[-1] / 2**20:.1f} MiB)",
+        _verdict(ok),
+    )
+
+
 GOALS: tuple[Callable[[Path], Row], ...] = (
     retrieval,
     niah,
@@ -173,6 +215,8 @@ GOALS: tuple[Callable[[Path], Row], ...] = (
     perplexity,
     decode,
     vs_mlx_lm,
+    batching,
+    multiturn,
 )
 
 

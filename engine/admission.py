@@ -27,8 +27,8 @@ def default_max_kv_bytes() -> int:
     return int(total * DEFAULT_KV_SHARE)
 
 
-def kv_row_bytes(model: Any, config: dict[str, Any]) -> int:
-    """Bytes one position occupies in one request's caches: layers x KV heads x (K + V)."""
+def _shape(model: Any, config: dict[str, Any]) -> tuple[int, int, int]:
+    """(layers, KV heads, head_dim) from the model's arguments, else its ``config.json``."""
     args = getattr(model, "args", None)
 
     def field(name: str, default: Any = None) -> Any:
@@ -37,9 +37,23 @@ def kv_row_bytes(model: Any, config: dict[str, Any]) -> int:
 
     layers = len(getattr(model, "layers", ())) or int(field("num_hidden_layers"))
     heads = int(field("num_attention_heads"))
-    kv_heads = int(field("num_key_value_heads", heads))
+    kv_heads = int(field("num_key_value_heads") or heads)
     head_dim = int(field("head_dim") or int(field("hidden_size")) // heads)
-    return layers * kv_heads * 2 * head_dim * _activation_bytes(model)
+    return layers, kv_heads, head_dim
+
+
+def kv_row_bytes(model: Any, config: dict[str, Any], cache: CacheConfig | None = None) -> int:
+    """Bytes one position occupies in one request's caches, over layers and KV heads: keys
+    and values, plus an evicting cache's own per-row arrays (its float32 score and int32
+    slot order; with chunks, per-token scores and positions; with adaptive budgets, the
+    padding mask)."""
+    layers, kv_heads, head_dim = _shape(model, config)
+    per_head = 2 * head_dim * _activation_bytes(model)
+    if cache is not None and cache.evicts:
+        per_head += (
+            8 + (8 if cache.chunk > 1 else 0) + (1 if cache.budget_mode == "adaptive" else 0)
+        )
+    return layers * kv_heads * per_head
 
 
 def _activation_bytes(model: Any) -> int:
@@ -68,11 +82,8 @@ def kv_need(
     loaded: Any, cache: CacheConfig, prompt_tokens: int, max_tokens: int
 ) -> tuple[int, str]:
     """(bytes the request's caches hold at most, the parameter that sets them)."""
-    row = kv_row_bytes(loaded.model, loaded.config)
-    args = getattr(loaded.model, "args", None)
-    kv_heads = getattr(args, "num_key_value_heads", None) or loaded.config.get(
-        "num_key_value_heads", 1
-    )
-    rows = rows_needed(cache, int(kv_heads), prompt_tokens, max_tokens)
+    row = kv_row_bytes(loaded.model, loaded.config, cache)
+    _, kv_heads, _ = _shape(loaded.model, loaded.config)
+    rows = rows_needed(cache, kv_heads, prompt_tokens, max_tokens)
     param = "qfilters_budget" if cache.evicts else "max_tokens"
     return rows * row, param

@@ -115,14 +115,22 @@ def load_folder(
     for other weights stay where they are, for the server they belong to)."""
     if not folder.is_dir():
         return []
-    paths = sorted(folder.glob("*" + SUFFIX), key=lambda p: p.stat().st_mtime)[-limit:]
-    out = []
-    for path in paths:
+
+    def mtime(path: Path) -> float:
+        try:
+            return path.stat().st_mtime
+        except OSError:  # gone since the glob (another server pruned it)
+            return 0.0
+
+    out: list[tuple[tuple[Any, ...], list[int], list[Any]]] = []
+    for path in sorted(folder.glob("*" + SUFFIX), key=mtime, reverse=True):
+        if len(out) == limit:
+            break
         try:
             out.append(load(path, fingerprint, fresh))
         except Exception as exc:  # noqa: BLE001 - a bad file must not stop the server
             logger.warning("skipping saved cache %s: %s", path, exc)
-    return out
+    return out[::-1]
 
 
 def prune(folder: Path, mine: set[str], keep: set[str]) -> None:

@@ -115,6 +115,12 @@ class Ledger:
             self._active[record.id] = record
             self._totals["requests"] += 1
 
+    def discard(self, record: RequestRecord) -> None:
+        """Undo :meth:`open` for a request that was never queued."""
+        with self._lock:
+            if self._active.pop(record.id, None) is not None:
+                self._totals["requests"] -= 1
+
     def close(self, record: RequestRecord, state: State) -> None:
         """The request ended in ``state``: into the history and the totals; its KV freed."""
         record.state, record.finished = state, time.time()

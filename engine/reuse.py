@@ -71,7 +71,10 @@ class PromptCache:
             return None, 0
         self.hits += 1
         held = len(tokens) - len(rest)
-        entry = self._entries.get((key, tuple(tokens[:held])))
+        # The entry that served it: a prefix of the prompt, or the whole prompt trimmed by one.
+        entry = self._entries.get((key, tuple(tokens[:held]))) or self._entries.get(
+            (key, tuple(tokens))
+        )
         if entry is not None:
             entry["hits"] += 1
         return caches, held

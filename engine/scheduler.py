@@ -185,7 +185,7 @@ class Scheduler:
             [seq.uid],
             mx.array(seq.prompt[-1:]),
             [BatchCache([c]) for c in seq.caches],
-            [list(seq.prompt)],
+            [list(seq.prompt[:-1])],  # what the caches hold; the first step adds the last
             [sampler],
             sampler,
             [processors],

@@ -173,7 +173,6 @@ class Worker:
         self._saved: set[str] = set()  # entry files this server wrote or loaded
         self._loader = loader
         self._queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
-        self._lock = threading.Lock()  # submit: the queue and the ledger together
         self.ledger = Ledger(history, max_kv_bytes)
         self._ids = itertools.count(1)
         self._stopping = threading.Event()
@@ -279,15 +278,16 @@ class Worker:
             budget_mode=request.cache.budget_mode,
         )
         job = Job(request, record, loop)
-        with self._lock:
-            try:
-                self._queue.put_nowait(job)
-            except queue.Full:
-                raise WorkerUnavailable(
-                    f"too many requests waiting ({self._queue.maxsize}); retry shortly",
-                    retry_after=1,
-                ) from None
-            self.ledger.open(record)
+        # Opened before it is queued: the worker may take it and close it at once.
+        self.ledger.open(record)
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            self.ledger.discard(record)
+            raise WorkerUnavailable(
+                f"too many requests waiting ({self._queue.maxsize}); retry shortly",
+                retry_after=1,
+            ) from None
         return job
 
     def snapshot(self) -> dict[str, Any]:
@@ -306,18 +306,18 @@ class Worker:
     def _main(self) -> None:
         try:
             self._load()
+            scheduler = self._scheduler = self._make_scheduler()
         except BaseException as exc:  # noqa: BLE001 - report any load failure, then exit
             self.status, self.error = "failed", f"{type(exc).__name__}: {exc}"
             logger.error("could not load the model: %s", self.error)
             self._fail_waiting("the model failed to load")
             return
-        scheduler = self._scheduler = self._make_scheduler()
+        self.status = "ready"
         try:
             while not self._stopping.is_set():
                 self._admit(wait=len(scheduler) == 0)
                 if len(scheduler):
                     scheduler.step()
-                    self._running = [s.job for s in scheduler.sequences()]
         except BaseException as exc:  # noqa: BLE001 - the thread dies; say why
             self.error = f"{type(exc).__name__}: {exc}"
             logger.exception("generation worker died")
@@ -325,6 +325,7 @@ class Worker:
         finally:
             self.status = "stopped" if self._stopping.is_set() else "dead"
             scheduler.clear()
+            self._next = None
             for job in list(self._running):
                 job.emit(Failed("unavailable", "the generation worker stopped"))
                 self._finish(job.record, "error")
@@ -345,7 +346,6 @@ class Worker:
                 self.loaded.model, self.loaded.model_id, fingerprint=self.fingerprint
             )
         logger.info("Q-Filters for %s: %s", self.loaded.model_id, self.filter_source)
-        self.status = "ready"
 
     def _make_scheduler(self) -> Any:
         from engine.scheduler import Scheduler
@@ -468,22 +468,23 @@ class Worker:
         return caches, held
 
     def _keep(self, seq: Any) -> None:
-        """A request ended normally: its caches stay for the next turn to continue."""
+        """A request ended normally: its caches stay for the next turn to continue (a
+        failure to keep or save them is logged; the request itself is already done)."""
         if self.prompt_cache is None or not seq.job.request.reuse:
             return
-        key, tokens = self._key(seq.job), [*seq.prompt, *seq.generated]
-        self.prompt_cache.insert(key, tokens, seq.caches)
-        self.prompt_cache.shrink(self.max_kv_bytes - self.ledger.reserved())
-        if self._cache_dir is not None:
-            try:
+        try:
+            key, tokens = self._key(seq.job), [*seq.prompt, *seq.generated]
+            self.prompt_cache.insert(key, tokens, seq.caches)
+            self.prompt_cache.shrink(self.max_kv_bytes - self.ledger.reserved())
+            if self._cache_dir is not None:
                 if (key, tuple(tokens)) in self.prompt_cache:
                     persist.save(self._cache_dir, key, tokens, seq.caches, self.fingerprint)
                     self._saved.add(persist.entry_name(key, tokens))
                 live = {persist.entry_name(k, list(t)) for k, t in self.prompt_cache.stored()}
                 persist.prune(self._cache_dir, self._saved, live)
                 self._saved &= live
-            except OSError as exc:  # a full or read-only disk must not fail the request
-                logger.warning("could not save the prompt cache to %s: %s", self._cache_dir, exc)
+        except Exception as exc:  # noqa: BLE001 - a cache not kept must not stop the worker
+            logger.warning("request %s: its cache was not kept: %s", seq.job.id, exc)
         self._publish()
 
     def _publish(self) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.goals import attention, decode, render_goals, retrieval
+from bench.goals import attention, batching, decode, multiturn, render_goals, retrieval
 
 
 def _write(folder: Path, name: str, data: dict) -> None:
@@ -77,3 +77,30 @@ def test_missing_studies_say_not_run(tmp_path: Path) -> None:
         if line.startswith("| ") and "goal" not in line
     )
     assert render_goals(tmp_path / "nothing") == []
+
+
+def test_batching_goal_is_the_8_stream_speedup(tmp_path: Path) -> None:
+    def row(streams: int, ours: float, theirs: float) -> dict:
+        return {"prompt_tokens": 256, "streams": streams, "tokens_per_s": {
+            "batched_a": {"median": ours}, "theirs": {"median": theirs}}}  # fmt: skip
+
+    def run(speedup: float) -> str:
+        _write(tmp_path, "batching", {"rows": [row(1, 5.0, 5.0), row(8, 5 * speedup, 30.0)],
+               "speedup_over_one_stream": {"256": {"1": 1.0, "8": speedup}}})  # fmt: skip
+        return batching(tmp_path)[2]
+
+    assert run(3.2) == "**met**"
+    assert run(1.5) == "**not met**"
+
+
+def test_multiturn_goal_needs_flat_kv_and_the_ttft_ratio(tmp_path: Path) -> None:
+    def run(ttft: list[float], kept: list[int]) -> str:
+        turns = {"qfilters_reuse": [{"kept_bytes": k} for k in kept],
+                 "full_reuse": [{"kept_bytes": 2**20 * (i + 1)} for i in range(len(kept))]}  # fmt: skip
+        _write(tmp_path, "multiturn", {"turns": turns, "last_over_second_ttft": {
+            "qfilters_reuse": ttft[-1] / ttft[1], "qfilters_fresh": 9.0}})  # fmt: skip
+        return multiturn(tmp_path)[2]
+
+    assert run([1.0, 2.0, 2.2, 2.4], [10, 20, 30, 30]) == "**met**"
+    assert run([1.0, 2.0, 2.2, 3.0], [10, 20, 30, 30]) == "**not met**"  # 1.5x turn 2
+    assert run([1.0, 2.0, 2.2, 2.4], [10, 20, 30, 40]) == "**not met**"  # still growing

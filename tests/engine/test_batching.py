@@ -241,12 +241,12 @@ def test_admission_by_kv_memory_waits_then_refuses_what_can_never_fit(loaded):
     config = CacheConfig(method="qfilters", budget=64, recent=16)
     reqs = [request(loaded, 1, config, max_tokens=8) for _ in range(3)]
     need, _ = kv_need(loaded, config, len(reqs[0].prompt), 8)
-    # budget + the free slot, per layer and KV head, keys and values in float32
-    assert need == 65 * kv_row_bytes(loaded.model, loaded.config)
+    # budget + the free slot, per layer and KV head: keys and values in float32, plus the
+    # cache's float32 score and int32 slot order per row
     n_layers, kv_heads = len(loaded.model.layers), loaded.config["num_key_value_heads"]
-    assert kv_row_bytes(loaded.model, loaded.config) == (
-        n_layers * kv_heads * 2 * loaded.config["head_dim"] * 4
-    )
+    per_row = n_layers * kv_heads * (2 * loaded.config["head_dim"] * 4 + 8)
+    assert kv_row_bytes(loaded.model, loaded.config, config) == per_row
+    assert need == 65 * per_row
     too_big = request(loaded, 1, CacheConfig(method="qfilters", budget=512, recent=16))
     too_long = request(loaded, 1, CacheConfig(method="full"), max_tokens=1000)
     worker = Worker(
@@ -337,3 +337,34 @@ def test_a_newcomer_prefills_one_chunk_per_step_while_the_batch_decodes(loaded):
     for (r0, t0), (r1, t1) in zip(reading, reading[1:], strict=False):
         assert 0 < r1 - r0 <= chunk  # ...one chunk each...
         assert t1 == t0 + 1  # ...and the running stream decoded a token in every one
+
+
+def test_a_request_waiting_for_kv_memory_is_failed_when_the_worker_stops(loaded):
+    from engine.admission import kv_need
+
+    config = CacheConfig(method="qfilters", budget=64, recent=16)
+    reqs = [request(loaded, 1, config, max_tokens=200) for _ in range(2)]
+    need, _ = kv_need(loaded, config, len(reqs[0].prompt), 200)
+    worker = Worker("qfserve-tiny", loader=lambda _ref: loaded, max_kv_bytes=need + need // 2)
+    worker.start()
+    while not worker.ready:
+        time.sleep(0.02)
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        jobs = [worker.submit(r, loop) for r in reqs]
+        while not isinstance(await jobs[0].next_event(), Delta):  # the first one decodes
+            pass
+        snap = worker.snapshot()["totals"]
+        assert (snap["batch"], snap["queued"]) == (1, 1)  # the second waits for memory
+        await loop.run_in_executor(None, worker.stop)
+        finals = []
+        for job in jobs:
+            while not isinstance(event := await job.next_event(), (Finished, Failed)):
+                pass
+            finals.append(event)
+        return finals
+
+    finals = asyncio.run(asyncio.wait_for(go(), 60))
+    assert isinstance(finals[1], Failed) and finals[1].kind == "unavailable"
+    assert worker.snapshot()["totals"]["active"] == 0

@@ -191,3 +191,25 @@ def test_saved_caches_survive_a_restart(loaded, tmp_path, caplog):
     assert any("skipping saved cache" in r.message and other.name in r.message
                for r in caplog.records)  # fmt: skip
     assert other.exists()  # another server's file is left alone
+
+
+def test_a_cache_that_cannot_be_saved_never_stops_the_worker(loaded, tmp_path, monkeypatch):
+    from engine import persist
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("disk says no")
+
+    monkeypatch.setattr(persist, "save", broken)
+    w = Worker("qfserve-tiny", loader=lambda _ref: loaded, prompt_cache_dir=str(tmp_path))
+    w.start()
+    while not w.ready:
+        time.sleep(0.02)
+    try:
+        config = CacheConfig(method="knorm", budget=40, recent=8)
+        prompt = loaded.tokenizer.encode(" ".join([OPENING] * 8))
+        for _ in range(2):  # the second request is served after the first one's save failed
+            _, final = ask(w, request(prompt, config))
+            assert final.completion_tokens > 0
+        assert w.alive() and w.ready
+    finally:
+        w.stop()
