@@ -1,0 +1,76 @@
+"""Markdown for the serving studies: continuous batching and multi-turn reuse."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench.speed.markdown import MiB, _header, _plots, _table
+
+
+def batching(d: dict[str, Any]) -> list[str]:
+    s = d["settings"]
+    lines = _header("12. Continuous batching: concurrent streams", d)
+    lines.append(
+        f"Streamed chat requests of one prompt length sent at once, greedy, {s['max_tokens']} "
+        f"tokens (EOS banned); ours mix methods and budgets. Arms: {s['serial']} (serial), "
+        f"{s['batched']} (batched_a, and batched_b as the A/A copy), {s['theirs']} (theirs). "
+        "Decode tokens/s is aggregate: tokens after each stream's first, over the span from "
+        "the first first token to the last stream's end."
+    )
+    lines.append("")
+    rows = []
+    for r in d["rows"]:
+        for a in r["tokens_per_s"]:
+            rows.append(
+                [
+                    r["prompt_tokens"],
+                    r["streams"],
+                    a,
+                    f"{r['tokens_per_s'][a]['median']:.2f}",
+                    f"{r['e2e_tokens_per_s'][a]['median']:.2f}",
+                    f"{r['ttft_p50_s'][a]['median']:.2f}",
+                    f"{r['ttft_p99_s'][a]['median']:.2f}",
+                ]
+            )
+    headers = ["prompt", "streams", "arm", "decode tok/s", "e2e tok/s", "TTFT p50 s"]
+    lines += _table([*headers, "TTFT p99 s"], rows)
+    speedups = d.get("speedup_over_one_stream") or {}
+    for n, sp in speedups.items():
+        if sp:
+            lines += ["", f"Prompt {n}: batched decode tokens/s over one stream: " + ", ".join(
+                f"{c} streams {v:.2f}×" for c, v in sp.items())]  # fmt: skip
+    return lines + _plots(d)
+
+
+def multiturn(d: dict[str, Any]) -> list[str]:
+    s = d["settings"]
+    lines = _header("13. Multi-turn chat: reuse of compressed caches", d)
+    lines.append(
+        f"{s['turns']} turns of about {s['turn_tokens']} new prose tokens each, greedy answers "
+        f"of at most {s['max_tokens']} tokens; Q-Filters at budget {s['budget']}."
+    )
+    lines.append("")
+    arms = list(d["turns"])
+    picks = sorted({1, 2, len(d["turns"][arms[0]]) // 2, len(d["turns"][arms[0]])})
+    rows = []
+    for a in arms:
+        for t in d["turns"][a]:
+            if t["turn"] in picks:
+                kept = t["kept_bytes"]
+                rows.append(
+                    [
+                        t["turn"],
+                        a,
+                        t["prompt_tokens"],
+                        t["cached_tokens"] if t["cached_tokens"] is not None else "—",
+                        f"{t['ttft_s']:.2f}",
+                        "—" if kept is None else f"{kept / MiB:.1f}",
+                        f"{t['rss_bytes'] / MiB:.0f}",
+                    ]
+                )
+    lines += _table(["turn", "arm", "prompt", "cached", "TTFT s", "KV MiB", "RSS MiB"], rows)
+    ratios = ", ".join(
+        f"{a} {v:.2f}×" for a, v in d["last_over_second_ttft"].items() if v is not None
+    )
+    lines += ["", f"TTFT at the last turn over turn 2: {ratios}."]
+    return lines + _plots(d)
