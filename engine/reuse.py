@@ -25,8 +25,6 @@ from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prom
 
 from engine.config import CacheConfig
 
-DEFAULT_PROMPT_CACHE_SIZE = 10
-
 
 def cache_key(model: str, config: CacheConfig, filter_source: str) -> tuple[Any, ...]:
     """What must be equal for a cache to be continued: model, settings, filters."""
@@ -42,7 +40,7 @@ class PromptCache:
         max_bytes: Bytes they hold at most.
     """
 
-    def __init__(self, max_size: int = DEFAULT_PROMPT_CACHE_SIZE, max_bytes: int = 1 << 62):
+    def __init__(self, max_size: int, max_bytes: int = 1 << 62):
         self.max_size = max_size
         self._lru = LRUPromptCache(max_size=max_size, max_bytes=max_bytes)
         self.hits = 0

@@ -23,13 +23,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-from engine import persist
 from engine.config import ConfigError
 from engine.loading import LoadedModel, load_model
 from engine.prompts import PromptError, encode_prompt
 from engine.records import Ledger, RequestRecord, State
 from engine.requests import Event, Failed, GenerationRequest, Started
-from engine.reuse import DEFAULT_PROMPT_CACHE_SIZE, PromptCache, cache_key
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +38,7 @@ DEFAULT_HISTORY = 64
 DEFAULT_MAX_BACKLOG = 128
 DEFAULT_MAX_BATCH = 8
 DEFAULT_PREFILL_CHUNK = 512
+DEFAULT_PROMPT_CACHE_SIZE = 10
 
 
 class WorkerUnavailable(RuntimeError):
@@ -162,12 +161,10 @@ class Worker:
         self._next: Any = None  # the oldest request, prepared, waiting for KV memory
         if prompt_cache_size < 0:
             raise ValueError(f"prompt_cache_size must be >= 0, got {prompt_cache_size}")
-        self.prompt_cache = (
-            PromptCache(prompt_cache_size, prompt_cache_bytes or max_kv_bytes)
-            if prompt_cache_size
-            else None
-        )
-        self._prompt_cache_view: dict[str, Any] = _view(self.prompt_cache)
+        # Built on the thread (engine.reuse imports mlx-lm, which a start-up check must not wait for).
+        self._prompt_cache_limits = (prompt_cache_size, prompt_cache_bytes or max_kv_bytes)
+        self.prompt_cache: Any = None  # engine.reuse.PromptCache
+        self._prompt_cache_view: dict[str, Any] = {"enabled": prompt_cache_size > 0}
         self._cache_dir = Path(prompt_cache_dir) if prompt_cache_dir and prompt_cache_size else None
         self.fingerprint = ""
         self._saved: set[str] = set()  # entry files this server wrote or loaded
@@ -351,7 +348,15 @@ class Worker:
         from engine.scheduler import Scheduler
 
         assert self.loaded is not None
+        size, max_bytes = self._prompt_cache_limits
+        if size:
+            from engine.reuse import PromptCache
+
+            self.prompt_cache = PromptCache(size, max_bytes)
+            self._publish()
         if self._cache_dir is not None and self.prompt_cache is not None:
+            from engine import persist
+
             for key, tokens, caches in persist.load_folder(
                 self._cache_dir, self.fingerprint, self._caches_for, self.prompt_cache.max_size
             ):
@@ -455,6 +460,8 @@ class Worker:
         return job, prompt, max_tokens, caches, need, cached
 
     def _key(self, job: Job) -> tuple[Any, ...]:
+        from engine.reuse import cache_key
+
         assert self.loaded is not None
         return cache_key(self.loaded.name, job.request.cache, self.filter_source)
 
@@ -472,6 +479,8 @@ class Worker:
         failure to keep or save them is logged; the request itself is already done)."""
         if self.prompt_cache is None or not seq.job.request.reuse:
             return
+        from engine import persist
+
         try:
             key, tokens = self._key(seq.job), [*seq.prompt, *seq.generated]
             self.prompt_cache.insert(key, tokens, seq.caches)
@@ -507,7 +516,7 @@ class Worker:
         )
 
 
-def _view(cache: PromptCache | None) -> dict[str, Any]:
+def _view(cache: Any) -> dict[str, Any]:
     if cache is None:
         return {"enabled": False}
     return {

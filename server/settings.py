@@ -19,12 +19,12 @@ from engine.config import (
     CacheConfig,
     Method,
 )
-from engine.reuse import DEFAULT_PROMPT_CACHE_SIZE
 from engine.worker import (
     DEFAULT_HISTORY,
     DEFAULT_MAX_BATCH,
     DEFAULT_MAX_QUEUE,
     DEFAULT_PREFILL_CHUNK,
+    DEFAULT_PROMPT_CACHE_SIZE,
 )
 
 DEFAULT_HOST = "127.0.0.1"
