@@ -25,6 +25,7 @@ if [[ "$which" == speed || "$which" == all ]]; then
     run bench.speed.server_overhead
     run bench.speed.vs_mlx_lm
     run bench.speed.batching
+    run bench.speed.batch_step
     run bench.speed.multiturn
     run bench.speed.bandwidth
     run bench.speed.structured --reps 5 --tokens 40

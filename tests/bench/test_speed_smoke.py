@@ -8,7 +8,16 @@ import json
 
 import pytest
 
-STUDIES = ("decode", "ttft", "server_overhead", "vs_mlx_lm", "bandwidth", "batching", "multiturn")
+STUDIES = (
+    "decode",
+    "ttft",
+    "server_overhead",
+    "vs_mlx_lm",
+    "bandwidth",
+    "batching",
+    "multiturn",
+    "batch_step",
+)
 
 
 @pytest.mark.parametrize("study", STUDIES)

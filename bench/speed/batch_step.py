@@ -1,0 +1,170 @@
+"""One decode step of a batch: our per-request caches against mlx-lm's batch cache.
+
+In process, no server: ``B`` requests' Q-Filters caches (each prefilled alone with its own
+prompt, then evicting at ``--budget``) stepped together through
+:class:`engine.batch.BatchCache`, against mlx-lm's ``BatchKVCache`` merged from plain
+caches holding the same number of rows. Per batch size: the model step's time (forward pass
+and cache work), and the cache updates alone (one ``update_and_fetch`` per layer). Arms are
+interleaved per round; ``ours_again`` is the A/A copy. What it isolates: the cost of keeping
+eviction per request inside a batch, apart from prefill scheduling and serving.
+
+Run: ``python -m bench.speed.batch_step [--quick] [--model M] [--batches 1 4 8 16]``.
+Writes ``bench/results/<model>/batch_step.json`` and ``batch_step.png``.
+"""
+
+from __future__ import annotations
+
+from engine.blas import reexec_with_openblas
+
+reexec_with_openblas()
+
+import time  # noqa: E402
+
+import mlx.core as mx  # noqa: E402
+from mlx_lm.models.cache import BatchKVCache, KVCache  # noqa: E402
+
+from bench.cli import command_line, parse, parser  # noqa: E402
+from bench.harness import interleave, print_table, ratio_row, summary, write_results  # noqa: E402
+from bench.speed import common  # noqa: E402
+from engine.attention import install_head_masks  # noqa: E402
+from engine.batch import BatchCache  # noqa: E402
+from engine.config import CacheConfig  # noqa: E402
+
+
+def build(sm, B: int, prompt: int, budget: int):
+    """(our per-layer batch caches, mlx-lm's) for ``B`` requests with different prompts."""
+    model = sm.loaded.model
+    config = CacheConfig(method="qfilters", budget=budget, recent=budget // 4)
+    ours, theirs = [], []
+    base = common.prompt_tokens(sm, prompt * B)
+    for b in range(B):
+        tokens = mx.array([base[b * prompt : (b + 1) * prompt]])
+        caches = common.make_caches(model, config, filters=sm.filters)
+        common.prefill(model, caches, tokens[0].tolist())
+        ours.append(caches)
+        plain = [KVCache() for _ in model.layers]
+        model(tokens[:, -budget:], cache=plain)
+        mx.eval([c.state for c in plain])
+        theirs.append(plain)
+    layers = range(len(model.layers))
+    return (
+        [BatchCache([ours[b][i] for b in range(B)]) for i in layers],
+        [BatchKVCache.merge([theirs[b][i] for b in range(B)]) for i in layers],
+    )
+
+
+def main(argv=None) -> dict:
+    p = parser(__doc__.splitlines()[0], reps=7)
+    p.add_argument("--batches", type=int, nargs="+", default=None, help="(default 1 4 8 16)")
+    p.add_argument("--prompt", type=int, default=None, help="tokens per prompt (default 512)")
+    p.add_argument("--budget", type=int, default=None, help="(default 256)")
+    args = parse(p, argv)
+    batches = args.batches or ([1, 2] if args.quick else [1, 4, 8, 16])
+    prompt = args.prompt or (48 if args.quick else 512)
+    budget = args.budget or (16 if args.quick else 256)
+    reps = args.reps
+    progress = common.Progress("batch_step")
+    sm = common.load_study_model(args.model)
+    model = sm.loaded.model
+    install_head_masks(model)
+    rows = []
+    for B in batches:
+        progress(f"batch {B}: prefilling {B} prompts of {prompt} tokens")
+        ours, theirs = build(sm, B, prompt, budget)
+        token = mx.array([[common.prompt_tokens(sm, 1)[0]]] * B)
+        kv = mx.random.normal(
+            ours[0].members[0].keys.shape[:2] + (1, ours[0].members[0].keys.shape[-1])
+        )
+        kv = mx.broadcast_to(kv, (B, *kv.shape[1:]))
+
+        def step(caches, token=token):
+            def run() -> float:
+                tic = time.perf_counter()
+                mx.eval(model(token, cache=caches))
+                return time.perf_counter() - tic
+
+            return run
+
+        def updates(caches, kv=kv):
+            def run() -> float:
+                tic = time.perf_counter()
+                mx.eval([c.update_and_fetch(kv, kv) for c in caches])
+                return time.perf_counter() - tic
+
+            return run
+
+        arms = {
+            "ours": step(ours),
+            "theirs": step(theirs),
+            "ours_again": step(ours),
+            "ours_updates": updates(ours),
+            "theirs_updates": updates(theirs),
+        }
+        runs = interleave(arms, reps, progress=progress.rounds(f"batch {B}"))
+        rows.append(
+            {
+                "batch": B,
+                "step_s": {a: summary(v) for a, v in runs.items()},
+                "ratios": [
+                    ratio_row(runs, "ours", "theirs"),
+                    ratio_row(runs, "ours_again", "ours"),
+                ],
+            }
+        )
+    one = (
+        {a: rows[0]["step_s"][a]["median"] for a in ("ours", "theirs")} if batches[0] == 1 else None
+    )
+    for r in rows:
+        if one:
+            r["tokens_per_s_over_batch_1"] = {
+                a: r["batch"] * one[a] / r["step_s"][a]["median"] for a in ("ours", "theirs")
+            }
+    result = {
+        "study": "batch_step",
+        "command": command_line("bench.speed.batch_step", argv),
+        "quick": args.quick,
+        "model": sm.describe(),
+        "settings": {
+            "batches": batches,
+            "prompt": prompt,
+            "budget": budget,
+            "reps": reps,
+            "ours": "BatchCache over per-request Q-Filters EvictionCaches",
+            "theirs": "mlx-lm BatchKVCache.merge of KVCaches with budget rows",
+        },  # fmt: skip
+        "rows": rows,
+    }
+    plt = common.plt()
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for a in ("ours", "theirs", "ours_updates", "theirs_updates"):
+        ax.plot(batches, [r["step_s"][a]["median"] * 1e3 for r in rows], "o-", label=a)
+    ax.set(title="one decode step (ms, median)", xlabel="batch size")
+    common.log2_axis(ax, batches)
+    ax.legend(fontsize=8)
+    result["plots"] = [common.save_figure(fig, args.out, "batch_step")]
+    result["runtime_s"] = round(progress.elapsed, 1)
+    path = write_results("batch_step", result, args.out, section="speed")
+    table = [
+        [
+            r["batch"],
+            *(f"{r['step_s'][a]['median'] * 1e3:.1f}" for a in arms),
+            f"{r['ratios'][0]['median']:.2f}",
+            f"{r['ratios'][1]['median']:.2f}",
+            *(
+                [f"{r['tokens_per_s_over_batch_1'][a]:.2f}" for a in ("ours", "theirs")]
+                if one
+                else ["", ""]
+            ),
+        ]
+        for r in rows
+    ]
+    print_table(
+        ["batch", *(f"{a} ms" for a in arms), "ours/theirs", "A/A", "ours tok/s x", "theirs x"],
+        table,
+    )
+    print(f"\nwrote {path} in {result['runtime_s']}s")
+    return result
+
+
+if __name__ == "__main__":
+    main()
