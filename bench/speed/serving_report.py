@@ -74,3 +74,32 @@ def multiturn(d: dict[str, Any]) -> list[str]:
     )
     lines += ["", f"TTFT at the last turn over turn 2: {ratios}."]
     return lines + _plots(d)
+
+
+def batch_step(d: dict[str, Any]) -> list[str]:
+    s = d["settings"]
+    lines = _header("14. One decode step of a batch: per-request caches against mlx-lm's", d)
+    lines.append(
+        f"In process: {s['ours']} against {s['theirs']}; prompts of {s['prompt']} tokens, "
+        f"budget {s['budget']}, {s['reps']} interleaved rounds (`ours_again` = A/A)."
+    )
+    lines.append("")
+    rows = []
+    for r in d["rows"]:
+        ratio, aa = r["ratios"]
+        scale = r.get("tokens_per_s_over_batch_1", {})
+        rows.append(
+            [
+                r["batch"],
+                *(
+                    f"{r['step_s'][a]['median'] * 1e3:.1f}"
+                    for a in ("ours", "theirs", "ours_updates", "theirs_updates")
+                ),  # fmt: skip
+                f"{ratio['median']:.2f}",
+                f"{aa['median']:.2f}",
+                *(f"{scale[a]:.2f}×" if a in scale else "—" for a in ("ours", "theirs")),
+            ]
+        )
+    headers = ["batch", "ours ms", "theirs ms", "ours updates ms", "theirs updates ms"]
+    lines += _table([*headers, "ours/theirs", "A/A", "ours tok/s ×", "theirs tok/s ×"], rows)
+    return lines + _plots(d)
