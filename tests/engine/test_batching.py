@@ -142,6 +142,13 @@ def run_batched(loaded, requests, *, max_batch: int = 8, cancel_after: dict | No
         worker.stop()
 
 
+async def final_event(job):
+    """The job's ``Finished`` or ``Failed``, skipping what streams before it."""
+    while not isinstance(event := await job.next_event(), (Finished, Failed)):
+        pass
+    return event
+
+
 def test_a_mixed_batch_matches_each_request_alone(loaded, calibration):
     requests = [request(loaded, i, c) for i, c in enumerate(SETTINGS)]
     results, worker = run_batched(loaded, requests)
@@ -220,12 +227,7 @@ def test_max_batch_bounds_what_runs_at_once(loaded):
     async def go():
         loop = asyncio.get_running_loop()
         jobs = [worker.submit(r, loop) for r in requests]
-        finals = []
-        for job in jobs:
-            while not isinstance(event := await job.next_event(), (Finished, Failed)):
-                pass
-            finals.append(event)
-        return finals
+        return [await final_event(job) for job in jobs]
 
     try:
         finals = asyncio.run(asyncio.wait_for(go(), 120))
@@ -320,12 +322,7 @@ def test_a_newcomer_prefills_one_chunk_per_step_while_the_batch_decodes(loaded):
         while not isinstance(await jobs[0].next_event(), Delta):  # it is decoding
             pass
         jobs.append(worker.submit(newcomer, loop))
-        finals = []
-        for job in jobs:
-            while not isinstance(event := await job.next_event(), (Finished, Failed)):
-                pass
-            finals.append(event)
-        return finals
+        return [await final_event(job) for job in jobs]
 
     try:
         finals = asyncio.run(asyncio.wait_for(go(), 120))
@@ -358,12 +355,7 @@ def test_a_request_waiting_for_kv_memory_is_failed_when_the_worker_stops(loaded)
         snap = worker.snapshot()["totals"]
         assert (snap["batch"], snap["queued"]) == (1, 1)  # the second waits for memory
         await loop.run_in_executor(None, worker.stop)
-        finals = []
-        for job in jobs:
-            while not isinstance(event := await job.next_event(), (Finished, Failed)):
-                pass
-            finals.append(event)
-        return finals
+        return [await final_event(job) for job in jobs]
 
     finals = asyncio.run(asyncio.wait_for(go(), 60))
     assert isinstance(finals[1], Failed) and finals[1].kind == "unavailable"
