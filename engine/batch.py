@@ -11,9 +11,13 @@ alone (O(budget) per request), then right-pads their rows to the longest for one
 attention. Padding is masked per KV head through ``head_mask``
 (:mod:`engine.attention`), together with any member's own ragged-head mask.
 
-The price of keeping eviction per request is one copy of the batch's kept rows per layer
-and step (the padding), the same bytes attention then reads once more; weights, read once
-per step for the whole batch, dominate a small model's step on a CPU.
+That general path costs a copy of the batch's kept rows per layer and step (the padding),
+and some twenty small MLX operations per member; on a CPU their dispatch, not the bytes,
+is what grows with the batch. So while every member is a cache whose decode step it knows
+(per-token eviction caches and full caches, whatever their methods and budgets), the batch
+holds their rows in one set of arrays (:class:`engine.packed.PackedBatch`) and steps them
+with the same few operations whatever its size; any change of membership gives the members
+their rows back first.
 
 Only decode steps (one new token per member) go through a batch: prompts are prefilled per
 request, on its own caches, and join the batch when done (:mod:`engine.scheduler`).
@@ -24,6 +28,8 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
+
+from engine.packed import PackedBatch, can_pack
 
 
 def _pad_rows(x: mx.array, n: int) -> mx.array:
@@ -41,6 +47,7 @@ class BatchCache:
     def __init__(self, members: list[Any]) -> None:
         self.members = members
         self.head_mask: mx.array | None = None  # (B, H, S) bool over the rows last returned
+        self._packed: PackedBatch | None = None
 
     @classmethod
     def merge(cls, caches: list[Any]) -> BatchCache:
@@ -57,12 +64,23 @@ class BatchCache:
             return self.members[0].offset
         return mx.array([m.offset for m in self.members], dtype=mx.int32)
 
+    def _unpack(self) -> None:
+        """Members get their own rows back (before the batch's membership changes)."""
+        if self._packed is not None:
+            self._packed.release()
+            self._packed = None
+
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """One decode step: ``keys``/``values`` ``(B, H, 1, D)``, one row per member."""
         if keys.shape[2] != 1:
             raise ValueError(
                 f"a batch cache takes decode steps only (one row per member), got {keys.shape[2]}"
             )
+        if self._packed is None and all(can_pack(m) for m in self.members):
+            self._packed = PackedBatch(self.members)
+        if self._packed is not None:
+            k, v, self.head_mask = self._packed.step(keys, values)
+            return k, v
         outs = [m.update_and_fetch(keys[i : i + 1], values[i : i + 1])
                 for i, m in enumerate(self.members)]  # fmt: skip
         masks = [getattr(m, "head_mask", None) for m in self.members]
@@ -93,12 +111,16 @@ class BatchCache:
     # -- mlx-lm's batch protocol -----------------------------------------------------------
 
     def filter(self, batch_indices: list[int]) -> None:
+        self._unpack()
         self.members = [self.members[i] for i in batch_indices]
 
     def extend(self, other: BatchCache) -> None:
+        self._unpack()
+        other._unpack()
         self.members.extend(other.members)
 
     def extract(self, idx: int) -> Any:
+        self._unpack()  # the batch repacks at its next step
         return self.members[idx]
 
     def size(self) -> int:
@@ -110,6 +132,8 @@ class BatchCache:
     @property
     def state(self) -> tuple[mx.array, ...]:
         """Every member's arrays (what ``mx.eval`` needs to materialise the batch)."""
+        if self._packed is not None:
+            return self._packed.state
         return tuple(a for m in self.members for a in m.state)
 
     @property

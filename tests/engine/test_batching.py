@@ -21,6 +21,7 @@ from engine.config import CacheConfig
 from engine.factory import make_caches
 from engine.filters import resolve_calibration
 from engine.loading import default_model_path, load_model
+from engine.packed import PackedBatch
 from engine.requests import Delta, Failed, Finished, GenerationRequest, SamplingParams
 from engine.worker import DEFAULT_PREFILL_CHUNK, Worker
 
@@ -32,6 +33,14 @@ SETTINGS = [  # method, budget, recent, budget_mode: every kind of cache in one 
     CacheConfig(method="qfilters", budget=96, recent=24),
     CacheConfig(method="qfilters", budget=64, recent=16, chunk=8),
     CacheConfig(method="qfilters", budget=80, recent=16, budget_mode="adaptive", floor=0.25),
+]
+PACKED = [  # only caches the batch packs into shared arrays (engine.packed); the first (89
+    CacheConfig(method="qfilters", budget=100, recent=8),  # tokens) fills while decoding
+    CacheConfig(method="full"),
+    CacheConfig(method="streaming", budget=48, recent=0, n_sink=4),
+    CacheConfig(method="knorm", budget=64, recent=16),
+    CacheConfig(method="qfilters", budget=96, recent=24, sign=-1),
+    CacheConfig(method="qfilters", budget=72, recent=0, n_sink=2),
 ]
 
 
@@ -149,9 +158,19 @@ async def final_event(job):
     return event
 
 
-def test_a_mixed_batch_matches_each_request_alone(loaded, calibration):
-    requests = [request(loaded, i, c) for i, c in enumerate(SETTINGS)]
+@pytest.mark.parametrize("settings", [SETTINGS, PACKED], ids=["every-kind", "packed"])
+def test_a_mixed_batch_matches_each_request_alone(loaded, calibration, settings, monkeypatch):
+    packed_steps = []
+    step = PackedBatch.step
+    monkeypatch.setattr(
+        PackedBatch,
+        "step",
+        lambda self, k, v: packed_steps.append(len(self.members)) or step(self, k, v),
+    )
+    requests = [request(loaded, i, c) for i, c in enumerate(settings)]
     results, worker = run_batched(loaded, requests)
+    if settings is PACKED:  # the shared-array step ran, with the whole batch in it
+        assert max(packed_steps) == len(PACKED)
     for req, (deltas, final) in zip(requests, results, strict=True):
         assert isinstance(final, Finished), final
         ref_tokens, ref_logprobs, ref_text = alone(loaded, calibration, req)
@@ -169,7 +188,7 @@ def test_a_mixed_batch_matches_each_request_alone(loaded, calibration):
         else:
             # Pipelined one step ahead, as mlx-lm: the last token was fed in too.
             assert kv["tokens_kept"] == final.prompt_tokens + final.completion_tokens
-    assert worker.snapshot()["totals"]["done"] == len(SETTINGS)
+    assert worker.snapshot()["totals"]["done"] == len(settings)
 
 
 def test_a_cancelled_member_leaves_the_others_unchanged(loaded, calibration):

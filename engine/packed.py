@@ -1,0 +1,300 @@
+"""The decode step of a whole batch in one set of arrays: :class:`PackedBatch`.
+
+Stepping every member's own cache (:class:`engine.batch.BatchCache`'s general path) costs
+about twenty small MLX operations per member, layer and step, and on a CPU their dispatch
+outweighs the step's arithmetic once a batch holds a few requests. Here the members' rows
+live in one right-padded set of arrays for as long as the batch's membership holds still,
+and a decode step is the same dozen operations whatever the batch size: score the new rows
+(each member by its own scorer's formula), write each into its member's next slot, and pick
+each evicting member's next victim with its own sinks, recent window and budget (the rule of
+:func:`engine.evict.select_victim`, per row). Nothing else changes: the rows an eviction
+cache keeps are the ones it keeps alone, in the same slots.
+
+Per member, ``held`` slots are in use: a cache still growing (fewer than ``budget + 1`` rows,
+or a full cache) appends at slot ``held``; once ``budget + 1`` slots are held it is in the
+slot layout of :mod:`engine.slots` and writes into the victim's slot.
+
+While packed a member is *lent*: its arrays are replaced by :class:`Lent` placeholders that
+carry their shape and size but no data, so its statistics stay current, its rows are not
+held twice, and any attempt to compute with it fails loudly. :meth:`PackedBatch.release`
+writes the real rows back (copies: a member leaving keeps nothing of the batch's buffers).
+
+What can be packed: eviction caches with per-token selection (``chunk == 1``), heads not
+ragged, and a scorer whose formula is batched here; mlx-lm's ``KVCache`` (and our
+``FullKVCache``). A batch with anything else steps each member on its own.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from engine.cache import EvictionCache, FullKVCache
+from engine.scorers import KeySVDScorer, KNormScorer, QFilterScorer, RecencyScorer
+
+_INF = float("inf")
+_STEP = 256  # slots added at a time when a growing member needs more (as mlx-lm's KVCache)
+_PROJECT, _NORM, _POSITION, _NONE = range(4)  # how a member scores its rows
+
+
+@dataclass(frozen=True)
+class Lent:
+    """Stands in for a packed member's array: its shape and size, no data."""
+
+    shape: tuple[int, ...]
+    dtype: mx.Dtype
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.size
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+def _score_form(scorer: Any) -> tuple[int, mx.array | None, mx.array | None] | None:
+    """(kind, signed direction ``(H, D)``, scale ``(H, 1)``) of a scorer, or None if this
+    module does not batch it. Mirrors each scorer's ``score`` operation for operation, so a
+    packed score is the one the member computes alone."""
+    if isinstance(scorer, QFilterScorer):
+        d = scorer.filters if scorer.sign == 1 else -scorer.filters
+        return _PROJECT, d, scorer.scale
+    if isinstance(scorer, KeySVDScorer) and scorer.direction is not None:
+        d = scorer.direction[0] if scorer.sign == 1 else -scorer.direction[0]
+        return _PROJECT, d, None
+    if isinstance(scorer, KNormScorer):
+        return _NORM, None, None
+    if isinstance(scorer, RecencyScorer):
+        return _POSITION, None, None
+    return None
+
+
+def can_pack(cache: Any) -> bool:
+    """Whether :class:`PackedBatch` can step this cache (one sequence, decode steps)."""
+    if type(cache) in (KVCache, FullKVCache):
+        return cache.keys is not None and cache.keys.shape[0] == 1
+    if type(cache) is not EvictionCache:
+        return False
+    return (
+        cache.keys is not None
+        and cache.keys.shape[0] == 1
+        and cache.scores is not None
+        and cache.chunk == 1
+        and cache.valid is None
+        and _score_form(cache.scorer) is not None
+    )
+
+
+def _pad(x: mx.array, rows: int) -> mx.array:
+    """Zero rows appended along the slot axis (axis 2) up to ``rows``."""
+    if x.shape[2] == rows:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[2] = (0, rows - x.shape[2])
+    return mx.pad(x, widths)
+
+
+class PackedBatch:
+    """One layer's caches of a decode batch, held in shared arrays (see the module doc)."""
+
+    def __init__(self, members: list[Any]) -> None:
+        if not members or not all(can_pack(m) for m in members):
+            raise ValueError("every member must be a packable cache (see can_pack)")
+        self.members = members
+        self.caps: list[float] = []  # slots an evicting member holds at most (budget + 1)
+        self.held: list[int] = []
+        self.offsets: list[int] = [m.offset for m in members]
+        keys: list[Any] = []
+        values: list[Any] = []
+        scores: list[Any] = []
+        order: list[Any] = []
+        free: list[Any] = []
+        forms = []
+        m: Any
+        for m in members:
+            k, v = m.keys, m.values
+            _, H, rows, _ = k.shape
+            if isinstance(m, EvictionCache):
+                cap: float = m.budget + 1
+                s = m.scores
+                if m.free is not None:  # slot layout: every slot is held, one is free
+                    o, f = m.order, m.free
+                else:  # temporal order: ranks in time as the slot layout would give them
+                    o = mx.broadcast_to(mx.arange(m.offset - rows, m.offset, dtype=mx.int32),
+                                        (1, H, rows))  # fmt: skip
+                    f = mx.full((1, H, 1), rows, dtype=mx.uint32)
+                form = _score_form(m.scorer)
+                assert form is not None  # can_pack checked it
+                forms.append(form)
+            else:  # a full cache: grows, never evicts
+                cap = _INF
+                rows = m.offset
+                k, v = k[..., :rows, :], v[..., :rows, :]
+                s = mx.zeros((1, H, rows), dtype=mx.float32)
+                o = mx.zeros((1, H, rows), dtype=mx.int32)
+                f = mx.full((1, H, 1), rows, dtype=mx.uint32)
+                forms.append((_NONE, None, None))
+            self.caps.append(cap)
+            self.held.append(rows)
+            keys.append(k)
+            values.append(v)
+            scores.append(s)
+            order.append(o)
+            free.append(f)
+        C = max(self._needed(i) for i in range(len(members)))
+        self.keys = mx.concatenate([_pad(x, C) for x in keys])  # (B, H, C, D)
+        self.values = mx.concatenate([_pad(x, C) for x in values])  # (B, H, C, Dv)
+        self.scores = mx.concatenate([_pad(x, C) for x in scores])  # (B, H, C) raw
+        self.order = mx.concatenate([_pad(x, C) for x in order])  # (B, H, C) int32
+        self.free = mx.concatenate(free)  # (B, H, 1) uint32: where each next row goes
+        self._set_scoring(forms)
+        self.n_sink = mx.array([getattr(m, "n_sink", 0) for m in members], mx.int32)[:, None, None]
+        self.recent = mx.array([getattr(m, "recent", 0) for m in members], mx.int32)[:, None, None]
+        for i in range(len(members)):
+            self._lend(i)
+
+    def _needed(self, i: int) -> int:
+        """Slots member ``i`` needs for its next row."""
+        cap = self.caps[i]
+        if cap != _INF:
+            return int(cap)
+        return -(-(self.held[i] + 1) // _STEP) * _STEP
+
+    def _set_scoring(self, forms: list[tuple[int, mx.array | None, mx.array | None]]) -> None:
+        self.kinds = sorted({kind for kind, _, _ in forms})
+        self.kind = mx.array([kind for kind, _, _ in forms], dtype=mx.int32)[:, None, None]
+        self.directions = self.scale = None
+        if _PROJECT in self.kinds:
+            H, D = self.keys.shape[1], self.keys.shape[3]
+            zero = mx.zeros((H, D), dtype=mx.float32)
+            self.directions = mx.stack([zero if d is None else d for _, d, _ in forms])  # (B,H,D)
+            if any(s is not None for _, _, s in forms):
+                one = mx.ones((H, 1), dtype=mx.float32)
+                self.scale = mx.stack([one if s is None else s for _, _, s in forms])  # (B,H,1)
+
+    def _score(self, keys: mx.array, positions: mx.array) -> mx.array:
+        """``(B, H, 1)`` float32 scores of the new rows, each by its member's formula."""
+        k = keys if keys.dtype == mx.float32 else keys.astype(mx.float32)
+        parts = {}
+        if _PROJECT in self.kinds:
+            assert self.directions is not None
+            proj = (k @ self.directions[..., None]).squeeze(-1)
+            parts[_PROJECT] = proj if self.scale is None else proj * self.scale
+        if _NORM in self.kinds:
+            parts[_NORM] = -mx.sqrt(mx.square(k).sum(axis=-1))
+        if _POSITION in self.kinds:
+            parts[_POSITION] = mx.broadcast_to(positions.astype(mx.float32), k.shape[:3])
+        if _NONE in self.kinds:
+            parts[_NONE] = mx.zeros(k.shape[:3], dtype=mx.float32)
+        kinds = list(parts)
+        out = parts[kinds[0]]
+        for kind in kinds[1:]:
+            out = mx.where(self.kind == kind, parts[kind], out)
+        return out
+
+    # -- one decode step -----------------------------------------------------------------
+
+    def step(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array, Any]:
+        """Write one row per member; return every slot and the mask of the held ones.
+
+        Args:
+            keys: ``(B, H, 1, D)``; values ``(B, H, 1, Dv)``.
+        Returns:
+            ``(keys, values, head_mask)``: ``(B, H, C, D)``, ``(B, H, C, Dv)``, and
+            ``(B, 1, C)`` bool (None when every member holds all ``C`` slots).
+        """
+        B = len(self.members)
+        C = max(self._needed(i) for i in range(B))
+        if C > self.keys.shape[2]:  # a growing member needs more slots
+            self.keys, self.values = _pad(self.keys, C), _pad(self.values, C)
+            self.scores, self.order = _pad(self.scores, C), _pad(self.order, C)
+        C = self.keys.shape[2]
+        positions = mx.array(self.offsets, dtype=mx.int32)[:, None, None]  # (B, 1, 1)
+        held = [int(min(h + 1, c)) for h, c in zip(self.held, self.caps, strict=True)]
+        slot = self.free[..., None]  # (B, H, 1, 1)
+        self.keys = mx.put_along_axis(self.keys, slot, keys, axis=2)
+        self.values = mx.put_along_axis(self.values, slot, values, axis=2)
+        self.scores = mx.put_along_axis(
+            self.scores, self.free, self._score(keys, positions), axis=2
+        )
+        self.order = mx.put_along_axis(
+            self.order, self.free, mx.broadcast_to(positions, self.free.shape), axis=2
+        )
+        held_now = mx.array(held, dtype=mx.int32)[:, None, None]
+        slots = mx.arange(C, dtype=mx.int32)
+        evict = [h == c for h, c in zip(held, self.caps, strict=True)]
+        if any(evict):
+            # select_victim per row: sinks by slot, the recent window by time, and slots not
+            # (yet) held are never victims; NaN ranks lowest, the latest among ties goes.
+            guarded = (
+                (slots < self.n_sink)
+                | (self.order >= positions + 1 - self.recent)
+                | (slots >= held_now)
+            )
+            ranked = mx.nan_to_num(self.scores, nan=-_INF, posinf=_INF, neginf=-_INF)
+            masked = mx.where(guarded, _INF, ranked)
+            tied = masked == masked.min(axis=-1, keepdims=True)
+            victim = mx.argmax(mx.where(tied, self.order, -1), axis=-1, keepdims=True)
+            grow = held_now.astype(mx.uint32)
+            self.free = victim if all(evict) else mx.where(mx.array(evict)[:, None, None],
+                                                           victim, grow)  # fmt: skip
+        else:
+            self.free = mx.broadcast_to(held_now.astype(mx.uint32), self.free.shape)
+        for i, m in enumerate(self.members):
+            m.offset += 1
+            self.offsets[i] += 1
+            if evict[i]:
+                m.evictions += 1
+            if held[i] != self.held[i]:
+                self.held[i] = held[i]
+                self._lend(i)
+        mask = None if all(h == C for h in held) else slots < held_now
+        return self.keys, self.values, mask
+
+    # -- lending and giving back ---------------------------------------------------------
+
+    def _lend(self, i: int) -> None:
+        """Member ``i``'s arrays become placeholders of the shapes it holds now."""
+        m: Any = self.members[i]  # its arrays' annotations do not foresee a placeholder
+        held = self.held[i]
+        _, H, _, D = self.keys.shape
+        m.keys = Lent((1, H, held, D), self.keys.dtype)
+        m.values = Lent((1, H, held, self.values.shape[3]), self.values.dtype)
+        if self.caps[i] == _INF:  # a full cache has nothing else
+            return
+        m.scores = Lent((1, H, held), mx.float32)
+        if held == self.caps[i]:  # the slot layout
+            m.order = Lent((1, H, held), mx.int32)
+            m.free = Lent((1, H, 1), mx.uint32)
+
+    def release(self) -> None:
+        """Give every member its rows back (copies) in the layout it would have alone."""
+        for i, m in enumerate(self.members):
+            held = self.held[i]
+
+            def rows(x: mx.array, i: int = i, held: int = held) -> mx.array:
+                return mx.contiguous(x[i : i + 1, :, :held])
+
+            m.keys, m.values = rows(self.keys), rows(self.values)
+            if not isinstance(m, EvictionCache):
+                continue
+            if held == self.caps[i]:
+                m.scores = mx.nan_to_num(rows(self.scores), nan=-_INF, posinf=_INF, neginf=-_INF)
+                m.order = rows(self.order)
+                m.free = mx.contiguous(self.free[i : i + 1])
+            else:
+                m.scores = rows(self.scores)
+        self.members = []
+
+    @property
+    def state(self) -> tuple[mx.array, ...]:
+        return self.keys, self.values, self.scores, self.order, self.free

@@ -1,0 +1,161 @@
+"""The packed decode step against every member stepping its own cache, row for row.
+
+Twin sets of caches receive the same prefill and the same decode rows: one set steps alone
+(each cache's own ``update_and_fetch``, the reference), the other through
+:class:`engine.batch.BatchCache`, which packs them (:mod:`engine.packed`). Every step's
+returned rows, and every member's state once given back, must be identical: same slots,
+same scores, same victims, same counters.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine.batch import BatchCache
+from engine.cache import EvictionCache, FullKVCache
+from engine.packed import Lent, PackedBatch, can_pack
+from engine.scorers import KeySVDScorer, KNormScorer, QFilterScorer, RecencyScorer
+
+H, D = 2, 8
+
+
+def unit(rng, n):
+    f = rng.standard_normal((n, H, D)).astype(np.float32)
+    return f / np.linalg.norm(f, axis=-1, keepdims=True)
+
+
+def members(seed: int):
+    """Caches of every packable kind, prefilled to different states: growing, evicted by a
+    block (temporal order) and already in the slot layout; one NaN key."""
+    rng = np.random.default_rng(seed)
+    filters = unit(rng, 3)
+    specs = [
+        (lambda: QFilterScorer(mx.array(filters[0])), dict(budget=12, recent=3), 7),  # grows
+        (lambda: QFilterScorer(mx.array(filters[1]), sign=-1), dict(budget=10, n_sink=2), 25),
+        (
+            lambda: QFilterScorer(mx.array(filters[2]), query_scale=mx.array([2.0, 0.5])),
+            dict(budget=9, recent=2, n_sink=1),
+            40,
+        ),
+        (lambda: KNormScorer(), dict(budget=8, recent=2), 30),
+        (lambda: RecencyScorer(), dict(budget=6, recent=0, n_sink=2), 11),
+        (lambda: KeySVDScorer(calib_tokens=8), dict(budget=10, recent=2), 20),
+        (None, {}, 13),  # a full cache
+    ]
+    caches = []
+    for make, kw, prompt in specs:
+        cache = FullKVCache() if make is None else EvictionCache(make(), **kw)
+        keys = mx.array(rng.standard_normal((1, H, prompt, D)).astype(np.float32))
+        values = mx.array(rng.standard_normal((1, H, prompt, D)).astype(np.float32))
+        cache.update_and_fetch(keys, values)
+        caches.append(cache)
+    # Two single rows into the streaming cache: it reaches the slot layout before packing.
+    for _ in range(2):
+        row = mx.array(rng.standard_normal((1, H, 1, D)).astype(np.float32))
+        caches[4].update_and_fetch(row, row)
+    mx.eval([c.state for c in caches])
+    return caches
+
+
+def rows(rng, B, nan_at=None):
+    k = rng.standard_normal((B, H, 1, D)).astype(np.float32)
+    if nan_at is not None:
+        k[nan_at, 0, 0, 0] = np.nan
+    return mx.array(k), mx.array(rng.standard_normal((B, H, 1, D)).astype(np.float32))
+
+
+def same(a, b):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def assert_same_state(got, ref):
+    assert type(got) is type(ref)
+    assert (got.offset, got.size()) == (ref.offset, ref.size())
+    assert got.stats() == ref.stats()
+    if isinstance(ref, FullKVCache):  # its rows; the buffers' spare capacity may differ
+        for g, r in zip(got.keys_and_values(), ref.keys_and_values(), strict=True):
+            same(g, r)
+        return
+    assert got.evictions == ref.evictions
+    for name in ("keys", "values", "scores", "order", "free"):
+        g, r = getattr(got, name), getattr(ref, name)
+        assert (g is None) == (r is None), name
+        if r is not None:
+            same(g, r)
+
+
+def test_every_step_and_every_member_match_stepping_alone():
+    ref, packed = members(0), members(0)
+    assert all(can_pack(c) for c in packed)
+    batch = BatchCache(list(packed))
+    rng = np.random.default_rng(1)
+    B = len(ref)
+    for step in range(14):
+        keys, values = rows(rng, B, nan_at=2 if step == 3 else None)
+        k, v = batch.update_and_fetch(keys, values)
+        assert batch._packed is not None  # the shared-array path ran
+        mask = batch.head_mask
+        for i, cache in enumerate(ref):
+            rk, rv = cache.update_and_fetch(keys[i : i + 1], values[i : i + 1])
+            S = rk.shape[2]
+            same(k[i : i + 1, :, :S], rk)  # the same rows in the same slots
+            same(v[i : i + 1, :, :S], rv)
+            if mask is not None:
+                assert np.asarray(mask[i, 0]).tolist() == [True] * S + [False] * (k.shape[2] - S)
+            else:
+                assert S == k.shape[2]
+            # A lent member reports what its twin holds, and holds no data of its own.
+            assert packed[i].stats() == cache.stats() and packed[i].offset == cache.offset
+            assert isinstance(packed[i].keys, Lent)
+    assert ref[0].free is not None  # the growing member reached its budget on the way
+    batch.filter(list(range(B)))  # any change of membership gives the rows back
+    for got, want in zip(packed, ref, strict=True):
+        assert_same_state(got, want)
+
+
+def test_members_leave_and_join_and_the_batch_repacks():
+    ref, packed = members(2), members(2)
+    extra_ref, extra = members(3)[:2], members(3)[:2]
+    batch = BatchCache(list(packed))
+    rng = np.random.default_rng(4)
+    live_ref, live = list(ref), list(packed)
+    for step in range(12):
+        if step == 4:  # two leave (one through extract, as mlx-lm does on a finish)
+            left = batch.extract(1)
+            assert left is live[1] and not isinstance(left.keys, Lent)
+            batch.filter([0, 2, 3, 5, 6])
+            live_ref = [live_ref[i] for i in (0, 2, 3, 5, 6)]
+            live = [live[i] for i in (0, 2, 3, 5, 6)]
+        if step == 7:
+            batch.extend(BatchCache(list(extra)))
+            live_ref, live = live_ref + extra_ref, live + extra
+        keys, values = rows(rng, len(live))
+        k, _ = batch.update_and_fetch(keys, values)
+        for i, cache in enumerate(live_ref):
+            rk, _ = cache.update_and_fetch(keys[i : i + 1], values[i : i + 1])
+            same(k[i : i + 1, :, : rk.shape[2]], rk)
+    batch.filter([])
+    for got, want in zip(live, live_ref, strict=True):
+        assert_same_state(got, want)
+    assert_same_state(packed[1], ref[1])  # the one that left kept what it had then
+
+
+def test_what_cannot_be_packed_steps_alone_and_lent_arrays_refuse_work():
+    chunked = EvictionCache(KNormScorer(), budget=8, chunk=2)
+    chunked.update_and_fetch(mx.ones((1, H, 4, D)), mx.ones((1, H, 4, D)))
+    assert not can_pack(chunked)
+    assert not can_pack(EvictionCache(KNormScorer(), budget=8))  # empty
+    cold = EvictionCache(KeySVDScorer(calib_tokens=64), budget=8)
+    cold.update_and_fetch(mx.ones((1, H, 4, D)), mx.ones((1, H, 4, D)))
+    assert not can_pack(cold)  # the fallback has no direction yet
+    batch = BatchCache([*members(5)[:2], chunked])
+    batch.update_and_fetch(*rows(np.random.default_rng(0), 3))
+    assert batch._packed is None
+    with pytest.raises(ValueError, match="packable"):
+        PackedBatch([chunked])
+    lent = members(6)
+    BatchCache(lent).update_and_fetch(*rows(np.random.default_rng(0), len(lent)))
+    with pytest.raises((TypeError, ValueError)):
+        lent[0].update_and_fetch(mx.ones((1, H, 1, D)), mx.ones((1, H, 1, D)))
