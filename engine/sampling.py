@@ -8,6 +8,7 @@ top-k, applied in mlx-lm's order) and the temperature are mlx-lm's own.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import mlx.core as mx
@@ -20,8 +21,10 @@ Sampler = Callable[[mx.array], mx.array]
 
 def request_sampler(sp: SamplingParams) -> Sampler:
     """Greedy at temperature 0; mlx-lm's sampler without a seed; a keyed one with it."""
-    if sp.temperature == 0 or sp.seed is None:
-        return make_sampler(sp.temperature, top_p=sp.top_p, min_p=sp.min_p, top_k=sp.top_k)
+    if sp.temperature == 0:
+        return _shared(0.0, 0.0, 0.0, 0)  # greedy, whatever the filters say
+    if sp.seed is None:
+        return _shared(sp.temperature, sp.top_p, sp.min_p, sp.top_k)
     filters: list[Sampler] = []
     if 0 < sp.top_p < 1.0:
         filters.append(lambda x: apply_top_p(x, sp.top_p))
@@ -39,3 +42,10 @@ def request_sampler(sp: SamplingParams) -> Sampler:
         return mx.random.categorical(logprobs * (1.0 / sp.temperature), key=draw)
 
     return sample
+
+
+@functools.lru_cache(maxsize=64)
+def _shared(temperature: float, top_p: float, min_p: float, top_k: int) -> Sampler:
+    # One object per setting: mlx-lm's GenerationBatch samples the whole batch in one call
+    # when its members share the sampler object, and row by row otherwise.
+    return make_sampler(temperature, top_p=top_p, min_p=min_p, top_k=top_k)

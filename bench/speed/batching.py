@@ -7,7 +7,9 @@ batching. Each burst sends ``c`` streamed chat requests of one prompt length at 
 qfserve, methods and budgets mixed: Q-Filters 512, full, K-norm 256, streaming 256;
 temperature 0, EOS banned so each makes exactly ``max_tokens``; a unique prefix defeats
 mlx-lm's prompt cache). Per burst: aggregate decode tokens/s (completion tokens after each
-stream's first, over the span from the first stream's first token to the last stream's end),
+stream's first, over the span from the first stream's first token to the last stream's end,
+so prompts read in that span count against it), steady decode tokens/s (text chunks of all
+streams while every stream is decoding: from the last first token to the first last one),
 end-to-end tokens/s (all completion tokens over the burst's wall time, prefill included), and
 every stream's TTFT (p50, p99). Arms are interleaved per round; ratios are to qfserve
 one-at-a-time, and ``batched_b`` (the batching server again) is the A/A row.
@@ -38,12 +40,35 @@ from bench.harness import interleave, print_table, ratio_row, summary, write_res
 from bench.speed import common  # noqa: E402
 
 ARMS = ("serial", "batched_a", "theirs", "batched_b")
+METRICS = (
+    "tokens_per_s",
+    "steady_tokens_per_s",
+    "e2e_tokens_per_s",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "wall_s",
+)
 MIXES = (  # what qfserve's streams ask for, in turn
     {"kv_method": "qfilters", "qfilters_budget": 512},
     {"kv_method": "full"},
     {"kv_method": "knorm", "qfilters_budget": 256, "qfilters_recent": 64},
     {"kv_method": "streaming", "qfilters_budget": 256},
 )
+
+
+def steady_rate(streams: list[tuple[float, common.StreamTiming]]) -> float | None:
+    """Text chunks per second, all streams together, while every one of them is decoding
+    (None when no such span exists: one stream ended before another began)."""
+    times = [[sent + t for t in timing.chunk_times] for sent, timing in streams]
+    lo, hi = max(ts[0] for ts in times), min(ts[-1] for ts in times)
+    if hi <= lo:
+        return None
+    return sum(sum(lo < t <= hi for t in ts) for ts in times) / (hi - lo)
+
+
+def steady(row: dict, arm: str) -> str:
+    cell = row["steady_tokens_per_s"][arm]
+    return "" if cell is None else f"{cell['median']:.2f}"
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -114,6 +139,7 @@ def main(argv=None) -> dict:
             return {
                 "wall_s": wall,
                 "tokens_per_s": sum(t.completion_tokens - 1 for _, t in streams) / (last - first),
+                "steady_tokens_per_s": steady_rate(streams),
                 "e2e_tokens_per_s": sum(t.completion_tokens for _, t in streams) / wall,
                 "ttft_p50_s": percentile(ttfts, 50),
                 "ttft_p99_s": percentile(ttfts, 99),
@@ -150,18 +176,21 @@ def main(argv=None) -> dict:
                 arms, args.reps, warmup=int(not rows), progress=progress.rounds(label)
             )
             row: dict = {"prompt_tokens": n, "streams": c}
-            for key in ("tokens_per_s", "e2e_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "wall_s"):
+            for key in METRICS:
                 values = {a: [r[key] for r in v] for a, v in runs.items()}
+                if any(x is None for v in values.values() for x in v):  # no steady span
+                    row[key] = {a: None if None in v else summary(v) for a, v in values.items()}
+                    continue
                 row[key] = {a: summary(v) for a, v in values.items()}
                 row[f"{key}_ratios"] = [ratio_row(values, a, "serial") for a in ARMS[1:]]
             rows.append(row)
             progress(f"{label}: " + ", ".join(
                 f"{a} {row['tokens_per_s'][a]['median']:.1f} tok/s" for a in ARMS))  # fmt: skip
 
-    def speedup(n: int) -> dict[int, float] | None:
-        """Batched decode tokens/s at each stream count over one stream, at prompt ``n``."""
-        mine = {r["streams"]: r["tokens_per_s"]["batched_a"]["median"]
-                for r in rows if r["prompt_tokens"] == n}  # fmt: skip
+    def speedup(n: int, key: str = "tokens_per_s") -> dict[int, float] | None:
+        """Batched tokens/s at each stream count over one stream, at prompt ``n``."""
+        mine = {r["streams"]: r[key]["batched_a"]["median"] for r in rows
+                if r["prompt_tokens"] == n and r[key]["batched_a"]}  # fmt: skip
         return None if 1 not in mine else {c: v / mine[1] for c, v in mine.items()}
 
     result = {
@@ -183,6 +212,7 @@ def main(argv=None) -> dict:
         },
         "rows": rows,
         "speedup_over_one_stream": {n: speedup(n) for n in lengths},
+        "steady_speedup_over_one_stream": {n: speedup(n, "steady_tokens_per_s") for n in lengths},
     }
     result["plots"] = plot(result, args.out)
     result["runtime_s"] = round(progress.elapsed, 1)
@@ -200,12 +230,13 @@ def main(argv=None) -> dict:
                     a,
                     f"{r['tokens_per_s'][a]['median']:.2f}",
                     "" if a == "serial" else f"{ratios[a]['median']:.2f}",
+                    steady(r, a),
                     f"{r['e2e_tokens_per_s'][a]['median']:.2f}",
                     f"{r['ttft_p50_s'][a]['median']:.2f}",
                     f"{r['ttft_p99_s'][a]['median']:.2f}",
                 ]
             )
-    headers = ["prompt", "streams", "arm", "decode tok/s", "ratio", "e2e tok/s"]
+    headers = ["prompt", "streams", "arm", "decode tok/s", "ratio", "steady tok/s", "e2e tok/s"]
     print_table([*headers, "TTFT p50 s", "TTFT p99 s"], table)
     print(f"\nwrote {path} in {result['runtime_s']}s")
     return result

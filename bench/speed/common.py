@@ -255,6 +255,7 @@ class StreamTiming:
     prompt_tokens: int
     chunks: int
     kv_cache: dict[str, Any] | None = None
+    chunk_times: tuple[float, ...] = ()  # each text chunk's arrival
 
     @property
     def itl(self) -> float:
@@ -271,6 +272,7 @@ def stream_chat(client, url: str, body: dict[str, Any]) -> StreamTiming:
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     ttft = None
     chunks = 0
+    times: list[float] = []
     usage: dict[str, Any] = {}
     kv = None
     tic = time.perf_counter()
@@ -290,8 +292,9 @@ def stream_chat(client, url: str, body: dict[str, Any]) -> StreamTiming:
             for choice in event.get("choices") or ():
                 if (choice.get("delta") or {}).get("content"):
                     chunks += 1
+                    times.append(time.perf_counter() - tic)
                     if ttft is None:
-                        ttft = time.perf_counter() - tic
+                        ttft = times[-1]
             usage = event.get("usage") or usage
             kv = event.get("kv_cache") or kv
     total = time.perf_counter() - tic
@@ -304,4 +307,5 @@ def stream_chat(client, url: str, body: dict[str, Any]) -> StreamTiming:
         prompt_tokens=int(usage.get("prompt_tokens", 0)),
         chunks=chunks,
         kv_cache=kv,
+        chunk_times=tuple(times),
     )

@@ -15,7 +15,8 @@ def batching(d: dict[str, Any]) -> list[str]:
         f"tokens (EOS banned); ours mix methods and budgets. Arms: {s['serial']} (serial), "
         f"{s['batched']} (batched_a, and batched_b as the A/A copy), {s['theirs']} (theirs). "
         "Decode tokens/s is aggregate: tokens after each stream's first, over the span from "
-        "the first first token to the last stream's end."
+        "the first first token to the last stream's end; steady tokens/s counts only the "
+        "span in which every stream is decoding (from the last first token to the first end)."
     )
     lines.append("")
     rows = []
@@ -27,19 +28,36 @@ def batching(d: dict[str, Any]) -> list[str]:
                     r["streams"],
                     a,
                     f"{r['tokens_per_s'][a]['median']:.2f}",
+                    _steady(r, a),
                     f"{r['e2e_tokens_per_s'][a]['median']:.2f}",
                     f"{r['ttft_p50_s'][a]['median']:.2f}",
                     f"{r['ttft_p99_s'][a]['median']:.2f}",
                 ]
             )
-    headers = ["prompt", "streams", "arm", "decode tok/s", "e2e tok/s", "TTFT p50 s"]
+    headers = [
+        "prompt",
+        "streams",
+        "arm",
+        "decode tok/s",
+        "steady tok/s",
+        "e2e tok/s",
+        "TTFT p50 s",
+    ]
     lines += _table([*headers, "TTFT p99 s"], rows)
-    speedups = d.get("speedup_over_one_stream") or {}
-    for n, sp in speedups.items():
-        if sp:
-            lines += ["", f"Prompt {n}: batched decode tokens/s over one stream: " + ", ".join(
-                f"{c} streams {v:.2f}×" for c, v in sp.items())]  # fmt: skip
+    for key, what in (
+        ("speedup_over_one_stream", "decode"),
+        ("steady_speedup_over_one_stream", "steady decode"),
+    ):
+        for n, sp in (d.get(key) or {}).items():
+            if sp:
+                lines += ["", f"Prompt {n}: batched {what} tokens/s over one stream: " + ", ".join(
+                    f"{c} streams {v:.2f}×" for c, v in sp.items())]  # fmt: skip
     return lines + _plots(d)
+
+
+def _steady(row: dict[str, Any], arm: str) -> str:
+    cell = (row.get("steady_tokens_per_s") or {}).get(arm)  # older results have none
+    return "" if cell is None else f"{cell['median']:.2f}"
 
 
 def multiturn(d: dict[str, Any]) -> list[str]:
