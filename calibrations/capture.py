@@ -107,13 +107,27 @@ class _Reservoir:
         self.priority, self.positions, self.queries = priority, positions, queries
 
 
-class _CapturingRoPE(nn.Module):
-    """Calls the wrapped rope unchanged and offers the rotated queries to a reservoir."""
+class QueryRoPE(nn.Module):
+    """Calls the wrapped rope unchanged and hands each rotated query block to ``on_queries``.
 
-    def __init__(self, rope: Any, reservoir: _Reservoir, n_heads: int, n_kv_heads: int):
+    Args:
+        rope: The layer's ``self_attn.rope``.
+        on_queries: Called as ``on_queries(rotated, offset)`` with the rotated queries
+            ``(B, n_heads, L, D)`` and the offset they were rotated at (int or per row).
+        n_heads: Query heads of the layer.
+        n_kv_heads: KV heads of the layer.
+    """
+
+    def __init__(
+        self,
+        rope: Any,
+        on_queries: Callable[[mx.array, Any], None],
+        n_heads: int,
+        n_kv_heads: int,
+    ):
         super().__init__()
         self.inner = rope
-        self._reservoir = reservoir
+        self._on_queries = on_queries
         self._n_heads = n_heads
         self._gqa = n_heads != n_kv_heads
         self._calls = 0
@@ -128,9 +142,15 @@ class _CapturingRoPE(nn.Module):
                     f"expected rotated queries of shape (B, n_heads={self._n_heads}, L, D), "
                     f"got {tuple(x.shape)}; this attention block rotates in another order"
                 )
-            offset = kwargs.get("offset", args[0] if args else 0)
-            self._reservoir.offer(out, _positions(offset, x.shape[0], x.shape[2]))
+            self._on_queries(out, kwargs.get("offset", args[0] if args else 0))
         return out
+
+
+def _offer_to(reservoir: _Reservoir) -> Callable[[mx.array, Any], None]:
+    def offer(queries: mx.array, offset: Any) -> None:
+        reservoir.offer(queries, _positions(offset, queries.shape[0], queries.shape[2]))
+
+    return offer
 
 
 class QueryCapture:
@@ -174,7 +194,7 @@ class QueryCapture:
             for attn, reservoir in zip(self._attn, self._reservoirs, strict=True):
                 n_heads, n_kv_heads, _ = head_counts(attn, self.model)
                 self._originals.append(attn.rope)
-                attn.rope = _CapturingRoPE(attn.rope, reservoir, n_heads, n_kv_heads)
+                attn.rope = QueryRoPE(attn.rope, _offer_to(reservoir), n_heads, n_kv_heads)
         except BaseException:
             self._restore()
             raise

@@ -14,16 +14,23 @@ from engine.attention import install_head_masks
 from engine.cache import EvictionCache, FullKVCache
 from engine.config import CacheConfig, ConfigError
 from engine.scorers import KeySVDScorer, KNormScorer, QFilterScorer, RecencyScorer, Scorer
+from engine.selfcal import QueryTap, SelfCalibratingScorer, install_query_taps
 
 
 def make_scorer(
-    config: CacheConfig, layer_filters: mx.array | None, layer_scale: mx.array | None = None
+    config: CacheConfig,
+    layer_filters: mx.array | None,
+    layer_scale: mx.array | None = None,
+    tap: QueryTap | None = None,
 ) -> Scorer:
     """The scorer for one layer: calibrated filters ``(H, D)`` when given (scaled to expected
-    logits by ``(H,)`` query scales under adaptive budgets), else the method's."""
+    logits by ``(H,)`` query scales under adaptive budgets), else filters from the request's
+    own queries through the layer's ``tap``, else the key-SVD fallback; or the method's."""
     if config.method == "qfilters":
         if layer_filters is not None:
             return QFilterScorer(layer_filters, sign=config.sign, query_scale=layer_scale)
+        if tap is not None:
+            return SelfCalibratingScorer(tap, budget=config.budget, sign=config.sign)
         return KeySVDScorer(config.calib_tokens, sign=config.sign)
     if config.method == "knorm":
         return KNormScorer()
@@ -82,6 +89,7 @@ def make_caches(
     *,
     filters: mx.array | np.ndarray | None = None,
     query_scale: mx.array | np.ndarray | None = None,
+    self_calibrate: bool = False,
 ) -> list[Any]:
     """One cache per layer, built the way mlx-lm does, with plain ``KVCache`` layers replaced.
 
@@ -96,6 +104,9 @@ def make_caches(
             without them the key-SVD fallback estimates a direction online.
         query_scale: ``[n_layers, n_kv_heads]`` ``E<q, f>`` from the calibration (format
             version 2); required by ``budget_mode="adaptive"``.
+        self_calibrate: Without ``filters``, Q-Filters come from the request's own prompt
+            queries (:mod:`engine.selfcal`) instead of the key-SVD fallback, where the
+            model's attention lets its queries be tapped.
     Returns:
         A list to pass as ``prompt_cache=`` to mlx-lm's generation functions.
     Raises:
@@ -118,6 +129,12 @@ def make_caches(
         except ValueError as exc:
             raise ConfigError("budget_mode", str(exc)) from None
 
+    taps: list[QueryTap] | None = None
+    if self_calibrate and filters is None and config.method == "qfilters" and config.evicts:
+        try:
+            taps = install_query_taps(model)
+        except ValueError:  # no standard attention to tap: the key-SVD fallback
+            taps = None
     for i, cache in enumerate(caches):
         if type(cache) is not KVCache:  # subclasses and other cache kinds stay as they are
             continue
@@ -128,6 +145,7 @@ def make_caches(
             config,
             None if filters is None else filters[i],
             None if scale is None else scale[i],
+            None if taps is None else taps[i],
         )
         caches[i] = EvictionCache(
             scorer,

@@ -35,6 +35,7 @@ from mlx_lm.models.cache import KVCache
 
 from engine.cache import EvictionCache, FullKVCache
 from engine.scorers import KeySVDScorer, KNormScorer, QFilterScorer, RecencyScorer
+from engine.selfcal import SelfCalibratingScorer
 
 _INF = float("inf")
 _STEP = 256  # slots added at a time when a growing member needs more (as mlx-lm's KVCache)
@@ -70,6 +71,9 @@ def _score_form(scorer: Any) -> tuple[int, mx.array | None, mx.array | None] | N
         return _PROJECT, d, scorer.scale
     if isinstance(scorer, KeySVDScorer) and scorer.direction is not None:
         d = scorer.direction[0] if scorer.sign == 1 else -scorer.direction[0]
+        return _PROJECT, d, None
+    if isinstance(scorer, SelfCalibratingScorer) and scorer.filters is not None:
+        d = scorer.filters if scorer.sign == 1 else -scorer.filters
         return _PROJECT, d, None
     if isinstance(scorer, KNormScorer):
         return _NORM, None, None

@@ -3,8 +3,8 @@
 mlx-lm's ``save_prompt_cache`` / ``load_prompt_cache`` (0.32) save each layer's ``state``
 arrays and rebuild caches by class name from its own module, so an eviction cache cannot go
 through them: its settings (``meta_state``) and its scorer are not in ``state``, and its class
-is not mlx-lm's. A file here holds the same per-layer ``state`` arrays (plus a fallback
-scorer's frozen direction), and a JSON header with the entry's key (model, settings, filter
+is not mlx-lm's. A file here holds the same per-layer ``state`` arrays (plus what a scorer
+learned from its request: the fallback's frozen direction, a self-calibrated filter), and a JSON header with the entry's key (model, settings, filter
 source), its tokens, the model's weights fingerprint and each layer's class and
 ``meta_state``. Loading builds fresh caches for those settings with the server's own filters
 (``make_caches``), then restores each layer's state into them; a file for other weights, of
@@ -24,6 +24,8 @@ from typing import Any, cast
 import mlx.core as mx
 
 from engine.config import CacheConfig
+from engine.scorers import KeySVDScorer
+from engine.selfcal import SelfCalibratingScorer
 
 logger = logging.getLogger(__name__)
 
@@ -52,15 +54,15 @@ def save(
     for i, cache in enumerate(caches):
         state = tuple(cache.state)
         arrays.update({f"{i}.{j}": a for j, a in enumerate(state)})
-        direction = getattr(getattr(cache, "scorer", None), "direction", None)
-        if direction is not None:
-            arrays[f"{i}.direction"] = direction
+        scorer = getattr(cache, "scorer", None)
+        arrays.update({f"{i}.{name}": a for name, a in _learned(scorer).items()})
         meta = getattr(cache, "meta_state", None)
         layers.append(
             {
                 "class": type(cache).__name__,
                 "n_state": len(state),
                 "meta_state": None if meta is None else list(meta),
+                "source": getattr(scorer, "source", None),
             }
         )
     header = {
@@ -103,9 +105,23 @@ def load(
         cache.state = tuple(arrays[f"{i}.{j}"] for j in range(layer["n_state"]))
         if layer["meta_state"] is not None:
             cache.meta_state = tuple(layer["meta_state"])
-        if f"{i}.direction" in arrays:
-            cache.scorer.direction = arrays[f"{i}.direction"]
+        for name in ("direction", "filters"):
+            if f"{i}.{name}" in arrays:
+                setattr(cache.scorer, name, arrays[f"{i}.{name}"])
+        if isinstance(getattr(cache, "scorer", None), SelfCalibratingScorer) and layer.get(
+            "source"
+        ):
+            cache.scorer.source = layer["source"]  # "fallback" where no prompt block came first
     return key, list(header["tokens"]), caches
+
+
+def _learned(scorer: Any) -> dict[str, mx.array]:
+    """What a scorer learned from its own request, which fresh caches cannot rebuild."""
+    if isinstance(scorer, KeySVDScorer) and scorer.direction is not None:
+        return {"direction": scorer.direction}
+    if isinstance(scorer, SelfCalibratingScorer) and scorer.filters is not None:
+        return {"filters": scorer.filters}
+    return {}
 
 
 def load_folder(

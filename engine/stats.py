@@ -34,7 +34,7 @@ class CacheStats:
 
 def _merge_source(a: str, b: str) -> str:
     # A request whose layers disagree (one fallback still warming up is still "fallback").
-    for source in ("fallback", "calibrated"):
+    for source in ("fallback", "self", "calibrated"):
         if source in (a, b):
             return source
     return "none"

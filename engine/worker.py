@@ -122,6 +122,8 @@ class Worker:
         prompt_cache_bytes: Bytes those may hold (``None``: up to ``max_kv_bytes``).
         prompt_cache_dir: Keep those on disk too, and start with the ones saved there
             (:mod:`engine.persist`).
+        self_calibration: Without a calibration artifact, Q-Filters come from each
+            request's own prompt queries (:mod:`engine.selfcal`), not the key-SVD fallback.
         loader: Replaces :func:`engine.loading.load_model` (tests).
     """
 
@@ -138,6 +140,7 @@ class Worker:
         prompt_cache_size: int = DEFAULT_PROMPT_CACHE_SIZE,
         prompt_cache_bytes: int | None = None,
         prompt_cache_dir: str | None = None,
+        self_calibration: bool = True,
         loader: Callable[[str | None], LoadedModel] = load_model,
     ) -> None:
         if max_batch < 1:
@@ -169,6 +172,7 @@ class Worker:
         self.fingerprint = ""
         self._saved: set[str] = set()  # entry files this server wrote or loaded
         self._loader = loader
+        self._self_calibration = self_calibration
         self._queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
         self.ledger = Ledger(history, max_kv_bytes)
         self._ids = itertools.count(1)
@@ -342,6 +346,8 @@ class Worker:
             self.filters, self.query_scale, self.filter_source = resolve_calibration(
                 self.loaded.model, self.loaded.model_id, fingerprint=self.fingerprint
             )
+            if self.filters is None and self._self_calibration:
+                self.filter_source = "self"  # engine.selfcal: from each prompt's queries
         logger.info("Q-Filters for %s: %s", self.loaded.model_id, self.filter_source)
 
     def _make_scheduler(self) -> Any:
@@ -513,6 +519,7 @@ class Worker:
             config,
             filters=self.filters if calibrated else None,
             query_scale=self.query_scale if calibrated else None,
+            self_calibrate=self._self_calibration,
         )
 
 

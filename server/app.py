@@ -46,6 +46,7 @@ def build_app(settings: Settings | None = None, *, worker: Worker | None = None)
         prompt_cache_size=settings.prompt_cache_size,
         prompt_cache_bytes=settings.prompt_cache_bytes,
         prompt_cache_dir=settings.prompt_cache_dir,
+        self_calibration=settings.self_calibration,
     )
     app.state.metrics = Metrics(app.state.worker)
     install_error_handlers(app)

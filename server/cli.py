@@ -143,6 +143,14 @@ def make_parser(env: EnvDefaults | None = None) -> argparse.ArgumentParser:
         "for other weights are skipped) (default: memory only)",
     )
     p.add_argument(
+        "--no-self-calibration",
+        dest="self_calibration",
+        action="store_false",
+        default=s.self_calibration,
+        help="for a model without a calibration artifact, use the key-SVD fallback instead of "
+        "filters computed from each request's own prompt queries",
+    )
+    p.add_argument(
         "--api-key",
         default=s.api_key,
         help="require 'Authorization: Bearer KEY' on every route but /health "
@@ -216,6 +224,7 @@ def settings_from_args(args: argparse.Namespace):
         prompt_cache_size=args.prompt_cache_size,
         prompt_cache_bytes=args.prompt_cache_bytes,
         prompt_cache_dir=args.prompt_cache_dir,
+        self_calibration=args.self_calibration,
         api_key=api_key,
         admin_key=args.admin_key,
         admin_enabled=not args.no_admin,

@@ -1,0 +1,220 @@
+"""Self-calibrated Q-Filters against the offline calibration of the same queries.
+
+The reference is ``calibrations``' own pipeline: ``capture_queries`` samples the post-RoPE
+queries of the same prompt (every one of them: the sample is larger than the prompt) and
+``compute_filters`` runs the numpy SVD, sign anchoring and GQA averaging. The model is the
+tiny one with a planted query drift: a constant added to every head's query along its
+slowest-rotating RoPE dimension, so each head has one clear top direction whose sign
+calibration must recover.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from calibrations.capture import capture_queries
+from calibrations.compute import compute_filters
+from engine.cache import EvictionCache
+from engine.config import CacheConfig
+from engine.factory import make_caches
+from engine.loading import default_model_path, load_model
+from engine.selfcal import SelfCalibratingScorer
+
+BUDGET = 96
+
+
+class _Drifted(nn.Module):
+    """``q_proj`` plus a constant: every head's query drifts along one RoPE dimension."""
+
+    def __init__(self, inner: nn.Module, drift: mx.array):
+        super().__init__()
+        self.inner = inner
+        self._drift = drift
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.inner(x) + self._drift
+
+
+@pytest.fixture(scope="module")
+def model():
+    loaded = load_model(str(default_model_path()))
+    model = loaded.model
+    rng = np.random.default_rng(0)
+    for layer in model.layers:
+        attn = layer.self_attn
+        D = attn.q_proj.weight.shape[0] // attn.n_heads
+        drift = np.zeros((attn.n_heads, D), dtype=np.float32)
+        # Dimension D/2 - 1 pairs with D - 1 at RoPE's lowest frequency: it barely turns.
+        drift[:, D // 2 - 1] = rng.choice([-1.0, 1.0], attn.n_heads) * 6.0
+        attn.q_proj = _Drifted(attn.q_proj, mx.array(drift.reshape(-1)))
+    tokens = loaded.tokenizer.encode(" ".join(f"word{i % 37} is {i}" for i in range(120)))
+    return model, tokens
+
+
+def offline(model, tokens):
+    samples = capture_queries(model, [tokens], samples_per_head=len(tokens) + 1)
+    n_kv = model.layers[0].self_attn.n_kv_heads
+    return compute_filters([s.queries for s in samples], n_kv)[0]  # (layers, KV, D)
+
+
+def self_filters(caches):
+    out = []
+    for c in caches:
+        assert isinstance(c, EvictionCache) and isinstance(c.scorer, SelfCalibratingScorer)
+        assert c.scorer.ready and c.scorer.source == "self"
+        out.append(np.array(c.scorer.filters))
+    return np.stack(out)
+
+
+def cosines(a, b):
+    return (a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)
+
+
+@pytest.mark.parametrize("chunk", [None, 64])
+def test_a_prompts_own_filter_is_the_offline_filter_of_its_queries(model, chunk):
+    model, tokens = model
+    config = CacheConfig(method="qfilters", budget=BUDGET, recent=8)
+    caches = make_caches(model, config, self_calibrate=True)
+    step = chunk or len(tokens)
+    for start in range(0, len(tokens), step):
+        model(mx.array(tokens[start : start + step])[None], cache=caches)
+        mx.eval([c.state for c in caches])
+    # Frozen at the first block that overflowed the budget, from every query until then.
+    seen = len(tokens) if chunk is None else -(-(BUDGET + 1) // chunk) * chunk
+    assert all(c.scorer.queries_seen == seen for c in caches)
+    got, want = self_filters(caches), offline(model, tokens[:seen])
+    cos = cosines(got, want)
+    assert cos.min() > 0.99, cos  # the same direction, and the same sign
+    # And it was in place for the first eviction: the kept rows of the first overflowing
+    # block are its top-k (numpy) by projection on that filter, sinks and recent kept.
+    if chunk is None:
+        cache = caches[0]
+        keys, _, _ = cache.kept()
+        assert cache.evictions == 1 and keys.shape[2] == BUDGET
+
+
+def test_the_first_eviction_keeps_the_top_rows_of_the_self_filter(model):
+    model, tokens = model
+    n_sink, recent = 4, 8
+    config = CacheConfig(method="qfilters", budget=BUDGET, recent=recent, n_sink=n_sink)
+    caches = make_caches(model, config, self_calibrate=True)
+    # The full cache's keys of layer 0 (same forward pass: the layer's keys do not depend on
+    # its cache), to rank by the filter in numpy.
+    plain = make_caches(model, CacheConfig(method="full"))
+    x = mx.array(tokens)[None]
+    model(x, cache=caches)
+    model(x, cache=plain)
+    keys = np.array(plain[0].keys[..., : len(tokens), :])[0]  # (KV, L, D)
+    f = np.array(caches[0].scorer.filters)  # (KV, D)
+    scores = np.einsum("hld,hd->hl", keys, f)
+    L = len(tokens)
+    scores[:, :n_sink] = np.inf
+    scores[:, L - recent :] = np.inf
+    for h in range(keys.shape[0]):
+        want = np.sort(np.argsort(-scores[h], kind="stable")[:BUDGET])
+        kept, _, _ = caches[0].kept()
+        got_rows = np.array(kept[0, h])
+        np.testing.assert_allclose(got_rows, keys[h, want], atol=1e-5)
+
+
+def test_decoding_adds_no_eval_even_when_the_filter_freezes_there(model, monkeypatch):
+    model, tokens = model
+    short = tokens[:40]  # shorter than the budget: the first eviction is a decode step
+    config = CacheConfig(method="qfilters", budget=len(short) + 3, recent=2)
+    caches = make_caches(model, config, self_calibrate=True)
+    model(mx.array(short)[None], cache=caches)
+    mx.eval([c.state for c in caches])
+    assert not any(c.scorer.ready for c in caches)
+    calls = []
+    for name in ("eval", "async_eval"):
+        real = getattr(mx, name)
+        monkeypatch.setattr(mx, name, lambda *a, _real=real, _n=name: calls.append(_n) or _real(*a))
+    token = mx.array([[short[-1]]])
+    graphs = []
+    for _ in range(6):
+        graphs.append(model(token, cache=caches))  # graph building only: nothing evaluated
+    assert calls == []
+    monkeypatch.undo()
+    mx.eval(graphs, [c.state for c in caches])
+    assert all(c.scorer.ready and c.evictions > 0 for c in caches)
+    got, want = self_filters(caches), offline(model, short)
+    assert cosines(got, want).min() > 0.99
+
+
+def test_a_one_token_prompt_falls_back_to_the_keys(model):
+    model, tokens = model
+    caches = make_caches(
+        model, CacheConfig(method="qfilters", budget=8, recent=0), self_calibrate=True
+    )
+    for t in tokens[:12]:
+        model(mx.array([[t]]), cache=caches)
+    mx.eval([c.state for c in caches])
+    assert all(c.scorer.ready and c.scorer.source == "fallback" for c in caches)
+    assert all(c.size() == 8 for c in caches)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_server_self_calibrates_a_model_without_an_artifact(enabled):
+    import asyncio
+    import dataclasses
+    import time
+
+    from engine.requests import Failed, Finished, GenerationRequest, SamplingParams
+    from engine.worker import Worker
+
+    loaded = load_model(str(default_model_path()))
+    loaded = dataclasses.replace(loaded, model_id="test/never-calibrated")
+    worker = Worker("x", loader=lambda _ref: loaded, self_calibration=enabled)
+    worker.start()
+    deadline = time.monotonic() + 60
+    while not worker.ready:
+        assert worker.status == "loading" and time.monotonic() < deadline, worker.error
+        time.sleep(0.02)
+    expected = "self" if enabled else "fallback"
+    try:
+        assert worker.filter_source == expected
+        prompt = tuple(loaded.tokenizer.encode(" ".join(f"w{i} is {i}" for i in range(60))))
+        req = GenerationRequest(
+            kind="completion",
+            prompt=prompt,
+            sampling=SamplingParams(max_tokens=4, temperature=0.0),
+            cache=CacheConfig(method="qfilters", budget=64, recent=8),
+        )
+
+        async def go():
+            job = worker.submit(req, asyncio.get_running_loop())
+            while not isinstance(event := await job.next_event(), (Finished, Failed)):
+                pass
+            return event
+
+        final = asyncio.run(go())
+    finally:
+        worker.stop()
+    assert isinstance(final, Finished), final
+    assert final.kv_cache["filter_source"] == expected
+    assert final.kv_cache["evictions"] > 0 and final.kv_cache["tokens_kept"] <= 64
+
+
+def test_a_saved_self_calibrated_cache_restores_its_filter(model, tmp_path):
+    from engine import persist
+    from engine.reuse import cache_key
+
+    model, tokens = model
+    config = CacheConfig(method="qfilters", budget=BUDGET, recent=8)
+    caches = make_caches(model, config, self_calibrate=True)
+    model(mx.array(tokens)[None], cache=caches)
+    mx.eval([c.state for c in caches])
+    key = cache_key("tiny", config, "self")
+    path = persist.save(tmp_path, key, list(tokens), caches, "fp")
+    _, _, restored = persist.load(
+        path, "fp", lambda cfg: make_caches(model, cfg, self_calibrate=True)
+    )
+    np.testing.assert_array_equal(self_filters(restored), self_filters(caches))
+    token = mx.array([[tokens[-1]]])
+    np.testing.assert_array_equal(  # the next step evicts the same row either way
+        np.array(model(token, cache=restored)), np.array(model(token, cache=caches))
+    )
+    assert [c.free.tolist() for c in restored] == [c.free.tolist() for c in caches]
