@@ -56,7 +56,7 @@ def _positions(offset: Any, batch: int, length: int) -> np.ndarray:
     return base + np.arange(length, dtype=np.int64)[None, :]
 
 
-class _Reservoir:
+class Reservoir:
     """The ``capacity`` lowest-priority tokens of one layer: queries, positions, priorities."""
 
     def __init__(self, capacity: int, rng: np.random.Generator):
@@ -146,7 +146,7 @@ class QueryRoPE(nn.Module):
         return out
 
 
-def _offer_to(reservoir: _Reservoir) -> Callable[[mx.array, Any], None]:
+def offer_to(reservoir: Reservoir) -> Callable[[mx.array, Any], None]:
     def offer(queries: mx.array, offset: Any) -> None:
         reservoir.offer(queries, _positions(offset, queries.shape[0], queries.shape[2]))
 
@@ -186,7 +186,7 @@ class QueryCapture:
                     f"layer {i}: {type(attn).__name__} has no `rope` to capture queries from"
                 )
         seeds = np.random.SeedSequence(seed).spawn(len(self._attn))
-        self._reservoirs = [_Reservoir(samples_per_head, np.random.default_rng(s)) for s in seeds]
+        self._reservoirs = [Reservoir(samples_per_head, np.random.default_rng(s)) for s in seeds]
         self._originals: list[Any] = []
 
     def __enter__(self) -> QueryCapture:
@@ -194,7 +194,7 @@ class QueryCapture:
             for attn, reservoir in zip(self._attn, self._reservoirs, strict=True):
                 n_heads, n_kv_heads, _ = head_counts(attn, self.model)
                 self._originals.append(attn.rope)
-                attn.rope = QueryRoPE(attn.rope, _offer_to(reservoir), n_heads, n_kv_heads)
+                attn.rope = QueryRoPE(attn.rope, offer_to(reservoir), n_heads, n_kv_heads)
         except BaseException:
             self._restore()
             raise

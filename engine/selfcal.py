@@ -27,6 +27,7 @@ block before its first eviction (a one-token prompt) takes the key-SVD estimate 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -45,13 +46,18 @@ class QueryTap:
 
     Decode steps (one token) are not kept: in a batch they belong to every member at once.
     A block no scorer takes stays until the layer's next block (one prefill chunk at most).
+    ``offer``, when set, also receives every prompt block (:mod:`engine.traffic`).
     """
 
     def __init__(self) -> None:
         self.queries: mx.array | None = None  # (1, H_q, N, D)
+        self.offer: Callable[[mx.array, Any], None] | None = None
 
     def __call__(self, queries: mx.array, offset: Any) -> None:
-        self.queries = queries if queries.shape[0] == 1 and queries.shape[2] > 1 else None
+        prompt = queries.shape[0] == 1 and queries.shape[2] > 1
+        self.queries = queries if prompt else None
+        if prompt and self.offer is not None:
+            self.offer(queries, offset)
 
     def take(self, n: int) -> mx.array | None:
         """The block's queries if the last block had ``n`` tokens, then forget them."""

@@ -123,7 +123,10 @@ class Worker:
         prompt_cache_dir: Keep those on disk too, and start with the ones saved there
             (:mod:`engine.persist`).
         self_calibration: Without a calibration artifact, Q-Filters come from each
-            request's own prompt queries (:mod:`engine.selfcal`), not the key-SVD fallback.
+            request's own prompt queries (:mod:`engine.selfcal`), not the key-SVD fallback,
+            and the queries sampled from traffic become an artifact (:mod:`engine.traffic`).
+        traffic_samples: Queries per layer pooled before that artifact is written
+            (``None``: calibration's default sample count).
         loader: Replaces :func:`engine.loading.load_model` (tests).
     """
 
@@ -141,6 +144,7 @@ class Worker:
         prompt_cache_bytes: int | None = None,
         prompt_cache_dir: str | None = None,
         self_calibration: bool = True,
+        traffic_samples: int | None = None,
         loader: Callable[[str | None], LoadedModel] = load_model,
     ) -> None:
         if max_batch < 1:
@@ -173,6 +177,8 @@ class Worker:
         self._saved: set[str] = set()  # entry files this server wrote or loaded
         self._loader = loader
         self._self_calibration = self_calibration
+        self._traffic_samples = traffic_samples
+        self._traffic: Any = None  # engine.traffic.TrafficCalibration while pooling
         self._queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
         self.ledger = Ledger(history, max_kv_bytes)
         self._ids = itertools.count(1)
@@ -319,6 +325,8 @@ class Worker:
                 self._admit(wait=len(scheduler) == 0)
                 if len(scheduler):
                     scheduler.step()
+                if self._traffic is not None:
+                    self._learn_from_traffic()
         except BaseException as exc:  # noqa: BLE001 - the thread dies; say why
             self.error = f"{type(exc).__name__}: {exc}"
             logger.exception("generation worker died")
@@ -347,8 +355,56 @@ class Worker:
                 self.loaded.model, self.loaded.model_id, fingerprint=self.fingerprint
             )
             if self.filters is None and self._self_calibration:
-                self.filter_source = "self"  # engine.selfcal: from each prompt's queries
+                self._start_self_calibration()
         logger.info("Q-Filters for %s: %s", self.loaded.model_id, self.filter_source)
+
+    def _start_self_calibration(self) -> None:
+        """Filters from each prompt's own queries, and pooled into an artifact
+        (:mod:`engine.selfcal`, :mod:`engine.traffic`), where the attention can be tapped."""
+        from calibrations.capture import DEFAULT_SAMPLES_PER_HEAD
+        from calibrations.model_info import attention_shape
+        from engine.selfcal import install_query_taps
+        from engine.traffic import TrafficCalibration
+
+        assert self.loaded is not None
+        try:
+            taps = install_query_taps(self.loaded.model)
+            _, n_kv_heads, _ = attention_shape(self.loaded.model)
+        except ValueError as exc:
+            logger.warning("no self-calibration for %s: %s", self.loaded.model_id, exc)
+            return
+        self.filter_source = "self"
+        self._traffic = TrafficCalibration(
+            taps,
+            n_kv_heads=n_kv_heads,
+            model_id=self.loaded.model_id,
+            fingerprint=self.fingerprint,
+            samples_per_head=self._traffic_samples or DEFAULT_SAMPLES_PER_HEAD,
+        )
+
+    def _learn_from_traffic(self) -> None:
+        """Between steps: fold sampled prompt queries in; once an artifact is written,
+        later requests use it."""
+        assert self._traffic is not None and self.loaded is not None
+        try:
+            path = self._traffic.flush()
+            if path is None:
+                return
+            from engine.filters import resolve_calibration
+
+            filters, scale, source = resolve_calibration(
+                self.loaded.model, self.loaded.model_id, fingerprint=self.fingerprint
+            )
+        except Exception:  # noqa: BLE001 - learning must never stop serving
+            logger.exception("learning Q-Filters from traffic failed; self-calibration goes on")
+            self._traffic.stop()
+            self._traffic = None
+            return
+        self._traffic = None
+        if filters is not None:
+            self.filters, self.query_scale, self.filter_source = filters, scale, source
+            logger.info("Q-Filters for %s: calibrated from traffic (%s)", self.loaded.model_id,
+                        path)  # fmt: skip
 
     def _make_scheduler(self) -> Any:
         from engine.scheduler import Scheduler

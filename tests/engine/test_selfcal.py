@@ -3,15 +3,13 @@
 The reference is ``calibrations``' own pipeline: ``capture_queries`` samples the post-RoPE
 queries of the same prompt (every one of them: the sample is larger than the prompt) and
 ``compute_filters`` runs the numpy SVD, sign anchoring and GQA averaging. The model is the
-tiny one with a planted query drift: a constant added to every head's query along its
-slowest-rotating RoPE dimension, so each head has one clear top direction whose sign
-calibration must recover.
+tiny one with a planted query drift (``drifted`` in ``conftest.py``), so each head has one
+clear top direction whose sign calibration must recover.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 import pytest
 
@@ -24,34 +22,6 @@ from engine.loading import default_model_path, load_model
 from engine.selfcal import SelfCalibratingScorer
 
 BUDGET = 96
-
-
-class _Drifted(nn.Module):
-    """``q_proj`` plus a constant: every head's query drifts along one RoPE dimension."""
-
-    def __init__(self, inner: nn.Module, drift: mx.array):
-        super().__init__()
-        self.inner = inner
-        self._drift = drift
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.inner(x) + self._drift
-
-
-@pytest.fixture(scope="module")
-def model():
-    loaded = load_model(str(default_model_path()))
-    model = loaded.model
-    rng = np.random.default_rng(0)
-    for layer in model.layers:
-        attn = layer.self_attn
-        D = attn.q_proj.weight.shape[0] // attn.n_heads
-        drift = np.zeros((attn.n_heads, D), dtype=np.float32)
-        # Dimension D/2 - 1 pairs with D - 1 at RoPE's lowest frequency: it barely turns.
-        drift[:, D // 2 - 1] = rng.choice([-1.0, 1.0], attn.n_heads) * 6.0
-        attn.q_proj = _Drifted(attn.q_proj, mx.array(drift.reshape(-1)))
-    tokens = loaded.tokenizer.encode(" ".join(f"word{i % 37} is {i}" for i in range(120)))
-    return model, tokens
 
 
 def offline(model, tokens):
@@ -74,8 +44,8 @@ def cosines(a, b):
 
 
 @pytest.mark.parametrize("chunk", [None, 64])
-def test_a_prompts_own_filter_is_the_offline_filter_of_its_queries(model, chunk):
-    model, tokens = model
+def test_a_prompts_own_filter_is_the_offline_filter_of_its_queries(drifted, chunk):
+    model, tokens = drifted
     config = CacheConfig(method="qfilters", budget=BUDGET, recent=8)
     caches = make_caches(model, config, self_calibrate=True)
     step = chunk or len(tokens)
@@ -96,8 +66,8 @@ def test_a_prompts_own_filter_is_the_offline_filter_of_its_queries(model, chunk)
         assert cache.evictions == 1 and keys.shape[2] == BUDGET
 
 
-def test_the_first_eviction_keeps_the_top_rows_of_the_self_filter(model):
-    model, tokens = model
+def test_the_first_eviction_keeps_the_top_rows_of_the_self_filter(drifted):
+    model, tokens = drifted
     n_sink, recent = 4, 8
     config = CacheConfig(method="qfilters", budget=BUDGET, recent=recent, n_sink=n_sink)
     caches = make_caches(model, config, self_calibrate=True)
@@ -120,8 +90,8 @@ def test_the_first_eviction_keeps_the_top_rows_of_the_self_filter(model):
         np.testing.assert_allclose(got_rows, keys[h, want], atol=1e-5)
 
 
-def test_decoding_adds_no_eval_even_when_the_filter_freezes_there(model, monkeypatch):
-    model, tokens = model
+def test_decoding_adds_no_eval_even_when_the_filter_freezes_there(drifted, monkeypatch):
+    model, tokens = drifted
     short = tokens[:40]  # shorter than the budget: the first eviction is a decode step
     config = CacheConfig(method="qfilters", budget=len(short) + 3, recent=2)
     caches = make_caches(model, config, self_calibrate=True)
@@ -144,8 +114,8 @@ def test_decoding_adds_no_eval_even_when_the_filter_freezes_there(model, monkeyp
     assert cosines(got, want).min() > 0.99
 
 
-def test_a_one_token_prompt_falls_back_to_the_keys(model):
-    model, tokens = model
+def test_a_one_token_prompt_falls_back_to_the_keys(drifted):
+    model, tokens = drifted
     caches = make_caches(
         model, CacheConfig(method="qfilters", budget=8, recent=0), self_calibrate=True
     )
@@ -198,11 +168,11 @@ def test_the_server_self_calibrates_a_model_without_an_artifact(enabled):
     assert final.kv_cache["evictions"] > 0 and final.kv_cache["tokens_kept"] <= 64
 
 
-def test_a_saved_self_calibrated_cache_restores_its_filter(model, tmp_path):
+def test_a_saved_self_calibrated_cache_restores_its_filter(drifted, tmp_path):
     from engine import persist
     from engine.reuse import cache_key
 
-    model, tokens = model
+    model, tokens = drifted
     config = CacheConfig(method="qfilters", budget=BUDGET, recent=8)
     caches = make_caches(model, config, self_calibrate=True)
     model(mx.array(tokens)[None], cache=caches)

@@ -1,0 +1,123 @@
+"""Q-Filters learned from traffic against ``qfserve calibrate``'s pipeline on the same text.
+
+The reference is calibration's own capture and computation over the same prompts
+(different random samples of them: the tolerance is sampling's). The model has a planted
+query drift (``drifted`` in ``conftest.py``), so each head has a clear filter to find.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+import mlx.core as mx
+import numpy as np
+
+from calibrations import registry
+from calibrations.artifact import read_calibration
+from calibrations.capture import capture_queries
+from calibrations.compute import compute_filters, query_scales
+from engine.config import CacheConfig
+from engine.factory import make_caches
+from engine.loading import default_model_path, load_model
+from engine.requests import Failed, Finished, GenerationRequest, SamplingParams
+from engine.selfcal import install_query_taps
+from engine.traffic import TrafficCalibration
+from engine.worker import Worker
+
+
+def prompts(tokenizer, n: int, words: int) -> list[list[int]]:
+    return [
+        tokenizer.encode(" ".join(f"item{(i * 7 + k) % 53} costs {k}" for k in range(words)))
+        for i in range(n)
+    ]
+
+
+def cosines(a, b):
+    return (a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)
+
+
+def test_pooled_prompts_write_the_artifact_calibrate_would(drifted, tmp_path):
+    model, _ = drifted
+    loaded = load_model(str(default_model_path()))  # only its tokenizer
+    seqs = prompts(loaded.tokenizer, 3, 60)
+    # Enough is reached at the last prompt's last block, so the pool saw every prompt query
+    # (and samples nearly all of them, as the reference does).
+    samples = sum(map(len, seqs)) - (len(seqs[-1]) % 128 or 128) + 1
+    n_kv = model.layers[0].self_attn.n_kv_heads
+    reference = capture_queries(model, seqs, samples_per_head=samples, chunk_size=128, seed=7)
+    ref_queries = [s.queries for s in reference]
+    ref_filters, _ = compute_filters(ref_queries, n_kv)
+    ref_scale = query_scales(ref_queries, ref_filters)
+    # Sampling's tolerance: calibrate again on the same text with another seed.
+    again = capture_queries(model, seqs, samples_per_head=samples, chunk_size=128, seed=8)
+    tolerance = cosines(compute_filters([s.queries for s in again], n_kv)[0], ref_filters)
+
+    taps = install_query_taps(model)
+    pool = TrafficCalibration(
+        taps, n_kv_heads=n_kv, model_id="test/traffic", fingerprint="fp-1",
+        samples_per_head=samples, out_dir=tmp_path,
+    )  # fmt: skip
+    written = []
+    for seq in seqs:  # served as prompts are: chunked prefill, then a few decode steps
+        caches = make_caches(model, CacheConfig(method="full"))
+        for start in range(0, len(seq), 128):
+            model(mx.array(seq[start : start + 128])[None], cache=caches)
+            mx.eval([c.state for c in caches])
+            written.append(pool.flush())
+        for _ in range(3):
+            mx.eval(model(mx.array([[seq[-1]]]), cache=caches))
+            assert pool.flush() is None  # decode steps offer nothing
+    paths = [p for p in written if p is not None]
+    assert len(paths) == 1 and written[-1] == paths[0]  # once, at the last block
+    assert all(t.offer is None for t in taps)
+    got = read_calibration(paths[0])
+    assert got.model_id == "test/traffic" and got.metadata["weights"] == "fp-1"
+    assert "from traffic" in got.metadata["text"] and got.metadata["samples_per_head"] == samples
+    assert got.metadata["n_sequences"] == len(seqs)
+    cos = cosines(got.filters, ref_filters)
+    # The same filters, signs included, as close as calibration is to itself.
+    assert cos.min() > 0.95 and cos.min() >= tolerance.min() - 0.02, (cos, tolerance)
+    np.testing.assert_allclose(got.query_scale, ref_scale, rtol=0.1)
+
+
+def test_the_server_switches_to_the_filters_it_learned(tmp_path, monkeypatch):
+    monkeypatch.setenv(registry.ENV_VAR, str(tmp_path))
+    loaded = load_model(str(default_model_path()))
+    loaded = dataclasses.replace(loaded, model_id="test/learns-from-traffic")
+    worker = Worker("x", loader=lambda _ref: loaded, traffic_samples=500)
+    worker.start()
+    deadline = time.monotonic() + 60
+    while not worker.ready:
+        assert worker.status == "loading" and time.monotonic() < deadline, worker.error
+        time.sleep(0.02)
+
+    def run(prompt):
+        req = GenerationRequest(
+            kind="completion",
+            prompt=tuple(prompt),
+            sampling=SamplingParams(max_tokens=3, temperature=0.0),
+            cache=CacheConfig(method="qfilters", budget=48, recent=8),
+        )
+
+        async def go():
+            job = worker.submit(req, asyncio.get_running_loop())
+            while not isinstance(event := await job.next_event(), (Finished, Failed)):
+                pass
+            return event
+
+        final = asyncio.run(go())
+        assert isinstance(final, Finished), final
+        return final.kv_cache["filter_source"]
+
+    try:
+        first, second, third = prompts(loaded.tokenizer, 3, 40)
+        assert len(first) + len(second) - 2 > 500 > len(first)  # the last token decodes
+        assert [run(first), run(second)] == ["self", "self"]
+        assert run(third) == "calibrated"
+        assert worker.filter_source == "calibrated"
+    finally:
+        worker.stop()
+    (path,) = tmp_path.glob("*.safetensors")
+    assert "from traffic" in read_calibration(path).metadata["text"]
