@@ -16,10 +16,12 @@ import numpy as np
 from engine.cache import EvictionCache
 from engine.config import DEFAULT_CALIB_TOKENS, DEFAULT_N_SINK, CacheConfig
 from engine.factory import make_caches
+from engine.selfcal import SelfCalibratingScorer
 
 LABELS = {
     "full": "full cache",
     "qfilters": "Q-Filters (calibrated)",
+    "self": "Q-Filters (self-calibrated)",
     "fallback": "Q-Filters (key-SVD fallback)",
     "knorm": "K-norm",
     "streaming": "streaming (sinks + recent)",
@@ -31,7 +33,8 @@ class Arm:
     """One cache arm.
 
     Args:
-        method: ``full``, ``qfilters`` (calibrated), ``fallback`` (key-SVD), ``knorm`` or
+        method: ``full``, ``qfilters`` (calibrated), ``self`` (from the prompt's own
+            queries, :mod:`engine.selfcal`), ``fallback`` (key-SVD), ``knorm`` or
             ``streaming``.
         recent_frac: Recent window as a fraction of the budget (0 or 0.25 in the studies).
         sign: ``-1`` keeps the other end of the scoring axis (the fallback's ablation: its
@@ -70,7 +73,7 @@ class Arm:
         if self.method == "full" or budget is None:
             return CacheConfig(method="full")
         return CacheConfig(
-            method="qfilters" if self.method == "fallback" else self.method,
+            method="qfilters" if self.method in ("fallback", "self") else self.method,
             budget=budget,
             n_sink=n_sink,
             recent=self.recent(budget),
@@ -88,11 +91,24 @@ class Arm:
                 raise ValueError("the calibrated qfilters arm needs filters, got None")
             scale = getattr(filters, "query_scale", None) if self.adaptive else None
             return make_caches(model, config, filters=np.asarray(filters), query_scale=scale)
-        return make_caches(model, config)
+        return make_caches(model, config, self_calibrate=self.method == "self")
 
     def source(self, caches: list[Any]) -> str:
         sources = {c.scorer.source for c in caches if isinstance(c, EvictionCache)}
         return ",".join(sorted(sources)) or "none"
+
+
+def feed_block(caches: list[Any], block: list[tuple[Any, ...]]) -> None:
+    """Hand one prompt block, computed once for every arm, to an arm's fresh caches:
+    ``(keys, values)`` per layer, plus the block's rotated queries for self-calibrated
+    caches (what their layer's query tap would hold had the block run through them)."""
+    for cache, (keys, values, *queries) in zip(caches, block, strict=True):
+        scorer = getattr(cache, "scorer", None)
+        if isinstance(scorer, SelfCalibratingScorer):
+            if not queries:
+                raise ValueError("a self-calibrated arm needs the block's queries")
+            scorer.tap.queries = queries[0]
+        cache.update_and_fetch(keys, values)
 
 
 def standard_arms(
@@ -127,6 +143,11 @@ def add_arm_arguments(p: Any) -> None:
         action="store_true",
         help="also run calibrated Q-Filters with head-adaptive budgets",
     )
+    p.add_argument(
+        "--self-calibrated",
+        action="store_true",
+        help="also run Q-Filters computed from each prompt's own queries (engine.selfcal)",
+    )
     p.add_argument("--only", nargs="+", default=None, help="run only these arm names")
 
 
@@ -140,6 +161,8 @@ def select_arms(arms: list[Arm], args: Any) -> list[Arm]:
         extra += [Arm("qfilters", a.recent_frac, adaptive=True) for a in plain]
         extra += [Arm("qfilters", a.recent_frac, chunk=c, adaptive=True)
                   for c in args.chunks for a in plain]  # fmt: skip  # both refinements
+    if getattr(args, "self_calibrated", False):
+        extra += [Arm("self", a.recent_frac) for a in plain]
     out = [*arms, *extra]
     if args.only:
         unknown = set(args.only) - {a.name for a in out}

@@ -121,7 +121,7 @@ def measure(
 ) -> dict:
     """Every arm at every ratio on one document: correct and answer NLL."""
     prompt = doc["prompt"]
-    block = prefill_block(model, prompt)
+    block = prefill_block(model, prompt, queries=any(arm.method == "self" for arm in arms))
     max_tokens = len(doc["answer"]) + 2
     out: dict[str, dict[str, Any]] = {}
     for arm in arms:

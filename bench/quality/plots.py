@@ -13,6 +13,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 COLORS = {
     "full": "black",
     "qfilters": "tab:blue",
+    "self": "tab:purple",
     "fallback": "tab:orange",
     "knorm": "tab:green",
     "streaming": "tab:red",

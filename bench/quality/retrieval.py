@@ -46,7 +46,14 @@ from mlx_lm.models.cache import make_prompt_cache
 from bench.cli import parse, parser
 from bench.harness import print_table
 from bench.quality import plots
-from bench.quality.arms import Arm, add_arm_arguments, check_budget, select_arms, standard_arms
+from bench.quality.arms import (
+    Arm,
+    add_arm_arguments,
+    check_budget,
+    feed_block,
+    select_arms,
+    standard_arms,
+)
 from bench.quality.common import (
     progress,
     run,
@@ -56,6 +63,7 @@ from bench.quality.data import passkey_docs
 from bench.quality.study import open_study
 from bench.quality.teacher import streaming_nll
 from engine.config import DEFAULT_N_SINK
+from engine.selfcal import install_query_taps
 
 STUDY = "retrieval"
 BINS = ("first third", "middle third", "last third")
@@ -89,12 +97,18 @@ def decode(model: Any, prompt: list[int], caches: list[Any], max_tokens: int) ->
     return out
 
 
-def prefill_block(model: Any, prompt: list[int]) -> list[tuple[mx.array, mx.array]]:
-    """Keys and values every layer stores for ``prompt[:-1]`` (one block, full cache)."""
+def prefill_block(
+    model: Any, prompt: list[int], *, queries: bool = False
+) -> list[tuple[mx.array, ...]]:
+    """Keys and values every layer stores for ``prompt[:-1]`` (one block, full cache), and
+    with ``queries`` the block's rotated queries (for self-calibrated arms)."""
+    taps = install_query_taps(model) if queries else None
     cache = make_prompt_cache(model)
     model(mx.array(prompt[:-1])[None], cache=cache)
     n = len(prompt) - 1
-    kv = [(c.keys[..., :n, :], c.values[..., :n, :]) for c in cache]
+    kv: list[tuple[mx.array, ...]] = [(c.keys[..., :n, :], c.values[..., :n, :]) for c in cache]
+    if taps is not None:
+        kv = [(*layer, tap.take(n)) for layer, tap in zip(kv, taps, strict=True)]
     mx.eval(kv)
     return kv
 
@@ -102,7 +116,7 @@ def prefill_block(model: Any, prompt: list[int]) -> list[tuple[mx.array, mx.arra
 def run_arm(
     model: Any,
     prompt: list[int],
-    block: list[tuple[mx.array, mx.array]] | None,
+    block: list[tuple[mx.array, ...]] | None,
     arm: Arm,
     budget: int | None,
     filters: np.ndarray,
@@ -113,8 +127,7 @@ def run_arm(
     if block is None:
         tokens = decode(model, prompt, caches, max_tokens)
     else:
-        for cache, (keys, values) in zip(caches, block, strict=True):
-            cache.update_and_fetch(keys, values)
+        feed_block(caches, block)
         tokens = decode(model, prompt[-1:], caches, max_tokens)
     check_budget(caches, budget, len(prompt) - 1 + len(tokens))
     return tokens
@@ -124,15 +137,14 @@ def answer_nll(
     model: Any,
     prompt: list[int],
     answer: list[int],
-    block: list[tuple[mx.array, mx.array]],
+    block: list[tuple[mx.array, ...]],
     arm: Arm,
     budget: int | None,
     filters: np.ndarray,
 ) -> float:
     """Mean NLL per answer token, teacher-forced one token per step after the prompt."""
     caches = arm.caches(model, budget, filters)
-    for cache, (keys, values) in zip(caches, block, strict=True):
-        cache.update_and_fetch(keys, values)
+    feed_block(caches, block)
     tokens = np.array([[prompt[-1], *answer]])
     # budget=None: the rows are checked against the whole document just below.
     nll, _ = streaming_nll(model, tokens, caches, budget=None, prefill=1)
@@ -152,7 +164,7 @@ def measure_doc(
     against a direct ``generate_step``)."""
     model, prompt = study.model, doc["prompt"]
     max_tokens = doc["key_tokens"] + 2
-    block = prefill_block(model, prompt)
+    block = prefill_block(model, prompt, queries=any(arm.method == "self" for arm, _ in configs))
     cells: list[list[Any]] = []
     check: dict[str, Any] = {"arms": 0, "identical": 0, "mismatches": []}
     for arm, ratio in configs:
