@@ -9,6 +9,9 @@ kept, so they are left out) we take the Spearman correlation between that and ea
 score, computed by the engine's own scorer classes:
 
 * ``qfilters``: calibrated filter projection (:class:`engine.scorers.QFilterScorer`);
+* ``self``: the filter the server computes from a prompt's own queries
+  (:func:`engine.selfcal.filters_from_moments`), here from the queries at positions
+  ``0 .. L/2 - 1`` only, so it never sees the queries whose attention is measured;
 * ``fallback+`` / ``fallback-``: the key-SVD direction frozen after the first 128 keys, as
   the cache would, with both signs (:class:`engine.scorers.KeySVDScorer`);
 * ``knorm``: minus the key norm; ``recency``: the position.
@@ -42,9 +45,10 @@ from calibrations.capture import QueryCapture
 from calibrations.model_info import attention_modules
 from engine.config import DEFAULT_CALIB_TOKENS, DEFAULT_N_SINK
 from engine.scorers import KeySVDScorer, KNormScorer, QFilterScorer, RecencyScorer
+from engine.selfcal import filters_from_moments
 
 STUDY = "attention"
-SCORERS = ("qfilters", "fallback+", "fallback-", "knorm", "recency")
+SCORERS = ("qfilters", "self", "fallback+", "fallback-", "knorm", "recency")
 
 
 def rankdata(a: np.ndarray) -> np.ndarray:
@@ -84,10 +88,19 @@ def received_attention(queries: np.ndarray, keys: np.ndarray, scale: float) -> n
     return weights.mean(axis=1).reshape(kv, group, L).mean(axis=1)
 
 
-def scores_for(keys: mx.array, layer_filters: np.ndarray) -> dict[str, np.ndarray]:
+def self_filters(queries: np.ndarray, n_kv_heads: int) -> mx.array:
+    """The self-calibrated ``(KV, D)`` filters of one layer from its queries ``(H, N, D)``."""
+    q = mx.array(queries.astype(np.float32))
+    return filters_from_moments(q.swapaxes(-1, -2) @ q, q.sum(axis=1), n_kv_heads)
+
+
+def scores_for(
+    keys: mx.array, layer_filters: np.ndarray, layer_self: mx.array
+) -> dict[str, np.ndarray]:
     """Every scorer's ``(KV, L)`` scores for one layer's keys ``(1, KV, L, D)``."""
     out = {
         "qfilters": QFilterScorer(mx.array(layer_filters)).score(keys, 0),
+        "self": QFilterScorer(layer_self).score(keys, 0),
         "knorm": KNormScorer().score(keys, 0),
         "recency": RecencyScorer().score(keys, 0),
     }
@@ -112,7 +125,8 @@ def sequence_correlations(model: Any, tokens: np.ndarray, filters: np.ndarray) -
         queries = sample.queries[:, np.argsort(sample.positions)]  # (H, L, D)
         keys = c.keys[:, :, :L].astype(mx.float32)  # (1, KV, L, D)
         received = received_attention(queries, np.array(keys[0]), float(attn.scale))
-        scores = scores_for(keys, filters[layer])
+        own = self_filters(queries[:, : L // 2], filters.shape[1])
+        scores = scores_for(keys, filters[layer], own)
         for s, name in enumerate(SCORERS):
             for k in range(filters.shape[1]):
                 out[s, layer, k] = spearman(scores[name][k, keys_of], received[k, keys_of])
