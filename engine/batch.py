@@ -81,8 +81,12 @@ class BatchCache:
         if self._packed is not None:
             k, v, self.head_mask = self._packed.step(keys, values)
             return k, v
-        outs = [m.update_and_fetch(keys[i : i + 1], values[i : i + 1])
-                for i, m in enumerate(self.members)]  # fmt: skip
+        outs = []
+        for i, m in enumerate(self.members):
+            tap = getattr(getattr(m, "scorer", None), "tap", None)
+            if tap is not None:  # a scorer that reads queries sees its own request's row
+                tap.narrow(i)
+            outs.append(m.update_and_fetch(keys[i : i + 1], values[i : i + 1]))
         masks = [getattr(m, "head_mask", None) for m in self.members]
         if len(outs) == 1:
             self.head_mask = masks[0]

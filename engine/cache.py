@@ -131,7 +131,9 @@ class EvictionCache(SlotLayout):
 
         scorer = self.scorer
         scores: mx.array | None
-        if scorer.ready:
+        if scorer.ready and getattr(scorer, "dynamic", False):  # every row re-scored (TOVA)
+            scores = scorer.rescore(all_keys, keys.shape[2])  # type: ignore[attr-defined]
+        elif scorer.ready:
             new_scores = scorer.score(keys, start)
             old_scores = self.scores if self.chunk == 1 else self.token_scores
             scores = (

@@ -6,11 +6,12 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-Method = Literal["qfilters", "knorm", "streaming", "full"]
+Method = Literal["qfilters", "knorm", "streaming", "snapkv", "tova", "full"]
 KernelMode = Literal["auto", "on", "off"]
 BudgetMode = Literal["per_head", "adaptive"]
 
-METHODS: tuple[str, ...] = ("qfilters", "knorm", "streaming", "full")
+METHODS: tuple[str, ...] = ("qfilters", "knorm", "streaming", "snapkv", "tova", "full")
+QUERY_AWARE: tuple[str, ...] = ("snapkv", "tova")  # read the model's queries to evict
 KERNEL_MODES: tuple[str, ...] = ("auto", "on", "off")
 BUDGET_MODES: tuple[str, ...] = ("per_head", "adaptive")
 DEFAULT_METHOD: Method = "qfilters"
@@ -37,7 +38,8 @@ class CacheConfig:
 
     Args:
         method: ``qfilters`` (projection on a per-head filter), ``knorm`` (keep small-norm
-            keys), ``streaming`` (sinks + most recent rows) or ``full`` (no eviction).
+            keys), ``streaming`` (sinks + most recent rows), ``snapkv`` / ``tova`` (query-aware
+            references, :mod:`engine.query_aware`) or ``full`` (no eviction).
         budget: Rows kept per layer and KV head, sinks and recent rows included.
         n_sink: Leading positions never evicted. Default: ``4``.
         recent: Trailing positions never evicted. Default: ``0`` (paper-faithful);
@@ -93,6 +95,12 @@ class CacheConfig:
             raise ConfigError(
                 "budget_mode",
                 f"budget_mode must be one of {BUDGET_MODES}, got {self.budget_mode!r}",
+            )
+        if self.method in QUERY_AWARE and self.chunk != 1:
+            raise ConfigError("chunk", f"{self.method} selects rows one by one: chunk must be 1")
+        if self.method in QUERY_AWARE and self.budget_mode != "per_head":
+            raise ConfigError(
+                "budget_mode", f"{self.method} keeps budget rows per head: budget_mode per_head"
             )
         if isinstance(self.floor, bool) or not isinstance(self.floor, (int, float)):
             raise ConfigError("floor", f"floor must be a number, got {self.floor!r}")

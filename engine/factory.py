@@ -12,7 +12,8 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 import metal
 from engine.attention import install_head_masks
 from engine.cache import EvictionCache, FullKVCache
-from engine.config import CacheConfig, ConfigError
+from engine.config import QUERY_AWARE, CacheConfig, ConfigError
+from engine.query_aware import SnapKVScorer, TOVAScorer
 from engine.scorers import KeySVDScorer, KNormScorer, QFilterScorer, RecencyScorer, Scorer
 from engine.selfcal import QueryTap, SelfCalibratingScorer, install_query_taps
 
@@ -36,6 +37,12 @@ def make_scorer(
         return KNormScorer()
     if config.method == "streaming":
         return RecencyScorer()
+    if config.method in QUERY_AWARE:
+        if tap is None:
+            raise ValueError(f"method {config.method!r} needs the layer's query tap")
+        if config.method == "snapkv":
+            return SnapKVScorer(tap, scale=tap.scale)
+        return TOVAScorer(tap, scale=tap.scale)
     raise ValueError(f"method {config.method!r} has no scorer")
 
 
@@ -130,7 +137,14 @@ def make_caches(
             raise ConfigError("budget_mode", str(exc)) from None
 
     taps: list[QueryTap] | None = None
-    if self_calibrate and filters is None and config.method == "qfilters" and config.evicts:
+    if config.method in QUERY_AWARE:
+        try:
+            taps = install_query_taps(model)
+        except ValueError as exc:
+            raise ConfigError(
+                "method", f"{config.method} needs the model's queries: {exc}"
+            ) from None
+    elif self_calibrate and filters is None and config.method == "qfilters" and config.evicts:
         try:
             taps = install_query_taps(model)
         except ValueError:  # no standard attention to tap: the key-SVD fallback

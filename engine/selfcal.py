@@ -42,22 +42,29 @@ _CANCEL_TOL = 0.05  # as calibrations.compute: a group mean this short is no dir
 
 
 class QueryTap:
-    """The last block of rotated queries one layer computed (prompt blocks only).
+    """The last block of rotated queries one layer computed, for its caches' scorers.
 
-    Decode steps (one token) are not kept: in a batch they belong to every member at once.
-    A block no scorer takes stays until the layer's next block (one prefill chunk at most).
-    ``offer``, when set, also receives every prompt block (:mod:`engine.traffic`).
+    A decode step of a batch holds every member's query; a batch narrows the tap to one
+    member's row before that member's cache updates (:meth:`narrow`). A block no scorer
+    takes stays until the layer's next call (one prefill chunk at most). ``offer``, when
+    set, also receives every prompt block (more than one token; :mod:`engine.traffic`).
     """
 
-    def __init__(self) -> None:
-        self.queries: mx.array | None = None  # (1, H_q, N, D)
+    def __init__(self, scale: float = 1.0) -> None:
+        self.scale = scale  # the layer's attention scale (for query-aware scorers)
+        self.batch: mx.array | None = None  # (B, H_q, N, D): what the layer last rotated
+        self.queries: mx.array | None = None  # (1, H_q, N, D): what a scorer may take
         self.offer: Callable[[mx.array, Any], None] | None = None
 
     def __call__(self, queries: mx.array, offset: Any) -> None:
-        prompt = queries.shape[0] == 1 and queries.shape[2] > 1
-        self.queries = queries if prompt else None
-        if prompt and self.offer is not None:
+        self.batch = queries
+        self.queries = queries if queries.shape[0] == 1 else None
+        if self.offer is not None and queries.shape[0] == 1 and queries.shape[2] > 1:
             self.offer(queries, offset)
+
+    def narrow(self, row: int) -> None:
+        """Offer only row ``row`` of the last batch (the member about to update)."""
+        self.queries = None if self.batch is None else self.batch[row : row + 1]
 
     def take(self, n: int) -> mx.array | None:
         """The block's queries if the last block had ``n`` tokens, then forget them."""
@@ -78,8 +85,8 @@ def install_query_taps(model: nn.Module) -> list[QueryTap]:
         if tap is None:
             if not callable(rope):
                 raise ValueError(f"layer {i}: {type(attn).__name__} has no `rope` to tap")
-            n_heads, n_kv_heads, _ = head_counts(attn, model)
-            tap = QueryTap()
+            n_heads, n_kv_heads, head_dim = head_counts(attn, model)
+            tap = QueryTap(float(getattr(attn, "scale", head_dim**-0.5)))
             attn.rope = QueryRoPE(rope, tap, n_heads, n_kv_heads)
             setattr(attn.rope, _MARK, tap)
         taps.append(tap)
@@ -150,7 +157,8 @@ class SelfCalibratingScorer:
         return 0 if self.filters is None else self.filters.nbytes
 
     def observe(self, keys: mx.array, tokens_seen: int) -> None:
-        queries = self.tap.take(tokens_seen - self._seen)
+        n = tokens_seen - self._seen
+        queries = self.tap.take(n) if n > 1 else None  # prompt blocks only
         self._seen = tokens_seen
         if queries is not None:
             q = queries[0].astype(mx.float32)  # (H_q, N, D)

@@ -46,16 +46,21 @@ class SlotLayout:
         assert self.scores is not None and self.order is not None and self.free is not None
         position = self.offset
         self.offset += 1
-        raw = self.scorer.score(keys, position)  # (B, H, 1)
-        score = mx.nan_to_num(raw, nan=-_INF, posinf=_INF, neginf=-_INF)
+        dynamic = getattr(self.scorer, "dynamic", False)  # every row re-scored (TOVA)
+        raw = None if dynamic else self.scorer.score(keys, position)  # (B, H, 1)
         slot = self.free[..., None]  # (B, H, 1, 1)
         self.keys = mx.put_along_axis(self.keys, slot, keys, axis=2)
         self.values = mx.put_along_axis(self.values, slot, values, axis=2)
-        self.scores = mx.put_along_axis(self.scores, self.free, score, axis=2)
+        if raw is None:
+            ranked = self.scorer.rescore(self.keys, 1)  # type: ignore[attr-defined]
+            self.scores = mx.nan_to_num(ranked, nan=-_INF, posinf=_INF, neginf=-_INF)
+        else:
+            score = mx.nan_to_num(raw, nan=-_INF, posinf=_INF, neginf=-_INF)
+            self.scores = mx.put_along_axis(self.scores, self.free, score, axis=2)
         self.order = mx.put_along_axis(
             self.order, self.free, mx.array(position, dtype=mx.int32), axis=2
         )
-        if self.token_scores is not None:
+        if self.token_scores is not None and raw is not None:
             self.token_scores = mx.put_along_axis(self.token_scores, self.free, raw, axis=2)
             self.positions = self.order
         self.free = self._victim()

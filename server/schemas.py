@@ -29,7 +29,7 @@ from server.compat import (
 )
 from server.errors import APIError
 
-KVMethod = Literal["qfilters", "knorm", "streaming", "full"]
+KVMethod = Literal["qfilters", "knorm", "streaming", "snapkv", "tova", "full"]
 assert set(METHODS) == set(KVMethod.__args__)  # type: ignore[attr-defined]
 CACHE_PARAMS = {
     "method": "kv_method",
@@ -180,7 +180,8 @@ class EvictionFields(_Strict):
         KVMethod | None,
         Field(
             description="Eviction method: qfilters (calibrated projection), knorm, streaming "
-            "(sinks + recent) or full (no eviction). Default: --kv-method."
+            "(sinks + recent), snapkv or tova (query-aware references: they read the model's "
+            "queries to evict) or full (no eviction). Default: --kv-method."
         ),
     ] = None
 

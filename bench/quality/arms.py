@@ -16,12 +16,13 @@ import numpy as np
 from engine.cache import EvictionCache
 from engine.config import DEFAULT_CALIB_TOKENS, DEFAULT_N_SINK, CacheConfig
 from engine.factory import make_caches
-from engine.selfcal import SelfCalibratingScorer
 
 LABELS = {
     "full": "full cache",
     "qfilters": "Q-Filters (calibrated)",
     "self": "Q-Filters (self-calibrated)",
+    "snapkv": "SnapKV (query-aware)",
+    "tova": "TOVA (query-aware)",
     "fallback": "Q-Filters (key-SVD fallback)",
     "knorm": "K-norm",
     "streaming": "streaming (sinks + recent)",
@@ -34,8 +35,8 @@ class Arm:
 
     Args:
         method: ``full``, ``qfilters`` (calibrated), ``self`` (from the prompt's own
-            queries, :mod:`engine.selfcal`), ``fallback`` (key-SVD), ``knorm`` or
-            ``streaming``.
+            queries, :mod:`engine.selfcal`), ``fallback`` (key-SVD), ``knorm``,
+            ``streaming``, or the query-aware references ``snapkv`` and ``tova``.
         recent_frac: Recent window as a fraction of the budget (0 or 0.25 in the studies).
         sign: ``-1`` keeps the other end of the scoring axis (the fallback's ablation: its
             axis oriented *to* the keys' mean).
@@ -98,16 +99,20 @@ class Arm:
         return ",".join(sorted(sources)) or "none"
 
 
+READS_QUERIES = ("self", "snapkv", "tova")  # arms whose caches take the block's queries
+
+
 def feed_block(caches: list[Any], block: list[tuple[Any, ...]]) -> None:
     """Hand one prompt block, computed once for every arm, to an arm's fresh caches:
     ``(keys, values)`` per layer, plus the block's rotated queries for self-calibrated
-    caches (what their layer's query tap would hold had the block run through them)."""
+    and query-aware caches (what their layer's query tap would hold had the block run
+    through them)."""
     for cache, (keys, values, *queries) in zip(caches, block, strict=True):
-        scorer = getattr(cache, "scorer", None)
-        if isinstance(scorer, SelfCalibratingScorer):
+        tap = getattr(getattr(cache, "scorer", None), "tap", None)
+        if tap is not None:
             if not queries:
-                raise ValueError("a self-calibrated arm needs the block's queries")
-            scorer.tap.queries = queries[0]
+                raise ValueError("an arm that reads queries needs the block's queries")
+            tap.queries = queries[0]
         cache.update_and_fetch(keys, values)
 
 
@@ -148,6 +153,11 @@ def add_arm_arguments(p: Any) -> None:
         action="store_true",
         help="also run Q-Filters computed from each prompt's own queries (engine.selfcal)",
     )
+    p.add_argument(
+        "--query-aware",
+        action="store_true",
+        help="also run SnapKV and TOVA, which read the model's queries (engine.query_aware)",
+    )
     p.add_argument("--only", nargs="+", default=None, help="run only these arm names")
 
 
@@ -163,6 +173,8 @@ def select_arms(arms: list[Arm], args: Any) -> list[Arm]:
                   for c in args.chunks for a in plain]  # fmt: skip  # both refinements
     if getattr(args, "self_calibrated", False):
         extra += [Arm("self", a.recent_frac) for a in plain]
+    if getattr(args, "query_aware", False):
+        extra += [Arm(m, a.recent_frac) for m in ("snapkv", "tova") for a in plain]
     out = [*arms, *extra]
     if args.only:
         unknown = set(args.only) - {a.name for a in out}

@@ -31,7 +31,7 @@ import numpy as np
 from bench.cli import parse, parser
 from bench.harness import print_table
 from bench.quality import plots
-from bench.quality.arms import Arm, add_arm_arguments, select_arms
+from bench.quality.arms import READS_QUERIES, Arm, add_arm_arguments, select_arms
 from bench.quality.common import progress, run
 from bench.quality.prose import stdlib_prose
 from bench.quality.retrieval import answer_nll, budget_for, prefill_block, run_arm
@@ -121,7 +121,7 @@ def measure(
 ) -> dict:
     """Every arm at every ratio on one document: correct and answer NLL."""
     prompt = doc["prompt"]
-    block = prefill_block(model, prompt, queries=any(arm.method == "self" for arm in arms))
+    block = prefill_block(model, prompt, queries=any(arm.method in READS_QUERIES for arm in arms))
     max_tokens = len(doc["answer"]) + 2
     out: dict[str, dict[str, Any]] = {}
     for arm in arms:

@@ -14,6 +14,8 @@ COLORS = {
     "full": "black",
     "qfilters": "tab:blue",
     "self": "tab:purple",
+    "snapkv": "tab:olive",
+    "tova": "tab:cyan",
     "fallback": "tab:orange",
     "knorm": "tab:green",
     "streaming": "tab:red",

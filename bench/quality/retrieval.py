@@ -47,6 +47,7 @@ from bench.cli import parse, parser
 from bench.harness import print_table
 from bench.quality import plots
 from bench.quality.arms import (
+    READS_QUERIES,
     Arm,
     add_arm_arguments,
     check_budget,
@@ -164,7 +165,9 @@ def measure_doc(
     against a direct ``generate_step``)."""
     model, prompt = study.model, doc["prompt"]
     max_tokens = doc["key_tokens"] + 2
-    block = prefill_block(model, prompt, queries=any(arm.method == "self" for arm, _ in configs))
+    block = prefill_block(
+        model, prompt, queries=any(arm.method in READS_QUERIES for arm, _ in configs)
+    )
     cells: list[list[Any]] = []
     check: dict[str, Any] = {"arms": 0, "identical": 0, "mismatches": []}
     for arm, ratio in configs:

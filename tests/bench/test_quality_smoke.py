@@ -46,7 +46,7 @@ def results(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
             argv = ["--quick", "--model", str(tiny_model), "--out", str(out)]
             fresh = study not in ("stability", "multiturn_recall")  # these use the registry's own
             if study in ("retrieval", "niah"):  # they share one prefill, queries included
-                argv.append("--self-calibrated")
+                argv += ["--self-calibrated", "--query-aware"]
             assert module.main([*argv, "--calibration", "fresh"] if fresh else argv) == 0
     finally:
         os.environ.pop("QFSERVE_BENCH_CACHE", None)
@@ -87,7 +87,8 @@ def test_retrieval_shared_prefill_matches_generate_step(results: Path) -> None:
     assert len(lines) == sum(r["docs"] for r in data["results"].values())  # one per document
     check = data["shared_prefill_check"]
     assert check["arms"] > 0 and check["identical"] == check["arms"], check["mismatches"]
-    assert any(name.startswith("self/") for res in data["results"].values() for name in res["arms"])
+    names = {name.split("/")[0] for res in data["results"].values() for name in res["arms"]}
+    assert {"self", "snapkv", "tova"} <= names
     for res in data["results"].values():
         for cells in res["arms"].values():
             for c in cells.values():

@@ -33,6 +33,8 @@ SETTINGS = [  # method, budget, recent, budget_mode: every kind of cache in one 
     CacheConfig(method="qfilters", budget=96, recent=24),
     CacheConfig(method="qfilters", budget=64, recent=16, chunk=8),
     CacheConfig(method="qfilters", budget=80, recent=16, budget_mode="adaptive", floor=0.25),
+    CacheConfig(method="tova", budget=56, recent=8),  # the query-aware ones read their own
+    CacheConfig(method="snapkv", budget=88, recent=16),  # row of the batch's queries
 ]
 PACKED = [  # only caches the batch packs into shared arrays (engine.packed); the first (89
     CacheConfig(method="qfilters", budget=100, recent=8),  # tokens) fills while decoding
