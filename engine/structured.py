@@ -75,6 +75,8 @@ def compile_tool_grammar(tools: str) -> str:
         for t in json.loads(tools)
     ]
     spec = {"anyOf": calls} if len(calls) > 1 else calls[0]
+    # Compact JSON, as for response formats: %json alone lets whitespace repeat forever.
+    spec = {**spec, "x-guidance": {"whitespace_flexible": False}}
     grammar = llguidance.LLMatcher.grammar_from_lark(
         f'start: "<tool_call>" call "</tool_call>"\ncall: %json {json.dumps(spec)}'
     )
