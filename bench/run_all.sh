@@ -4,7 +4,7 @@
 # quality studies append to a JSONL and resume where they stopped); results go to
 # bench/results/smollm2/. Run one at a time: timings are read as interleaved ratios, but a
 # second study on the same cores still adds noise.
-# Usage: bench/run_all.sh [quality|speed|refinements|all]
+# Usage: bench/run_all.sh [quality|speed|refinements|selfcal|all]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 which="${1:-all}"
@@ -19,6 +19,15 @@ if [[ "$which" == quality || "$which" == all ]]; then
     run bench.quality.stability
     run bench.quality.multiturn_recall
 fi
+if [[ "$which" == selfcal || "$which" == all ]]; then
+    # Without the artifact: Q-Filters from each prompt's own queries beside the calibrated
+    # ones, the key-SVD fallback, the query-aware references, K-norm and streaming.
+    out=bench/results/smollm2/selfcal
+    run bench.quality.retrieval --calibration registry --lengths 1024 2048 4096 --ratios 2 4 8 16 \
+        --per-bin 2 --recent-fracs 0.25 --self-calibrated --out "$out" \
+        --only qfilters/r25 self/r25 fallback/r25 knorm/r25 streaming/r0
+    run bench.quality.attention --calibration registry --out "$out"
+fi
 if [[ "$which" == speed || "$which" == all ]]; then
     run bench.speed.decode
     run bench.speed.ttft
@@ -26,6 +35,7 @@ if [[ "$which" == speed || "$which" == all ]]; then
     run bench.speed.vs_mlx_lm
     run bench.speed.batching
     run bench.speed.batch_step
+    run bench.speed.selfcal_prefill
     run bench.speed.multiturn
     run bench.speed.bandwidth
     run bench.speed.structured --reps 5 --tokens 40

@@ -93,6 +93,13 @@ def install_query_taps(model: nn.Module) -> list[QueryTap]:
     return taps
 
 
+def remove_query_taps(model: nn.Module) -> None:
+    """Put every layer's own rope back (caches that still read a tap then find none)."""
+    for attn in attention_modules(model):
+        if getattr(getattr(attn, "rope", None), _MARK, None) is not None:
+            attn.rope = attn.rope.inner
+
+
 def top_vector(gram: mx.array, total: mx.array) -> mx.array:
     """Sign-anchored top eigenvector of each uncentred second moment.
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.speed.markdown import MiB, _header, _ms, _plots, _r, _table
-from bench.speed.serving_report import batch_step, batching, multiturn
+from bench.speed.serving_report import batch_step, batching, multiturn, selfcal_prefill
 
 
 def decode(d: dict[str, Any]) -> list[str]:
@@ -253,6 +253,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "batching": batching,
     "multiturn": multiturn,
     "batch_step": batch_step,
+    "selfcal_prefill": selfcal_prefill,
 }
 
 

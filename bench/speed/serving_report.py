@@ -1,4 +1,5 @@
-"""Markdown for the serving studies: continuous batching and multi-turn reuse."""
+"""Markdown for the serving studies: continuous batching, multi-turn reuse, one batch step,
+and self-calibration's prefill cost."""
 
 from __future__ import annotations
 
@@ -120,4 +121,29 @@ def batch_step(d: dict[str, Any]) -> list[str]:
         )
     headers = ["batch", "ours ms", "theirs ms", "ours updates ms", "theirs updates ms"]
     lines += _table([*headers, "ours/theirs", "A/A", "ours tok/s ×", "theirs tok/s ×"], rows)
+    return lines + _plots(d)
+
+
+def selfcal_prefill(d: dict[str, Any]) -> list[str]:
+    s = d["settings"]
+    lines = _header("15. Self-calibration: its cost on a prefill", d)
+    lines.append(
+        f"In process: a {s['prompt_tokens']}-token prompt prefilled in {s['prefill_chunk']}-token "
+        f"chunks into Q-Filters caches (budget {s['budget']}, recent {s['recent']}), "
+        f"{s['reps']} interleaved rounds. `self` computes its filters from the prompt's own "
+        "queries (engine.selfcal); `calibrated` uses the registry's, with no query taps; "
+        "`calibrated_again` is the A/A copy. Ratios are to `calibrated`."
+    )
+    lines.append("")
+    rows = [["calibrated", f"{d['prefill_s']['calibrated']['median']:.2f}", "1.00", ""]]
+    for r in d["ratios"]:
+        rows.append(
+            [
+                r["arm"],
+                f"{d['prefill_s'][r['arm']]['median']:.2f}",
+                f"{r['median']:.3f}",
+                f"{r['min']:.3f}-{r['max']:.3f}",
+            ]
+        )
+    lines += _table(["arm", "prefill s", "ratio", "range"], rows)
     return lines + _plots(d)

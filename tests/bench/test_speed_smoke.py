@@ -17,6 +17,7 @@ STUDIES = (
     "batching",
     "multiturn",
     "batch_step",
+    "selfcal_prefill",
 )
 
 
