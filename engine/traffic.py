@@ -87,6 +87,27 @@ class TrafficCalibration:
 
         return take
 
+    @classmethod
+    def for_model(
+        cls, model: Any, *, model_id: str, fingerprint: str, samples_per_head: int | None = None
+    ) -> TrafficCalibration:
+        """Tap ``model``'s queries and pool them (``None``: calibration's sample count).
+
+        Raises:
+            ValueError: the model's attention has no standard blocks with a rope to tap.
+        """
+        from calibrations.model_info import attention_shape
+        from engine.selfcal import install_query_taps
+
+        _, n_kv_heads, _ = attention_shape(model)
+        return cls(
+            install_query_taps(model),
+            n_kv_heads=n_kv_heads,
+            model_id=model_id,
+            fingerprint=fingerprint,
+            samples_per_head=samples_per_head or DEFAULT_SAMPLES_PER_HEAD,
+        )
+
     @property
     def tokens_seen(self) -> int:
         return min(r.tokens_seen for r in self.reservoirs)

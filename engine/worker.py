@@ -361,26 +361,20 @@ class Worker:
     def _start_self_calibration(self) -> None:
         """Filters from each prompt's own queries, and pooled into an artifact
         (:mod:`engine.selfcal`, :mod:`engine.traffic`), where the attention can be tapped."""
-        from calibrations.capture import DEFAULT_SAMPLES_PER_HEAD
-        from calibrations.model_info import attention_shape
-        from engine.selfcal import install_query_taps
         from engine.traffic import TrafficCalibration
 
         assert self.loaded is not None
         try:
-            taps = install_query_taps(self.loaded.model)
-            _, n_kv_heads, _ = attention_shape(self.loaded.model)
+            self._traffic = TrafficCalibration.for_model(
+                self.loaded.model,
+                model_id=self.loaded.model_id,
+                fingerprint=self.fingerprint,
+                samples_per_head=self._traffic_samples,
+            )
         except ValueError as exc:
             logger.warning("no self-calibration for %s: %s", self.loaded.model_id, exc)
-            return
-        self.filter_source = "self"
-        self._traffic = TrafficCalibration(
-            taps,
-            n_kv_heads=n_kv_heads,
-            model_id=self.loaded.model_id,
-            fingerprint=self.fingerprint,
-            samples_per_head=self._traffic_samples or DEFAULT_SAMPLES_PER_HEAD,
-        )
+        else:
+            self.filter_source = "self"
 
     def _learn_from_traffic(self) -> None:
         """Between steps: fold sampled prompt queries in; once an artifact is written,
