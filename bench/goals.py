@@ -210,6 +210,42 @@ def multiturn(folder: Path) -> Row:
     )
 
 
+def self_calibration(folder: Path) -> Row:
+    goal = (
+        "Self-calibrated Q-Filters (no artifact): pass key at 8× within 5 points of the "
+        "calibrated filters and well above the key-SVD fallback"
+    )
+    data = _load(folder / "selfcal", "retrieval")
+    if not data:
+        return goal, "not run yet", "not run"
+    lengths = sorted(data["results"], key=int)
+    acc = {a: _accuracy(data, lengths, a, 8) for a in ("self/r25", "qfilters/r25", "fallback/r25")}
+    if None in acc.values():
+        return goal, "an arm is missing at 8×", "not run"
+    mine, theirs, fallback = acc["self/r25"], acc["qfilters/r25"], acc["fallback/r25"]
+    assert mine is not None and theirs is not None and fallback is not None
+    docs = sum(data["results"][n]["docs"] for n in lengths)
+    measured = (
+        f"{', '.join(lengths)} tokens ({docs} documents): self {mine:.2f}, calibrated "
+        f"{theirs:.2f}, fallback {fallback:.2f}"
+    )
+    return goal, measured, _verdict(mine >= theirs - 0.05 and mine > fallback + 0.1)
+
+
+def self_calibration_cost(folder: Path) -> Row:
+    goal = "Self-calibration's prefill cost on a 4k prompt ≤ 1.10× a plain prefill"
+    data = _load(folder, "selfcal_prefill")
+    if not data:
+        return goal, "not run yet", "not run"
+    ratios = {r["arm"]: r for r in data["ratios"]}
+    own, aa = ratios["self"], ratios["calibrated_again"]
+    measured = (
+        f"{data['settings']['prompt_tokens']} tokens: {own['median']:.3f}× "
+        f"(A/A {aa['median']:.3f}×)"
+    )
+    return goal, measured, _verdict(own["median"] <= 1.10)
+
+
 GOALS: tuple[Callable[[Path], Row], ...] = (
     retrieval,
     niah,
@@ -219,6 +255,8 @@ GOALS: tuple[Callable[[Path], Row], ...] = (
     vs_mlx_lm,
     batching,
     multiturn,
+    self_calibration,
+    self_calibration_cost,
 )
 
 

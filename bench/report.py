@@ -29,6 +29,12 @@ MODELS = (
         False,
     ),
     (
+        "smollm2/selfcal",
+        "SmolLM2-135M-Instruct: self-calibrated Q-Filters (no artifact) against calibrated, "
+        "the key-SVD fallback and the query-aware references",
+        False,
+    ),
+    (
         "qfserve-tiny",
         "qfserve-tiny (the bundled 6-layer test model: what CI's smoke runs use; kept where "
         "it still says something)",
