@@ -98,6 +98,11 @@ def can_pack(cache: Any) -> bool:
     )
 
 
+def _arrays(cache: Any) -> list[mx.array]:
+    names = ("keys", "values", "scores", "order", "free")
+    return [a for a in (getattr(cache, n, None) for n in names) if isinstance(a, mx.array)]
+
+
 def _pad(x: mx.array, rows: int) -> mx.array:
     """Zero rows appended along the slot axis (axis 2) up to ``rows``."""
     if x.shape[2] == rows:
@@ -281,7 +286,11 @@ class PackedBatch:
             m.free = Lent((1, H, 1), mx.uint32)
 
     def release(self) -> None:
-        """Give every member its rows back (copies) in the layout it would have alone."""
+        """Give every member its rows back (copies) in the layout it would have alone.
+
+        The copies are evaluated now, without waiting: until then each one would keep the
+        whole batch's buffers alive (a finished request's caches may stay for a later turn).
+        """
         for i, m in enumerate(self.members):
             held = self.held[i]
 
@@ -297,6 +306,7 @@ class PackedBatch:
                 m.free = mx.contiguous(self.free[i : i + 1])
             else:
                 m.scores = rows(self.scores)
+        mx.async_eval([a for m in self.members for a in _arrays(m)])
         self.members = []
 
     @property

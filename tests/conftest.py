@@ -6,9 +6,24 @@ once; tests that need it are few, since a forward pass costs ~120 ms per token h
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _calibrations_written_to_a_scratch_folder(tmp_path_factory):
+    """Artifacts a test writes (``qfserve calibrate``, or the servers it starts learning
+    from traffic) go to a scratch folder, never the user's own (servers inherit this)."""
+    scratch = tmp_path_factory.mktemp("calibrations")
+    before = os.environ.get("QFSERVE_CALIBRATIONS")
+    os.environ["QFSERVE_CALIBRATIONS"] = str(scratch)
+    yield
+    if before is None:
+        os.environ.pop("QFSERVE_CALIBRATIONS", None)
+    else:
+        os.environ["QFSERVE_CALIBRATIONS"] = before
 
 
 @pytest.fixture(scope="session")
