@@ -172,11 +172,10 @@ class PackedBatch:
             self._lend(i)
 
     def _needed(self, i: int) -> int:
-        """Slots member ``i`` needs for its next row."""
-        cap = self.caps[i]
-        if cap != _INF:
-            return int(cap)
-        return -(-(self.held[i] + 1) // _STEP) * _STEP
+        """Slots member ``i`` needs for its next row: room to grow by whole steps, up to its
+        ``budget + 1`` (a large budget on a short request reserves nothing it does not use)."""
+        grown = -(-(self.held[i] + 1) // _STEP) * _STEP
+        return int(min(self.caps[i], grown))
 
     def _set_scoring(self, forms: list[tuple[int, mx.array | None, mx.array | None]]) -> None:
         self.kinds = sorted({kind for kind, _, _ in forms})

@@ -159,3 +159,11 @@ def test_what_cannot_be_packed_steps_alone_and_lent_arrays_refuse_work():
     BatchCache(lent).update_and_fetch(*rows(np.random.default_rng(0), len(lent)))
     with pytest.raises((TypeError, ValueError)):
         lent[0].update_and_fetch(mx.ones((1, H, 1, D)), mx.ones((1, H, 1, D)))
+
+
+def test_a_huge_budget_reserves_only_what_its_rows_need():
+    big = EvictionCache(KNormScorer(), budget=10**12)
+    big.update_and_fetch(mx.ones((1, H, 5, D)), mx.ones((1, H, 5, D)))
+    batch = BatchCache([big, *members(7)[:2]])
+    k, _ = batch.update_and_fetch(*rows(np.random.default_rng(0), 3))
+    assert batch._packed is not None and k.shape[2] == 256  # one growth step, not 10**12
