@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from engine.scorers import AlwaysReady
 from engine.selfcal import QueryTap
 
 DEFAULT_WINDOW = 32  # SnapKV's observation window
@@ -62,7 +63,7 @@ def _block_queries(tap: QueryTap, n: int, method: str) -> mx.array:
     return queries
 
 
-class SnapKVScorer:
+class SnapKVScorer(AlwaysReady):
     """SnapKV's one-shot prompt scores (see the module doc).
 
     Args:
@@ -71,9 +72,6 @@ class SnapKVScorer:
         window: Observation window: the block's last queries that vote.
         kernel: Width of the average pool over positions (odd).
     """
-
-    source = "none"
-    ready = True
 
     def __init__(
         self,
@@ -89,13 +87,6 @@ class SnapKVScorer:
         self.scale = scale
         self.window = window
         self.kernel = kernel
-
-    @property
-    def nbytes(self) -> int:
-        return 0
-
-    def observe(self, keys: mx.array, tokens_seen: int) -> None:
-        return None
 
     def score(self, keys: mx.array, start: int) -> mx.array:
         B, H, N, _ = keys.shape
@@ -115,7 +106,7 @@ class SnapKVScorer:
         return pooled / self.kernel
 
 
-class TOVAScorer:
+class TOVAScorer(AlwaysReady):
     """TOVA's scores: the newest query's attention over every stored row, each update.
 
     Args:
@@ -123,20 +114,11 @@ class TOVAScorer:
         scale: The layer's attention scale.
     """
 
-    source = "none"
-    ready = True
     dynamic = True  # the cache replaces every row's score through rescore()
 
     def __init__(self, tap: QueryTap, *, scale: float) -> None:
         self.tap = tap
         self.scale = scale
-
-    @property
-    def nbytes(self) -> int:
-        return 0
-
-    def observe(self, keys: mx.array, tokens_seen: int) -> None:
-        return None
 
     def score(self, keys: mx.array, start: int) -> mx.array:
         raise RuntimeError("TOVA scores every stored row at once: the cache calls rescore()")

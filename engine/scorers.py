@@ -52,7 +52,9 @@ def project(keys: mx.array, direction: mx.array, sign: int) -> mx.array:
     return (_as_float32(keys) @ d[..., None]).squeeze(-1)  # (B, H, N)
 
 
-class _AlwaysReady:
+class AlwaysReady:
+    """A scorer with nothing to learn: ready from the first key, nothing observed."""
+
     source = "none"
     ready = True
 
@@ -64,7 +66,7 @@ class _AlwaysReady:
         return None
 
 
-class QFilterScorer(_AlwaysReady):
+class QFilterScorer(AlwaysReady):
     """Calibrated Q-Filters: projection on a per-KV-head filter computed offline from queries.
 
     Args:
@@ -159,14 +161,14 @@ def estimate_direction(keys: mx.array) -> mx.array:
     return top * orient
 
 
-class KNormScorer(_AlwaysReady):
+class KNormScorer(AlwaysReady):
     """K-norm: keys with a small L2 norm tend to receive more attention, so score = -||k||."""
 
     def score(self, keys: mx.array, start: int) -> mx.array:
         return -mx.sqrt(mx.square(_as_float32(keys)).sum(axis=-1))
 
 
-class RecencyScorer(_AlwaysReady):
+class RecencyScorer(AlwaysReady):
     """StreamingLLM: score = position, so the kept rows are the sinks plus the latest ones."""
 
     def score(self, keys: mx.array, start: int) -> mx.array:
