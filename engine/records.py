@@ -68,6 +68,15 @@ class RequestRecord:
     created: float = field(default_factory=time.time)
     finished: float | None = None
 
+    @classmethod
+    def opened(cls, id: str, model: str, kind: str, config: CacheConfig) -> RequestRecord:
+        """The record of a request just submitted, with its cache settings."""
+        return cls(
+            id=id, model=model, kind=kind, method=config.method, budget=config.budget,
+            recent=config.recent, n_sink=config.n_sink, chunk=config.chunk,
+            budget_mode=config.budget_mode,
+        )  # fmt: skip
+
     def update(self, caches: list[Any]) -> None:
         """Refresh the cache figures from the request's caches."""
         stats = summarize(caches)

@@ -18,12 +18,17 @@ bytes, trimming of caches that can be trimmed); this module adds what it does no
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import astuple
+from pathlib import Path
 from typing import Any
 
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
 from engine.config import CacheConfig
+
+logger = logging.getLogger(__name__)
 
 
 def cache_key(model: str, config: CacheConfig, filter_source: str) -> tuple[Any, ...]:
@@ -109,6 +114,80 @@ class PromptCache:
         live = {(m, tuple(t)) for lru in self._lru._lru._lrus.values() for m, t in lru}
         for k in [k for k in self._entries if k not in live]:
             del self._entries[k]
+
+
+class KeptCaches:
+    """The worker's prompt cache: a :class:`PromptCache`, mirrored on disk when ``folder`` is
+    set (:mod:`engine.persist`: the saved entries are loaded here, each kept entry is saved
+    and each dropped one deleted), and the summary the admin endpoint reads off the thread.
+
+    Args:
+        size: Entries kept at most.
+        max_bytes: Bytes they hold at most.
+        folder: ``--prompt-cache-dir``, or ``None``.
+        fingerprint: The model weights' fingerprint; saved entries of other weights are
+            left alone.
+        fresh: Builds a request's caches for given settings (the server's own filters),
+            into which saved entries are restored.
+    """
+
+    def __init__(
+        self, size: int, max_bytes: int, folder: Path | None, fingerprint: str,
+        fresh: Callable[[CacheConfig], list[Any]],
+    ) -> None:  # fmt: skip
+        from engine import persist
+
+        self.cache = PromptCache(size, max_bytes)
+        self._folder = folder
+        self._fingerprint = fingerprint
+        self._saved: set[str] = set()  # entry files this server wrote or loaded
+        if folder is not None:
+            for key, tokens, caches in persist.load_folder(folder, fingerprint, fresh, size):
+                self.cache.insert(key, tokens, caches)
+                self._saved.add(persist.entry_name(key, tokens))
+            logger.info("prompt cache: %d saved entries from %s", len(self.cache), folder)
+        self.view: dict[str, Any] = {}
+        self._publish()
+
+    def __len__(self) -> int:
+        return len(self.cache)
+
+    def fetch(self, key: tuple[Any, ...], prompt: list[int]) -> tuple[list[Any] | None, int]:
+        """:meth:`PromptCache.fetch`."""
+        try:
+            return self.cache.fetch(key, prompt)
+        finally:
+            self._publish()
+
+    def keep(self, key: tuple[Any, ...], tokens: list[int], caches: list[Any], room: int) -> None:
+        """Keep a finished request's ``caches`` (holding ``tokens``) within ``room`` bytes,
+        and on disk."""
+        from engine import persist
+
+        try:
+            self.cache.insert(key, tokens, caches)
+            self.cache.shrink(room)
+            if self._folder is not None:
+                if (key, tuple(tokens)) in self.cache:
+                    persist.save(self._folder, key, tokens, caches, self._fingerprint)
+                    self._saved.add(persist.entry_name(key, tokens))
+                live = {persist.entry_name(k, list(t)) for k, t in self.cache.stored()}
+                persist.prune(self._folder, self._saved, live)
+                self._saved &= live
+        finally:
+            self._publish()
+
+    def shrink(self, room: int) -> None:
+        """Give way to running requests: hold ``room`` bytes at most."""
+        self.cache.shrink(room)
+        self._publish()
+
+    def _publish(self) -> None:
+        cache = self.cache
+        self.view = {
+            "enabled": True, "entries": cache.entries(), "bytes": cache.nbytes,
+            "hits": cache.hits, "misses": cache.misses,
+        }  # fmt: skip
 
 
 def _settings(key: tuple[Any, ...]) -> dict[str, Any]:

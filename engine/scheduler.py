@@ -36,9 +36,9 @@ from engine.requests import Delta, Failed, Finished, FinishReason
 from engine.sampling import request_sampler
 
 if TYPE_CHECKING:
+    from engine.jobs import Job
     from engine.loading import LoadedModel
     from engine.records import RequestRecord, State
-    from engine.worker import Job
 
 logger = logging.getLogger(__name__)
 

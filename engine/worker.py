@@ -13,7 +13,6 @@ for the admin endpoint: the active ones and a bounded history of finished ones.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import queue
@@ -24,10 +23,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 from engine.config import ConfigError
+from engine.jobs import Job, WorkerUnavailable
 from engine.loading import LoadedModel, load_model
+from engine.model_filters import DEFAULT_SELF_CALIBRATION, SELF_CALIBRATION_MODES, ModelFilters
 from engine.prompts import PromptError, encode_prompt
 from engine.records import Ledger, RequestRecord, State
-from engine.requests import Event, Failed, GenerationRequest, Started
+from engine.requests import Failed, GenerationRequest, Started
 
 logger = logging.getLogger(__name__)
 
@@ -39,66 +40,6 @@ DEFAULT_MAX_BACKLOG = 128
 DEFAULT_MAX_BATCH = 8
 DEFAULT_PREFILL_CHUNK = 512
 DEFAULT_PROMPT_CACHE_SIZE = 10
-
-
-class WorkerUnavailable(RuntimeError):
-    """The worker cannot take the request now (loading, dead, draining or queue full)."""
-
-    def __init__(self, message: str, *, retry_after: int | None = None) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-class Job:
-    """One submitted request: the handler awaits :meth:`next_event` and may :meth:`cancel`."""
-
-    def __init__(
-        self, request: GenerationRequest, record: RequestRecord, loop: asyncio.AbstractEventLoop
-    ) -> None:
-        self.request = request
-        self.record = record
-        self._loop = loop
-        self._events: asyncio.Queue[Event] = asyncio.Queue()
-        self._cancel = threading.Event()
-        self.failure: Failed | None = None  # what a cancelled job tells its client, if anyone
-        self._emitted = 0  # written by the worker thread only
-        self._taken = 0  # written by the event loop only
-
-    @property
-    def id(self) -> str:
-        return self.record.id
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancel.is_set()
-
-    def cancel(self, failure: Failed | None = None) -> None:
-        """Stop this request: dropped if still queued, else within one decode step.
-
-        Args:
-            failure: Sent to a client that is still listening (e.g. the server is shutting
-                down); ``None`` when the client itself went away.
-        """
-        if failure is not None and not self._cancel.is_set():
-            self.failure = failure
-        self._cancel.set()
-
-    def emit(self, event: Event) -> None:
-        """Post an event to the handler's loop (called from the worker thread)."""
-        # A closed loop (server shut down) means nobody is listening any more.
-        with contextlib.suppress(RuntimeError):
-            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
-            self._emitted += 1
-
-    @property
-    def backlog(self) -> int:
-        """Events posted that the handler has not taken yet."""
-        return self._emitted - self._taken
-
-    async def next_event(self) -> Event:
-        event = await self._events.get()
-        self._taken += 1
-        return event
 
 
 class Worker:
@@ -122,9 +63,11 @@ class Worker:
         prompt_cache_bytes: Bytes those may hold (``None``: up to ``max_kv_bytes``).
         prompt_cache_dir: Keep those on disk too, and start with the ones saved there
             (:mod:`engine.persist`).
-        self_calibration: Without a calibration artifact, Q-Filters come from each
-            request's own prompt queries (:mod:`engine.selfcal`), not the key-SVD fallback,
-            and the queries sampled from traffic become an artifact (:mod:`engine.traffic`).
+        self_calibration: What a model without a calibration artifact does
+            (:mod:`engine.model_filters`): ``traffic`` learns an artifact from the queries
+            sampled from traffic (the key-SVD fallback until then), ``prompt`` also gives
+            each request the filters of its own prompt's queries until then, ``off``
+            neither.
         traffic_samples: Queries per layer pooled before that artifact is written
             (``None``: calibration's default sample count).
         loader: Replaces :func:`engine.loading.load_model` (tests).
@@ -143,7 +86,7 @@ class Worker:
         prompt_cache_size: int = DEFAULT_PROMPT_CACHE_SIZE,
         prompt_cache_bytes: int | None = None,
         prompt_cache_dir: str | None = None,
-        self_calibration: bool = True,
+        self_calibration: str = DEFAULT_SELF_CALIBRATION,
         traffic_samples: int | None = None,
         loader: Callable[[str | None], LoadedModel] = load_model,
     ) -> None:
@@ -155,6 +98,11 @@ class Worker:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         if max_backlog < 1:
             raise ValueError(f"max_backlog must be >= 1, got {max_backlog}")
+        if self_calibration not in SELF_CALIBRATION_MODES:
+            raise ValueError(
+                f"self_calibration must be one of {', '.join(SELF_CALIBRATION_MODES)}, "
+                f"got {self_calibration!r}"
+            )
         self._ref = model_ref
         self._max_backlog = max_backlog
         self.max_batch = max_batch
@@ -170,15 +118,12 @@ class Worker:
             raise ValueError(f"prompt_cache_size must be >= 0, got {prompt_cache_size}")
         # Built on the thread (engine.reuse imports mlx-lm, which a start-up check must not wait for).
         self._prompt_cache_limits = (prompt_cache_size, prompt_cache_bytes or max_kv_bytes)
-        self.prompt_cache: Any = None  # engine.reuse.PromptCache
-        self._prompt_cache_view: dict[str, Any] = {"enabled": prompt_cache_size > 0}
+        self.prompt_cache: Any = None  # engine.reuse.KeptCaches
         self._cache_dir = Path(prompt_cache_dir) if prompt_cache_dir and prompt_cache_size else None
-        self.fingerprint = ""
-        self._saved: set[str] = set()  # entry files this server wrote or loaded
         self._loader = loader
         self._self_calibration = self_calibration
         self._traffic_samples = traffic_samples
-        self._traffic: Any = None  # engine.traffic.TrafficCalibration while pooling
+        self.calibration: ModelFilters | None = None  # built on the thread
         self._queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
         self.ledger = Ledger(history, max_kv_bytes)
         self._ids = itertools.count(1)
@@ -190,9 +135,6 @@ class Worker:
         self.status: Literal["loading", "ready", "failed", "dead", "stopped"] = "loading"
         self.error: str | None = None
         self.loaded: LoadedModel | None = None
-        self.filters: Any = None
-        self.query_scale: Any = None
-        self.filter_source = "none"
         self.started_at = int(time.time())
 
     # -- life cycle (event loop side) ----------------------------------------------------
@@ -250,6 +192,24 @@ class Worker:
     def queue_length(self) -> int:
         return self._queue.qsize()
 
+    @property
+    def filter_source(self) -> str:
+        """Where the Q-Filters come from (``"none"`` before the model is loaded)."""
+        return "none" if self.calibration is None else self.calibration.source
+
+    @property
+    def fingerprint(self) -> str:
+        """The model weights' fingerprint (``""`` before the model is loaded)."""
+        return "" if self.calibration is None else self.calibration.fingerprint
+
+    @property
+    def filters(self) -> Any:
+        return None if self.calibration is None else self.calibration.filters
+
+    @property
+    def query_scale(self) -> Any:
+        return None if self.calibration is None else self.calibration.query_scale
+
     def submit(
         self,
         request: GenerationRequest,
@@ -273,16 +233,8 @@ class Worker:
                 f"the generation worker is not running ({self.status}: {self.error})"
             )
         assert self.loaded is not None
-        record = RequestRecord(
-            id=request_id or f"req-{next(self._ids)}",
-            model=self.loaded.name,
-            kind=request.kind,
-            method=request.cache.method,
-            budget=request.cache.budget,
-            recent=request.cache.recent,
-            n_sink=request.cache.n_sink,
-            chunk=request.cache.chunk,
-            budget_mode=request.cache.budget_mode,
+        record = RequestRecord.opened(
+            request_id or f"req-{next(self._ids)}", self.loaded.name, request.kind, request.cache
         )
         job = Job(request, record, loop)
         # Opened before it is queued: the worker may take it and close it at once.
@@ -301,7 +253,10 @@ class Worker:
         """Active and recent requests plus totals, as plain dicts (counts only)."""
         snap = self.ledger.snapshot()
         snap["totals"]["max_batch"] = self.max_batch
-        snap["prompt_cache"] = self._prompt_cache_view
+        kept = self.prompt_cache
+        snap["prompt_cache"] = (
+            {"enabled": self._prompt_cache_limits[0] > 0} if kept is None else kept.view
+        )
         return snap
 
     def active_kv_bytes(self) -> tuple[int, int]:
@@ -325,8 +280,8 @@ class Worker:
                 self._admit(wait=len(scheduler) == 0)
                 if len(scheduler):
                     scheduler.step()
-                if self._traffic is not None:
-                    self._learn_from_traffic()
+                if self.calibration is not None and self.calibration.learning:
+                    self.calibration.learn()
         except BaseException as exc:  # noqa: BLE001 - the thread dies; say why
             self.error = f"{type(exc).__name__}: {exc}"
             logger.exception("generation worker died")
@@ -342,63 +297,11 @@ class Worker:
 
     def _load(self) -> None:
         self.loaded = self._loader(self._ref)
-        try:
-            from calibrations.model_info import model_fingerprint
-            from engine.filters import resolve_calibration
-        except ImportError:  # no calibration support installed: the key-SVD fallback
-            logger.warning("engine.filters is unavailable; Q-Filters use the online fallback")
-            self.filters, self.filter_source = None, "fallback"
-            self.fingerprint = self.loaded.model_id
-        else:
-            self.fingerprint = model_fingerprint(self.loaded.model, self.loaded.config)
-            self.filters, self.query_scale, self.filter_source = resolve_calibration(
-                self.loaded.model, self.loaded.model_id, fingerprint=self.fingerprint
-            )
-            if self.filters is None and self._self_calibration:
-                self._start_self_calibration()
-        logger.info("Q-Filters for %s: %s", self.loaded.model_id, self.filter_source)
-
-    def _start_self_calibration(self) -> None:
-        """Filters from each prompt's own queries, and pooled into an artifact
-        (:mod:`engine.selfcal`, :mod:`engine.traffic`), where the attention can be tapped."""
-        from engine.traffic import TrafficCalibration
-
-        assert self.loaded is not None
-        try:
-            self._traffic = TrafficCalibration.for_model(
-                self.loaded.model,
-                model_id=self.loaded.model_id,
-                fingerprint=self.fingerprint,
-                samples_per_head=self._traffic_samples,
-            )
-        except ValueError as exc:
-            logger.warning("no self-calibration for %s: %s", self.loaded.model_id, exc)
-        else:
-            self.filter_source = "self"
-
-    def _learn_from_traffic(self) -> None:
-        """Between steps: fold sampled prompt queries in; once an artifact is written,
-        later requests use it."""
-        assert self._traffic is not None and self.loaded is not None
-        try:
-            path = self._traffic.flush()
-            if path is None:
-                return
-            from engine.filters import resolve_calibration
-
-            filters, scale, source = resolve_calibration(
-                self.loaded.model, self.loaded.model_id, fingerprint=self.fingerprint
-            )
-        except Exception:  # noqa: BLE001 - learning must never stop serving
-            logger.exception("learning Q-Filters from traffic failed; self-calibration goes on")
-            self._traffic.stop()
-            self._traffic = None
-            return
-        self._traffic = None
-        if filters is not None:
-            self.filters, self.query_scale, self.filter_source = filters, scale, source
-            logger.info("Q-Filters for %s: calibrated from traffic (%s)", self.loaded.model_id,
-                        path)  # fmt: skip
+        self.calibration = ModelFilters(
+            self.loaded,
+            self_calibration=self._self_calibration,
+            traffic_samples=self._traffic_samples,
+        )
 
     def _make_scheduler(self) -> Any:
         from engine.scheduler import Scheduler
@@ -406,21 +309,11 @@ class Worker:
         assert self.loaded is not None
         size, max_bytes = self._prompt_cache_limits
         if size:
-            from engine.reuse import PromptCache
+            from engine.reuse import KeptCaches
 
-            self.prompt_cache = PromptCache(size, max_bytes)
-            self._publish()
-        if self._cache_dir is not None and self.prompt_cache is not None:
-            from engine import persist
-
-            for key, tokens, caches in persist.load_folder(
-                self._cache_dir, self.fingerprint, self._caches_for, self.prompt_cache.max_size
-            ):
-                self.prompt_cache.insert(key, tokens, caches)
-                self._saved.add(persist.entry_name(key, tokens))
-            logger.info("prompt cache: %d saved entries from %s", len(self.prompt_cache),
-                        self._cache_dir)  # fmt: skip
-            self._publish()
+            self.prompt_cache = KeptCaches(
+                size, max_bytes, self._cache_dir, self.fingerprint, self._caches_for
+            )
         if self.max_batch > 1:
             from engine.attention import install_head_masks
 
@@ -477,7 +370,6 @@ class Worker:
             self._next = None
             if self.prompt_cache is not None:  # kept caches give way to running requests
                 self.prompt_cache.shrink(self.max_kv_bytes - self.ledger.reserved())
-                self._publish()
             job.emit(Started(prompt_tokens=len(prompt), max_tokens=max_tokens))
             scheduler.add(job, prompt, max_tokens, caches, cached)
 
@@ -496,7 +388,7 @@ class Worker:
             job.record.prompt_tokens = len(prompt)
             caches, cached = self._reused_caches(job, prompt)
             if caches is None:
-                caches = self._make_caches(job)
+                caches = self._caches_for(job.request.cache)
             need, param = kv_need(self.loaded, job.request.cache, len(prompt), max_tokens)
             if need > self.max_kv_bytes:
                 raise PromptError(
@@ -526,60 +418,21 @@ class Worker:
         prompt tokens they hold; ``(None, 0)`` when none does or reuse is off."""
         if self.prompt_cache is None or not job.request.reuse:
             return None, 0
-        caches, held = self.prompt_cache.fetch(self._key(job), prompt)
-        self._publish()
-        return caches, held
+        return self.prompt_cache.fetch(self._key(job), prompt)
 
     def _keep(self, seq: Any) -> None:
         """A request ended normally: its caches stay for the next turn to continue (a
         failure to keep or save them is logged; the request itself is already done)."""
         if self.prompt_cache is None or not seq.job.request.reuse:
             return
-        from engine import persist
-
         try:
-            key, tokens = self._key(seq.job), [*seq.prompt, *seq.generated]
-            self.prompt_cache.insert(key, tokens, seq.caches)
-            self.prompt_cache.shrink(self.max_kv_bytes - self.ledger.reserved())
-            if self._cache_dir is not None:
-                if (key, tuple(tokens)) in self.prompt_cache:
-                    persist.save(self._cache_dir, key, tokens, seq.caches, self.fingerprint)
-                    self._saved.add(persist.entry_name(key, tokens))
-                live = {persist.entry_name(k, list(t)) for k, t in self.prompt_cache.stored()}
-                persist.prune(self._cache_dir, self._saved, live)
-                self._saved &= live
+            room = self.max_kv_bytes - self.ledger.reserved()
+            self.prompt_cache.keep(
+                self._key(seq.job), [*seq.prompt, *seq.generated], seq.caches, room
+            )
         except Exception as exc:  # noqa: BLE001 - a cache not kept must not stop the worker
             logger.warning("request %s: its cache was not kept: %s", seq.job.id, exc)
-        self._publish()
-
-    def _publish(self) -> None:
-        """What the admin endpoint shows of the prompt cache (read off the thread)."""
-        self._prompt_cache_view = _view(self.prompt_cache)
-
-    def _make_caches(self, job: Job) -> list[Any]:
-        return self._caches_for(job.request.cache)
 
     def _caches_for(self, config: Any) -> list[Any]:
-        from engine.factory import make_caches
-
-        assert self.loaded is not None
-        calibrated = config.method == "qfilters"
-        return make_caches(
-            self.loaded.model,
-            config,
-            filters=self.filters if calibrated else None,
-            query_scale=self.query_scale if calibrated else None,
-            self_calibrate=self._self_calibration,
-        )
-
-
-def _view(cache: Any) -> dict[str, Any]:
-    if cache is None:
-        return {"enabled": False}
-    return {
-        "enabled": True,
-        "entries": cache.entries(),
-        "bytes": cache.nbytes,
-        "hits": cache.hits,
-        "misses": cache.misses,
-    }
+        assert self.calibration is not None
+        return self.calibration.caches_for(config)

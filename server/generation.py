@@ -21,8 +21,9 @@ from sse_starlette import EventSourceResponse
 from sse_starlette.sse import SendTimeoutError
 from starlette.types import Receive, Scope, Send
 
+from engine.jobs import Job, WorkerUnavailable
 from engine.requests import Delta, Event, Failed, Finished, Started, TokenLogprob
-from engine.worker import Job, Worker, WorkerUnavailable
+from engine.worker import Worker
 from server.errors import APIError
 from server.formats import ResponseFormat
 from server.metrics import Metrics

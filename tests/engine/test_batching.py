@@ -9,7 +9,6 @@ keeping its own eviction settings.
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import replace
 
 import pytest
@@ -23,7 +22,8 @@ from engine.filters import resolve_calibration
 from engine.loading import default_model_path, load_model
 from engine.packed import PackedBatch
 from engine.requests import Delta, Failed, Finished, GenerationRequest, SamplingParams
-from engine.worker import DEFAULT_PREFILL_CHUNK, Worker
+from engine.worker import DEFAULT_PREFILL_CHUNK
+from tests.workers import final_event, serving, worker_for
 
 MAX_TOKENS = 20
 SETTINGS = [  # method, budget, recent, budget_mode: every kind of cache in one batch
@@ -121,14 +121,8 @@ def alone(loaded, calibration, req: GenerationRequest) -> tuple[list[int], list[
 
 def run_batched(loaded, requests, *, max_batch: int = 8, cancel_after: dict | None = None):
     """Every request submitted at once; returns per request (deltas, final event, worker)."""
-    worker = Worker("qfserve-tiny", loader=lambda _ref: loaded, max_batch=max_batch)
-    worker.start()
-    deadline = time.monotonic() + 60
-    while not worker.ready:
-        assert worker.status == "loading" and time.monotonic() < deadline, worker.error
-        time.sleep(0.02)
 
-    async def go():
+    async def go(worker):
         loop = asyncio.get_running_loop()
         jobs = [worker.submit(r, loop) for r in requests]
 
@@ -147,17 +141,8 @@ def run_batched(loaded, requests, *, max_batch: int = 8, cancel_after: dict | No
             asyncio.gather(*(collect(i, j) for i, j in enumerate(jobs))), 300
         )
 
-    try:
-        return asyncio.run(go()), worker
-    finally:
-        worker.stop()
-
-
-async def final_event(job):
-    """The job's ``Finished`` or ``Failed``, skipping what streams before it."""
-    while not isinstance(event := await job.next_event(), (Finished, Failed)):
-        pass
-    return event
+    with serving(worker_for(loaded, max_batch=max_batch)) as worker:
+        return asyncio.run(go(worker)), worker
 
 
 @pytest.mark.parametrize("settings", [SETTINGS, PACKED], ids=["every-kind", "packed"])
@@ -225,7 +210,7 @@ def test_a_seeded_sample_is_the_same_alone_and_in_a_batch(loaded):
 
 def test_max_batch_bounds_what_runs_at_once(loaded):
     requests = [request(loaded, 0, SETTINGS[1], max_tokens=6) for _ in range(5)]
-    worker = Worker("qfserve-tiny", loader=lambda _ref: loaded, max_batch=2)
+    worker = worker_for(loaded, max_batch=2)
     seen: list[int] = []
     original = worker._make_scheduler
 
@@ -241,19 +226,14 @@ def test_max_batch_bounds_what_runs_at_once(loaded):
         return scheduler
 
     worker._make_scheduler = spy
-    worker.start()
-    while not worker.ready:
-        time.sleep(0.02)
 
     async def go():
         loop = asyncio.get_running_loop()
         jobs = [worker.submit(r, loop) for r in requests]
         return [await final_event(job) for job in jobs]
 
-    try:
+    with serving(worker):
         finals = asyncio.run(asyncio.wait_for(go(), 120))
-    finally:
-        worker.stop()
     assert all(isinstance(f, Finished) for f in finals)
     assert max(seen) == 2  # two at once, never more, though five were waiting
 
@@ -272,12 +252,7 @@ def test_admission_by_kv_memory_waits_then_refuses_what_can_never_fit(loaded):
     assert need == 65 * per_row
     too_big = request(loaded, 1, CacheConfig(method="qfilters", budget=512, recent=16))
     too_long = request(loaded, 1, CacheConfig(method="full"), max_tokens=1000)
-    worker = Worker(
-        "qfserve-tiny", loader=lambda _ref: loaded, max_batch=8, max_kv_bytes=2 * need + need // 2
-    )
-    worker.start()
-    while not worker.ready:
-        time.sleep(0.02)
+    worker = worker_for(loaded, max_batch=8, max_kv_bytes=2 * need + need // 2)
     order: list[tuple[int, str]] = []
 
     async def go():
@@ -293,10 +268,8 @@ def test_admission_by_kv_memory_waits_then_refuses_what_can_never_fit(loaded):
 
         return await asyncio.gather(*(collect(i, j) for i, j in enumerate(jobs)))
 
-    try:
+    with serving(worker):
         finals = asyncio.run(asyncio.wait_for(go(), 120))
-    finally:
-        worker.stop()
     assert all(isinstance(f, Finished) for f in finals[:3])
     # Two fit at once; the third starts only after one of them finished.
     first_done = min(order.index((i, "Finished")) for i in (0, 1))
@@ -313,7 +286,7 @@ def test_a_newcomer_prefills_one_chunk_per_step_while_the_batch_decodes(loaded):
     chunk = 64
     running = request(loaded, 0, SETTINGS[1], max_tokens=40)
     newcomer = request(loaded, 5, SETTINGS[3], max_tokens=4)  # ~600 tokens: ~10 chunks
-    worker = Worker("qfserve-tiny", loader=lambda _ref: loaded, prefill_chunk=chunk)
+    worker = worker_for(loaded, prefill_chunk=chunk)
     steps: list[tuple[int, int]] = []  # (newcomer's prompt tokens read, running's tokens)
     original = worker._make_scheduler
 
@@ -332,9 +305,6 @@ def test_a_newcomer_prefills_one_chunk_per_step_while_the_batch_decodes(loaded):
         return scheduler
 
     worker._make_scheduler = spy
-    worker.start()
-    while not worker.ready:
-        time.sleep(0.02)
     jobs = []
 
     async def go():
@@ -345,10 +315,8 @@ def test_a_newcomer_prefills_one_chunk_per_step_while_the_batch_decodes(loaded):
         jobs.append(worker.submit(newcomer, loop))
         return [await final_event(job) for job in jobs]
 
-    try:
+    with serving(worker):
         finals = asyncio.run(asyncio.wait_for(go(), 120))
-    finally:
-        worker.stop()
     assert all(isinstance(f, Finished) for f in finals)
     reading = [(r, t) for r, t in steps if r < len(newcomer.prompt)]
     assert len(reading) >= 5  # the prompt took several steps...
@@ -363,12 +331,8 @@ def test_a_request_waiting_for_kv_memory_is_failed_when_the_worker_stops(loaded)
     config = CacheConfig(method="qfilters", budget=64, recent=16)
     reqs = [request(loaded, 1, config, max_tokens=200) for _ in range(2)]
     need, _ = kv_need(loaded, config, len(reqs[0].prompt), 200)
-    worker = Worker("qfserve-tiny", loader=lambda _ref: loaded, max_kv_bytes=need + need // 2)
-    worker.start()
-    while not worker.ready:
-        time.sleep(0.02)
 
-    async def go():
+    async def go(worker):
         loop = asyncio.get_running_loop()
         jobs = [worker.submit(r, loop) for r in reqs]
         while not isinstance(await jobs[0].next_event(), Delta):  # the first one decodes
@@ -378,6 +342,7 @@ def test_a_request_waiting_for_kv_memory_is_failed_when_the_worker_stops(loaded)
         await loop.run_in_executor(None, worker.stop)
         return [await final_event(job) for job in jobs]
 
-    finals = asyncio.run(asyncio.wait_for(go(), 60))
+    with serving(worker_for(loaded, max_kv_bytes=need + need // 2)) as worker:
+        finals = asyncio.run(asyncio.wait_for(go(worker), 60))  # stops the worker itself
     assert isinstance(finals[1], Failed) and finals[1].kind == "unavailable"
     assert worker.snapshot()["totals"]["active"] == 0

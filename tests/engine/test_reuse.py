@@ -9,7 +9,6 @@ through mlx-lm's ``stream_generate``.
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 from mlx_lm import stream_generate
@@ -19,7 +18,8 @@ from engine.config import CacheConfig
 from engine.factory import make_caches
 from engine.loading import default_model_path, load_model
 from engine.requests import Delta, Failed, Finished, GenerationRequest, SamplingParams
-from engine.worker import DEFAULT_PREFILL_CHUNK, Worker
+from engine.worker import DEFAULT_PREFILL_CHUNK
+from tests.workers import serving, worker_for
 
 TURN_TOKENS = 12
 
@@ -31,14 +31,8 @@ def loaded():
 
 @pytest.fixture(scope="module")
 def worker(loaded):
-    w = Worker("qfserve-tiny", loader=lambda _ref: loaded, prompt_cache_size=64)
-    w.start()
-    deadline = time.monotonic() + 60
-    while not w.ready:
-        assert time.monotonic() < deadline, w.error
-        time.sleep(0.02)
-    yield w
-    w.stop()
+    with serving(worker_for(loaded, prompt_cache_size=64)) as w:
+        yield w
 
 
 def ask(worker, req: GenerationRequest) -> tuple[list[str], Finished]:
@@ -156,19 +150,12 @@ def test_saved_caches_survive_a_restart(loaded, tmp_path, caplog):
     from engine import persist
 
     def started(ld):
-        w = Worker("qfserve-tiny", loader=lambda _ref: ld, prompt_cache_dir=str(tmp_path))
-        w.start()
-        while not w.ready or w._scheduler is None:
-            time.sleep(0.02)
-        return w
+        return serving(worker_for(ld, prompt_cache_dir=str(tmp_path)))
 
     config = CacheConfig(method="qfilters", budget=48, recent=8)
     opening = " ".join([OPENING] * 10)
-    first = started(loaded)
-    try:
+    with started(loaded) as first:
         (_, one), (ids2, two) = conversation(first, loaded, config, 2, reuse=True, opening=opening)
-    finally:
-        first.stop()
     assert one.kv_cache["evictions"] > 0 and two.cached_tokens > 0
     saved = sorted(tmp_path.glob("*" + persist.SUFFIX))
     assert len(saved) == 2  # both turns' caches
@@ -176,16 +163,13 @@ def test_saved_caches_survive_a_restart(loaded, tmp_path, caplog):
     other = tmp_path / ("0" * 20 + persist.SUFFIX)
     fingerprint = first.fingerprint.encode()
     other.write_bytes(saved[0].read_bytes().replace(fingerprint, b"f" * len(fingerprint)))
-    second = started(loaded)
-    try:
+    with started(loaded) as second:
         assert len(second.prompt_cache) == 2
         prompt1 = loaded.tokenizer.encode(opening)
         vocab = {loaded.tokenizer.decode([i]): i for i in range(len(loaded.tokenizer.vocab))}
         first_ids = [vocab[p] for p in ask(second, request(prompt1, config, reuse=False))[0]]
         prompt2 = [*prompt1, *first_ids, *user_part(loaded, 0)]
         pieces, again = ask(second, request(prompt2, config))
-    finally:
-        second.stop()
     assert again.cached_tokens == two.cached_tokens  # turn one's cache, read back from disk
     assert [vocab[p] for p in pieces] == ids2
     assert any("skipping saved cache" in r.message and other.name in r.message
@@ -200,16 +184,10 @@ def test_a_cache_that_cannot_be_saved_never_stops_the_worker(loaded, tmp_path, m
         raise RuntimeError("disk says no")
 
     monkeypatch.setattr(persist, "save", broken)
-    w = Worker("qfserve-tiny", loader=lambda _ref: loaded, prompt_cache_dir=str(tmp_path))
-    w.start()
-    while not w.ready:
-        time.sleep(0.02)
-    try:
+    with serving(worker_for(loaded, prompt_cache_dir=str(tmp_path))) as w:
         config = CacheConfig(method="knorm", budget=40, recent=8)
         prompt = loaded.tokenizer.encode(" ".join([OPENING] * 8))
         for _ in range(2):  # the second request is served after the first one's save failed
             _, final = ask(w, request(prompt, config))
             assert final.completion_tokens > 0
         assert w.alive() and w.ready
-    finally:
-        w.stop()

@@ -12,9 +12,10 @@ import httpx
 import pytest
 
 from engine import loading
+from engine.jobs import Job, WorkerUnavailable
 from engine.loading import LoadedModel, ModelNotFoundError, resolve_model_ref
 from engine.requests import Delta, Failed, GenerationRequest, SamplingParams, Started
-from engine.worker import Job, Worker, WorkerUnavailable
+from engine.worker import Worker
 from server.app import build_app
 from server.cli import main
 from server.settings import Settings
@@ -189,3 +190,24 @@ def test_bad_flags_are_rejected():
         Settings(budget=4, n_sink=4)
     with pytest.raises(SystemExit):
         main(["--kv-method", "lru"])
+
+
+def test_self_calibration_modes_from_the_command_line_and_the_environment(monkeypatch):
+    from server.cli import make_parser, settings_from_args
+    from server.settings import EnvDefaults
+
+    def mode(*argv: str) -> str:
+        return settings_from_args(make_parser().parse_args(list(argv))).self_calibration
+
+    assert mode() == "traffic"  # the default: learn from traffic, the fallback until then
+    assert mode("--self-calibration", "prompt") == "prompt"
+    assert mode("--no-self-calibration") == "off"
+    with pytest.raises(SystemExit):
+        make_parser().parse_args(["--self-calibration", "sometimes"])
+    monkeypatch.setenv("QFSERVE_SELF_CALIBRATION", "prompt")
+    assert EnvDefaults().self_calibration == "prompt"
+    monkeypatch.setenv("QFSERVE_SELF_CALIBRATION", "yes")
+    with pytest.raises(ValueError, match="self_calibration"):
+        EnvDefaults()
+    with pytest.raises(ValueError, match="self_calibration must be one of"):
+        Worker(None, self_calibration="sometimes")
