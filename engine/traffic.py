@@ -12,7 +12,7 @@ artifact in the user calibration folder, naming the model, its weights fingerpri
 
 What is kept: sampled query vectors (float32, ``samples_per_head x head_dim`` per query head
 and layer) and their positions, in memory until the artifact is written; never prompt text
-or token ids. ``--no-self-calibration`` turns this off with self-calibration.
+or token ids. ``--self-calibration off`` turns this off.
 
 The reservoirs' candidates are lazy gathers of the sampled rows; :meth:`flush`, called
 between scheduler steps, evaluates them (after a prefill chunk, never inside a decode step:

@@ -29,6 +29,7 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from engine.blas import blas_summary, reexec_with_openblas
 from engine.config import BUDGET_MODES, METHODS
+from engine.model_filters import SELF_CALIBRATION_MODES
 from server.settings import EnvDefaults
 
 logger = logging.getLogger("qfserve")
@@ -143,12 +144,20 @@ def make_parser(env: EnvDefaults | None = None) -> argparse.ArgumentParser:
         "for other weights are skipped) (default: memory only)",
     )
     p.add_argument(
+        "--self-calibration",
+        choices=SELF_CALIBRATION_MODES,
+        default=s.self_calibration,
+        help="for a model without a calibration artifact: 'traffic' learns one from the "
+        "queries of served prompts (the key-SVD fallback until then; the sampled query "
+        "vectors are kept, never text), 'prompt' also gives each request the filters of its "
+        "own prompt's queries until then, 'off' neither (default: %(default)s)",
+    )
+    p.add_argument(
         "--no-self-calibration",
         dest="self_calibration",
-        action="store_false",
-        default=s.self_calibration,
-        help="for a model without a calibration artifact, use the key-SVD fallback instead of "
-        "filters computed from each request's own prompt queries",
+        action="store_const",
+        const="off",
+        help="the same as --self-calibration off",
     )
     p.add_argument(
         "--api-key",

@@ -19,6 +19,7 @@ from engine.config import (
     CacheConfig,
     Method,
 )
+from engine.model_filters import DEFAULT_SELF_CALIBRATION, SelfCalibration
 from engine.worker import (
     DEFAULT_HISTORY,
     DEFAULT_MAX_BATCH,
@@ -56,7 +57,7 @@ class EnvDefaults(BaseSettings):
     prompt_cache_size: int = DEFAULT_PROMPT_CACHE_SIZE
     prompt_cache_bytes: int | None = None
     prompt_cache_dir: str | None = None
-    self_calibration: bool = True
+    self_calibration: SelfCalibration = DEFAULT_SELF_CALIBRATION
     api_key: str | None = None
     api_key_file: str | None = None
     admin_key: str | None = None
@@ -85,8 +86,10 @@ class Settings:
         prompt_cache_size: Finished requests' caches kept for later turns (0: no reuse).
         prompt_cache_bytes: Bytes those may hold (``None``: up to ``max_kv_bytes``).
         prompt_cache_dir: Keep those on disk and start with the ones saved there.
-        self_calibration: For a model without a calibration artifact, Q-Filters come from
-            each request's own prompt queries (``False``: the key-SVD fallback).
+        self_calibration: What a model without a calibration artifact does: ``traffic``
+            learns one from the queries of served prompts (the key-SVD fallback until then),
+            ``prompt`` also gives each request its own prompt's filters until then, ``off``
+            neither.
         api_key: When set, every route but ``/health`` needs ``Authorization: Bearer <key>``.
         admin_key: When set, the admin endpoint needs it instead of ``api_key``.
         admin_enabled: ``False`` removes the admin endpoint.
@@ -114,7 +117,7 @@ class Settings:
     prompt_cache_size: int = DEFAULT_PROMPT_CACHE_SIZE
     prompt_cache_bytes: int | None = None
     prompt_cache_dir: str | None = None
-    self_calibration: bool = True
+    self_calibration: SelfCalibration = DEFAULT_SELF_CALIBRATION
     api_key: str | None = None
     admin_key: str | None = None
     admin_enabled: bool = True

@@ -126,26 +126,20 @@ def test_a_one_token_prompt_falls_back_to_the_keys(drifted):
     assert all(c.size() == 8 for c in caches)
 
 
-@pytest.mark.parametrize("enabled", [True, False])
-def test_the_server_self_calibrates_a_model_without_an_artifact(enabled):
-    import asyncio
+@pytest.mark.parametrize(
+    "mode, expected", [("prompt", "self"), ("traffic", "fallback"), ("off", "fallback")]
+)
+def test_the_server_self_calibrates_a_model_without_an_artifact(mode, expected):
     import dataclasses
-    import time
 
-    from engine.requests import Failed, Finished, GenerationRequest, SamplingParams
-    from engine.worker import Worker
+    from engine.requests import Finished, GenerationRequest, SamplingParams
+    from tests.workers import complete, serving, worker_for
 
     loaded = load_model(str(default_model_path()))
     loaded = dataclasses.replace(loaded, model_id="test/never-calibrated")
-    worker = Worker("x", loader=lambda _ref: loaded, self_calibration=enabled)
-    worker.start()
-    deadline = time.monotonic() + 60
-    while not worker.ready:
-        assert worker.status == "loading" and time.monotonic() < deadline, worker.error
-        time.sleep(0.02)
-    expected = "self" if enabled else "fallback"
-    try:
+    with serving(worker_for(loaded, self_calibration=mode)) as worker:
         assert worker.filter_source == expected
+        assert worker.calibration.learning == (mode != "off")  # pooling traffic's queries
         prompt = tuple(loaded.tokenizer.encode(" ".join(f"w{i} is {i}" for i in range(60))))
         req = GenerationRequest(
             kind="completion",
@@ -153,16 +147,7 @@ def test_the_server_self_calibrates_a_model_without_an_artifact(enabled):
             sampling=SamplingParams(max_tokens=4, temperature=0.0),
             cache=CacheConfig(method="qfilters", budget=64, recent=8),
         )
-
-        async def go():
-            job = worker.submit(req, asyncio.get_running_loop())
-            while not isinstance(event := await job.next_event(), (Finished, Failed)):
-                pass
-            return event
-
-        final = asyncio.run(go())
-    finally:
-        worker.stop()
+        final = complete(worker, req)
     assert isinstance(final, Finished), final
     assert final.kv_cache["filter_source"] == expected
     assert final.kv_cache["evictions"] > 0 and final.kv_cache["tokens_kept"] <= 64

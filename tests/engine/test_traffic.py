@@ -7,12 +7,11 @@ query drift (``drifted`` in ``conftest.py``), so each head has a clear filter to
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import time
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
 from calibrations import registry
 from calibrations.artifact import read_calibration
@@ -21,10 +20,10 @@ from calibrations.compute import compute_filters, query_scales
 from engine.config import CacheConfig
 from engine.factory import make_caches
 from engine.loading import default_model_path, load_model
-from engine.requests import Failed, Finished, GenerationRequest, SamplingParams
+from engine.requests import Finished, GenerationRequest, SamplingParams
 from engine.selfcal import install_query_taps
 from engine.traffic import TrafficCalibration
-from engine.worker import Worker
+from tests.workers import complete, serving, worker_for
 
 
 def prompts(tokenizer, n: int, words: int) -> list[list[int]]:
@@ -82,42 +81,29 @@ def test_pooled_prompts_write_the_artifact_calibrate_would(drifted, tmp_path):
     np.testing.assert_allclose(got.query_scale, ref_scale, rtol=0.1)
 
 
-def test_the_server_switches_to_the_filters_it_learned(tmp_path, monkeypatch):
+@pytest.mark.parametrize("mode, before", [("traffic", "fallback"), ("prompt", "self")])
+def test_the_server_switches_to_the_filters_it_learned(mode, before, tmp_path, monkeypatch):
     monkeypatch.setenv(registry.ENV_VAR, str(tmp_path))
     loaded = load_model(str(default_model_path()))
     loaded = dataclasses.replace(loaded, model_id="test/learns-from-traffic")
-    worker = Worker("x", loader=lambda _ref: loaded, traffic_samples=500)
-    worker.start()
-    deadline = time.monotonic() + 60
-    while not worker.ready:
-        assert worker.status == "loading" and time.monotonic() < deadline, worker.error
-        time.sleep(0.02)
 
-    def run(prompt):
+    def run(worker, prompt):
         req = GenerationRequest(
             kind="completion",
             prompt=tuple(prompt),
             sampling=SamplingParams(max_tokens=3, temperature=0.0),
             cache=CacheConfig(method="qfilters", budget=48, recent=8),
         )
-
-        async def go():
-            job = worker.submit(req, asyncio.get_running_loop())
-            while not isinstance(event := await job.next_event(), (Finished, Failed)):
-                pass
-            return event
-
-        final = asyncio.run(go())
+        final = complete(worker, req)
         assert isinstance(final, Finished), final
         return final.kv_cache["filter_source"]
 
-    try:
+    with serving(worker_for(loaded, self_calibration=mode, traffic_samples=500)) as worker:
         first, second, third = prompts(loaded.tokenizer, 3, 40)
         assert len(first) + len(second) - 2 > 500 > len(first)  # the last token decodes
-        assert [run(first), run(second)] == ["self", "self"]
-        assert run(third) == "calibrated"
+        # Until the artifact exists: the key-SVD fallback, or (prompt) the prompt's own filters.
+        assert [run(worker, first), run(worker, second)] == [before, before]
+        assert run(worker, third) == "calibrated"
         assert worker.filter_source == "calibrated"
-    finally:
-        worker.stop()
     (path,) = tmp_path.glob("*.safetensors")
     assert "from traffic" in read_calibration(path).metadata["text"]
