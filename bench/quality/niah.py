@@ -129,13 +129,14 @@ def measure(
             budget = None if ratio is None else budget_for(len(prompt), ratio, arm)
             if ratio is not None and budget is None:
                 continue
-            tokens = run_arm(model, prompt, block, arm, budget, filters, max_tokens)
+            tokens, source = run_arm(model, prompt, block, arm, budget, filters, max_tokens)
             found = re.search(r"\d+", tokenizer.decode(tokens))
             nll = answer_nll(model, prompt, doc["answer"], block, arm, budget, filters)
             out.setdefault(arm.name, {})["-" if ratio is None else str(ratio)] = {
                 "correct": bool(found and found.group() == doc["number"]),
                 "answer_nll": nll,
                 "budget": budget,
+                "filter_source": source,
             }
     return out
 

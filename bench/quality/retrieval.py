@@ -122,8 +122,9 @@ def run_arm(
     budget: int | None,
     filters: np.ndarray,
     max_tokens: int,
-) -> list[int]:
-    """Generated tokens of one arm; ``block=None`` prefills the direct way."""
+) -> tuple[list[int], str]:
+    """Generated tokens of one arm and where its filters came from (``block=None``:
+    prefilled the direct way)."""
     caches = arm.caches(model, budget, filters)
     if block is None:
         tokens = decode(model, prompt, caches, max_tokens)
@@ -131,7 +132,7 @@ def run_arm(
         feed_block(caches, block)
         tokens = decode(model, prompt[-1:], caches, max_tokens)
     check_budget(caches, budget, len(prompt) - 1 + len(tokens))
-    return tokens
+    return tokens, arm.source(caches)
 
 
 def answer_nll(
@@ -169,15 +170,16 @@ def measure_doc(
         model, prompt, queries=any(arm.method in READS_QUERIES for arm, _ in configs)
     )
     cells: list[list[Any]] = []
+    sources: dict[str, str] = {}
     check: dict[str, Any] = {"arms": 0, "identical": 0, "mismatches": []}
     for arm, ratio in configs:
         budget = None if ratio is None else budget_for(len(prompt), ratio, arm)
         if ratio is not None and budget is None:
             continue
-        tokens = run_arm(model, prompt, block, arm, budget, filters, max_tokens)
+        tokens, sources[arm.name] = run_arm(model, prompt, block, arm, budget, filters, max_tokens)
         nll = answer_nll(model, prompt, doc["answer"], block, arm, budget, filters)
         if first:
-            direct = run_arm(model, prompt, None, arm, budget, filters, max_tokens)
+            direct, _ = run_arm(model, prompt, None, arm, budget, filters, max_tokens)
             check["arms"] += 1
             check["identical"] += direct == tokens
             if direct != tokens:
@@ -185,7 +187,7 @@ def measure_doc(
         found = re.search(r"\d+", study.tokenizer.decode(tokens))
         correct = bool(found and found.group() == doc["key"])
         cells.append([arm.name, "-" if ratio is None else str(ratio), correct, nll, budget])
-    return {"bin": doc["bin"], "cells": cells, "check": check}
+    return {"bin": doc["bin"], "cells": cells, "sources": sources, "check": check}
 
 
 def plot_metric(a: Any, res: dict[str, Any], arms: list[Arm], ratios: list[int], key: str) -> None:
@@ -275,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     hits: dict[int, dict[str, dict[str, list]]] = {n: {} for n in lengths}
     budgets: dict[int, dict[str, list[int]]] = {n: {} for n in lengths}
     check: dict[str, Any] = {"arms": 0, "identical": 0, "mismatches": []}
+    sources: dict[str, set[str]] = {}  # arm -> filter sources its caches reported
     for (n, i), rec in sorted(done.items()):
         if n not in hits or i >= len(docs[n]):
             continue
@@ -282,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
             hits[n].setdefault(name, {}).setdefault(key, []).append((correct, rec["bin"], nll))
             if budget is not None:
                 budgets[n].setdefault(key, []).append(budget)
+        for name, source in rec.get("sources", {}).items():  # older records have none
+            sources.setdefault(name, set()).add(source)
         for k in ("arms", "identical"):
             check[k] += rec.get("check", {}).get(k, 0)
         check["mismatches"] += rec.get("check", {}).get("mismatches", [])
@@ -391,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
             "budget_rule": "budget = round(prompt tokens / ratio); every arm the same; skipped "
             "when it leaves no evictable row (n_sink + recent >= budget)",
             "shared_prefill_check": check,
+            "filter_sources": {name: sorted(v) for name, v in sources.items()},
             "results": results,
             "plots": [f"{STUDY}.png", f"{STUDY}_depth.png"],
         }

@@ -10,6 +10,8 @@ submits the same :class:`~engine.requests.GenerationRequest` to an in-process
 :class:`~engine.worker.Worker` sharing the loaded model. All ban the end-of-sequence tokens
 (``logit_bias``) so every request makes exactly ``max_tokens``. TTFT is the time to the first
 non-empty text; inter-token latency (ITL) is ``(end - first) / (completion_tokens - 1)``.
+Multi-turn reuse is off in the worker and HTTP arms (``qfilters_reuse: false``): every round
+sends the same prompt, which a kept cache would answer without a prefill.
 Arms interleaved per round: in-process, worker, HTTP, in-process, HTTP; the two copies of
 in-process and of HTTP are the A/A pairs.
 
@@ -65,6 +67,7 @@ def make_request(content: str, max_tokens: int, config: CacheConfig, bias: dict)
         ),
         cache=config,
         messages=({"role": "user", "content": content},),
+        reuse=False,  # every round sends the same prompt: a kept cache would answer it
     )
 
 
@@ -215,6 +218,7 @@ def main(argv=None) -> dict:
                     "logit_bias": bias,
                     "kv_method": "qfilters",
                     "qfilters_budget": budget,
+                    "qfilters_reuse": False,
                 }
                 local = in_process(sm, request)
                 remote = lambda body=body: common.stream_chat(client, url, body)  # noqa: E731
