@@ -30,6 +30,14 @@ SELF_CALIBRATION_MODES: tuple[str, ...] = get_args(SelfCalibration)
 DEFAULT_SELF_CALIBRATION: SelfCalibration = "traffic"
 
 
+def check_mode(mode: str) -> None:
+    """Raises ``ValueError`` unless ``mode`` is a self-calibration mode."""
+    if mode not in SELF_CALIBRATION_MODES:
+        raise ValueError(
+            f"self_calibration must be one of {', '.join(SELF_CALIBRATION_MODES)}, got {mode!r}"
+        )
+
+
 class ModelFilters:
     """The loaded model's filters and where they came from.
 
@@ -44,11 +52,7 @@ class ModelFilters:
         self, loaded: LoadedModel, *, self_calibration: str = DEFAULT_SELF_CALIBRATION,
         traffic_samples: int | None = None,
     ) -> None:  # fmt: skip
-        if self_calibration not in SELF_CALIBRATION_MODES:
-            raise ValueError(
-                f"self_calibration must be one of {', '.join(SELF_CALIBRATION_MODES)}, "
-                f"got {self_calibration!r}"
-            )
+        check_mode(self_calibration)
         self.loaded = loaded
         self.self_calibration = self_calibration
         self.filters: Any = None

@@ -25,7 +25,7 @@ from typing import Any, Literal
 from engine.config import ConfigError
 from engine.jobs import Job, WorkerUnavailable
 from engine.loading import LoadedModel, load_model
-from engine.model_filters import DEFAULT_SELF_CALIBRATION, SELF_CALIBRATION_MODES, ModelFilters
+from engine.model_filters import DEFAULT_SELF_CALIBRATION, ModelFilters, check_mode
 from engine.prompts import PromptError, encode_prompt
 from engine.records import Ledger, RequestRecord, State
 from engine.requests import Failed, GenerationRequest, Started
@@ -98,11 +98,7 @@ class Worker:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         if max_backlog < 1:
             raise ValueError(f"max_backlog must be >= 1, got {max_backlog}")
-        if self_calibration not in SELF_CALIBRATION_MODES:
-            raise ValueError(
-                f"self_calibration must be one of {', '.join(SELF_CALIBRATION_MODES)}, "
-                f"got {self_calibration!r}"
-            )
+        check_mode(self_calibration)
         self._ref = model_ref
         self._max_backlog = max_backlog
         self.max_batch = max_batch
