@@ -361,10 +361,9 @@ def headlines(results_dir: Path) -> list[str]:
             data[name] = json.loads(path.read_text())
     if not data:
         return []
-    models = {
-        (d["model"]["path"], d["model"]["checkpoint"], d["model"]["weights_sha1"])
-        for d in data.values()
-    }
+    # Weights decide whether studies are comparable; the checkpoint label of an older
+    # results file may differ for the same weights.
+    models = {(d["model"]["path"], d["model"]["weights_sha1"]) for d in data.values()}
     lines = [
         "Held-out data only: evaluation-split standard-library files and generated documents "
         "from the training package's evaluation seeds; calibration on training-split files. "
@@ -377,7 +376,9 @@ def headlines(results_dir: Path) -> list[str]:
     if len(models) > 1:
         lines += [f"**Warning: the studies ran on different weights: {sorted(models)}.**", ""]
     else:
-        (path, checkpoint, sha), *_ = models
+        (path, sha), *_ = models
+        # The newest study's label (older results files may lack the model's name).
+        checkpoint = max(data.values(), key=lambda d: d.get("when", ""))["model"]["checkpoint"]
         lines += [
             f"All studies: `{path}` at **{checkpoint}**, weights sha1 `{sha}`. "
             "The numbers describe these weights only: after changing them, rerun the same "
