@@ -15,6 +15,7 @@ from pathlib import Path
 from bench.goals import render_goals
 from bench.harness import RESULTS_DIR
 from bench.quality.report import RENDERERS as QUALITY
+from bench.quality.report import SUBFOLDER_STUDIES
 from bench.quality.report import headlines as quality_headlines
 from bench.speed.report import load_results, render_speed_section
 
@@ -55,7 +56,7 @@ def render_quality(results_dir: Path, title: str = "Quality", *, missing: bool =
         path = results_dir / f"{name}.json"
         if path.exists():
             lines += [*render(json.loads(path.read_text())), ""]
-        elif missing:
+        elif missing and name not in SUBFOLDER_STUDIES:
             lines += [f"*{name}: no results yet (`python -m bench.quality.{name}`).*", ""]
     return lines
 

@@ -27,6 +27,9 @@ if [[ "$which" == selfcal || "$which" == all ]]; then
         --per-bin 2 --recent-fracs 0.25 --self-calibrated --out "$out" \
         --only qfilters/r25 self/r25 fallback/r25 knorm/r25 streaming/r0
     run bench.quality.attention --calibration registry --out "$out"
+    # Why the prompt's own filters lose the synthetic pass key: the same recipe fed the
+    # document's queries, another text's, or the artifact, on repetitive and natural filler.
+    run bench.quality.selfcal_text --calibration registry --out "$out"
 fi
 if [[ "$which" == speed || "$which" == all ]]; then
     run bench.speed.decode

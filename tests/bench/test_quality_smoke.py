@@ -23,6 +23,7 @@ STUDIES = (
     "stability",
     "niah",
     "multiturn_recall",
+    "selfcal_text",
 )
 
 
@@ -157,6 +158,22 @@ def test_niah_places_the_needle_and_resumes(results: Path, tiny_model: Path) -> 
     assert (out / "niah.jsonl").read_text().splitlines() == lines
 
 
+def test_selfcal_text_runs_the_servers_self_caches(results: Path) -> None:
+    """The ``own`` arm is the server's self-calibrated cache, the others their own sources;
+    every cell is a share."""
+    res = _load(results, "selfcal_text")["results"]["classic"]
+    for record in res["records"]:
+        assert record["needle_rows"] > 0  # the key's digits were found in the prompt
+        sources = {
+            name: {c["source"] for c in cells.values()} for name, cells in record["cells"].items()
+        }
+        assert sources["own"] == {"self"} and sources["calibrated"] == {"calibrated"}
+        assert sources["other"] == {"calibrated"}  # external filters, as an artifact's
+        for cells in record["cells"].values():
+            assert all(0 <= c["needle_rows_kept"] <= 1 for c in cells.values())
+    assert -1 <= res["cosine_to_calibrated"]["own"] <= 1
+
+
 def test_attention_and_stability_values_are_in_range(results: Path) -> None:
     for res in _load(results, "attention")["results"].values():
         for r in res.values():
@@ -170,7 +187,8 @@ def test_report_renders_every_quality_study(results: Path) -> None:
 
     text = "\n".join(render_quality(results))
     for title in (
-        "1. Geometry", "2. Does the score", "3. Streaming", "4. Pass-key", "5. Calib", "6. Needle"
+        "1. Geometry", "2. Does the score", "3. Streaming", "4. Pass-key", "5. Calib", "6. Needle",
+        "7. Whose queries",
     ):  # fmt: skip
         assert title in text
     assert "no results yet" not in text
