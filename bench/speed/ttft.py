@@ -56,6 +56,28 @@ def ttft_timer(sm, arm, tokens: list[int], kept: dict):
     return run
 
 
+def earlier_rows(path, result: dict, measured: set[int]) -> list[dict]:
+    """Rows of other prompt lengths from an earlier run on the same weights with the same
+    settings, kept beside this run's (a long prompt can be added without rerunning the
+    short ones); each row says which command measured it."""
+    import json
+
+    if result["quick"] or not path.is_file():
+        return []
+    old = json.loads(path.read_text())
+    same = (
+        not old.get("quick")
+        and old.get("settings") == result["settings"]
+        and old["model"].get("weights_sha1") == result["model"].get("weights_sha1")
+    )
+    if not same:
+        return []
+    kept = [r for r in old["rows"] if r["prompt_tokens"] not in measured]
+    for r in kept:
+        r.setdefault("measured_by", {"command": old["command"], "when": old["when"][:10]})
+    return kept
+
+
 def plot(result, out) -> list[str]:
     plt = common.plt()
     rows = result["rows"]
@@ -130,6 +152,10 @@ def main(argv=None) -> dict:
         },
         "rows": rows,
     }
+    for row in rows:
+        row["measured_by"] = {"command": result["command"], "when": time.strftime("%Y-%m-%d")}
+    rows += earlier_rows(args.out / "ttft.json", result, {r["prompt_tokens"] for r in rows})
+    rows.sort(key=lambda r: r["prompt_tokens"])
     result["plots"] = plot(result, args.out)
     result["runtime_s"] = round(progress.elapsed, 1)
     path = write_results("ttft", result, args.out, section="speed")
