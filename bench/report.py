@@ -36,11 +36,6 @@ MODELS = (
         False,
     ),
     (
-        "smollm2/selfcal_prose",
-        "SmolLM2-135M-Instruct: self-calibrated Q-Filters on pass keys in natural prose",
-        False,
-    ),
-    (
         "qfserve-tiny",
         "qfserve-tiny (the bundled 6-layer test model: what CI's smoke runs use; kept where "
         "it still says something)",

@@ -343,13 +343,15 @@ def render_niah(data: dict[str, Any]) -> list[str]:
 
 
 def render_selfcal_text(data: dict[str, Any]) -> list[str]:
+    from bench.quality.selfcal_text import cell_texts
+
     lines = _header("7. Whose queries calibrate a prompt's filters?", data)
     d, ratios = data["data"], data["ratios"]
     lines += [
         "",
         f"The self-calibration recipe fed different queries, on {d['documents']} "
         f"({', '.join(map(str, data['lengths']))} tokens): `own` is the document's own prompt "
-        f"(the server's `self` caches), `other` {d['other_text']}, `calibrated` the registry's "
+        f"(the server's `self` caches, fed the prompt as one block), `other` {d['other_text']}, `calibrated` the registry's "
         f"artifact; {data['budget_rule']} (streaming: none). Each cell: accuracy ({d['scoring']}) "
         f"/ {d['needle_rows_kept']}.",
     ]
@@ -362,11 +364,8 @@ def render_selfcal_text(data: dict[str, Any]) -> list[str]:
             f"own {cos['own']:.3f}, other {cos['other']:.3f}):",
             "",
         ]
-        rows = [
-            [name, *(f"{c['accuracy']:.2f} / {c['needle_rows_kept']:.2f}" for c in cells.values())]
-            for name, cells in res["arms"].items()
-            if name != "full"
-        ]
+        rows = [[name, *cell_texts(cells, ratios)] for name, cells in res["arms"].items()
+                if name != "full"]  # fmt: skip
         lines += _table(["filters", *[f"{r}×" for r in ratios]], rows)
     return lines + _plots(data)
 

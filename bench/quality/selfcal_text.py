@@ -5,10 +5,11 @@ the prompt it is about to compress. This study holds the recipe fixed (uncentred
 sign-anchored, GQA-averaged top singular vector, :func:`engine.selfcal.filters_from_moments`)
 and changes only whose queries it reads, on the retrieval study's pass-key documents:
 
-* ``own``: the document's own prompt queries: what the server's ``self`` arm computes (its
-  caches run here, not a copy of them);
-* ``other``: the queries of an equal-length held-out standard-library window (the same
-  sample size and positions, another text);
+* ``own``: the document's own prompt queries, through the server's ``self`` caches, fed the
+  prompt as one block as ``generate_step`` does for these lengths (the server reads prompts
+  in 512-token chunks, so it would freeze its filters on the first chunk's queries);
+* ``other``: the queries of a held-out standard-library window of the documents' nominal
+  length (about as many queries, at the same positions, from another text);
 * ``calibrated``: the registry's artifact (20 x 2,048 tokens of calibration text);
 
 with the full cache and streaming for reference. Each source runs with ``recent =
@@ -74,6 +75,8 @@ def share_kept(caches: list[Any], block: list[tuple[mx.array, ...]], rows: list[
         for h in range(full.shape[0]):
             held = {r.tobytes() for r in kept[h]}  # rows are gathered, not recomputed
             shares.append(np.mean([full[h, p].tobytes() in held for p in rows]))
+    if not rows or not shares:
+        raise ValueError("no needle rows to look for: the key's tokens are not in the prompt")
     return float(np.mean(shares))
 
 
@@ -130,7 +133,10 @@ def aggregate(records: list[dict[str, Any]]) -> dict[str, Any]:
     """Per arm and ratio: accuracy and mean needle rows kept, over the records."""
     out: dict[str, dict[str, dict[str, float]]] = {}
     for name in ("full", *SOURCES, "streaming"):
-        keys = sorted({k for r in records for k in r["cells"].get(name, {})}, key=str)
+        keys = sorted(
+            {k for r in records for k in r["cells"].get(name, {})},
+            key=lambda k: -1 if k == "-" else int(k),
+        )
         for key in keys:
             cells = [r["cells"][name][key] for r in records if key in r["cells"].get(name, {})]
             out.setdefault(name, {})[key] = {
@@ -139,6 +145,14 @@ def aggregate(records: list[dict[str, Any]]) -> dict[str, Any]:
                 "docs": len(cells),
             }
     return out
+
+
+def cell_texts(cells: dict[str, dict[str, float]], ratios: list[int]) -> list[str]:
+    """``accuracy / needle rows kept`` per ratio, in the order of ``ratios`` ('' if not run)."""
+    return [
+        f"{c['accuracy']:.2f} / {c['needle_rows_kept']:.2f}" if (c := cells.get(str(r))) else ""
+        for r in ratios
+    ]
 
 
 COLORS = {"calibrated": "qfilters", "own": "self", "other": "fallback", "streaming": "streaming"}
@@ -201,11 +215,8 @@ def main(argv: list[str] | None = None) -> int:
                 "records": records,
             }
     for filler, res in results.items():
-        table = [
-            [name, *(f"{c['accuracy']:.2f} / {c['needle_rows_kept']:.2f}" for c in cells.values())]
-            for name, cells in res["arms"].items()
-            if name != "full"
-        ]
+        table = [[name, *cell_texts(cells, ratios)] for name, cells in res["arms"].items()
+                 if name != "full"]  # fmt: skip
         print_table(
             ["filters", *[f"{r}x" for r in ratios]],
             table,

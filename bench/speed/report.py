@@ -107,13 +107,17 @@ def ttft(d: dict[str, Any]) -> list[str]:
         label = str(r["prompt_tokens"]) + (
             " (beyond trained context)" if r["beyond_trained_context"] else ""
         )
+        by = r.get("measured_by", {"command": d["command"], "when": d["when"][:10]})
         rows.append(
             [label, _ms(t["full_a"], 1e3, 1), _r(rr["full_b"])]
             + [f"{t[f'b{b}']['median'] * 1e3:.1f} ({_r(rr[f'b{b}'])})" for b in budgets]
+            + [f"`{by['command']}`, {by['when']}"]
         )
     lines += _table(
-        ["prompt tokens", "full ms", "A/A", *(f"budget {b}: ms (ratio)" for b in budgets)], rows
-    )
+        ["prompt tokens", "full ms", "A/A", *(f"budget {b}: ms (ratio)" for b in budgets),
+         "measured by"],
+        rows,
+    )  # fmt: skip
     return lines + _plots(d)
 
 

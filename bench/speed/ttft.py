@@ -56,19 +56,28 @@ def ttft_timer(sm, arm, tokens: list[int], kept: dict):
     return run
 
 
+# What must match for an earlier run's rows to sit beside this one's (not the load).
+SAME_MACHINE = ("platform", "processor", "mlx", "device", "blas", "cpu_count")
+
+
 def earlier_rows(path, result: dict, measured: set[int]) -> list[dict]:
     """Rows of other prompt lengths from an earlier run on the same weights with the same
     settings, kept beside this run's (a long prompt can be added without rerunning the
     short ones); each row says which command measured it."""
     import json
 
+    from bench.harness import machine
+
     if result["quick"] or not path.is_file():
         return []
+    now = machine()
     old = json.loads(path.read_text())
     same = (
         not old.get("quick")
         and old.get("settings") == result["settings"]
         and old["model"].get("weights_sha1") == result["model"].get("weights_sha1")
+        and old["model"].get("path") == result["model"].get("path")
+        and all(old["machine"].get(k) == now.get(k) for k in SAME_MACHINE)
     )
     if not same:
         return []
