@@ -44,7 +44,6 @@ from engine.selfcal import filters_from_moments
 
 STUDY = "selfcal_text"
 SOURCES = ("calibrated", "own", "other")
-REFERENCES = ("full", "streaming")
 
 
 def block_filters(block: list[tuple[mx.array, ...]]) -> mx.array:
@@ -91,14 +90,13 @@ def measure_doc(study: Any, doc: dict[str, Any], other: mx.array, ratios: list[i
     """Every source and reference at every ratio on one document."""
     model, prompt = study.model, doc["prompt"]
     block = prefill_block(model, prompt, queries=True)
-    kv = [(k, v) for k, v, _ in block]
     filters = {"calibrated": mx.array(np.asarray(study.filters)), "other": other}
     rows = needle_rows(prompt, doc["answer"])
 
     def outcome(name: str, budget: int | None) -> dict[str, Any]:
         arm = arm_for(name)
         caches = arm.caches(model, budget, filters.get(name))
-        feed_block(caches, block if name == "own" else kv)  # only `own` reads the queries
+        feed_block(caches, block)  # only `own`'s caches take the queries
         kept = share_kept(caches, block, rows) if budget is not None else 1.0
         text = study.tokenizer.decode(decode(model, prompt[-1:], caches, doc["key_tokens"] + 2))
         found = re.search(r"\d+", text)
