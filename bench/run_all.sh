@@ -54,5 +54,6 @@ if [[ "$which" == refinements || "$which" == all ]]; then
     run bench.quality.niah --calibration registry --lengths 2048 4096 --ratios 2 4 8 16 \
         --out "$out" "${arms[@]}"
     run bench.quality.perplexity --calibration registry --out "$out" "${arms[@]}"
+    run bench.speed.refine_step
 fi
 run bench.report

@@ -8,7 +8,13 @@ from pathlib import Path
 from typing import Any
 
 from bench.speed.markdown import MiB, _header, _ms, _plots, _r, _table
-from bench.speed.serving_report import batch_step, batching, multiturn, selfcal_prefill
+from bench.speed.serving_report import (
+    batch_step,
+    batching,
+    multiturn,
+    refine_step,
+    selfcal_prefill,
+)
 
 
 def decode(d: dict[str, Any]) -> list[str]:
@@ -258,6 +264,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "multiturn": multiturn,
     "batch_step": batch_step,
     "selfcal_prefill": selfcal_prefill,
+    "refine_step": refine_step,
 }
 
 

@@ -1,5 +1,5 @@
 """Markdown for the serving studies: continuous batching, multi-turn reuse, one batch step,
-and self-calibration's prefill cost."""
+self-calibration's prefill cost, and the decode step of chunked and adaptive caches."""
 
 from __future__ import annotations
 
@@ -146,4 +146,31 @@ def selfcal_prefill(d: dict[str, Any]) -> list[str]:
             ]
         )
     lines += _table(["arm", "prefill s", "ratio", "range"], rows)
+    return lines + _plots(d)
+
+
+def refine_step(d: dict[str, Any]) -> list[str]:
+    s = d["settings"]
+    lines = _header("16. Chunks and adaptive budgets: the decode step at equal size", d)
+    lines.append(
+        f"In process: every arm prefilled with {s['prompt']}, so each step evicts one row; "
+        f"recent {s['recent']}, {s['steps']} steps per timing, {s['reps']} interleaved rounds. "
+        f"Ratios are to plain Q-Filters (`{s['reference']}`); `plain_b` is the A/A copy."
+    )
+    lines.append("")
+    rows = []
+    for r in d["rows"]:
+        ref = r["ms_per_step"][s["reference"]]["median"]
+        rows.append([r["budget"], s["reference"], f"{ref:.1f}", "1.00", ""])
+        for x in r["ratios"]:
+            rows.append(
+                [
+                    "",
+                    x["arm"],
+                    f"{r['ms_per_step'][x['arm']]['median']:.1f}",
+                    f"{x['median']:.3f}",
+                    f"{x['q1']:.2f}-{x['q3']:.2f}",
+                ]
+            )
+    lines += _table(["budget", "arm", "ms/step", "ratio", "IQR"], rows)
     return lines + _plots(d)

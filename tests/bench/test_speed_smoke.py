@@ -18,6 +18,7 @@ STUDIES = (
     "multiturn",
     "batch_step",
     "selfcal_prefill",
+    "refine_step",
 )
 
 

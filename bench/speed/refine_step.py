@@ -1,0 +1,146 @@
+"""The decode step of chunked and head-adaptive Q-Filters at equal size, against plain ones.
+
+In process, no server. At each budget ``B`` every arm's caches are prefilled (512-token
+chunks, as the server prefills) with the same ``2B`` tokens, so each decode step evicts one
+row; then the arms' steps are timed interleaved, round after round. Arms: plain Q-Filters
+twice (``plain_b`` is the A/A copy, the noise floor), chunks of ``--chunk`` positions,
+adaptive budgets, and both; recent window ``B/4`` and n_sink 4, as the refinements' quality
+studies run them. The head-mask wrapper that adaptive budgets need is installed for every
+arm (a server that has served one adaptive request runs with it), and costs a plain cache
+one attribute look-up per layer.
+
+What it isolates: whether chunk ranks and ragged heads add work to the decode step, which
+is meant to stay one O(budget) single-row eviction per layer for every mode.
+
+Run: ``python -m bench.speed.refine_step [--quick] [--model M] [--budgets 256 512]``.
+Writes ``bench/results/<model>/refine_step.json`` and ``refine_step.png``.
+"""
+
+from __future__ import annotations
+
+from engine.blas import reexec_with_openblas
+
+reexec_with_openblas()
+
+from typing import Any  # noqa: E402
+
+import mlx.core as mx  # noqa: E402
+
+from bench.cli import command_line, parse, parser  # noqa: E402
+from bench.harness import interleave, print_table, ratio_row, summary, write_results  # noqa: E402
+from bench.speed import common  # noqa: E402
+from calibrations.model_info import model_fingerprint  # noqa: E402
+from engine.attention import install_head_masks  # noqa: E402
+from engine.config import CacheConfig  # noqa: E402
+from engine.factory import make_caches  # noqa: E402
+from engine.filters import resolve_calibration  # noqa: E402
+
+REFERENCE = "plain_a"
+
+
+def arm_configs(budget: int, chunk: int) -> dict[str, CacheConfig]:
+    """Arm name -> cache settings; the two plain arms are the A/A pair."""
+    base: dict[str, Any] = {"method": "qfilters", "budget": budget, "recent": budget // 4}
+    return {
+        "plain_a": CacheConfig(**base),
+        "plain_b": CacheConfig(**base),
+        f"c{chunk}": CacheConfig(**base, chunk=chunk),
+        "adaptive": CacheConfig(**base, budget_mode="adaptive"),
+        f"c{chunk}_adaptive": CacheConfig(**base, chunk=chunk, budget_mode="adaptive"),
+    }
+
+
+def main(argv=None) -> dict:
+    p = parser(__doc__.splitlines()[0], reps=9)
+    p.add_argument("--budgets", type=int, nargs="+", default=None, help="(default 256 512)")
+    p.add_argument("--chunk", type=int, default=None, help="chunk size (default 8)")
+    p.add_argument("--steps", type=int, default=None, help="decode steps per timing (16)")
+    args = parse(p, argv)
+    budgets = args.budgets or ([32, 64] if args.quick else [256, 512])
+    chunk = args.chunk or (4 if args.quick else 8)
+    steps = args.steps or (4 if args.quick else 16)
+    progress = common.Progress("refine_step")
+    sm = common.load_study_model(args.model)
+    model = sm.loaded.model
+    bm = sm.bench
+    filters, scale, source = resolve_calibration(
+        model, bm.loaded.model_id, fingerprint=model_fingerprint(model, bm.loaded.config)
+    )
+    if filters is None or scale is None:
+        raise SystemExit(
+            f"{bm.loaded.name}: adaptive budgets need a calibration with query scales "
+            f"(format version 2); found {source}"
+        )
+    install_head_masks(model)
+    rows = []
+    for budget in budgets:
+        tokens = common.prompt_tokens(sm, 2 * budget)
+        arms = {}
+        for name, config in arm_configs(budget, chunk).items():
+            progress(f"budget {budget}: prefilling {name}")
+            caches = make_caches(model, config, filters=filters, query_scale=scale)
+            common.prefill(model, caches, tokens)
+            common.decode_timer(model, caches, steps, hold=False)()  # warm-up, evicting
+            arms[name] = common.decode_timer(model, caches, steps, hold=False)
+        samples = interleave(arms, args.reps, progress=progress.rounds(f"budget {budget}"))
+        rows.append(
+            {
+                "budget": budget,
+                "ms_per_step": {k: summary(v) for k, v in samples.items()},
+                "ratios": [ratio_row(samples, k, REFERENCE) for k in arms if k != REFERENCE],
+            }
+        )
+        del arms
+        mx.clear_cache()
+
+    result = {
+        "study": "refine_step",
+        "command": command_line("bench.speed.refine_step", argv),
+        "quick": args.quick,
+        "model": sm.describe(),
+        "settings": {
+            "budgets": budgets,
+            "chunk": chunk,
+            "steps": steps,
+            "reps": args.reps,
+            "prompt": "2 x budget tokens of the standard-library corpus",
+            "recent": "budget / 4",
+            "n_sink": 4,
+            "reference": REFERENCE,
+            "prefill_chunk": 512,
+        },
+        "rows": rows,
+    }
+    plt = common.plt()
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    names = [r["arm"] for r in rows[0]["ratios"]]
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        meds = [next(x for x in r["ratios"] if x["arm"] == name) for r in rows]
+        x = [j + i * width for j in range(len(rows))]
+        err = [[m["median"] - m["q1"] for m in meds], [m["q3"] - m["median"] for m in meds]]
+        ax.bar(x, [m["median"] for m in meds], width, yerr=err, capsize=3, label=name)
+    ax.axhline(1.0, color="grey", ls=":")
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))], [f"b{b}" for b in budgets])
+    ax.set(title="decode step / plain Q-Filters (median, IQR)", ylabel="ratio")
+    ax.legend(fontsize=8)
+    result["plots"] = [common.save_figure(fig, args.out, "refine_step")]
+    result["runtime_s"] = round(progress.elapsed, 1)
+    path = write_results("refine_step", result, args.out, section="speed")
+    print_table(
+        ["budget", "plain ms", *(f"{n} / plain" for n in names)],
+        [
+            [
+                r["budget"],
+                f"{r['ms_per_step'][REFERENCE]['median']:.1f}",
+                *(f"{x['median']:.3f} [{x['q1']:.2f}-{x['q3']:.2f}]" for x in r["ratios"]),
+            ]
+            for r in rows
+        ],
+    )
+    print(f"\nwrote {path} in {result['runtime_s']}s")
+    return result
+
+
+if __name__ == "__main__":
+    main()
