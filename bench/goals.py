@@ -199,11 +199,22 @@ def multiturn(folder: Path) -> Row:
     kept = [t["kept_bytes"] for t in data["turns"]["qfilters_reuse"]]
     full = [t["kept_bytes"] for t in data["turns"]["full_reuse"]]
     flat = len(kept) >= 3 and kept[-1] == kept[-2]
-    ok = ratio is not None and ratio <= 1.3 and flat
     fresh = data["last_over_second_ttft"]["qfilters_fresh"]
+    measured = f"turn {len(kept)} / turn 2 TTFT: {ratio:.2f}× with reuse"
+    # Repeated conversations (bench.speed.multiturn --conversations K in a subfolder) give
+    # the ratio a spread; their median is the figure judged when they exist.
+    repeats = _load(folder / "multiturn_repeats", "multiturn")
+    each = (repeats or {}).get("last_over_second_ttft_by_conversation", {}).get("qfilters_reuse")
+    if each and None not in each:
+        first, ratio = ratio, repeats["last_over_second_ttft"]["qfilters_reuse"]  # type: ignore[index]
+        measured = (
+            f"turn {len(kept)} / turn 2 TTFT with reuse: median {ratio:.2f}× over {len(each)} "
+            f"conversations ({min(each):.2f}–{max(each):.2f}; {first:.2f}× in the 4-arm run)"
+        )
+    ok = ratio is not None and ratio <= 1.3 and flat
     return (
         goal,
-        f"turn {len(kept)} / turn 2 TTFT: {ratio:.2f}× with reuse ({fresh:.2f}× without); KV "
+        f"{measured} ({fresh:.2f}× without); KV "
         f"{kept[-1] / 2**20:.1f} MiB at the end ({'flat' if flat else 'not flat'}; full cache "
         f"{full[1] / 2**20:.1f} → {full[-1] / 2**20:.1f} MiB)",
         _verdict(ok),

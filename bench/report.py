@@ -36,6 +36,11 @@ MODELS = (
         False,
     ),
     (
+        "smollm2/multiturn_repeats",
+        "SmolLM2-135M-Instruct: multi-turn reuse over repeated conversations",
+        False,
+    ),
+    (
         "qfserve-tiny",
         "qfserve-tiny (the bundled 6-layer test model: what CI's smoke runs use; kept where "
         "it still says something)",

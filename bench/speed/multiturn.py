@@ -12,7 +12,13 @@ so the template renders each answer back as it was generated). Per turn and arm:
 prompt tokens, the tokens a reused cache held (``cached_tokens``), KV bytes kept (qfserve's
 ``kv_cache``) and the server's RSS after the turn.
 
-Run: ``python -m bench.speed.multiturn [--quick] [--model M] [--turns 20]``.
+``--conversations K`` repeats the whole conversation K times with other prose (each one
+starting at another paragraph), so a per-turn figure gets a spread; ``--arms`` runs a subset
+(only the servers those arms need are started). Ratios of the last turn's TTFT to turn 2's
+are reported per conversation and as their median.
+
+Run: ``python -m bench.speed.multiturn [--quick] [--model M] [--turns 20] [--conversations K]
+[--arms qfilters_reuse ...]``.
 Writes ``bench/results/<model>/multiturn.json`` and ``multiturn.png``.
 """
 
@@ -33,7 +39,7 @@ import httpx  # noqa: E402
 
 from bench import servers  # noqa: E402
 from bench.cli import command_line, parse, parser  # noqa: E402
-from bench.harness import print_table, write_results  # noqa: E402
+from bench.harness import print_table, summary, write_results  # noqa: E402
 from bench.speed import common  # noqa: E402
 
 ARMS = ("qfilters_reuse", "qfilters_fresh", "full_reuse", "theirs")
@@ -46,15 +52,20 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
-def user_turns(sm: common.StudyModel, turns: int, n_tokens: int) -> list[str]:
-    """``turns`` user messages of about ``n_tokens`` tokens each, consecutive prose."""
+def user_turns(
+    sm: common.StudyModel, turns: int, n_tokens: int, conversations: int = 1
+) -> list[list[str]]:
+    """Per conversation, ``turns`` user messages of about ``n_tokens`` tokens each of
+    consecutive prose; the conversations start at evenly spaced paragraphs."""
     from bench.quality.prose import prose_windows
 
     tok = sm.loaded.tokenizer
-    (ids,) = prose_windows(tok, n_tokens * turns, 1)
     return [
-        f"Turn {k + 1}. Read on: " + tok.decode(ids[k * n_tokens : (k + 1) * n_tokens].tolist())
-        for k in range(turns)
+        [
+            f"Turn {k + 1}. Read on: " + tok.decode(ids[k * n_tokens : (k + 1) * n_tokens].tolist())
+            for k in range(turns)
+        ]
+        for ids in prose_windows(tok, n_tokens * turns, conversations)
     ]
 
 
@@ -91,10 +102,15 @@ def chat_turn(client: httpx.Client, url: str, body: dict[str, Any]) -> dict[str,
     }
 
 
+def ttft_ratio(turns: list[dict[str, Any]]) -> float | None:
+    """TTFT at the last turn over turn 2's (turn 1 has nothing to reuse)."""
+    return None if len(turns) < 2 else turns[-1]["ttft_s"] / turns[1]["ttft_s"]
+
+
 def plot(result, out) -> list[str]:
     plt = common.plt()
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
-    for arm in ARMS:
+    for arm in result["turns"]:
         turns = result["turns"][arm]
         x = [t["turn"] for t in turns]
         axes[0].plot(x, [t["ttft_s"] for t in turns], "o-", label=arm)
@@ -116,62 +132,67 @@ def main(argv=None) -> dict:
     p.add_argument("--turn-tokens", type=int, default=None, help="(default 150; quick 40)")
     p.add_argument("--max-tokens", type=int, default=None, help="(default 48; quick 8)")
     p.add_argument("--budget", type=int, default=None, help="Q-Filters budget (default 512)")
+    p.add_argument("--conversations", type=int, default=1, help="repeats with other prose (1)")
+    p.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS), help="(default all)")
     args = parse(p, argv)
     n_turns = args.turns or (4 if args.quick else 20)
     turn_tokens = args.turn_tokens or (40 if args.quick else 150)
     max_tokens = args.max_tokens or (8 if args.quick else 48)
     budget = args.budget or (64 if args.quick else 512)
+    arms = [a for a in ARMS if a in args.arms]
     progress = common.Progress("multiturn")
     sm = common.load_study_model(args.model)
-    users = user_turns(sm, n_turns, turn_tokens)
+    conversations = user_turns(sm, n_turns, turn_tokens, args.conversations)
     extra: dict[str, dict[str, Any]] = {
         "qfilters_reuse": {"kv_method": "qfilters", "qfilters_budget": budget},
         "qfilters_fresh": {"kv_method": "qfilters", "qfilters_budget": budget},
         "full_reuse": {"kv_method": "full"},
         "theirs": {},
     }
-    history: dict[str, list[dict[str, str]]] = {a: [] for a in ARMS}
-    turns: dict[str, list[dict[str, Any]]] = {a: [] for a in ARMS}
+    serving = {"qfilters_reuse": "reuse", "qfilters_fresh": "fresh", "full_reuse": "reuse",
+               "theirs": "theirs"}  # fmt: skip
+    launches = {
+        "reuse": ("qfserve",),
+        "fresh": ("qfserve", "--prompt-cache-size", "0"),
+        "theirs": ("mlx_lm",),
+    }
+    runs: list[dict[str, list[dict[str, Any]]]] = []
     with contextlib.ExitStack() as stack:
-        progress("starting qfserve (with and without reuse) and mlx_lm.server")
+        needed = sorted({serving[a] for a in arms})
+        progress(f"starting servers: {', '.join(needed)}")
         logs = Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        procs = {
-            "reuse": servers.launch("qfserve", sm.path, log=logs / "reuse.log", log_level="warning"),
-            "fresh": servers.launch(
-                "qfserve", sm.path, "--prompt-cache-size", "0",
-                log=logs / "fresh.log", log_level="warning",
-            ),
-            "theirs": servers.launch("mlx_lm", sm.path, log=logs / "theirs.log"),
-        }  # fmt: skip
+        procs = {}
+        for name in needed:
+            kind, *flags = launches[name]
+            quiet = {"log_level": "warning"} if kind == "qfserve" else {}
+            procs[name] = servers.launch(kind, sm.path, *flags, log=logs / f"{name}.log", **quiet)
         stack.callback(servers.stop_all, list(procs.values()), 10)
         for proc in procs.values():
             servers.wait_ready(proc, 180)
-        serving = {"qfilters_reuse": "reuse", "qfilters_fresh": "fresh", "full_reuse": "reuse",
-                   "theirs": "theirs"}  # fmt: skip
         client = stack.enter_context(httpx.Client())
-        for k, user in enumerate(users, start=1):
-            for arm in ARMS:
-                proc = procs[serving[arm]]
-                history[arm].append({"role": "user", "content": user})
-                body = {
-                    "model": sm.loaded.name if arm != "theirs" else str(sm.path),
-                    "messages": history[arm],
-                    "max_tokens": max_tokens,
-                    "temperature": 0,
-                    **extra[arm],
-                }
-                t = chat_turn(client, proc.url, body)
-                history[arm].append({"role": "assistant", "content": t.pop("answer")})
-                t.update(turn=k, rss_bytes=rss_bytes(proc.pid))
-                turns[arm].append(t)
-            progress(f"turn {k}/{n_turns}: " + ", ".join(
-                f"{a} {turns[a][-1]['ttft_s']:.2f}s" for a in ARMS))  # fmt: skip
+        for c, users in enumerate(conversations):
+            history: dict[str, list[dict[str, str]]] = {a: [] for a in arms}
+            turns: dict[str, list[dict[str, Any]]] = {a: [] for a in arms}
+            for k, user in enumerate(users, start=1):
+                for arm in arms:
+                    proc = procs[serving[arm]]
+                    history[arm].append({"role": "user", "content": user})
+                    body = {
+                        "model": sm.loaded.name if arm != "theirs" else str(sm.path),
+                        "messages": history[arm],
+                        "max_tokens": max_tokens,
+                        "temperature": 0,
+                        **extra[arm],
+                    }
+                    t = chat_turn(client, proc.url, body)
+                    history[arm].append({"role": "assistant", "content": t.pop("answer")})
+                    t.update(turn=k, rss_bytes=rss_bytes(proc.pid))
+                    turns[arm].append(t)
+                progress(f"conversation {c + 1}/{len(conversations)}, turn {k}/{n_turns}: "
+                         + ", ".join(f"{a} {turns[a][-1]['ttft_s']:.2f}s" for a in arms))  # fmt: skip
+            runs.append(turns)
 
-    def ttft_ratio(arm: str) -> float | None:
-        """TTFT at the last turn over turn 2's (turn 1 has nothing to reuse)."""
-        ts = turns[arm]
-        return None if len(ts) < 2 else ts[-1]["ttft_s"] / ts[1]["ttft_s"]
-
+    by_conversation = {a: [ttft_ratio(run[a]) for run in runs] for a in arms}
     result = {
         "study": "multiturn",
         "command": command_line("bench.speed.multiturn", argv),
@@ -183,11 +204,17 @@ def main(argv=None) -> dict:
             "max_tokens": max_tokens,
             "budget": budget,
             "temperature": 0,
-            "arms": {a: {"server": serving[a], **extra[a]} for a in ARMS},
+            "conversations": len(runs),
+            "arms": {a: {"server": serving[a], **extra[a]} for a in arms},
             "theirs": "python -m mlx_lm.server (its prompt cache on, full KVCache)",
         },
-        "turns": turns,
-        "last_over_second_ttft": {a: ttft_ratio(a) for a in ARMS},
+        "turns": runs[0],  # the first conversation
+        "conversations": runs,
+        # Median over conversations (the first one's alone when there is one).
+        "last_over_second_ttft": {
+            a: None if None in r else summary(r)["median"] for a, r in by_conversation.items()
+        },
+        "last_over_second_ttft_by_conversation": by_conversation,
     }
     result["plots"] = plot(result, args.out)
     result["runtime_s"] = round(progress.elapsed, 1)
@@ -202,11 +229,11 @@ def main(argv=None) -> dict:
             "" if t["kept_bytes"] is None else f"{t['kept_bytes'] / 2**20:.1f}",
             f"{t['rss_bytes'] / 2**20:.0f}",
         ]
-        for a in ARMS
-        for t in turns[a]
+        for a in arms
+        for t in runs[0][a]
     ]
     print_table(["turn", "arm", "prompt", "cached", "TTFT s", "KV MiB", "RSS MiB"], table)
-    print("\nTTFT at the last turn / turn 2:", result["last_over_second_ttft"])
+    print("\nTTFT at the last turn / turn 2, per conversation:", by_conversation)
     print(f"\nwrote {path} in {result['runtime_s']}s")
     return result
 

@@ -88,9 +88,18 @@ def multiturn(d: dict[str, Any]) -> list[str]:
                     ]
                 )
     lines += _table(["turn", "arm", "prompt", "cached", "TTFT s", "KV MiB", "RSS MiB"], rows)
-    ratios = ", ".join(
-        f"{a} {v:.2f}×" for a, v in d["last_over_second_ttft"].items() if v is not None
-    )
+    by_conversation = d.get("last_over_second_ttft_by_conversation", {})
+    n = s.get("conversations", 1)
+
+    def ratio(a: str, v: float) -> str:
+        each = by_conversation.get(a) or []
+        if n < 2 or None in each:
+            return f"{a} {v:.2f}×"
+        return f"{a} {v:.2f}× (median of {n}; {min(each):.2f}–{max(each):.2f})"
+
+    ratios = ", ".join(ratio(a, v) for a, v in d["last_over_second_ttft"].items() if v is not None)
+    where = "in the first conversation " if n > 1 else ""
+    lines += ["", f"Rows above: {where}turns 1, 2, the middle and the last."]
     lines += ["", f"TTFT at the last turn over turn 2: {ratios}."]
     return lines + _plots(d)
 
