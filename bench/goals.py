@@ -195,30 +195,52 @@ def multiturn(folder: Path) -> Row:
     data = _load(folder, "multiturn")
     if not data:
         return goal, "not run yet", "not run"
-    ratio = data["last_over_second_ttft"]["qfilters_reuse"]
-    kept = [t["kept_bytes"] for t in data["turns"]["qfilters_reuse"]]
-    full = [t["kept_bytes"] for t in data["turns"]["full_reuse"]]
+    turns, ratios = data["turns"], data["last_over_second_ttft"]
+    if "qfilters_reuse" not in turns:
+        return goal, "the run has no qfilters_reuse arm", "not run"
+    ratio = ratios.get("qfilters_reuse")
+    kept = [t["kept_bytes"] for t in turns["qfilters_reuse"]]
     flat = len(kept) >= 3 and kept[-1] == kept[-2]
-    fresh = data["last_over_second_ttft"]["qfilters_fresh"]
-    measured = f"turn {len(kept)} / turn 2 TTFT: {ratio:.2f}× with reuse"
-    # Repeated conversations (bench.speed.multiturn --conversations K in a subfolder) give
-    # the ratio a spread; their median is the figure judged when they exist.
+    if ratio is None or len(kept) < 2:
+        return goal, "fewer than two turns", "not run"
+    fresh = ratios.get("qfilters_fresh")
+    without = "" if fresh is None else f" ({fresh:.2f}× without)"
+    measured = f"turn {len(kept)} / turn 2 TTFT: {ratio:.2f}× with reuse{without}"
+    # Repeated conversations (bench.speed.multiturn --conversations K, run into the
+    # multiturn_repeats subfolder) give the ratio a spread; their median is the figure judged
+    # when they were run with this run's settings on the same weights.
     repeats = _load(folder / "multiturn_repeats", "multiturn")
-    each = (repeats or {}).get("last_over_second_ttft_by_conversation", {}).get("qfilters_reuse")
-    if each and None not in each:
-        first, ratio = ratio, repeats["last_over_second_ttft"]["qfilters_reuse"]  # type: ignore[index]
-        measured = (
-            f"turn {len(kept)} / turn 2 TTFT with reuse: median {ratio:.2f}× over {len(each)} "
-            f"conversations ({min(each):.2f}–{max(each):.2f}; {first:.2f}× in the 4-arm run)"
+    if repeats is not None:
+        same = (
+            not repeats.get("quick")
+            and {k: repeats["settings"].get(k) for k in _MULTITURN_SETTINGS}
+            == {k: data["settings"].get(k) for k in _MULTITURN_SETTINGS}
+            and repeats["model"].get("weights_sha1") == data["model"].get("weights_sha1")
         )
-    ok = ratio is not None and ratio <= 1.3 and flat
+        each = repeats.get("last_over_second_ttft_by_conversation", {}).get("qfilters_reuse")
+        if not same:
+            measured += "; the repeated conversations were run with other settings: ignored"
+        elif each and None not in each:
+            first, ratio = ratio, repeats["last_over_second_ttft"]["qfilters_reuse"]
+            measured = (
+                f"turn {len(kept)} / turn 2 TTFT with reuse: median {ratio:.2f}× over "
+                f"{len(each)} conversations ({min(each):.2f}–{max(each):.2f}); {first:.2f}× in "
+                f"the study's own run{without}"
+            )
+    full = [t["kept_bytes"] for t in turns.get("full_reuse", ())]
+    growth = (
+        f"; full cache {full[1] / 2**20:.1f} → {full[-1] / 2**20:.1f} MiB" if len(full) > 1 else ""
+    )
+    ok = ratio <= 1.3 and flat
     return (
         goal,
-        f"{measured} ({fresh:.2f}× without); KV "
-        f"{kept[-1] / 2**20:.1f} MiB at the end ({'flat' if flat else 'not flat'}; full cache "
-        f"{full[1] / 2**20:.1f} → {full[-1] / 2**20:.1f} MiB)",
+        f"{measured}; KV {kept[-1] / 2**20:.1f} MiB at the end "
+        f"({'flat' if flat else 'not flat'}{growth})",
         _verdict(ok),
     )
+
+
+_MULTITURN_SETTINGS = ("turns", "turn_tokens", "max_tokens", "budget", "temperature")
 
 
 def self_calibration(folder: Path) -> Row:

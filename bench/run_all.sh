@@ -40,6 +40,9 @@ if [[ "$which" == speed || "$which" == all ]]; then
     run bench.speed.batch_step
     run bench.speed.selfcal_prefill
     run bench.speed.multiturn
+    # The reused arm alone over five more conversations: its turn-20/turn-2 ratio's spread.
+    run bench.speed.multiturn --conversations 5 --arms qfilters_reuse \
+        --out bench/results/smollm2/multiturn_repeats
     run bench.speed.bandwidth
     run bench.speed.structured --reps 5 --tokens 40
 fi

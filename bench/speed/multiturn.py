@@ -1,10 +1,11 @@
 """Multi-turn chat: time to first token, KV bytes and RSS per turn, with and without reuse.
 
-Three servers on the same model folder, as subprocesses on 127.0.0.1 (OpenBLAS preloaded
+Up to three servers on the same model folder, as subprocesses on 127.0.0.1 (OpenBLAS preloaded
 for all): qfserve with its prompt cache (the default), qfserve with ``--prompt-cache-size 0``
 (every turn prefilled again) and ``mlx_lm.server`` with its own prompt cache (full caches).
-Four conversations run side by side, one turn each per round: Q-Filters (budget 512) with
-reuse, Q-Filters without, a full cache with reuse (qfserve), and mlx-lm's. Every turn adds the
+Four arms hold the same conversation side by side, one turn each per round: Q-Filters
+(budget 512) with reuse, Q-Filters without, a full cache with reuse (qfserve), and mlx-lm's.
+Every turn adds the
 same new user text (about ``--turn-tokens`` tokens of English prose from the standard
 library's docstrings, :mod:`bench.quality.prose`) to that conversation's own history, with
 the model's own answers (greedy, at most ``--max-tokens``, ending where the model ends them,
@@ -12,10 +13,11 @@ so the template renders each answer back as it was generated). Per turn and arm:
 prompt tokens, the tokens a reused cache held (``cached_tokens``), KV bytes kept (qfserve's
 ``kv_cache``) and the server's RSS after the turn.
 
-``--conversations K`` repeats the whole conversation K times with other prose (each one
-starting at another paragraph), so a per-turn figure gets a spread; ``--arms`` runs a subset
-(only the servers those arms need are started). Ratios of the last turn's TTFT to turn 2's
-are reported per conversation and as their median.
+``--conversations K`` runs K conversations one after another on the same servers, each on
+other prose (starting at another paragraph), so a per-turn figure gets a spread; ``--arms``
+runs a subset (only the servers those arms need are started). The ratio of the last turn's
+TTFT to turn 2's is reported per conversation and as their median; ``turns`` and the plot
+show the first conversation, ``runs`` every one.
 
 Run: ``python -m bench.speed.multiturn [--quick] [--model M] [--turns 20] [--conversations K]
 [--arms qfilters_reuse ...]``.
@@ -135,6 +137,8 @@ def main(argv=None) -> dict:
     p.add_argument("--conversations", type=int, default=1, help="repeats with other prose (1)")
     p.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS), help="(default all)")
     args = parse(p, argv)
+    if args.conversations < 1:
+        p.error("--conversations must be >= 1")
     n_turns = args.turns or (4 if args.quick else 20)
     turn_tokens = args.turn_tokens or (40 if args.quick else 150)
     max_tokens = args.max_tokens or (8 if args.quick else 48)
@@ -166,7 +170,7 @@ def main(argv=None) -> dict:
             kind, *flags = launches[name]
             quiet = {"log_level": "warning"} if kind == "qfserve" else {}
             procs[name] = servers.launch(kind, sm.path, *flags, log=logs / f"{name}.log", **quiet)
-        stack.callback(servers.stop_all, list(procs.values()), 10)
+            stack.callback(servers.stop_all, [procs[name]], 10)
         for proc in procs.values():
             servers.wait_ready(proc, 180)
         client = stack.enter_context(httpx.Client())
@@ -209,7 +213,7 @@ def main(argv=None) -> dict:
             "theirs": "python -m mlx_lm.server (its prompt cache on, full KVCache)",
         },
         "turns": runs[0],  # the first conversation
-        "conversations": runs,
+        "runs": runs,
         # Median over conversations (the first one's alone when there is one).
         "last_over_second_ttft": {
             a: None if None in r else summary(r)["median"] for a, r in by_conversation.items()

@@ -1,16 +1,20 @@
-"""The decode step of chunked and head-adaptive Q-Filters at equal size, against plain ones.
+"""The decode step of chunked and head-adaptive Q-Filters against plain ones, same budget.
 
 In process, no server. At each budget ``B`` every arm's caches are prefilled (512-token
 chunks, as the server prefills) with the same ``2B`` tokens, so each decode step evicts one
-row; then the arms' steps are timed interleaved, round after round. Arms: plain Q-Filters
-twice (``plain_b`` is the A/A copy, the noise floor), chunks of ``--chunk`` positions,
-adaptive budgets, and both; recent window ``B/4`` and n_sink 4, as the refinements' quality
-studies run them. The head-mask wrapper that adaptive budgets need is installed for every
-arm (a server that has served one adaptive request runs with it), and costs a plain cache
-one attribute look-up per layer.
+row per layer and head (checked: every timed call adds ``steps`` evictions per layer); then
+the arms' steps are timed interleaved, round after round. Arms: plain Q-Filters twice (the
+A/A pair, first and last in each round, so it brackets the others), chunks of ``--chunk``
+positions, adaptive budgets, and both; recent window ``B/4`` and n_sink 4, as the
+refinements' quality studies run them. The head-mask wrapper that adaptive budgets need is
+installed for every arm (a server that has served one adaptive request runs with it), and
+costs a plain cache one attribute look-up per layer.
 
-What it isolates: whether chunk ranks and ragged heads add work to the decode step, which
-is meant to stay one O(budget) single-row eviction per layer for every mode.
+What it isolates: whether chunk ranks and ragged heads add work to the decode step. Chunked
+caches hold ``B`` rows per head like plain ones. Adaptive caches hold ``B x heads`` rows per
+layer, shared unevenly, stored padded to the longest head; attention then reads the padded
+width, so that arm's step pays for its padding too. The rows each arm stores (``stored_rows``,
+padding included) and keeps (``kept_rows``) are recorded beside its time.
 
 Run: ``python -m bench.speed.refine_step [--quick] [--model M] [--budgets 256 512]``.
 Writes ``bench/results/<model>/refine_step.json`` and ``refine_step.png``.
@@ -43,11 +47,41 @@ def arm_configs(budget: int, chunk: int) -> dict[str, CacheConfig]:
     base: dict[str, Any] = {"method": "qfilters", "budget": budget, "recent": budget // 4}
     return {
         "plain_a": CacheConfig(**base),
-        "plain_b": CacheConfig(**base),
         f"c{chunk}": CacheConfig(**base, chunk=chunk),
         "adaptive": CacheConfig(**base, budget_mode="adaptive"),
         f"c{chunk}_adaptive": CacheConfig(**base, chunk=chunk, budget_mode="adaptive"),
+        "plain_b": CacheConfig(**base),
     }
+
+
+def evicting_timer(model, caches: list[Any], steps: int):
+    """:func:`common.decode_timer` that also checks every step evicted one row per layer."""
+    timed = common.decode_timer(model, caches, steps, hold=False)
+
+    def run() -> float:
+        before = [c.evictions for c in caches]
+        ms = timed()
+        grew = {c.evictions - b for c, b in zip(caches, before, strict=True)}
+        if grew != {steps}:
+            raise RuntimeError(f"expected {steps} evictions per layer per timing, got {grew}")
+        return ms
+
+    return run
+
+
+def rows_held(caches: list[Any]) -> dict[str, float]:
+    """Rows per layer and KV head: stored (the padded width attention reads) and kept."""
+    # In the slot layout every head has one free slot, which holds no token.
+    stored = max(c.keys.shape[2] - (c.free is not None) for c in caches)
+    longest = max(
+        (
+            int(c.valid.sum(axis=-1).max()) - (c.free is not None)
+            for c in caches
+            if c.valid is not None
+        ),
+        default=stored,
+    )
+    return {"stored_rows": stored, "longest_head_rows": longest}
 
 
 def main(argv=None) -> dict:
@@ -57,8 +91,10 @@ def main(argv=None) -> dict:
     p.add_argument("--steps", type=int, default=None, help="decode steps per timing (16)")
     args = parse(p, argv)
     budgets = args.budgets or ([32, 64] if args.quick else [256, 512])
-    chunk = args.chunk or (4 if args.quick else 8)
-    steps = args.steps or (4 if args.quick else 16)
+    chunk = args.chunk if args.chunk is not None else (4 if args.quick else 8)
+    steps = args.steps if args.steps is not None else (4 if args.quick else 16)
+    if chunk < 2 or steps < 1 or min(budgets) <= chunk:
+        raise SystemExit("need --chunk >= 2, --steps >= 1 and every budget above the chunk")
     progress = common.Progress("refine_step")
     sm = common.load_study_model(args.model)
     model = sm.loaded.model
@@ -75,22 +111,24 @@ def main(argv=None) -> dict:
     rows = []
     for budget in budgets:
         tokens = common.prompt_tokens(sm, 2 * budget)
-        arms = {}
+        arms, held = {}, {}
         for name, config in arm_configs(budget, chunk).items():
             progress(f"budget {budget}: prefilling {name}")
             caches = make_caches(model, config, filters=filters, query_scale=scale)
             common.prefill(model, caches, tokens)
-            common.decode_timer(model, caches, steps, hold=False)()  # warm-up, evicting
-            arms[name] = common.decode_timer(model, caches, steps, hold=False)
+            arms[name] = evicting_timer(model, caches, steps)
+            arms[name]()  # warm-up: from its first step on, every step evicts
+            held[name] = rows_held(caches)
         samples = interleave(arms, args.reps, progress=progress.rounds(f"budget {budget}"))
         rows.append(
             {
                 "budget": budget,
                 "ms_per_step": {k: summary(v) for k, v in samples.items()},
+                "rows": held,
                 "ratios": [ratio_row(samples, k, REFERENCE) for k in arms if k != REFERENCE],
             }
         )
-        del arms
+        del arms, caches
         mx.clear_cache()
 
     result = {
@@ -116,10 +154,11 @@ def main(argv=None) -> dict:
     names = [r["arm"] for r in rows[0]["ratios"]]
     width = 0.8 / len(names)
     for i, name in enumerate(names):
-        meds = [next(x for x in r["ratios"] if x["arm"] == name) for r in rows]
+        med, err = common.errorbars(
+            [next(x for x in r["ratios"] if x["arm"] == name) for r in rows]
+        )
         x = [j + i * width for j in range(len(rows))]
-        err = [[m["median"] - m["q1"] for m in meds], [m["q3"] - m["median"] for m in meds]]
-        ax.bar(x, [m["median"] for m in meds], width, yerr=err, capsize=3, label=name)
+        ax.bar(x, med, width, yerr=err, capsize=3, label=name)
     ax.axhline(1.0, color="grey", ls=":")
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))], [f"b{b}" for b in budgets])
     ax.set(title="decode step / plain Q-Filters (median, IQR)", ylabel="ratio")
@@ -127,6 +166,14 @@ def main(argv=None) -> dict:
     result["plots"] = [common.save_figure(fig, args.out, "refine_step")]
     result["runtime_s"] = round(progress.elapsed, 1)
     path = write_results("refine_step", result, args.out, section="speed")
+    print_table(
+        ["budget", "arm", "stored rows", "longest head"],
+        [
+            [r["budget"], a, h["stored_rows"], h["longest_head_rows"]]
+            for r in rows
+            for a, h in r["rows"].items()
+        ],
+    )
     print_table(
         ["budget", "plain ms", *(f"{n} / plain" for n in names)],
         [

@@ -170,16 +170,27 @@ def refine_step(d: dict[str, Any]) -> list[str]:
     rows = []
     for r in d["rows"]:
         ref = r["ms_per_step"][s["reference"]]["median"]
-        rows.append([r["budget"], s["reference"], f"{ref:.1f}", "1.00", ""])
+        held = r.get("rows", {})
+
+        def width(arm: str, held: dict = held) -> str:
+            return str(held[arm]["stored_rows"]) if arm in held else "—"
+
+        rows.append([r["budget"], s["reference"], width(s["reference"]), f"{ref:.1f}", "1.00", ""])
         for x in r["ratios"]:
             rows.append(
                 [
                     "",
                     x["arm"],
+                    width(x["arm"]),
                     f"{r['ms_per_step'][x['arm']]['median']:.1f}",
                     f"{x['median']:.3f}",
                     f"{x['q1']:.2f}-{x['q3']:.2f}",
                 ]
             )
-    lines += _table(["budget", "arm", "ms/step", "ratio", "IQR"], rows)
+    lines += _table(["budget", "arm", "rows stored", "ms/step", "ratio", "IQR"], rows)
+    lines += [
+        "",
+        "Rows stored: per layer and KV head, the width attention reads (adaptive budgets pad "
+        "every head to the longest).",
+    ]
     return lines + _plots(d)
