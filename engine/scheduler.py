@@ -1,9 +1,12 @@
 """Continuous batching: requests join and leave one running decode batch at step boundaries.
 
-Each :meth:`Scheduler.step` runs at most one prefill chunk of the oldest request still
-reading its prompt, then one decode step of the batch. A newcomer therefore stalls the
-running streams for one chunk at most (``prefill_chunk`` tokens), and joins the batch when
-its prompt is done.
+Each :meth:`Scheduler.step` reads at most ``prefill_chunk`` prompt tokens, oldest request
+first, then runs one decode step of the batch. A long prompt is read one chunk per step;
+prompts that end within the tokens the step has left are read in the same step (one forward
+pass each, on their own caches), so a burst of short requests does not join one step apart.
+Every prompt is cut into the same blocks as when it is alone (a prompt is never started with
+less than a chunk unless it ends there). Newcomers therefore stall the running streams for one
+chunk's tokens at most, and each joins the batch when its prompt is done.
 
 Decoding reuses mlx-lm's ``GenerationBatch`` (per-request samplers, logits processors, EOS
 matching and ``max_tokens``; ``filter``/``extend`` as requests leave and join) over
@@ -132,11 +135,20 @@ class Scheduler:
     # -- one step ------------------------------------------------------------------------
 
     def step(self) -> None:
-        """One prefill chunk (if a prompt is waiting), then one decode step (if any)."""
+        """Up to ``prefill_chunk`` prompt tokens (if prompts wait), then one decode step."""
         with mx.stream(generation_stream):
             self._drop_cancelled()
-            if self._prefilling:
-                self._prefill_chunk(self._prefilling[0])
+            tokens = self.prefill_chunk
+            while self._prefilling:
+                seq = self._prefilling[0]
+                if tokens < self.prefill_chunk and len(seq.prompt) - 1 - seq.read > tokens:
+                    # Only a prompt that ends within what is left joins this step: one cut
+                    # elsewhere would be chunked unlike alone (and some caches' kept rows
+                    # depend on the chunking). It starts the next step.
+                    break
+                tokens -= self._prefill_chunk(seq, tokens)
+                if self._prefilling and self._prefilling[0] is seq:
+                    break  # still reading: the step's tokens are spent
             if self._decoding:
                 self._decode()
             if not self:
@@ -147,23 +159,27 @@ class Scheduler:
                 mx.synchronize(generation_stream)
                 mx.clear_cache()
 
-    def _prefill_chunk(self, seq: Sequence) -> None:
+    def _prefill_chunk(self, seq: Sequence, limit: int) -> int:
+        """Read up to ``limit`` more of the oldest prompt (it joins the batch once read, or
+        leaves the queue failed); returns the tokens it read."""
+        n = 0
         try:
             todo = len(seq.prompt) - 1 - seq.read  # the last token starts the decoding
             if todo > 0:
-                n = min(self.prefill_chunk, todo)
+                n = min(limit, todo)
                 chunk = mx.array(seq.prompt[seq.read : seq.read + n])[None]
                 self.loaded.model(chunk, cache=seq.caches)
                 mx.eval([c.state for c in seq.caches])
                 seq.read += n
                 if seq.read < len(seq.prompt) - 1:
-                    return
+                    return n
             self._prefilling.popleft()
             self._join(seq)
         except Exception as exc:  # noqa: BLE001 - one request failing must not stop the others
             if self._prefilling and self._prefilling[0] is seq:
                 self._prefilling.popleft()
             self._fail(seq, exc)
+        return n
 
     def _join(self, seq: Sequence) -> None:
         """The prompt is read: the last prompt token starts the request's decoding."""

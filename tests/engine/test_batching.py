@@ -346,3 +346,41 @@ def test_a_request_waiting_for_kv_memory_is_failed_when_the_worker_stops(loaded)
         finals = asyncio.run(asyncio.wait_for(go(worker), 60))  # stops the worker itself
     assert isinstance(finals[1], Failed) and finals[1].kind == "unavailable"
     assert worker.snapshot()["totals"]["active"] == 0
+
+
+def test_prompts_that_end_within_the_step_join_together_and_long_ones_keep_their_chunks(loaded):
+    """A step reads up to ``prefill_chunk`` prompt tokens: short prompts that end within them
+    join the batch in the same step, and a long one is cut into the same chunks as alone."""
+    from engine.jobs import Job
+    from engine.records import RequestRecord
+    from engine.scheduler import Scheduler
+
+    chunk, states = 64, []
+    scheduler = Scheduler(
+        loaded, finish=lambda _rec, state: states.append(state), max_backlog=10_000,
+        prefill_chunk=chunk,
+    )  # fmt: skip
+    loop = asyncio.new_event_loop()
+    lengths, config = (20, 30, 200, 40), SETTINGS[2]
+    for i, n in enumerate(lengths):
+        req = GenerationRequest(
+            kind="completion",
+            prompt=prompt_of(loaded, i)[:n],
+            sampling=SamplingParams(max_tokens=3, temperature=0.0),
+            cache=config,
+        )
+        job = Job(req, RequestRecord.opened(f"r{i}", loaded.name, "completion", config), loop)
+        scheduler.add(job, list(req.prompt), 3, make_caches(loaded.model, config))
+    long_one = scheduler.sequences()[2]
+    seen = []  # after each step: (requests decoding or done, the long prompt's tokens read)
+    while len(scheduler):
+        scheduler.step()
+        seen.append((len(lengths) - len(scheduler._prefilling), long_one.read))
+    loop.close()
+    # Step 1: the 19 + 29 tokens of the first two; the long one waits for a whole chunk.
+    assert seen[0] == (2, 0)
+    # Then the long one alone, one chunk per step, as alone; its last 7 tokens leave room
+    # for the fourth (39 tokens), which joins in the same step.
+    assert [r for _, r in seen[1:5]] == [64, 128, 192, 200]
+    assert [n for n, _ in seen[1:5]] == [2, 2, 2, 4]
+    assert states == ["done"] * len(lengths)
