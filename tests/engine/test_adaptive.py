@@ -12,11 +12,18 @@ from engine.adaptive import exactly_k, ragged_gather, select_adaptive
 
 def ref_adaptive(scores, budget, n_sink, recent, floor, eligible=None):
     """Per batch row: each head's floor (protected first, score desc, position asc), then
-    the layer's best remaining rows (score desc, head asc, position asc)."""
+    the layer's best remaining rows by expected log attention weight, each head's scores less
+    their log-sum-exp over its eligible rows (weight desc, head asc, position asc)."""
     B, H, L = scores.shape
     eligible = np.ones(scores.shape, bool) if eligible is None else eligible
     keep = np.zeros(scores.shape, bool)
     s = np.where(np.isnan(scores), -np.inf, scores.astype(np.float64))
+    for b in range(B):
+        for h in range(H):
+            real = s[b, h][eligible[b, h] & np.isfinite(s[b, h])]
+            if real.size:
+                top = real.max()
+                s[b, h] -= top + np.log(np.exp(real - top).sum())
     for b in range(B):
         for h in range(H):
             rows = [r for r in range(L) if eligible[b, h, r]]
@@ -104,3 +111,19 @@ def test_floor_outside_its_range_is_refused():
         select_adaptive(scores, budget=10, n_sink=4, recent=4, floor=6)
     with pytest.raises(ValueError, match="floor must be in"):
         select_adaptive(scores, budget=10, n_sink=0, recent=0, floor=11)
+
+
+def test_the_shared_rows_go_where_attention_concentrates_not_where_logits_run_high():
+    """Head 0's logits are all high and flat (its attention is spread over every row); head
+    1's are lower but peaked on 8 rows. Softmax normalises each head, so those 8 rows carry
+    far more of their head's attention than any row of head 0 does, and they are kept first,
+    although every one of head 0's raw logits is larger."""
+    L, budget, floor = 64, 12, 2
+    scores = np.full((1, 2, L), -10.0, np.float32)
+    scores[0, 0] = 10.0 + np.linspace(0, 0.01, L)
+    peaks = np.arange(5, 61, 7)  # 8 rows
+    scores[0, 1, peaks] = 9.0
+    keep, counts = select_adaptive(mx.array(scores), budget=budget, n_sink=0, recent=0, floor=floor)
+    keep = np.array(keep)
+    assert keep[0, 1, peaks].all()
+    assert np.array(counts).tolist() == [[budget * 2 - 8, 8]]

@@ -43,7 +43,8 @@ def chunk_means(score: np.ndarray, rows: list[int], chunk: int) -> dict[int, flo
 def simulate(keys: np.ndarray, blocks: list[int], chunk: int = 1) -> list[list[int]]:
     """Kept positions per head after each block (decode steps are blocks of one).
 
-    With chunks, a block ranks rows by their chunk's mean over the head's rows; the first
+    A block shares the layer's rows by expected log attention weight (each head's scores
+    less their log-sum-exp). With chunks, a block ranks rows by their chunk's mean over the head's rows; the first
     decode eviction after a block ranks the stored rows the same way once, and every decoded
     row by its own score."""
     score = keys[0, :, :, 0]
@@ -74,6 +75,12 @@ def simulate(keys: np.ndarray, blocks: list[int], chunk: int = 1) -> list[list[i
             table = np.array([[means[h][p] if p >= 0 else 0.0 for p in r]
                               for h, r in enumerate(pad)])  # fmt: skip
             eligible = np.array([[p >= 0 for p in r] for r in pad])
+            # Compared across heads: expected log attention weights, each head's ranks less
+            # their log-sum-exp over its real rows.
+            for h in range(H):
+                real_ranks = table[h][eligible[h]].astype(np.float64)
+                top = real_ranks.max()
+                table[h] -= top + np.log(np.exp(real_ranks - top).sum())
             # Protected rows are the first of each head's real rows and the block's last.
             keep = np.zeros_like(eligible)
             for h in range(H):
