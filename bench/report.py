@@ -36,6 +36,11 @@ MODELS = (
         False,
     ),
     (
+        "smollm2/batching_16",
+        "SmolLM2-135M-Instruct: continuous batching up to 16 streams (256-token prompts)",
+        False,
+    ),
+    (
         "smollm2/multiturn_repeats",
         "SmolLM2-135M-Instruct: multi-turn reuse over repeated conversations",
         False,
