@@ -30,6 +30,11 @@ MODELS = (
         False,
     ),
     (
+        "smollm2/refinements/adaptive",
+        "SmolLM2-135M-Instruct: head-adaptive budgets ranked by expected log attention weights",
+        False,
+    ),
+    (
         "smollm2/selfcal",
         "SmolLM2-135M-Instruct: self-calibrated Q-Filters (no artifact) against calibrated, "
         "the key-SVD fallback and the query-aware references",
