@@ -62,6 +62,12 @@ class QueryTap:
         if self.offer is not None and queries.shape[0] == 1 and queries.shape[2] > 1:
             self.offer(queries, offset)
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> QueryTap:
+        # A tap belongs to its layer's rope, not to a cache: a copied cache (a reused one from
+        # the prompt cache is a deep copy) must read the queries the model computes now, not
+        # a detached copy of the tap that no rope calls any more.
+        return self
+
     def narrow(self, row: int) -> None:
         """Offer only row ``row`` of the last batch (the member about to update)."""
         self.queries = None if self.batch is None else self.batch[row : row + 1]

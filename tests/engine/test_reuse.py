@@ -9,6 +9,7 @@ through mlx-lm's ``stream_generate``.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 from mlx_lm import stream_generate
@@ -191,3 +192,50 @@ def test_a_cache_that_cannot_be_saved_never_stops_the_worker(loaded, tmp_path, m
             _, final = ask(w, request(prompt, config))
             assert final.completion_tokens > 0
         assert w.alive() and w.ready
+
+
+@pytest.mark.parametrize("method", ["tova", "snapkv"])
+def test_a_reused_query_aware_cache_reads_the_queries_the_model_computes_now(
+    worker, loaded, method
+):
+    """A reused cache is a deep copy; its scorer must keep reading the layer's installed
+    query tap, not a detached copy of it. Before, a reused TOVA cache decoding in a batch with
+    another request read the copy's stale single-row queries and the step failed for both."""
+    import copy
+
+    config = CacheConfig(method=method, budget=96, recent=8)
+    caches = make_caches(loaded.model, config)
+    twin = copy.deepcopy(caches)
+    assert all(a.scorer.tap is b.scorer.tap for a, b in zip(caches, twin, strict=True))
+
+    prompt = loaded.tokenizer.encode(f"{OPENING} and the {method} cache holds it")
+    alone, first = ask(worker, request(prompt, config))  # kept: it never evicted (trimmable)
+    assert first.prompt_tokens + first.completion_tokens < config.budget
+    partner = replace(
+        request(
+            loaded.tokenizer.encode("once upon a time"), CacheConfig(method="qfilters", budget=64)
+        ),
+        sampling=SamplingParams(max_tokens=40, temperature=0.0),
+    )
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        other = worker.submit(partner, loop)
+        while not isinstance(await other.next_event(), Delta):  # it is decoding
+            pass
+        job = worker.submit(request(prompt, config), loop)
+        pieces, final = [], None
+        while final is None:
+            event = await job.next_event()
+            if isinstance(event, Delta):
+                pieces.extend(lp.token for lp in event.logprobs)
+            elif isinstance(event, (Finished, Failed)):
+                final = event
+        while not isinstance(event := await other.next_event(), (Finished, Failed)):
+            pass
+        return pieces, final, event
+
+    pieces, final, other_final = asyncio.run(asyncio.wait_for(go(), 120))
+    assert isinstance(final, Finished) and isinstance(other_final, Finished), (final, other_final)
+    assert final.cached_tokens > 0  # it continued the kept cache
+    assert pieces == alone
