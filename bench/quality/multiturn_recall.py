@@ -14,8 +14,13 @@ history again every turn (fresh: the history compressed in one go). Everything r
 the server's own worker in process (calibrated filters from the registry, continuous
 batching: the arms' conversations advance together).
 
-Results are appended to ``<out>/multiturn_recall.jsonl`` per conversation and arm, so an
-interrupted run resumes; ``<out>/multiturn_recall.json`` is written at the end.
+Each arm's conversation is appended to ``<out>/multiturn_recall.jsonl`` as soon as it ends,
+so an interrupted run resumes; ``<out>/multiturn_recall.json`` is written at the end.
+
+Cost: the fresh arms prefill the whole history every turn, so their work grows with the
+square of the turns. At the default size (20 turns, budgets 256 and 512, three methods) that
+is about 220k prompt tokens per conversation, several hours on a 2-core CPU; ``--turns 10
+--budgets 512 --ask 5 10`` is about a quarter of an hour.
 
 Run: ``python -m bench.quality.multiturn_recall [--quick] [--turns 20] [--ask 5 10 20]``.
 """
@@ -165,19 +170,23 @@ def main(argv=None) -> int:
             users = user_messages(sm.loaded.tokenizer, key, n_turns, ask, turn_tokens, 997 * c)
             todo = {name: spec for name, spec in table.items() if (c, name) not in done}
 
-            async def run_all(todo=todo, users=users):
-                return await asyncio.gather(*(
-                    converse(worker, name, cfg, reuse, users, max_tokens)
-                    for name, (cfg, reuse) in todo.items()))  # fmt: skip
-
-            results = asyncio.run(run_all()) if todo else []
-            with log.open("a") as f:
-                for name, turns in zip(todo, results, strict=True):
-                    row = {"conversation": c, "arm": name, "key": key, "settings": settings,
-                           "turns": turns,
-                           "right": [key in turns[k - 1]["answer"] for k in sorted(ask)]}  # fmt: skip
-                    done[(c, name)] = row
+            async def one(name, cfg, reuse, c=c, key=key, users=users):
+                # Logged as soon as this arm's conversation ends: the reused arms finish long
+                # before the fresh ones, and a stopped run keeps them.
+                turns = await converse(worker, name, cfg, reuse, users, max_tokens)
+                row = {"conversation": c, "arm": name, "key": key, "settings": settings,
+                       "turns": turns,
+                       "right": [key in turns[k - 1]["answer"] for k in sorted(ask)]}  # fmt: skip
+                done[(c, name)] = row
+                with log.open("a") as f:
                     f.write(json.dumps(row) + "\n")
+
+            async def run_all(todo=todo):
+                await asyncio.gather(*(one(name, cfg, reuse)
+                                       for name, (cfg, reuse) in todo.items()))  # fmt: skip
+
+            if todo:
+                asyncio.run(run_all())
             print(f"conversation {c + 1}/{n_conv} done ({time.perf_counter() - started:.0f}s)")
     finally:
         worker.stop()
