@@ -26,7 +26,8 @@ MODELS = (
     ("smollm2", "SmolLM2-135M-Instruct (the default model)", True),
     (
         "smollm2/refinements",
-        "SmolLM2-135M-Instruct: chunked and head-adaptive Q-Filters against plain",
+        "SmolLM2-135M-Instruct: chunked and head-adaptive Q-Filters against plain (adaptive "
+        "rows: the first version, which compared raw expected logits across heads)",
         False,
     ),
     (
