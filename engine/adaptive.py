@@ -1,9 +1,10 @@
 """Head-adaptive budgets (AdaKV, arXiv 2407.11550): one layer's rows shared by its heads.
 
-Per-head eviction keeps ``budget`` rows in every KV head. Adaptive selection keeps ``budget * H`` rows per layer and
-lets heads whose attention is concentrated give rows to heads that need them: every head
-first keeps its ``floor`` best rows (its protected rows among them), then one top-k over the
-rest of the layer fills the remaining ``(budget - floor) * H``.
+Per-head eviction keeps ``budget`` rows in every KV head. Adaptive selection keeps
+``budget * H`` rows per layer and lets heads whose attention is concentrated give rows to
+heads that need them: every head first keeps its ``floor`` best rows (its protected rows
+among them), then one top-k over the rest of the layer fills the remaining
+``(budget - floor) * H``.
 
 What the shared top-k compares is each row's expected share of its head's attention. The
 scores are expected attention logits (:class:`engine.scorers.QFilterScorer` with the
