@@ -19,8 +19,8 @@ so an interrupted run resumes; ``<out>/multiturn_recall.json`` is written at the
 
 Cost: the fresh arms prefill the whole history every turn, so their work grows with the
 square of the turns. At the default size (20 turns, budgets 256 and 512, three methods) that
-is about 220k prompt tokens per conversation, several hours on a 2-core CPU; ``--turns 10
---budgets 512 --ask 5 10`` is about a quarter of an hour.
+is about 220k prompt tokens per conversation, several hours on a 2-core CPU; even ``--turns
+10 --budgets 512 --ask 5 10`` (7 arms) ran for over 40 minutes here at one BLAS thread.
 
 Run: ``python -m bench.quality.multiturn_recall [--quick] [--turns 20] [--ask 5 10 20]``.
 """
