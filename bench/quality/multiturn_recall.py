@@ -8,19 +8,20 @@ conversation's history, as a chat client would send it. An ask is right when the
 contains the key.
 
 Arms: the full cache (the reference), and Q-Filters, K-norm (recent window budget/4) and
-streaming at each budget, each once continuing its previous turn's cache (reuse: turn N
-attends to the history as it was compressed turn by turn) and once prefilling the whole
-history again every turn (fresh: the history compressed in one go). Everything runs through
-the server's own worker in process (calibrated filters from the registry, continuous
-batching: the arms' conversations advance together).
+streaming at each budget. A *reuse* arm holds the whole conversation, each turn continuing its
+previous turn's cache: turn N attends to the history as it was compressed turn by turn. Its
+*fresh* sibling asks the same question on the same text without reuse: at each ask turn it
+prefills the reuse arm's transcript up to that turn in one go (the history compressed at once)
+and answers. The two therefore differ only in how the cache was built, not in what the model
+said along the way. Everything runs through the server's own worker in process (calibrated
+filters from the registry, continuous batching: the arms' conversations advance together).
 
 Each arm's conversation is appended to ``<out>/multiturn_recall.jsonl`` as soon as it ends,
 so an interrupted run resumes; ``<out>/multiturn_recall.json`` is written at the end.
 
-Cost: the fresh arms prefill the whole history every turn, so their work grows with the
-square of the turns. At the default size (20 turns, budgets 256 and 512, three methods) that
-is about 220k prompt tokens per conversation, several hours on a 2-core CPU; even ``--turns
-10 --budgets 512 --ask 5 10`` (7 arms) ran for over 40 minutes here at one BLAS thread.
+Cost: a reuse arm prefills each turn's new tokens once; a fresh arm prefills the history once
+per ask turn. At the default size (20 turns of 150 tokens, asks at 5, 10 and 20, budgets 256
+and 512, three methods) that is about 60k prompt tokens per conversation.
 
 Run: ``python -m bench.quality.multiturn_recall [--quick] [--turns 20] [--ask 5 10 20]``.
 """
@@ -71,43 +72,71 @@ def user_messages(tok: Any, key: str, turns: int, ask: set[int], n: int, start: 
     return out
 
 
-async def converse(
-    worker: Worker, name: str, config: CacheConfig, reuse: bool, users: list[str], max_tokens: int
-) -> list[dict[str, Any]]:
-    """One conversation; per turn: the answer, prompt and cached tokens, KV kept."""
-    loop = asyncio.get_running_loop()
-    history: list[dict[str, str]] = []
-    turns = []
-    for user in users:
-        history.append({"role": "user", "content": user})
-        job = worker.submit(
-            GenerationRequest(
-                kind="chat",
-                messages=tuple(history),
-                sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0),
-                cache=config,
-                reuse=reuse,
-            ),
-            loop,
-        )
-        text = ""
-        while True:
-            event = await job.next_event()
-            if isinstance(event, Delta):
-                text += event.text
-            elif isinstance(event, Failed):
-                raise RuntimeError(f"{name}: {event.kind}: {event.message}")
-            elif isinstance(event, Finished):
-                break
-        history.append({"role": "assistant", "content": text})
-        turns.append(
-            {
+async def answer(
+    worker: Worker, config: CacheConfig, reuse: bool, history: list[dict[str, str]], n: int
+) -> dict[str, Any]:
+    """One request: the answer, its prompt and cached tokens, and the KV rows kept."""
+    job = worker.submit(
+        GenerationRequest(
+            kind="chat",
+            messages=tuple(history),
+            sampling=SamplingParams(max_tokens=n, temperature=0.0),
+            cache=config,
+            reuse=reuse,
+        ),
+        asyncio.get_running_loop(),
+    )
+    text = ""
+    while True:
+        event = await job.next_event()
+        if isinstance(event, Delta):
+            text += event.text
+        elif isinstance(event, Failed):
+            raise RuntimeError(f"{config.method}: {event.kind}: {event.message}")
+        elif isinstance(event, Finished):
+            return {
                 "answer": text,
                 "prompt_tokens": event.prompt_tokens,
                 "cached_tokens": event.cached_tokens,
                 "tokens_kept": event.kv_cache["tokens_kept"],
             }
-        )
+
+
+async def converse(
+    worker: Worker, config: CacheConfig, users: list[str], max_tokens: int
+) -> list[dict[str, Any]]:
+    """The whole conversation, each turn reusing the previous turn's cache."""
+    history: list[dict[str, str]] = []
+    turns = []
+    for k, user in enumerate(users, 1):
+        history.append({"role": "user", "content": user})
+        turn = {"turn": k, **await answer(worker, config, True, history, max_tokens)}
+        history.append({"role": "assistant", "content": turn["answer"]})
+        turns.append(turn)
+    return turns
+
+
+async def ask_fresh(
+    worker: Worker,
+    config: CacheConfig,
+    users: list[str],
+    transcript: list[dict[str, Any]],
+    ask: list[int],
+    max_tokens: int,
+) -> list[dict[str, Any]]:
+    """At each ask turn, the reuse arm's transcript up to it, prefilled without reuse."""
+    turns = []
+    for k in ask:
+        history = []
+        for user, said in zip(users[: k - 1], transcript[: k - 1], strict=True):
+            history += [{"role": "user", "content": user},
+                        {"role": "assistant", "content": said["answer"]}]  # fmt: skip
+        history.append({"role": "user", "content": users[k - 1]})
+        turn = {"turn": k, **await answer(worker, config, False, history, max_tokens)}
+        if turn["prompt_tokens"] != transcript[k - 1]["prompt_tokens"]:
+            # The same messages must render to the same prompt, or the arms are not comparable.
+            raise RuntimeError(f"turn {k}: the fresh prompt differs from the reused one")
+        turns.append(turn)
     return turns
 
 
@@ -150,7 +179,7 @@ def main(argv=None) -> int:
     table = arms(budgets, methods)
     args.out.mkdir(parents=True, exist_ok=True)
     log = args.out / f"{STUDY}.jsonl"
-    settings = [n_turns, sorted(ask), turn_tokens, max_tokens]
+    settings = [n_turns, sorted(ask), turn_tokens, max_tokens, "fresh at the asks"]
     done = {}
     if log.exists():
         for line in log.read_text().splitlines():
@@ -168,22 +197,32 @@ def main(argv=None) -> int:
         for c in range(n_conv):
             key = f"{rng.randrange(10_000, 100_000)}"
             users = user_messages(sm.loaded.tokenizer, key, n_turns, ask, turn_tokens, 997 * c)
-            todo = {name: spec for name, spec in table.items() if (c, name) not in done}
 
-            async def one(name, cfg, reuse, c=c, key=key, users=users):
-                # Logged as soon as this arm's conversation ends: the reused arms finish long
-                # before the fresh ones, and a stopped run keeps them.
-                turns = await converse(worker, name, cfg, reuse, users, max_tokens)
+            def log_row(name, turns, c=c, key=key):
+                # Logged as soon as the arm ends: a stopped run keeps what it finished.
+                by_turn = {t["turn"]: t for t in turns}
                 row = {"conversation": c, "arm": name, "key": key, "settings": settings,
                        "turns": turns,
-                       "right": [key in turns[k - 1]["answer"] for k in sorted(ask)]}  # fmt: skip
+                       "right": [key in by_turn[k]["answer"] for k in sorted(ask)]}  # fmt: skip
                 done[(c, name)] = row
                 with log.open("a") as f:
                     f.write(json.dumps(row) + "\n")
 
+            async def pair(name, cfg, c=c, users=users):
+                if (c, name) not in done:
+                    log_row(name, await converse(worker, cfg, users, max_tokens))
+                sibling = name.replace("/reuse", "/fresh")
+                if sibling in table and (c, sibling) not in done:
+                    transcript = done[(c, name)]["turns"]
+                    turns = await ask_fresh(worker, cfg, users, transcript, sorted(ask),
+                                            max_tokens)  # fmt: skip
+                    log_row(sibling, turns)
+
+            todo = [name for name in table if name.endswith("/reuse")
+                    and any((c, n) not in done for n in (name, name.replace("/reuse", "/fresh")))]  # fmt: skip
+
             async def run_all(todo=todo):
-                await asyncio.gather(*(one(name, cfg, reuse)
-                                       for name, (cfg, reuse) in todo.items()))  # fmt: skip
+                await asyncio.gather(*(pair(name, table[name][0]) for name in todo))
 
             if todo:
                 asyncio.run(run_all())
@@ -197,34 +236,39 @@ def main(argv=None) -> int:
         }
         for name in table
     }
-    path = write_results(
-        STUDY,
-        {
-            "command": command_line("bench.quality.multiturn_recall", argv),
-            "quick": quick,
-            "model": sm.describe(),
-            "settings": {
-                "turns": n_turns,
-                "ask": sorted(ask),
-                "turn_tokens": turn_tokens,
-                "max_tokens": max_tokens,
-                "conversations": n_conv,
-                "budgets": budgets,
-                "methods": methods,
-                "recent": "budget/4 (streaming: 0)",
-                "temperature": 0,
-            },  # fmt: skip
-            "accuracy": accuracy,
-            "plots": plot(accuracy, args.out),
-            "rows": [done[(c, name)] for c in range(n_conv) for name in table],
+    results = {
+        "command": command_line("bench.quality.multiturn_recall", argv),
+        "quick": quick,
+        "model": sm.describe(),
+        "settings": {
+            "turns": n_turns,
+            "ask": sorted(ask),
+            "turn_tokens": turn_tokens,
+            "max_tokens": max_tokens,
+            "conversations": n_conv,
+            "budgets": budgets,
+            "methods": methods,
+            "recent": "budget/4 (streaming: 0)",
+            "fresh": "the reuse arm's transcript, prefilled whole at each ask turn",
+            "temperature": 0,
+        },  # fmt: skip
+        "accuracy": accuracy,
+        # Turns that continued a cached conversation (a reply that does not tokenise back
+        # the same is a counted miss, and that turn prefills the whole history instead).
+        "reuse_hits": {
+            name: sum(
+                t["cached_tokens"] > 0 for c in range(n_conv) for t in done[(c, name)]["turns"]
+            )
+            for name in table
         },
-        args.out,
-        section="quality",
-        started=started,
-    )
+        "plots": plot(accuracy, args.out),
+        "rows": [done[(c, name)] for c in range(n_conv) for name in table],
+    }
+    path = write_results(STUDY, results, args.out, section="quality", started=started)
+    hits = results["reuse_hits"]
     print_table(
-        ["arm", *[f"turn {k}" for k in sorted(ask)]],
-        [[name, *[f"{accuracy[name][k]:.2f}" for k in sorted(ask)]] for name in table],
+        ["arm", *[f"turn {k}" for k in sorted(ask)], "turns reused"],
+        [[name, *[f"{accuracy[name][k]:.2f}" for k in sorted(ask)], hits[name]] for name in table],
     )
     print(f"wrote {path}")
     return 0

@@ -8,6 +8,7 @@ shared prefill matches a direct ``generate_step``, and the report renders every 
 from __future__ import annotations
 
 import importlib
+import itertools
 import json
 from pathlib import Path
 
@@ -219,3 +220,35 @@ def test_block_prefill_matches_token_by_token(method: str) -> None:
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
     for ka, kb in zip(keys_a, keys_b, strict=True):
         np.testing.assert_allclose(ka, kb, rtol=1e-5, atol=1e-5)
+
+
+def test_multiturn_recall_asks_the_fresh_arm_on_the_reused_arms_text(results: Path) -> None:
+    """A reuse arm holds the whole conversation; its fresh sibling answers only at the ask
+    turns, on the same prompt, with nothing cached. (The tiny model's answers are often stray
+    bytes that do not tokenise back the same, so only the full cache, which may trim to the
+    common prefix, is sure to reuse here; the results count each arm's hits.)"""
+    data = _load(results, "multiturn_recall")
+    ask, turns = data["settings"]["ask"], data["settings"]["turns"]
+    rows = {row["arm"]: row for row in data["rows"]}
+    assert set(rows) == set(data["accuracy"]) and "full/reuse" in rows
+    for name, row in rows.items():
+        if name.endswith("/fresh"):
+            continue
+        assert [t["turn"] for t in row["turns"]] == list(range(1, turns + 1))
+        assert row["turns"][0]["cached_tokens"] == 0
+        for before, now in itertools.pairwise(row["turns"]):
+            assert now["prompt_tokens"] > before["prompt_tokens"]
+            if name == "full/reuse":
+                assert now["cached_tokens"] > 0  # the previous turn's cache was continued
+        assert data["reuse_hits"][name] == sum(t["cached_tokens"] > 0 for t in row["turns"])
+        fresh = rows.get(name.replace("/reuse", "/fresh"))
+        if fresh is None:
+            assert name == "full/reuse"
+            continue
+        assert [t["turn"] for t in fresh["turns"]] == ask
+        for t in fresh["turns"]:
+            assert t["cached_tokens"] == 0
+            assert t["prompt_tokens"] == row["turns"][t["turn"] - 1]["prompt_tokens"]
+        for r in (row, fresh):
+            by_turn = {t["turn"]: t["answer"] for t in r["turns"]}
+            assert r["right"] == [r["key"] in by_turn[k] for k in ask]
