@@ -26,8 +26,9 @@ MODELS = (
     ("smollm2", "SmolLM2-135M-Instruct (the default model)", True),
     (
         "smollm2/refinements",
-        "SmolLM2-135M-Instruct: chunked and head-adaptive Q-Filters against plain (adaptive "
-        "rows: the first version, which compared raw expected logits across heads)",
+        "SmolLM2-135M-Instruct: chunked and head-adaptive Q-Filters against plain (the "
+        "retrieval study's adaptive rows are the first version, which compared raw expected "
+        "logits across heads; the decode-step study's are the current one)",
         False,
     ),
     (
