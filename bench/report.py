@@ -43,6 +43,12 @@ MODELS = (
         False,
     ),
     (
+        "smollm2/query_aware",
+        "SmolLM2-135M-Instruct: the query-aware references (SnapKV, TOVA) beside calibrated, "
+        "self-calibrated and fallback Q-Filters",
+        False,
+    ),
+    (
         "smollm2/batching_16",
         "SmolLM2-135M-Instruct: continuous batching up to 16 streams (256-token prompts)",
         False,

@@ -51,6 +51,11 @@ from bench.quality.teacher import full_nll, prefill_length, streaming_nll
 STUDY = "perplexity"
 METHODS = ("qfilters", "fallback", "fallback-", "knorm")
 DEFAULT_METHODS = ("qfilters", "knorm")
+# --prompt: the first half is read as a server reads a prompt, in blocks of its default
+# --prefill-chunk, each block evicting at once; the second half is then decoded one token per
+# step. Chunks and adaptive budgets act on block evictions; fed one token per step, a chunked
+# cache ranks by chunk only once (when it first fills) and an adaptive one never shares rows.
+PROMPT_BLOCK = 512
 
 
 def run_arm(
@@ -60,8 +65,10 @@ def run_arm(
     budget: int,
     filters: np.ndarray,
     bar: Any = None,
+    prompt: bool = False,
 ) -> tuple[np.ndarray, dict[str, Any]]:
-    """``(B, L-1)`` streaming NLL of one arm at one budget, and its budget record."""
+    """``(B, L-1)`` streaming NLL of one arm at one budget, and its budget record. With
+    ``prompt``, the first half goes in as a prompt (see :data:`PROMPT_BLOCK`)."""
     caches = arm.caches(model, budget, filters)
     config = arm.config(budget)
     calib = config.calib_tokens if arm.method == "fallback" else None
@@ -70,7 +77,8 @@ def run_arm(
         tokens,
         caches,
         budget=budget,
-        prefill=prefill_length(budget, calib),
+        prefill=tokens.shape[1] // 2 if prompt else prefill_length(budget, calib),
+        block=PROMPT_BLOCK if prompt else None,
         on_step=None if bar is None else bar.update,
     )
     record = {
@@ -92,11 +100,12 @@ def evaluate(
     filters: np.ndarray,
     desc: str,
     log: Path | None = None,
+    prompt: bool = False,
 ) -> dict[str, Any]:
     """NLL windows and budget records of every (budget, arm) on one batch of sequences.
 
     With ``log``, each (budget, arm) is appended to that JSONL file as it finishes and those
-    already there (same data set, shape and budget) are read back instead of rerun.
+    already there (same data set, shape, budget and feeding) are read back instead of rerun.
     """
     L = tokens.shape[1]
     window = slice(L // 2, None)  # nll index i predicts token i + 1
@@ -107,7 +116,8 @@ def evaluate(
     if log is not None and log.exists():
         for line in log.read_text().splitlines():
             rec = json.loads(line) if line.strip() else None
-            if rec and rec["dataset"] == desc and rec["shape"] == shape:
+            same = rec and rec["dataset"] == desc and rec["shape"] == shape
+            if same and rec.get("prompt", False) == prompt:
                 done[(rec["budget"], rec["arm"])] = rec
     evicting = [a for a in arms if a.method != "full"]
     todo = [(b, a) for b in budgets for a in evicting if (b, a.name) not in done]
@@ -121,13 +131,13 @@ def evaluate(
                         "nll": np.asarray(rec["nll"], dtype=np.float32),
                     }
                     continue
-                nll, record = run_arm(model, tokens, arm, budget, filters, bar)
+                nll, record = run_arm(model, tokens, arm, budget, filters, bar, prompt)
                 out["budgets"][budget][arm.name] = {"nll": nll[:, window], **record}
                 if log is not None:
                     with log.open("a") as f:
                         f.write(json.dumps({
                             "dataset": desc, "shape": shape, "budget": budget, "arm": arm.name,
-                            "record": record, "nll": nll[:, window].tolist(),
+                            "prompt": prompt, "record": record, "nll": nll[:, window].tolist(),
                         }) + "\n")  # fmt: skip
     return out
 
@@ -236,6 +246,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="evicting arms beside streaming (default: qfilters and knorm; quick: all)",
     )
+    p.add_argument(
+        "--prompt",
+        action="store_true",
+        help=f"read the first half as a prompt, in {PROMPT_BLOCK}-token blocks that evict at "
+        "once, then decode the second half (chunks and adaptive budgets act only on blocks)",
+    )
     add_arm_arguments(p)
     args = parse(p, argv)
     length = args.length or (96 if args.quick else 2048)
@@ -266,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     for dataset in datasets:
         tokens = make[dataset]()
         shapes[dataset] = list(tokens.shape)
-        raw = evaluate(model, tokens, arms, budgets, filters, desc=dataset, log=log)
+        raw = evaluate(model, tokens, arms, budgets, filters, dataset, log, args.prompt)
         results[dataset] = summarise(raw)
 
     table = []
@@ -295,7 +311,10 @@ def main(argv: list[str] | None = None) -> int:
                 "batches": shapes,
                 "full_arm": "one forward pass over each sequence (what a full cache decodes, "
                 "up to float rounding)",
-                "prefill": "the first min(budget, calib_tokens - 1) tokens (fallback) or "
+                "prefill": f"the first half, as a prompt in {PROMPT_BLOCK}-token blocks that "
+                "each evict at once (--prompt)"
+                if args.prompt
+                else "the first min(budget, calib_tokens - 1) tokens (fallback) or "
                 "budget tokens (others) go in as one block: identical stored rows",
                 "kinds": {
                     "stdlib": "evaluation-split stdlib windows, evenly spaced",

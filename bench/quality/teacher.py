@@ -49,6 +49,7 @@ def streaming_nll(
     *,
     budget: int | None,
     prefill: int,
+    block: int | None = None,
     on_step: Callable[[int], None] | None = None,
 ) -> tuple[np.ndarray, int]:
     """Next-token NLL ``(B, L-1)`` with ``caches`` fed one token per step after ``prefill``.
@@ -56,7 +57,10 @@ def streaming_nll(
     Args:
         tokens: ``(B, L)`` token ids.
         budget: The arm's budget (``None`` for the full arm): checked after every step.
-        prefill: Leading tokens fed as one block (see :func:`prefill_length`).
+        prefill: Leading tokens fed before the single steps (see :func:`prefill_length`).
+        block: Feed those in blocks of this many tokens, as a server reads a prompt (each
+            block may evict: block evictions are where chunked selection and adaptive
+            budgets act); ``None``: one block.
         on_step: Called with the number of tokens fed after each step.
     Returns:
         The NLL and the most rows any layer held at any step.
@@ -66,11 +70,16 @@ def streaming_nll(
     B, L = tokens.shape
     x = mx.array(tokens.astype(np.int32))
     prefill = max(1, min(prefill, L - 1))
-    out = [_nll(model(x[:, :prefill], cache=caches), x[:, 1 : prefill + 1])]
-    mx.eval(out[0])
-    max_rows = max(kept_rows(caches), default=prefill)
-    if on_step is not None:
-        on_step(prefill)
+    out, max_rows = [], 0
+    for s in range(0, prefill, block or prefill):
+        e = min(prefill, s + (block or prefill))
+        out.append(_nll(model(x[:, s:e], cache=caches), x[:, s + 1 : e + 1]))
+        mx.eval(out[-1])
+        max_rows = max(max_rows, *kept_rows(caches)) if budget is not None else e
+        if budget is not None and max_rows > budget:
+            raise RuntimeError(f"budget violated: a layer held {max_rows} rows > {budget}")
+        if on_step is not None:
+            on_step(e - s)
     for i in range(prefill, L - 1):
         step = _nll(model(x[:, i : i + 1], cache=caches), x[:, i + 1 : i + 2])
         mx.eval(step)

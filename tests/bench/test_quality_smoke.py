@@ -252,3 +252,27 @@ def test_multiturn_recall_asks_the_fresh_arm_on_the_reused_arms_text(results: Pa
         for r in (row, fresh):
             by_turn = {t["turn"]: t["answer"] for t in r["turns"]}
             assert r["right"] == [r["key"] in by_turn[k] for k in ask]
+
+
+def test_a_prompt_read_in_blocks_predicts_as_one_pass_and_keeps_the_budget() -> None:
+    """``--prompt`` feeding: a full cache fed the first half in blocks predicts what one
+    forward pass over the sequence does; evicting arms whose blocks overflow the budget hold
+    exactly the budget after every block and step."""
+    import numpy as np
+
+    from bench.quality.arms import Arm
+    from bench.quality.teacher import full_nll, streaming_nll
+    from tests.tiny import make_tiny_model
+
+    model = make_tiny_model(seed=1)
+    tokens = np.random.default_rng(0).integers(0, 500, size=(2, 64))
+    filters = np.random.default_rng(1).standard_normal((2, 2, 32)).astype(np.float32)
+    filters /= np.linalg.norm(filters, axis=-1, keepdims=True)
+    full_caches = Arm("full", 0.0).caches(model, None, None)
+    nll, _ = streaming_nll(model, tokens, full_caches, budget=None, prefill=32, block=10)
+    np.testing.assert_allclose(nll, full_nll(model, tokens), rtol=1e-4, atol=1e-4)
+    for arm in (Arm("qfilters", 0.25), Arm("qfilters", 0.25, chunk=4), Arm("streaming", 0.0)):
+        caches = arm.caches(model, 12, filters)
+        nll, max_rows = streaming_nll(model, tokens, caches, budget=12, prefill=32, block=16)
+        assert max_rows == 12 and nll.shape == (2, 63) and np.isfinite(nll).all()
+        assert all(c.evictions > 0 for c in caches)
