@@ -37,6 +37,12 @@ MODELS = (
         False,
     ),
     (
+        "smollm2/refinements/prompt",
+        "SmolLM2-135M-Instruct: chunked Q-Filters against plain, perplexity after a prompt "
+        "read in 512-token blocks",
+        False,
+    ),
+    (
         "smollm2/selfcal",
         "SmolLM2-135M-Instruct: self-calibrated Q-Filters (no artifact) against calibrated, "
         "the key-SVD fallback and the query-aware references",
