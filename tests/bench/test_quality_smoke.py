@@ -134,6 +134,29 @@ def test_perplexity_resumes_from_its_log(results: Path, tiny_model: Path) -> Non
         assert again["prose"]["budgets"]["16"][name]["ppl"] == pytest.approx(row["ppl"], rel=1e-6)
 
 
+def test_perplexity_reads_a_prompt_in_blocks_without_streaming(
+    results: Path, tiny_model: Path
+) -> None:
+    """``--prompt`` with ``--only`` leaving streaming out: the arms run, logged with how they
+    were fed (a one-token-per-step log line is not read back for them), and the gap to
+    streaming is left empty rather than made up."""
+    from bench.quality.perplexity import main
+
+    out = results / "perplexity-prompt"
+    argv = ["--model", str(tiny_model), "--out", str(out), "--calibration", "fresh",
+            "--length", "64", "--sequences", "2", "--budgets", "16", "--datasets", "prose",
+            "--chunks", "4", "--only", "qfilters/r25", "qfilters/r25/c4"]  # fmt: skip
+    assert main(argv) == 0
+    assert main([*argv, "--prompt"]) == 0
+    lines = [json.loads(line) for line in (out / "perplexity.jsonl").read_text().splitlines()]
+    assert [(r["arm"], r["prompt"]) for r in lines] == [
+        ("qfilters/r25", False), ("qfilters/r25/c4", False),
+        ("qfilters/r25", True), ("qfilters/r25/c4", True)]  # fmt: skip
+    rows = json.loads((out / "perplexity.json").read_text())["results"]["prose"]["budgets"]["16"]
+    assert set(rows) == {"qfilters/r25", "qfilters/r25/c4"}
+    assert all(r["gap_closed_vs_streaming"] is None and r["ppl"] > 1 for r in rows.values())
+
+
 def test_niah_places_the_needle_and_resumes(results: Path, tiny_model: Path) -> None:
     from bench.quality.niah import main
 
