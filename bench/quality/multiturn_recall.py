@@ -3,48 +3,59 @@
 Each conversation opens with "Remember this pass key: <5 digits>." and then, turn after turn,
 about ``--turn-tokens`` tokens of English prose (:mod:`bench.quality.prose`); at the turns in
 ``--ask`` the user asks for the pass key, at the others for a one-line summary. The model
-answers greedily (at most ``--max-tokens``, ending where it ends) and each answer joins that
-conversation's history, as a chat client would send it. An ask is right when the answer
-contains the key.
+answers greedily (at most ``--max-tokens``, ending where it ends) and each answer joins the
+history, as a chat client would send it. At an ask, two measures: whether the greedy answer
+contains the key, and the key's mean negative log-likelihood as the answer (teacher-forced on
+a copy of the caches, so it does not change the conversation). The second says how close an
+arm is where every arm, the full cache included, answers wrong.
 
 Arms: the full cache (the reference), and Q-Filters, K-norm (recent window budget/4) and
-streaming at each budget. A *reuse* arm holds the whole conversation, each turn continuing its
-previous turn's cache: turn N attends to the history as it was compressed turn by turn. Its
-*fresh* sibling asks the same question on the same text without reuse: at each ask turn it
-prefills the reuse arm's transcript up to that turn in one go (the history compressed at once)
-and answers. The two therefore differ only in how the cache was built, not in what the model
-said along the way. Everything runs through the server's own worker in process (calibrated
-filters from the registry, continuous batching: the arms' conversations advance together).
+streaming at each budget. A *reuse* arm holds the whole conversation in one set of caches,
+each turn feeding only the tokens its cache does not hold yet: turn N attends to the history
+as it was compressed turn by turn. That is what the server's prompt cache does
+(``tests/engine/test_reuse.py`` checks a reused turn against these same caches fed by hand);
+it runs here in process so the key's likelihood can be read. A turn whose prompt does not
+start with the tokens the caches hold (an answer that re-tokenises differently) is a counted
+miss and prefills the whole history afresh, as the server would. Its *fresh* sibling asks the
+same question on the same text without reuse: at each ask turn it prefills the reuse arm's
+transcript up to that turn in one go (the history compressed at once). Prompts are read in
+blocks of the server's default ``--prefill-chunk``.
 
 Each arm's conversation is appended to ``<out>/multiturn_recall.jsonl`` as soon as it ends,
 so an interrupted run resumes; ``<out>/multiturn_recall.json`` is written at the end.
 
 Cost: a reuse arm prefills each turn's new tokens once; a fresh arm prefills the history once
 per ask turn. At the default size (20 turns of 150 tokens, asks at 5, 10 and 20, budgets 256
-and 512, three methods) that is about 60k prompt tokens per conversation.
+and 512, three methods) that is about 60k prompt tokens per conversation, roughly 40 minutes
+on one core here.
 
 Run: ``python -m bench.quality.multiturn_recall [--quick] [--turns 20] [--ask 5 10 20]``.
 """
 
 from __future__ import annotations
 
-import asyncio
+import copy
 import json
+import math
 import random
 import time
 from typing import Any
+
+import mlx.core as mx
+from mlx_lm import stream_generate
+from mlx_lm.sample_utils import make_sampler
 
 from bench.cli import command_line, parse, parser
 from bench.harness import print_table, write_results
 from bench.quality.prose import prose_windows
 from bench.speed import common
 from engine.config import CacheConfig
-from engine.requests import Delta, Failed, Finished, GenerationRequest, SamplingParams
-from engine.worker import Worker
+from engine.worker import DEFAULT_PREFILL_CHUNK
 
 STUDY = "multiturn_recall"
 ASK = "What is the pass key I gave you in my first message? Answer with the number only."
 SUMMARY = "Summarise this part in one sentence."
+SETTINGS_TAG = "in process, key NLL"  # log lines of another design are not read back
 
 
 def arms(budgets: list[int], methods: list[str]) -> dict[str, tuple[CacheConfig, bool]]:
@@ -72,86 +83,102 @@ def user_messages(tok: Any, key: str, turns: int, ask: set[int], n: int, start: 
     return out
 
 
-async def answer(
-    worker: Worker, config: CacheConfig, reuse: bool, history: list[dict[str, str]], n: int
-) -> dict[str, Any]:
-    """One request: the answer, its prompt and cached tokens, and the KV rows kept."""
-    job = worker.submit(
-        GenerationRequest(
-            kind="chat",
-            messages=tuple(history),
-            sampling=SamplingParams(max_tokens=n, temperature=0.0),
-            cache=config,
-            reuse=reuse,
-        ),
-        asyncio.get_running_loop(),
-    )
-    text = ""
-    while True:
-        event = await job.next_event()
-        if isinstance(event, Delta):
-            text += event.text
-        elif isinstance(event, Failed):
-            raise RuntimeError(f"{config.method}: {event.kind}: {event.message}")
-        elif isinstance(event, Finished):
-            return {
-                "answer": text,
-                "prompt_tokens": event.prompt_tokens,
-                "cached_tokens": event.cached_tokens,
-                "tokens_kept": event.kv_cache["tokens_kept"],
-            }
+class Chat:
+    """One arm's caches and the tokens they hold."""
+
+    def __init__(self, sm: common.StudyModel, config: CacheConfig) -> None:
+        self.sm, self.config = sm, config
+        self.caches: list[Any] = []
+        self.held: list[int] = []
+        self.misses = 0
+
+    def _reset(self) -> None:
+        filters = self.sm.filters if self.config.method == "qfilters" else None
+        self.caches = common.make_caches(self.sm.loaded.model, self.config, filters=filters)
+        self.held = []
+
+    def turn(self, prompt: list[int], key: list[int] | None, max_tokens: int) -> dict[str, Any]:
+        """Feed what the caches lack of ``prompt``, score ``key`` if asked, then answer."""
+        reused = 0
+        if self.held and prompt[: len(self.held)] == self.held:
+            reused = len(self.held)
+        elif self.held:
+            self.misses += 1
+        if not reused:
+            self._reset()
+        model = self.sm.loaded.model
+        common.prefill(model, self.caches, prompt[reused:-1], chunk=DEFAULT_PREFILL_CHUNK)
+        key_nll = None
+        if key is not None:  # on a copy: the conversation goes on from the unscored caches
+            scored = copy.deepcopy(self.caches)
+            logits = model(mx.array([[prompt[-1], *key[:-1]]]), cache=scored)[0]
+            logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            key_nll = -float(mx.take_along_axis(logp, mx.array(key)[:, None], axis=-1).mean())
+        tokens = [
+            g.token
+            for g in stream_generate(
+                model,
+                self.sm.loaded.tokenizer,
+                prompt[-1:],
+                max_tokens=max_tokens,
+                sampler=make_sampler(0.0),
+                prompt_cache=self.caches,
+            )
+        ]
+        # stream_generate feeds each token it returns, the last (EOS included) too.
+        self.held = [*prompt, *tokens]
+        eos = set(self.sm.loaded.tokenizer.eos_token_ids)
+        text = self.sm.loaded.tokenizer.decode([t for t in tokens if t not in eos])
+        kept = [c.size() for c in self.caches if hasattr(c, "size")]
+        return {"answer": text, "prompt_tokens": len(prompt), "cached_tokens": reused,
+                "completion_tokens": len(tokens),
+                "tokens_kept": max(kept), "key_nll": key_nll}  # fmt: skip
 
 
-async def converse(
-    worker: Worker, config: CacheConfig, users: list[str], max_tokens: int
-) -> list[dict[str, Any]]:
-    """The whole conversation, each turn reusing the previous turn's cache."""
-    history: list[dict[str, str]] = []
-    turns = []
+def render(sm: common.StudyModel, history: list[dict[str, str]]) -> list[int]:
+    tok = sm.loaded.tokenizer
+    return list(tok.apply_chat_template(history, add_generation_prompt=True))
+
+
+def converse(sm, config, users, key, ask, max_tokens) -> tuple[list[dict[str, Any]], int]:
+    """The whole conversation in one set of caches; per turn its record, and the misses."""
+    chat, history, turns = Chat(sm, config), [], []
     for k, user in enumerate(users, 1):
         history.append({"role": "user", "content": user})
-        turn = {"turn": k, **await answer(worker, config, True, history, max_tokens)}
+        turn = chat.turn(render(sm, history), key if k in ask else None, max_tokens)
         history.append({"role": "assistant", "content": turn["answer"]})
-        turns.append(turn)
-    return turns
+        turns.append({"turn": k, **turn})
+    return turns, chat.misses
 
 
-async def ask_fresh(
-    worker: Worker,
-    config: CacheConfig,
-    users: list[str],
-    transcript: list[dict[str, Any]],
-    ask: list[int],
-    max_tokens: int,
-) -> list[dict[str, Any]]:
-    """At each ask turn, the reuse arm's transcript up to it, prefilled without reuse."""
+def ask_fresh(sm, config, users, transcript, key, ask, max_tokens) -> list[dict[str, Any]]:
+    """At each ask turn, the reuse arm's transcript up to it, prefilled afresh."""
     turns = []
     for k in ask:
-        history = []
+        history: list[dict[str, str]] = []
         for user, said in zip(users[: k - 1], transcript[: k - 1], strict=True):
             history += [{"role": "user", "content": user},
                         {"role": "assistant", "content": said["answer"]}]  # fmt: skip
         history.append({"role": "user", "content": users[k - 1]})
-        turn = {"turn": k, **await answer(worker, config, False, history, max_tokens)}
-        if turn["prompt_tokens"] != transcript[k - 1]["prompt_tokens"]:
-            # The same messages must render to the same prompt, or the arms are not comparable.
-            raise RuntimeError(f"turn {k}: the fresh prompt differs from the reused one")
-        turns.append(turn)
+        turns.append({"turn": k, **Chat(sm, config).turn(render(sm, history), key, max_tokens)})
     return turns
 
 
-def plot(accuracy: dict[str, dict[int, float]], out: Any) -> list[str]:
+def plot(accuracy: dict, key_nll: dict, out: Any) -> list[str]:
     plt = common.plt()
     names = list(accuracy)
     asks = sorted(next(iter(accuracy.values())))
-    fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(names)), 3.8))
+    fig, axes = plt.subplots(1, 2, figsize=(max(10, 1.2 * len(names)), 4))
     width = 0.8 / len(asks)
-    for i, k in enumerate(asks):
-        x = [j + (i - (len(asks) - 1) / 2) * width for j in range(len(names))]
-        ax.bar(x, [accuracy[n][k] for n in names], width, label=f"asked at turn {k}")
-    ax.set_xticks(range(len(names)), names, rotation=40, ha="right", fontsize=8)
-    ax.set(title="pass key from turn 1: accuracy", ylim=(0, 1.05))
-    ax.legend(fontsize=8)
+    for ax, values, title in ((axes[0], accuracy, "pass key from turn 1: accuracy"),
+                              (axes[1], key_nll, "the key's NLL as the answer (nats/token)")):  # fmt: skip
+        for i, k in enumerate(asks):
+            x = [j + (i - (len(asks) - 1) / 2) * width for j in range(len(names))]
+            ax.bar(x, [values[n][k] for n in names], width, label=f"asked at turn {k}")
+        ax.set_xticks(range(len(names)), names, rotation=40, ha="right", fontsize=8)
+        ax.set(title=title)
+        ax.legend(fontsize=8)
+    axes[0].set_ylim(0, 1.05)
     fig.tight_layout()
     return [common.save_figure(fig, out, STUDY)]
 
@@ -162,87 +189,74 @@ def main(argv=None) -> int:
     p.add_argument("--ask", type=int, nargs="+", default=None, help="(default 5 10 20)")
     p.add_argument("--budgets", type=int, nargs="+", default=None, help="(default 256 512)")
     p.add_argument("--methods", nargs="+", default=None, help="(default qfilters knorm streaming)")
-    p.add_argument("--conversations", type=int, default=None, help="(default 2; quick 1)")
+    p.add_argument("--conversations", type=int, default=None, help="(default 1)")
     p.add_argument("--turn-tokens", type=int, default=None, help="(default 150; quick 40)")
     p.add_argument("--max-tokens", type=int, default=None, help="(default 24; quick 8)")
     args = parse(p, argv)
     quick = args.quick
     n_turns = args.turns or (4 if quick else 20)
-    ask = set(args.ask or ([2, 4] if quick else [5, 10, 20]))
+    ask = sorted(set(args.ask or ([2, 4] if quick else [5, 10, 20])))
     budgets = args.budgets or ([64] if quick else [256, 512])
     methods = args.methods or ["qfilters", "knorm", "streaming"]
-    n_conv = args.conversations or (1 if quick else 2)
+    n_conv = args.conversations or 1
     turn_tokens = args.turn_tokens or (40 if quick else 150)
     max_tokens = args.max_tokens or (8 if quick else 24)
     started = time.perf_counter()
     sm = common.load_study_model(args.model)
+    tok = sm.loaded.tokenizer
     table = arms(budgets, methods)
     args.out.mkdir(parents=True, exist_ok=True)
     log = args.out / f"{STUDY}.jsonl"
-    settings = [n_turns, sorted(ask), turn_tokens, max_tokens, "fresh at the asks"]
+    settings = [n_turns, ask, turn_tokens, max_tokens, SETTINGS_TAG]
     done = {}
     if log.exists():
         for line in log.read_text().splitlines():
             row = json.loads(line)
             if row["settings"] == settings:
                 done[(row["conversation"], row["arm"])] = row
-    worker = Worker(str(sm.path), loader=lambda _ref: sm.loaded, max_batch=len(table))
-    worker.start()
-    while not worker.ready:
-        if worker.status not in ("loading", "ready"):
-            raise RuntimeError(f"worker: {worker.status}: {worker.error}")
-        time.sleep(0.05)
     rng = random.Random(args.seed)
-    try:
-        for c in range(n_conv):
-            key = f"{rng.randrange(10_000, 100_000)}"
-            users = user_messages(sm.loaded.tokenizer, key, n_turns, ask, turn_tokens, 997 * c)
-
-            def log_row(name, turns, c=c, key=key):
-                # Logged as soon as the arm ends: a stopped run keeps what it finished.
-                by_turn = {t["turn"]: t for t in turns}
-                row = {"conversation": c, "arm": name, "key": key, "settings": settings,
-                       "turns": turns,
-                       "right": [key in by_turn[k]["answer"] for k in sorted(ask)]}  # fmt: skip
-                done[(c, name)] = row
-                with log.open("a") as f:
-                    f.write(json.dumps(row) + "\n")
-
-            async def pair(name, cfg, c=c, users=users):
-                if (c, name) not in done:
-                    log_row(name, await converse(worker, cfg, users, max_tokens))
-                sibling = name.replace("/reuse", "/fresh")
-                if sibling in table and (c, sibling) not in done:
-                    transcript = done[(c, name)]["turns"]
-                    turns = await ask_fresh(worker, cfg, users, transcript, sorted(ask),
-                                            max_tokens)  # fmt: skip
-                    log_row(sibling, turns)
-
-            todo = [name for name in table if name.endswith("/reuse")
-                    and any((c, n) not in done for n in (name, name.replace("/reuse", "/fresh")))]  # fmt: skip
-
-            async def run_all(todo=todo):
-                await asyncio.gather(*(pair(name, table[name][0]) for name in todo))
-
-            if todo:
-                asyncio.run(run_all())
-            print(f"conversation {c + 1}/{n_conv} done ({time.perf_counter() - started:.0f}s)")
-    finally:
-        worker.stop()
+    for c in range(n_conv):
+        key = f"{rng.randrange(10_000, 100_000)}"
+        key_ids = list(tok.encode(key, add_special_tokens=False))
+        users = user_messages(tok, key, n_turns, set(ask), turn_tokens, 997 * c)
+        for name, (config, reuse) in table.items():
+            if (c, name) in done:
+                continue
+            misses = 0
+            if reuse:
+                turns, misses = converse(sm, config, users, key_ids, ask, max_tokens)
+            else:
+                transcript = done[(c, name.replace("/fresh", "/reuse"))]["turns"]
+                turns = ask_fresh(sm, config, users, transcript, key_ids, ask, max_tokens)
+            by_turn = {t["turn"]: t for t in turns}
+            row = {"conversation": c, "arm": name, "key": key, "settings": settings,
+                   "turns": turns, "misses": misses,
+                   "right": [key in by_turn[k]["answer"] for k in ask],
+                   "key_nll": [by_turn[k]["key_nll"] for k in ask]}  # fmt: skip
+            done[(c, name)] = row
+            with log.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            print(f"conversation {c + 1}, {name}: right {row['right']}, key NLL "
+                  f"{[round(x, 2) for x in row['key_nll']]} "
+                  f"({time.perf_counter() - started:.0f}s)", flush=True)  # fmt: skip
+    rows = [done[(c, name)] for c in range(n_conv) for name in table]
     accuracy = {
-        name: {
-            k: sum(done[(c, name)]["right"][i] for c in range(n_conv)) / n_conv
-            for i, k in enumerate(sorted(ask))
-        }
+        name: {k: sum(done[(c, name)]["right"][i] for c in range(n_conv)) / n_conv
+               for i, k in enumerate(ask)}
         for name in table
-    }
+    }  # fmt: skip
+    key_nll = {
+        name: {k: sum(done[(c, name)]["key_nll"][i] for c in range(n_conv)) / n_conv
+               for i, k in enumerate(ask)}
+        for name in table
+    }  # fmt: skip
     results = {
         "command": command_line("bench.quality.multiturn_recall", argv),
         "quick": quick,
         "model": sm.describe(),
         "settings": {
             "turns": n_turns,
-            "ask": sorted(ask),
+            "ask": ask,
             "turn_tokens": turn_tokens,
             "max_tokens": max_tokens,
             "conversations": n_conv,
@@ -250,26 +264,30 @@ def main(argv=None) -> int:
             "methods": methods,
             "recent": "budget/4 (streaming: 0)",
             "fresh": "the reuse arm's transcript, prefilled whole at each ask turn",
+            "prefill_chunk": DEFAULT_PREFILL_CHUNK,
             "temperature": 0,
-        },  # fmt: skip
-        "accuracy": accuracy,
-        # Turns that continued a cached conversation (a reply that does not tokenise back
-        # the same is a counted miss, and that turn prefills the whole history instead).
-        "reuse_hits": {
-            name: sum(
-                t["cached_tokens"] > 0 for c in range(n_conv) for t in done[(c, name)]["turns"]
-            )
-            for name in table
         },
-        "plots": plot(accuracy, args.out),
-        "rows": [done[(c, name)] for c in range(n_conv) for name in table],
+        "accuracy": accuracy,
+        "key_nll": key_nll,
+        # Turns that continued the caches, and turns that could not (a reply that does not
+        # tokenise back the same: that turn prefilled the whole history instead).
+        "reuse_hits": {
+            name: sum(t["cached_tokens"] > 0 for r in rows if r["arm"] == name for t in r["turns"])
+            for name in table
+        },  # fmt: skip
+        "reuse_misses": {
+            name: sum(r["misses"] for r in rows if r["arm"] == name) for name in table
+        },
+        "plots": plot(accuracy, key_nll, args.out),
+        "rows": rows,
     }
     path = write_results(STUDY, results, args.out, section="quality", started=started)
-    hits = results["reuse_hits"]
     print_table(
-        ["arm", *[f"turn {k}" for k in sorted(ask)], "turns reused"],
-        [[name, *[f"{accuracy[name][k]:.2f}" for k in sorted(ask)], hits[name]] for name in table],
-    )
+        ["arm", *[f"turn {k}" for k in ask], *[f"key NLL {k}" for k in ask], "reused", "misses"],
+        [[name, *[f"{accuracy[name][k]:.2f}" for k in ask],
+          *[f"{key_nll[name][k]:.2f}" if math.isfinite(key_nll[name][k]) else "-" for k in ask],
+          results["reuse_hits"][name], results["reuse_misses"][name]] for name in table],
+    )  # fmt: skip
     print(f"wrote {path}")
     return 0
 

@@ -246,14 +246,14 @@ def test_block_prefill_matches_token_by_token(method: str) -> None:
 
 
 def test_multiturn_recall_asks_the_fresh_arm_on_the_reused_arms_text(results: Path) -> None:
-    """A reuse arm holds the whole conversation; its fresh sibling answers only at the ask
-    turns, on the same prompt, with nothing cached. (The tiny model's answers are often stray
-    bytes that do not tokenise back the same, so only the full cache, which may trim to the
-    common prefix, is sure to reuse here; the results count each arm's hits.)"""
+    """A reuse arm holds the whole conversation and continues its caches from turn 2 on,
+    unless the prompt does not start with what they hold (a counted miss); its fresh sibling
+    answers only at the ask turns, on the same prompt, with nothing cached. Every ask has the
+    key's likelihood."""
     data = _load(results, "multiturn_recall")
     ask, turns = data["settings"]["ask"], data["settings"]["turns"]
     rows = {row["arm"]: row for row in data["rows"]}
-    assert set(rows) == set(data["accuracy"]) and "full/reuse" in rows
+    assert set(rows) == set(data["accuracy"]) == set(data["key_nll"]) and "full/reuse" in rows
     for name, row in rows.items():
         if name.endswith("/fresh"):
             continue
@@ -261,9 +261,11 @@ def test_multiturn_recall_asks_the_fresh_arm_on_the_reused_arms_text(results: Pa
         assert row["turns"][0]["cached_tokens"] == 0
         for before, now in itertools.pairwise(row["turns"]):
             assert now["prompt_tokens"] > before["prompt_tokens"]
-            if name == "full/reuse":
-                assert now["cached_tokens"] > 0  # the previous turn's cache was continued
-        assert data["reuse_hits"][name] == sum(t["cached_tokens"] > 0 for t in row["turns"])
+            # What the caches held: the previous prompt and every token answered to it.
+            held = before["prompt_tokens"] + before["completion_tokens"]
+            assert now["cached_tokens"] in (0, held)
+        assert row["misses"] == sum(t["cached_tokens"] == 0 for t in row["turns"][1:])
+        assert data["reuse_hits"][name] == turns - 1 - row["misses"]
         fresh = rows.get(name.replace("/reuse", "/fresh"))
         if fresh is None:
             assert name == "full/reuse"
@@ -273,8 +275,10 @@ def test_multiturn_recall_asks_the_fresh_arm_on_the_reused_arms_text(results: Pa
             assert t["cached_tokens"] == 0
             assert t["prompt_tokens"] == row["turns"][t["turn"] - 1]["prompt_tokens"]
         for r in (row, fresh):
-            by_turn = {t["turn"]: t["answer"] for t in r["turns"]}
-            assert r["right"] == [r["key"] in by_turn[k] for k in ask]
+            by_turn = {t["turn"]: t for t in r["turns"]}
+            assert r["right"] == [r["key"] in by_turn[k]["answer"] for k in ask]
+            assert r["key_nll"] == [by_turn[k]["key_nll"] for k in ask]
+            assert all(x > 0 for x in r["key_nll"])
 
 
 def test_a_prompt_read_in_blocks_predicts_as_one_pass_and_keeps_the_budget() -> None:
