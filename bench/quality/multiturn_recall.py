@@ -47,6 +47,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from bench.cli import command_line, parse, parser
 from bench.harness import print_table, write_results
+from bench.quality.common import run
 from bench.quality.prose import prose_windows
 from bench.speed import common
 from engine.config import CacheConfig
@@ -293,4 +294,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run(main))

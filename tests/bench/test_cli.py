@@ -51,3 +51,21 @@ def test_the_command_line_reproduces_the_run():
     assert command_line("bench.speed.decode", ["--quick", "--reps", "2"]) == (
         "python -m bench.speed.decode --quick --reps 2"
     )
+
+
+@pytest.mark.parametrize(
+    "script",
+    sorted(
+        p
+        for folder in ("quality", "speed")
+        for p in (Path(__file__).parents[2] / "bench" / folder).glob("*.py")
+        if 'if __name__ == "__main__"' in p.read_text()
+    ),
+    ids=lambda p: f"{p.parent.name}/{p.stem}",
+)
+def test_every_study_runs_mlx_on_openblas(script: Path) -> None:
+    """Without OpenBLAS preloaded, MLX's CPU matmul here is ~30x slower: a study that forgot
+    it once ran for hours instead of minutes. Each entry point re-executes with it, directly
+    or through ``bench.quality.common.run``."""
+    text = script.read_text()
+    assert "reexec_with_openblas()" in text or "run(main)" in text
