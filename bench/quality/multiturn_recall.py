@@ -113,6 +113,7 @@ class Chat:
         if key is not None:  # on a copy: the conversation goes on from the unscored caches
             scored = copy.deepcopy(self.caches)
             logits = model(mx.array([[prompt[-1], *key[:-1]]]), cache=scored)[0]
+            logits = logits.astype(mx.float32)
             logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             key_nll = -float(mx.take_along_axis(logp, mx.array(key)[:, None], axis=-1).mean())
         tokens = [
@@ -208,7 +209,9 @@ def main(argv=None) -> int:
     table = arms(budgets, methods)
     args.out.mkdir(parents=True, exist_ok=True)
     log = args.out / f"{STUDY}.jsonl"
-    settings = [n_turns, ask, turn_tokens, max_tokens, SETTINGS_TAG]
+    # Rows are read back only for the same design, sizes, seed (the keys and texts) and model.
+    weights = sm.describe().get("weights_sha1")
+    settings = [n_turns, ask, turn_tokens, max_tokens, SETTINGS_TAG, args.seed, weights]
     done = {}
     if log.exists():
         for line in log.read_text().splitlines():
@@ -227,7 +230,10 @@ def main(argv=None) -> int:
             if reuse:
                 turns, misses = converse(sm, config, users, key_ids, ask, max_tokens)
             else:
-                transcript = done[(c, name.replace("/fresh", "/reuse"))]["turns"]
+                sibling = done[(c, name.replace("/fresh", "/reuse"))]
+                if sibling["key"] != key:
+                    raise RuntimeError(f"{name}: the logged reuse arm asked another key")
+                transcript = sibling["turns"]
                 turns = ask_fresh(sm, config, users, transcript, key_ids, ask, max_tokens)
             by_turn = {t["turn"]: t for t in turns}
             row = {"conversation": c, "arm": name, "key": key, "settings": settings,

@@ -47,6 +47,7 @@ from bench.quality.data import recall_windows, stdlib_windows
 from bench.quality.prose import prose_windows
 from bench.quality.study import open_study
 from bench.quality.teacher import full_nll, prefill_length, streaming_nll
+from engine.worker import DEFAULT_PREFILL_CHUNK
 
 STUDY = "perplexity"
 METHODS = ("qfilters", "fallback", "fallback-", "knorm")
@@ -55,7 +56,7 @@ DEFAULT_METHODS = ("qfilters", "knorm")
 # --prefill-chunk, each block evicting at once; the second half is then decoded one token per
 # step. Chunks and adaptive budgets act on block evictions; fed one token per step, a chunked
 # cache ranks by chunk only once (when it first fills) and an adaptive one never shares rows.
-PROMPT_BLOCK = 512
+PROMPT_BLOCK = DEFAULT_PREFILL_CHUNK
 
 
 def run_arm(
@@ -117,7 +118,7 @@ def evaluate(
         for line in log.read_text().splitlines():
             rec = json.loads(line) if line.strip() else None
             same = rec and rec["dataset"] == desc and rec["shape"] == shape
-            if same and rec.get("prompt", False) == prompt:
+            if same and rec.get("prompt_block") == (PROMPT_BLOCK if prompt else None):
                 done[(rec["budget"], rec["arm"])] = rec
     evicting = [a for a in arms if a.method != "full"]
     todo = [(b, a) for b in budgets for a in evicting if (b, a.name) not in done]
@@ -137,7 +138,8 @@ def evaluate(
                     with log.open("a") as f:
                         f.write(json.dumps({
                             "dataset": desc, "shape": shape, "budget": budget, "arm": arm.name,
-                            "prompt": prompt, "record": record, "nll": nll[:, window].tolist(),
+                            "prompt_block": PROMPT_BLOCK if prompt else None,
+                            "record": record, "nll": nll[:, window].tolist(),
                         }) + "\n")  # fmt: skip
     return out
 

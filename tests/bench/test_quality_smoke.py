@@ -149,9 +149,9 @@ def test_perplexity_reads_a_prompt_in_blocks_without_streaming(
     assert main(argv) == 0
     assert main([*argv, "--prompt"]) == 0
     lines = [json.loads(line) for line in (out / "perplexity.jsonl").read_text().splitlines()]
-    assert [(r["arm"], r["prompt"]) for r in lines] == [
-        ("qfilters/r25", False), ("qfilters/r25/c4", False),
-        ("qfilters/r25", True), ("qfilters/r25/c4", True)]  # fmt: skip
+    assert [(r["arm"], r["prompt_block"]) for r in lines] == [
+        ("qfilters/r25", None), ("qfilters/r25/c4", None),
+        ("qfilters/r25", 512), ("qfilters/r25/c4", 512)]  # fmt: skip
     rows = json.loads((out / "perplexity.json").read_text())["results"]["prose"]["budgets"]["16"]
     assert set(rows) == {"qfilters/r25", "qfilters/r25/c4"}
     assert all(r["gap_closed_vs_streaming"] is None and r["ppl"] > 1 for r in rows.values())
@@ -265,6 +265,9 @@ def test_multiturn_recall_asks_the_fresh_arm_on_the_reused_arms_text(results: Pa
             held = before["prompt_tokens"] + before["completion_tokens"]
             assert now["cached_tokens"] in (0, held)
         assert row["misses"] == sum(t["cached_tokens"] == 0 for t in row["turns"][1:])
+        if name == "full/reuse":  # a full cache holds every token fed: prompt and answer
+            for t in row["turns"]:
+                assert t["tokens_kept"] == t["prompt_tokens"] + t["completion_tokens"]
         assert data["reuse_hits"][name] == turns - 1 - row["misses"]
         fresh = rows.get(name.replace("/reuse", "/fresh"))
         if fresh is None:
@@ -287,7 +290,7 @@ def test_a_prompt_read_in_blocks_predicts_as_one_pass_and_keeps_the_budget() -> 
     exactly the budget after every block and step."""
     import numpy as np
 
-    from bench.quality.arms import Arm
+    from bench.quality.arms import Arm, kept_rows
     from bench.quality.teacher import full_nll, streaming_nll
     from tests.tiny import make_tiny_model
 
@@ -300,6 +303,16 @@ def test_a_prompt_read_in_blocks_predicts_as_one_pass_and_keeps_the_budget() -> 
     np.testing.assert_allclose(nll, full_nll(model, tokens), rtol=1e-4, atol=1e-4)
     for arm in (Arm("qfilters", 0.25), Arm("qfilters", 0.25, chunk=4), Arm("streaming", 0.0)):
         caches = arm.caches(model, 12, filters)
-        nll, max_rows = streaming_nll(model, tokens, caches, budget=12, prefill=32, block=16)
+        fed, seen = [0], []
+
+        def count(n: int, caches: list = caches, fed: list = fed, seen: list = seen) -> None:
+            fed[0] += n
+            seen.append((fed[0], set(kept_rows(caches))))
+
+        nll, max_rows = streaming_nll(
+            model, tokens, caches, budget=12, prefill=32, block=16, on_step=count
+        )
         assert max_rows == 12 and nll.shape == (2, 63) and np.isfinite(nll).all()
+        assert seen[:2] == [(16, {12}), (32, {12})]  # each block evicted down to the budget
+        assert all(rows == {12} for _, rows in seen) and fed[0] == 63
         assert all(c.evictions > 0 for c in caches)
