@@ -370,6 +370,25 @@ def render_selfcal_text(data: dict[str, Any]) -> list[str]:
     return lines + _plots(data)
 
 
+def render_multiturn_recall(data: dict[str, Any]) -> list[str]:
+    lines = _header("8. A pass key from turn 1, asked turns later", data)
+    st, ask = data["settings"], data["settings"]["ask"]
+    lines += [
+        "",
+        f"{st['conversations']} conversation(s) of {st['turns']} turns ({st['turn_tokens']} prose "
+        f"tokens each, greedy answers of up to {st['max_tokens']} tokens); the key asked at turns "
+        f"{', '.join(map(str, ask))}; recent {st['recent']}. Reuse: one set of caches for the "
+        f"whole chat; fresh: {st['fresh']}. Each cell: accuracy / the key's mean NLL as the "
+        "answer (nats per token, teacher-forced).",
+        "",
+    ]
+    rows = [[name, *[f"{data['accuracy'][name][str(k)]:.2f} / {data['key_nll'][name][str(k)]:.2f}"
+                     for k in ask], data["reuse_hits"][name], data["reuse_misses"][name]]
+            for name in data["accuracy"]]  # fmt: skip
+    lines += _table(["arm", *[f"turn {k}" for k in ask], "turns reused", "misses"], rows)
+    return lines + _plots(data)
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "geometry": render_geometry,
     "attention": render_attention,
@@ -378,6 +397,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "stability": render_stability,
     "niah": render_niah,
     "selfcal_text": render_selfcal_text,
+    "multiturn_recall": render_multiturn_recall,
 }
 # Studies run into a subfolder of their own (bench/run_all.sh): not listed as missing.
 SUBFOLDER_STUDIES = ("selfcal_text",)

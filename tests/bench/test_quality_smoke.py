@@ -212,7 +212,7 @@ def test_report_renders_every_quality_study(results: Path) -> None:
     text = "\n".join(render_quality(results))
     for title in (
         "1. Geometry", "2. Does the score", "3. Streaming", "4. Pass-key", "5. Calib", "6. Needle",
-        "7. Whose queries",
+        "7. Whose queries", "8. A pass key from turn 1",
     ):  # fmt: skip
         assert title in text
     assert "no results yet" not in text
