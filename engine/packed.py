@@ -217,8 +217,9 @@ class PackedBatch:
         Args:
             keys: ``(B, H, 1, D)``; values ``(B, H, 1, Dv)``.
         Returns:
-            ``(keys, values, head_mask)``: ``(B, H, C, D)``, ``(B, H, C, Dv)``, and
-            ``(B, 1, C)`` bool (None when every member holds all ``C`` slots).
+            ``(keys, values, head_mask)``: ``(B, H, W, D)``, ``(B, H, W, Dv)``, and
+            ``(B, 1, W)`` bool (None when every member holds all ``W`` slots), where ``W``
+            is the most slots any member holds.
         """
         B = len(self.members)
         C = max(self._needed(i) for i in range(B))
@@ -265,8 +266,14 @@ class PackedBatch:
             if held[i] != self.held[i]:
                 self.held[i] = held[i]
                 self._lend(i)
-        mask = None if all(h == C for h in held) else slots < held_now
-        return self.keys, self.values, mask
+        # Attention reads the slots some member holds, not the room grown ahead of them (a
+        # growing member reserves whole steps of slots: reading them all would double the
+        # width of a batch whose caches just passed a step).
+        width = max(held)
+        mask = None if all(h == width for h in held) else slots[:width] < held_now
+        if width == C:
+            return self.keys, self.values, mask
+        return self.keys[:, :, :width], self.values[:, :, :width], mask
 
     # -- lending and giving back ---------------------------------------------------------
 

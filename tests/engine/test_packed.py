@@ -166,4 +166,6 @@ def test_a_huge_budget_reserves_only_what_its_rows_need():
     big.update_and_fetch(mx.ones((1, H, 5, D)), mx.ones((1, H, 5, D)))
     batch = BatchCache([big, *members(7)[:2]])
     k, _ = batch.update_and_fetch(*rows(np.random.default_rng(0), 3))
-    assert batch._packed is not None and k.shape[2] == 256  # one growth step, not 10**12
+    packed = batch._packed
+    assert packed is not None and packed.keys.shape[2] == 256  # one growth step, not 10**12
+    assert k.shape[2] == max(packed.held) < 256  # attention reads only the slots held
