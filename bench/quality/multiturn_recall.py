@@ -49,8 +49,11 @@ from bench.cli import command_line, parse, parser
 from bench.harness import print_table, write_results
 from bench.quality.common import run
 from bench.quality.prose import prose_windows
+from bench.quality.teacher import token_nll
 from bench.speed import common
 from engine.config import CacheConfig
+from engine.prompts import encode_prompt
+from engine.requests import GenerationRequest, SamplingParams
 from engine.worker import DEFAULT_PREFILL_CHUNK
 
 STUDY = "multiturn_recall"
@@ -112,10 +115,8 @@ class Chat:
         key_nll = None
         if key is not None:  # on a copy: the conversation goes on from the unscored caches
             scored = copy.deepcopy(self.caches)
-            logits = model(mx.array([[prompt[-1], *key[:-1]]]), cache=scored)[0]
-            logits = logits.astype(mx.float32)
-            logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            key_nll = -float(mx.take_along_axis(logp, mx.array(key)[:, None], axis=-1).mean())
+            logits = model(mx.array([[prompt[-1], *key[:-1]]]), cache=scored)
+            key_nll = float(token_nll(logits, mx.array([key])).mean())
         tokens = [
             g.token
             for g in stream_generate(
@@ -138,8 +139,10 @@ class Chat:
 
 
 def render(sm: common.StudyModel, history: list[dict[str, str]]) -> list[int]:
-    tok = sm.loaded.tokenizer
-    return list(tok.apply_chat_template(history, add_generation_prompt=True))
+    """The prompt the server would build for these messages."""
+    request = GenerationRequest(kind="chat", messages=tuple(history),
+                                sampling=SamplingParams(temperature=0.0), cache=CacheConfig())  # fmt: skip
+    return encode_prompt(sm.loaded, request)[0]
 
 
 def converse(sm, config, users, key, ask, max_tokens) -> tuple[list[dict[str, Any]], int]:

@@ -66,10 +66,10 @@ def run_arm(
     budget: int,
     filters: np.ndarray,
     bar: Any = None,
-    prompt: bool = False,
+    block: int | None = None,
 ) -> tuple[np.ndarray, dict[str, Any]]:
     """``(B, L-1)`` streaming NLL of one arm at one budget, and its budget record. With
-    ``prompt``, the first half goes in as a prompt (see :data:`PROMPT_BLOCK`)."""
+    ``block``, the first half goes in as a prompt in blocks of that size (``--prompt``)."""
     caches = arm.caches(model, budget, filters)
     config = arm.config(budget)
     calib = config.calib_tokens if arm.method == "fallback" else None
@@ -78,8 +78,8 @@ def run_arm(
         tokens,
         caches,
         budget=budget,
-        prefill=tokens.shape[1] // 2 if prompt else prefill_length(budget, calib),
-        block=PROMPT_BLOCK if prompt else None,
+        prefill=tokens.shape[1] // 2 if block else prefill_length(budget, calib),
+        block=block,
         on_step=None if bar is None else bar.update,
     )
     record = {
@@ -101,7 +101,7 @@ def evaluate(
     filters: np.ndarray,
     desc: str,
     log: Path | None = None,
-    prompt: bool = False,
+    block: int | None = None,
 ) -> dict[str, Any]:
     """NLL windows and budget records of every (budget, arm) on one batch of sequences.
 
@@ -118,7 +118,7 @@ def evaluate(
         for line in log.read_text().splitlines():
             rec = json.loads(line) if line.strip() else None
             same = rec and rec["dataset"] == desc and rec["shape"] == shape
-            if same and rec.get("prompt_block") == (PROMPT_BLOCK if prompt else None):
+            if same and rec.get("prompt_block") == block:
                 done[(rec["budget"], rec["arm"])] = rec
     evicting = [a for a in arms if a.method != "full"]
     todo = [(b, a) for b in budgets for a in evicting if (b, a.name) not in done]
@@ -132,13 +132,13 @@ def evaluate(
                         "nll": np.asarray(rec["nll"], dtype=np.float32),
                     }
                     continue
-                nll, record = run_arm(model, tokens, arm, budget, filters, bar, prompt)
+                nll, record = run_arm(model, tokens, arm, budget, filters, bar, block)
                 out["budgets"][budget][arm.name] = {"nll": nll[:, window], **record}
                 if log is not None:
                     with log.open("a") as f:
                         f.write(json.dumps({
                             "dataset": desc, "shape": shape, "budget": budget, "arm": arm.name,
-                            "prompt_block": PROMPT_BLOCK if prompt else None,
+                            "prompt_block": block,
                             "record": record, "nll": nll[:, window].tolist(),
                         }) + "\n")  # fmt: skip
     return out
@@ -284,10 +284,11 @@ def main(argv: list[str] | None = None) -> int:
     log = None if args.quick else args.out / f"{STUDY}.jsonl"
     args.out.mkdir(parents=True, exist_ok=True)
     results, shapes = {}, {}
+    block = PROMPT_BLOCK if args.prompt else None
     for dataset in datasets:
         tokens = make[dataset]()
         shapes[dataset] = list(tokens.shape)
-        raw = evaluate(model, tokens, arms, budgets, filters, dataset, log, args.prompt)
+        raw = evaluate(model, tokens, arms, budgets, filters, dataset, log, block)
         results[dataset] = summarise(raw)
 
     table = []

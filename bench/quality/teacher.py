@@ -19,7 +19,7 @@ import numpy as np
 from bench.quality.arms import check_budget, kept_rows
 
 
-def _nll(logits: mx.array, targets: mx.array) -> mx.array:
+def token_nll(logits: mx.array, targets: mx.array) -> mx.array:
     """``(B, N)`` negative log-likelihood of ``targets`` ``(B, N)`` under ``logits`` ``(B, N, V)``."""
     logits = logits.astype(mx.float32)
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -29,7 +29,7 @@ def _nll(logits: mx.array, targets: mx.array) -> mx.array:
 def full_nll(model: Any, tokens: np.ndarray) -> np.ndarray:
     """``(B, L-1)`` next-token NLL with a full cache (one forward pass over ``(B, L)``)."""
     x = mx.array(tokens.astype(np.int32))
-    nll = _nll(model(x[:, :-1]), x[:, 1:])
+    nll = token_nll(model(x[:, :-1]), x[:, 1:])
     return np.array(nll)
 
 
@@ -73,7 +73,7 @@ def streaming_nll(
     out, max_rows = [], 0
     for s in range(0, prefill, block or prefill):
         e = min(prefill, s + (block or prefill))
-        out.append(_nll(model(x[:, s:e], cache=caches), x[:, s + 1 : e + 1]))
+        out.append(token_nll(model(x[:, s:e], cache=caches), x[:, s + 1 : e + 1]))
         mx.eval(out[-1])
         max_rows = max(max_rows, *kept_rows(caches)) if budget is not None else e
         if budget is not None and max_rows > budget:
@@ -81,7 +81,7 @@ def streaming_nll(
         if on_step is not None:
             on_step(e - s)
     for i in range(prefill, L - 1):
-        step = _nll(model(x[:, i : i + 1], cache=caches), x[:, i + 1 : i + 2])
+        step = token_nll(model(x[:, i : i + 1], cache=caches), x[:, i + 1 : i + 2])
         mx.eval(step)
         out.append(step)
         max_rows = max(max_rows, *kept_rows(caches)) if budget is not None else i + 1
