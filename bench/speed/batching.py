@@ -27,6 +27,7 @@ reexec_with_openblas()
 
 import contextlib  # noqa: E402
 import itertools  # noqa: E402
+import json  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from concurrent.futures import ThreadPoolExecutor  # noqa: E402
@@ -147,6 +148,42 @@ def main(argv=None) -> dict:
 
         return run
 
+    def speedup(rows: list[dict], n: int, key: str = "tokens_per_s") -> dict[int, float] | None:
+        """Batched tokens/s at each stream count over one stream, at prompt ``n``."""
+        mine = {r["streams"]: r[key]["batched_a"]["median"] for r in rows
+                if r["prompt_tokens"] == n and r[key]["batched_a"]}  # fmt: skip
+        return None if 1 not in mine else {c: v / mine[1] for c, v in mine.items()}
+
+    def write(rows: list[dict], complete: bool) -> Path:
+        """The results so far: written after every row, so a stopped run keeps its rows."""
+        result = {
+            "study": "batching",
+            "command": command_line("bench.speed.batching", argv),
+            "quick": args.quick,
+            "complete": complete,
+            "model": sm.describe(),
+            "settings": {
+                "reps": args.reps,
+                "max_tokens": max_tokens,
+                "streams": counts,
+                "prompts": lengths,
+                "mixes_ours": list(MIXES),
+                "temperature": 0,
+                "eos_banned": True,
+                "serial": "qfserve --max-batch 1",
+                "batched": "qfserve --max-batch 16",
+                "theirs": "python -m mlx_lm.server (its defaults: batched decoding, full KVCache)",
+            },
+            "rows": rows,
+            "speedup_over_one_stream": {n: speedup(rows, n) for n in lengths},
+            "steady_speedup_over_one_stream": {
+                n: speedup(rows, n, "steady_tokens_per_s") for n in lengths
+            },
+        }
+        result["plots"] = plot(result, args.out)
+        result["runtime_s"] = round(progress.elapsed, 1)
+        return write_results("batching", result, args.out, section="speed")
+
     rows = []
     with contextlib.ExitStack() as stack:
         progress("starting qfserve (--max-batch 1 and 16) and mlx_lm.server")
@@ -184,40 +221,11 @@ def main(argv=None) -> dict:
                 row[key] = {a: summary(v) for a, v in values.items()}
                 row[f"{key}_ratios"] = [ratio_row(values, a, "serial") for a in ARMS[1:]]
             rows.append(row)
+            write(rows, complete=False)
             progress(f"{label}: " + ", ".join(
                 f"{a} {row['tokens_per_s'][a]['median']:.1f} tok/s" for a in ARMS))  # fmt: skip
 
-    def speedup(n: int, key: str = "tokens_per_s") -> dict[int, float] | None:
-        """Batched tokens/s at each stream count over one stream, at prompt ``n``."""
-        mine = {r["streams"]: r[key]["batched_a"]["median"] for r in rows
-                if r["prompt_tokens"] == n and r[key]["batched_a"]}  # fmt: skip
-        return None if 1 not in mine else {c: v / mine[1] for c, v in mine.items()}
-
-    result = {
-        "study": "batching",
-        "command": command_line("bench.speed.batching", argv),
-        "quick": args.quick,
-        "model": sm.describe(),
-        "settings": {
-            "reps": args.reps,
-            "max_tokens": max_tokens,
-            "streams": counts,
-            "prompts": lengths,
-            "mixes_ours": list(MIXES),
-            "temperature": 0,
-            "eos_banned": True,
-            "serial": "qfserve --max-batch 1",
-            "batched": "qfserve --max-batch 16",
-            "theirs": "python -m mlx_lm.server (its defaults: batched decoding, full KVCache)",
-        },
-        "rows": rows,
-        "speedup_over_one_stream": {n: speedup(n) for n in lengths},
-        "steady_speedup_over_one_stream": {n: speedup(n, "steady_tokens_per_s") for n in lengths},
-    }
-    result["plots"] = plot(result, args.out)
-    result["runtime_s"] = round(progress.elapsed, 1)
-    path = write_results("batching", result, args.out, section="speed")
-
+    path = write(rows, complete=True)
     print("\nMedians over rounds; ratios to serial are medians of paired per-round ratios")
     table = []
     for r in rows:
@@ -238,8 +246,8 @@ def main(argv=None) -> dict:
             )
     headers = ["prompt", "streams", "arm", "decode tok/s", "ratio", "steady tok/s", "e2e tok/s"]
     print_table([*headers, "TTFT p50 s", "TTFT p99 s"], table)
-    print(f"\nwrote {path} in {result['runtime_s']}s")
-    return result
+    print(f"\nwrote {path} in {progress.elapsed:.1f}s")
+    return json.loads(path.read_text())
 
 
 if __name__ == "__main__":
