@@ -19,9 +19,14 @@ carry their shape and size but no data, so its statistics stay current, its rows
 held twice, and any attempt to compute with it fails loudly. :meth:`PackedBatch.release`
 writes the real rows back (copies: a member leaving keeps nothing of the batch's buffers).
 
-What can be packed: eviction caches with per-token selection (``chunk == 1``), heads not
-ragged, and a scorer whose formula is batched here; mlx-lm's ``KVCache`` (and our
-``FullKVCache``). A batch with anything else steps each member on its own.
+Chunked members (``chunk > 1``) decode as they do alone: stored rows rank by their chunk's
+mean, a decoded row by its own score. The batch keeps their per-token scores beside the ranks
+and their true positions in ``order``; when one reaches its budget, its stored rows are ranked
+by chunk once (:func:`engine.evict.chunk_scores`, as the cache does alone at that step).
+
+What can be packed: eviction caches with heads not ragged and a scorer whose formula is
+batched here; mlx-lm's ``KVCache`` (and our ``FullKVCache``). A batch with anything else
+steps each member on its own.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from engine.cache import EvictionCache, FullKVCache
+from engine.evict import chunk_scores
 from engine.scorers import KeySVDScorer, KNormScorer, QFilterScorer, RecencyScorer
 from engine.selfcal import SelfCalibratingScorer
 
@@ -92,14 +98,14 @@ def can_pack(cache: Any) -> bool:
         cache.keys is not None
         and cache.keys.shape[0] == 1
         and cache.scores is not None
-        and cache.chunk == 1
+        and (cache.chunk == 1 or cache.token_scores is not None and cache.positions is not None)
         and cache.valid is None
         and _score_form(cache.scorer) is not None
     )
 
 
 def _arrays(cache: Any) -> list[mx.array]:
-    names = ("keys", "values", "scores", "order", "free")
+    names = ("keys", "values", "scores", "order", "free", "token_scores", "positions")
     return [a for a in (getattr(cache, n, None) for n in names) if isinstance(a, mx.array)]
 
 
@@ -122,11 +128,13 @@ class PackedBatch:
         self.caps: list[float] = []  # slots an evicting member holds at most (budget + 1)
         self.held: list[int] = []
         self.offsets: list[int] = [m.offset for m in members]
+        self.chunks: list[int] = [getattr(m, "chunk", 1) for m in members]
         keys: list[Any] = []
         values: list[Any] = []
         scores: list[Any] = []
         order: list[Any] = []
         free: list[Any] = []
+        tokens: list[Any] = []  # per-token scores (the ranks but for chunked members)
         forms = []
         m: Any
         for m in members:
@@ -135,8 +143,11 @@ class PackedBatch:
             if isinstance(m, EvictionCache):
                 cap: float = m.budget + 1
                 s = m.scores
+                t = s if m.chunk == 1 else m.token_scores
                 if m.free is not None:  # slot layout: every slot is held, one is free
                     o, f = m.order, m.free
+                elif m.chunk > 1:  # temporal order; chunks need the true positions
+                    o, f = m.positions, mx.full((1, H, 1), rows, dtype=mx.uint32)
                 else:  # temporal order: ranks in time as the slot layout would give them
                     o = mx.broadcast_to(mx.arange(m.offset - rows, m.offset, dtype=mx.int32),
                                         (1, H, rows))  # fmt: skip
@@ -148,7 +159,7 @@ class PackedBatch:
                 cap = _INF
                 rows = m.offset
                 k, v = k[..., :rows, :], v[..., :rows, :]
-                s = mx.zeros((1, H, rows), dtype=mx.float32)
+                s = t = mx.zeros((1, H, rows), dtype=mx.float32)
                 o = mx.zeros((1, H, rows), dtype=mx.int32)
                 f = mx.full((1, H, 1), rows, dtype=mx.uint32)
                 forms.append((_NONE, None, None))
@@ -159,12 +170,16 @@ class PackedBatch:
             scores.append(s)
             order.append(o)
             free.append(f)
+            tokens.append(t)
         C = max(self._needed(i) for i in range(len(members)))
         self.keys = mx.concatenate([_pad(x, C) for x in keys])  # (B, H, C, D)
         self.values = mx.concatenate([_pad(x, C) for x in values])  # (B, H, C, Dv)
         self.scores = mx.concatenate([_pad(x, C) for x in scores])  # (B, H, C) raw
         self.order = mx.concatenate([_pad(x, C) for x in order])  # (B, H, C) int32
         self.free = mx.concatenate(free)  # (B, H, 1) uint32: where each next row goes
+        self.token_scores = None  # (B, H, C) raw per-token scores, with chunked members only
+        if any(c > 1 for c in self.chunks):
+            self.token_scores = mx.concatenate([_pad(x, C) for x in tokens])
         self._set_scoring(forms)
         self.n_sink = mx.array([getattr(m, "n_sink", 0) for m in members], mx.int32)[:, None, None]
         self.recent = mx.array([getattr(m, "recent", 0) for m in members], mx.int32)[:, None, None]
@@ -226,18 +241,30 @@ class PackedBatch:
         if C > self.keys.shape[2]:  # a growing member needs more slots
             self.keys, self.values = _pad(self.keys, C), _pad(self.values, C)
             self.scores, self.order = _pad(self.scores, C), _pad(self.order, C)
+            if self.token_scores is not None:
+                self.token_scores = _pad(self.token_scores, C)
         C = self.keys.shape[2]
         positions = mx.array(self.offsets, dtype=mx.int32)[:, None, None]  # (B, 1, 1)
         held = [int(min(h + 1, c)) for h, c in zip(self.held, self.caps, strict=True)]
         slot = self.free[..., None]  # (B, H, 1, 1)
         self.keys = mx.put_along_axis(self.keys, slot, keys, axis=2)
         self.values = mx.put_along_axis(self.values, slot, values, axis=2)
-        self.scores = mx.put_along_axis(
-            self.scores, self.free, self._score(keys, positions), axis=2
-        )
+        score = self._score(keys, positions)
+        self.scores = mx.put_along_axis(self.scores, self.free, score, axis=2)
         self.order = mx.put_along_axis(
             self.order, self.free, mx.broadcast_to(positions, self.free.shape), axis=2
         )
+        if self.token_scores is not None:
+            self.token_scores = mx.put_along_axis(self.token_scores, self.free, score, axis=2)
+            for i, n in enumerate(self.held):
+                if self.chunks[i] > 1 and n < self.caps[i] == held[i]:  # reaches its budget
+                    # Its stored rows (slots 0 .. n-1, in time) now rank by their chunk's
+                    # mean; the row just written at slot n keeps its own score.
+                    self.scores[i : i + 1, :, :n] = chunk_scores(
+                        self.token_scores[i : i + 1, :, :n],
+                        self.order[i : i + 1, :, :n],
+                        self.chunks[i],
+                    )
         held_now = mx.array(held, dtype=mx.int32)[:, None, None]
         slots = mx.arange(C, dtype=mx.int32)
         evict = [h == c for h, c in zip(held, self.caps, strict=True)]
@@ -287,6 +314,9 @@ class PackedBatch:
         if self.caps[i] == _INF:  # a full cache has nothing else
             return
         m.scores = Lent((1, H, held), mx.float32)
+        if self.chunks[i] > 1:
+            m.token_scores = Lent((1, H, held), mx.float32)
+            m.positions = Lent((1, H, held), mx.int32)
         if held == self.caps[i]:  # the slot layout
             m.order = Lent((1, H, held), mx.int32)
             m.free = Lent((1, H, 1), mx.uint32)
@@ -306,15 +336,20 @@ class PackedBatch:
             m.keys, m.values = rows(self.keys), rows(self.values)
             if not isinstance(m, EvictionCache):
                 continue
+            chunked = self.chunks[i] > 1
+            if chunked:
+                assert self.token_scores is not None
+                m.token_scores, m.positions = rows(self.token_scores), rows(self.order)
             if held == self.caps[i]:
                 m.scores = mx.nan_to_num(rows(self.scores), nan=-_INF, posinf=_INF, neginf=-_INF)
-                m.order = rows(self.order)
+                m.order = m.positions if chunked else rows(self.order)
                 m.free = mx.contiguous(self.free[i : i + 1])
-            else:
+            else:  # below its budget a chunked member's ranks are its token scores
                 m.scores = rows(self.scores)
         mx.async_eval([a for m in self.members for a in _arrays(m)])
         self.members = []
 
     @property
     def state(self) -> tuple[mx.array, ...]:
-        return self.keys, self.values, self.scores, self.order, self.free
+        extra = () if self.token_scores is None else (self.token_scores,)
+        return self.keys, self.values, self.scores, self.order, self.free, *extra

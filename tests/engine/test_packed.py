@@ -43,6 +43,10 @@ def members(seed: int):
         (lambda: RecencyScorer(), dict(budget=6, recent=0, n_sink=2), 11),
         (lambda: KeySVDScorer(calib_tokens=8), dict(budget=10, recent=2), 20),
         (None, {}, 13),  # a full cache
+        # Chunked: growing to its budget, evicted by a block, and in the slot layout.
+        (lambda: QFilterScorer(mx.array(filters[0])), dict(budget=12, recent=2, chunk=4), 6),
+        (lambda: KNormScorer(), dict(budget=10, chunk=3, n_sink=1), 23),
+        (lambda: QFilterScorer(mx.array(filters[1])), dict(budget=9, recent=2, chunk=2), 30),
     ]
     caches = []
     for make, kw, prompt in specs:
@@ -55,6 +59,7 @@ def members(seed: int):
     for _ in range(2):
         row = mx.array(rng.standard_normal((1, H, 1, D)).astype(np.float32))
         caches[4].update_and_fetch(row, row)
+        caches[9].update_and_fetch(row, row)
     mx.eval([c.state for c in caches])
     return caches
 
@@ -79,7 +84,7 @@ def assert_same_state(got, ref):
             same(g, r)
         return
     assert got.evictions == ref.evictions
-    for name in ("keys", "values", "scores", "order", "free"):
+    for name in ("keys", "values", "scores", "order", "free", "token_scores", "positions"):
         g, r = getattr(got, name), getattr(ref, name)
         assert (g is None) == (r is None), name
         if r is not None:
@@ -109,7 +114,8 @@ def test_every_step_and_every_member_match_stepping_alone():
             # A lent member reports what its twin holds, and holds no data of its own.
             assert packed[i].stats() == cache.stats() and packed[i].offset == cache.offset
             assert isinstance(packed[i].keys, Lent)
-    assert ref[0].free is not None  # the growing member reached its budget on the way
+    assert ref[0].free is not None  # the growing members reached their budgets on the way
+    assert ref[7].free is not None and ref[7].chunk == 4
     batch.filter(list(range(B)))  # any change of membership gives the rows back
     for got, want in zip(packed, ref, strict=True):
         assert_same_state(got, want)
@@ -139,22 +145,24 @@ def test_members_leave_and_join_and_the_batch_repacks():
     batch.filter([])
     for got, want in zip(live, live_ref, strict=True):
         assert_same_state(got, want)
-    assert_same_state(packed[1], ref[1])  # the one that left kept what it had then
+    for i in (1, 4, 7, 8, 9):  # those that left kept what they had then
+        assert_same_state(packed[i], ref[i])
 
 
 def test_what_cannot_be_packed_steps_alone_and_lent_arrays_refuse_work():
-    chunked = EvictionCache(KNormScorer(), budget=8, chunk=2)
-    chunked.update_and_fetch(mx.ones((1, H, 4, D)), mx.ones((1, H, 4, D)))
-    assert not can_pack(chunked)
+    ragged = EvictionCache(KNormScorer(), budget=8, floor=4)  # adaptive budgets
+    k = mx.array(np.random.default_rng(9).standard_normal((1, H, 20, D)).astype(np.float32))
+    ragged.update_and_fetch(k, k)
+    assert ragged.valid is not None and not can_pack(ragged)
     assert not can_pack(EvictionCache(KNormScorer(), budget=8))  # empty
     cold = EvictionCache(KeySVDScorer(calib_tokens=64), budget=8)
     cold.update_and_fetch(mx.ones((1, H, 4, D)), mx.ones((1, H, 4, D)))
     assert not can_pack(cold)  # the fallback has no direction yet
-    batch = BatchCache([*members(5)[:2], chunked])
+    batch = BatchCache([*members(5)[:2], ragged])
     batch.update_and_fetch(*rows(np.random.default_rng(0), 3))
     assert batch._packed is None
     with pytest.raises(ValueError, match="packable"):
-        PackedBatch([chunked])
+        PackedBatch([ragged])
     lent = members(6)
     BatchCache(lent).update_and_fetch(*rows(np.random.default_rng(0), len(lent)))
     with pytest.raises((TypeError, ValueError)):
