@@ -5,10 +5,13 @@ prompt, then evicting at ``--budget``) stepped together through
 :class:`engine.batch.BatchCache`, against mlx-lm's ``BatchKVCache`` merged from plain
 caches holding the same number of rows. Per batch size: the model step's time (forward pass
 and cache work), and the cache updates alone (one ``update_and_fetch`` per layer). Arms are
-interleaved per round; ``ours_again`` is the A/A copy. What it isolates: the cost of keeping
-eviction per request inside a batch, apart from prefill scheduling and serving.
+interleaved per round; ``ours_again`` is the A/A copy, and ``ours_chunked`` the same caches
+with chunk-level selection (``--chunk`` positions), so its ratio to ``ours`` is what chunks
+add to the batched step. What it isolates: the cost of keeping eviction per request inside a
+batch, apart from prefill scheduling and serving.
 
-Run: ``python -m bench.speed.batch_step [--quick] [--model M] [--batches 1 4 8 16]``.
+Run: ``python -m bench.speed.batch_step [--quick] [--model M] [--batches 1 4 8 16]
+[--chunk 8]``.
 Writes ``bench/results/<model>/batch_step.json`` and ``batch_step.png``.
 """
 
@@ -31,17 +34,20 @@ from engine.batch import BatchCache  # noqa: E402
 from engine.config import CacheConfig  # noqa: E402
 
 
-def build(sm, B: int, prompt: int, budget: int):
-    """(our per-layer batch caches, mlx-lm's) for ``B`` requests with different prompts."""
+def build(sm, B: int, prompt: int, budget: int, chunk: int):
+    """(our per-layer batch caches, the same chunked, mlx-lm's) for ``B`` requests with
+    different prompts."""
     model = sm.loaded.model
     config = CacheConfig(method="qfilters", budget=budget, recent=budget // 4)
-    ours, theirs = [], []
+    chunked_config = CacheConfig(method="qfilters", budget=budget, recent=budget // 4, chunk=chunk)
+    ours, chunked, theirs = [], [], []
     base = common.prompt_tokens(sm, prompt * B)
     for b in range(B):
         tokens = mx.array([base[b * prompt : (b + 1) * prompt]])
-        caches = common.make_caches(model, config, filters=sm.filters)
-        common.prefill(model, caches, tokens[0].tolist())
-        ours.append(caches)
+        for mine, conf in ((ours, config), (chunked, chunked_config)):
+            caches = common.make_caches(model, conf, filters=sm.filters)
+            common.prefill(model, caches, tokens[0].tolist())
+            mine.append(caches)
         plain = [KVCache() for _ in model.layers]
         model(tokens[:, -budget:], cache=plain)
         mx.eval([c.state for c in plain])
@@ -49,6 +55,7 @@ def build(sm, B: int, prompt: int, budget: int):
     layers = range(len(model.layers))
     return (
         [BatchCache([ours[b][i] for b in range(B)]) for i in layers],
+        [BatchCache([chunked[b][i] for b in range(B)]) for i in layers],
         [BatchKVCache.merge([theirs[b][i] for b in range(B)]) for i in layers],
     )
 
@@ -58,10 +65,12 @@ def main(argv=None) -> dict:
     p.add_argument("--batches", type=int, nargs="+", default=None, help="(default 1 4 8 16)")
     p.add_argument("--prompt", type=int, default=None, help="tokens per prompt (default 512)")
     p.add_argument("--budget", type=int, default=None, help="(default 256)")
+    p.add_argument("--chunk", type=int, default=None, help="the chunked arm's (default 8)")
     args = parse(p, argv)
     batches = args.batches or ([1, 2] if args.quick else [1, 4, 8, 16])
     prompt = args.prompt or (48 if args.quick else 512)
     budget = args.budget or (16 if args.quick else 256)
+    chunk = args.chunk or (4 if args.quick else 8)
     reps = args.reps
     progress = common.Progress("batch_step")
     sm = common.load_study_model(args.model)
@@ -70,7 +79,7 @@ def main(argv=None) -> dict:
     rows = []
     for B in batches:
         progress(f"batch {B}: prefilling {B} prompts of {prompt} tokens")
-        ours, theirs = build(sm, B, prompt, budget)
+        ours, chunked, theirs = build(sm, B, prompt, budget, chunk)
         token = mx.array([[common.prompt_tokens(sm, 1)[0]]] * B)
         kv = mx.random.normal(
             ours[0].members[0].keys.shape[:2] + (1, ours[0].members[0].keys.shape[-1])
@@ -96,6 +105,7 @@ def main(argv=None) -> dict:
         arms = {
             "ours": step(ours),
             "theirs": step(theirs),
+            "ours_chunked": step(chunked),
             "ours_again": step(ours),
             "ours_updates": updates(ours),
             "theirs_updates": updates(theirs),
@@ -108,6 +118,7 @@ def main(argv=None) -> dict:
                 "ratios": [
                     ratio_row(runs, "ours", "theirs"),
                     ratio_row(runs, "ours_again", "ours"),
+                    ratio_row(runs, "ours_chunked", "ours"),
                 ],
             }
         )
@@ -128,8 +139,10 @@ def main(argv=None) -> dict:
             "batches": batches,
             "prompt": prompt,
             "budget": budget,
+            "chunk": chunk,
             "reps": reps,
             "ours": "BatchCache over per-request Q-Filters EvictionCaches",
+            "ours_chunked": f"the same with chunk {chunk}",
             "theirs": "mlx-lm BatchKVCache.merge of KVCaches with budget rows",
         },  # fmt: skip
         "rows": rows,
@@ -150,6 +163,7 @@ def main(argv=None) -> dict:
             *(f"{r['step_s'][a]['median'] * 1e3:.1f}" for a in arms),
             f"{r['ratios'][0]['median']:.2f}",
             f"{r['ratios'][1]['median']:.2f}",
+            f"{r['ratios'][2]['median']:.2f}",
             *(
                 [f"{r['tokens_per_s_over_batch_1'][a]:.2f}" for a in ("ours", "theirs")]
                 if one
@@ -159,7 +173,8 @@ def main(argv=None) -> dict:
         for r in rows
     ]
     print_table(
-        ["batch", *(f"{a} ms" for a in arms), "ours/theirs", "A/A", "ours tok/s x", "theirs x"],
+        ["batch", *(f"{a} ms" for a in arms), "ours/theirs", "A/A", "chunked/ours"]
+        + ["ours tok/s x", "theirs x"],
         table,
     )
     print(f"\nwrote {path} in {result['runtime_s']}s")

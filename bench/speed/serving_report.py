@@ -110,11 +110,13 @@ def batch_step(d: dict[str, Any]) -> list[str]:
     lines.append(
         f"In process: {s['ours']} against {s['theirs']}; prompts of {s['prompt']} tokens, "
         f"budget {s['budget']}, {s['reps']} interleaved rounds (`ours_again` = A/A)."
+        + (f" `ours_chunked`: {s['ours_chunked']}." if "ours_chunked" in s else "")
     )
     lines.append("")
     rows = []
+    chunked = "ours_chunked" in s  # an arm added later: older results lack it
     for r in d["rows"]:
-        ratio, aa = r["ratios"]
+        ratio, aa, *more = r["ratios"]
         scale = r.get("tokens_per_s_over_batch_1", {})
         rows.append(
             [
@@ -125,11 +127,13 @@ def batch_step(d: dict[str, Any]) -> list[str]:
                 ),  # fmt: skip
                 f"{ratio['median']:.2f}",
                 f"{aa['median']:.2f}",
+                *([f"{more[0]['median']:.2f}"] if chunked else []),
                 *(f"{scale[a]:.2f}×" if a in scale else "—" for a in ("ours", "theirs")),
             ]
         )
     headers = ["batch", "ours ms", "theirs ms", "ours updates ms", "theirs updates ms"]
-    lines += _table([*headers, "ours/theirs", "A/A", "ours tok/s ×", "theirs tok/s ×"], rows)
+    headers += ["ours/theirs", "A/A", *(["chunked/ours"] if chunked else [])]
+    lines += _table([*headers, "ours tok/s ×", "theirs tok/s ×"], rows)
     return lines + _plots(d)
 
 
