@@ -19,9 +19,25 @@ DEFAULT_BUDGET = 512
 DEFAULT_N_SINK = 4
 DEFAULT_RECENT = 0
 DEFAULT_CALIB_TOKENS = 128
-DEFAULT_CHUNK = 1
+DEFAULT_CHUNK = 1  # a CacheConfig's own: rows ranked one by one
+SERVED_CHUNK = 8  # what the server gives scored methods by default (see fit_chunk)
+SCORED: tuple[str, ...] = ("qfilters", "knorm")  # rank rows by a score: chunks apply
+CHUNKED_MIN_BUDGET = 256  # the smallest budget the default chunk was measured at
 DEFAULT_BUDGET_MODE: BudgetMode = "per_head"
 DEFAULT_FLOOR = 0.2  # AdaKV's default share of the budget every head keeps
+
+
+def fit_chunk(chunk: int, method: str, budget: int) -> int:
+    """A default chunk where it applies, else 1: the server's default chunk (one the request
+    did not send) is for methods that rank rows by a score, at budgets of at least
+    :data:`CHUNKED_MIN_BUDGET`. Streaming keeps the latest rows whatever the chunk and
+    query-aware methods select rows one by one. Chunks of 8 won or tied on SmolLM2 at
+    budgets 256-1,024 (README); at budget 64 the bundled tiny model's pass-key answer broke
+    with them (a budget of 8 chunks leaves few to choose among), so smaller budgets read
+    token by token unless a request asks for chunks."""
+    if method in SCORED and budget >= CHUNKED_MIN_BUDGET and chunk < budget:
+        return chunk
+    return 1
 
 
 class ConfigError(ValueError):

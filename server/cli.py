@@ -28,7 +28,7 @@ import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from engine.blas import blas_summary, reexec_with_openblas
-from engine.config import BUDGET_MODES, METHODS
+from engine.config import BUDGET_MODES, METHODS, SERVED_CHUNK
 from engine.model_filters import SELF_CALIBRATION_MODES
 from server.settings import EnvDefaults
 
@@ -81,8 +81,10 @@ def make_parser(env: EnvDefaults | None = None) -> argparse.ArgumentParser:
         "--chunk",
         type=int,
         default=s.chunk,
-        help="default chunk size: prefill keeps whole chunks of this many positions "
-        "(default: %(default)s, token by token)",
+        help="default chunk size: prefill keeps whole chunks of this many positions, "
+        "for qfilters and knorm requests with a budget of 256 or more; others read token by "
+        "token "
+        f"(default: {SERVED_CHUNK} where it applies, else 1)",
     )
     p.add_argument(
         "--budget-mode",

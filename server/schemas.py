@@ -14,7 +14,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from engine.config import METHODS, CacheConfig, ConfigError
+from engine.config import METHODS, CacheConfig, ConfigError, fit_chunk
 from engine.requests import GenerationRequest, SamplingParams
 from engine.structured import GrammarError, JSONConstraint, ToolCallConstraint
 from server.compat import (
@@ -148,7 +148,8 @@ class EvictionFields(_Strict):
         Field(
             ge=1,
             description="Prefill and new turns keep whole chunks of this many positions, "
-            "ranked by their mean score (1 = token by token). Default: --chunk.",
+            "ranked by their mean score (1 = token by token). Default: --chunk for qfilters "
+            "and knorm with a budget of 256 or more, else 1.",
         ),
     ] = None
     qfilters_budget_mode: Annotated[
@@ -246,8 +247,11 @@ class GenerationBody(EvictionFields):
             "floor": self.qfilters_floor,
         }
         overrides = {k: v for k, v in chosen.items() if v is not None}
+        merged = {**defaults.__dict__, **overrides}
+        if "chunk" not in overrides:  # the default chunk, where it applies to this request
+            merged["chunk"] = fit_chunk(defaults.chunk, merged["method"], merged["budget"])
         try:
-            return CacheConfig(**{**defaults.__dict__, **overrides})
+            return CacheConfig(**merged)
         except ConfigError as exc:
             sent = [CACHE_PARAMS[k] for k in overrides]
             param = CACHE_PARAMS.get(exc.param)

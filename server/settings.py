@@ -10,14 +10,15 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from engine.config import (
     DEFAULT_BUDGET,
     DEFAULT_BUDGET_MODE,
-    DEFAULT_CHUNK,
     DEFAULT_FLOOR,
     DEFAULT_METHOD,
     DEFAULT_N_SINK,
     DEFAULT_RECENT,
+    SERVED_CHUNK,
     BudgetMode,
     CacheConfig,
     Method,
+    fit_chunk,
 )
 from engine.model_filters import DEFAULT_SELF_CALIBRATION, SelfCalibration
 from engine.worker import (
@@ -47,7 +48,7 @@ class EnvDefaults(BaseSettings):
     budget: int = DEFAULT_BUDGET
     recent: int = DEFAULT_RECENT
     n_sink: int = DEFAULT_N_SINK
-    chunk: int = DEFAULT_CHUNK
+    chunk: int | None = None
     budget_mode: str = DEFAULT_BUDGET_MODE
     floor: float = DEFAULT_FLOOR
     max_queue: int = DEFAULT_MAX_QUEUE
@@ -76,7 +77,10 @@ class Settings:
         model: What ``--model`` names (see :func:`engine.loading.resolve_model_ref`);
             ``None`` serves the default catalog model.
         kv_method, budget, recent, n_sink, chunk, budget_mode, floor: Eviction defaults
-            for requests that do not send ``kv_method`` / ``qfilters_*``.
+            for requests that do not send ``kv_method`` / ``qfilters_*``. ``chunk=None``:
+            :data:`engine.config.SERVED_CHUNK` where it applies
+            (:func:`engine.config.fit_chunk`), else 1. A request that sends no chunk gets
+            the default chunk where it applies to its own method and budget, else 1.
         max_queue: Requests waiting for the worker at most (then 503 + Retry-After).
         max_batch: Requests generating at once in one batch (1: one at a time).
         prefill_chunk: Prompt tokens per prefill step; bounds how long a newcomer's prefill
@@ -107,7 +111,7 @@ class Settings:
     budget: int = DEFAULT_BUDGET
     recent: int = DEFAULT_RECENT
     n_sink: int = DEFAULT_N_SINK
-    chunk: int = DEFAULT_CHUNK
+    chunk: int | None = None
     budget_mode: BudgetMode = DEFAULT_BUDGET_MODE
     floor: float = DEFAULT_FLOOR
     max_queue: int = DEFAULT_MAX_QUEUE
@@ -133,7 +137,9 @@ class Settings:
             budget=self.budget,
             recent=self.recent,
             n_sink=self.n_sink,
-            chunk=self.chunk,
+            chunk=fit_chunk(SERVED_CHUNK, self.kv_method, self.budget)
+            if self.chunk is None
+            else self.chunk,
             budget_mode=self.budget_mode,
             floor=self.floor,
         )

@@ -1,0 +1,47 @@
+"""The server's default chunk: chunks of 8 for scored methods at budgets of 256 or more,
+token by token elsewhere, unless the server's flag or the request says otherwise."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.config import SERVED_CHUNK, ConfigError
+from server.errors import APIError
+from server.schemas import CompletionRequest
+from server.settings import Settings
+
+
+def config(settings: Settings, **body):
+    request = CompletionRequest.model_validate({"model": "m", "prompt": "hi", **body})
+    return request.cache_config(settings.cache_defaults())
+
+
+def test_the_served_default_is_8_where_it_was_measured():
+    assert SERVED_CHUNK == 8
+    assert Settings().cache_defaults().chunk == 8  # qfilters, budget 512
+    assert Settings(budget=255).cache_defaults().chunk == 1
+    assert Settings(kv_method="knorm", budget=256).cache_defaults().chunk == 8
+    for method in ("streaming", "snapkv", "tova", "full"):  # a server started with any method
+        assert Settings(kv_method=method).cache_defaults().chunk == 1
+
+
+def test_a_request_gets_the_default_chunk_where_it_applies_to_its_own_settings():
+    s = Settings()
+    assert config(s).chunk == 8
+    assert config(s, kv_method="knorm", qfilters_budget=300).chunk == 8
+    assert config(s, qfilters_budget=64).chunk == 1  # below the measured budgets
+    for method in ("streaming", "snapkv", "tova", "full"):  # none is a 400
+        assert config(s, kv_method=method).chunk == 1
+    assert config(s, qfilters_chunk=1).chunk == 1  # what a request sends wins
+    assert config(s, qfilters_budget=64, qfilters_chunk=4).chunk == 4
+    with pytest.raises(APIError) as err:  # ...and is still validated
+        config(s, kv_method="tova", qfilters_chunk=4)
+    assert err.value.status == 400 and err.value.param == "qfilters_chunk"
+
+
+def test_the_servers_flag_sets_the_default_and_an_impossible_one_is_refused():
+    assert config(Settings(chunk=1)).chunk == 1
+    assert config(Settings(chunk=4)).chunk == 4
+    assert config(Settings(chunk=4), kv_method="tova").chunk == 1  # it applies where it can
+    with pytest.raises(ConfigError, match="chunk must be 1"):  # asked for outright: refused
+        Settings(kv_method="tova", chunk=4)
