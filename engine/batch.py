@@ -16,8 +16,9 @@ and some twenty small MLX operations per member; on a CPU their dispatch, not th
 is what grows with the batch. So while every member is a cache whose decode step it knows
 (per-token eviction caches and full caches, whatever their methods and budgets), the batch
 holds their rows in one set of arrays (:class:`engine.packed.PackedBatch`) and steps them
-with the same few operations whatever its size; any change of membership gives the members
-their rows back first.
+with the same few operations whatever its size. Members leave and join it there (a gather
+or a concatenation per array); a member that cannot be packed joining makes every member
+take its rows back and the batch step each on its own.
 
 Only decode steps (one new token per member) go through a batch: prompts are prefilled per
 request, on its own caches, and join the batch when done (:mod:`engine.scheduler`).
@@ -76,6 +77,8 @@ class BatchCache:
             raise ValueError(
                 f"a batch cache takes decode steps only (one row per member), got {keys.shape[2]}"
             )
+        if self._packed is not None and self._packed.detached:  # extracted, still here
+            self._unpack()
         if self._packed is None and all(can_pack(m) for m in self.members):
             self._packed = PackedBatch(self.members)
         if self._packed is not None:
@@ -115,16 +118,31 @@ class BatchCache:
     # -- mlx-lm's batch protocol -----------------------------------------------------------
 
     def filter(self, batch_indices: list[int]) -> None:
-        self._unpack()
+        if self._packed is not None:
+            self._packed.filter(batch_indices)
+            if not batch_indices:
+                self._packed = None
         self.members = [self.members[i] for i in batch_indices]
 
     def extend(self, other: BatchCache) -> None:
+        packed = self._packed
+        if packed is not None and not packed.detached and other.members:
+            if other._packed is None and all(can_pack(m) for m in other.members):
+                other._packed = PackedBatch(other.members)
+            if other._packed is not None and not other._packed.detached:
+                packed.extend(other._packed)
+                other._packed = None
+                self.members.extend(other.members)
+                return
         self._unpack()
         other._unpack()
         self.members.extend(other.members)
 
     def extract(self, idx: int) -> Any:
-        self._unpack()  # the batch repacks at its next step
+        """Member ``idx``, holding its own rows (mlx-lm extracts a finished request's cache,
+        then filters it out)."""
+        if self._packed is not None:
+            self._packed.detach(idx)
         return self.members[idx]
 
     def size(self) -> int:

@@ -124,7 +124,7 @@ class PackedBatch:
     def __init__(self, members: list[Any]) -> None:
         if not members or not all(can_pack(m) for m in members):
             raise ValueError("every member must be a packable cache (see can_pack)")
-        self.members = members
+        self.members = list(members)  # its own list: the batch cache keeps another
         self.caps: list[float] = []  # slots an evicting member holds at most (budget + 1)
         self.held: list[int] = []
         self.offsets: list[int] = [m.offset for m in members]
@@ -180,11 +180,18 @@ class PackedBatch:
         self.token_scores = None  # (B, H, C) raw per-token scores, with chunked members only
         if any(c > 1 for c in self.chunks):
             self.token_scores = mx.concatenate([_pad(x, C) for x in tokens])
-        self._set_scoring(forms)
-        self.n_sink = mx.array([getattr(m, "n_sink", 0) for m in members], mx.int32)[:, None, None]
-        self.recent = mx.array([getattr(m, "recent", 0) for m in members], mx.int32)[:, None, None]
+        self.forms = forms
+        self.detached: set[int] = set()  # members already given their rows (extract)
+        self._set_members()
         for i in range(len(members)):
             self._lend(i)
+
+    def _set_members(self) -> None:
+        """The per-member constants of the step, from the member lists."""
+        self._set_scoring(self.forms)
+        rows = [[getattr(m, name, 0) for m in self.members] for name in ("n_sink", "recent")]
+        self.n_sink = mx.array(rows[0], mx.int32)[:, None, None]
+        self.recent = mx.array(rows[1], mx.int32)[:, None, None]
 
     def _needed(self, i: int) -> int:
         """Slots member ``i`` needs for its next row: room to grow by whole steps, up to its
@@ -236,6 +243,8 @@ class PackedBatch:
             ``(B, 1, W)`` bool (None when every member holds all ``W`` slots), where ``W``
             is the most slots any member holds.
         """
+        if self.detached:
+            raise ValueError("a member was given its rows back: filter the batch first")
         B = len(self.members)
         C = max(self._needed(i) for i in range(B))
         if C > self.keys.shape[2]:  # a growing member needs more slots
@@ -321,13 +330,79 @@ class PackedBatch:
             m.order = Lent((1, H, held), mx.int32)
             m.free = Lent((1, H, 1), mx.uint32)
 
+    # -- membership --------------------------------------------------------------------
+    # mlx-lm's batch protocol: a finished member is extracted (its rows given back), then
+    # the batch is filtered to the rest; newcomers join by extend. Done on the shared arrays
+    # (one gather or concatenation per array), a change of membership costs a few
+    # operations per layer instead of giving every member its rows back and packing anew.
+
+    def detach(self, i: int) -> None:
+        """Give member ``i`` its rows back; it stays in the arrays until :meth:`filter`
+        drops it, and the batch must not step before then."""
+        if i not in self.detached:
+            self._give_back([i])
+            self.detached.add(i)
+
+    def filter(self, keep: list[int]) -> None:
+        """Keep members ``keep``, in that order; the others get their rows back."""
+        kept = set(keep)
+        self._give_back([i for i in range(len(self.members)) if i not in kept])
+        if not keep:
+            self.members = []
+            return
+        if self.detached & kept:
+            raise ValueError("a detached member cannot stay in the batch")
+        idx = mx.array(keep, dtype=mx.int32)
+        for name in ("caps", "held", "offsets", "chunks", "forms", "members"):
+            setattr(self, name, [getattr(self, name)[i] for i in keep])
+        C = max(self._needed(i) for i in range(len(keep)))  # what the rest need, no more
+        self.keys, self.values = self.keys[idx, :, :C], self.values[idx, :, :C]
+        self.scores, self.order = self.scores[idx, :, :C], self.order[idx, :, :C]
+        self.free = self.free[idx]
+        if self.token_scores is not None:
+            chunked = any(c > 1 for c in self.chunks)
+            self.token_scores = self.token_scores[idx, :, :C] if chunked else None
+        self.detached = set()
+        self._set_members()
+
+    def extend(self, other: PackedBatch) -> None:
+        """Append ``other``'s members (it is used up: its members are lent to this batch)."""
+        if self.detached or other.detached:
+            raise ValueError("filter detached members out before extending")
+        C = max(self.keys.shape[2], other.keys.shape[2])
+
+        def join(a: mx.array, b: mx.array) -> mx.array:
+            return mx.concatenate([_pad(a, C), _pad(b, C)])
+
+        if self.token_scores is not None or other.token_scores is not None:
+            mine = self.scores if self.token_scores is None else self.token_scores
+            theirs = other.scores if other.token_scores is None else other.token_scores
+            self.token_scores = join(mine, theirs)
+        self.keys, self.values = join(self.keys, other.keys), join(self.values, other.values)
+        self.scores, self.order = join(self.scores, other.scores), join(self.order, other.order)
+        self.free = mx.concatenate([self.free, other.free])
+        for name in ("caps", "held", "offsets", "chunks", "forms", "members"):
+            getattr(self, name).extend(getattr(other, name))
+        other.members = []
+        self._set_members()
+
     def release(self) -> None:
-        """Give every member its rows back (copies) in the layout it would have alone.
+        """Give every member its rows back (copies) in the layout it would have alone."""
+        self._give_back(range(len(self.members)))
+        self.members = []
+
+    def _give_back(self, which: Any) -> None:
+        """Members ``which`` get their rows back (copies), as they would hold them alone.
 
         The copies are evaluated now, without waiting: until then each one would keep the
         whole batch's buffers alive (a finished request's caches may stay for a later turn).
         """
-        for i, m in enumerate(self.members):
+        given = []
+        for i in which:
+            if i in self.detached:
+                continue
+            m = self.members[i]
+            given.append(m)
             held = self.held[i]
 
             def rows(x: mx.array, i: int = i, held: int = held) -> mx.array:
@@ -346,8 +421,7 @@ class PackedBatch:
                 m.free = mx.contiguous(self.free[i : i + 1])
             else:  # below its budget a chunked member's ranks are its token scores
                 m.scores = rows(self.scores)
-        mx.async_eval([a for m in self.members for a in _arrays(m)])
-        self.members = []
+        mx.async_eval([a for m in given for a in _arrays(m)])
 
     @property
     def state(self) -> tuple[mx.array, ...]:

@@ -116,27 +116,55 @@ def test_every_step_and_every_member_match_stepping_alone():
             assert isinstance(packed[i].keys, Lent)
     assert ref[0].free is not None  # the growing members reached their budgets on the way
     assert ref[7].free is not None and ref[7].chunk == 4
-    batch.filter(list(range(B)))  # any change of membership gives the rows back
+    batch.filter([])  # members that leave get their rows back
     for got, want in zip(packed, ref, strict=True):
         assert_same_state(got, want)
 
 
-def test_members_leave_and_join_and_the_batch_repacks():
+def ragged_pair(seed: int):
+    """Twin adaptive-budget caches with ragged heads: a member the packed step cannot take."""
+    out = []
+    for _ in range(2):
+        cache = EvictionCache(KNormScorer(), budget=8, floor=4)
+        k = mx.array(np.random.default_rng(seed).standard_normal((1, H, 20, D)).astype(np.float32))
+        cache.update_and_fetch(k, k)
+        out.append(cache)
+    assert out[0].valid is not None and not can_pack(out[0])
+    return out
+
+
+def test_members_leave_and_join_the_packed_arrays_without_repacking():
     ref, packed = members(2), members(2)
     extra_ref, extra = members(3)[:2], members(3)[:2]
+    late_ref, late = members(8)[7:9], members(8)[7:9]  # chunked ones, joining an unchunked batch
+    odd_ref, odd = ragged_pair(9)
     batch = BatchCache(list(packed))
     rng = np.random.default_rng(4)
     live_ref, live = list(ref), list(packed)
-    for step in range(12):
+    for step in range(16):
+        before = batch._packed
         if step == 4:  # two leave (one through extract, as mlx-lm does on a finish)
             left = batch.extract(1)
             assert left is live[1] and not isinstance(left.keys, Lent)
+            assert isinstance(live[0].keys, Lent)  # the others stay lent
             batch.filter([0, 2, 3, 5, 6])
+            assert batch._packed is before  # the same shared arrays, one member fewer
             live_ref = [live_ref[i] for i in (0, 2, 3, 5, 6)]
             live = [live[i] for i in (0, 2, 3, 5, 6)]
+        if step == 6:  # the chunked members left: the batch holds no chunk ranks any more
+            assert batch._packed is not None and batch._packed.token_scores is None
         if step == 7:
             batch.extend(BatchCache(list(extra)))
+            assert batch._packed is before
             live_ref, live = live_ref + extra_ref, live + extra
+        if step == 9:
+            batch.extend(BatchCache(list(late)))
+            assert batch._packed is before and batch._packed.token_scores is not None
+            live_ref, live = live_ref + late_ref, live + late
+        if step == 12:  # a member the packed step cannot take: everyone steps alone
+            batch.extend(BatchCache([odd]))
+            assert batch._packed is None and not isinstance(live[0].keys, Lent)
+            live_ref, live = [*live_ref, odd_ref], [*live, odd]
         keys, values = rows(rng, len(live))
         k, _ = batch.update_and_fetch(keys, values)
         for i, cache in enumerate(live_ref):
@@ -147,6 +175,23 @@ def test_members_leave_and_join_and_the_batch_repacks():
         assert_same_state(got, want)
     for i in (1, 4, 7, 8, 9):  # those that left kept what they had then
         assert_same_state(packed[i], ref[i])
+
+
+def test_a_member_extracted_but_kept_steps_on_with_the_batch():
+    ref, packed = members(10), members(10)
+    batch = BatchCache(list(packed))
+    rng = np.random.default_rng(11)
+    for step in range(6):
+        if step == 3:
+            assert batch.extract(2) is packed[2] and not isinstance(packed[2].keys, Lent)
+        keys, values = rows(rng, len(ref))
+        k, _ = batch.update_and_fetch(keys, values)  # repacks: the member is still here
+        for i, cache in enumerate(ref):
+            rk, _ = cache.update_and_fetch(keys[i : i + 1], values[i : i + 1])
+            same(k[i : i + 1, :, : rk.shape[2]], rk)
+    batch.filter([])
+    for got, want in zip(packed, ref, strict=True):
+        assert_same_state(got, want)
 
 
 def test_what_cannot_be_packed_steps_alone_and_lent_arrays_refuse_work():
