@@ -14,7 +14,7 @@ attention. Padding is masked per KV head through ``head_mask``
 That general path costs a copy of the batch's kept rows per layer and step (the padding),
 and some twenty small MLX operations per member; on a CPU their dispatch, not the bytes,
 is what grows with the batch. So while every member is a cache whose decode step it knows
-(per-token eviction caches and full caches, whatever their methods and budgets), the batch
+(eviction caches whose score it knows, chunked or not, and full caches), the batch
 holds their rows in one set of arrays (:class:`engine.packed.PackedBatch`) and steps them
 with the same few operations whatever its size. Members leave and join it there (a gather
 or a concatenation per array); a member that cannot be packed joining makes every member
