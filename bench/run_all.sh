@@ -42,6 +42,9 @@ if [[ "$which" == speed || "$which" == all ]]; then
     run bench.speed.server_overhead
     run bench.speed.vs_mlx_lm
     run bench.speed.batching
+    # After the packed step's in-place joins and leaves: 256-token prompts, two rounds a row.
+    run bench.speed.batching --prompts 256 --streams 1 8 16 --reps 2 \
+        --out bench/results/smollm2/batching_16
     run bench.speed.batch_step
     run bench.speed.selfcal_prefill
     run bench.speed.multiturn
