@@ -37,7 +37,7 @@ DEFAULT_HISTORY = 64
 # Events a job may have waiting for its handler. A client that reads keeps this near zero;
 # one that stopped reading (its socket buffers full) lets it grow, and is cancelled here.
 DEFAULT_MAX_BACKLOG = 128
-DEFAULT_MAX_BATCH = 8
+DEFAULT_MAX_BATCH = 32  # as mlx_lm.server's decode concurrency; README: "Reliability"
 DEFAULT_PREFILL_CHUNK = 512
 DEFAULT_PROMPT_CACHE_SIZE = 10
 
