@@ -16,6 +16,7 @@ import numpy as np
 from engine.cache import EvictionCache
 from engine.config import DEFAULT_CALIB_TOKENS, DEFAULT_N_SINK, CacheConfig
 from engine.factory import make_caches
+from engine.query_aware import SnapKVScorer
 
 LABELS = {
     "full": "full cache",
@@ -42,6 +43,8 @@ class Arm:
             axis oriented *to* the keys' mean).
         chunk: Block evictions keep whole chunks of this many positions (1 = per row).
         adaptive: Head-adaptive budgets (calibrated Q-Filters with query scales only).
+        window: SnapKV's observation window (``None``: its default,
+            :data:`engine.query_aware.DEFAULT_WINDOW`).
     """
 
     method: str
@@ -49,6 +52,7 @@ class Arm:
     sign: int = 1
     chunk: int = 1
     adaptive: bool = False
+    window: int | None = None
 
     @property
     def name(self) -> str:
@@ -57,7 +61,9 @@ class Arm:
         flipped = "-" if self.sign < 0 else ""
         chunk = f"/c{self.chunk}" if self.chunk > 1 else ""
         ada = "/ada" if self.adaptive else ""
-        return f"{self.method}{flipped}/r{int(round(self.recent_frac * 100))}{chunk}{ada}"
+        window = "" if self.window is None else f"/w{self.window}"
+        recent = int(round(self.recent_frac * 100))
+        return f"{self.method}{flipped}/r{recent}{chunk}{ada}{window}"
 
     @property
     def label(self) -> str:
@@ -65,7 +71,8 @@ class Arm:
         recent = "" if self.recent_frac == 0 or self.method == "full" else ", recent b/4"
         chunk = f", chunks of {self.chunk}" if self.chunk > 1 else ""
         ada = ", adaptive budgets" if self.adaptive else ""
-        return f"{LABELS[self.method]}{flipped}{recent}{chunk}{ada}"
+        window = "" if self.window is None else f", {self.window}-token window"
+        return f"{LABELS[self.method]}{flipped}{recent}{chunk}{ada}{window}"
 
     def recent(self, budget: int) -> int:
         return int(budget * self.recent_frac)
@@ -92,7 +99,12 @@ class Arm:
                 raise ValueError("the calibrated qfilters arm needs filters, got None")
             scale = getattr(filters, "query_scale", None) if self.adaptive else None
             return make_caches(model, config, filters=np.asarray(filters), query_scale=scale)
-        return make_caches(model, config, self_calibrate=self.method == "self")
+        caches = make_caches(model, config, self_calibrate=self.method == "self")
+        if self.window is not None:  # a study's knob, not a request's: set on the scorers
+            for c in caches:
+                if isinstance(getattr(c, "scorer", None), SnapKVScorer):
+                    c.scorer.window = self.window
+        return caches
 
     def source(self, caches: list[Any]) -> str:
         sources = {c.scorer.source for c in caches if isinstance(c, EvictionCache)}
@@ -158,6 +170,13 @@ def add_arm_arguments(p: Any) -> None:
         action="store_true",
         help="also run SnapKV and TOVA, which read the model's queries (engine.query_aware)",
     )
+    p.add_argument(
+        "--snapkv-windows",
+        type=int,
+        nargs="+",
+        default=[],
+        help="with --query-aware, also run SnapKV with these observation windows",
+    )
     p.add_argument("--only", nargs="+", default=None, help="run only these arm names")
 
 
@@ -175,6 +194,8 @@ def select_arms(arms: list[Arm], args: Any) -> list[Arm]:
         extra += [Arm("self", a.recent_frac) for a in plain]
     if getattr(args, "query_aware", False):
         extra += [Arm(m, a.recent_frac) for m in ("snapkv", "tova") for a in plain]
+        windows = getattr(args, "snapkv_windows", [])
+        extra += [Arm("snapkv", a.recent_frac, window=w) for w in windows for a in plain]
     out = [*arms, *extra]
     if args.only:
         unknown = set(args.only) - {a.name for a in out}

@@ -316,3 +316,24 @@ def test_a_prompt_read_in_blocks_predicts_as_one_pass_and_keeps_the_budget() -> 
         assert seen[:2] == [(16, {12}), (32, {12})]  # each block evicted down to the budget
         assert all(rows == {12} for _, rows in seen) and fed[0] == 63
         assert all(c.evictions > 0 for c in caches)
+
+
+def test_snapkv_window_arms_set_their_scorers_window(results: Path, tiny_model: Path) -> None:
+    from bench.models import load
+    from bench.quality.arms import Arm
+    from bench.quality.retrieval import main
+    from engine.query_aware import DEFAULT_WINDOW
+
+    model = load(str(tiny_model)).model
+    arm = Arm("snapkv", 0.25, window=4)
+    assert arm.name == "snapkv/r25/w4"
+    assert {c.scorer.window for c in arm.caches(model, 16, None)} == {4}
+    assert {c.scorer.window for c in Arm("snapkv", 0.25).caches(model, 16, None)} == {
+        DEFAULT_WINDOW
+    }
+    out = results / "retrieval-windows"
+    argv = ["--quick", "--model", str(tiny_model), "--out", str(out), "--calibration", "fresh",
+            "--query-aware", "--snapkv-windows", "4", "--only", "snapkv/r25", "snapkv/r25/w4"]  # fmt: skip
+    assert main(argv) == 0
+    data = json.loads((out / "retrieval.json").read_text())
+    assert data["arms"] == ["full", "snapkv/r25", "snapkv/r25/w4"]
