@@ -55,8 +55,15 @@ MODELS = (
         False,
     ),
     (
+        "smollm2/query_aware/window8",
+        "SmolLM2-135M-Instruct: SnapKV with its default 32-token observation window and with "
+        "an 8-token one (the question alone)",
+        False,
+    ),
+    (
         "smollm2/batching_16",
-        "SmolLM2-135M-Instruct: continuous batching up to 16 streams (256-token prompts)",
+        "SmolLM2-135M-Instruct: continuous batching up to 16 streams (256-token prompts), after "
+        "the packed batch's in-place joins and leaves, chunks of 8 by default",
         False,
     ),
     (
