@@ -119,9 +119,10 @@ class BatchCache:
 
     def filter(self, batch_indices: list[int]) -> None:
         if self._packed is not None:
-            self._packed.filter(batch_indices)
-            if not batch_indices:
-                self._packed = None
+            if not batch_indices or self._packed.detached & set(batch_indices):
+                self._unpack()  # an extracted member stays: the batch repacks at its next step
+            else:
+                self._packed.filter(batch_indices)
         self.members = [self.members[i] for i in batch_indices]
 
     def extend(self, other: BatchCache) -> None:

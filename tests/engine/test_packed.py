@@ -184,6 +184,9 @@ def test_a_member_extracted_but_kept_steps_on_with_the_batch():
     for step in range(6):
         if step == 3:
             assert batch.extract(2) is packed[2] and not isinstance(packed[2].keys, Lent)
+        if step == 4:  # extracted again, then kept by a filter
+            batch.extract(2)
+            batch.filter(list(range(len(ref))))
         keys, values = rows(rng, len(ref))
         k, _ = batch.update_and_fetch(keys, values)  # repacks: the member is still here
         for i, cache in enumerate(ref):
