@@ -228,6 +228,12 @@ def main(argv: list[str] | None = None) -> int:
         default=[0.0, 0.25],
         help="recent windows as fractions of the budget (default: 0 0.25)",
     )
+    p.add_argument(
+        "--no-prefill-check",
+        action="store_true",
+        help="skip running the first document's arms the direct way (at 8k tokens it costs a "
+        "full prefill per arm and ratio)",
+    )
     add_arm_arguments(p)
     args = parse(p, argv)
     lengths = args.lengths or ([320] if args.quick else [256, 512, 1024, 2048])
@@ -266,7 +272,11 @@ def main(argv: list[str] | None = None) -> int:
             for i, doc in enumerate(docs[n]):
                 if (n, i) not in done:
                     rec = measure_doc(
-                        study, doc, configs, filters, first=i == 0 and n == lengths[0]
+                        study,
+                        doc,
+                        configs,
+                        filters,
+                        first=i == 0 and n == lengths[0] and not args.no_prefill_check,
                     )
                     rec.update(length=n, index=i, signature=signature)
                     f.write(json.dumps(rec) + "\n")
@@ -396,6 +406,7 @@ def main(argv: list[str] | None = None) -> int:
             "budget_rule": "budget = round(prompt tokens / ratio); every arm the same; skipped "
             "when it leaves no evictable row (n_sink + recent >= budget)",
             "shared_prefill_check": check,
+            "prefill_check_skipped": args.no_prefill_check,
             "filter_sources": {name: sorted(v) for name, v in sources.items()},
             "results": results,
             "plots": [f"{STUDY}.png", f"{STUDY}_depth.png"],
