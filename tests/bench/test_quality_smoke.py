@@ -333,7 +333,9 @@ def test_snapkv_window_arms_set_their_scorers_window(results: Path, tiny_model: 
     }
     out = results / "retrieval-windows"
     argv = ["--quick", "--model", str(tiny_model), "--out", str(out), "--calibration", "fresh",
-            "--query-aware", "--snapkv-windows", "4", "--only", "snapkv/r25", "snapkv/r25/w4"]  # fmt: skip
+            "--query-aware", "--snapkv-windows", "4", "--only", "snapkv/r25", "snapkv/r25/w4",
+            "--no-prefill-check"]  # fmt: skip
     assert main(argv) == 0
     data = json.loads((out / "retrieval.json").read_text())
     assert data["arms"] == ["full", "snapkv/r25", "snapkv/r25/w4"]
+    assert data["prefill_check_skipped"] is True and data["shared_prefill_check"]["arms"] == 0
