@@ -27,17 +27,22 @@ DEFAULT_BUDGET_MODE: BudgetMode = "per_head"
 DEFAULT_FLOOR = 0.2  # AdaKV's default share of the budget every head keeps
 
 
-def fit_chunk(chunk: int, method: str, budget: int) -> int:
-    """A default chunk where it applies, else 1: the server's default chunk (one the request
-    did not send) is for methods that rank rows by a score, at budgets of at least
-    :data:`CHUNKED_MIN_BUDGET`. Streaming keeps the latest rows whatever the chunk and
-    query-aware methods select rows one by one. Chunks of 8 won or tied on SmolLM2 at
-    budgets 256-1,024 (README); at budget 64 the bundled tiny model's pass-key answer broke
-    with them (a budget of 8 chunks leaves few to choose among), so smaller budgets read
-    token by token unless a request asks for chunks."""
-    if method in SCORED and budget >= CHUNKED_MIN_BUDGET and chunk < budget:
-        return chunk
-    return 1
+def fit_chunk(chunk: int | None, method: str, budget: int) -> int:
+    """The chunk of a request that sends none, for its own method and budget.
+
+    Chunks are for methods that rank rows by a score (streaming keeps the latest rows
+    whatever the chunk; query-aware methods select rows one by one), and a budget must
+    exceed its chunk; elsewhere 1. ``chunk`` is the server's ``--chunk``; ``None`` (not given)
+    means :data:`SERVED_CHUNK` at budgets of at least :data:`CHUNKED_MIN_BUDGET`. Chunks of 8
+    won or tied on SmolLM2 at budgets 256-1,024 (README); at budget 64 the bundled tiny
+    model's pass-key answer broke with them (8 chunks leave few to choose among), so smaller
+    budgets read token by token unless the server or the request asks for chunks.
+    """
+    if method not in SCORED:
+        return 1
+    if chunk is None:
+        return SERVED_CHUNK if budget >= CHUNKED_MIN_BUDGET else 1
+    return chunk if chunk < budget else 1
 
 
 class ConfigError(ValueError):

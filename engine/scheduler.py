@@ -310,6 +310,9 @@ class Scheduler:
         gone = set(uids)
         keep = [i for i, uid in enumerate(self._batch.uids) if uid not in gone]
         if len(keep) < len(self._batch.uids):
+            if not keep:  # mlx-lm drops its caches unfiltered: members get their rows first
+                for cache in self._batch.prompt_cache:
+                    cache.filter([])
             self._batch.filter(keep)
 
     def _leave(self, seq: Sequence, state: State, event: Failed | None) -> None:

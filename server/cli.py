@@ -81,10 +81,9 @@ def make_parser(env: EnvDefaults | None = None) -> argparse.ArgumentParser:
         "--chunk",
         type=int,
         default=s.chunk,
-        help="default chunk size: prefill keeps whole chunks of this many positions, "
-        "for qfilters and knorm requests with a budget of 256 or more; others read token by "
-        "token "
-        f"(default: {SERVED_CHUNK} where it applies, else 1)",
+        help="default chunk size: prefill keeps whole chunks of this many positions, for "
+        "qfilters and knorm requests whose budget exceeds it; others read token by token "
+        f"(default: {SERVED_CHUNK} at budgets of 256 or more, else 1)",
     )
     p.add_argument(
         "--budget-mode",

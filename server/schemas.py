@@ -148,8 +148,9 @@ class EvictionFields(_Strict):
         Field(
             ge=1,
             description="Prefill and new turns keep whole chunks of this many positions, "
-            "ranked by their mean score (1 = token by token). Default: --chunk for qfilters "
-            "and knorm with a budget of 256 or more, else 1.",
+            "ranked by their mean score (1 = token by token). Default for qfilters and knorm: "
+            "--chunk where below the budget, or without --chunk 8 at budgets of 256 or more; "
+            "otherwise 1.",
         ),
     ] = None
     qfilters_budget_mode: Annotated[
@@ -235,8 +236,10 @@ class GenerationBody(EvictionFields):
             raise APIError(400, str(exc), param="response_format", code="invalid_value") from None
         return constraint
 
-    def cache_config(self, defaults: CacheConfig) -> CacheConfig:
-        """The request's eviction settings over the server defaults; 400 names a bad field."""
+    def cache_config(self, defaults: CacheConfig, chunk: int | None = None) -> CacheConfig:
+        """The request's eviction settings over the server defaults; 400 names a bad field.
+        ``chunk`` is the server's ``--chunk`` as given (``None``: its served default), fitted
+        to the request's own method and budget when the request sends none."""
         chosen = {
             "method": self.kv_method,
             "budget": self.qfilters_budget,
@@ -249,7 +252,7 @@ class GenerationBody(EvictionFields):
         overrides = {k: v for k, v in chosen.items() if v is not None}
         merged = {**defaults.__dict__, **overrides}
         if "chunk" not in overrides:  # the default chunk, where it applies to this request
-            merged["chunk"] = fit_chunk(defaults.chunk, merged["method"], merged["budget"])
+            merged["chunk"] = fit_chunk(chunk, merged["method"], merged["budget"])
         try:
             return CacheConfig(**merged)
         except ConfigError as exc:
@@ -262,8 +265,9 @@ class GenerationBody(EvictionFields):
                 code="invalid_value",
             ) from None
 
-    def to_engine(self, defaults: CacheConfig) -> GenerationRequest:
-        """The one conversion from an HTTP body to the engine's frozen request."""
+    def to_engine(self, defaults: CacheConfig, chunk: int | None = None) -> GenerationRequest:
+        """The one conversion from an HTTP body to the engine's frozen request (``chunk``: the
+        server's ``--chunk`` as given, see :meth:`cache_config`)."""
         fields = self.model_dump()
         stop = fields.get("stop")
         stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
@@ -287,7 +291,7 @@ class GenerationBody(EvictionFields):
             min_p=fields["min_p"],
             repetition_penalty=fields["repetition_penalty"],
         )
-        cache = self.cache_config(defaults)
+        cache = self.cache_config(defaults, chunk)
         constraint = self.constraint()
         if isinstance(self, ChatCompletionRequest):
             tools, tool_constraint = self.tool_setup()

@@ -14,7 +14,6 @@ from engine.config import (
     DEFAULT_METHOD,
     DEFAULT_N_SINK,
     DEFAULT_RECENT,
-    SERVED_CHUNK,
     BudgetMode,
     CacheConfig,
     Method,
@@ -77,10 +76,9 @@ class Settings:
         model: What ``--model`` names (see :func:`engine.loading.resolve_model_ref`);
             ``None`` serves the default catalog model.
         kv_method, budget, recent, n_sink, chunk, budget_mode, floor: Eviction defaults
-            for requests that do not send ``kv_method`` / ``qfilters_*``. ``chunk=None``:
-            :data:`engine.config.SERVED_CHUNK` where it applies
-            (:func:`engine.config.fit_chunk`), else 1. A request that sends no chunk gets
-            the default chunk where it applies to its own method and budget, else 1.
+            for requests that do not send ``kv_method`` / ``qfilters_*``. A request that
+            sends no chunk gets :func:`engine.config.fit_chunk` of ``chunk`` for its own
+            method and budget (``None``: the served default, 8 at budgets of 256 or more).
         max_queue: Requests waiting for the worker at most (then 503 + Retry-After).
         max_batch: Requests generating at once in one batch (1: one at a time).
         prefill_chunk: Prompt tokens per prefill step; bounds how long a newcomer's prefill
@@ -137,7 +135,7 @@ class Settings:
             budget=self.budget,
             recent=self.recent,
             n_sink=self.n_sink,
-            chunk=fit_chunk(SERVED_CHUNK, self.kv_method, self.budget)
+            chunk=fit_chunk(None, self.kv_method, self.budget)
             if self.chunk is None
             else self.chunk,
             budget_mode=self.budget_mode,

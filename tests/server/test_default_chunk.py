@@ -13,7 +13,7 @@ from server.settings import Settings
 
 def config(settings: Settings, **body):
     request = CompletionRequest.model_validate({"model": "m", "prompt": "hi", **body})
-    return request.cache_config(settings.cache_defaults())
+    return request.cache_config(settings.cache_defaults(), settings.chunk)
 
 
 def test_the_served_default_is_8_where_it_was_measured():
@@ -39,9 +39,23 @@ def test_a_request_gets_the_default_chunk_where_it_applies_to_its_own_settings()
     assert err.value.status == 400 and err.value.param == "qfilters_chunk"
 
 
+def test_the_default_follows_the_requests_own_method_and_budget_not_the_servers():
+    for server in (
+        Settings(kv_method="streaming"),
+        Settings(kv_method="tova"),
+        Settings(budget=128),
+    ):
+        assert server.cache_defaults().chunk == 1
+        assert config(server, kv_method="qfilters", qfilters_budget=512).chunk == 8
+
+
 def test_the_servers_flag_sets_the_default_and_an_impossible_one_is_refused():
     assert config(Settings(chunk=1)).chunk == 1
     assert config(Settings(chunk=4)).chunk == 4
     assert config(Settings(chunk=4), kv_method="tova").chunk == 1  # it applies where it can
+    # Given outright, the flag applies at any budget above it, as /admin/cache reports it.
+    small = Settings(budget=128, chunk=4)
+    assert small.cache_defaults().chunk == 4 and config(small).chunk == 4
+    assert config(small, qfilters_budget=4, qfilters_n_sink=1).chunk == 1  # must be below it
     with pytest.raises(ConfigError, match="chunk must be 1"):  # asked for outright: refused
         Settings(kv_method="tova", chunk=4)
