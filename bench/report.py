@@ -55,6 +55,11 @@ MODELS = (
         False,
     ),
     (
+        "smollm2/query_aware/8k",
+        "SmolLM2-135M-Instruct: the query-aware comparison on 8k-token documents",
+        False,
+    ),
+    (
         "smollm2/query_aware/window8",
         "SmolLM2-135M-Instruct: SnapKV with its default 32-token observation window and with "
         "an 8-token one (the question alone)",

@@ -36,6 +36,11 @@ if [[ "$which" == selfcal || "$which" == all ]]; then
     run bench.quality.retrieval --calibration registry --lengths 1024 2048 4096 --ratios 2 4 8 16 \
         --per-bin 2 --recent-fracs 0.25 --query-aware --snapkv-windows 8 \
         --out bench/results/smollm2/query_aware/window8 --only snapkv/r25 snapkv/r25/w8
+    # The same comparison on 8k-token documents (no direct-way check: a prefill per arm).
+    run bench.quality.retrieval --calibration registry --lengths 8192 --ratios 2 4 8 16 \
+        --per-bin 2 --recent-fracs 0.25 --self-calibrated --query-aware --snapkv-windows 8 \
+        --no-prefill-check --out bench/results/smollm2/query_aware/8k --only qfilters/r25 \
+        self/r25 fallback/r25 snapkv/r25 snapkv/r25/w8 tova/r25 knorm/r25 streaming/r0
     # Why the prompt's own filters lose the synthetic pass key: the same recipe fed the
     # document's queries, another text's, or the artifact, on repetitive and natural filler.
     run bench.quality.selfcal_text --calibration registry --out "$out"
