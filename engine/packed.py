@@ -346,12 +346,12 @@ class PackedBatch:
     def filter(self, keep: list[int]) -> None:
         """Keep members ``keep``, in that order; the others get their rows back."""
         kept = set(keep)
+        if self.detached & kept:  # checked before anyone is given their rows back
+            raise ValueError("a detached member cannot stay in the batch")
         self._give_back([i for i in range(len(self.members)) if i not in kept])
         if not keep:
             self.members = []
             return
-        if self.detached & kept:
-            raise ValueError("a detached member cannot stay in the batch")
         idx = mx.array(keep, dtype=mx.int32)
         for name in ("caps", "held", "offsets", "chunks", "forms", "members"):
             setattr(self, name, [getattr(self, name)[i] for i in keep])
