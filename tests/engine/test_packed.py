@@ -121,6 +121,15 @@ def test_every_step_and_every_member_match_stepping_alone():
         assert_same_state(got, want)
 
 
+def step_both(batch, refs, rng) -> None:
+    """One decode step through the batch and through each reference alone: same rows."""
+    keys, values = rows(rng, len(refs))
+    k, _ = batch.update_and_fetch(keys, values)
+    for i, cache in enumerate(refs):
+        rk, _ = cache.update_and_fetch(keys[i : i + 1], values[i : i + 1])
+        same(k[i : i + 1, :, : rk.shape[2]], rk)
+
+
 def ragged_pair(seed: int):
     """Twin adaptive-budget caches with ragged heads: a member the packed step cannot take."""
     out = []
@@ -169,11 +178,7 @@ def test_members_leave_and_join_the_packed_arrays_without_repacking():
             batch.extend(BatchCache([odd]))
             assert batch._packed is None and not isinstance(live[0].keys, Lent)
             live_ref, live = [*live_ref, odd_ref], [*live, odd]
-        keys, values = rows(rng, len(live))
-        k, _ = batch.update_and_fetch(keys, values)
-        for i, cache in enumerate(live_ref):
-            rk, _ = cache.update_and_fetch(keys[i : i + 1], values[i : i + 1])
-            same(k[i : i + 1, :, : rk.shape[2]], rk)
+        step_both(batch, live_ref, rng)
     batch.filter([])
     for got, want in zip(live, live_ref, strict=True):
         assert_same_state(got, want)
@@ -191,22 +196,15 @@ def test_a_member_extracted_but_kept_steps_on_with_the_batch():
         if step == 4:  # extracted again, then kept by a filter
             batch.extract(2)
             batch.filter(list(range(len(ref))))
-        keys, values = rows(rng, len(ref))
-        k, _ = batch.update_and_fetch(keys, values)  # repacks: the member is still here
+        step_both(batch, ref, rng)  # repacks: the member is still here
         assert batch._packed is not None
-        for i, cache in enumerate(ref):
-            rk, _ = cache.update_and_fetch(keys[i : i + 1], values[i : i + 1])
-            same(k[i : i + 1, :, : rk.shape[2]], rk)
     batch.filter([])
     for got, want in zip(packed, ref, strict=True):
         assert_same_state(got, want)
 
 
 def test_what_cannot_be_packed_steps_alone_and_lent_arrays_refuse_work():
-    ragged = EvictionCache(KNormScorer(), budget=8, floor=4)  # adaptive budgets
-    k = mx.array(np.random.default_rng(9).standard_normal((1, H, 20, D)).astype(np.float32))
-    ragged.update_and_fetch(k, k)
-    assert ragged.valid is not None and not can_pack(ragged)
+    ragged = ragged_pair(9)[0]  # adaptive budgets, heads ragged: not packable
     assert not can_pack(EvictionCache(KNormScorer(), budget=8))  # empty
     cold = EvictionCache(KeySVDScorer(calib_tokens=64), budget=8)
     cold.update_and_fetch(mx.ones((1, H, 4, D)), mx.ones((1, H, 4, D)))
