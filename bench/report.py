@@ -49,6 +49,18 @@ MODELS = (
         False,
     ),
     (
+        "smollm2/selfcal/lengths",
+        "SmolLM2-135M-Instruct: does the score predict attention at 1k-8k tokens (calibrated, "
+        "self-calibrated and traffic-learned Q-Filters, the fallback, SnapKV, K-norm, recency)",
+        False,
+    ),
+    (
+        "smollm2/traffic",
+        "SmolLM2-135M-Instruct: Q-Filters learned from traffic (the server's default without an "
+        "artifact) against calibrated, self-calibrated and the fallback",
+        False,
+    ),
+    (
         "smollm2/query_aware",
         "SmolLM2-135M-Instruct: the query-aware references (SnapKV, TOVA) beside calibrated, "
         "self-calibrated and fallback Q-Filters",

@@ -44,6 +44,19 @@ if [[ "$which" == selfcal || "$which" == all ]]; then
     # Why the prompt's own filters lose the synthetic pass key: the same recipe fed the
     # document's queries, another text's, or the artifact, on repetitive and natural filler.
     run bench.quality.selfcal_text --calibration registry --out "$out"
+    # What the server learns from traffic without an artifact (its default), and how those
+    # filters retrieve and predict attention beside the others.
+    t=bench/results/smollm2/traffic
+    run bench.quality.traffic --calibration registry --out "$t"
+    learned=(--traffic-artifacts
+             chat=$t/chat/HuggingFaceTB--SmolLM2-135M-Instruct.safetensors
+             passkey=$t/passkey/HuggingFaceTB--SmolLM2-135M-Instruct.safetensors)
+    run bench.quality.retrieval --calibration registry --lengths 1024 2048 4096 --ratios 2 4 8 16 \
+        --per-bin 2 --recent-fracs 0.25 --self-calibrated --no-prefill-check "${learned[@]}" \
+        --only qfilters/r25 traffic/r25/chat traffic/r25/passkey self/r25 fallback/r25 \
+        streaming/r0 --out "$t"
+    run bench.quality.attention --calibration registry --lengths 1024 2048 4096 8192 \
+        --sequences 6 "${learned[@]}" --out "$out/lengths"
 fi
 if [[ "$which" == speed || "$which" == all ]]; then
     run bench.speed.decode

@@ -46,11 +46,13 @@ class ModelFilters:
         self_calibration: What a model without an artifact does (see the module doc).
         traffic_samples: Queries per layer pooled before the artifact is written
             (``None``: calibration's default sample count).
+        traffic_prompts: Prompts pooled at least before it is written (``None``:
+            :data:`engine.traffic.DEFAULT_MIN_PROMPTS`).
     """
 
     def __init__(
         self, loaded: LoadedModel, *, self_calibration: str = DEFAULT_SELF_CALIBRATION,
-        traffic_samples: int | None = None,
+        traffic_samples: int | None = None, traffic_prompts: int | None = None,
     ) -> None:  # fmt: skip
         check_mode(self_calibration)
         self.loaded = loaded
@@ -72,7 +74,7 @@ class ModelFilters:
                 loaded.model, loaded.model_id, fingerprint=self.fingerprint
             )
             if self.filters is None and self_calibration != "off":
-                self._start_learning(traffic_samples)
+                self._start_learning(traffic_samples, traffic_prompts)
         logger.info("Q-Filters for %s: %s", loaded.model_id, self.source)
 
     @property
@@ -118,7 +120,7 @@ class ModelFilters:
             logger.info("Q-Filters for %s: calibrated from traffic (%s)", self.loaded.model_id,
                         path)  # fmt: skip
 
-    def _start_learning(self, samples: int | None) -> None:
+    def _start_learning(self, samples: int | None, prompts: int | None) -> None:
         from engine.traffic import TrafficCalibration
 
         try:
@@ -127,6 +129,7 @@ class ModelFilters:
                 model_id=self.loaded.model_id,
                 fingerprint=self.fingerprint,
                 samples_per_head=samples,
+                min_prompts=prompts,
             )
         except ValueError as exc:  # the attention cannot be tapped: the key-SVD fallback
             logger.warning("no self-calibration for %s: %s", self.loaded.model_id, exc)

@@ -4,7 +4,10 @@ For a model without a calibration artifact, the query taps of :mod:`engine.selfc
 offer every prompt block's post-RoPE queries to one reservoir per layer, across requests:
 calibration's own sampler (:class:`calibrations.capture.Reservoir`, a uniform sample without
 replacement of every query seen, the heads of a layer sharing positions). Once every layer
-holds the artifact's default sample count, the filters are computed by
+holds the artifact's default sample count, drawn from at least ``min_prompts`` prompts
+(calibration's default number of sequences, 20: one long prompt alone would otherwise set the
+filters, and a prompt's own queries are what lost the pass key in the self-calibration
+studies), the filters are computed by
 :mod:`calibrations.compute`, as ``qfserve calibrate`` computes them, and saved as a regular
 artifact in the user calibration folder, naming the model, its weights fingerprint and
 "from traffic"; the worker then serves later requests with it (``filter_source``
@@ -31,10 +34,13 @@ import numpy as np
 from calibrations.artifact import save_calibration
 from calibrations.capture import DEFAULT_SAMPLES_PER_HEAD, Reservoir, offer_to
 from calibrations.compute import compute_filters, query_scales
+from calibrations.corpus import DEFAULT_SEQUENCES
 from calibrations.registry import artifact_name, default_output_dir
 from engine.selfcal import QueryTap
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_MIN_PROMPTS = DEFAULT_SEQUENCES  # prompts pooled at least before an artifact is written
 
 
 class TrafficCalibration:
@@ -47,6 +53,7 @@ class TrafficCalibration:
         fingerprint: The weights fingerprint it is bound to.
         samples_per_head: Queries per layer before the artifact is written (calibration's
             default).
+        min_prompts: Prompts (first blocks seen) before the artifact is written.
         out_dir: Where it goes (default: calibration's output folder, on the search path).
         seed: Seed of the sampling.
     """
@@ -59,16 +66,21 @@ class TrafficCalibration:
         model_id: str,
         fingerprint: str,
         samples_per_head: int = DEFAULT_SAMPLES_PER_HEAD,
+        min_prompts: int = DEFAULT_MIN_PROMPTS,
         out_dir: Path | None = None,
         seed: int = 0,
     ) -> None:
-        if samples_per_head < 1:
-            raise ValueError(f"samples_per_head must be >= 1, got {samples_per_head}")
+        if samples_per_head < 1 or min_prompts < 1:
+            raise ValueError(
+                f"samples_per_head and min_prompts must be >= 1, got {samples_per_head}, "
+                f"{min_prompts}"
+            )
         self.taps = taps
         self.n_kv_heads = n_kv_heads
         self.model_id = model_id
         self.fingerprint = fingerprint
         self.samples_per_head = samples_per_head
+        self.min_prompts = min_prompts
         self.out_dir = out_dir
         seeds = np.random.SeedSequence(seed).spawn(len(taps))
         self.reservoirs = [Reservoir(samples_per_head, np.random.default_rng(s)) for s in seeds]
@@ -89,9 +101,15 @@ class TrafficCalibration:
 
     @classmethod
     def for_model(
-        cls, model: Any, *, model_id: str, fingerprint: str, samples_per_head: int | None = None
+        cls,
+        model: Any,
+        *,
+        model_id: str,
+        fingerprint: str,
+        samples_per_head: int | None = None,
+        min_prompts: int | None = None,
     ) -> TrafficCalibration:
-        """Tap ``model``'s queries and pool them (``None``: calibration's sample count).
+        """Tap ``model``'s queries and pool them (``None``: the defaults).
 
         Raises:
             ValueError: the model's attention has no standard blocks with a rope to tap.
@@ -106,6 +124,7 @@ class TrafficCalibration:
             model_id=model_id,
             fingerprint=fingerprint,
             samples_per_head=samples_per_head or DEFAULT_SAMPLES_PER_HEAD,
+            min_prompts=min_prompts or DEFAULT_MIN_PROMPTS,
         )
 
     @property
@@ -113,15 +132,15 @@ class TrafficCalibration:
         return min(r.tokens_seen for r in self.reservoirs)
 
     def flush(self) -> Path | None:
-        """Fold the pending samples in; once every layer has enough, write the artifact,
-        stop pooling and return its path."""
+        """Fold the pending samples in; once every layer has enough, from enough prompts,
+        write the artifact, stop pooling and return its path."""
         pending = [a for r in self.reservoirs for a in r.pending_arrays()]
         if not pending:
             return None
         mx.eval(pending)
         for reservoir in self.reservoirs:
             reservoir.merge()
-        if self.tokens_seen < self.samples_per_head:
+        if self.tokens_seen < self.samples_per_head or self.prompts < self.min_prompts:
             return None
         return self._write()
 

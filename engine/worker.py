@@ -70,6 +70,7 @@ class Worker:
             neither.
         traffic_samples: Queries per layer pooled before that artifact is written
             (``None``: calibration's default sample count).
+        traffic_prompts: Prompts pooled at least before it is written (``None``: 20).
         loader: Replaces :func:`engine.loading.load_model` (tests).
     """
 
@@ -88,6 +89,7 @@ class Worker:
         prompt_cache_dir: str | None = None,
         self_calibration: str = DEFAULT_SELF_CALIBRATION,
         traffic_samples: int | None = None,
+        traffic_prompts: int | None = None,
         loader: Callable[[str | None], LoadedModel] = load_model,
     ) -> None:
         if max_batch < 1:
@@ -118,7 +120,7 @@ class Worker:
         self._cache_dir = Path(prompt_cache_dir) if prompt_cache_dir and prompt_cache_size else None
         self._loader = loader
         self._self_calibration = self_calibration
-        self._traffic_samples = traffic_samples
+        self._traffic = (traffic_samples, traffic_prompts)
         self.calibration: ModelFilters | None = None  # built on the thread
         self._queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
         self.ledger = Ledger(history, max_kv_bytes)
@@ -296,7 +298,8 @@ class Worker:
         self.calibration = ModelFilters(
             self.loaded,
             self_calibration=self._self_calibration,
-            traffic_samples=self._traffic_samples,
+            traffic_samples=self._traffic[0],
+            traffic_prompts=self._traffic[1],
         )
 
     def _make_scheduler(self) -> Any:

@@ -22,6 +22,7 @@ LABELS = {
     "full": "full cache",
     "qfilters": "Q-Filters (calibrated)",
     "self": "Q-Filters (self-calibrated)",
+    "traffic": "Q-Filters (learned from traffic)",
     "snapkv": "SnapKV (query-aware)",
     "tova": "TOVA (query-aware)",
     "fallback": "Q-Filters (key-SVD fallback)",
@@ -36,7 +37,8 @@ class Arm:
 
     Args:
         method: ``full``, ``qfilters`` (calibrated), ``self`` (from the prompt's own
-            queries, :mod:`engine.selfcal`), ``fallback`` (key-SVD), ``knorm``,
+            queries, :mod:`engine.selfcal`), ``traffic`` (an artifact the server learned
+            from traffic, :mod:`engine.traffic`), ``fallback`` (key-SVD), ``knorm``,
             ``streaming``, or the query-aware references ``snapkv`` and ``tova``.
         recent_frac: Recent window as a fraction of the budget (0 or 0.25 in the studies).
         sign: ``-1`` keeps the other end of the scoring axis (the fallback's ablation: its
@@ -45,6 +47,8 @@ class Arm:
         adaptive: Head-adaptive budgets (calibrated Q-Filters with query scales only).
         window: SnapKV's observation window (``None``: its default,
             :data:`engine.query_aware.DEFAULT_WINDOW`).
+        traffic: Which learned artifact a ``traffic`` arm uses (a name of the filters'
+            ``learned``, :class:`bench.quality.calib.CalibratedFilters`).
     """
 
     method: str
@@ -53,6 +57,7 @@ class Arm:
     chunk: int = 1
     adaptive: bool = False
     window: int | None = None
+    traffic: str = ""
 
     @property
     def name(self) -> str:
@@ -63,7 +68,8 @@ class Arm:
         ada = "/ada" if self.adaptive else ""
         window = "" if self.window is None else f"/w{self.window}"
         recent = int(round(self.recent_frac * 100))
-        return f"{self.method}{flipped}/r{recent}{chunk}{ada}{window}"
+        traffic = f"/{self.traffic}" if self.traffic else ""
+        return f"{self.method}{flipped}/r{recent}{chunk}{ada}{window}{traffic}"
 
     @property
     def label(self) -> str:
@@ -72,7 +78,10 @@ class Arm:
         chunk = f", chunks of {self.chunk}" if self.chunk > 1 else ""
         ada = ", adaptive budgets" if self.adaptive else ""
         window = "" if self.window is None else f", {self.window}-token window"
-        return f"{LABELS[self.method]}{flipped}{recent}{chunk}{ada}{window}"
+        method = LABELS[self.method]
+        if self.traffic:
+            method = method.replace("traffic)", f"{self.traffic} traffic)")
+        return f"{method}{flipped}{recent}{chunk}{ada}{window}"
 
     def recent(self, budget: int) -> int:
         return int(budget * self.recent_frac)
@@ -81,7 +90,7 @@ class Arm:
         if self.method == "full" or budget is None:
             return CacheConfig(method="full")
         return CacheConfig(
-            method="qfilters" if self.method in ("fallback", "self") else self.method,
+            method="qfilters" if self.method in ("fallback", "self", "traffic") else self.method,
             budget=budget,
             n_sink=n_sink,
             recent=self.recent(budget),
@@ -92,8 +101,14 @@ class Arm:
         )
 
     def caches(self, model: Any, budget: int | None, filters: np.ndarray | None) -> list[Any]:
-        """Fresh caches for this arm (``filters`` used by the calibrated arm only)."""
+        """Fresh caches for this arm (``filters`` used by the calibrated arm, and its
+        ``learned`` ones by the traffic arms)."""
         config = self.config(budget)
+        if self.method == "traffic":
+            learned = getattr(filters, "learned", {}).get(self.traffic)
+            if learned is None:
+                raise ValueError(f"no filters learned from {self.traffic!r} traffic were given")
+            return make_caches(model, config, filters=np.asarray(learned))
         if self.method == "qfilters":
             if filters is None:
                 raise ValueError("the calibrated qfilters arm needs filters, got None")
@@ -177,6 +192,13 @@ def add_arm_arguments(p: Any) -> None:
         default=[],
         help="with --query-aware, also run SnapKV with these observation windows",
     )
+    p.add_argument(
+        "--traffic-artifacts",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="also run Q-Filters from these artifacts learned from traffic (bench.quality.traffic)",
+    )
     p.add_argument("--only", nargs="+", default=None, help="run only these arm names")
 
 
@@ -192,6 +214,8 @@ def select_arms(arms: list[Arm], args: Any) -> list[Arm]:
                   for c in args.chunks for a in plain]  # fmt: skip  # both refinements
     if getattr(args, "self_calibrated", False):
         extra += [Arm("self", a.recent_frac) for a in plain]
+    for spec in getattr(args, "traffic_artifacts", []):
+        extra += [Arm("traffic", a.recent_frac, traffic=spec.split("=")[0]) for a in plain]
     if getattr(args, "query_aware", False):
         extra += [Arm(m, a.recent_frac) for m in ("snapkv", "tova") for a in plain]
         windows = getattr(args, "snapkv_windows", [])

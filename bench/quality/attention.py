@@ -14,12 +14,19 @@ score, computed by the engine's own scorer classes:
   ``0 .. L/2 - 1`` only, so it never sees the queries whose attention is measured;
 * ``fallback+`` / ``fallback-``: the key-SVD direction frozen after the first 128 keys, as
   the cache would, with both signs (:class:`engine.scorers.KeySVDScorer`);
-* ``knorm``: minus the key norm; ``recency``: the position.
+* ``traffic/<name>``: the filters of an artifact the server learned from traffic
+  (``--traffic-artifacts``, :mod:`bench.quality.traffic`);
+* ``snapkv`` / ``snapkv/w8``: SnapKV's prompt score (:class:`engine.query_aware.SnapKVScorer`,
+  a 32- or 8-token observation window), as if the first half were the prompt: the attention
+  its last queries pay the keys, pooled over neighbours;
+* ``knorm``: minus the key norm; ``recency``: the position (what streaming keeps).
 
 A correlation is per (sequence, layer, KV head); we report its mean over sequences per head,
-the mean over heads, and the share of heads where it is positive.
+the mean over heads, and the share of heads where it is positive. With several
+``--lengths`` each length's sets are named ``<data>@<length>`` (fewer sequences at longer
+lengths: ``sequences * 1024 / length``, at least 2), and ``all`` pools every one.
 
-Run: ``python -m bench.quality.attention [--quick]``.
+Run: ``python -m bench.quality.attention [--quick] [--lengths 1024 2048 4096 8192]``.
 """
 
 from __future__ import annotations
@@ -44,11 +51,14 @@ from bench.quality.study import add_data_arguments, open_study
 from calibrations.capture import QueryCapture
 from calibrations.model_info import attention_modules
 from engine.config import DEFAULT_CALIB_TOKENS, DEFAULT_N_SINK
+from engine.query_aware import SnapKVScorer
 from engine.scorers import KeySVDScorer, KNormScorer, QFilterScorer, RecencyScorer
-from engine.selfcal import filters_from_moments
+from engine.selfcal import QueryTap, filters_from_moments
 
 STUDY = "attention"
-SCORERS = ("qfilters", "self", "fallback+", "fallback-", "knorm", "recency")
+SCORERS = ("qfilters", "self", "fallback+", "fallback-", "knorm", "snapkv", "snapkv/w8",
+           "recency")  # fmt: skip
+SNAPKV_WINDOWS = {"snapkv": 32, "snapkv/w8": 8}
 
 
 def rankdata(a: np.ndarray) -> np.ndarray:
@@ -80,7 +90,8 @@ def received_attention(queries: np.ndarray, keys: np.ndarray, scale: float) -> n
     kv = keys.shape[0]
     group = H // kv
     later = np.arange(L // 2, L)
-    logits = np.einsum("hid,hjd->hij", queries[:, later], keys[np.arange(H) // group]) * scale
+    # matmul, not einsum: a BLAS call per head (an 8k-token sequence is 9 x 4k x 8k logits).
+    logits = (queries[:, later] @ keys[np.arange(H) // group].transpose(0, 2, 1)) * scale
     logits[:, np.arange(len(later))[:, None] < (np.arange(L)[None, :] - later[0])] = -np.inf
     logits -= logits.max(axis=-1, keepdims=True)
     weights = np.exp(logits)
@@ -94,16 +105,36 @@ def self_filters(queries: np.ndarray, n_kv_heads: int) -> mx.array:
     return filters_from_moments(q.swapaxes(-1, -2) @ q, q.sum(axis=1), n_kv_heads)
 
 
+def snapkv_scores(queries: np.ndarray, keys: mx.array, scale: float, window: int) -> mx.array:
+    """SnapKV's ``(1, KV, L)`` scores had the first half of the sequence been the prompt
+    (``queries`` ``(H, L, D)``; keys past the half score 0: only the first half is ranked)."""
+    half = keys.shape[2] // 2
+    tap = QueryTap(scale)
+    tap.queries = mx.array(queries[None, :, :half].astype(np.float32))
+    scored = SnapKVScorer(tap, scale=scale, window=window).score(keys[:, :, :half], 0)
+    return mx.concatenate([scored, mx.zeros((1, keys.shape[1], keys.shape[2] - half))], axis=2)
+
+
 def scores_for(
-    keys: mx.array, layer_filters: np.ndarray, layer_self: mx.array
+    keys: mx.array,
+    queries: np.ndarray,
+    scale: float,
+    layer_filters: np.ndarray,
+    layer_self: mx.array,
+    learned: dict[str, np.ndarray],
 ) -> dict[str, np.ndarray]:
-    """Every scorer's ``(KV, L)`` scores for one layer's keys ``(1, KV, L, D)``."""
+    """Every scorer's ``(KV, L)`` scores for one layer's keys ``(1, KV, L, D)``
+    (``learned``: this layer's filters of each traffic artifact)."""
     out = {
         "qfilters": QFilterScorer(mx.array(layer_filters)).score(keys, 0),
         "self": QFilterScorer(layer_self).score(keys, 0),
         "knorm": KNormScorer().score(keys, 0),
         "recency": RecencyScorer().score(keys, 0),
     }
+    for name, layer_learned in learned.items():
+        out[f"traffic/{name}"] = QFilterScorer(mx.array(layer_learned)).score(keys, 0)
+    for name, window in SNAPKV_WINDOWS.items():
+        out[name] = snapkv_scores(queries, keys, scale, window)
     for sign, name in ((1, "fallback+"), (-1, "fallback-")):
         scorer = KeySVDScorer(DEFAULT_CALIB_TOKENS, sign=sign)
         scorer.observe(keys[:, :, :DEFAULT_CALIB_TOKENS], DEFAULT_CALIB_TOKENS)
@@ -111,7 +142,9 @@ def scores_for(
     return {k: np.array(v[0]) for k, v in out.items()}
 
 
-def sequence_correlations(model: Any, tokens: np.ndarray, filters: np.ndarray) -> np.ndarray:
+def sequence_correlations(
+    model: Any, tokens: np.ndarray, filters: np.ndarray, scorers: tuple[str, ...]
+) -> np.ndarray:
     """``(n_scorers, n_layers, n_kv)`` Spearman correlations on one sequence."""
     L = len(tokens)
     cache = make_prompt_cache(model)
@@ -120,14 +153,18 @@ def sequence_correlations(model: Any, tokens: np.ndarray, filters: np.ndarray) -
         samples = capture.samples()
     attns = attention_modules(model)
     keys_of = np.arange(DEFAULT_N_SINK, L // 2)
-    out = np.zeros((len(SCORERS), len(attns), filters.shape[1]))
+    learned = getattr(filters, "learned", {})
+    out = np.zeros((len(scorers), len(attns), filters.shape[1]))
     for layer, (attn, sample, c) in enumerate(zip(attns, samples, cache, strict=True)):
         queries = sample.queries[:, np.argsort(sample.positions)]  # (H, L, D)
         keys = c.keys[:, :, :L].astype(mx.float32)  # (1, KV, L, D)
-        received = received_attention(queries, np.array(keys[0]), float(attn.scale))
+        scale = float(attn.scale)
+        received = received_attention(queries, np.array(keys[0]), scale)
         own = self_filters(queries[:, : L // 2], filters.shape[1])
-        scores = scores_for(keys, filters[layer], own)
-        for s, name in enumerate(SCORERS):
+        scores = scores_for(
+            keys, queries, scale, filters[layer], own, {k: v[layer] for k, v in learned.items()}
+        )
+        for s, name in enumerate(scorers):
             for k in range(filters.shape[1]):
                 out[s, layer, k] = spearman(scores[name][k, keys_of], received[k, keys_of])
     return out
@@ -136,32 +173,49 @@ def sequence_correlations(model: Any, tokens: np.ndarray, filters: np.ndarray) -
 def main(argv: list[str] | None = None) -> int:
     p = parser(__doc__.splitlines()[0], calibration=True)
     add_data_arguments(p)
+    p.add_argument("--lengths", type=int, nargs="+", default=None,
+                   help="several sequence lengths in one run (instead of --length)")  # fmt: skip
+    p.add_argument(
+        "--traffic-artifacts",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="also score with these artifacts learned from traffic (bench.quality.traffic)",
+    )
     args = parse(p, argv)
-    length = args.length or (160 if args.quick else 1024)
+    lengths = args.lengths or [args.length or (160 if args.quick else 1024)]
     n_seq = args.sequences or (1 if args.quick else 12)
 
     study = open_study(STUDY, args, argv)
     model, identity, filters, corpus = study.model, study.identity, study.filters, study.corpus
-    datasets = {
-        "stdlib": stdlib_windows(corpus, length, n_seq),
-        "recall": recall_windows(corpus, length, n_seq),
-    }
+    scorers = SCORERS[:2] + tuple(f"traffic/{k}" for k in filters.learned) + SCORERS[2:]
+    datasets = {}
+    for length in lengths:
+        n = n_seq if len(lengths) == 1 else max(2, round(n_seq * 1024 / length))
+        tag = "" if len(lengths) == 1 else f"@{length}"
+        datasets[f"stdlib{tag}"] = stdlib_windows(corpus, length, n)
+        datasets[f"recall{tag}"] = recall_windows(corpus, length, n)
     rho: dict[str, np.ndarray] = {}
     with progress(total=sum(len(v) for v in datasets.values()), desc="sequences") as bar:
         for name, seqs in datasets.items():
             per_seq = []
             for tokens in seqs:
-                per_seq.append(sequence_correlations(model, tokens, filters))
+                per_seq.append(sequence_correlations(model, tokens, filters, scorers))
                 bar.update(1)
             rho[name] = np.stack(per_seq)  # (S, n_scorers, n_layers, n_kv)
-    rho["all"] = np.concatenate([rho["stdlib"], rho["recall"]])
+    if len(lengths) > 1:
+        for length in lengths:
+            rho[f"all@{length}"] = np.concatenate(
+                [rho[f"stdlib@{length}"], rho[f"recall@{length}"]]
+            )
+    rho["all"] = np.concatenate([v for k, v in rho.items() if not k.startswith("all")])
 
     results: dict[str, Any] = {}
     table = []
     for name, r in rho.items():
         head_mean = np.nanmean(r, axis=0)  # (n_scorers, n_layers, n_kv)
         results[name] = {}
-        for s, scorer in enumerate(SCORERS):
+        for s, scorer in enumerate(scorers):
             per_head = head_mean[s].ravel()
             results[name][scorer] = {
                 "mean_rho": float(np.nanmean(per_head)),
@@ -184,13 +238,14 @@ def main(argv: list[str] | None = None) -> int:
     n_layers, n_kv = filters.shape[:2]
     fig, ax = plots.subplots(1, 2, figsize=(11, 3.8))
     a = ax[0, 0]
-    for s, scorer in enumerate(SCORERS):
+    for s, scorer in enumerate(scorers):
         per_head = np.nanmean(rho["all"], axis=0)[s].ravel()
         jitter = np.linspace(-0.15, 0.15, len(per_head))
-        a.scatter(s + jitter, per_head, s=12, color=plots.COLORS[scorer], alpha=0.8)
+        color = plots.color(*scorer.split("/")[:2]) if "/" in scorer else plots.COLORS[scorer]
+        a.scatter(s + jitter, per_head, s=12, color=color, alpha=0.8)
         a.hlines(np.nanmean(per_head), s - 0.3, s + 0.3, color="black")
     a.axhline(0, color="grey", lw=0.5)
-    a.set_xticks(range(len(SCORERS)), SCORERS)
+    a.set_xticks(range(len(scorers)), scorers, rotation=30, fontsize=7)
     a.set_ylabel("Spearman rho (per KV head, mean over sequences)")
     a = ax[0, 1]
     im = a.imshow(np.nanmean(rho["all"], axis=0)[0], cmap="RdBu", vmin=-1, vmax=1, aspect="auto")
@@ -210,13 +265,14 @@ def main(argv: list[str] | None = None) -> int:
     return study.save(
         {
             "data": {
-                "length": length,
+                "length": lengths[0] if len(lengths) == 1 else lengths,
                 "sequences": {k: len(v) for k, v in datasets.items()},
                 "keys": f"positions {DEFAULT_N_SINK} .. L/2-1",
                 "queries": "positions L/2 .. L-1, all query heads of the KV group",
                 "fallback_calib_tokens": DEFAULT_CALIB_TOKENS,
+                "snapkv_windows": SNAPKV_WINDOWS,
             },
-            "scorers": list(SCORERS),
+            "scorers": list(scorers),
             "results": results,
             "plots": [f"{STUDY}.png"],
         }

@@ -99,18 +99,54 @@ def capture(
 
 class CalibratedFilters(np.ndarray):
     """``(n_layers, n_kv_heads, head_dim)`` filters that also carry the calibration's query
-    scales ``(n_layers, n_kv_heads)`` (``query_scale``; ``None`` for a version-1 artifact),
-    so studies pass one object to every arm and the adaptive arm finds both."""
+    scales ``(n_layers, n_kv_heads)`` (``query_scale``; ``None`` for a version-1 artifact)
+    and any filters learned from traffic by name (``learned``, :func:`with_learned`), so
+    studies pass one object to every arm and the adaptive and traffic arms find theirs."""
 
     query_scale: np.ndarray | None
+    learned: dict[str, np.ndarray]
 
     def __new__(cls, filters: np.ndarray, query_scale: np.ndarray | None) -> CalibratedFilters:
         obj = np.asarray(filters, dtype=np.float32).view(cls)
         obj.query_scale = None if query_scale is None else np.asarray(query_scale, np.float32)
+        obj.learned = {}
         return obj
 
     def __array_finalize__(self, obj: Any) -> None:
         self.query_scale = getattr(obj, "query_scale", None)
+        self.learned = getattr(obj, "learned", {})
+
+
+def with_learned(
+    filters: np.ndarray, specs: list[str], identity: dict[str, Any]
+) -> tuple[CalibratedFilters, dict[str, Any]]:
+    """``filters`` carrying the artifacts named by ``specs`` (``NAME=PATH``, from
+    :mod:`bench.quality.traffic`), each checked against the model; and a record of them.
+
+    Raises:
+        ValueError: a spec is not ``NAME=PATH``, or names one twice.
+        CalibrationError: an artifact is for another model, shape or weights.
+    """
+    from calibrations.artifact import load_calibration
+
+    out = CalibratedFilters(np.asarray(filters), getattr(filters, "query_scale", None))
+    out.learned = {}
+    record = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path or name in out.learned:
+            raise ValueError(f"--traffic-artifacts takes distinct NAME=PATH, got {spec!r}")
+        cal = load_calibration(
+            path,
+            model_id=identity["model_id"],
+            n_layers=identity["n_layers"],
+            n_kv_heads=identity["n_kv_heads"],
+            head_dim=identity["head_dim"],
+            weights=identity["fingerprint"],
+        )
+        out.learned[name] = cal.filters
+        record[name] = {"path": path, "text": cal.metadata.get("text")}
+    return out, record
 
 
 def filters_for(

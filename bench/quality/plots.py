@@ -14,6 +14,8 @@ COLORS = {
     "full": "black",
     "qfilters": "tab:blue",
     "self": "tab:purple",
+    "traffic": "tab:pink",
+    "traffic/passkey": "tab:gray",
     "snapkv": "tab:olive",
     "tova": "tab:cyan",
     "fallback": "tab:orange",
@@ -23,6 +25,12 @@ COLORS = {
     "fallback+": "tab:orange",
     "fallback-": "tab:brown",
 }
+
+
+def color(method: str, variant: str = "") -> str:
+    """An arm's colour: its variant's (``traffic/passkey``) where it has one, else its
+    method's."""
+    return COLORS.get(f"{method}/{variant}", COLORS[method])
 
 
 def subplots(nrows: int = 1, ncols: int = 1, **kwargs: Any) -> tuple[Any, Any]:

@@ -47,6 +47,48 @@ ARM_NAMES = {
     "qfilters/r0/ada": "Q-Filters calibrated, recent 0, adaptive budgets",
     "qfilters/r25/ada": "Q-Filters calibrated, recent b/4, adaptive budgets",
 }
+METHOD_NAMES = {  # the other arms' methods (bench.quality.arms.Arm.name's first part)
+    "qfilters": "Q-Filters calibrated",
+    "self": "Q-Filters self-calibrated (the prompt's own queries)",
+    "traffic": "Q-Filters learned from traffic",
+    "snapkv": "SnapKV",
+    "tova": "TOVA",
+    "fallback": "key-SVD fallback",
+    "fallback-": "key-SVD fallback sign-flipped (ablation)",
+    "knorm": "K-norm",
+    "streaming": "streaming (sinks + latest)",
+}
+
+
+def arm_label(name: str) -> str:
+    """A row label for any arm name ``method/rNN[/cN][/ada][/wN][/<traffic>]``."""
+    if name in ARM_NAMES:
+        return ARM_NAMES[name]
+    method, _, rest = name.partition("/")
+    parts = rest.split("/") if rest else []
+    label = METHOD_NAMES.get(method, method)
+    for part in parts:
+        if part.startswith("r") and part[1:].isdigit():
+            label += ", recent " + ("b/4" if part == "r25" else "0" if part == "r0" else part)
+        elif part.startswith("c") and part[1:].isdigit():
+            label += f", chunks of {part[1:]}"
+        elif part == "ada":
+            label += ", adaptive budgets"
+        elif part.startswith("w") and part[1:].isdigit():
+            label += f", {part[1:]}-token window"
+        elif method == "traffic":
+            label = label.replace("from traffic", f"from {part} traffic")
+        else:
+            label += f", {part}"
+    return label
+
+
+def arm_order(present: Any) -> list[str]:
+    """``present`` arm names in reading order: the full cache, the standard arms, then the
+    rest as they came."""
+    present = list(dict.fromkeys(present))
+    known = [n for n in ("full", *ARM_ORDER) if n in present]
+    return known + [n for n in present if n not in known]
 
 
 def _f(x: Any, digits: int = 3) -> str:
@@ -149,14 +191,24 @@ def _spread(s: dict[str, Any], digits: int = 3) -> str:
 def render_attention(data: dict[str, Any]) -> list[str]:
     lines = _header("2. Does the score predict attention?", data)
     d = data["data"]
+    lengths = d["length"] if isinstance(d["length"], list) else [d["length"]]
     lines += [
         "",
         f"Spearman correlation, per KV head, between each score and the attention a key "
         f"receives from later queries (keys {d['keys']}; queries {d['queries']}), "
-        f"{d['length']}-token held-out sequences {d['sequences']}. Mean over heads, the share "
-        "of heads where it is positive, and the spread of per-head values.",
+        f"{', '.join(map(str, lengths))}-token held-out sequences {d['sequences']}. Mean over "
+        "heads, the share of heads where it is positive, and the spread of per-head values.",
         "",
     ]
+    if len(lengths) > 1:  # one row per scorer, a column per length (both kinds of data)
+        res = data["results"]
+        keys = [f"all@{n}" for n in lengths] + ["all"]
+        rows = [[scorer, *(f"{_f(res[k][scorer]['mean_rho'], 2)} "
+                           f"({_pct(res[k][scorer]['share_heads_positive'])})" for k in keys)]
+                for scorer in res["all"]]  # fmt: skip
+        lines += ["Mean ρ over KV heads (share of heads with ρ > 0), by sequence length:", ""]
+        lines += _table(["scorer", *[f"{n} tokens" for n in lengths], "all lengths"], rows)
+        lines += ["", "By data and length:", ""]
     rows = []
     for dataset, res in data["results"].items():
         for scorer, r in res.items():
@@ -198,12 +250,10 @@ def render_perplexity(data: dict[str, Any]) -> list[str]:
         lines += ["", f"**{dataset}** (full cache: {full:.3f})", ""]
         rows = []
         for budget, arms in res["budgets"].items():
-            for name in ARM_ORDER:
-                if name not in arms:
-                    continue
+            for name in arm_order(arms):
                 r = arms[name]
                 rows.append(
-                    [budget, ARM_NAMES[name], _f(r["ppl"]), _spread(r["ratio_to_full"]),
+                    [budget, arm_label(name), _f(r["ppl"]), _spread(r["ratio_to_full"]),
                      _pct(r["gap_closed_vs_streaming"]), r["max_rows_any_step"]]
                 )  # fmt: skip
         lines += _table(
@@ -234,23 +284,24 @@ def render_retrieval(data: dict[str, Any]) -> list[str]:
         f"{check['arms']} arms generated the same tokens as a direct `generate_step`.",
     ]
     ratios = data["ratios"]
+    names = arm_order(n for r in data["results"].values() for n in r["arms"])
     for n, res in data["results"].items():
         lines += ["", f"**{n}-token documents** ({res['docs']} docs, mean prompt "
                   f"{res['mean_prompt_tokens']:.0f} tokens)", ""]  # fmt: skip
         rows = []
-        for name in ("full", *ARM_ORDER):
+        for name in names:
             cells = res["arms"].get(name)
             if not cells:
                 continue
-            row = [ARM_NAMES[name], _f(cells["-"]["accuracy"], 2) if "-" in cells else ""]
+            row = [arm_label(name), _f(cells["-"]["accuracy"], 2) if "-" in cells else ""]
             row += [_f(cells[str(r)]["accuracy"], 2) if str(r) in cells else "" for r in ratios]
             rows.append(row)
         lines += _table(["arm", "no eviction", *[f"{r}×" for r in ratios]], rows)
     if any("answer_nll_mean" in c for r in data["results"].values()
            for cells in r["arms"].values() for c in cells.values()):  # fmt: skip
         rows = []
-        for name in ("full", *ARM_ORDER):
-            row = [ARM_NAMES[name]]
+        for name in names:
+            row = [arm_label(name)]
             for k in ["-", *map(str, ratios)]:
                 vals = [
                     r["arms"][name][k]["answer_nll_mean"]
@@ -269,11 +320,11 @@ def render_retrieval(data: dict[str, Any]) -> list[str]:
         lines += _table(["arm", "no eviction", *[f"{r}×" for r in ratios]], rows)
     bins = data["data"]["depth_bins"]
     rows = []
-    for name in ("full", *ARM_ORDER):
+    for name in names:
         cells = [c for res in data["results"].values() for c in res["arms"].get(name, {}).values()]
         if not cells:
             continue
-        row = [ARM_NAMES[name]]
+        row = [arm_label(name)]
         for b in bins:
             vals = [c["by_depth"][b] for c in cells if c["by_depth"].get(b) is not None]
             row.append(_f(sum(vals) / len(vals), 2) if vals else "")
@@ -329,11 +380,11 @@ def render_niah(data: dict[str, Any]) -> list[str]:
         "",
     ]
     rows = []
-    for name in ("full", *ARM_ORDER):
+    for name in arm_order(data["grid"]):
         by_ratio = data["grid"].get(name)
         if not by_ratio:
             continue
-        row = [ARM_NAMES[name]]
+        row = [arm_label(name)]
         for key in ["-", *map(str, ratios)]:
             vals = [v for line in by_ratio.get(key) or [] for v in line if v is not None]
             row.append(_f(sum(vals) / len(vals), 2) if vals else "")
@@ -370,6 +421,28 @@ def render_selfcal_text(data: dict[str, Any]) -> list[str]:
     return lines + _plots(data)
 
 
+def render_traffic(data: dict[str, Any]) -> list[str]:
+    lines = _header("9. Q-Filters learned from traffic", data)
+    d = data["data"]
+    lines += [
+        "",
+        "The server's own pooling (`engine.traffic`) fed held-out traffic in "
+        f"{d['prefill_chunk']}-token prefill chunks until it wrote its artifact; the learned "
+        "filters against the registry's calibrated ones (cosine per layer and KV head). "
+        f"`chat`: {d['chat']}; `passkey`: {d['passkey']}.",
+        "",
+    ]
+    rows = [[kind, r["prompts"], r["tokens"], r["seconds"], _f(r["cosine_mean"]),
+             _f(r["cosine_min"]), _pct(r["same_sign_share"]), r["artifact"]]
+            for kind, r in data["results"].items()]  # fmt: skip
+    lines += _table(
+        ["traffic", "prompts", "tokens", "s", "mean cosine", "min cosine", "same sign",
+         "artifact"],
+        rows,
+    )  # fmt: skip
+    return lines + _plots(data)
+
+
 def render_multiturn_recall(data: dict[str, Any]) -> list[str]:
     lines = _header("8. A pass key from turn 1, asked turns later", data)
     st, ask = data["settings"], data["settings"]["ask"]
@@ -397,10 +470,11 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "stability": render_stability,
     "niah": render_niah,
     "selfcal_text": render_selfcal_text,
+    "traffic": render_traffic,
     "multiturn_recall": render_multiturn_recall,
 }
 # Studies run into a subfolder of their own (bench/run_all.sh): not listed as missing.
-SUBFOLDER_STUDIES = ("selfcal_text",)
+SUBFOLDER_STUDIES = ("selfcal_text", "traffic")
 
 
 def headlines(results_dir: Path) -> list[str]:
@@ -470,16 +544,17 @@ def headlines(results_dir: Path) -> list[str]:
                         if n != "streaming/r0"
                         else ""
                     )
-                    for n in ARM_ORDER
-                    if n in arms
+                    for n in arm_order(arms)
+                    if n != "full"
                 )
                 + "."
             )
     if "retrieval" in data:
         res = data["retrieval"]["results"]
         full = [v["arms"]["full"]["-"]["accuracy"] for v in res.values() if "full" in v["arms"]]
+        names = arm_order(n for v in res.values() for n in v["arms"])
         acc = {}
-        for name in ARM_ORDER:
+        for name in names[1:] if names[:1] == ["full"] else names:
             vals = [c["accuracy"] for v in res.values() for c in v["arms"].get(name, {}).values()]
             if vals:
                 acc[name] = sum(vals) / len(vals)
@@ -490,7 +565,7 @@ def headlines(results_dir: Path) -> list[str]:
             + "."
         )
         nll = {}
-        for name in ("full", *ARM_ORDER):
+        for name in names:
             vals = [
                 c["answer_nll_mean"]
                 for v in res.values()

@@ -205,7 +205,7 @@ def plot_metric(a: Any, res: dict[str, Any], arms: list[Arm], ratios: list[int],
             [cells[str(r)][key] for r in xs],
             marker="o" if arm.recent_frac == 0 else "s",
             linestyle=":" if arm.sign < 0 else "-" if arm.recent_frac == 0 else "--",
-            color=plots.COLORS[arm.method],
+            color=plots.color(arm.method, arm.traffic),
             label=arm.label,
         )
     a.set_xscale("log", base=2)

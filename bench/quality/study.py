@@ -17,7 +17,7 @@ from typing import Any
 from bench.cli import command_line
 from bench.harness import write_results
 from bench.models import load
-from bench.quality.calib import filters_for
+from bench.quality.calib import filters_for, with_learned
 from bench.quality.data import heldout_corpus
 from training.data import Corpus
 
@@ -86,4 +86,9 @@ def open_study(
             quick=args.quick,
             seed=args.seed,
         )
+        if getattr(args, "traffic_artifacts", None):
+            study.filters, learned = with_learned(
+                study.filters, args.traffic_artifacts, bm.identity
+            )
+            study.calibration = {**study.calibration, "traffic_artifacts": learned}
     return study

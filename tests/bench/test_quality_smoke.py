@@ -12,6 +12,7 @@ import itertools
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests.tiny import save_tiny_model
@@ -25,6 +26,7 @@ STUDIES = (
     "niah",
     "multiturn_recall",
     "selfcal_text",
+    "traffic",
 )
 
 
@@ -212,7 +214,7 @@ def test_report_renders_every_quality_study(results: Path) -> None:
     text = "\n".join(render_quality(results))
     for title in (
         "1. Geometry", "2. Does the score", "3. Streaming", "4. Pass-key", "5. Calib", "6. Needle",
-        "7. Whose queries", "8. A pass key from turn 1",
+        "7. Whose queries", "8. A pass key from turn 1", "9. Q-Filters learned from traffic",
     ):  # fmt: skip
         assert title in text
     assert "no results yet" not in text
@@ -339,3 +341,77 @@ def test_snapkv_window_arms_set_their_scorers_window(results: Path, tiny_model: 
     data = json.loads((out / "retrieval.json").read_text())
     assert data["arms"] == ["full", "snapkv/r25", "snapkv/r25/w4"]
     assert data["prefill_check_skipped"] is True and data["shared_prefill_check"]["arms"] == 0
+
+
+def test_traffic_study_writes_an_artifact_from_enough_prompts(results: Path) -> None:
+    from calibrations.artifact import read_calibration
+
+    data = _load(results, "traffic")
+    for r in data["results"].values():
+        cal = read_calibration(results / r["artifact"])
+        assert (
+            "from traffic" in cal.metadata["text"] and cal.metadata["n_sequences"] == r["prompts"]
+        )
+        # The quick sizes fill the samples before the prompts: the prompt count decides.
+        assert r["prompts"] == data["data"]["min_prompts"] == 3
+        assert np.asarray(r["cosine"]).shape == cal.filters.shape[:2]
+
+
+def _calibrated_as_artifact(results: Path, tiny_model: Path) -> Path:
+    """The fresh calibration the studies used, written as an artifact a traffic arm reads."""
+    from bench.models import load
+    from bench.quality.calib import filters_for
+    from calibrations.artifact import save_calibration
+
+    bm = load(str(tiny_model))
+    filters, _ = filters_for(bm.model, bm.tokenizer, bm.identity, mode="fresh", quick=True)
+    return save_calibration(
+        results / "as-traffic" / "same.safetensors", np.asarray(filters),
+        model_id=bm.identity["model_id"], n_sequences=1, tokens_per_sequence=1,
+        samples_per_head=1, text="the studies' calibration", weights=bm.identity["fingerprint"],
+        query_scale=filters.query_scale,
+    )  # fmt: skip
+
+
+def test_a_traffic_arm_with_the_calibrated_filters_is_the_calibrated_arm(
+    results: Path, tiny_model: Path
+) -> None:
+    from bench.quality.retrieval import main
+
+    same = _calibrated_as_artifact(results, tiny_model)
+    out = results / "retrieval-traffic"
+    argv = ["--quick", "--model", str(tiny_model), "--out", str(out), "--calibration", "fresh",
+            "--recent-fracs", "0.25", "--traffic-artifacts", f"same={same}",
+            "--only", "qfilters/r25", "traffic/r25/same", "--no-prefill-check"]  # fmt: skip
+    assert main(argv) == 0
+    data = json.loads((out / "retrieval.json").read_text())
+    assert data["arms"] == ["full", "qfilters/r25", "traffic/r25/same"]
+    assert data["calibration"]["traffic_artifacts"]["same"]["path"] == str(same)
+    for res in data["results"].values():
+        ours, theirs = res["arms"]["traffic/r25/same"], res["arms"]["qfilters/r25"]
+        assert ours.keys() == theirs.keys()
+        for ratio, cell in ours.items():
+            assert cell["accuracy"] == theirs[ratio]["accuracy"]
+            assert cell["answer_nll_mean"] == pytest.approx(theirs[ratio]["answer_nll_mean"], 1e-4)
+    bad = [str(same) if a == f"same={same}" else a for a in argv]
+    with pytest.raises(ValueError, match="NAME=PATH"):
+        main(bad)
+
+
+def test_attention_over_lengths_scores_traffic_and_snapkv(results: Path, tiny_model: Path) -> None:
+    from bench.quality.attention import main
+
+    same = _calibrated_as_artifact(results, tiny_model)
+    out = results / "attention-lengths"
+    argv = ["--quick", "--model", str(tiny_model), "--out", str(out), "--calibration", "fresh",
+            "--lengths", "96", "160", "--sequences", "2", "--traffic-artifacts", f"same={same}"]  # fmt: skip
+    assert main(argv) == 0
+    data = json.loads((out / "attention.json").read_text())
+    assert data["data"]["length"] == [96, 160]
+    assert {"traffic/same", "snapkv", "snapkv/w8"} <= set(data["scorers"])
+    assert set(data["results"]) == {
+        f"{k}@{n}" for k in ("stdlib", "recall", "all") for n in (96, 160)} | {"all"}  # fmt: skip
+    for res in data["results"].values():
+        np.testing.assert_allclose(
+            res["traffic/same"]["per_head"], res["qfilters"]["per_head"], atol=1e-6
+        )

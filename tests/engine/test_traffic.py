@@ -56,7 +56,7 @@ def test_pooled_prompts_write_the_artifact_calibrate_would(drifted, tmp_path):
     taps = install_query_taps(model)
     pool = TrafficCalibration(
         taps, n_kv_heads=n_kv, model_id="test/traffic", fingerprint="fp-1",
-        samples_per_head=samples, out_dir=tmp_path,
+        samples_per_head=samples, min_prompts=len(seqs), out_dir=tmp_path,
     )  # fmt: skip
     written = []
     for seq in seqs:  # served as prompts are: chunked prefill, then a few decode steps
@@ -81,6 +81,44 @@ def test_pooled_prompts_write_the_artifact_calibrate_would(drifted, tmp_path):
     np.testing.assert_allclose(got.query_scale, ref_scale, rtol=0.1)
 
 
+def test_one_long_prompt_does_not_set_the_filters(drifted, tmp_path):
+    model, _ = drifted
+    loaded = load_model(str(default_model_path()))  # only its tokenizer
+    n_kv = model.layers[0].self_attn.n_kv_heads
+
+    def serve(pool, seq):
+        caches = make_caches(model, CacheConfig(method="full"))
+        out = []
+        for start in range(0, len(seq), 128):
+            model(mx.array(seq[start : start + 128])[None], cache=caches)
+            mx.eval([c.state for c in caches])
+            out.append(pool.flush())
+        return out
+
+    long, *short = prompts(loaded.tokenizer, 4, 60)
+    samples = len(long) // 2  # the first prompt alone holds twice the samples needed
+    default = TrafficCalibration(
+        install_query_taps(model), n_kv_heads=n_kv, model_id="test/one-prompt",
+        fingerprint="fp-1", samples_per_head=samples, out_dir=tmp_path,
+    )  # fmt: skip
+    assert default.min_prompts == 20  # calibration's default number of sequences
+    assert serve(default, long) == [None] * -(-len(long) // 128)
+    assert default.tokens_seen >= samples and default.prompts == 1
+    default.stop()
+
+    pool = TrafficCalibration(
+        install_query_taps(model), n_kv_heads=n_kv, model_id="test/one-prompt",
+        fingerprint="fp-1", samples_per_head=samples, min_prompts=3, out_dir=tmp_path,
+    )  # fmt: skip
+    written = [p for seq in (long, *short) for p in serve(pool, seq)]
+    paths = [p for p in written if p is not None]
+    # Nothing until the third prompt's first block, though the samples were there long before.
+    first_of_third = -(-len(long) // 128) + -(-len(short[0]) // 128)
+    assert len(paths) == 1 and written.index(paths[0]) == first_of_third
+    assert read_calibration(paths[0]).metadata["n_sequences"] == 3
+    assert not list(tmp_path.glob("*.safetensors"))[1:]
+
+
 @pytest.mark.parametrize("mode, before", [("traffic", "fallback"), ("prompt", "self")])
 def test_the_server_switches_to_the_filters_it_learned(mode, before, tmp_path, monkeypatch):
     monkeypatch.setenv(registry.ENV_VAR, str(tmp_path))
@@ -98,7 +136,8 @@ def test_the_server_switches_to_the_filters_it_learned(mode, before, tmp_path, m
         assert isinstance(final, Finished), final
         return final.kv_cache["filter_source"]
 
-    with serving(worker_for(loaded, self_calibration=mode, traffic_samples=500)) as worker:
+    with serving(worker_for(loaded, self_calibration=mode, traffic_samples=500,
+                                traffic_prompts=2)) as worker:  # fmt: skip
         first, second, third = prompts(loaded.tokenizer, 3, 40)
         assert len(first) + len(second) - 2 > 500 > len(first)  # the last token decodes
         # Until the artifact exists: the key-SVD fallback, or (prompt) the prompt's own filters.
