@@ -118,16 +118,21 @@ def test_disconnect_storm_leaves_nothing_behind(server, size, report):
     # A leak grows with every storm. A one-off does not: glibc gives a thread that first
     # allocates under contention its own arena (up to 64 MiB, kept for the process's life),
     # and the allocator settles on its sizes over a storm or two (the batch's shared arrays
-    # differ in size from step to step); which storms that takes is chance. So the same storm
-    # runs twice more, and the leak check is on the smallest of the three steps.
-    rss = [idle["rss_bytes"]]
-    for seed in (3, 4):
+    # differ in size from step to step); which storms that takes is chance (three storms in a
+    # row grew 3-5% each in one run of many). So the same storm runs again, up to four more
+    # times, until one grows by at most 2% of the baseline; a leak never stops growing.
+    rss, cached = [idle["rss_bytes"]], [idle["mlx_cache_bytes"]]
+    steps = [rss[0] - baseline["rss_bytes"]]
+    for seed in (3, 4, 5, 6):
+        if min(steps) <= 0.02 * baseline["rss_bytes"] and len(steps) >= 3:
+            break
         storm(server, size.storm_requests, size.storm_concurrency, seed=seed)
         assert server.wait_idle(10) is not None
         time.sleep(2.0)
         again = server.state()
+        steps.append(again["rss_bytes"] - rss[-1])
         rss.append(again["rss_bytes"])
-    steps = [b - a for a, b in zip([baseline["rss_bytes"], *rss], rss, strict=False)]
+        cached.append(again["mlx_cache_bytes"])
     fresh = fresh_request_completes(server)
     snap = server.admin()["totals"]
     figures: dict[str, Any] = {
@@ -140,14 +145,20 @@ def test_disconnect_storm_leaves_nothing_behind(server, size, report):
         "rss_bytes": {
             "baseline": baseline["rss_bytes"],
             "after_storm": idle["rss_bytes"],
-            "after_third_storm": again["rss_bytes"],
+            "after_last_storm": again["rss_bytes"],
         },
         "rss_growth_pct_per_storm": [round(100 * d / baseline["rss_bytes"], 2) for d in steps],
         "mlx_active_bytes": {
             "baseline": baseline["mlx_active_bytes"],
             "after_idle": idle["mlx_active_bytes"],
-            "after_third_storm": again["mlx_active_bytes"],
+            "after_last_storm": again["mlx_active_bytes"],
         },
+        # Freed buffers MLX keeps for reuse count in RSS: a step that grows with them is the
+        # allocator's cache, not a leak (reported so that a failure says which it was).
+        "mlx_cache_growth_pct_per_storm": [
+            round(100 * (b - a) / baseline["rss_bytes"], 2)
+            for a, b in zip([baseline["mlx_cache_bytes"], *cached], cached, strict=False)
+        ],
         "server_totals": {k: snap[k] for k in ("requests", "done", "cancelled", "error")},
         "fresh_request_ok": fresh,
     }
