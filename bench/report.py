@@ -14,9 +14,9 @@ from pathlib import Path
 
 from bench.goals import render_goals
 from bench.harness import RESULTS_DIR
+from bench.quality.headlines import headlines as quality_headlines
 from bench.quality.report import RENDERERS as QUALITY
 from bench.quality.report import SUBFOLDER_STUDIES
-from bench.quality.report import headlines as quality_headlines
 from bench.speed.report import load_results, render_speed_section
 
 PAGE = Path(__file__).resolve().parent / "RESULTS.md"

@@ -4,14 +4,18 @@ For a model without a calibration artifact, the query taps of :mod:`engine.selfc
 offer every prompt block's post-RoPE queries to one reservoir per layer, across requests:
 calibration's own sampler (:class:`calibrations.capture.Reservoir`, a uniform sample without
 replacement of every query seen, the heads of a layer sharing positions). Once every layer
-holds the artifact's default sample count, drawn from at least ``min_prompts`` prompts
-(calibration's default number of sequences, 20: one long prompt alone would otherwise set the
-filters, and a prompt's own queries are what lost the pass key in the self-calibration
-studies), the filters are computed by
+holds the artifact's default sample count and at least ``min_prompts`` prompts were seen
+(calibration's default number of sequences, 20: without it the first long prompt alone would
+set the filters, and a prompt's own queries are what lost the pass key in the
+self-calibration studies), the filters are computed by
 :mod:`calibrations.compute`, as ``qfserve calibrate`` computes them, and saved as a regular
 artifact in the user calibration folder, naming the model, its weights fingerprint and
 "from traffic"; the worker then serves later requests with it (``filter_source``
 ``calibrated``) and the pooling stops.
+
+The floor counts prompts; it does not bound one prompt's share. The sample stays uniform
+over every query seen, as calibration's is, so one very long prompt among short ones still
+supplies most of it, and a conversation resent without prompt reuse counts once per request.
 
 What is kept: sampled query vectors (float32, ``samples_per_head x head_dim`` per query head
 and layer) and their positions, in memory until the artifact is written; never prompt text
@@ -123,8 +127,10 @@ class TrafficCalibration:
             n_kv_heads=n_kv_heads,
             model_id=model_id,
             fingerprint=fingerprint,
-            samples_per_head=samples_per_head or DEFAULT_SAMPLES_PER_HEAD,
-            min_prompts=min_prompts or DEFAULT_MIN_PROMPTS,
+            samples_per_head=(
+                DEFAULT_SAMPLES_PER_HEAD if samples_per_head is None else samples_per_head
+            ),
+            min_prompts=DEFAULT_MIN_PROMPTS if min_prompts is None else min_prompts,
         )
 
     @property

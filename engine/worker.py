@@ -70,7 +70,8 @@ class Worker:
             neither.
         traffic_samples: Queries per layer pooled before that artifact is written
             (``None``: calibration's default sample count).
-        traffic_prompts: Prompts pooled at least before it is written (``None``: 20).
+        traffic_prompts: Prompts pooled at least before it is written (``None``:
+            :data:`engine.traffic.DEFAULT_MIN_PROMPTS`).
         loader: Replaces :func:`engine.loading.load_model` (tests).
     """
 

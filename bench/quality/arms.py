@@ -192,6 +192,14 @@ def add_arm_arguments(p: Any) -> None:
         default=[],
         help="with --query-aware, also run SnapKV with these observation windows",
     )
+    p.add_argument("--only", nargs="+", default=None, help="run only these arm names")
+
+
+def add_traffic_argument(p: Any) -> None:
+    """``--traffic-artifacts NAME=PATH ...``: Q-Filters from artifacts learned from traffic
+    (:mod:`bench.quality.traffic`), as ``traffic`` arms or scorers. Only the studies whose
+    resumed records know which artifact made them (retrieval) or that do not resume
+    (attention) take it."""
     p.add_argument(
         "--traffic-artifacts",
         nargs="+",
@@ -199,7 +207,6 @@ def add_arm_arguments(p: Any) -> None:
         metavar="NAME=PATH",
         help="also run Q-Filters from these artifacts learned from traffic (bench.quality.traffic)",
     )
-    p.add_argument("--only", nargs="+", default=None, help="run only these arm names")
 
 
 def select_arms(arms: list[Arm], args: Any) -> list[Arm]:

@@ -41,6 +41,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from bench.cli import parse, parser
 from bench.harness import print_table
 from bench.quality import plots
+from bench.quality.arms import add_traffic_argument
 from bench.quality.common import (
     progress,
     run,
@@ -175,13 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     add_data_arguments(p)
     p.add_argument("--lengths", type=int, nargs="+", default=None,
                    help="several sequence lengths in one run (instead of --length)")  # fmt: skip
-    p.add_argument(
-        "--traffic-artifacts",
-        nargs="+",
-        default=[],
-        metavar="NAME=PATH",
-        help="also score with these artifacts learned from traffic (bench.quality.traffic)",
-    )
+    add_traffic_argument(p)
     args = parse(p, argv)
     lengths = args.lengths or [args.length or (160 if args.quick else 1024)]
     n_seq = args.sequences or (1 if args.quick else 12)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -134,8 +135,13 @@ def with_learned(
     record = {}
     for spec in specs:
         name, sep, path = spec.partition("=")
-        if not sep or not name or not path or name in out.learned:
-            raise ValueError(f"--traffic-artifacts takes distinct NAME=PATH, got {spec!r}")
+        # A name is the arm name's last part: none that reads as a setting (r25, c8, w8, ada).
+        if (not sep or not path or name in out.learned or not re.fullmatch(r"[a-z][a-z_-]*", name)
+                or name == "ada"):  # fmt: skip
+            raise ValueError(
+                f"--traffic-artifacts takes distinct NAME=PATH with NAME in lower-case letters, "
+                f"'_' and '-' (not 'ada'), got {spec!r}"
+            )
         cal = load_calibration(
             path,
             model_id=identity["model_id"],
@@ -145,7 +151,9 @@ def with_learned(
             weights=identity["fingerprint"],
         )
         out.learned[name] = cal.filters
-        record[name] = {"path": path, "text": cal.metadata.get("text")}
+        digest = hashlib.sha1(np.ascontiguousarray(cal.filters, np.float32).tobytes())
+        record[name] = {"path": path, "text": cal.metadata.get("text"),
+                        "sha1": digest.hexdigest()[:12]}  # fmt: skip
     return out, record
 
 

@@ -1,108 +1,15 @@
-"""Markdown for the ``## Quality`` part of ``bench/RESULTS.md`` (studies 1-6).
-
-One renderer per study, ``RENDERERS[<json name>](data) -> markdown lines``, plus
-:func:`headlines`, the section's opening summary. Reads only the JSON the studies wrote;
-imports neither MLX nor the studies. :mod:`bench.report` assembles the page.
+"""Markdown for the ``## Quality`` part of ``bench/RESULTS.md``: one renderer per study,
+``RENDERERS[<json name>](data) -> markdown lines`` (the section's opening lines are
+:mod:`bench.quality.headlines`). Reads only the JSON the studies wrote; imports neither MLX
+nor the studies. :mod:`bench.report` assembles the page.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-STUDIES = ("geometry", "attention", "perplexity", "retrieval", "stability", "niah")
-CHUNKS = (4, 8, 16)  # chunk sizes the studies may run (bench.quality.arms.Arm.chunk)
-ARM_ORDER = (
-    "qfilters/r0",
-    "qfilters/r25",
-    *(f"qfilters/r{r}/c{c}" for r in (0, 25) for c in CHUNKS),
-    "qfilters/r0/ada",
-    "qfilters/r25/ada",
-    "fallback/r0",
-    "fallback/r25",
-    "fallback-/r0",
-    "fallback-/r25",
-    "knorm/r0",
-    "knorm/r25",
-    "streaming/r0",
-)
-ARM_NAMES = {
-    "full": "full cache",
-    "qfilters/r0": "Q-Filters calibrated, recent 0",
-    "qfilters/r25": "Q-Filters calibrated, recent b/4",
-    "fallback/r0": "key-SVD fallback, recent 0",
-    "fallback/r25": "key-SVD fallback, recent b/4",
-    "fallback-/r0": "key-SVD fallback sign-flipped (ablation), recent 0",
-    "fallback-/r25": "key-SVD fallback sign-flipped (ablation), recent b/4",
-    "knorm/r0": "K-norm, recent 0",
-    "knorm/r25": "K-norm, recent b/4",
-    "streaming/r0": "streaming (sinks + latest)",
-    **{
-        f"qfilters/r{r}/c{c}": f"Q-Filters calibrated, recent {'b/4' if r else 0}, chunks of {c}"
-        for r in (0, 25)
-        for c in CHUNKS
-    },
-    "qfilters/r0/ada": "Q-Filters calibrated, recent 0, adaptive budgets",
-    "qfilters/r25/ada": "Q-Filters calibrated, recent b/4, adaptive budgets",
-}
-METHOD_NAMES = {  # the other arms' methods (bench.quality.arms.Arm.name's first part)
-    "qfilters": "Q-Filters calibrated",
-    "self": "Q-Filters self-calibrated (the prompt's own queries)",
-    "traffic": "Q-Filters learned from traffic",
-    "snapkv": "SnapKV",
-    "tova": "TOVA",
-    "fallback": "key-SVD fallback",
-    "fallback-": "key-SVD fallback sign-flipped (ablation)",
-    "knorm": "K-norm",
-    "streaming": "streaming (sinks + latest)",
-}
-
-
-def arm_label(name: str) -> str:
-    """A row label for any arm name ``method/rNN[/cN][/ada][/wN][/<traffic>]``."""
-    if name in ARM_NAMES:
-        return ARM_NAMES[name]
-    method, _, rest = name.partition("/")
-    parts = rest.split("/") if rest else []
-    label = METHOD_NAMES.get(method, method)
-    for part in parts:
-        if part.startswith("r") and part[1:].isdigit():
-            label += ", recent " + ("b/4" if part == "r25" else "0" if part == "r0" else part)
-        elif part.startswith("c") and part[1:].isdigit():
-            label += f", chunks of {part[1:]}"
-        elif part == "ada":
-            label += ", adaptive budgets"
-        elif part.startswith("w") and part[1:].isdigit():
-            label += f", {part[1:]}-token window"
-        elif method == "traffic":
-            label = label.replace("from traffic", f"from {part} traffic")
-        else:
-            label += f", {part}"
-    return label
-
-
-def arm_order(present: Any) -> list[str]:
-    """``present`` arm names in reading order: the full cache, the standard arms, then the
-    rest as they came."""
-    present = list(dict.fromkeys(present))
-    known = [n for n in ("full", *ARM_ORDER) if n in present]
-    return known + [n for n in present if n not in known]
-
-
-def _f(x: Any, digits: int = 3) -> str:
-    return "–" if x is None else f"{x:.{digits}f}"
-
-
-def _pct(x: Any) -> str:
-    return "–" if x is None else f"{100 * x:.0f}%"
-
-
-def _table(headers: list[str], rows: list[list[Any]]) -> list[str]:
-    out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return out
+from bench.quality.markdown import arm_label, arm_order, fmt, pct, table
 
 
 def _header(title: str, data: dict[str, Any]) -> list[str]:
@@ -139,7 +46,7 @@ def render_geometry(data: dict[str, Any]) -> list[str]:
         " sampled per head) against the calibrated filter of their KV head. Spread is the "
         "median [q1–q3] over query heads.",
         "",
-        *_table(
+        *table(
             ["measure", "median [q1–q3] over heads"],
             [
                 [
@@ -163,7 +70,7 @@ def render_geometry(data: dict[str, Any]) -> list[str]:
             "",
             "On the calibration queries themselves (`calibrations.compute`'s per-layer summary):",
             "",
-            *_table(
+            *table(
                 [
                     "layer",
                     "heads positive on their KV filter",
@@ -173,9 +80,9 @@ def render_geometry(data: dict[str, Any]) -> list[str]:
                 [
                     [
                         a["layer"],
-                        _pct(a["positive_share"]),
-                        _f(a["top_energy"]),
-                        _f(a["drift_ratio"], 1),
+                        pct(a["positive_share"]),
+                        fmt(a["top_energy"]),
+                        fmt(a["drift_ratio"], 1),
                     ]
                     for a in anisotropy
                 ],
@@ -185,7 +92,7 @@ def render_geometry(data: dict[str, Any]) -> list[str]:
 
 
 def _spread(s: dict[str, Any], digits: int = 3) -> str:
-    return f"{_f(s.get('median'), digits)} [{_f(s.get('q1'), digits)}–{_f(s.get('q3'), digits)}]"
+    return f"{fmt(s.get('median'), digits)} [{fmt(s.get('q1'), digits)}–{fmt(s.get('q3'), digits)}]"
 
 
 def render_attention(data: dict[str, Any]) -> list[str]:
@@ -203,26 +110,26 @@ def render_attention(data: dict[str, Any]) -> list[str]:
     if len(lengths) > 1:  # one row per scorer, a column per length (both kinds of data)
         res = data["results"]
         keys = [f"all@{n}" for n in lengths] + ["all"]
-        rows = [[scorer, *(f"{_f(res[k][scorer]['mean_rho'], 2)} "
-                           f"({_pct(res[k][scorer]['share_heads_positive'])})" for k in keys)]
+        rows = [[scorer, *(f"{fmt(res[k][scorer]['mean_rho'], 2)} "
+                           f"({pct(res[k][scorer]['share_heads_positive'])})" for k in keys)]
                 for scorer in res["all"]]  # fmt: skip
         lines += ["Mean ρ over KV heads (share of heads with ρ > 0), by sequence length:", ""]
-        lines += _table(["scorer", *[f"{n} tokens" for n in lengths], "all lengths"], rows)
+        lines += table(["scorer", *[f"{n} tokens" for n in lengths], "all sequences pooled"], rows)
         lines += ["", "By data and length:", ""]
     rows = []
     for dataset, res in data["results"].items():
         for scorer, r in res.items():
             rows.append(
-                [dataset, scorer, _f(r["mean_rho"]), _pct(r["share_heads_positive"]),
+                [dataset, scorer, fmt(r["mean_rho"]), pct(r["share_heads_positive"]),
                  _spread(r["per_head_spread"])]
             )  # fmt: skip
-    lines += _table(["data", "scorer", "mean ρ", "heads ρ > 0", "per-head [q1–q3]"], rows)
+    lines += table(["data", "scorer", "mean ρ", "heads ρ > 0", "per-head [q1–q3]"], rows)
     res = data["results"].get("all")
     if res:
         scorers = list(res)
         n_layers = len(res[scorers[0]]["per_head"])
         lines += ["", "Per layer (all data; each cell: ρ of KV head 0 / 1 / ...):", ""]
-        lines += _table(
+        lines += table(
             ["layer", *scorers],
             [
                 [layer]
@@ -253,10 +160,10 @@ def render_perplexity(data: dict[str, Any]) -> list[str]:
             for name in arm_order(arms):
                 r = arms[name]
                 rows.append(
-                    [budget, arm_label(name), _f(r["ppl"]), _spread(r["ratio_to_full"]),
-                     _pct(r["gap_closed_vs_streaming"]), r["max_rows_any_step"]]
+                    [budget, arm_label(name), fmt(r["ppl"]), _spread(r["ratio_to_full"]),
+                     pct(r["gap_closed_vs_streaming"]), r["max_rows_any_step"]]
                 )  # fmt: skip
-        lines += _table(
+        lines += table(
             ["budget", "arm", "perplexity", "ratio to full", "gap closed vs streaming",
              "max rows"],
             rows,
@@ -293,10 +200,10 @@ def render_retrieval(data: dict[str, Any]) -> list[str]:
             cells = res["arms"].get(name)
             if not cells:
                 continue
-            row = [arm_label(name), _f(cells["-"]["accuracy"], 2) if "-" in cells else ""]
-            row += [_f(cells[str(r)]["accuracy"], 2) if str(r) in cells else "" for r in ratios]
+            row = [arm_label(name), fmt(cells["-"]["accuracy"], 2) if "-" in cells else ""]
+            row += [fmt(cells[str(r)]["accuracy"], 2) if str(r) in cells else "" for r in ratios]
             rows.append(row)
-        lines += _table(["arm", "no eviction", *[f"{r}×" for r in ratios]], rows)
+        lines += table(["arm", "no eviction", *[f"{r}×" for r in ratios]], rows)
     if any("answer_nll_mean" in c for r in data["results"].values()
            for cells in r["arms"].values() for c in cells.values()):  # fmt: skip
         rows = []
@@ -308,7 +215,7 @@ def render_retrieval(data: dict[str, Any]) -> list[str]:
                     for r in data["results"].values()
                     if k in r["arms"].get(name, {})
                 ]
-                row.append(_f(sum(vals) / len(vals)) if vals else "")
+                row.append(fmt(sum(vals) / len(vals)) if vals else "")
             rows.append(row)
         lines += [
             "",
@@ -317,7 +224,7 @@ def render_retrieval(data: dict[str, Any]) -> list[str]:
             "floor:",
             "",
         ]
-        lines += _table(["arm", "no eviction", *[f"{r}×" for r in ratios]], rows)
+        lines += table(["arm", "no eviction", *[f"{r}×" for r in ratios]], rows)
     bins = data["data"]["depth_bins"]
     rows = []
     for name in names:
@@ -327,10 +234,10 @@ def render_retrieval(data: dict[str, Any]) -> list[str]:
         row = [arm_label(name)]
         for b in bins:
             vals = [c["by_depth"][b] for c in cells if c["by_depth"].get(b) is not None]
-            row.append(_f(sum(vals) / len(vals), 2) if vals else "")
+            row.append(fmt(sum(vals) / len(vals), 2) if vals else "")
         rows.append(row)
     lines += ["", "By needle depth (mean over lengths and compressions):", ""]
-    lines += _table(["arm", *[f"needle in {b}" for b in bins]], rows)
+    lines += table(["arm", *[f"needle in {b}" for b in bins]], rows)
     return lines + _plots(data)
 
 
@@ -347,12 +254,12 @@ def render_stability(data: dict[str, Any]) -> list[str]:
     rows = []
     for r in data["rows"]:
         rows.append(
-            [r["samples_per_head"], _spread(r["cos_A_n_vs_A_ref"]), _f(r["cos_A_n_vs_A_ref"]["min"]),
-             _spread(r["cos_A_n_vs_B_n"]), _f(r["cos_A_n_vs_B_n"]["min"]),
+            [r["samples_per_head"], _spread(r["cos_A_n_vs_A_ref"]), fmt(r["cos_A_n_vs_A_ref"]["min"]),
+             _spread(r["cos_A_n_vs_B_n"]), fmt(r["cos_A_n_vs_B_n"]["min"]),
              f"{100 * r['ppl_change_A_r0']:+.2f}% / {100 * r['ppl_change_B_r0']:+.2f}%",
              f"{100 * r['ppl_change_A_r25']:+.2f}% / {100 * r['ppl_change_B_r25']:+.2f}%"]
         )  # fmt: skip
-    lines += _table(
+    lines += table(
         ["samples/head", "cos(A_n, ref)", "min", "cos(A_n, B_n)", "min",
          "Δppl A / B, recent 0", "Δppl A / B, recent b/4"],
         rows,
@@ -387,9 +294,9 @@ def render_niah(data: dict[str, Any]) -> list[str]:
         row = [arm_label(name)]
         for key in ["-", *map(str, ratios)]:
             vals = [v for line in by_ratio.get(key) or [] for v in line if v is not None]
-            row.append(_f(sum(vals) / len(vals), 2) if vals else "")
+            row.append(fmt(sum(vals) / len(vals), 2) if vals else "")
         rows.append(row)
-    lines += _table(["arm", "no eviction", *[f"{r}×" for r in ratios]], rows)
+    lines += table(["arm", "no eviction", *[f"{r}×" for r in ratios]], rows)
     return lines + _plots(data)
 
 
@@ -417,7 +324,7 @@ def render_selfcal_text(data: dict[str, Any]) -> list[str]:
         ]
         rows = [[name, *cell_texts(cells, ratios)] for name, cells in res["arms"].items()
                 if name != "full"]  # fmt: skip
-        lines += _table(["filters", *[f"{r}×" for r in ratios]], rows)
+        lines += table(["filters", *[f"{r}×" for r in ratios]], rows)
     return lines + _plots(data)
 
 
@@ -432,10 +339,10 @@ def render_traffic(data: dict[str, Any]) -> list[str]:
         f"`chat`: {d['chat']}; `passkey`: {d['passkey']}.",
         "",
     ]
-    rows = [[kind, r["prompts"], r["tokens"], r["seconds"], _f(r["cosine_mean"]),
-             _f(r["cosine_min"]), _pct(r["same_sign_share"]), r["artifact"]]
+    rows = [[kind, r["prompts"], r["tokens"], r["seconds"], fmt(r["cosine_mean"]),
+             fmt(r["cosine_min"]), pct(r["same_sign_share"]), r["artifact"]]
             for kind, r in data["results"].items()]  # fmt: skip
-    lines += _table(
+    lines += table(
         ["traffic", "prompts", "tokens", "s", "mean cosine", "min cosine", "same sign",
          "artifact"],
         rows,
@@ -458,7 +365,7 @@ def render_multiturn_recall(data: dict[str, Any]) -> list[str]:
     rows = [[name, *[f"{data['accuracy'][name][str(k)]:.2f} / {data['key_nll'][name][str(k)]:.2f}"
                      for k in ask], data["reuse_hits"][name], data["reuse_misses"][name]]
             for name in data["accuracy"]]  # fmt: skip
-    lines += _table(["arm", *[f"turn {k}" for k in ask], "turns reused", "misses"], rows)
+    lines += table(["arm", *[f"turn {k}" for k in ask], "turns reused", "misses"], rows)
     return lines + _plots(data)
 
 
@@ -470,124 +377,8 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "stability": render_stability,
     "niah": render_niah,
     "selfcal_text": render_selfcal_text,
-    "traffic": render_traffic,
     "multiturn_recall": render_multiturn_recall,
+    "traffic": render_traffic,
 }
 # Studies run into a subfolder of their own (bench/run_all.sh): not listed as missing.
 SUBFOLDER_STUDIES = ("selfcal_text", "traffic")
-
-
-def headlines(results_dir: Path) -> list[str]:
-    """The section's opening lines: model checkpoint(s) and the headline numbers."""
-    data = {}
-    for name in STUDIES:
-        path = results_dir / f"{name}.json"
-        if path.is_file():
-            data[name] = json.loads(path.read_text())
-    if not data:
-        return []
-    # Weights decide whether studies are comparable; the checkpoint label of an older
-    # results file may differ for the same weights.
-    models = {(d["model"]["path"], d["model"]["weights_sha1"]) for d in data.values()}
-    lines = [
-        "Held-out data only: evaluation-split standard-library files and generated documents "
-        "from the training package's evaluation seeds; calibration on training-split files. "
-        "Budgets are matched in rows (sinks and recent rows included) and every arm is checked "
-        "to keep exactly that many. Quality figures are deterministic for given data, so there is "
-        "no timing noise to interleave against: all arms of a study see the same sequences in "
-        "one run, and the spreads shown are over sequences, heads or calibration draws.",
-        "",
-    ]
-    if len(models) > 1:
-        lines += [f"**Warning: the studies ran on different weights: {sorted(models)}.**", ""]
-    else:
-        (path, sha), *_ = models
-        # The newest study's label (older results files may lack the model's name).
-        checkpoint = max(data.values(), key=lambda d: d.get("when", ""))["model"]["checkpoint"]
-        lines += [
-            f"All studies: `{path}` at **{checkpoint}**, weights sha1 `{sha}`. "
-            "The numbers describe these weights only: after changing them, rerun the same "
-            "commands.",
-            "",
-        ]
-    lines += ["Headlines (all from the tables below):", ""]
-    if "geometry" in data:
-        s = data["geometry"]["summary"]
-        lines.append(
-            f"- Geometry: {s['share_heads_positive'] * s['heads']:.0f}/{s['heads']} query heads "
-            f"have a positive mean held-out projection on their filter; median top-component "
-            f"energy {s['top_energy']['median']:.2f}, median drift ratio "
-            f"{s['drift_ratio']['median']:.0f}×."
-        )
-    if "attention" in data:
-        r = data["attention"]["results"]["all"]
-        lines.append(
-            "- Score vs attention (mean Spearman ρ over KV heads, share of heads positive): "
-            + "; ".join(
-                f"{k} {v['mean_rho']:+.2f} ({_pct(v['share_heads_positive'])})"
-                for k, v in r.items()
-            )
-            + "."
-        )
-    if "perplexity" in data:
-        res = data["perplexity"]["results"]
-        for dataset, d in res.items():
-            budgets = list(d["budgets"])
-            b = "128" if "128" in budgets else budgets[0]
-            arms = d["budgets"][b]
-            lines.append(
-                f"- Perplexity ({dataset}, budget {b}; full {d['full']['ppl']:.2f}): "
-                + ", ".join(
-                    f"{n} {arms[n]['ppl']:.2f}"
-                    + (
-                        f" (gap closed {_pct(arms[n]['gap_closed_vs_streaming'])})"
-                        if n != "streaming/r0"
-                        else ""
-                    )
-                    for n in arm_order(arms)
-                    if n != "full"
-                )
-                + "."
-            )
-    if "retrieval" in data:
-        res = data["retrieval"]["results"]
-        full = [v["arms"]["full"]["-"]["accuracy"] for v in res.values() if "full" in v["arms"]]
-        names = arm_order(n for v in res.values() for n in v["arms"])
-        acc = {}
-        for name in names[1:] if names[:1] == ["full"] else names:
-            vals = [c["accuracy"] for v in res.values() for c in v["arms"].get(name, {}).values()]
-            if vals:
-                acc[name] = sum(vals) / len(vals)
-        lines.append(
-            f"- Pass-key accuracy, mean over lengths and compressions (full cache "
-            f"{sum(full) / max(1, len(full)):.2f}): "
-            + ", ".join(f"{k} {v:.2f}" for k, v in acc.items())
-            + "."
-        )
-        nll = {}
-        for name in names:
-            vals = [
-                c["answer_nll_mean"]
-                for v in res.values()
-                for c in v["arms"].get(name, {}).values()
-                if "answer_nll_mean" in c
-            ]
-            if vals:
-                nll[name] = sum(vals) / len(vals)
-        if nll:
-            lines.append(
-                "- Pass-key answer NLL (nats/token, mean over lengths and compressions; lower is "
-                "better): " + ", ".join(f"{k} {v:.3f}" for k, v in nll.items()) + "."
-            )
-    if "stability" in data:
-        rows = data["stability"]["rows"]
-        first, last = rows[0], rows[-1]
-        lines.append(
-            f"- Calibration stability: median per-head cosine between calibrations on disjoint "
-            f"texts {first['cos_A_n_vs_B_n']['median']:.3f} at {first['samples_per_head']} "
-            f"samples/head, {last['cos_A_n_vs_B_n']['median']:.3f} at "
-            f"{last['samples_per_head']}; perplexity change at budget "
-            f"{data['stability']['budget']} with {first['samples_per_head']} samples "
-            f"{100 * first['ppl_change_A_r0']:+.1f}% (recent 0)."
-        )
-    return lines

@@ -50,6 +50,7 @@ from bench.quality.arms import (
     READS_QUERIES,
     Arm,
     add_arm_arguments,
+    add_traffic_argument,
     check_budget,
     feed_block,
     select_arms,
@@ -235,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         "full prefill per arm and ratio)",
     )
     add_arm_arguments(p)
+    add_traffic_argument(p)
     args = parse(p, argv)
     lengths = args.lengths or ([320] if args.quick else [256, 512, 1024, 2048])
     ratios = args.ratios or ([2, 8] if args.quick else [2, 4, 8, 16, 32])
@@ -257,7 +259,12 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.quick and log.exists():
         log.unlink()
-    signature = {"arms": [a.name for a in arms], "ratios": ratios, "filler": args.filler}
+    signature: dict[str, Any] = {
+        "arms": [a.name for a in arms], "ratios": ratios, "filler": args.filler}  # fmt: skip
+    if study.calibration.get("traffic_artifacts"):  # records hold for those filters only
+        signature["learned"] = {
+            k: v["sha1"] for k, v in sorted(study.calibration["traffic_artifacts"].items())
+        }
     done: dict[tuple[int, int], dict[str, Any]] = {}
     if log.exists():
         for line in log.read_text().splitlines():

@@ -1,4 +1,4 @@
-"""Study 8: Q-Filters learned from traffic, as a server without an artifact learns them.
+"""Study 9: Q-Filters learned from traffic, as a server without an artifact learns them.
 
 A server started on a model without a calibration artifact pools its prompts' post-RoPE
 queries (:mod:`engine.traffic`) and, once it has enough, writes a regular artifact and
@@ -60,10 +60,14 @@ INSTRUCTIONS = (
 def chat_traffic(study: Any, n: int, lengths: tuple[int, ...]) -> list[list[int]]:
     """``n`` chat-templated requests on held-out code and prose windows of ``lengths``."""
     tok, corpus = study.tokenizer, study.corpus
+    windows = {  # (code?, length) -> n windows of that kind, spread over the held-out text
+        (code, length): stdlib_windows(corpus, length, n) if code else prose_windows(tok, length, n)
+        for code in (True, False)
+        for length in lengths
+    }
     out = []
     for i in range(n):
-        length = lengths[i % len(lengths)]
-        source = stdlib_windows(corpus, length, n) if i % 2 == 0 else prose_windows(tok, length, n)
+        source = windows[(i % 2 == 0, lengths[i % len(lengths)])]
         text = tok.decode(source[i].tolist())
         messages = [{"role": "user", "content": f"{INSTRUCTIONS[i % len(INSTRUCTIONS)]}\n\n{text}"}]
         out.append(list(tok.apply_chat_template(messages, add_generation_prompt=True)))
@@ -71,7 +75,8 @@ def chat_traffic(study: Any, n: int, lengths: tuple[int, ...]) -> list[list[int]
 
 
 def passkey_traffic(study: Any, n: int, length: int) -> list[list[int]]:
-    """``n`` pass-key documents of ``length`` tokens (not a length the retrieval measures)."""
+    """``n`` pass-key documents of ``length`` tokens (768 in full runs: not a length the
+    retrieval study measures)."""
     docs = passkey_docs(study.corpus, length, -(-n // 3))
     if not docs:
         raise ValueError(f"the pass-key generator made no {length}-token documents")

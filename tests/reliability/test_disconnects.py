@@ -119,8 +119,8 @@ def test_disconnect_storm_leaves_nothing_behind(server, size, report):
     # allocates under contention its own arena (up to 64 MiB, kept for the process's life),
     # and the allocator settles on its sizes over a storm or two (the batch's shared arrays
     # differ in size from step to step); which storms that takes is chance (three storms in a
-    # row grew 3-5% each in one run of many). So the same storm runs again, up to four more
-    # times, until one grows by at most 2% of the baseline; a leak never stops growing.
+    # row grew 3-5% each in one run of many). So the same storm runs twice more, and twice
+    # more again while no step has grown by at most 2% of the baseline; a leak never stops.
     rss, cached = [idle["rss_bytes"]], [idle["mlx_cache_bytes"]]
     steps = [rss[0] - baseline["rss_bytes"]]
     for seed in (3, 4, 5, 6):
