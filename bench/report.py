@@ -61,6 +61,11 @@ MODELS = (
         False,
     ),
     (
+        "smollm2/traffic/8k",
+        "SmolLM2-135M-Instruct: Q-Filters learned from traffic on 8k-token documents",
+        False,
+    ),
+    (
         "smollm2/query_aware",
         "SmolLM2-135M-Instruct: the query-aware references (SnapKV, TOVA) beside calibrated, "
         "self-calibrated and fallback Q-Filters",

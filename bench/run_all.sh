@@ -55,6 +55,10 @@ if [[ "$which" == selfcal || "$which" == all ]]; then
         --per-bin 2 --recent-fracs 0.25 --self-calibrated --no-prefill-check "${learned[@]}" \
         --only qfilters/r25 traffic/r25/chat traffic/r25/passkey self/r25 fallback/r25 \
         streaming/r0 --out "$t"
+    run bench.quality.retrieval --calibration registry --lengths 8192 --ratios 2 4 8 16 \
+        --per-bin 2 --recent-fracs 0.25 --self-calibrated --no-prefill-check "${learned[@]}" \
+        --only qfilters/r25 traffic/r25/chat traffic/r25/passkey self/r25 fallback/r25 \
+        streaming/r0 --out "$t/8k"
     run bench.quality.attention --calibration registry --lengths 1024 2048 4096 8192 \
         --sequences 6 "${learned[@]}" --out "$out/lengths"
 fi
