@@ -250,26 +250,42 @@ def multiturn(folder: Path) -> Row:
 _MULTITURN_SETTINGS = ("turns", "turn_tokens", "max_tokens", "budget", "temperature")
 
 
+def _at_8x_against_calibrated(
+    goal: str, data: dict[str, Any] | None, arm: str, who: str, also: tuple[str, str] | None = None
+) -> Row:
+    """A filter source's pass key at 8x, pooled over the run's lengths, against calibrated
+    and the fallback: within 5 points of the first and well above the second (``also``: an
+    arm and its description, reported beside them)."""
+    if not data:
+        return goal, "not run yet", "not run"
+    lengths = sorted(data["results"], key=int)
+    mine, theirs, fallback = (
+        _accuracy(data, lengths, a, 8) for a in (arm, "qfilters/r25", "fallback/r25")
+    )
+    if mine is None or theirs is None or fallback is None:
+        return goal, "an arm is missing at 8×", "not run"
+    docs = sum(data["results"][n]["docs"] for n in lengths)
+    measured = (
+        f"{', '.join(lengths)} tokens ({docs} documents): {who} {mine:.2f}, calibrated "
+        f"{theirs:.2f}, fallback {fallback:.2f}"
+    )
+    other = None if also is None else _accuracy(data, lengths, also[0], 8)
+    if other is not None and also is not None:
+        measured += f"; {also[1]} {other:.2f}"
+    close, above = mine >= theirs - 0.05, mine > fallback + 0.1
+    if close and not above:  # say which half failed: the fallback may be as good here
+        return goal, measured, "**not met** (within 5 points of calibrated, not above the fallback)"
+    return goal, measured, _verdict(close and above)
+
+
 def self_calibration(folder: Path) -> Row:
     goal = (
         "Self-calibrated Q-Filters (no artifact): pass key at 8× within 5 points of the "
         "calibrated filters and well above the key-SVD fallback"
     )
-    data = _load(folder / "selfcal", "retrieval")
-    if not data:
-        return goal, "not run yet", "not run"
-    lengths = sorted(data["results"], key=int)
-    acc = {a: _accuracy(data, lengths, a, 8) for a in ("self/r25", "qfilters/r25", "fallback/r25")}
-    if None in acc.values():
-        return goal, "an arm is missing at 8×", "not run"
-    mine, theirs, fallback = acc["self/r25"], acc["qfilters/r25"], acc["fallback/r25"]
-    assert mine is not None and theirs is not None and fallback is not None
-    docs = sum(data["results"][n]["docs"] for n in lengths)
-    measured = (
-        f"{', '.join(lengths)} tokens ({docs} documents): self {mine:.2f}, calibrated "
-        f"{theirs:.2f}, fallback {fallback:.2f}"
+    return _at_8x_against_calibrated(
+        goal, _load(folder / "selfcal", "retrieval"), "self/r25", "self"
     )
-    return goal, measured, _verdict(mine >= theirs - 0.05 and mine > fallback + 0.1)
 
 
 def traffic_calibration(folder: Path) -> Row:
@@ -277,27 +293,13 @@ def traffic_calibration(folder: Path) -> Row:
         "Without an artifact, by default: Q-Filters learned from chat traffic, pass key at 8× "
         "within 5 points of the calibrated filters and well above the key-SVD fallback"
     )
-    data = _load(folder / "traffic", "retrieval")
-    if not data:
-        return goal, "not run yet", "not run"
-    lengths = sorted(data["results"], key=int)
-    arms = ("traffic/r25/chat", "traffic/r25/passkey", "qfilters/r25", "fallback/r25")
-    acc = {a: _accuracy(data, lengths, a, 8) for a in arms}
-    if None in (acc["traffic/r25/chat"], acc["qfilters/r25"], acc["fallback/r25"]):
-        return goal, "an arm is missing at 8×", "not run"
-    learned, theirs, fallback = acc["traffic/r25/chat"], acc["qfilters/r25"], acc["fallback/r25"]
-    assert learned is not None and theirs is not None and fallback is not None
-    docs = sum(data["results"][n]["docs"] for n in lengths)
-    passkey = acc["traffic/r25/passkey"]
-    measured = (
-        f"{', '.join(lengths)} tokens ({docs} documents): learned from chat traffic "
-        f"{learned:.2f}, calibrated {theirs:.2f}, fallback {fallback:.2f}"
-        + ("" if passkey is None else f"; learned from pass-key documents alone {passkey:.2f}")
+    return _at_8x_against_calibrated(
+        goal,
+        _load(folder / "traffic", "retrieval"),
+        "traffic/r25/chat",
+        "learned from chat traffic",
+        ("traffic/r25/passkey", "learned from pass-key documents alone"),
     )
-    close, above = learned >= theirs - 0.05, learned > fallback + 0.1
-    if close and not above:  # say which half failed: the fallback may be as good here
-        return goal, measured, "**not met** (within 5 points of calibrated, not above the fallback)"
-    return goal, measured, _verdict(close and above)
 
 
 def self_calibration_cost(folder: Path) -> Row:

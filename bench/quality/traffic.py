@@ -41,6 +41,7 @@ from bench.quality import plots
 from bench.quality.common import run
 from bench.quality.data import passkey_docs, stdlib_windows
 from bench.quality.prose import prose_windows
+from bench.quality.stability import cosines
 from bench.quality.study import open_study
 from calibrations.artifact import read_calibration
 from calibrations.model_info import attention_shape
@@ -105,9 +106,7 @@ def serve(model: Any, prompts: list[list[int]], pool: TrafficCalibration) -> dic
 
 def compare(learned: np.ndarray, calibrated: np.ndarray) -> dict[str, Any]:
     """Cosine of each ``(layer, kv head)`` learned filter to the calibrated one."""
-    cos = (learned * calibrated).sum(-1) / (
-        np.linalg.norm(learned, axis=-1) * np.linalg.norm(calibrated, axis=-1)
-    )
+    cos = cosines(learned, calibrated)
     return {
         "cosine_mean": float(cos.mean()),
         "cosine_min": float(cos.min()),
