@@ -57,6 +57,7 @@ def select_adaptive(
     recent: int,
     floor: int,
     eligible: mx.array | None = None,
+    logits: bool = True,
 ) -> tuple[mx.array, mx.array]:
     """Which rows each head keeps when the layer shares ``budget * H`` rows.
 
@@ -66,6 +67,9 @@ def select_adaptive(
         n_sink, recent: Protected rows of every head (the first and the last of ``L``).
         floor: Rows every head keeps at least, ``n_sink + recent <= floor <= budget``.
         eligible: ``(B, H, L)`` bool, False on padding rows that must never be kept.
+        logits: The scores are expected logits, normalised per head before the shared
+            top-k; ``False``: they are observed attention weights already comparable
+            across heads (KVzip's), ranked as they are.
     Returns:
         ``keep`` ``(B, H, L)`` bool and ``counts`` ``(B, H)`` int32 (``counts.sum(-1)`` is
         ``budget * H`` for every batch row).
@@ -82,8 +86,10 @@ def select_adaptive(
     # Expected log attention weights: each head's logits less their log-sum-exp (a head with
     # no eligible row keeps its scores; it has nothing to rank).
     real = ok & ~mx.isnan(scores)
-    lse = mx.logsumexp(mx.where(real, scores, -_INF), axis=-1, keepdims=True)
-    weights = scores - mx.where(mx.isfinite(lse), lse, 0.0)
+    weights = scores
+    if logits:
+        lse = mx.logsumexp(mx.where(real, scores, -_INF), axis=-1, keepdims=True)
+        weights = scores - mx.where(mx.isfinite(lse), lse, 0.0)
     finite = mx.where(mx.isnan(weights) | (weights == -_INF), _LOWEST, weights)
     ranked = mx.where(ok, finite, -_INF)
     # Sinks and recent rows are each head's first and last *real* rows: a padded head's

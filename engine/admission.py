@@ -51,7 +51,9 @@ def kv_row_bytes(model: Any, config: dict[str, Any], cache: CacheConfig | None =
     per_head = 2 * head_dim * _activation_bytes(model)
     if cache is not None and cache.evicts:
         per_head += (
-            8 + (8 if cache.chunk > 1 else 0) + (1 if cache.budget_mode == "adaptive" else 0)
+            8
+            + (8 if cache.chunk > 1 or cache.method == "kvzip" else 0)
+            + (1 if cache.budget_mode == "adaptive" else 0)
         )
     return layers * kv_heads * per_head
 
@@ -75,7 +77,13 @@ def rows_needed(cache: CacheConfig, n_kv_heads: int, prompt_tokens: int, max_tok
         rows = n_kv_heads * cache.budget - (n_kv_heads - 1) * cache.floor_rows
     else:
         rows = cache.budget
-    return min(rows + 1, prompt_tokens + max_tokens)  # + the decode step's free slot
+    rows = min(rows + 1, prompt_tokens + max_tokens)  # + the decode step's free slot
+    if cache.method == "kvzip" and prompt_tokens > cache.budget:
+        # The reconstruction pass holds the whole prompt plus one chunk of its own rows.
+        from engine.kvzip import DEFAULT_CHUNK, REPEAT_ROWS
+
+        rows = max(rows, prompt_tokens + min(prompt_tokens, DEFAULT_CHUNK) + REPEAT_ROWS)
+    return rows
 
 
 def kv_need(

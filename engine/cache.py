@@ -114,6 +114,17 @@ class EvictionCache(SlotLayout):
         self.offset = 0  # absolute position of the next token (= tokens seen)
         self.evictions = 0  # updates that dropped rows
 
+    @property
+    def tracks(self) -> bool:
+        """Absolute positions are stored: with chunks, and for scorers that map rows to
+        positions (KVzip)."""
+        return self.chunk > 1 or getattr(self.scorer, "tracks_positions", False)
+
+    @property
+    def defers(self) -> bool:
+        """Prompt blocks are stored whole until :meth:`compress` scores them (KVzip)."""
+        return getattr(self.scorer, "defers_blocks", False)
+
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Append ``keys``/``values`` ``(B, H, N, D)``; return every stored row plus them."""
         if self.free is not None:
@@ -135,7 +146,7 @@ class EvictionCache(SlotLayout):
             scores = scorer.rescore(all_keys, keys.shape[2])  # type: ignore[attr-defined]
         elif scorer.ready:
             new_scores = scorer.score(keys, start)
-            old_scores = self.scores if self.chunk == 1 else self.token_scores
+            old_scores = self.scores if not self.tracks else self.token_scores
             scores = (
                 new_scores
                 if old_scores is None
@@ -146,13 +157,13 @@ class EvictionCache(SlotLayout):
             scorer.observe(all_keys, self.offset)
             scores = scorer.score(all_keys, 0) if scorer.ready else None
         positions = None
-        if self.chunk > 1 and self.positions is None and self.keys is not None:
+        if self.tracks and self.positions is None and self.keys is not None:
             # Restored from a state saved before the scorer was ready: nothing was evicted,
             # so the stored rows are positions 0 .. start - 1.
             self.positions = mx.broadcast_to(
                 mx.arange(start - self.keys.shape[2], start, dtype=mx.int32), self.keys.shape[:3]
             )
-        if self.chunk > 1:
+        if self.tracks:
             new_positions = mx.broadcast_to(
                 mx.arange(start, self.offset, dtype=mx.int32), keys.shape[:3]
             )
@@ -167,13 +178,21 @@ class EvictionCache(SlotLayout):
             valid = mx.concatenate([self.valid, mx.ones(keys.shape[:3], dtype=mx.bool_)], axis=2)
         self.head_mask = valid
 
-        L = all_keys.shape[2]
-        if valid is not None and scores is not None:
-            self._evict_ragged(all_keys, all_values, scores, valid, positions, keys.shape[2])
+        L, N = all_keys.shape[2], keys.shape[2]
+        if self.defers and N > 1:
+            self.keys, self.values, self.positions, self.valid = (
+                all_keys,
+                all_values,
+                positions,
+                valid,
+            )
+            self._set_scores(scores)
+        elif valid is not None and scores is not None:
+            self._evict_ragged(all_keys, all_values, scores, valid, positions, N)
         elif scores is None or L <= self.budget:
             self.keys, self.values, self.positions = all_keys, all_values, positions
             self._set_scores(scores)
-        elif keys.shape[2] == 1 and L == self.budget + 1:
+        elif N == 1 and L == self.budget + 1:
             # Full with one new row: switch to the slot layout, nothing is copied.
             self.keys, self.values = all_keys, all_values
             if positions is not None:
@@ -194,8 +213,17 @@ class EvictionCache(SlotLayout):
                 )
             self.free = self._victim()
             self.evictions += 1
-        elif self.floor is not None:
-            self._evict_ragged(all_keys, all_values, scores, None, positions, keys.shape[2])
+        else:
+            self._evict_block(all_keys, all_values, scores, positions)
+        return all_keys, all_values
+
+    def _evict_block(
+        self, keys: mx.array, values: mx.array, scores: mx.array, positions: mx.array | None
+    ) -> None:
+        """Keep ``budget`` rows of a temporal-order block (rows per head, or the layer's
+        rows shared across heads with a floor)."""
+        if self.floor is not None:
+            self._evict_ragged(keys, values, scores, None, positions, keys.shape[2])
         elif positions is not None:
             idx = select_keep(
                 chunk_scores(scores, positions, self.chunk),
@@ -203,14 +231,14 @@ class EvictionCache(SlotLayout):
                 self.n_sink,
                 self.recent,
             )
-            self.keys, self.values = gather_rows(all_keys, idx), gather_rows(all_values, idx)
+            self.keys, self.values = gather_rows(keys, idx), gather_rows(values, idx)
             self.positions = gather_rows(positions, idx)
             self._set_scores(gather_rows(scores, idx), ranked=True)
             self.evictions += 1
         else:
             self.keys, self.values, self.scores = metal.fused_evict(
-                all_keys,
-                all_values,
+                keys,
+                values,
                 scores,
                 budget=self.budget,
                 n_sink=self.n_sink,
@@ -218,7 +246,40 @@ class EvictionCache(SlotLayout):
                 use_kernel=self.use_kernel,
             )
             self.evictions += 1
-        return all_keys, all_values
+
+    def prepare_compress(self) -> None:
+        """Stored rows in temporal order with their absolute positions (before
+        :meth:`compress` is handed scores for them)."""
+        if self.keys is None:
+            raise ValueError("the cache is empty")
+        if self.free is not None:
+            self._to_temporal_order()
+        if self.positions is None:  # nothing was evicted: rows are positions offset - S ..
+            S = self.keys.shape[2]
+            self.positions = mx.broadcast_to(
+                mx.arange(self.offset - S, self.offset, dtype=mx.int32), self.keys.shape[:3]
+            )
+
+    def compress(self, scores: mx.array) -> None:
+        """Replace the stored rows' scores and evict down to the budget as one block (the
+        pass of a scorer that defers blocks, :mod:`engine.kvzip`).
+
+        Args:
+            scores: ``(B, H, S)`` float32 over the stored rows in temporal order (after
+                :meth:`prepare_compress`), higher = keep.
+        """
+        self.prepare_compress()
+        assert self.keys is not None and self.values is not None
+        if scores.shape != self.keys.shape[:3]:
+            raise ValueError(f"scores must have shape {self.keys.shape[:3]}, got {scores.shape}")
+        if self.valid is not None:
+            self._evict_ragged(
+                self.keys, self.values, scores, self.valid, self.positions, self.keys.shape[2]
+            )
+        elif self.keys.shape[2] <= self.budget:
+            self._set_scores(scores)
+        else:
+            self._evict_block(self.keys, self.values, scores, self.positions)
 
     def _evict_ragged(
         self,
@@ -243,6 +304,7 @@ class EvictionCache(SlotLayout):
                 recent=self.recent,
                 floor=self.budget if self.floor is None else self.floor,
                 eligible=valid,
+                logits=not getattr(self.scorer, "scores_are_weights", False),
             )
             idx, self.valid = adaptive.ragged_gather(keep, counts)
             self.keys, self.values = gather_rows(keys, idx), gather_rows(values, idx)
@@ -271,7 +333,7 @@ class EvictionCache(SlotLayout):
     def _set_scores(self, scores: mx.array | None, *, ranked: bool = False) -> None:
         """Store per-token ``scores`` (temporal order); once ``ranked`` (evicting), NaN maps
         to -inf and, with chunks, the decode step's ranks are the chunk means."""
-        if self.chunk == 1 or scores is None:
+        if not self.tracks or scores is None:
             self.scores = scores
             if ranked and scores is not None:
                 self.scores = mx.nan_to_num(scores, nan=-_INF, posinf=_INF, neginf=-_INF)

@@ -6,12 +6,13 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-Method = Literal["qfilters", "knorm", "streaming", "snapkv", "tova", "full"]
+Method = Literal["qfilters", "kvzip", "knorm", "streaming", "snapkv", "tova", "full"]
 KernelMode = Literal["auto", "on", "off"]
 BudgetMode = Literal["per_head", "adaptive"]
 
-METHODS: tuple[str, ...] = ("qfilters", "knorm", "streaming", "snapkv", "tova", "full")
+METHODS: tuple[str, ...] = ("qfilters", "kvzip", "knorm", "streaming", "snapkv", "tova", "full")
 QUERY_AWARE: tuple[str, ...] = ("snapkv", "tova")  # read the model's queries to evict
+TAPPED: tuple[str, ...] = (*QUERY_AWARE, "kvzip")  # need the layers' query taps
 KERNEL_MODES: tuple[str, ...] = ("auto", "on", "off")
 BUDGET_MODES: tuple[str, ...] = ("per_head", "adaptive")
 DEFAULT_METHOD: Method = "qfilters"
@@ -58,8 +59,9 @@ class CacheConfig:
     """How one request's KV caches evict.
 
     Args:
-        method: ``qfilters`` (projection on a per-head filter), ``knorm`` (keep small-norm
-            keys), ``streaming`` (sinks + most recent rows), ``snapkv`` / ``tova`` (query-aware
+        method: ``qfilters`` (projection on a per-head filter), ``kvzip`` (the attention a
+            reconstruction of the context pays each key, :mod:`engine.kvzip`), ``knorm``
+            (keep small-norm keys), ``streaming`` (sinks + most recent rows), ``snapkv`` / ``tova`` (query-aware
             references, :mod:`engine.query_aware`) or ``full`` (no eviction).
         budget: Rows kept per layer and KV head, sinks and recent rows included.
         n_sink: Leading positions never evicted. Default: ``4``.
@@ -117,7 +119,7 @@ class CacheConfig:
                 "budget_mode",
                 f"budget_mode must be one of {BUDGET_MODES}, got {self.budget_mode!r}",
             )
-        if self.method in QUERY_AWARE and self.chunk != 1:
+        if self.method in TAPPED and self.chunk != 1:
             raise ConfigError("chunk", f"{self.method} selects rows one by one: chunk must be 1")
         if self.method in QUERY_AWARE and self.budget_mode != "per_head":
             raise ConfigError(

@@ -12,7 +12,8 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 import metal
 from engine.attention import install_head_masks
 from engine.cache import EvictionCache, FullKVCache
-from engine.config import QUERY_AWARE, CacheConfig, ConfigError
+from engine.config import QUERY_AWARE, TAPPED, CacheConfig, ConfigError
+from engine.kvzip import KVzipScorer
 from engine.query_aware import SnapKVScorer, TOVAScorer
 from engine.scorers import KeySVDScorer, KNormScorer, QFilterScorer, RecencyScorer, Scorer
 from engine.selfcal import QueryTap, SelfCalibratingScorer, install_query_taps
@@ -26,7 +27,15 @@ def make_scorer(
 ) -> Scorer:
     """The scorer for one layer: calibrated filters ``(H, D)`` when given (scaled to expected
     logits by ``(H,)`` query scales under adaptive budgets), else filters from the request's
-    own queries through the layer's ``tap``, else the key-SVD fallback; or the method's."""
+    own queries through the layer's ``tap``, else the key-SVD fallback; or the method's
+    (``kvzip`` ranks generated rows by the calibrated filters, else by K-norm)."""
+    if config.method == "kvzip":
+        if tap is None:
+            raise ValueError("method 'kvzip' needs the layer's query tap")
+        inner: Scorer = KNormScorer()
+        if layer_filters is not None:
+            inner = QFilterScorer(layer_filters, sign=config.sign)
+        return KVzipScorer(tap, inner)
     if config.method == "qfilters":
         if layer_filters is not None:
             return QFilterScorer(layer_filters, sign=config.sign, query_scale=layer_scale)
@@ -124,20 +133,23 @@ def make_caches(
     use_kernel = config.evicts and metal.resolve_kernel_mode(config.kernel, config.budget)
     caches = make_prompt_cache(model)
     if filters is not None:
-        if config.method != "qfilters":
-            raise ValueError(f"filters are only used by method='qfilters', got {config.method!r}")
+        if config.method not in ("qfilters", "kvzip"):
+            raise ValueError(
+                f"filters are only used by methods 'qfilters' and 'kvzip', got {config.method!r}"
+            )
         filters = mx.array(filters, dtype=mx.float32)
         _check_filters(filters, caches, model)
     scale = None
     if config.evicts and config.budget_mode == "adaptive":
-        scale = _adaptive_scale(config, filters, query_scale)
+        if config.method != "kvzip":  # kvzip's scores are attention weights: comparable
+            scale = _adaptive_scale(config, filters, query_scale)
         try:
             install_head_masks(model)
         except ValueError as exc:
             raise ConfigError("budget_mode", str(exc)) from None
 
     taps: list[QueryTap] | None = None
-    if config.method in QUERY_AWARE:
+    if config.method in TAPPED:
         try:
             taps = install_query_taps(model)
         except ValueError as exc:
@@ -167,7 +179,7 @@ def make_caches(
             n_sink=config.n_sink,
             recent=config.recent,
             chunk=config.chunk,
-            floor=config.floor_rows if scale is not None else None,
+            floor=config.floor_rows if config.budget_mode == "adaptive" else None,
             use_kernel=use_kernel,
         )
     return caches

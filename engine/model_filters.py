@@ -86,12 +86,12 @@ class ModelFilters:
         """A request's caches for ``config``, with these filters where its method uses them."""
         from engine.factory import make_caches
 
-        calibrated = config.method == "qfilters"
+        calibrated = config.method in ("qfilters", "kvzip")
         return make_caches(
             self.loaded.model,
             config,
             filters=self.filters if calibrated else None,
-            query_scale=self.query_scale if calibrated else None,
+            query_scale=self.query_scale if config.method == "qfilters" else None,
             self_calibrate=self.source == "self",
         )
 

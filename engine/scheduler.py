@@ -33,6 +33,7 @@ import mlx.core as mx
 from mlx_lm.generate import GenerationBatch, generation_stream, make_stop_sequences
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
+from engine import kvzip
 from engine.batch import BatchCache
 from engine.prompts import StopText, token_logprobs
 from engine.requests import Delta, Failed, Finished, FinishReason
@@ -63,6 +64,8 @@ class Sequence:
     uid: int = -1
     cached: int = 0  # prompt tokens a reused cache already held
     generated: list[int] = field(default_factory=list)
+    # kvzip: the prompt over budget is scored by reconstructing it once read (engine.kvzip)
+    reconstruction: kvzip.Reconstruction | None = None
 
     @property
     def record(self) -> RequestRecord:
@@ -101,6 +104,7 @@ class Scheduler:
         self._batch = self._empty_batch()
         self._decoding: dict[int, Sequence] = {}
         self._uids = 0
+        self._repeat: kvzip.RepeatPrompt | None = None  # built for the first kvzip request
 
     def _empty_batch(self) -> GenerationBatch:
         return GenerationBatch.empty(self.loaded.model, make_sampler(0.0))
@@ -172,6 +176,17 @@ class Scheduler:
                 mx.eval([c.state for c in seq.caches])
                 seq.read += n
                 if seq.read < len(seq.prompt) - 1:
+                    return n
+            if seq.reconstruction is None and kvzip.needs_pass(seq.caches):
+                if self._repeat is None:
+                    self._repeat = kvzip.RepeatPrompt.for_tokenizer(self.loaded.tokenizer)
+                seq.reconstruction = kvzip.Reconstruction(
+                    self.loaded.model, seq.caches, seq.prompt[:-1], self._repeat
+                )
+            if seq.reconstruction is not None and not seq.reconstruction.done:
+                # Its tokens count against the step's as prefill chunks do.
+                n += seq.reconstruction.step(limit - n)
+                if not seq.reconstruction.done:
                     return n
             self._prefilling.popleft()
             self._join(seq)

@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from engine.config import METHODS
+
 Fate = Literal["implemented", "no-op", "refused"]
 
 # parameter -> (fate, what happens); chat completions.
@@ -85,7 +87,7 @@ EXTENSION_FATES: dict[str, tuple[Fate, str]] = {
     "min_p": ("implemented", "drop tokens below min_p x the top probability; 0 is off"),
     "repetition_penalty": ("implemented", "mlx-lm's repetition penalty over the last 20 tokens"),
     "response_format (completions)": ("implemented", "as for chat"),
-    "kv_method": ("implemented", "qfserve: qfilters, knorm, streaming or full"),
+    "kv_method": ("implemented", f"qfserve: {', '.join(METHODS)}"),
     "qfilters_budget": ("implemented", "qfserve: KV rows kept per layer and KV head"),
     "qfilters_recent": ("implemented", "qfserve: recent positions never evicted"),
     "qfilters_n_sink": ("implemented", "qfserve: leading positions never evicted"),

@@ -29,7 +29,7 @@ from server.compat import (
 )
 from server.errors import APIError
 
-KVMethod = Literal["qfilters", "knorm", "streaming", "snapkv", "tova", "full"]
+KVMethod = Literal["qfilters", "kvzip", "knorm", "streaming", "snapkv", "tova", "full"]
 assert set(METHODS) == set(KVMethod.__args__)  # type: ignore[attr-defined]
 CACHE_PARAMS = {
     "method": "kv_method",
@@ -181,8 +181,9 @@ class EvictionFields(_Strict):
     kv_method: Annotated[
         KVMethod | None,
         Field(
-            description="Eviction method: qfilters (calibrated projection), knorm, streaming "
-            "(sinks + recent), snapkv or tova (query-aware references: they read the model's "
+            description="Eviction method: qfilters (calibrated projection), kvzip (a prompt "
+            "over its budget is scored by the attention a reconstruction of it pays each key: "
+            "one extra pass over the prompt), knorm, streaming (sinks + recent), snapkv or tova (query-aware references: they read the model's "
             "queries to evict) or full (no eviction). Default: --kv-method."
         ),
     ] = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 
+import mlx.core as mx
 import pytest
 from mlx_lm import stream_generate
 from mlx_lm.sample_utils import make_sampler
@@ -19,6 +20,7 @@ from calibrations.model_info import model_fingerprint
 from engine.config import CacheConfig
 from engine.factory import make_caches
 from engine.filters import resolve_calibration
+from engine.kvzip import RepeatPrompt, compress
 from engine.loading import default_model_path, load_model
 from engine.packed import PackedBatch
 from engine.requests import Delta, Failed, Finished, GenerationRequest, SamplingParams
@@ -35,6 +37,7 @@ SETTINGS = [  # method, budget, recent, budget_mode: every kind of cache in one 
     CacheConfig(method="qfilters", budget=80, recent=16, budget_mode="adaptive", floor=0.25),
     CacheConfig(method="tova", budget=56, recent=8),  # the query-aware ones read their own
     CacheConfig(method="snapkv", budget=88, recent=16),  # row of the batch's queries
+    CacheConfig(method="kvzip", budget=72, recent=8),  # reconstructs its prompt first
 ]
 PACKED = [  # only caches the batch packs into shared arrays (engine.packed); the first (89
     CacheConfig(method="qfilters", budget=100, recent=8),  # tokens) fills while decoding
@@ -100,14 +103,22 @@ def alone(loaded, calibration, req: GenerationRequest) -> tuple[list[int], list[
     caches = make_caches(
         loaded.model,
         req.cache,
-        filters=filters if calibrated else None,
+        filters=filters if req.cache.method in ("qfilters", "kvzip") else None,
         query_scale=scale if calibrated else None,
     )
+    prompt = list(req.prompt)
+    if req.cache.method == "kvzip":  # read the prompt, reconstruct it, then generate
+        for i in range(0, len(prompt) - 1, DEFAULT_PREFILL_CHUNK):
+            block = prompt[i : min(i + DEFAULT_PREFILL_CHUNK, len(prompt) - 1)]
+            loaded.model(mx.array(block)[None], cache=caches)
+        repeat = RepeatPrompt.for_tokenizer(loaded.tokenizer)
+        compress(loaded.model, caches, prompt[:-1], repeat)
+        prompt = prompt[-1:]
     tokens, logprobs, text = [], [], ""
     for gen in stream_generate(
         loaded.model,
         loaded.tokenizer,
-        list(req.prompt),  # type: ignore[arg-type]
+        prompt,  # type: ignore[arg-type]
         max_tokens=req.sampling.max_tokens,
         sampler=make_sampler(0.0),
         prompt_cache=caches,

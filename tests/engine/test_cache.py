@@ -77,7 +77,7 @@ def test_filters_with_the_wrong_layout_are_refused(model, filters):
         make_caches(model, CacheConfig(), filters=filters[:, :1])
     with pytest.raises(ValueError, match="n_layers"):
         make_caches(model, CacheConfig(), filters=filters[:1])
-    with pytest.raises(ValueError, match="only used by method='qfilters'"):
+    with pytest.raises(ValueError, match="only used by methods 'qfilters' and 'kvzip'"):
         make_caches(model, CacheConfig(method="knorm"), filters=filters)
 
 

@@ -86,7 +86,7 @@ def conversation(
     return out
 
 
-@pytest.mark.parametrize("method", ["full", "streaming", "knorm", "qfilters"])
+@pytest.mark.parametrize("method", ["full", "streaming", "knorm", "qfilters", "kvzip"])
 def test_reuse_under_the_budget_changes_no_token(worker, loaded, method):
     config = CacheConfig(method=method, budget=1024, recent=16)
     fresh = conversation(worker, loaded, config, 5, reuse=False)
@@ -147,17 +147,19 @@ def test_a_prompt_that_differs_from_what_was_generated_is_a_counted_miss(worker,
     assert all("prompt" not in e for e in entries)  # counts and settings only
 
 
-def test_saved_caches_survive_a_restart(loaded, tmp_path, caplog):
+@pytest.mark.parametrize("method", ["qfilters", "kvzip"])
+def test_saved_caches_survive_a_restart(loaded, tmp_path, caplog, method):
     from engine import persist
 
     def started(ld):
         return serving(worker_for(ld, prompt_cache_dir=str(tmp_path)))
 
-    config = CacheConfig(method="qfilters", budget=48, recent=8)
+    config = CacheConfig(method=method, budget=48, recent=8)
     opening = " ".join([OPENING] * 10)
     with started(loaded) as first:
         (_, one), (ids2, two) = conversation(first, loaded, config, 2, reuse=True, opening=opening)
     assert one.kv_cache["evictions"] > 0 and two.cached_tokens > 0
+    assert two.kv_cache["tokens_kept"] <= config.budget
     saved = sorted(tmp_path.glob("*" + persist.SUFFIX))
     assert len(saved) == 2  # both turns' caches
     # Another model's file in the same folder is skipped, not loaded.

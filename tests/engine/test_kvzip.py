@@ -1,0 +1,221 @@
+"""KVzip caches against an independent reconstruction: the tiny model run on a plain cache.
+
+The reference feeds each reconstruction chunk (context, then the chunk's ids) to mlx-lm's own
+``KVCache`` in one call, captures every layer's rotated queries with a rope wrapper written
+here, and computes the scores with numpy: an explicit softmax over the sinks, the chunk's
+context keys and the reconstruction keys (causal), the max over the chunk's queries and the
+query heads of each KV group. Selection is checked against a numpy top-k with the sinks and
+the recent window protected, and the kept keys against the full cache's at their positions.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx_lm.models.cache import KVCache
+
+from engine.config import CacheConfig, ConfigError
+from engine.factory import make_caches
+from engine.kvzip import PREV_TAIL, RepeatPrompt, compress, generated_tier, needs_pass
+
+CHUNK = 16  # context tokens per reconstruction chunk: the test context spans three
+
+
+class _Capture(nn.Module):
+    """A layer's rope, unchanged, keeping the last rotated query block."""
+
+    def __init__(self, rope: nn.Module, n_heads: int) -> None:
+        super().__init__()
+        self.rope, self.n_heads, self.queries = rope, n_heads, None
+
+    def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
+        y = self.rope(x, offset=offset)
+        if x.shape[1] == self.n_heads:
+            self.queries = y
+        return y
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from engine.loading import default_model_path, load_model
+
+    loaded = load_model(str(default_model_path()))
+    tokens = loaded.tokenizer.encode(" ".join(f"w{i % 11} is {i}" for i in range(9)))
+    return loaded, tokens[:40]
+
+
+def reference_scores(model, context: list[int], repeat: RepeatPrompt, n_sink: int) -> np.ndarray:
+    """(layers, H, L) scores of the context rows, computed without engine code."""
+    layers = model.layers
+    attn0 = layers[0].self_attn
+    Hq, H = attn0.n_heads, attn0.n_kv_heads
+    L = len(context)
+    base = [KVCache() for _ in layers]
+    model(mx.array(context)[None], cache=base)
+    out = np.zeros((len(layers), H, L), dtype=np.float64)
+    for start in range(0, L, CHUNK):
+        end = min(L, start + CHUNK)
+        lead = repeat.first if start == 0 else (*repeat.next, *context[start - PREV_TAIL : start])
+        ids = [*lead, *repeat.suffix, *context[start:end]]
+        caches = copy.deepcopy(base)
+        ropes = []
+        for layer in layers:
+            ropes.append(layer.self_attn.rope)
+            layer.self_attn.rope = _Capture(layer.self_attn.rope, Hq)
+        try:
+            model(mx.array(ids)[None], cache=caches)
+            captured = [np.array(layer.self_attn.rope.queries[0]) for layer in layers]
+        finally:
+            for layer, rope in zip(layers, ropes, strict=True):
+                layer.self_attn.rope = rope
+        R = len(ids)
+        sinks = min(n_sink, start)
+        for i, (q, cache) in enumerate(zip(captured, caches, strict=True)):
+            k = np.array(cache.keys[0, :, : L + R], dtype=np.float64)  # (H, L + R, D)
+            cols = [*range(sinks), *range(start, end), *range(L, L + R)]
+            logits = np.einsum(
+                "hrd,hsd->hrs", q.astype(np.float64), k[np.arange(Hq) // (Hq // H)][:, cols]
+            )
+            logits *= layers[i].self_attn.scale
+            own = len(cols) - R
+            future = np.triu(np.ones((R, R), dtype=bool), 1)
+            logits[:, :, own:][:, future] = -np.inf
+            p = np.exp(logits - logits.max(-1, keepdims=True))
+            p /= p.sum(-1, keepdims=True)
+            chunk = p[:, :, sinks:own].reshape(H, Hq // H, R, end - start).max(axis=(1, 2))
+            out[i, :, start:end] = chunk
+    return out
+
+
+def numpy_keep(scores: np.ndarray, budget: int, n_sink: int, recent: int) -> np.ndarray:
+    """(H, budget) kept positions: protected rows first, then the highest scores, the lower
+    position among ties."""
+    H, L = scores.shape
+    ranked = scores.copy()
+    ranked[:, :n_sink] = np.inf
+    ranked[:, L - recent :] = np.inf
+    kept = []
+    for h in range(H):
+        order = sorted(range(L), key=lambda j: (-ranked[h, j], j))[:budget]
+        kept.append(sorted(order))
+    return np.array(kept)
+
+
+def test_scores_equal_an_independent_reconstruction(tiny):
+    loaded, tokens = tiny
+    model, context = loaded.model, tokens[:-1]
+    repeat = RepeatPrompt.for_tokenizer(loaded.tokenizer)
+    caches = make_caches(model, CacheConfig(method="kvzip", budget=1000, n_sink=4))
+    model(mx.array(context)[None], cache=caches)
+    compress(model, caches, context, repeat, chunk=CHUNK, block=7)  # blocks cut chunks
+    ours = np.stack([np.array(c.token_scores[0]) for c in caches])
+    ref = reference_scores(model, context, repeat, n_sink=4)
+    np.testing.assert_allclose(ours, ref, rtol=2e-4, atol=2e-6)
+    assert all(c.size() == len(context) for c in caches)  # under budget: nothing dropped
+
+
+@pytest.mark.parametrize("recent", [0, 5])
+def test_kept_rows_are_the_budget_with_true_positions(tiny, recent):
+    loaded, tokens = tiny
+    model, context = loaded.model, tokens[:-1]
+    repeat = RepeatPrompt.for_tokenizer(loaded.tokenizer)
+    budget = 17
+    caches = make_caches(model, CacheConfig(method="kvzip", budget=budget, recent=recent))
+    full = [KVCache() for _ in model.layers]
+    model(mx.array(context)[None], cache=full)
+    model(mx.array(context)[None], cache=caches)
+    assert needs_pass(caches)
+    compress(model, caches, context, repeat, chunk=CHUNK)
+    ref = reference_scores(model, context, repeat, n_sink=4)
+    for i, (cache, plain) in enumerate(zip(caches, full, strict=True)):
+        kept = numpy_keep(ref[i], budget, 4, recent)
+        assert cache.size() == budget
+        np.testing.assert_array_equal(np.array(cache.positions[0]), kept)
+        # Each kept row is the full cache's row at its position: rotation and value intact.
+        full_keys = np.array(plain.keys[0])
+        for h in range(kept.shape[0]):
+            np.testing.assert_array_equal(np.array(cache.keys[0, h]), full_keys[h, kept[h]])
+        assert cache.offset == len(context)
+
+
+def test_decode_stays_bounded_and_generated_rows_go_first(tiny):
+    loaded, tokens = tiny
+    model, context = loaded.model, tokens[:-1]
+    repeat = RepeatPrompt.for_tokenizer(loaded.tokenizer)
+    budget, recent = 17, 4
+    caches = make_caches(model, CacheConfig(method="kvzip", budget=budget, recent=recent))
+    model(mx.array(context)[None], cache=caches)
+    compress(model, caches, context, repeat, chunk=CHUNK)
+    chosen = [[set(np.array(c.positions[0, h]).tolist()) for h in range(2)] for c in caches]
+    y = mx.array(tokens[-1:])[None]
+    for _ in range(12):
+        y = mx.argmax(model(y, cache=caches)[:, -1], axis=-1)[None]
+    mx.eval(y)
+    for c, before in zip(caches, chosen, strict=True):
+        assert c.size() == budget and c.offset == len(context) + 12
+        free = np.array(c.free[0, :, 0])
+        for h in range(2):
+            order = np.array(c.order[0, h])  # the slots' true positions (one slot is free)
+            rows = set(np.delete(order, free[h]).tolist())
+            generated = {p for p in rows if p >= len(context)}
+            # Generated rows beyond the recent window went before any row KVzip chose.
+            assert generated == set(range(c.offset - recent, c.offset))
+            assert rows - generated <= before[h]
+
+
+def test_budget_above_the_prompt_generates_as_the_full_cache(tiny):
+    loaded, tokens = tiny
+    model = loaded.model
+
+    def greedy(config: CacheConfig) -> list[int]:
+        caches = make_caches(model, config)
+        model(mx.array(tokens[:-1])[None], cache=caches)
+        assert not needs_pass(caches)
+        y, out = mx.array(tokens[-1:])[None], []
+        for _ in range(16):
+            y = mx.argmax(model(y, cache=caches)[:, -1], axis=-1)[None]
+            out.append(int(y.item()))
+        return out
+
+    assert greedy(CacheConfig(method="kvzip", budget=256)) == greedy(CacheConfig(method="full"))
+
+
+def test_adaptive_budgets_share_the_layer_rows(tiny):
+    loaded, tokens = tiny
+    model, context = loaded.model, tokens[:-1]
+    repeat = RepeatPrompt.for_tokenizer(loaded.tokenizer)
+    config = CacheConfig(method="kvzip", budget=17, budget_mode="adaptive", floor=0.3)
+    caches = make_caches(model, config)
+    model(mx.array(context)[None], cache=caches)
+    compress(model, caches, context, repeat, chunk=CHUNK)
+    ref = reference_scores(model, context, repeat, n_sink=4)
+    for i, cache in enumerate(caches):
+        counts = np.array(cache.valid[0].sum(axis=-1))
+        assert counts.sum() == 17 * 2 and counts.min() >= config.floor_rows
+        # The kept rows are the layer's best over both heads, beyond each head's floor.
+        valid = np.array(cache.valid[0])
+        kept = [set(np.array(cache.positions[0, h])[valid[h]].tolist()) for h in range(2)]
+        dropped = [set(range(len(context))) - kept[h] for h in range(2)]
+        for h in range(2):
+            if len(kept[h]) > config.floor_rows:
+                worst_kept = min(ref[i, h, p] for p in kept[h] if p >= 4)
+                best_dropped = max(
+                    (ref[i, g, p] for g in range(2) for p in dropped[g]), default=-1.0
+                )
+                assert worst_kept >= best_dropped
+
+
+def test_generated_tier_keeps_order_below_zero():
+    s = mx.array([-1e4, -50.0, -1.0, 0.0, 1.0, 50.0, 51.0, 1e4])
+    t = np.array(generated_tier(s))
+    assert (t < 0).all() and (t > -1).all() and (np.diff(t) > 0).all()
+
+
+def test_kvzip_refuses_chunks():
+    with pytest.raises(ConfigError) as exc:
+        CacheConfig(method="kvzip", chunk=8)
+    assert exc.value.param == "chunk"
