@@ -27,6 +27,7 @@ LABELS = {
     "tova": "TOVA (query-aware)",
     "fallback": "Q-Filters (key-SVD fallback)",
     "knorm": "K-norm",
+    "kvzip": "KVzip (context reconstruction)",
     "streaming": "streaming (sinks + recent)",
 }
 
@@ -109,10 +110,11 @@ class Arm:
             if learned is None:
                 raise ValueError(f"no filters learned from {self.traffic!r} traffic were given")
             return make_caches(model, config, filters=np.asarray(learned))
-        if self.method == "qfilters":
+        if self.method in ("qfilters", "kvzip"):
             if filters is None:
                 raise ValueError("the calibrated qfilters arm needs filters, got None")
-            scale = getattr(filters, "query_scale", None) if self.adaptive else None
+            adaptive = self.adaptive and self.method == "qfilters"  # kvzip's need no scale
+            scale = getattr(filters, "query_scale", None) if adaptive else None
             return make_caches(model, config, filters=np.asarray(filters), query_scale=scale)
         caches = make_caches(model, config, self_calibrate=self.method == "self")
         if self.window is not None:  # a study's knob, not a request's: set on the scorers
@@ -126,21 +128,25 @@ class Arm:
         return ",".join(sorted(sources)) or "none"
 
 
-READS_QUERIES = ("self", "snapkv", "tova")  # arms whose caches take the block's queries
+READS_QUERIES = ("self", "snapkv", "tova", "kvzip")  # arms whose caches take the block's queries
 
 
 def feed_block(caches: list[Any], block: list[tuple[Any, ...]]) -> None:
     """Hand one prompt block, computed once for every arm, to an arm's fresh caches:
     ``(keys, values)`` per layer, plus the block's rotated queries for self-calibrated
     and query-aware caches (what their layer's query tap would hold had the block run
-    through them)."""
-    for cache, (keys, values, *queries) in zip(caches, block, strict=True):
+    through them), and for kvzip caches the pass's scores, which they then evict by."""
+    for cache, (keys, values, *extra) in zip(caches, block, strict=True):
         tap = getattr(getattr(cache, "scorer", None), "tap", None)
         if tap is not None:
-            if not queries:
+            if not extra:
                 raise ValueError("an arm that reads queries needs the block's queries")
-            tap.queries = queries[0]
+            tap.queries = extra[0]
         cache.update_and_fetch(keys, values)
+        if getattr(cache, "defers", False):
+            if len(extra) < 2:
+                raise ValueError("a kvzip arm needs the block's reconstruction scores")
+            cache.compress(extra[1])
 
 
 def standard_arms(
@@ -192,6 +198,11 @@ def add_arm_arguments(p: Any) -> None:
         default=[],
         help="with --query-aware, also run SnapKV with these observation windows",
     )
+    p.add_argument(
+        "--kvzip",
+        action="store_true",
+        help="also run KVzip (engine.kvzip), per head and with adaptive budgets",
+    )
     p.add_argument("--only", nargs="+", default=None, help="run only these arm names")
 
 
@@ -227,6 +238,9 @@ def select_arms(arms: list[Arm], args: Any) -> list[Arm]:
         extra += [Arm(m, a.recent_frac) for m in ("snapkv", "tova") for a in plain]
         windows = getattr(args, "snapkv_windows", [])
         extra += [Arm("snapkv", a.recent_frac, window=w) for w in windows for a in plain]
+    if getattr(args, "kvzip", False):
+        extra += [Arm("kvzip", a.recent_frac) for a in plain]
+        extra += [Arm("kvzip", a.recent_frac, adaptive=True) for a in plain]
     out = [*arms, *extra]
     if args.only:
         unknown = set(args.only) - {a.name for a in out}

@@ -118,10 +118,17 @@ def measure(
     filters: Any,
     ratios: list[int],
     arms: list[Arm],
+    repeat: Any = None,
 ) -> dict:
-    """Every arm at every ratio on one document: correct and answer NLL."""
+    """Every arm at every ratio on one document: correct and answer NLL (``repeat``: the
+    tokenizer's reconstruction prompts, for kvzip arms)."""
     prompt = doc["prompt"]
-    block = prefill_block(model, prompt, queries=any(arm.method in READS_QUERIES for arm in arms))
+    block = prefill_block(
+        model,
+        prompt,
+        queries=any(arm.method in READS_QUERIES for arm in arms),
+        kvzip=repeat if any(arm.method == "kvzip" for arm in arms) else None,
+    )
     max_tokens = len(doc["answer"]) + 2
     out: dict[str, dict[str, Any]] = {}
     for arm in arms:
@@ -252,7 +259,9 @@ def main(argv: list[str] | None = None) -> int:
                     "depth": doc["depth"],
                     "tokens": doc["tokens"],
                     "model": study.identity["path"],
-                    "arms": measure(study.model, study.tokenizer, doc, study.filters, ratios, arms),
+                    "arms": measure(
+                        study.model, study.tokenizer, doc, study.filters, ratios, arms, study.repeat
+                    ),
                 }
                 f.write(json.dumps(rec) + "\n")
                 f.flush()

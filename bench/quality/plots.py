@@ -18,6 +18,7 @@ COLORS = {
     "traffic/passkey": "tab:gray",
     "snapkv": "tab:olive",
     "tova": "tab:cyan",
+    "kvzip": "darkgoldenrod",
     "fallback": "tab:orange",
     "knorm": "tab:green",
     "streaming": "tab:red",

@@ -64,7 +64,9 @@ from bench.quality.common import (
 from bench.quality.data import passkey_docs
 from bench.quality.study import open_study
 from bench.quality.teacher import streaming_nll
-from engine.config import DEFAULT_N_SINK
+from engine.config import DEFAULT_N_SINK, CacheConfig
+from engine.factory import make_caches
+from engine.kvzip import RepeatPrompt, compress
 from engine.selfcal import install_query_taps
 
 STUDY = "retrieval"
@@ -100,17 +102,25 @@ def decode(model: Any, prompt: list[int], caches: list[Any], max_tokens: int) ->
 
 
 def prefill_block(
-    model: Any, prompt: list[int], *, queries: bool = False
+    model: Any, prompt: list[int], *, queries: bool = False, kvzip: RepeatPrompt | None = None
 ) -> list[tuple[mx.array, ...]]:
-    """Keys and values every layer stores for ``prompt[:-1]`` (one block, full cache), and
-    with ``queries`` the block's rotated queries (for self-calibrated arms)."""
-    taps = install_query_taps(model) if queries else None
-    cache = make_prompt_cache(model)
-    model(mx.array(prompt[:-1])[None], cache=cache)
+    """Keys and values every layer stores for ``prompt[:-1]`` (one block, full cache), with
+    ``queries`` the block's rotated queries (for self-calibrated arms), and with ``kvzip``
+    the queries and the reconstruction pass's scores of every row (they do not depend on
+    the budget, so the pass runs once per document for every kvzip arm and ratio)."""
     n = len(prompt) - 1
+    taps = install_query_taps(model) if queries or kvzip is not None else None
+    if kvzip is not None:  # a budget above the block: the pass scores rows, evicts none
+        cache = make_caches(model, CacheConfig(method="kvzip", budget=n + 1))
+    else:
+        cache = make_prompt_cache(model)
+    model(mx.array(prompt[:-1])[None], cache=cache)
     kv: list[tuple[mx.array, ...]] = [(c.keys[..., :n, :], c.values[..., :n, :]) for c in cache]
     if taps is not None:
         kv = [(*layer, tap.take(n)) for layer, tap in zip(kv, taps, strict=True)]
+    if kvzip is not None:
+        compress(model, cache, prompt[:-1], kvzip)
+        kv = [(*layer, c.token_scores) for layer, c in zip(kv, cache, strict=True)]
     mx.eval(kv)
     return kv
 
@@ -168,7 +178,10 @@ def measure_doc(
     model, prompt = study.model, doc["prompt"]
     max_tokens = doc["key_tokens"] + 2
     block = prefill_block(
-        model, prompt, queries=any(arm.method in READS_QUERIES for arm, _ in configs)
+        model,
+        prompt,
+        queries=any(arm.method in READS_QUERIES for arm, _ in configs),
+        kvzip=study.repeat if any(arm.method == "kvzip" for arm, _ in configs) else None,
     )
     cells: list[list[Any]] = []
     sources: dict[str, str] = {}
@@ -179,7 +192,7 @@ def measure_doc(
             continue
         tokens, sources[arm.name] = run_arm(model, prompt, block, arm, budget, filters, max_tokens)
         nll = answer_nll(model, prompt, doc["answer"], block, arm, budget, filters)
-        if first:
+        if first and arm.method != "kvzip":  # kvzip's pass runs on the shared block only
             direct, _ = run_arm(model, prompt, None, arm, budget, filters, max_tokens)
             check["arms"] += 1
             check["identical"] += direct == tokens

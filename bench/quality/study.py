@@ -12,6 +12,7 @@ import argparse
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from bench.cli import command_line
@@ -19,6 +20,7 @@ from bench.harness import write_results
 from bench.models import load
 from bench.quality.calib import filters_for, with_learned
 from bench.quality.data import heldout_corpus
+from engine.kvzip import RepeatPrompt
 from training.data import Corpus
 
 
@@ -36,6 +38,11 @@ class Study:
     corpus: Corpus
     filters: Any = None  # (n_layers, n_kv_heads, head_dim) calibrated filters, when loaded
     calibration: dict[str, Any] | None = None  # where the filters came from
+
+    @cached_property
+    def repeat(self) -> RepeatPrompt:
+        """The tokenizer's reconstruction prompts (kvzip arms)."""
+        return RepeatPrompt.for_tokenizer(self.tokenizer)
 
     def save(self, payload: dict[str, Any], *, calibration: Any = None) -> int:
         """Write ``<out>/<name>.json`` (shared fields + ``payload``); returns exit code 0.

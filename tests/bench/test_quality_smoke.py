@@ -50,7 +50,7 @@ def results(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
             argv = ["--quick", "--model", str(tiny_model), "--out", str(out)]
             fresh = study not in ("stability", "multiturn_recall")  # these use the registry's own
             if study in ("retrieval", "niah"):  # they share one prefill, queries included
-                argv += ["--self-calibrated", "--query-aware"]
+                argv += ["--self-calibrated", "--query-aware", "--kvzip"]
             assert module.main([*argv, "--calibration", "fresh"] if fresh else argv) == 0
     finally:
         os.environ.pop("QFSERVE_BENCH_CACHE", None)
