@@ -8,13 +8,13 @@ from typing import Literal
 
 Method = Literal["qfilters", "kvzip", "knorm", "streaming", "snapkv", "tova", "full"]
 KernelMode = Literal["auto", "on", "off"]
-BudgetMode = Literal["per_head", "adaptive"]
+BudgetMode = Literal["per_head", "adaptive", "global"]
 
 METHODS: tuple[str, ...] = ("qfilters", "kvzip", "knorm", "streaming", "snapkv", "tova", "full")
 QUERY_AWARE: tuple[str, ...] = ("snapkv", "tova")  # read the model's queries to evict
 TAPPED: tuple[str, ...] = (*QUERY_AWARE, "kvzip")  # need the layers' query taps
 KERNEL_MODES: tuple[str, ...] = ("auto", "on", "off")
-BUDGET_MODES: tuple[str, ...] = ("per_head", "adaptive")
+BUDGET_MODES: tuple[str, ...] = ("per_head", "adaptive", "global")
 DEFAULT_METHOD: Method = "qfilters"
 DEFAULT_BUDGET = 512
 DEFAULT_N_SINK = 4
@@ -74,7 +74,9 @@ class CacheConfig:
             mean score (ChunkKV); ``1`` (default) ranks rows one by one.
         budget_mode: ``per_head`` (default): ``budget`` rows in every KV head;
             ``adaptive``: block evictions share ``budget * n_kv_heads`` rows across a
-            layer's heads (AdaKV), each keeping at least ``floor`` of its budget.
+            layer's heads (AdaKV), each keeping at least ``floor`` of its budget;
+            ``global`` (kvzip only): the reconstruction pass shares ``budget * n_kv_heads *
+            n_layers`` rows across every layer and head (kvpress's KVzip default).
         floor: Share of ``budget`` every head keeps under ``adaptive`` (``0 < floor <= 1``).
         kernel: Fused eviction kernel: ``auto`` (where a GPU backend exists), ``on``
             (require it) or ``off`` (pure MLX).
@@ -119,6 +121,12 @@ class CacheConfig:
                 "budget_mode",
                 f"budget_mode must be one of {BUDGET_MODES}, got {self.budget_mode!r}",
             )
+        if self.budget_mode == "global" and self.method not in ("kvzip", "full"):
+            raise ConfigError(
+                "budget_mode",
+                "budget_mode='global' shares rows across layers by the scores of kvzip's "
+                f"reconstruction pass: method must be kvzip, got {self.method!r}",
+            )
         if self.method in TAPPED and self.chunk != 1:
             raise ConfigError("chunk", f"{self.method} selects rows one by one: chunk must be 1")
         if self.method in QUERY_AWARE and self.budget_mode != "per_head":
@@ -141,7 +149,9 @@ class CacheConfig:
     @property
     def floor_rows(self) -> int:
         """Rows every head keeps under adaptive budgets: ``floor * budget``, at least the
-        protected rows."""
+        protected rows (under ``global``: the protected rows alone)."""
+        if self.budget_mode == "global":
+            return self.n_sink + self.recent
         return min(self.budget, max(self.n_sink + self.recent, math.ceil(self.floor * self.budget)))
 
     @property

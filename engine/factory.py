@@ -35,7 +35,7 @@ def make_scorer(
         inner: Scorer = KNormScorer()
         if layer_filters is not None:
             inner = QFilterScorer(layer_filters, sign=config.sign)
-        return KVzipScorer(tap, inner)
+        return KVzipScorer(tap, inner, shared=config.budget_mode == "global")
     if config.method == "qfilters":
         if layer_filters is not None:
             return QFilterScorer(layer_filters, sign=config.sign, query_scale=layer_scale)
@@ -140,7 +140,7 @@ def make_caches(
         filters = mx.array(filters, dtype=mx.float32)
         _check_filters(filters, caches, model)
     scale = None
-    if config.evicts and config.budget_mode == "adaptive":
+    if config.evicts and config.budget_mode != "per_head":
         if config.method != "kvzip":  # kvzip's scores are attention weights: comparable
             scale = _adaptive_scale(config, filters, query_scale)
         try:
@@ -179,7 +179,7 @@ def make_caches(
             n_sink=config.n_sink,
             recent=config.recent,
             chunk=config.chunk,
-            floor=config.floor_rows if config.budget_mode == "adaptive" else None,
+            floor=config.floor_rows if config.budget_mode != "per_head" else None,
             use_kernel=use_kernel,
         )
     return caches

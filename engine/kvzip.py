@@ -66,15 +66,19 @@ class KVzipScorer(AlwaysReady):
     Args:
         tap: The layer's query tap (the pass reads the reconstruction queries from it).
         inner: Ranks generated rows: calibrated Q-Filters where the model has them.
+        shared: The pass shares the rows of every layer (``budget_mode="global"``): each
+            layer then keeps what the global top-k gives it (:func:`layer_budgets`).
     """
 
     defers_blocks = True  # the cache keeps a prompt block whole until compress()
     tracks_positions = True  # the pass maps stored rows to context chunks by position
     scores_are_weights = True  # attention weights: comparable across heads as they are
 
-    def __init__(self, tap: QueryTap, inner: Scorer) -> None:
+    def __init__(self, tap: QueryTap, inner: Scorer, *, shared: bool = False) -> None:
         self.tap = tap
         self.inner = inner
+        self.shared = shared
+        self.budget: int | None = None  # the request's budget, before a layer takes its share
         self.source = inner.source
 
     @property
@@ -298,11 +302,58 @@ class Reconstruction:
                 self._plan.pop(0)
                 self._fed = 0
         if not self._plan and self._views:
-            for view in self._views:
-                view.cache.compress(view.scores)
+            scores = [view.scores for view in self._views]
+            if self.caches[0].scorer.shared:
+                for cache, budget in zip(
+                    self.caches, layer_budgets(self.caches, scores), strict=True
+                ):
+                    cache.budget = budget
+            for cache, layer_scores in zip(self.caches, scores, strict=True):
+                cache.compress(layer_scores)
             mx.eval([c.state for c in self.caches])
             self._views = []
         return fed
+
+
+def layer_budgets(caches: list[Any], scores: list[mx.array]) -> list[int]:
+    """Each layer's rows per head when every layer shares the request's rows (kvpress's
+    KVzip default): the global top ``budget * H * n_layers`` of the pass's scores, protected
+    rows (sinks, recent window) first; a layer then keeps its share, spread over its heads by
+    the same scores (:mod:`engine.adaptive`), so heads and layers whose reconstruction
+    attention is diffuse give rows to those that read the context.
+
+    Args:
+        caches: The request's caches (one batch row), stored rows in temporal order.
+        scores: ``(1, H, S)`` float32 per layer, the pass's.
+    Returns:
+        Rows per head per layer: at least the protected rows, ``H`` times it summing to at
+        most ``budget * H * n_layers``.
+    """
+    ranked = []
+    for cache, layer_scores in zip(caches, scores, strict=True):
+        if cache.scorer.budget is None:  # the request's budget, kept for later turns
+            cache.scorer.budget = cache.budget
+        real = mx.ones(layer_scores.shape, dtype=mx.bool_) if cache.valid is None else cache.valid
+        from_start = mx.cumsum(real.astype(mx.int32), axis=-1)
+        from_end = mx.cumsum(real.astype(mx.int32), axis=-1, reverse=True)
+        protected = real & ((from_start <= cache.n_sink) | (from_end <= cache.recent))
+        guarded = mx.where(protected, mx.inf, mx.where(real, layer_scores, -mx.inf))
+        ranked.append(guarded.reshape(-1))
+    flat = mx.concatenate(ranked)
+    H = caches[0].keys.shape[1]
+    total = sum(c.scorer.budget * H for c in caches)
+    kth = mx.sort(flat)[-min(total, flat.size)]
+    budgets = []
+    for cache, layer in zip(caches, ranked, strict=True):
+        rows = int((layer >= kth).sum().item()) // H
+        budgets.append(max(rows, cache.n_sink + cache.recent))
+    # Ties at the threshold can give more than the total: trim the largest layers.
+    excess = sum(budgets) - total // H
+    while excess > 0:
+        i = max(range(len(budgets)), key=budgets.__getitem__)
+        budgets[i] -= 1
+        excess -= 1
+    return budgets
 
 
 def needs_pass(caches: list[Any]) -> bool:

@@ -209,6 +209,36 @@ def test_adaptive_budgets_share_the_layer_rows(tiny):
                 assert worst_kept >= best_dropped
 
 
+def test_global_budgets_share_every_layer_rows(tiny):
+    loaded, tokens = tiny
+    model, context = loaded.model, tokens[:-1]
+    repeat = RepeatPrompt.for_tokenizer(loaded.tokenizer)
+    budget, recent = 13, 2
+    config = CacheConfig(method="kvzip", budget=budget, recent=recent, budget_mode="global")
+    caches = make_caches(model, config)
+    model(mx.array(context)[None], cache=caches)
+    compress(model, caches, context, repeat, chunk=CHUNK)
+    ref = reference_scores(model, context, repeat, n_sink=4)  # (layers, H, L)
+    guarded = ref.copy()
+    guarded[:, :, :4] = np.inf
+    guarded[:, :, len(context) - recent :] = np.inf
+    layers, H, _ = ref.shape
+    kth = np.sort(guarded.reshape(-1))[::-1][budget * H * layers - 1]
+    shares = [max(int((guarded[i] >= kth).sum()) // H, 4 + recent) for i in range(layers)]
+    # Each layer keeps whole rows per head: at most one row per head short of its share.
+    assert budget * layers - layers <= sum(shares) <= budget * layers
+    for i, cache in enumerate(caches):
+        assert cache.budget == shares[i]
+        valid = np.array(cache.valid[0])
+        kept = {(h, p) for h in range(H) for p in np.array(cache.positions[0, h])[valid[h]]}
+        assert len(kept) == shares[i] * H
+        # The layer's share goes to its best rows over every head, protected rows first.
+        order = sorted(((h, p) for h in range(H) for p in range(len(context))),
+                       key=lambda hp: -guarded[i, hp[0], hp[1]])  # fmt: skip
+        assert kept == set(order[: shares[i] * H])
+    assert len({c.budget for c in caches}) > 1 or layers == 1
+
+
 def test_generated_tier_keeps_order_below_zero():
     s = mx.array([-1e4, -50.0, -1.0, 0.0, 1.0, 50.0, 51.0, 1e4])
     t = np.array(generated_tier(s))
