@@ -89,8 +89,9 @@ def make_parser(env: EnvDefaults | None = None) -> argparse.ArgumentParser:
         "--budget-mode",
         choices=BUDGET_MODES,
         default=s.budget_mode,
-        help="default budget mode: per_head, or adaptive (a layer's heads share the budget; "
-        "needs calibrated filters with query scales) (default: %(default)s)",
+        help="default budget mode: per_head, adaptive (a layer's heads share the budget; "
+        "qfilters needs calibrated filters with query scales) or global (kvzip: every layer "
+        "shares it) (default: %(default)s)",
     )
     p.add_argument(
         "--floor",

@@ -154,11 +154,13 @@ class EvictionFields(_Strict):
         ),
     ] = None
     qfilters_budget_mode: Annotated[
-        Literal["per_head", "adaptive"] | None,
+        Literal["per_head", "adaptive", "global"] | None,
         Field(
             description="per_head: budget rows in every KV head; adaptive: a layer's heads "
-            "share budget x heads rows (AdaKV), ranked by expected attention logits; needs "
-            "calibrated filters with query scales. Default: --budget-mode.",
+            "share budget x heads rows (AdaKV), ranked by expected attention logits (qfilters: "
+            "needs calibrated filters with query scales) or by kvzip's scores; global (kvzip "
+            "only): every layer and head share budget x heads x layers rows by kvzip's "
+            "scores. Default: --budget-mode.",
         ),
     ] = None
     qfilters_floor: Annotated[

@@ -139,11 +139,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--docs", type=int, default=None, help="documents (default 20; quick 2)")
     p.add_argument("--length", type=int, default=1200, help="context tokens per document")
     p.add_argument("--ratios", type=int, nargs="+", default=[2, 4, 8])
+    p.add_argument("--gguf", type=Path, default=None,
+                   help="the GGUF kvpress loads (default: --model's, or the catalog model's)")  # fmt: skip
     args = parse(p, argv)
     study = open_study(STUDY, args, argv)
-    gguf = Path(study.identity.get("gguf") or "")
+    gguf = args.gguf or (Path(args.model) if str(args.model).endswith(".gguf") else None)
+    if gguf is None:
+        from engine.catalog import SMOLLM2_135M, gguf_path
+
+        gguf = gguf_path(SMOLLM2_135M)
     if not gguf.is_file():
-        raise SystemExit(f"{STUDY} compares on a GGUF file; {study.identity['path']} has none")
+        raise SystemExit(f"{STUDY} compares on a GGUF file; {gguf} is none")
     out = args.out / STUDY
     out.mkdir(parents=True, exist_ok=True)
     docs = chat_docs(
