@@ -95,3 +95,16 @@ def kv_need(
     rows = rows_needed(cache, kv_heads, prompt_tokens, max_tokens)
     param = "qfilters_budget" if cache.evicts else "max_tokens"
     return rows * row, param
+
+
+def hold_need(loaded: Any, cache: CacheConfig, prompt_tokens: int, max_tokens: int) -> int | None:
+    """Bytes a kvzip request holds when its turn runs on its full cache and is compressed
+    only when kept for the next turn: every row, then the reconstruction pass's chunk
+    beside them (``None``: the request never holds more than its budget)."""
+    total = prompt_tokens + max_tokens
+    if cache.method != "kvzip" or total <= cache.budget:
+        return None
+    from engine.kvzip import DEFAULT_CHUNK, REPEAT_ROWS
+
+    rows = total + min(total, DEFAULT_CHUNK) + REPEAT_ROWS
+    return rows * kv_row_bytes(loaded.model, loaded.config, cache)

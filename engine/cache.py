@@ -120,10 +120,11 @@ class EvictionCache(SlotLayout):
         positions (KVzip)."""
         return self.chunk > 1 or getattr(self.scorer, "tracks_positions", False)
 
-    @property
-    def defers(self) -> bool:
-        """Prompt blocks are stored whole until :meth:`compress` scores them (KVzip)."""
-        return getattr(self.scorer, "defers_blocks", False)
+    def defers(self, n: int) -> bool:
+        """A block of ``n`` rows is stored whole until :meth:`compress` scores it (KVzip's
+        prompt blocks)."""
+        defers = getattr(self.scorer, "defers", None)
+        return defers is not None and defers(n)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Append ``keys``/``values`` ``(B, H, N, D)``; return every stored row plus them."""
@@ -179,7 +180,7 @@ class EvictionCache(SlotLayout):
         self.head_mask = valid
 
         L, N = all_keys.shape[2], keys.shape[2]
-        if self.defers and N > 1:
+        if self.defers(N):
             self.keys, self.values, self.positions, self.valid = (
                 all_keys,
                 all_values,

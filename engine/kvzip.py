@@ -19,7 +19,7 @@ peak memory is the stored rows plus one chunk; RoPE positions continue after the
 and the kept rows keep the rotation they were stored with.
 
 Where it sits: a :class:`KVzipScorer` makes its :class:`engine.cache.EvictionCache` store
-prompt blocks whole (``defers_blocks``); :func:`compress` (or the scheduler, chunk by chunk)
+prompt blocks whole (:meth:`KVzipScorer.defers`); :func:`compress` (or the scheduler, chunk by chunk)
 runs the pass and hands each cache its scores (:meth:`EvictionCache.compress`), which the
 shared core turns into ``budget`` rows per head or a layer budget shared across heads.
 Generated rows are ranked by the request's Q-Filters (calibrated filters, else K-norm)
@@ -60,7 +60,7 @@ class KVzipScorer(AlwaysReady):
     """A layer's scorer under ``method="kvzip"``.
 
     Prompt blocks are stored whole until the reconstruction pass scores them
-    (``defers_blocks``); until then, and for every generated row, scores come from
+    (:meth:`defers`); until then, and for every generated row, scores come from
     ``inner`` mapped by :func:`generated_tier`.
 
     Args:
@@ -70,7 +70,6 @@ class KVzipScorer(AlwaysReady):
             layer then keeps what the global top-k gives it (:func:`layer_budgets`).
     """
 
-    defers_blocks = True  # the cache keeps a prompt block whole until compress()
     tracks_positions = True  # the pass maps stored rows to context chunks by position
     scores_are_weights = True  # attention weights: comparable across heads as they are
 
@@ -79,7 +78,14 @@ class KVzipScorer(AlwaysReady):
         self.inner = inner
         self.shared = shared
         self.budget: int | None = None  # the request's budget, before a layer takes its share
+        # Set while a turn runs on its full cache, compressed only when it is kept for reuse.
+        self.holding = False
         self.source = inner.source
+
+    def defers(self, n: int) -> bool:
+        """A block of ``n`` rows is stored whole until :meth:`EvictionCache.compress`: every
+        prompt block, and every row while holding."""
+        return n > 1 or self.holding
 
     @property
     def nbytes(self) -> int:
@@ -357,10 +363,27 @@ def layer_budgets(caches: list[Any], scores: list[mx.array]) -> list[int]:
 
 
 def needs_pass(caches: list[Any]) -> bool:
-    """Some layer under :class:`KVzipScorer` holds more rows than its budget."""
+    """Some layer under :class:`KVzipScorer` holds more rows than the request's budget and
+    is not holding them for the turn boundary."""
     return any(
-        isinstance(getattr(c, "scorer", None), KVzipScorer) and c.size() > c.budget for c in caches
+        isinstance(getattr(c, "scorer", None), KVzipScorer)
+        and not c.scorer.holding
+        and c.size() > (c.scorer.budget or c.budget)
+        for c in caches
     )
+
+
+def hold(caches: list[Any], on: bool = True) -> None:
+    """Keep every row of a kvzip request's caches (``on``) until the turn is kept for reuse
+    and compressed, or let them evict again."""
+    for cache in caches:
+        if isinstance(getattr(cache, "scorer", None), KVzipScorer):
+            cache.scorer.holding = on
+
+
+def holding(caches: list[Any]) -> bool:
+    """Some layer holds its rows for the turn boundary (:func:`hold`)."""
+    return any(getattr(getattr(c, "scorer", None), "holding", False) for c in caches)
 
 
 def compress(

@@ -178,10 +178,8 @@ class Scheduler:
                 if seq.read < len(seq.prompt) - 1:
                     return n
             if seq.reconstruction is None and kvzip.needs_pass(seq.caches):
-                if self._repeat is None:
-                    self._repeat = kvzip.RepeatPrompt.for_tokenizer(self.loaded.tokenizer)
                 seq.reconstruction = kvzip.Reconstruction(
-                    self.loaded.model, seq.caches, seq.prompt[:-1], self._repeat
+                    self.loaded.model, seq.caches, seq.prompt[:-1], self.repeat
                 )
             if seq.reconstruction is not None and not seq.reconstruction.done:
                 # Its tokens count against the step's as prefill chunks do.
@@ -261,6 +259,7 @@ class Scheduler:
                 if self._keep is not None and r.finish_reason is not None:
                     # Ended by EOS or max_tokens, so the caches hold every token the client
                     # gets back (a stop string cuts what it gets: not worth keeping).
+                    self._settle(seq)
                     self._keep(seq)
         if leaving:
             self._remove(leaving)
@@ -306,6 +305,24 @@ class Scheduler:
             kv_cache=record.kv_cache(seq.job.request.cache),
             cached_tokens=seq.cached,
         )
+
+    @property
+    def repeat(self) -> kvzip.RepeatPrompt:
+        """The tokenizer's reconstruction prompts (built for the first kvzip request)."""
+        if self._repeat is None:
+            self._repeat = kvzip.RepeatPrompt.for_tokenizer(self.loaded.tokenizer)
+        return self._repeat
+
+    def _settle(self, seq: Sequence) -> None:
+        """A kvzip turn that answered on its full cache is compressed before it is kept, so
+        the next turn continues a bounded cache scored without knowing its question. The
+        pass runs here, in one go, between two decode steps of the others."""
+        if not kvzip.holding(seq.caches):
+            return
+        kvzip.hold(seq.caches, False)
+        if kvzip.needs_pass(seq.caches):
+            tokens = [*seq.prompt, *seq.generated][: seq.caches[0].offset]
+            kvzip.compress(self.loaded.model, seq.caches, tokens, self.repeat)
 
     # -- leaving -------------------------------------------------------------------------
 

@@ -365,7 +365,12 @@ class Worker:
                 job.emit(job.failure or Failed("cancelled", "the request was cancelled"))
                 self._finish(job.record, "cancelled")
                 continue
-            if not self.ledger.reserve(job.record, need, alone=not len(scheduler)):
+            full = self._hold_need(job, len(prompt), max_tokens)
+            if full is not None and self.ledger.reserve(job.record, full, alone=False):
+                from engine import kvzip
+
+                kvzip.hold(caches)  # this turn answers on its full cache; kept, it is compressed
+            elif not self.ledger.reserve(job.record, need, alone=not len(scheduler)):
                 return
             self._next = None
             if self.prompt_cache is not None:  # kept caches give way to running requests
@@ -406,6 +411,15 @@ class Worker:
             self._finish(job.record, "error")
             return None
         return job, prompt, max_tokens, caches, need, cached
+
+    def _hold_need(self, job: Job, prompt_tokens: int, max_tokens: int) -> int | None:
+        """KV bytes a kvzip request that continues in a later turn needs to answer this one
+        on its full cache (``None``: not such a request)."""
+        if self.prompt_cache is None or not job.request.reuse:
+            return None
+        from engine.admission import hold_need
+
+        return hold_need(self.loaded, job.request.cache, prompt_tokens, max_tokens)
 
     def _key(self, job: Job) -> tuple[Any, ...]:
         from engine.reuse import cache_key

@@ -147,7 +147,7 @@ def feed_block(caches: list[Any], block: list[tuple[Any, ...]]) -> None:
                 raise ValueError("an arm that reads queries needs the block's queries")
             tap.queries = extra[0]
         cache.update_and_fetch(keys, values)
-        if getattr(cache, "defers", False):
+        if isinstance(cache, EvictionCache) and cache.defers(keys.shape[2]):
             if len(extra) < 2:
                 raise ValueError("a kvzip arm needs the block's reconstruction scores")
             cache.compress(extra[1])

@@ -157,9 +157,15 @@ def test_saved_caches_survive_a_restart(loaded, tmp_path, caplog, method):
     config = CacheConfig(method=method, budget=48, recent=8)
     opening = " ".join([OPENING] * 10)
     with started(loaded) as first:
-        (_, one), (ids2, two) = conversation(first, loaded, config, 2, reuse=True, opening=opening)
-    assert one.kv_cache["evictions"] > 0 and two.cached_tokens > 0
-    assert two.kv_cache["tokens_kept"] <= config.budget
+        (ids1, one), (ids2, two) = conversation(
+            first, loaded, config, 2, reuse=True, opening=opening
+        )
+    assert two.cached_tokens > 0
+    if method == "kvzip":  # turn one answered on its full cache, then was kept compressed
+        assert one.kv_cache["evictions"] == 0
+        assert two.kv_cache["tokens_kept"] < two.prompt_tokens + two.completion_tokens
+    else:
+        assert one.kv_cache["evictions"] > 0
     saved = sorted(tmp_path.glob("*" + persist.SUFFIX))
     assert len(saved) == 2  # both turns' caches
     # Another model's file in the same folder is skipped, not loaded.
@@ -171,6 +177,8 @@ def test_saved_caches_survive_a_restart(loaded, tmp_path, caplog, method):
         prompt1 = loaded.tokenizer.encode(opening)
         vocab = {loaded.tokenizer.decode([i]): i for i in range(len(loaded.tokenizer.vocab))}
         first_ids = [vocab[p] for p in ask(second, request(prompt1, config, reuse=False))[0]]
+        if method == "kvzip":  # reuse off compresses the prompt; turn one answered in full
+            first_ids = ids1
         prompt2 = [*prompt1, *first_ids, *user_part(loaded, 0)]
         pieces, again = ask(second, request(prompt2, config))
     assert again.cached_tokens == two.cached_tokens  # turn one's cache, read back from disk
@@ -241,3 +249,33 @@ def test_a_reused_query_aware_cache_reads_the_queries_the_model_computes_now(
     assert isinstance(final, Finished) and isinstance(other_final, Finished), (final, other_final)
     assert final.cached_tokens > 0  # it continued the kept cache
     assert pieces == alone
+
+
+def test_a_kvzip_turn_answers_on_its_full_cache_and_is_kept_compressed(worker, loaded):
+    config = CacheConfig(method="kvzip", budget=48, recent=8)
+    opening = " ".join([OPENING] * 10)  # longer than the budget
+    turns = conversation(worker, loaded, config, 3, reuse=True, opening=opening)
+    full = conversation(worker, loaded, CacheConfig(method="full"), 1, reuse=False, opening=opening)
+    (ids1, first), (_, second), (_, third) = turns
+    assert ids1 == full[0][0]  # the first answer is the full cache's
+    assert first.kv_cache["evictions"] == 0
+    # Later turns continue the kept cache: compressed to the budget, then the new tokens.
+    for before, after in ((first, second), (second, third)):
+        assert after.cached_tokens == before.prompt_tokens + before.completion_tokens
+        new = after.prompt_tokens + after.completion_tokens - after.cached_tokens
+        assert after.kv_cache["tokens_kept"] <= config.budget + new + 1
+    kept = worker.prompt_cache.view
+    assert kept["entries"]
+
+
+def test_a_kvzip_turn_over_the_memory_it_may_hold_compresses_its_prompt(loaded):
+    from engine.admission import hold_need, kv_need
+
+    config = CacheConfig(method="kvzip", budget=48, recent=8)
+    prompt = loaded.tokenizer.encode(" ".join([OPENING] * 10))
+    bounded, _ = kv_need(loaded, config, len(prompt), TURN_TOKENS)
+    held = hold_need(loaded, config, len(prompt), TURN_TOKENS)
+    assert held is not None and bounded < held
+    with serving(worker_for(loaded, prompt_cache_size=4, max_kv_bytes=held - 1)) as w:
+        _, final = ask(w, request(prompt, config))
+    assert final.kv_cache["evictions"] > 0 and final.kv_cache["tokens_kept"] <= config.budget
