@@ -308,17 +308,20 @@ class Reconstruction:
                 self._plan.pop(0)
                 self._fed = 0
         if not self._plan and self._views:
-            scores = [view.scores for view in self._views]
-            if self.caches[0].scorer.shared:
-                for cache, budget in zip(
-                    self.caches, layer_budgets(self.caches, scores), strict=True
-                ):
-                    cache.budget = budget
-            for cache, layer_scores in zip(self.caches, scores, strict=True):
-                cache.compress(layer_scores)
-            mx.eval([c.state for c in self.caches])
+            evict(self.caches, [view.scores for view in self._views])
             self._views = []
         return fed
+
+
+def evict(caches: list[Any], scores: list[mx.array]) -> None:
+    """Evict each kvzip cache to its budget by the pass's ``scores`` (one ``(B, H, S)`` per
+    cache), the layers first taking their shares of the rows where they share them."""
+    if caches and caches[0].scorer.shared:
+        for cache, budget in zip(caches, layer_budgets(caches, scores), strict=True):
+            cache.budget = budget
+    for cache, layer_scores in zip(caches, scores, strict=True):
+        cache.compress(layer_scores)
+    mx.eval([c.state for c in caches])
 
 
 def layer_budgets(caches: list[Any], scores: list[mx.array]) -> list[int]:

@@ -15,6 +15,7 @@ import numpy as np
 
 from engine.cache import EvictionCache
 from engine.config import DEFAULT_CALIB_TOKENS, DEFAULT_N_SINK, CacheConfig
+from engine import kvzip
 from engine.factory import make_caches
 from engine.query_aware import SnapKVScorer
 
@@ -140,6 +141,7 @@ def feed_block(caches: list[Any], block: list[tuple[Any, ...]]) -> None:
     ``(keys, values)`` per layer, plus the block's rotated queries for self-calibrated
     and query-aware caches (what their layer's query tap would hold had the block run
     through them), and for kvzip caches the pass's scores, which they then evict by."""
+    deferred = []
     for cache, (keys, values, *extra) in zip(caches, block, strict=True):
         tap = getattr(getattr(cache, "scorer", None), "tap", None)
         if tap is not None:
@@ -150,7 +152,9 @@ def feed_block(caches: list[Any], block: list[tuple[Any, ...]]) -> None:
         if isinstance(cache, EvictionCache) and cache.defers(keys.shape[2]):
             if len(extra) < 2:
                 raise ValueError("a kvzip arm needs the block's reconstruction scores")
-            cache.compress(extra[1])
+            deferred.append((cache, extra[1]))
+    if deferred:  # as the pass ends: every layer at once (they may share the rows)
+        kvzip.evict([c for c, _ in deferred], [s for _, s in deferred])
 
 
 def standard_arms(
