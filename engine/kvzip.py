@@ -129,11 +129,13 @@ class RepeatPrompt:
 
         return cls(ids(REPEAT_FIRST), ids(REPEAT_NEXT), ids(suffix_text))
 
-    def chunks(self, tokens: Sequence[int], chunk: int) -> list[tuple[int, int, list[int]]]:
-        """``(start, end, ids)`` per chunk of ``tokens``: the context span it reconstructs and
-        the ids fed for it (prompt, suffix, the span's tokens)."""
+    def chunks(
+        self, tokens: Sequence[int], chunk: int, first: int = 0
+    ) -> list[tuple[int, int, list[int]]]:
+        """``(start, end, ids)`` per chunk of ``tokens[first:]``: the context span it
+        reconstructs and the ids fed for it (prompt, suffix, the span's tokens)."""
         out = []
-        for start in range(0, len(tokens), chunk):
+        for start in range(first, len(tokens), chunk):
             end = min(start + chunk, len(tokens))
             lead = (
                 self.first
@@ -153,10 +155,10 @@ class _ReconstructionView:
     of the chunk and the reconstruction keys (causal).
     """
 
-    def __init__(self, cache: Any) -> None:
+    def __init__(self, cache: Any, first: int) -> None:
         self.cache = cache
-        keys = cache.keys
-        self.scores = mx.zeros(keys.shape[:3], dtype=mx.float32)
+        # Rows before ``first`` keep the scores an earlier pass gave them.
+        self.scores = mx.where(cache.positions < first, mx.maximum(cache.token_scores, 0.0), 0.0)
         self.keys: mx.array | None = None  # the chunk's reconstruction rows
         self.values: mx.array | None = None
         # Sinks, the chunk's first and last stored row (over heads), its positions.
@@ -245,6 +247,11 @@ class Reconstruction:
     """The reconstruction pass over one request's caches, run in steps of ``limit`` tokens
     (the scheduler interleaves it with decoding, as it does prefill chunks).
 
+    A pass reconstructs from the first position no earlier pass scored (a later turn: its
+    own tokens and the answer before them), since each chunk is scored on its own: the rows
+    kept from earlier turns keep their scores, and a conversation costs one pass over its
+    tokens in all, not one per turn over its whole history.
+
     Args:
         model: The mlx-lm model the caches belong to.
         caches: The request's caches; layers under :class:`KVzipScorer` are scored.
@@ -273,8 +280,9 @@ class Reconstruction:
             cache.prepare_compress()
         self.model = model
         self.caches = scored
-        self._plan = repeat.chunks(tokens, chunk) if scored else []
-        self._views = [_ReconstructionView(c) for c in scored]
+        self.first = _first_unscored(scored, len(tokens))
+        self._plan = repeat.chunks(tokens, chunk, self.first) if scored else []
+        self._views = [_ReconstructionView(c, self.first) for c in scored]
         self._fed = 0  # ids of the current chunk fed so far
 
     @property
@@ -311,6 +319,18 @@ class Reconstruction:
             evict(self.caches, [view.scores for view in self._views])
             self._views = []
         return fed
+
+
+def _first_unscored(caches: list[Any], n: int) -> int:
+    """The first position whose row no pass has scored yet (a prompt block's or a generated
+    row's provisional score is below zero, :func:`generated_tier`); ``n`` if none."""
+    firsts = []
+    for cache in caches:
+        pending = cache.token_scores < 0
+        if cache.valid is not None:
+            pending = pending & cache.valid
+        firsts.append(mx.where(pending, cache.positions, n).min())
+    return min(int(f.item()) for f in firsts) if firsts else n
 
 
 def evict(caches: list[Any], scores: list[mx.array]) -> None:

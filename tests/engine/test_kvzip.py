@@ -249,3 +249,28 @@ def test_kvzip_refuses_chunks():
     with pytest.raises(ConfigError) as exc:
         CacheConfig(method="kvzip", chunk=8)
     assert exc.value.param == "chunk"
+
+
+def test_a_later_turn_reconstructs_only_what_no_pass_scored(tiny):
+    from engine.kvzip import Reconstruction
+
+    loaded, tokens = tiny
+    model, context = loaded.model, tokens[:-1]
+    repeat = RepeatPrompt.for_tokenizer(loaded.tokenizer)
+    caches = make_caches(model, CacheConfig(method="kvzip", budget=17, recent=2))
+    model(mx.array(context[:30])[None], cache=caches)
+    compress(model, caches, context[:30], repeat, chunk=CHUNK)
+    before = [dict(zip(np.array(c.positions[0, 0]).tolist(), np.array(c.token_scores[0, 0]).tolist(), strict=True)) for c in caches]  # fmt: skip
+    model(mx.array(context[30:])[None], cache=caches)  # the next turn's block
+    run = Reconstruction(model, caches, context, repeat, chunk=CHUNK)
+    assert run.first == 30 and run._plan[0][0] == 30  # only the new tokens, chunked from there
+    while not run.done:
+        run.step(8)
+    for c, old in zip(caches, before, strict=True):
+        assert c.size() == 17
+        now = dict(zip(np.array(c.positions[0, 0]).tolist(), np.array(c.token_scores[0, 0]).tolist(), strict=True))  # fmt: skip
+        for p, score in now.items():
+            if p < 30:  # kept from the first turn: its score as the first pass gave it
+                assert score == pytest.approx(old[p])
+            else:
+                assert score >= 0
