@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 
+from engine import kvzip
 from engine.cache import EvictionCache
 from engine.config import DEFAULT_CALIB_TOKENS, DEFAULT_N_SINK, CacheConfig
-from engine import kvzip
 from engine.factory import make_caches
 from engine.query_aware import SnapKVScorer
 
