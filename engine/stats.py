@@ -12,7 +12,8 @@ class CacheStats:
     """What a cache (or a request's caches) holds against what a full cache would.
 
     ``tokens_seen`` and ``tokens_kept`` are per layer and KV head (a request reports the
-    largest layer); byte counts are summed over layers.
+    largest layer's ``tokens_seen`` and the mean of ``tokens_kept`` over its layers, which
+    differ where layers share the rows); byte counts are summed over layers.
     """
 
     tokens_seen: int = 0
@@ -43,14 +44,16 @@ def _merge_source(a: str, b: str) -> str:
 def summarize(caches: Iterable[Any]) -> CacheStats:
     """Sum the statistics of a request's caches; layers without ``stats()`` are skipped."""
     total = CacheStats()
+    kept = []
     for cache in caches:
         stats = getattr(cache, "stats", None)
         if stats is None:
             continue
         s = stats()
+        kept.append(s.tokens_kept)
         total = CacheStats(
             tokens_seen=max(total.tokens_seen, s.tokens_seen),
-            tokens_kept=max(total.tokens_kept, s.tokens_kept),
+            tokens_kept=round(sum(kept) / len(kept)),
             kept_bytes=total.kept_bytes + s.kept_bytes,
             full_seq_bytes=total.full_seq_bytes + s.full_seq_bytes,
             evictions=total.evictions + s.evictions,
