@@ -26,6 +26,9 @@ SCORED: tuple[str, ...] = ("qfilters", "knorm")  # rank rows by a score: chunks 
 CHUNKED_MIN_BUDGET = 256  # the smallest budget the default chunk was measured at
 DEFAULT_BUDGET_MODE: BudgetMode = "per_head"
 DEFAULT_FLOOR = 0.2  # AdaKV's default share of the budget every head keeps
+# kvzip's rows shared across layers: on SmolLM2's needle documents per-head kvzip lost the
+# needle at 2x where the shared rows kept it (README, bench/results/smollm2/kvzip).
+DEFAULT_KVZIP_BUDGET_MODE: BudgetMode = "global"
 
 
 def fit_chunk(chunk: int | None, method: str, budget: int) -> int:
@@ -44,6 +47,18 @@ def fit_chunk(chunk: int | None, method: str, budget: int) -> int:
     if chunk is None:
         return SERVED_CHUNK if budget >= CHUNKED_MIN_BUDGET else 1
     return chunk if chunk < budget else 1
+
+
+def fit_budget_mode(mode: str, method: str) -> str:
+    """The budget mode of a request that sends none, for its own method: the server's
+    ``mode``, except that ``kvzip`` takes :data:`DEFAULT_KVZIP_BUDGET_MODE` where that is the
+    general default (``per_head``), and other methods ``per_head`` where it is ``global``
+    (only kvzip shares rows across layers)."""
+    if method == "kvzip" and mode == DEFAULT_BUDGET_MODE:
+        return DEFAULT_KVZIP_BUDGET_MODE
+    if method != "kvzip" and mode == "global":
+        return DEFAULT_BUDGET_MODE
+    return mode
 
 
 class ConfigError(ValueError):

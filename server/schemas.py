@@ -14,7 +14,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from engine.config import METHODS, CacheConfig, ConfigError, fit_chunk
+from engine.config import METHODS, CacheConfig, ConfigError, fit_budget_mode, fit_chunk
 from engine.requests import GenerationRequest, SamplingParams
 from engine.structured import GrammarError, JSONConstraint, ToolCallConstraint
 from server.compat import (
@@ -256,6 +256,8 @@ class GenerationBody(EvictionFields):
         merged = {**defaults.__dict__, **overrides}
         if "chunk" not in overrides:  # the default chunk, where it applies to this request
             merged["chunk"] = fit_chunk(chunk, merged["method"], merged["budget"])
+        if "budget_mode" not in overrides:  # kvzip's own default allocation
+            merged["budget_mode"] = fit_budget_mode(merged["budget_mode"], merged["method"])
         try:
             return CacheConfig(**merged)
         except ConfigError as exc:

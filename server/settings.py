@@ -17,6 +17,7 @@ from engine.config import (
     BudgetMode,
     CacheConfig,
     Method,
+    fit_budget_mode,
     fit_chunk,
 )
 from engine.model_filters import DEFAULT_SELF_CALIBRATION, SelfCalibration
@@ -138,7 +139,7 @@ class Settings:
             chunk=fit_chunk(None, self.kv_method, self.budget)
             if self.chunk is None
             else self.chunk,
-            budget_mode=self.budget_mode,
+            budget_mode=fit_budget_mode(self.budget_mode, self.kv_method),
             floor=self.floor,
         )
         object.__setattr__(self, "_cache_defaults", defaults)

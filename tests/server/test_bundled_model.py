@@ -166,3 +166,34 @@ def test_a_second_chat_turn_continues_the_first_turns_cache(default_server):
         extra_body={"qfilters_budget": 96},
     )  # fmt: skip
     assert other.usage.prompt_tokens_details.cached_tokens == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_kvzip_compresses_a_prompt_over_its_budget_and_says_so(default_server, stream):
+    """kv_method kvzip through the SDK. Without reuse the prompt (about 450 tokens) is
+    reconstructed and evicted to 64 rows per head on average, its rows shared across layers
+    by default; with reuse (the default) the turn answers on its full cache, as the full
+    cache does, and is compressed only when kept."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{default_server}/v1", api_key="unused", max_retries=0, timeout=60)
+
+    def ask(**extra):
+        kwargs = dict(model="qfserve-tiny", prompt=PASSKEY_PROMPT, max_tokens=6, temperature=0)
+        if not stream:
+            resp = client.completions.create(**kwargs, extra_body=extra)
+            return resp.choices[0].text, resp.model_extra["kv_cache"]
+        chunks = list(client.completions.create(**kwargs, extra_body=extra, stream=True))
+        return "".join(c.choices[0].text for c in chunks if c.choices), None
+
+    settings = {"kv_method": "kvzip", "qfilters_budget": 64, "qfilters_recent": 8}
+    _, kv = ask(**settings, qfilters_reuse=False)
+    if kv is not None:
+        assert (kv["method"], kv["budget_mode"]) == ("kvzip", "global")
+        assert kv["evictions"] > 0 and kv["tokens_kept"] <= 64 < kv["tokens_seen"]
+    held, kv = ask(**settings)
+    if kv is not None:
+        assert kv["evictions"] == 0 and kv["tokens_kept"] == kv["tokens_seen"]
+    roomy, _ = ask(kv_method="kvzip", qfilters_budget=1024, qfilters_reuse=False)
+    full, _ = ask(kv_method="full")
+    assert roomy == full == held

@@ -59,3 +59,22 @@ def test_the_servers_flag_sets_the_default_and_an_impossible_one_is_refused():
     assert config(small, qfilters_budget=4, qfilters_n_sink=1).chunk == 1  # must be below it
     with pytest.raises(ConfigError, match="chunk must be 1"):  # asked for outright: refused
         Settings(kv_method="tova", chunk=4)
+
+
+def test_kvzip_shares_rows_across_layers_unless_told_otherwise():
+    s = Settings()
+    assert config(s, kv_method="kvzip").budget_mode == "global"
+    assert config(s, kv_method="kvzip", qfilters_budget_mode="per_head").budget_mode == "per_head"
+    assert config(s).budget_mode == "per_head"  # the default method is unchanged
+    assert Settings(kv_method="kvzip").cache_defaults().budget_mode == "global"
+    # A server defaulting to global still serves the other methods per head.
+    shared = Settings(budget_mode="global")
+    assert config(shared).budget_mode == "per_head"
+    assert config(shared, kv_method="kvzip").budget_mode == "global"
+    for body, param in (
+        ({"kv_method": "kvzip", "qfilters_chunk": 4}, "qfilters_chunk"),
+        ({"kv_method": "qfilters", "qfilters_budget_mode": "global"}, "qfilters_budget_mode"),
+    ):
+        with pytest.raises(APIError) as err:
+            config(s, **body)
+        assert err.value.status == 400 and err.value.param == param
