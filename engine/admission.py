@@ -108,3 +108,23 @@ def hold_need(loaded: Any, cache: CacheConfig, prompt_tokens: int, max_tokens: i
 
     rows = total + min(total, DEFAULT_CHUNK) + REPEAT_ROWS
     return rows * kv_row_bytes(loaded.model, loaded.config, cache)
+
+
+def kvzip_limit(
+    loaded: Any, cache: CacheConfig, max_kv_bytes: int, prefill_chunk: int
+) -> tuple[int, int] | None:
+    """Rows a kvzip prompt too long for ``max_kv_bytes`` may hold before what is read so far
+    is compressed, and the bytes it then needs: that many rows, a prefill chunk read beside
+    them, and the pass's chunk (``None``: not even the budget fits beside those)."""
+    from engine.kvzip import DEFAULT_CHUNK, REPEAT_ROWS
+
+    row = kv_row_bytes(loaded.model, loaded.config, cache)
+    fit = max_kv_bytes // row - REPEAT_ROWS
+    # At most: the limit, a chunk read past it, and a pass over those unscored rows.
+    limit = fit // 2 - prefill_chunk
+    if limit + prefill_chunk > DEFAULT_CHUNK:
+        limit = fit - prefill_chunk - DEFAULT_CHUNK
+    if limit <= cache.budget:
+        return None
+    peak = limit + prefill_chunk + min(DEFAULT_CHUNK, limit + prefill_chunk) + REPEAT_ROWS
+    return limit, peak * row

@@ -80,6 +80,8 @@ class KVzipScorer(AlwaysReady):
         self.budget: int | None = None  # the request's budget, before a layer takes its share
         # Set while a turn runs on its full cache, compressed only when it is kept for reuse.
         self.holding = False
+        # Rows the prompt may hold before what is read so far is compressed (memory).
+        self.limit: int | None = None
         self.source = inner.source
 
     def defers(self, n: int) -> bool:
@@ -394,6 +396,24 @@ def needs_pass(caches: list[Any]) -> bool:
         and c.size() > (c.scorer.budget or c.budget)
         for c in caches
     )
+
+
+def over_limit(caches: list[Any]) -> bool:
+    """Some layer holds more rows than the memory its request may hold lets a prompt keep
+    before the rows read so far are compressed (:func:`set_limit`)."""
+    return any(
+        isinstance(getattr(c, "scorer", None), KVzipScorer)
+        and c.scorer.limit is not None
+        and c.size() > c.scorer.limit
+        for c in caches
+    )
+
+
+def set_limit(caches: list[Any], rows: int) -> None:
+    """Compress the prompt read so far whenever a layer holds more than ``rows`` rows."""
+    for cache in caches:
+        if isinstance(getattr(cache, "scorer", None), KVzipScorer):
+            cache.scorer.limit = rows
 
 
 def hold(caches: list[Any], on: bool = True) -> None:

@@ -64,7 +64,8 @@ class Sequence:
     uid: int = -1
     cached: int = 0  # prompt tokens a reused cache already held
     generated: list[int] = field(default_factory=list)
-    # kvzip: the prompt over budget is scored by reconstructing it once read (engine.kvzip)
+    # kvzip: the pass under way (the prompt over budget, once read; or what is read so far,
+    # under memory pressure), engine.kvzip
     reconstruction: kvzip.Reconstruction | None = None
 
     @property
@@ -169,23 +170,35 @@ class Scheduler:
         n = 0
         try:
             todo = len(seq.prompt) - 1 - seq.read  # the last token starts the decoding
-            if todo > 0:
+            run = seq.reconstruction
+            if run is not None:  # a kvzip pass under way; its tokens count as prefill's do
+                n = run.step(limit)
+                if not run.done:
+                    return n
+                seq.reconstruction = None
+            elif todo > 0:
                 n = min(limit, todo)
                 chunk = mx.array(seq.prompt[seq.read : seq.read + n])[None]
                 self.loaded.model(chunk, cache=seq.caches)
                 mx.eval([c.state for c in seq.caches])
                 seq.read += n
-                if seq.read < len(seq.prompt) - 1:
-                    return n
-            if seq.reconstruction is None and kvzip.needs_pass(seq.caches):
-                seq.reconstruction = kvzip.Reconstruction(
+                todo -= n
+                if todo > 0 and kvzip.over_limit(seq.caches):
+                    # The whole prompt would not fit the memory it may hold: compress what
+                    # is read so far, then read on.
+                    seq.reconstruction = kvzip.Reconstruction(
+                        self.loaded.model, seq.caches, seq.prompt[: seq.read], self.repeat
+                    )
+            if todo > 0:
+                return n
+            if kvzip.needs_pass(seq.caches):
+                run = seq.reconstruction = kvzip.Reconstruction(
                     self.loaded.model, seq.caches, seq.prompt[:-1], self.repeat
                 )
-            if seq.reconstruction is not None and not seq.reconstruction.done:
-                # Its tokens count against the step's as prefill chunks do.
-                n += seq.reconstruction.step(limit - n)
-                if not seq.reconstruction.done:
+                n += run.step(limit - n)
+                if not run.done:
                     return n
+                seq.reconstruction = None
             self._prefilling.popleft()
             self._join(seq)
         except Exception as exc:  # noqa: BLE001 - one request failing must not stop the others

@@ -395,6 +395,8 @@ class Worker:
             if caches is None:
                 caches = self._caches_for(job.request.cache)
             need, param = kv_need(self.loaded, job.request.cache, len(prompt), max_tokens)
+            if need > self.max_kv_bytes and job.request.cache.method == "kvzip":
+                need = self._stream_kvzip(caches, job.request.cache) or need
             if need > self.max_kv_bytes:
                 raise PromptError(
                     f"this request's KV cache can hold {need} bytes, more than the server's "
@@ -411,6 +413,19 @@ class Worker:
             self._finish(job.record, "error")
             return None
         return job, prompt, max_tokens, caches, need, cached
+
+    def _stream_kvzip(self, caches: list[Any], config: Any) -> int | None:
+        """A kvzip prompt too long to hold whole within ``--max-kv-bytes`` is compressed as
+        it is read, whenever its rows reach what fits; the bytes it then needs (``None``: not
+        even that fits)."""
+        from engine import kvzip
+        from engine.admission import kvzip_limit
+
+        fit = kvzip_limit(self.loaded, config, self.max_kv_bytes, self._prefill_chunk)
+        if fit is None:
+            return None
+        kvzip.set_limit(caches, fit[0])
+        return fit[1]
 
     def _hold_need(self, job: Job, prompt_tokens: int, max_tokens: int) -> int | None:
         """KV bytes a kvzip request that continues in a later turn needs to answer this one

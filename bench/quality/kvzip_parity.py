@@ -7,8 +7,8 @@ prose) is compressed, then the *question* (the question, the template's assistan
 and "The special magic number for <city> is") is appended uncompressed and the answer decoded
 greedily. An arm is right when the first number it says is the needle's.
 
-Ours: :mod:`engine.kvzip` on the context (per head, and across each layer's heads), with no
-recent window, as kvpress keeps none; the question and answer then stay whole, as in kvpress.
+Ours: :mod:`engine.kvzip` on the context (rows shared across layers, our default; across
+each layer's heads; per head), with no recent window, as kvpress keeps none; the question and answer then stay whole, as in kvpress.
 Theirs: ``bench/reference/kvpress_kvzip.py`` run by a Python that has torch, transformers and
 kvpress (``--kvpress-python``; they are no dependency of qfserve), on the same GGUF through
 transformers' ``gguf_file=``, fed the same ids. Reported per ratio: accuracy of each, and the
@@ -36,17 +36,20 @@ import numpy as np
 from bench.cli import parse, parser
 from bench.harness import print_table
 from bench.quality import plots
+from bench.quality.arms import Arm, feed_block
 from bench.quality.common import progress, run
 from bench.quality.niah import CITIES
 from bench.quality.prose import stdlib_prose
+from bench.quality.retrieval import prefill_block
 from bench.quality.study import open_study
-from engine.config import CacheConfig
-from engine.factory import make_caches
-from engine.kvzip import compress
 
 STUDY = "kvzip_parity"
 REFERENCE = Path(__file__).resolve().parents[1] / "reference" / "kvpress_kvzip.py"
-MODES = {"per_head": "ours, per head", "adaptive": "ours, across a layer's heads"}
+MODES = {
+    "global": "ours, rows shared across layers (the default)",
+    "adaptive": "ours, across a layer's heads",
+    "per_head": "ours, per head",
+}
 
 
 def chat_docs(tokenizer: Any, n: int, length: int, seed: int = 0) -> list[dict[str, Any]]:
@@ -81,23 +84,32 @@ def chat_docs(tokenizer: Any, n: int, length: int, seed: int = 0) -> list[dict[s
     return docs
 
 
-def ours(study: Any, doc: dict[str, Any], ratio: int, mode: str) -> dict[str, Any]:
-    """Our KVzip on the context at ``ratio``, then the question and answer kept whole."""
+def ours(study: Any, doc: dict[str, Any], ratios: list[int]) -> dict[str, dict[str, Any]]:
+    """Our KVzip on the context at each ratio and allocation, then the question and answer
+    kept whole. The pass runs once per document (its scores do not depend on the budget)."""
     model, context = study.model, doc["context_ids"]
-    budget = round(len(context) / ratio)
-    config = CacheConfig(method="kvzip", budget=budget, recent=0, budget_mode=mode)
-    caches = make_caches(model, config, filters=study.filters)
-    model(mx.array(context)[None], cache=caches)
-    compress(model, caches, context, study.repeat)
-    kept = [_kept(c) for c in caches]
-    for c in caches:  # as kvpress: what follows the context is not compressed
-        c.budget += len(doc["question_ids"]) + doc["max_new_tokens"] + 1
-    y, tokens = mx.array(doc["question_ids"])[None], []
-    for _ in range(doc["max_new_tokens"]):
-        y = mx.argmax(model(y, cache=caches)[:, -1], axis=-1)[None]
-        tokens.append(int(y.item()))
-    text = study.tokenizer.decode(tokens)
-    return {"text": text, "correct": _correct(text, doc["answer"]), "kept": kept}
+    block = prefill_block(model, [*context, 0], kvzip=study.repeat)
+    out: dict[str, dict[str, Any]] = {}
+    for mode in MODES:
+        for ratio in ratios:
+            budget = round(len(context) / ratio)
+            arm = Arm("kvzip", 0.0, adaptive=mode == "adaptive", shared=mode == "global")
+            caches = arm.caches(model, budget, study.filters)
+            feed_block(caches, block)
+            kept = [_kept(c) for c in caches]
+            for c in caches:  # as kvpress: what follows the context is not compressed
+                c.budget += len(doc["question_ids"]) + doc["max_new_tokens"] + 1
+            y, tokens = mx.array(doc["question_ids"])[None], []
+            for _ in range(doc["max_new_tokens"]):
+                y = mx.argmax(model(y, cache=caches)[:, -1], axis=-1)[None]
+                tokens.append(int(y.item()))
+            text = study.tokenizer.decode(tokens)
+            out.setdefault(mode, {})[str(ratio)] = {
+                "text": text,
+                "correct": _correct(text, doc["answer"]),
+                "kept": kept,
+            }
+    return out
 
 
 def _kept(cache: Any) -> list[list[int]]:
@@ -139,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--docs", type=int, default=None, help="documents (default 20; quick 2)")
     p.add_argument("--length", type=int, default=1200, help="context tokens per document")
     p.add_argument("--ratios", type=int, nargs="+", default=[2, 4, 8])
+    p.add_argument("--layerwise", action="store_true", help="also run kvpress with layerwise=True")
     p.add_argument("--gguf", type=Path, default=None,
                    help="the GGUF kvpress loads (default: --model's, or the catalog model's)")  # fmt: skip
     args = parse(p, argv)
@@ -157,16 +170,26 @@ def main(argv: list[str] | None = None) -> int:
     )
     (out / "docs.json").write_text(json.dumps(docs))
     theirs: dict[str, dict[str, Any]] = {}
-    for layerwise in (False, True):
+    for layerwise in (False, True) if args.layerwise else (False,):
         log = out / f"kvpress{'_layerwise' if layerwise else ''}.jsonl"
         run_kvpress(args.kvpress_python, gguf, out / "docs.json", log, args.ratios, layerwise)
         mode = "layerwise" if layerwise else "global"
         for line in log.read_text().splitlines():
             rec = json.loads(line)
             theirs.setdefault(rec["id"], {})[mode] = rec
+    mine_log = out / "ours.jsonl"
+    mine = {}
+    if mine_log.exists():
+        for line in mine_log.read_text().splitlines():
+            rec = json.loads(line)
+            mine[rec["id"]] = rec["modes"]
     cells: dict[str, dict[str, list[Any]]] = {}
-    with progress(total=len(docs), desc="documents") as bar:
+    with progress(total=len(docs), desc="documents") as bar, mine_log.open("a") as f:
         for doc in docs:
+            if doc["id"] not in mine:
+                mine[doc["id"]] = ours(study, doc, args.ratios)
+                f.write(json.dumps({"id": doc["id"], "modes": mine[doc["id"]]}) + "\n")
+                f.flush()
             ref = theirs[doc["id"]]
             cells.setdefault("full", {}).setdefault("-", []).append(
                 ref["global"]["full"]["correct"]
@@ -179,12 +202,12 @@ def main(argv: list[str] | None = None) -> int:
                         cell["correct"]
                     )
                 for mode in MODES:
-                    mine = ours(study, doc, ratio, mode)
-                    cells.setdefault(f"ours/{mode}", {}).setdefault(r, []).append(mine["correct"])
+                    cell = mine[doc["id"]][mode][r]
+                    cells.setdefault(f"ours/{mode}", {}).setdefault(r, []).append(cell["correct"])
                     for mode_name, rec in ref.items():
                         key = f"overlap/{mode}~{mode_name}"
                         cells.setdefault(key, {}).setdefault(r, []).append(
-                            overlap(mine["kept"], rec["ratios"][r]["kept"])
+                            overlap(cell["kept"], rec["ratios"][r]["kept"])
                         )
             bar.update(1)
     accuracy = {arm: {r: float(np.mean(v)) for r, v in by.items()}

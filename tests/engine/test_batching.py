@@ -93,6 +93,8 @@ def request(loaded, i: int, config: CacheConfig, **sampling) -> GenerationReques
         prompt=prompt_of(loaded, i),
         sampling=SamplingParams(**params),
         cache=config,
+        # A kvzip turn kept for reuse answers on its full cache: compress this one's prompt.
+        reuse=config.method != "kvzip",
     )
 
 

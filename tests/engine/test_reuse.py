@@ -279,3 +279,33 @@ def test_a_kvzip_turn_over_the_memory_it_may_hold_compresses_its_prompt(loaded):
     with serving(worker_for(loaded, prompt_cache_size=4, max_kv_bytes=held - 1)) as w:
         _, final = ask(w, request(prompt, config))
     assert final.kv_cache["evictions"] > 0 and final.kv_cache["tokens_kept"] <= config.budget
+
+
+def test_a_kvzip_prompt_longer_than_memory_allows_is_compressed_as_it_is_read(
+    loaded, monkeypatch
+):
+    from engine import kvzip
+    from engine.admission import kv_need, kv_row_bytes, kvzip_limit
+
+    config = CacheConfig(method="kvzip", budget=48, recent=8)
+    prompt = loaded.tokenizer.encode(" ".join([OPENING] * 40))
+    row = kv_row_bytes(loaded.model, loaded.config, config)
+    max_kv_bytes = row * (2 * (config.budget + 40 + 16) + kvzip.REPEAT_ROWS)
+    limit, need = kvzip_limit(loaded, config, max_kv_bytes, 16)
+    assert limit == config.budget + 40 and need <= max_kv_bytes
+    assert kv_need(loaded, config, len(prompt), TURN_TOKENS)[0] > max_kv_bytes
+    passes = []
+    init = kvzip.Reconstruction.__init__
+
+    def counted(self, model, caches, tokens, *args, **kwargs):
+        passes.append(len(tokens))
+        assert max(c.size() for c in caches) <= limit + 16  # never more than fits
+        init(self, model, caches, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(kvzip.Reconstruction, "__init__", counted)
+    w = worker_for(loaded, prompt_cache_size=0, max_kv_bytes=max_kv_bytes, prefill_chunk=16)
+    with serving(w):
+        pieces, final = ask(w, request(prompt, config, reuse=False))
+    assert len(pieces) == TURN_TOKENS and final.kv_cache["tokens_kept"] <= config.budget
+    # Passes over what was read so far, each time the rows reached the limit, then the last.
+    assert len(passes) >= 3 and passes == sorted(passes) and passes[-1] == len(prompt) - 1

@@ -1,0 +1,259 @@
+"""Reference arm of the KVzip parity study: NVIDIA kvpress's KVzipPress on a GGUF model.
+
+Runs kvpress 0.5.5 (transformers + CPU torch, float32) on pre-tokenized needle documents,
+records the decoded answer, accuracy, prefill+compression time and the context positions
+KVzipPress keeps visible per layer and per KV head, so the project's own KVzip eviction can
+be compared against it position by position.
+
+Standalone: imports only torch/transformers/kvpress/numpy/stdlib, never the project's packages.
+Run it under the dedicated venv /work/kvref-venv, verified with torch 2.13.0+cpu, transformers
+5.2.0 (kvpress 0.5.5 requires <5.3), kvpress 0.5.5, gguf 0.19.0, numpy 2.4.6, on 2 CPU threads:
+
+    /work/kvref-venv/bin/python bench/reference/kvpress_kvzip.py \
+        --gguf /root/.cache/qfserve/downloads/SmolLM2-135M-Instruct.Q4_1.gguf \
+        --docs docs.json --out results.jsonl [--ratios 2 4 8] [--press kvzip] [--layerwise]
+
+docs.json: [{"id": str, "context_ids": [int], "question_ids": [int], "answer": "1234567",
+"max_new_tokens": int}]. The context is compressed; the question is appended afterwards,
+uncompressed. Output: one JSON line per doc (all ratios inside); doc ids already in --out for
+the same mode and press are skipped, so an interrupted run resumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything loads from local files
+os.environ.setdefault("TQDM_DISABLE", "1")  # silence the GGUF de-quantization progress bars
+
+import kvpress  # noqa: E402, F401  (importing kvpress patches the attention functions for head-wise masking)
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from kvpress.presses import kvzip_press  # noqa: E402
+from kvpress.presses.kvzip_press import KVzipPress  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel  # noqa: E402
+
+
+class _GivenTokenizer:
+    """Stands in for AutoTokenizer inside kvzip_press.
+
+    KVzipPress reloads the tokenizer by model.config.name_or_path; for a GGUF model that is a
+    folder without tokenizer files (and a saved-and-reloaded GGUF tokenizer maps spaces to
+    <|endoftext|>), so hand it the tokenizer we already loaded.
+    """
+
+    tokenizer: Any = None
+
+    @classmethod
+    def from_pretrained(cls, *_args: Any, **_kwargs: Any) -> Any:
+        return cls.tokenizer
+
+
+class ReferenceKVzipPress(KVzipPress):
+    """KVzipPress with the chat-template prefix length matched to the actual context ids.
+
+    kvpress assumes the context begins with the chat template's user prefix (its pipeline puts
+    it there) and never scores those prefix_length tokens, so they sit at score 0 and are
+    evicted first. Our docs carry raw ids that may or may not start with that prefix: keep
+    kvpress's value when they do, otherwise score from position 0. Everything else is stock.
+    """
+
+    def prepare(self, model: PreTrainedModel, tokenizer: Any, prev_postfix_size: int = 8) -> list:
+        prefix = tokenizer.encode(_chat_prefix_text(tokenizer), add_special_tokens=False)
+        ctx = self._context_ids[0, : len(prefix)].tolist()
+        self.prefix_length = len(prefix) if prefix and ctx == prefix else 0
+        self.used_prefix_length = self.prefix_length  # survives kvpress's reset, for the record
+        return super().prepare(model, tokenizer, prev_postfix_size)
+
+
+def _chat_prefix_text(tokenizer: Any) -> str:
+    """The chat-template text before the user content, computed exactly as KVzipPress does."""
+    if tokenizer.chat_template is None:
+        return ""
+    dummy, sep = "dummy context", "\n" + "#" * len("dummy context")
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": dummy + sep}],
+        add_generation_prompt=True,
+        tokenize=False,
+        enable_thinking=False,
+    )
+    return text.split(sep)[0].split(dummy)[0]
+
+
+def load(gguf: Path) -> tuple[PreTrainedModel, Any]:
+    kwargs = {"gguf_file": gguf.name}
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), **kwargs)
+    # sdpa, not eager: KVzipPress.compress_post asserts the implementation is not eager.
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), dtype=torch.float32, attn_implementation="sdpa", **kwargs
+    )
+    with torch.inference_mode():  # warm-up, so the first doc's timing excludes one-time setup
+        model(input_ids=torch.tensor([tokenizer.encode("Hello world", add_special_tokens=False)]))
+    return model.eval(), tokenizer
+
+
+@torch.inference_mode()
+def greedy(
+    model: PreTrainedModel,
+    tokenizer: Any,
+    cache: DynamicCache,
+    ctx_len: int,
+    q_ids: list[int],
+    n: int,
+) -> str:
+    """Greedy decode after the (compressed) context, mirroring KVPressTextGenerationPipeline.generate_answer."""
+    pos = torch.arange(ctx_len, ctx_len + len(q_ids)).unsqueeze(0)
+    out = model(
+        input_ids=torch.tensor([q_ids]), past_key_values=cache, position_ids=pos, logits_to_keep=1
+    )
+    pos = pos[:, -1:] + 1
+    ids = [out.logits[0, -1].argmax()]
+    eos = model.generation_config.eos_token_id
+    stop = set(eos if isinstance(eos, list) else [eos])
+    for i in range(n - 1):  # like kvpress, the first token is not checked against eos
+        out = model(input_ids=ids[-1].view(1, 1), past_key_values=cache, position_ids=pos + i)
+        ids.append(out.logits[0, -1].argmax())
+        if ids[-1].item() in stop:
+            break
+    return str(tokenizer.decode(torch.stack(ids), skip_special_tokens=True))
+
+
+def kept_positions(model: PreTrainedModel, ctx_len: int) -> list[list[list[int]]]:
+    """Context positions still visible to the question, as [layer][kv_head] -> sorted ints.
+
+    kvpress does not shorten the cache: KVzipPress.compress_post stores, per attention module,
+    masked_key_indices = (batch, kv_head, position) of the pruned entries, and the patched
+    attention function overwrites those keys with a fake key whose attention weight underflows
+    to 0 during decoding. Those indices are exactly kvpress's selection (sinks forced in, global
+    or per-layer bottom-k of the reconstruction scores), so kept = all context positions minus
+    them; nothing is re-derived from scores.
+    """
+    n_heads = model.config.num_key_value_heads
+    kept: list[list[list[int]]] = []
+    for layer in model.model.layers:
+        visible = np.ones((n_heads, ctx_len), dtype=bool)
+        masked = getattr(layer.self_attn, "masked_key_indices", None)
+        if masked is not None:
+            _, heads, seqs = masked
+            visible[heads.numpy(), seqs.numpy()] = False
+        kept.append([np.flatnonzero(row).tolist() for row in visible])
+    return kept
+
+
+def first_number(text: str) -> str | None:
+    m = re.search(r"\d+", text)
+    return m.group(0) if m else None
+
+
+def run_doc(
+    model: PreTrainedModel, tok: Any, doc: dict, ratios: list[float], args: argparse.Namespace
+) -> dict:
+    ctx = torch.tensor([doc["context_ids"]])
+    ctx_len, n_new, answer = ctx.shape[1], int(doc["max_new_tokens"]), str(doc["answer"])
+    mode = "layerwise" if args.layerwise else "global"
+    row: dict[str, Any] = {"id": doc["id"], "context_len": ctx_len, "press": args.press}
+    row.update(mode=mode, ratios={})
+
+    def arm(press: ReferenceKVzipPress | None) -> dict[str, Any]:
+        cache = DynamicCache()
+        t0 = time.perf_counter()
+        with (
+            torch.inference_mode(),
+            press(model) if press is not None else contextlib.nullcontext(),
+        ):
+            model.model(input_ids=ctx, past_key_values=cache)  # no lm head, as kvpress's pipeline
+        seconds = time.perf_counter() - t0
+        # Read the selection before decoding: the next prefill (q_len == k_len) clears it.
+        kept = kept_positions(model, ctx_len) if press is not None else None
+        text = greedy(model, tok, cache, ctx_len, doc["question_ids"], n_new)
+        res = {
+            "text": text,
+            "correct": first_number(text) == answer,
+            "prefill_s": round(seconds, 3),
+        }
+        return res if kept is None else {**res, "kept": kept}
+
+    row["full"] = arm(None)  # also clears any masked_key_indices left by a previous doc
+    defaults = KVzipPress()
+    row["kvzip"] = {"n_sink": defaults.n_sink, "chunk_size": defaults.chunk_size}
+    for r in ratios:
+        press = ReferenceKVzipPress(
+            compression_ratio=1.0 - 1.0 / r,
+            layerwise=args.layerwise,
+            kvzip_plus_normalization=args.press == "kvzip+",
+        )
+        res = arm(press)
+        row["prefix_length"] = press.used_prefix_length
+        row["ratios"][_key(r)] = {"compression_ratio": press.compression_ratio, **res}
+    return row
+
+
+def _key(r: float) -> str:
+    return str(int(r)) if float(r).is_integer() else str(r)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gguf", type=Path, required=True)
+    ap.add_argument("--docs", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--ratios", type=float, nargs="+", default=[2, 4, 8], help="keep 1/ratio")
+    ap.add_argument("--press", choices=["kvzip", "kvzip+"], default="kvzip", help="+: KVzip+ norm")
+    ap.add_argument(
+        "--layerwise", action="store_true", help="same ratio per layer (default: global)"
+    )
+    args = ap.parse_args()
+
+    torch.set_num_threads(2)
+    transformers.logging.set_verbosity_error()
+    # Silence the "2-3x the prefill cost" warning KVzipPress logs on every construction.
+    logging.getLogger("kvpress").setLevel(logging.ERROR)
+    model, tok = load(args.gguf)
+    _GivenTokenizer.tokenizer = tok
+    kvzip_press.AutoTokenizer = _GivenTokenizer  # type: ignore[assignment]
+
+    docs = json.loads(args.docs.read_text())
+    rows: list[dict] = []
+    if args.out.exists():
+        rows = [json.loads(line) for line in args.out.read_text().splitlines() if line.strip()]
+    # Resume per (mode, press), so one --out file can hold several configurations.
+    mode = "layerwise" if args.layerwise else "global"
+    rows = [r for r in rows if (r["mode"], r["press"]) == (mode, args.press)]
+    done = {r["id"] for r in rows}
+    with args.out.open("a") as f:
+        for doc in docs:
+            if doc["id"] in done:
+                continue
+            row = run_doc(model, tok, doc, args.ratios, args)
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            rows.append(row)
+            arms = [("full", row["full"])] + [(f"{k}x", v) for k, v in row["ratios"].items()]
+            brief = " ".join(f"{k}:{int(v['correct'])}/{v['prefill_s']}s" for k, v in arms)
+            print(f"{row['id']} ctx={row['context_len']} {brief}", flush=True)
+
+    ids = {d["id"] for d in docs}
+    rows = [r for r in rows if r["id"] in ids]
+    if rows:
+        print(f"\n{'arm':>8} {'acc':>6} {'n':>4} {'mean_s':>8}")
+        table = [("full", [r["full"] for r in rows])]
+        for k in map(_key, args.ratios):
+            table.append((f"{k}x", [r["ratios"][k] for r in rows if k in r["ratios"]]))
+        for name, res in table:
+            if res:
+                acc = np.mean([x["correct"] for x in res])
+                sec = np.mean([x["prefill_s"] for x in res])
+                print(f"{name:>8} {acc:6.3f} {len(res):4d} {sec:8.2f}")
+
+
+if __name__ == "__main__":
+    main()
