@@ -83,6 +83,13 @@ MODELS = (
         False,
     ),
     (
+        "smollm2/kvzip",
+        "SmolLM2-135M-Instruct: KVzip (context reconstruction) per head, across a layer's heads "
+        "and with rows shared across layers, beside Q-Filters, K-norm, SnapKV and streaming "
+        "(kvzip_reuse and kvzip_parity: README)",
+        False,
+    ),
+    (
         "smollm2/batching_16",
         "SmolLM2-135M-Instruct: continuous batching up to 16 streams (256-token prompts), after "
         "the packed batch's in-place joins and leaves, chunks of 8 by default",
