@@ -15,12 +15,9 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 \
 
 # Package metadata and sources first, the model last: editing code does not re-copy weights.
 COPY pyproject.toml README.md ./
-COPY server ./server
-COPY engine ./engine
-COPY metal ./metal
-COPY calibrations ./calibrations
+COPY qfserve ./qfserve
 RUN pip install -e .
-RUN python -c "from engine.loading import resolve_model_ref; print(resolve_model_ref(None))"
+RUN python -c "from qfserve.engine.models.loading import resolve_model_ref; print(resolve_model_ref(None))"
 COPY models/qfserve-tiny ./models/qfserve-tiny
 
 EXPOSE 8000

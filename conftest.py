@@ -1,6 +1,6 @@
 """Repository-level pytest hook: run the suite with OpenBLAS under MLX where available."""
 
-from engine.blas import reexec_with_openblas, wants_reexec
+from qfserve.engine.models.blas import reexec_with_openblas, wants_reexec
 
 
 def pytest_configure(config):

@@ -76,7 +76,7 @@ def machine() -> dict[str, Any]:
     """Platform, MLX, BLAS, cores and how busy the machine was when the run wrote its JSON."""
     import mlx.core as mx
 
-    from engine.blas import blas_summary
+    from qfserve.engine.models.blas import blas_summary
 
     info: dict[str, Any] = {
         "platform": platform.platform(),

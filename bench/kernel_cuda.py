@@ -1,6 +1,6 @@
 """The fused eviction kernel on an NVIDIA GPU without MLX: parity, then timing against top-k.
 
-Compiles the same CUDA text MLX uses (``metal.sources``, which imports no MLX) with CuPy's
+Compiles the same CUDA text MLX uses (``qfserve.kernels.sources``, which imports no MLX) with CuPy's
 NVRTC, runs it on PyTorch tensors, checks it bit for bit against a numpy stable-argsort
 reference, and times it against a plain ``torch.topk`` + sort + gather at 32 (b, h) groups,
 4,096 and 16,384 rows, budget 512, head_dim 128, float16. Arms are interleaved and reported
@@ -29,8 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.harness import interleave, summary  # noqa: E402
-from metal.cpu_model import fused_evict_model  # noqa: E402
-from metal.sources import (  # noqa: E402
+from qfserve.kernels.cpu_model import fused_evict_model  # noqa: E402
+from qfserve.kernels.sources import (  # noqa: E402
     APPLY,
     DEFAULT_THREADS,
     MAX_BUDGET,

@@ -3,7 +3,7 @@
 Every study (quality and speed) takes ``--model`` as the server does: a catalog name (the
 default, ``smollm2-135m-instruct``), ``qfserve-tiny`` (the bundled model, for smoke runs), a
 GGUF file (converted once into the cache), an mlx-lm folder or a hub id. :func:`load` goes
-through :func:`engine.loading.load_model`, so a study measures what ``qfserve`` would serve,
+through :func:`qfserve.engine.models.loading.load_model`, so a study measures what ``qfserve`` would serve,
 and returns an identity (folder, model id, weight hashes, shape) that every results file
 records.
 """
@@ -27,7 +27,7 @@ RESULTS_FOLDERS = {DEFAULT_MODEL: "smollm2", BUNDLED: BUNDLED}
 
 @dataclass(frozen=True)
 class BenchModel:
-    """A loaded model (:class:`engine.loading.LoadedModel`), its folder and its identity."""
+    """A loaded model (:class:`qfserve.engine.models.loading.LoadedModel`), its folder and its identity."""
 
     loaded: Any
     folder: Path
@@ -58,7 +58,7 @@ def results_dir(ref: str) -> Path:
 def load(ref: str) -> BenchModel:
     """Load ``ref`` with the server's loader; a GGUF file or catalog name becomes its
     converted folder first (so servers a study starts load the very same folder)."""
-    from engine.loading import load_model, resolve_model_ref
+    from qfserve.engine.models.loading import load_model, resolve_model_ref
 
     folder = Path(resolve_model_ref(ref))
     loaded = load_model(str(folder))
@@ -69,7 +69,7 @@ def identity(loaded: Any, folder: Path) -> dict[str, Any]:
     """What exactly was measured: folder, served name, model id, weight hashes and shape."""
     from mlx.utils import tree_flatten
 
-    from calibrations.model_info import (
+    from qfserve.calibrations.model_info import (
         attention_modules,
         head_counts,
         max_context,

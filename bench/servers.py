@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from engine.blas import find_openblas
+from qfserve.engine.models.blas import find_openblas
 
 if TYPE_CHECKING:
     from openai import OpenAI
@@ -116,7 +116,9 @@ def _command(kind: str, console_script: bool, log_level: str | None) -> list[str
         level = (log_level or "warning").upper()
         return [sys.executable, "-m", "mlx_lm.server", "--log-level", level]
     script = shutil.which("qfserve", path=str(Path(sys.executable).parent))
-    command = [script] if console_script and script else [sys.executable, "-m", "server.cli"]
+    command = (
+        [script] if console_script and script else [sys.executable, "-m", "qfserve.server.cli"]
+    )
     return command + ([] if log_level is None else ["--log-level", log_level])
 
 
@@ -140,7 +142,7 @@ def launch(
         log_level: ``--log-level`` (default: qfserve's own; ``mlx_lm`` always gets one,
             ``WARNING`` unless given).
         console_script: Run the installed ``qfserve`` script next to ``sys.executable``
-            rather than ``python -m server.cli`` (which it falls back to if missing).
+            rather than ``python -m qfserve.server.cli`` (which it falls back to if missing).
     """
     if kind not in HEALTH:
         raise ValueError(f"kind must be 'qfserve' or 'mlx_lm', got {kind!r}")

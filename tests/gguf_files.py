@@ -21,7 +21,7 @@ from mlx.utils import tree_flatten
 
 from tests.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS, TINY_CONFIG, _train_tokenizer, make_tiny_model
 
-# HF name pieces -> GGUF name pieces (written independently of engine.gguf.reader's table).
+# HF name pieces -> GGUF name pieces (written independently of qfserve.engine.models.gguf.reader's table).
 _LAYER = {
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",

@@ -1,4 +1,4 @@
-"""An engine :class:`~engine.worker.Worker` in a test: built on a loaded model, started,
+"""An engine :class:`~qfserve.engine.serving.worker.Worker` in a test: built on a loaded model, started,
 ready, and stopped when the test is done with it."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from engine.jobs import Job
-from engine.loading import LoadedModel
-from engine.requests import Event, Failed, Finished, GenerationRequest
-from engine.worker import Worker
+from qfserve.engine.models.loading import LoadedModel
+from qfserve.engine.serving.jobs import Job
+from qfserve.engine.serving.worker import Worker
+from qfserve.engine.text.requests import Event, Failed, Finished, GenerationRequest
 
 
 def worker_for(loaded: LoadedModel, **options: Any) -> Worker:

@@ -111,7 +111,7 @@ def evaluate(
 
 def main() -> None:
     try:  # OpenBLAS makes MLX's Linux CPU matmul much faster; this re-executes the process once.
-        from engine.blas import reexec_with_openblas
+        from qfserve.engine.models.blas import reexec_with_openblas
 
         reexec_with_openblas()
     except ImportError:

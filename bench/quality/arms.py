@@ -13,11 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from engine import kvzip
-from engine.cache import EvictionCache
-from engine.config import DEFAULT_CALIB_TOKENS, DEFAULT_N_SINK, CacheConfig
-from engine.factory import make_caches
-from engine.query_aware import SnapKVScorer
+from qfserve.engine.kv import kvzip
+from qfserve.engine.kv.cache import EvictionCache
+from qfserve.engine.kv.config import DEFAULT_CALIB_TOKENS, DEFAULT_N_SINK, CacheConfig
+from qfserve.engine.kv.factory import make_caches
+from qfserve.engine.kv.query_aware import SnapKVScorer
 
 LABELS = {
     "full": "full cache",
@@ -39,8 +39,8 @@ class Arm:
 
     Args:
         method: ``full``, ``qfilters`` (calibrated), ``self`` (from the prompt's own
-            queries, :mod:`engine.selfcal`), ``traffic`` (an artifact the server learned
-            from traffic, :mod:`engine.traffic`), ``fallback`` (key-SVD), ``knorm``,
+            queries, :mod:`qfserve.engine.kv.selfcal`), ``traffic`` (an artifact the server learned
+            from traffic, :mod:`qfserve.engine.filters.traffic`), ``fallback`` (key-SVD), ``knorm``,
             ``streaming``, or the query-aware references ``snapkv`` and ``tova``.
         recent_frac: Recent window as a fraction of the budget (0 or 0.25 in the studies).
         sign: ``-1`` keeps the other end of the scoring axis (the fallback's ablation: its
@@ -48,7 +48,7 @@ class Arm:
         chunk: Block evictions keep whole chunks of this many positions (1 = per row).
         adaptive: Head-adaptive budgets (calibrated Q-Filters with query scales only).
         window: SnapKV's observation window (``None``: its default,
-            :data:`engine.query_aware.DEFAULT_WINDOW`).
+            :data:`qfserve.engine.kv.query_aware.DEFAULT_WINDOW`).
         traffic: Which learned artifact a ``traffic`` arm uses (a name of the filters'
             ``learned``, :class:`bench.quality.calib.CalibratedFilters`).
         shared: kvzip's rows shared across every layer and head (``budget_mode="global"``).
@@ -192,12 +192,12 @@ def add_arm_arguments(p: Any) -> None:
     p.add_argument(
         "--self-calibrated",
         action="store_true",
-        help="also run Q-Filters computed from each prompt's own queries (engine.selfcal)",
+        help="also run Q-Filters computed from each prompt's own queries (qfserve.engine.kv.selfcal)",
     )
     p.add_argument(
         "--query-aware",
         action="store_true",
-        help="also run SnapKV and TOVA, which read the model's queries (engine.query_aware)",
+        help="also run SnapKV and TOVA, which read the model's queries (qfserve.engine.kv.query_aware)",
     )
     p.add_argument(
         "--snapkv-windows",
@@ -209,7 +209,7 @@ def add_arm_arguments(p: Any) -> None:
     p.add_argument(
         "--kvzip",
         action="store_true",
-        help="also run KVzip (engine.kvzip): per head, across a layer's heads, across layers",
+        help="also run KVzip (qfserve.engine.kv.kvzip): per head, across a layer's heads, across layers",
     )
     p.add_argument("--only", nargs="+", default=None, help="run only these arm names")
 

@@ -1,22 +1,22 @@
 """Study 2: does each scorer's score predict the attention a key will receive?
 
 For every held-out sequence of ``L`` tokens we run the model once with a full cache, take
-each layer's post-RoPE queries (captured with :class:`calibrations.capture.QueryCapture`) and
+each layer's post-RoPE queries (captured with :class:`qfserve.calibrations.capture.QueryCapture`) and
 stored keys, and compute the true softmax attention explicitly. A key's *received attention*
 is its weight averaged over the later queries (positions ``L/2 .. L-1``) and over the query
 heads of its GQA group. Over the keys at positions ``n_sink .. L/2 - 1`` (sinks are always
 kept, so they are left out) we take the Spearman correlation between that and each scorer's
 score, computed by the engine's own scorer classes:
 
-* ``qfilters``: calibrated filter projection (:class:`engine.scorers.QFilterScorer`);
+* ``qfilters``: calibrated filter projection (:class:`qfserve.engine.kv.scorers.QFilterScorer`);
 * ``self``: the filter the server computes from a prompt's own queries
-  (:func:`engine.selfcal.filters_from_moments`), here from the queries at positions
+  (:func:`qfserve.engine.kv.selfcal.filters_from_moments`), here from the queries at positions
   ``0 .. L/2 - 1`` only, so it never sees the queries whose attention is measured;
 * ``fallback+`` / ``fallback-``: the key-SVD direction frozen after the first 128 keys, as
-  the cache would, with both signs (:class:`engine.scorers.KeySVDScorer`);
+  the cache would, with both signs (:class:`qfserve.engine.kv.scorers.KeySVDScorer`);
 * ``traffic/<name>``: the filters of an artifact the server learned from traffic
   (``--traffic-artifacts``, :mod:`bench.quality.traffic`);
-* ``snapkv`` / ``snapkv/w8``: SnapKV's prompt score (:class:`engine.query_aware.SnapKVScorer`,
+* ``snapkv`` / ``snapkv/w8``: SnapKV's prompt score (:class:`qfserve.engine.kv.query_aware.SnapKVScorer`,
   a 32- or 8-token observation window), as if the first half were the prompt: the attention
   its last queries pay the keys, pooled over neighbours;
 * ``knorm``: minus the key norm; ``recency``: the position (what streaming keeps).
@@ -49,12 +49,12 @@ from bench.quality.common import (
 )
 from bench.quality.data import recall_windows, stdlib_windows
 from bench.quality.study import add_data_arguments, open_study
-from calibrations.capture import QueryCapture
-from calibrations.model_info import attention_modules
-from engine.config import DEFAULT_CALIB_TOKENS, DEFAULT_N_SINK
-from engine.query_aware import SnapKVScorer
-from engine.scorers import KeySVDScorer, KNormScorer, QFilterScorer, RecencyScorer
-from engine.selfcal import QueryTap, filters_from_moments
+from qfserve.calibrations.capture import QueryCapture
+from qfserve.calibrations.model_info import attention_modules
+from qfserve.engine.kv.config import DEFAULT_CALIB_TOKENS, DEFAULT_N_SINK
+from qfserve.engine.kv.query_aware import SnapKVScorer
+from qfserve.engine.kv.scorers import KeySVDScorer, KNormScorer, QFilterScorer, RecencyScorer
+from qfserve.engine.kv.selfcal import QueryTap, filters_from_moments
 
 STUDY = "attention"
 SCORERS = ("qfilters", "self", "fallback+", "fallback-", "knorm", "snapkv", "snapkv/w8",

@@ -1,6 +1,6 @@
 """Calibrated Q-Filters for the studies: the registry's artifact, or a fresh calibration.
 
-A fresh calibration runs :mod:`calibrations.capture` + :mod:`calibrations.compute` on
+A fresh calibration runs :mod:`qfserve.calibrations.capture` + :mod:`qfserve.calibrations.compute` on
 training-split standard-library files (:func:`training.data.split_of`), never on the
 evaluation split the studies measure on. The train files are shuffled with the seed and dealt
 into two disjoint texts, ``A`` (even positions, the default) and ``B`` (odd positions), which
@@ -21,10 +21,10 @@ import numpy as np
 
 from bench.quality.common import progress
 from bench.quality.data import split_files
-from calibrations.capture import capture_queries
-from calibrations.compute import compute_filters, query_scales
-from calibrations.corpus import make_sequences, read_documents
-from engine.filters import resolve_filters
+from qfserve.calibrations.capture import capture_queries
+from qfserve.calibrations.compute import compute_filters, query_scales
+from qfserve.calibrations.corpus import make_sequences, read_documents
+from qfserve.engine.filters.artifact import resolve_filters
 
 CACHE_DIR = Path(
     os.environ.get("QFSERVE_BENCH_CACHE")
@@ -128,7 +128,7 @@ def with_learned(
         ValueError: a spec is not ``NAME=PATH``, or names one twice.
         CalibrationError: an artifact is for another model, shape or weights.
     """
-    from calibrations.artifact import load_calibration
+    from qfserve.calibrations.artifact import load_calibration
 
     out = CalibratedFilters(np.asarray(filters), getattr(filters, "query_scale", None))
     out.learned = {}
@@ -181,7 +181,7 @@ def filters_for(
             model, identity["model_id"], fingerprint=identity["fingerprint"]
         )
         if filters is not None:
-            from calibrations.registry import find, load_for_model
+            from qfserve.calibrations.registry import find, load_for_model
 
             path = find(identity["model_id"])
             n_layers, n_kv, head_dim = filters.shape

@@ -44,7 +44,7 @@ def run(main: Callable[[], int]) -> int:
     """
     import os
 
-    from engine.blas import reexec_with_openblas
+    from qfserve.engine.models.blas import reexec_with_openblas
 
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     reexec_with_openblas()

@@ -10,7 +10,7 @@ query head:
   head, over the mean query norm; the head is sign-correct when it is positive, and
   ``share_positive`` is the share of individual queries that project positively;
 * ``top_energy`` and ``drift_ratio`` of the held-out queries' own uncentred SVD, from
-  :func:`calibrations.compute.layer_filters` (first component's energy share, and its
+  :func:`qfserve.calibrations.compute.layer_filters` (first component's energy share, and its
   |mean projection| over the mean of the other components');
 * ``cos_to_calibrated``: cosine between that held-out filter and the calibrated one.
 
@@ -34,8 +34,8 @@ from bench.quality.common import (
 )
 from bench.quality.data import recall_windows, stdlib_windows
 from bench.quality.study import add_data_arguments, open_study
-from calibrations.capture import capture_queries
-from calibrations.compute import layer_filters
+from qfserve.calibrations.capture import capture_queries
+from qfserve.calibrations.compute import layer_filters
 
 STUDY = "geometry"
 

@@ -7,7 +7,7 @@ prose) is compressed, then the *question* (the question, the template's assistan
 and "The special magic number for <city> is") is appended uncompressed and the answer decoded
 greedily. An arm is right when the first number it says is the needle's.
 
-Ours: :mod:`engine.kvzip` on the context (rows shared across layers, our default; across
+Ours: :mod:`qfserve.engine.kv.kvzip` on the context (rows shared across layers, our default; across
 each layer's heads; per head), with no recent window, as kvpress keeps none; the question and answer then stay whole, as in kvpress.
 Theirs: ``bench/reference/kvpress_kvzip.py`` run by a Python that has torch, transformers and
 kvpress (``--kvpress-python``; they are no dependency of qfserve), on the same GGUF through
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     study = open_study(STUDY, args, argv)
     gguf = args.gguf or (Path(args.model) if str(args.model).endswith(".gguf") else None)
     if gguf is None:
-        from engine.catalog import SMOLLM2_135M, gguf_path
+        from qfserve.engine.models.catalog import SMOLLM2_135M, gguf_path
 
         gguf = gguf_path(SMOLLM2_135M)
     if not gguf.is_file():

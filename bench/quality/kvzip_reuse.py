@@ -4,7 +4,7 @@ A document of English prose holds five sentences "The special magic number for <
 <7 digits>." at different depths. Turn 0 sends the document and asks for a one-sentence
 summary; turns 1-5 each ask for one city's number ("Answer: The special magic number for
 <city> is"), every prompt continuing the previous one token for token (the answers included),
-as a chat client sends a conversation. Requests run through :class:`engine.worker.Worker`
+as a chat client sends a conversation. Requests run through :class:`qfserve.engine.serving.worker.Worker`
 with its prompt cache on, so each turn continues the caches the previous turn left: what a
 later question can read is what was kept without knowing it. An answer is right when its
 first number is the city's.
@@ -41,8 +41,8 @@ from bench.quality.common import progress, run
 from bench.quality.niah import CITIES
 from bench.quality.prose import stdlib_prose
 from bench.quality.study import open_study
-from engine.requests import Delta, Failed, Finished, GenerationRequest, SamplingParams
-from engine.worker import Worker
+from qfserve.engine.serving.worker import Worker
+from qfserve.engine.text.requests import Delta, Failed, Finished, GenerationRequest, SamplingParams
 
 STUDY = "kvzip_reuse"
 FACTS = 5

@@ -51,10 +51,10 @@ from bench.quality.common import run
 from bench.quality.prose import prose_windows
 from bench.quality.teacher import token_nll
 from bench.speed import common
-from engine.config import CacheConfig
-from engine.prompts import encode_prompt
-from engine.requests import GenerationRequest, SamplingParams
-from engine.worker import DEFAULT_PREFILL_CHUNK
+from qfserve.engine.kv.config import CacheConfig
+from qfserve.engine.serving.worker import DEFAULT_PREFILL_CHUNK
+from qfserve.engine.text.prompts import encode_prompt
+from qfserve.engine.text.requests import GenerationRequest, SamplingParams
 
 STUDY = "multiturn_recall"
 ASK = "What is the pass key I gave you in my first message? Answer with the number only."

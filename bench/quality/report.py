@@ -68,7 +68,7 @@ def render_geometry(data: dict[str, Any]) -> list[str]:
     if anisotropy:
         lines += [
             "",
-            "On the calibration queries themselves (`calibrations.compute`'s per-layer summary):",
+            "On the calibration queries themselves (`qfserve.calibrations.compute`'s per-layer summary):",
             "",
             *table(
                 [
@@ -333,7 +333,7 @@ def render_traffic(data: dict[str, Any]) -> list[str]:
     d = data["data"]
     lines += [
         "",
-        "The server's own pooling (`engine.traffic`) fed held-out traffic in "
+        "The server's own pooling (`qfserve.engine.filters.traffic`) fed held-out traffic in "
         f"{d['prefill_chunk']}-token prefill chunks until it wrote its artifact; the learned "
         "filters against the registry's calibrated ones (cosine per layer and KV head). "
         f"`chat`: {d['chat']}; `passkey`: {d['passkey']}.",

@@ -64,10 +64,10 @@ from bench.quality.common import (
 from bench.quality.data import passkey_docs
 from bench.quality.study import open_study
 from bench.quality.teacher import streaming_nll
-from engine.config import DEFAULT_N_SINK, CacheConfig
-from engine.factory import make_caches
-from engine.kvzip import RepeatPrompt, compress
-from engine.selfcal import install_query_taps
+from qfserve.engine.kv.config import DEFAULT_N_SINK, CacheConfig
+from qfserve.engine.kv.factory import make_caches
+from qfserve.engine.kv.kvzip import RepeatPrompt, compress
+from qfserve.engine.kv.selfcal import install_query_taps
 
 STUDY = "retrieval"
 BINS = ("first third", "middle third", "last third")

@@ -1,8 +1,8 @@
 """Study 7: whose queries make a prompt-calibrated filter work on the pass key?
 
-A self-calibrated cache (:mod:`engine.selfcal`) computes its Q-Filters from the queries of
+A self-calibrated cache (:mod:`qfserve.engine.kv.selfcal`) computes its Q-Filters from the queries of
 the prompt it is about to compress. This study holds the recipe fixed (uncentred,
-sign-anchored, GQA-averaged top singular vector, :func:`engine.selfcal.filters_from_moments`)
+sign-anchored, GQA-averaged top singular vector, :func:`qfserve.engine.kv.selfcal.filters_from_moments`)
 and changes only whose queries it reads, on the retrieval study's pass-key documents:
 
 * ``own``: the document's own prompt queries, through the server's ``self`` caches, fed the
@@ -39,8 +39,8 @@ from bench.quality.common import progress, run
 from bench.quality.data import passkey_docs, stdlib_windows
 from bench.quality.retrieval import BINS, budget_for, decode, prefill_block
 from bench.quality.study import open_study
-from engine.cache import EvictionCache
-from engine.selfcal import filters_from_moments
+from qfserve.engine.kv.cache import EvictionCache
+from qfserve.engine.kv.selfcal import filters_from_moments
 
 STUDY = "selfcal_text"
 SOURCES = ("calibrated", "own", "other")

@@ -36,7 +36,7 @@ from bench.quality.common import (
 from bench.quality.data import stdlib_windows
 from bench.quality.study import add_data_arguments, open_study
 from bench.quality.teacher import full_nll, prefill_length, streaming_nll
-from calibrations.compute import compute_filters
+from qfserve.calibrations.compute import compute_filters
 
 STUDY = "stability"
 

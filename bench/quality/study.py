@@ -20,7 +20,7 @@ from bench.harness import write_results
 from bench.models import load
 from bench.quality.calib import filters_for, with_learned
 from bench.quality.data import heldout_corpus
-from engine.kvzip import RepeatPrompt
+from qfserve.engine.kv.kvzip import RepeatPrompt
 from training.data import Corpus
 
 

@@ -2,7 +2,7 @@
 
 Generation is what eviction has to survive: each token is predicted from what the cache kept
 of everything before it. :func:`streaming_nll` feeds a batch of sequences through caches
-from :func:`engine.factory.make_caches` one token per step, the way decoding does. The first
+from :func:`qfserve.engine.kv.factory.make_caches` one token per step, the way decoding does. The first
 ``prefill`` tokens go in as one block, which stores exactly what token-by-token feeding would
 (nothing is evicted while the cache holds at most ``budget`` rows, and the key-SVD fallback
 has not frozen yet before ``calib_tokens`` keys): see :func:`prefill_length`.

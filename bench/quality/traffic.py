@@ -1,8 +1,8 @@
 """Study 9: Q-Filters learned from traffic, as a server without an artifact learns them.
 
 A server started on a model without a calibration artifact pools its prompts' post-RoPE
-queries (:mod:`engine.traffic`) and, once it has enough, writes a regular artifact and
-serves with it. This study runs that very code (:class:`engine.traffic.TrafficCalibration`
+queries (:mod:`qfserve.engine.filters.traffic`) and, once it has enough, writes a regular artifact and
+serves with it. This study runs that very code (:class:`qfserve.engine.filters.traffic.TrafficCalibration`
 on the model's query taps, flushed after every 512-token prefill chunk, as the worker does
 between scheduler steps) on held-out traffic until the artifact is written, and records how
 many prompts and tokens it took and how close each layer's learned filters are to the
@@ -19,7 +19,7 @@ The artifacts go to ``<out>/<traffic>/``; the retrieval and attention studies ta
 with ``--traffic-artifacts chat=PATH passkey=PATH`` as the ``traffic`` arms.
 
 The pool writes once it holds calibration's sample count from at least ``--min-prompts``
-prompts (the server's default, :data:`engine.traffic.DEFAULT_MIN_PROMPTS`).
+prompts (the server's default, :data:`qfserve.engine.filters.traffic.DEFAULT_MIN_PROMPTS`).
 
 Run: ``python -m bench.quality.traffic [--quick] [--traffic chat passkey]``.
 """
@@ -43,13 +43,13 @@ from bench.quality.data import passkey_docs, stdlib_windows
 from bench.quality.prose import prose_windows
 from bench.quality.stability import cosines
 from bench.quality.study import open_study
-from calibrations.artifact import read_calibration
-from calibrations.model_info import attention_shape
-from engine.selfcal import install_query_taps, remove_query_taps
-from engine.traffic import DEFAULT_MIN_PROMPTS, TrafficCalibration
+from qfserve.calibrations.artifact import read_calibration
+from qfserve.calibrations.model_info import attention_shape
+from qfserve.engine.filters.traffic import DEFAULT_MIN_PROMPTS, TrafficCalibration
+from qfserve.engine.kv.selfcal import install_query_taps, remove_query_taps
 
 STUDY = "traffic"
-CHUNK = 512  # the server's prefill chunk (engine.worker.DEFAULT_PREFILL_CHUNK)
+CHUNK = 512  # the server's prefill chunk (qfserve.engine.serving.worker.DEFAULT_PREFILL_CHUNK)
 INSTRUCTIONS = (
     "Explain what the following does.",
     "Summarise this in three sentences.",

@@ -18,7 +18,7 @@ Writes ``bench/results/<model>/bandwidth.json`` and ``bandwidth.png``.
 
 from __future__ import annotations
 
-from engine.blas import reexec_with_openblas
+from qfserve.engine.models.blas import reexec_with_openblas
 
 reexec_with_openblas()
 

@@ -2,7 +2,7 @@
 
 In process, no server: ``B`` requests' Q-Filters caches (each prefilled alone with its own
 prompt, then evicting at ``--budget``) stepped together through
-:class:`engine.batch.BatchCache`, against mlx-lm's ``BatchKVCache`` merged from plain
+:class:`qfserve.engine.serving.batch.BatchCache`, against mlx-lm's ``BatchKVCache`` merged from plain
 caches holding the same number of rows. Per batch size: the model step's time (forward pass
 and cache work), and the cache updates alone (one ``update_and_fetch`` per layer). Arms are
 interleaved per round; ``ours_again`` is the A/A copy, and ``ours_chunked`` the same caches
@@ -17,7 +17,7 @@ Writes ``bench/results/<model>/batch_step.json`` and ``batch_step.png``.
 
 from __future__ import annotations
 
-from engine.blas import reexec_with_openblas
+from qfserve.engine.models.blas import reexec_with_openblas
 
 reexec_with_openblas()
 
@@ -29,9 +29,9 @@ from mlx_lm.models.cache import BatchKVCache, KVCache  # noqa: E402
 from bench.cli import command_line, parse, parser  # noqa: E402
 from bench.harness import interleave, print_table, ratio_row, summary, write_results  # noqa: E402
 from bench.speed import common  # noqa: E402
-from engine.attention import install_head_masks  # noqa: E402
-from engine.batch import BatchCache  # noqa: E402
-from engine.config import CacheConfig  # noqa: E402
+from qfserve.engine.kv.attention import install_head_masks  # noqa: E402
+from qfserve.engine.kv.config import CacheConfig  # noqa: E402
+from qfserve.engine.serving.batch import BatchCache  # noqa: E402
 
 
 def build(sm, B: int, prompt: int, budget: int, chunk: int):

@@ -21,7 +21,7 @@ Writes ``bench/results/<model>/batching.json`` and ``batching.png``.
 
 from __future__ import annotations
 
-from engine.blas import reexec_with_openblas
+from qfserve.engine.models.blas import reexec_with_openblas
 
 reexec_with_openblas()
 

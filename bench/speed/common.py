@@ -2,7 +2,7 @@
 :mod:`bench.harness` and :mod:`bench.servers`: model and prompts, caches per arm, progress,
 plots, and timed streaming requests.
 
-Every entry point calls :func:`engine.blas.reexec_with_openblas` before importing this module
+Every entry point calls :func:`qfserve.engine.models.blas.reexec_with_openblas` before importing this module
 (it imports MLX).
 """
 
@@ -25,8 +25,8 @@ with contextlib.suppress(ImportError):  # quiet "sequence longer than the model"
     transformers.logging.set_verbosity_error()
 
 from bench.models import BenchModel, load
-from engine.config import CacheConfig
-from engine.factory import make_caches
+from qfserve.engine.kv.config import CacheConfig
+from qfserve.engine.kv.factory import make_caches
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -126,8 +126,8 @@ class StudyModel:
 
 def load_study_model(ref: str) -> StudyModel:
     """Load through the server's loader, with the filters the server would use."""
-    from calibrations.model_info import model_fingerprint
-    from engine.filters import resolve_filters
+    from qfserve.calibrations.model_info import model_fingerprint
+    from qfserve.engine.filters.artifact import resolve_filters
 
     bm = load(ref)
     filters, source = resolve_filters(
@@ -208,7 +208,7 @@ def prefill(model, caches: list[Any], tokens: Sequence[int], chunk: int = 512) -
 
 def kv_stats(caches: list[Any]) -> dict[str, int]:
     """Kept rows and bytes (statistics) and the bytes the cache arrays really hold."""
-    from engine.stats import summarize
+    from qfserve.engine.kv.stats import summarize
 
     s = summarize(caches)
     return {

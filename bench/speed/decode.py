@@ -23,7 +23,7 @@ Writes ``bench/results/<model>/decode.json`` and ``decode_ms.png``, ``decode_mem
 
 from __future__ import annotations
 
-from engine.blas import reexec_with_openblas
+from qfserve.engine.models.blas import reexec_with_openblas
 
 reexec_with_openblas()
 

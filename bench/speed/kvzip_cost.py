@@ -3,7 +3,7 @@
 In process, no server. A ``--prompt``-token prompt (standard-library text) is prefilled in
 512-token chunks, as the server does. Arms, interleaved per round: ``qfilters`` (calibrated
 Q-Filters at ``--budget``, evicting as it reads: the cheap mode), ``kvzip`` (the prompt kept
-whole, then :mod:`engine.kvzip`'s reconstruction pass, 512 tokens a forward pass, and the
+whole, then :mod:`qfserve.engine.kv.kvzip`'s reconstruction pass, 512 tokens a forward pass, and the
 eviction to ``--budget``), ``full`` (the plain prefill the goal is measured against) and
 ``full_again`` (its A/A copy). Prefill ratios are to ``full``; the goal is kvzip within 2.5x.
 Then the decode step at budget: ``--steps`` steps of each evicting arm's caches after its
@@ -16,7 +16,7 @@ Writes ``bench/results/<model>/kvzip_cost.json`` and ``kvzip_cost.png``.
 
 from __future__ import annotations
 
-from engine.blas import reexec_with_openblas
+from qfserve.engine.models.blas import reexec_with_openblas
 
 reexec_with_openblas()
 
@@ -27,9 +27,9 @@ import mlx.core as mx  # noqa: E402
 from bench.cli import command_line, parse, parser  # noqa: E402
 from bench.harness import interleave, print_table, ratio_row, summary, write_results  # noqa: E402
 from bench.speed import common  # noqa: E402
-from engine.config import CacheConfig  # noqa: E402
-from engine.factory import make_caches  # noqa: E402
-from engine.kvzip import RepeatPrompt, compress  # noqa: E402
+from qfserve.engine.kv.config import CacheConfig  # noqa: E402
+from qfserve.engine.kv.factory import make_caches  # noqa: E402
+from qfserve.engine.kv.kvzip import RepeatPrompt, compress  # noqa: E402
 
 ARMS = ("full", "qfilters", "kvzip", "full_again")
 

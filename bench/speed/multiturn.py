@@ -26,7 +26,7 @@ Writes ``bench/results/<model>/multiturn.json`` and ``multiturn.png``.
 
 from __future__ import annotations
 
-from engine.blas import reexec_with_openblas
+from qfserve.engine.models.blas import reexec_with_openblas
 
 reexec_with_openblas()
 

@@ -22,7 +22,7 @@ Writes ``bench/results/<model>/refine_step.json`` and ``refine_step.png``.
 
 from __future__ import annotations
 
-from engine.blas import reexec_with_openblas
+from qfserve.engine.models.blas import reexec_with_openblas
 
 reexec_with_openblas()
 
@@ -33,11 +33,11 @@ import mlx.core as mx  # noqa: E402
 from bench.cli import command_line, parse, parser  # noqa: E402
 from bench.harness import interleave, print_table, ratio_row, summary, write_results  # noqa: E402
 from bench.speed import common  # noqa: E402
-from calibrations.model_info import model_fingerprint  # noqa: E402
-from engine.attention import install_head_masks  # noqa: E402
-from engine.config import CacheConfig  # noqa: E402
-from engine.factory import make_caches  # noqa: E402
-from engine.filters import resolve_calibration  # noqa: E402
+from qfserve.calibrations.model_info import model_fingerprint  # noqa: E402
+from qfserve.engine.filters.artifact import resolve_calibration  # noqa: E402
+from qfserve.engine.kv.attention import install_head_masks  # noqa: E402
+from qfserve.engine.kv.config import CacheConfig  # noqa: E402
+from qfserve.engine.kv.factory import make_caches  # noqa: E402
 
 REFERENCE = "plain_a"
 

@@ -4,7 +4,7 @@ In process, no server. A ``--prompt``-token prompt (default 4,096, standard-libr
 prefilled in 512-token chunks, as the server does, into Q-Filters caches at ``--budget``
 (default 512, recent 128), evicting as it goes. Arms, interleaved per round: ``calibrated``
 (the registry's filters, no query taps installed: what a calibrated model runs),
-``self`` (no filters: the query taps of :mod:`engine.selfcal` accumulate each head's Gram
+``self`` (no filters: the query taps of :mod:`qfserve.engine.kv.selfcal` accumulate each head's Gram
 matrix until the first eviction, then the filter is computed), ``fallback`` (no filters,
 the key-SVD estimate) and ``calibrated_again`` (the A/A copy). Ratios are to
 ``calibrated``. The goal: ``self`` within 1.10x.
@@ -15,7 +15,7 @@ Writes ``bench/results/<model>/selfcal_prefill.json`` and ``selfcal_prefill.png`
 
 from __future__ import annotations
 
-from engine.blas import reexec_with_openblas
+from qfserve.engine.models.blas import reexec_with_openblas
 
 reexec_with_openblas()
 
@@ -24,9 +24,9 @@ import time  # noqa: E402
 from bench.cli import command_line, parse, parser  # noqa: E402
 from bench.harness import interleave, print_table, ratio_row, summary, write_results  # noqa: E402
 from bench.speed import common  # noqa: E402
-from engine.config import CacheConfig  # noqa: E402
-from engine.factory import make_caches  # noqa: E402
-from engine.selfcal import install_query_taps, remove_query_taps  # noqa: E402
+from qfserve.engine.kv.config import CacheConfig  # noqa: E402
+from qfserve.engine.kv.factory import make_caches  # noqa: E402
+from qfserve.engine.kv.selfcal import install_query_taps, remove_query_taps  # noqa: E402
 
 ARMS = ("calibrated", "self", "fallback", "calibrated_again")
 

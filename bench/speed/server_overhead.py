@@ -6,8 +6,8 @@ The server runs as a subprocess on an ephemeral 127.0.0.1 port, loading the same
 folder; the client is ``httpx`` streaming ``/v1/chat/completions``. In process, the prompt
 goes through the engine's own ``encode_prompt``, ``make_caches`` and mlx-lm's
 ``stream_generate`` (greedy, the same logit bias, the worker's prefill chunk); the worker arm
-submits the same :class:`~engine.requests.GenerationRequest` to an in-process
-:class:`~engine.worker.Worker` sharing the loaded model. All ban the end-of-sequence tokens
+submits the same :class:`~qfserve.engine.text.requests.GenerationRequest` to an in-process
+:class:`~qfserve.engine.serving.worker.Worker` sharing the loaded model. All ban the end-of-sequence tokens
 (``logit_bias``) so every request makes exactly ``max_tokens``. TTFT is the time to the first
 non-empty text; inter-token latency (ITL) is ``(end - first) / (completion_tokens - 1)``.
 Multi-turn reuse is off in the worker and HTTP arms (``qfilters_reuse: false``): every round
@@ -21,7 +21,7 @@ Writes ``bench/results/<model>/server_overhead.json`` and ``server_overhead.png`
 
 from __future__ import annotations
 
-from engine.blas import reexec_with_openblas
+from qfserve.engine.models.blas import reexec_with_openblas
 
 reexec_with_openblas()
 
@@ -42,10 +42,10 @@ from bench.harness import (  # noqa: E402
     write_results,
 )
 from bench.speed import common  # noqa: E402
-from engine.config import CacheConfig  # noqa: E402
-from engine.prompts import encode_prompt  # noqa: E402
-from engine.requests import Delta, Failed, Finished, GenerationRequest, SamplingParams  # noqa: E402
-from engine.worker import DEFAULT_PREFILL_CHUNK, Worker  # noqa: E402
+from qfserve.engine.kv.config import CacheConfig  # noqa: E402
+from qfserve.engine.serving.worker import DEFAULT_PREFILL_CHUNK, Worker  # noqa: E402
+from qfserve.engine.text.prompts import encode_prompt  # noqa: E402
+from qfserve.engine.text.requests import Delta, Failed, Finished, GenerationRequest, SamplingParams  # noqa: E402
 
 ARMS = ("in_process_a", "worker", "http_a", "in_process_b", "http_b")
 PAIRS = (

@@ -144,7 +144,7 @@ def selfcal_prefill(d: dict[str, Any]) -> list[str]:
         f"In process: a {s['prompt_tokens']}-token prompt prefilled in {s['prefill_chunk']}-token "
         f"chunks into Q-Filters caches (budget {s['budget']}, recent {s['recent']}), "
         f"{s['reps']} interleaved rounds. `self` computes its filters from the prompt's own "
-        "queries (engine.selfcal); `calibrated` uses the registry's, with no query taps; "
+        "queries (qfserve.engine.kv.selfcal); `calibrated` uses the registry's, with no query taps; "
         "`calibrated_again` is the A/A copy. Ratios are to `calibrated`."
     )
     lines.append("")

@@ -2,7 +2,7 @@
 
 One chat prompt, greedy decoding, arms interleaved in one run: ``free`` (no constraint),
 ``free_again`` (the same: the A/A row for the noise floor), ``schema`` (``response_format``
-json_schema as the server applies it: llguidance, :class:`engine.structured.
+json_schema as the server applies it: llguidance, :class:`qfserve.engine.text.structured.
 GrammarProcessor`) and, when outlines-core is installed, ``schema_outlines`` (the same schema
 through outlines-core's regex index, the other grammar library considered; its vocabulary is
 given the tokenizer's own token strings, which is enough to time it, not to serve with). Each repetition times the decode steps after the first token (prefill
@@ -20,7 +20,7 @@ import sys
 import time
 from typing import Any
 
-from engine.blas import reexec_with_openblas
+from qfserve.engine.models.blas import reexec_with_openblas
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         from mlx_lm.generate import generate_step
         from mlx_lm.sample_utils import make_sampler
 
-        from engine.structured import GrammarProcessor, JSONConstraint
+        from qfserve.engine.text.structured import GrammarProcessor, JSONConstraint
 
         processors: list[Any] = []
         if constrained:

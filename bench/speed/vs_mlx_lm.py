@@ -14,7 +14,7 @@ Writes ``bench/results/<model>/vs_mlx_lm.json`` and ``vs_mlx_lm.png``.
 
 from __future__ import annotations
 
-from engine.blas import reexec_with_openblas
+from qfserve.engine.models.blas import reexec_with_openblas
 
 reexec_with_openblas()
 

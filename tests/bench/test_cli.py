@@ -74,7 +74,7 @@ def test_every_study_runs_mlx_on_openblas(script: Path) -> None:
     called = {node.func.id for node in ast.walk(tree)
               if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}  # fmt: skip
     direct = (
-        "engine.blas",
+        "qfserve.engine.models.blas",
         "reexec_with_openblas",
     ) in imported and "reexec_with_openblas" in called
     shared = ("bench.quality.common", "run") in imported and "run" in called

@@ -324,7 +324,7 @@ def test_snapkv_window_arms_set_their_scorers_window(results: Path, tiny_model: 
     from bench.models import load
     from bench.quality.arms import Arm
     from bench.quality.retrieval import main
-    from engine.query_aware import DEFAULT_WINDOW
+    from qfserve.engine.kv.query_aware import DEFAULT_WINDOW
 
     model = load(str(tiny_model)).model
     arm = Arm("snapkv", 0.25, window=4)
@@ -344,7 +344,7 @@ def test_snapkv_window_arms_set_their_scorers_window(results: Path, tiny_model: 
 
 
 def test_traffic_study_writes_an_artifact_from_enough_prompts(results: Path) -> None:
-    from calibrations.artifact import read_calibration
+    from qfserve.calibrations.artifact import read_calibration
 
     data = _load(results, "traffic")
     for r in data["results"].values():
@@ -361,7 +361,7 @@ def _calibrated_as_artifact(results: Path, tiny_model: Path) -> Path:
     """The fresh calibration the studies used, written as an artifact a traffic arm reads."""
     from bench.models import load
     from bench.quality.calib import filters_for
-    from calibrations.artifact import save_calibration
+    from qfserve.calibrations.artifact import save_calibration
 
     bm = load(str(tiny_model))
     filters, _ = filters_for(bm.model, bm.tokenizer, bm.identity, mode="fresh", quick=True)

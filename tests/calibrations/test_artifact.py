@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from calibrations.artifact import (
+from qfserve.calibrations.artifact import (
     FORMAT_NAME,
     CalibrationError,
     load_calibration,

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from calibrations.capture import QueryCapture, capture_queries
-from calibrations.model_info import attention_shape, head_counts
+from qfserve.calibrations.capture import QueryCapture, capture_queries
+from qfserve.calibrations.model_info import attention_shape, head_counts
 from tests.tiny import TINY_CONFIG, make_tiny_model
 
 L = 40

@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from calibrations import registry
-from calibrations.artifact import read_calibration
-from calibrations.cli import main
-from calibrations.model_info import attention_shape, weights_fingerprint
-from engine.config import CacheConfig
-from engine.factory import make_caches
-from engine.filters import resolve_filters
-from engine.stats import summarize
+from qfserve.calibrations import registry
+from qfserve.calibrations.artifact import read_calibration
+from qfserve.calibrations.cli import main
+from qfserve.calibrations.model_info import attention_shape, weights_fingerprint
+from qfserve.engine.filters.artifact import resolve_filters
+from qfserve.engine.kv.config import CacheConfig
+from qfserve.engine.kv.factory import make_caches
+from qfserve.engine.kv.stats import summarize
 from tests.tiny import save_tiny_model
 
 MODEL_ID = "test/tiny-llama"
@@ -207,7 +207,7 @@ def test_model_id_override_and_errors(tmp_path, model_dir, capsys):
 
 def test_python_dash_m_entry_point():
     done = subprocess.run(
-        [sys.executable, "-m", "calibrations.cli", "--help"],
+        [sys.executable, "-m", "qfserve.calibrations.cli", "--help"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -216,7 +216,7 @@ def test_python_dash_m_entry_point():
 
 
 def test_one_long_text_file_gives_every_sequence_asked_for(tmp_path, model_dir, capsys):
-    from calibrations.artifact import read_calibration
+    from qfserve.calibrations.artifact import read_calibration
 
     words = [
         "alpha",

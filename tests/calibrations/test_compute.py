@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from calibrations.compute import (
+from qfserve.calibrations.compute import (
     compute_filters,
     group_filters,
     head_filters,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from calibrations.corpus import make_sequences, stdlib_files
+from qfserve.calibrations.corpus import make_sequences, stdlib_files
 
 
 class _CharTokenizer:

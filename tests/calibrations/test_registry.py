@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from calibrations import registry
-from calibrations.artifact import (
+from qfserve.calibrations import registry
+from qfserve.calibrations.artifact import (
     CalibrationError,
     load_calibration,
     read_calibration,
     save_calibration,
 )
-from calibrations.registry import (
+from qfserve.calibrations.registry import (
     CalibrationNotFoundError,
     aliases,
     artifact_name,

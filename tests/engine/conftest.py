@@ -7,7 +7,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from engine.loading import default_model_path, load_model
+from qfserve.engine.models.loading import default_model_path, load_model
 
 
 class _Drifted(nn.Module):

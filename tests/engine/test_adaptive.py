@@ -7,7 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.adaptive import exactly_k, ragged_gather, select_adaptive
+from qfserve.engine.kv.adaptive import exactly_k, ragged_gather, select_adaptive
 
 
 def ref_adaptive(scores, budget, n_sink, recent, floor, eligible=None):

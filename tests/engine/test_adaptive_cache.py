@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from engine.cache import EvictionCache
-from engine.config import CacheConfig
-from engine.factory import make_caches
+from qfserve.engine.kv.cache import EvictionCache
+from qfserve.engine.kv.config import CacheConfig
+from qfserve.engine.kv.factory import make_caches
 from tests.engine.test_adaptive import ref_adaptive
 from tests.engine.test_chunks import FirstComponent
 from tests.tiny import TINY_CONFIG, make_tiny_model

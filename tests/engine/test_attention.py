@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, create_attention_mask
 
-from engine.attention import combine_masks, install_head_masks
+from qfserve.engine.kv.attention import combine_masks, install_head_masks
 from tests.tiny import make_tiny_model
 
 
@@ -30,7 +30,7 @@ class Cache:
 
 
 def test_block_and_decode_masks_match_explicit_attention():
-    from engine.attention import _masked
+    from qfserve.engine.kv.attention import _masked
 
     rng = np.random.default_rng(0)
     B, Hq, Hkv, S, D = 2, 4, 2, 12, 8

@@ -16,15 +16,15 @@ import pytest
 from mlx_lm import stream_generate
 from mlx_lm.sample_utils import make_sampler
 
-from calibrations.model_info import model_fingerprint
-from engine.config import CacheConfig
-from engine.factory import make_caches
-from engine.filters import resolve_calibration
-from engine.kvzip import RepeatPrompt, compress
-from engine.loading import default_model_path, load_model
-from engine.packed import PackedBatch
-from engine.requests import Delta, Failed, Finished, GenerationRequest, SamplingParams
-from engine.worker import DEFAULT_PREFILL_CHUNK
+from qfserve.calibrations.model_info import model_fingerprint
+from qfserve.engine.filters.artifact import resolve_calibration
+from qfserve.engine.kv.config import CacheConfig
+from qfserve.engine.kv.factory import make_caches
+from qfserve.engine.kv.kvzip import RepeatPrompt, compress
+from qfserve.engine.models.loading import default_model_path, load_model
+from qfserve.engine.serving.packed import PackedBatch
+from qfserve.engine.serving.worker import DEFAULT_PREFILL_CHUNK
+from qfserve.engine.text.requests import Delta, Failed, Finished, GenerationRequest, SamplingParams
 from tests.workers import final_event, serving, worker_for
 
 MAX_TOKENS = 20
@@ -39,7 +39,7 @@ SETTINGS = [  # method, budget, recent, budget_mode: every kind of cache in one 
     CacheConfig(method="snapkv", budget=88, recent=16),  # row of the batch's queries
     CacheConfig(method="kvzip", budget=72, recent=8),  # reconstructs its prompt first
 ]
-PACKED = [  # only caches the batch packs into shared arrays (engine.packed); the first (89
+PACKED = [  # only caches the batch packs into shared arrays (qfserve.engine.serving.packed); the first (89
     CacheConfig(method="qfilters", budget=100, recent=8),  # tokens) fills while decoding
     CacheConfig(method="full"),
     CacheConfig(method="streaming", budget=48, recent=0, n_sink=4),
@@ -252,7 +252,7 @@ def test_max_batch_bounds_what_runs_at_once(loaded):
 
 
 def test_admission_by_kv_memory_waits_then_refuses_what_can_never_fit(loaded):
-    from engine.admission import kv_need, kv_row_bytes
+    from qfserve.engine.serving.admission import kv_need, kv_row_bytes
 
     config = CacheConfig(method="qfilters", budget=64, recent=16)
     reqs = [request(loaded, 1, config, max_tokens=8) for _ in range(3)]
@@ -339,7 +339,7 @@ def test_a_newcomer_prefills_one_chunk_per_step_while_the_batch_decodes(loaded):
 
 
 def test_a_request_waiting_for_kv_memory_is_failed_when_the_worker_stops(loaded):
-    from engine.admission import kv_need
+    from qfserve.engine.serving.admission import kv_need
 
     config = CacheConfig(method="qfilters", budget=64, recent=16)
     reqs = [request(loaded, 1, config, max_tokens=200) for _ in range(2)]
@@ -364,9 +364,9 @@ def test_a_request_waiting_for_kv_memory_is_failed_when_the_worker_stops(loaded)
 def test_prompts_that_end_within_the_step_join_together_and_long_ones_keep_their_chunks(loaded):
     """A step reads up to ``prefill_chunk`` prompt tokens: short prompts that end within them
     join the batch in the same step, and a long one is cut into the same chunks as alone."""
-    from engine.jobs import Job
-    from engine.records import RequestRecord
-    from engine.scheduler import Scheduler
+    from qfserve.engine.serving.jobs import Job
+    from qfserve.engine.serving.records import RequestRecord
+    from qfserve.engine.serving.scheduler import Scheduler
 
     chunk, states = 64, []
     scheduler = Scheduler(

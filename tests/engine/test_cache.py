@@ -8,11 +8,11 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, create_attention_mask, make_prompt_cache
 
-from engine.cache import EvictionCache, FullKVCache
-from engine.config import CacheConfig
-from engine.factory import make_caches
-from engine.scorers import KeySVDScorer, QFilterScorer
-from engine.stats import summarize
+from qfserve.engine.kv.cache import EvictionCache, FullKVCache
+from qfserve.engine.kv.config import CacheConfig
+from qfserve.engine.kv.factory import make_caches
+from qfserve.engine.kv.scorers import KeySVDScorer, QFilterScorer
+from qfserve.engine.kv.stats import summarize
 from tests.tiny import TINY_CONFIG, make_tiny_model
 
 METHODS = ["qfilters", "knorm", "streaming", "full"]
@@ -323,7 +323,7 @@ def test_protocol_state_trim_and_bytes(model):
 
 
 def test_decode_step_is_lazy_and_skips_the_full_sort(model, filters, monkeypatch):
-    import metal
+    from qfserve import kernels
 
     caches = make_caches(model, CacheConfig(budget=32, recent=4), filters=filters)
     model(mx.arange(100)[None], cache=caches)  # prefill: the general path evicts 68 rows
@@ -332,7 +332,7 @@ def test_decode_step_is_lazy_and_skips_the_full_sort(model, filters, monkeypatch
     def forbidden(*args, **kwargs):
         raise AssertionError("called during a single-token decode step")
 
-    monkeypatch.setattr(metal, "fused_evict", forbidden)  # no block eviction (sort) per token
+    monkeypatch.setattr(kernels, "fused_evict", forbidden)  # no block eviction (sort) per token
     monkeypatch.setattr(mx, "eval", forbidden)  # no synchronisation inside update_and_fetch
     monkeypatch.setattr(mx, "async_eval", forbidden)
     for t in range(5):
@@ -343,17 +343,17 @@ def test_decode_step_is_lazy_and_skips_the_full_sort(model, filters, monkeypatch
 
 
 def test_kernel_setting_is_resolved_once_at_construction(model):
-    import metal
+    from qfserve import kernels
 
     with pytest.raises(RuntimeError, match="neither a Metal nor a CUDA"):
         make_caches(model, CacheConfig(budget=64, kernel="on"))
     with pytest.raises(ValueError, match="budget"):
-        make_caches(model, CacheConfig(budget=metal.MAX_BUDGET + 1, kernel="on"))
+        make_caches(model, CacheConfig(budget=kernels.MAX_BUDGET + 1, kernel="on"))
     assert not any(c.use_kernel for c in make_caches(model, CacheConfig(budget=64)))
-    with metal.use_backend("metal"):  # pretend a backend exists: construction only
+    with kernels.use_backend("metal"):  # pretend a backend exists: construction only
         assert all(c.use_kernel for c in make_caches(model, CacheConfig(budget=64)))
         assert all(c.use_kernel for c in make_caches(model, CacheConfig(budget=64, kernel="on")))
-        auto_big = make_caches(model, CacheConfig(budget=metal.MAX_BUDGET + 1))
+        auto_big = make_caches(model, CacheConfig(budget=kernels.MAX_BUDGET + 1))
         assert not any(c.use_kernel for c in auto_big)  # auto falls back above the bound
         assert not any(c.use_kernel for c in make_caches(model, CacheConfig(kernel="off")))
     # The full arm never evicts, so it never needs the kernel, even when forced on.

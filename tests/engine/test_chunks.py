@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from engine.cache import EvictionCache
-from engine.config import CacheConfig
-from engine.evict import chunk_scores
-from engine.factory import make_caches
+from qfserve.engine.kv.cache import EvictionCache
+from qfserve.engine.kv.config import CacheConfig
+from qfserve.engine.kv.evict import chunk_scores
+from qfserve.engine.kv.factory import make_caches
 from tests.tiny import make_tiny_model
 
 B, H, D = 2, 3, 8
@@ -207,7 +207,7 @@ def test_invalid_chunk_is_refused_naming_it(kwargs, message) -> None:
 
 
 def test_a_state_saved_before_the_scorer_is_ready_restores_its_positions():
-    from engine.scorers import KeySVDScorer
+    from qfserve.engine.kv.scorers import KeySVDScorer
 
     keys = mx.array(make_keys(80, seed=9))
     cache = EvictionCache(KeySVDScorer(64), budget=32, n_sink=4, recent=4, chunk=4)

@@ -6,9 +6,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.cache import EvictionCache
-from engine.evict import select_keep, select_victim
-from engine.scorers import KNormScorer, QFilterScorer, RecencyScorer
+from qfserve.engine.kv.cache import EvictionCache
+from qfserve.engine.kv.evict import select_keep, select_victim
+from qfserve.engine.kv.scorers import KNormScorer, QFilterScorer, RecencyScorer
 
 B, H, D = 2, 2, 16
 

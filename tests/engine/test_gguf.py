@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
 
-from engine.gguf import GGUFError
-from engine.gguf.convert import converted_folder
-from engine.gguf.reader import open_gguf
+from qfserve.engine.models.gguf import GGUFError
+from qfserve.engine.models.gguf.convert import converted_folder
+from qfserve.engine.models.gguf.reader import open_gguf
 from tests.gguf_files import write_other_architecture, write_tiny_gguf, write_with_q8_1
 from tests.tiny import _CORPUS, SPECIAL_TOKENS, TINY_CONFIG, _train_tokenizer
 

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from engine.config import CacheConfig, ConfigError
-from engine.factory import make_caches
-from engine.kvzip import PREV_TAIL, RepeatPrompt, compress, generated_tier, needs_pass
+from qfserve.engine.kv.config import CacheConfig, ConfigError
+from qfserve.engine.kv.factory import make_caches
+from qfserve.engine.kv.kvzip import PREV_TAIL, RepeatPrompt, compress, generated_tier, needs_pass
 
 CHUNK = 16  # context tokens per reconstruction chunk: the test context spans three
 
@@ -41,7 +41,7 @@ class _Capture(nn.Module):
 
 @pytest.fixture(scope="module")
 def tiny():
-    from engine.loading import default_model_path, load_model
+    from qfserve.engine.models.loading import default_model_path, load_model
 
     loaded = load_model(str(default_model_path()))
     tokens = loaded.tokenizer.encode(" ".join(f"w{i % 11} is {i}" for i in range(9)))
@@ -252,7 +252,7 @@ def test_kvzip_refuses_chunks():
 
 
 def test_a_later_turn_reconstructs_only_what_no_pass_scored(tiny):
-    from engine.kvzip import Reconstruction
+    from qfserve.engine.kv.kvzip import Reconstruction
 
     loaded, tokens = tiny
     model, context = loaded.model, tokens[:-1]

@@ -2,7 +2,7 @@
 
 Twin sets of caches receive the same prefill and the same decode rows: one set steps alone
 (each cache's own ``update_and_fetch``, the reference), the other through
-:class:`engine.batch.BatchCache`, which packs them (:mod:`engine.packed`). Every step's
+:class:`qfserve.engine.serving.batch.BatchCache`, which packs them (:mod:`qfserve.engine.serving.packed`). Every step's
 returned rows, and every member's state once given back, must be identical: same slots,
 same scores, same victims, same counters.
 """
@@ -13,10 +13,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.batch import BatchCache
-from engine.cache import EvictionCache, FullKVCache
-from engine.packed import Lent, PackedBatch, can_pack
-from engine.scorers import KeySVDScorer, KNormScorer, QFilterScorer, RecencyScorer
+from qfserve.engine.kv.cache import EvictionCache, FullKVCache
+from qfserve.engine.kv.scorers import KeySVDScorer, KNormScorer, QFilterScorer, RecencyScorer
+from qfserve.engine.serving.batch import BatchCache
+from qfserve.engine.serving.packed import Lent, PackedBatch, can_pack
 
 H, D = 2, 8
 

@@ -13,10 +13,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.cache import EvictionCache
-from engine.config import CacheConfig, ConfigError
-from engine.query_aware import DEFAULT_KERNEL, SnapKVScorer, TOVAScorer
-from engine.selfcal import QueryTap
+from qfserve.engine.kv.cache import EvictionCache
+from qfserve.engine.kv.config import CacheConfig, ConfigError
+from qfserve.engine.kv.query_aware import DEFAULT_KERNEL, SnapKVScorer, TOVAScorer
+from qfserve.engine.kv.selfcal import QueryTap
 
 H, G, D = 2, 2, 8  # KV heads, query heads per KV head, head_dim
 SCALE = D**-0.5

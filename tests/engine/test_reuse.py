@@ -15,11 +15,11 @@ import pytest
 from mlx_lm import stream_generate
 from mlx_lm.sample_utils import make_sampler
 
-from engine.config import CacheConfig
-from engine.factory import make_caches
-from engine.loading import default_model_path, load_model
-from engine.requests import Delta, Failed, Finished, GenerationRequest, SamplingParams
-from engine.worker import DEFAULT_PREFILL_CHUNK
+from qfserve.engine.kv.config import CacheConfig
+from qfserve.engine.kv.factory import make_caches
+from qfserve.engine.models.loading import default_model_path, load_model
+from qfserve.engine.serving.worker import DEFAULT_PREFILL_CHUNK
+from qfserve.engine.text.requests import Delta, Failed, Finished, GenerationRequest, SamplingParams
 from tests.workers import serving, worker_for
 
 TURN_TOKENS = 12
@@ -149,7 +149,7 @@ def test_a_prompt_that_differs_from_what_was_generated_is_a_counted_miss(worker,
 
 @pytest.mark.parametrize("method", ["qfilters", "kvzip"])
 def test_saved_caches_survive_a_restart(loaded, tmp_path, caplog, method):
-    from engine import persist
+    from qfserve.engine.reuse import disk as persist
 
     def started(ld):
         return serving(worker_for(ld, prompt_cache_dir=str(tmp_path)))
@@ -189,7 +189,7 @@ def test_saved_caches_survive_a_restart(loaded, tmp_path, caplog, method):
 
 
 def test_a_cache_that_cannot_be_saved_never_stops_the_worker(loaded, tmp_path, monkeypatch):
-    from engine import persist
+    from qfserve.engine.reuse import disk as persist
 
     def broken(*args, **kwargs):
         raise RuntimeError("disk says no")
@@ -269,7 +269,7 @@ def test_a_kvzip_turn_answers_on_its_full_cache_and_is_kept_compressed(worker, l
 
 
 def test_a_kvzip_turn_over_the_memory_it_may_hold_compresses_its_prompt(loaded):
-    from engine.admission import hold_need, kv_need
+    from qfserve.engine.serving.admission import hold_need, kv_need
 
     config = CacheConfig(method="kvzip", budget=48, recent=8)
     prompt = loaded.tokenizer.encode(" ".join([OPENING] * 10))
@@ -281,11 +281,9 @@ def test_a_kvzip_turn_over_the_memory_it_may_hold_compresses_its_prompt(loaded):
     assert final.kv_cache["evictions"] > 0 and final.kv_cache["tokens_kept"] <= config.budget
 
 
-def test_a_kvzip_prompt_longer_than_memory_allows_is_compressed_as_it_is_read(
-    loaded, monkeypatch
-):
-    from engine import kvzip
-    from engine.admission import kv_need, kv_row_bytes, kvzip_limit
+def test_a_kvzip_prompt_longer_than_memory_allows_is_compressed_as_it_is_read(loaded, monkeypatch):
+    from qfserve.engine.kv import kvzip
+    from qfserve.engine.serving.admission import kv_need, kv_row_bytes, kvzip_limit
 
     config = CacheConfig(method="kvzip", budget=48, recent=8)
     prompt = loaded.tokenizer.encode(" ".join([OPENING] * 40))

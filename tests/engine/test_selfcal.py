@@ -13,13 +13,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from calibrations.capture import capture_queries
-from calibrations.compute import compute_filters
-from engine.cache import EvictionCache
-from engine.config import CacheConfig
-from engine.factory import make_caches
-from engine.loading import default_model_path, load_model
-from engine.selfcal import SelfCalibratingScorer
+from qfserve.calibrations.capture import capture_queries
+from qfserve.calibrations.compute import compute_filters
+from qfserve.engine.kv.cache import EvictionCache
+from qfserve.engine.kv.config import CacheConfig
+from qfserve.engine.kv.factory import make_caches
+from qfserve.engine.kv.selfcal import SelfCalibratingScorer
+from qfserve.engine.models.loading import default_model_path, load_model
 
 BUDGET = 96
 
@@ -132,7 +132,7 @@ def test_a_one_token_prompt_falls_back_to_the_keys(drifted):
 def test_the_server_self_calibrates_a_model_without_an_artifact(mode, expected):
     import dataclasses
 
-    from engine.requests import Finished, GenerationRequest, SamplingParams
+    from qfserve.engine.text.requests import Finished, GenerationRequest, SamplingParams
     from tests.workers import complete, serving, worker_for
 
     loaded = load_model(str(default_model_path()))
@@ -154,8 +154,8 @@ def test_the_server_self_calibrates_a_model_without_an_artifact(mode, expected):
 
 
 def test_a_saved_self_calibrated_cache_restores_its_filter(drifted, tmp_path):
-    from engine import persist
-    from engine.reuse import cache_key
+    from qfserve.engine.reuse import disk as persist
+    from qfserve.engine.reuse.kept import cache_key
 
     model, tokens = drifted
     config = CacheConfig(method="qfilters", budget=BUDGET, recent=8)

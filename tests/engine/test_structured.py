@@ -11,8 +11,8 @@ import json
 import llguidance
 import pytest
 
-from engine.loading import default_model_path, load_model
-from engine.structured import _ll_tokenizer, compile_grammar, compile_tool_grammar
+from qfserve.engine.models.loading import default_model_path, load_model
+from qfserve.engine.text.structured import _ll_tokenizer, compile_grammar, compile_tool_grammar
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 TOOLS = [{"name": "get_weather", "parameters": SCHEMA}, {"name": "get_time", "parameters": {}}]

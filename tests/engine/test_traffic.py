@@ -13,16 +13,16 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from calibrations import registry
-from calibrations.artifact import read_calibration
-from calibrations.capture import capture_queries
-from calibrations.compute import compute_filters, query_scales
-from engine.config import CacheConfig
-from engine.factory import make_caches
-from engine.loading import default_model_path, load_model
-from engine.requests import Finished, GenerationRequest, SamplingParams
-from engine.selfcal import install_query_taps
-from engine.traffic import TrafficCalibration
+from qfserve.calibrations import registry
+from qfserve.calibrations.artifact import read_calibration
+from qfserve.calibrations.capture import capture_queries
+from qfserve.calibrations.compute import compute_filters, query_scales
+from qfserve.engine.filters.traffic import TrafficCalibration
+from qfserve.engine.kv.config import CacheConfig
+from qfserve.engine.kv.factory import make_caches
+from qfserve.engine.kv.selfcal import install_query_taps
+from qfserve.engine.models.loading import default_model_path, load_model
+from qfserve.engine.text.requests import Finished, GenerationRequest, SamplingParams
 from tests.workers import complete, serving, worker_for
 
 

@@ -166,7 +166,7 @@ def eos_ids(model: Path) -> list[int]:
 
 @dataclass
 class Server(servers.ServerProcess):
-    """A ``python -m server.cli`` subprocess on 127.0.0.1 and an ephemeral port, with probes
+    """A ``python -m qfserve.server.cli`` subprocess on 127.0.0.1 and an ephemeral port, with probes
     of its state and the ``logit_bias`` that keeps its model from ending early."""
 
     model: Path

@@ -15,8 +15,8 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from calibrations.artifact import save_calibration
-from calibrations.registry import artifact_name, model_id_for
+from qfserve.calibrations.artifact import save_calibration
+from qfserve.calibrations.registry import artifact_name, model_id_for
 from tests.reliability.harness import start_server, stop_server
 from tests.tiny import save_tiny_model
 

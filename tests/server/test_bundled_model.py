@@ -19,9 +19,9 @@ ARTIFACTS = REPO / "calibrations" / "artifacts"
 def test_shipped_artifact_is_for_the_shipped_weights():
     import mlx_lm
 
-    from calibrations.artifact import read_calibration
-    from calibrations.model_info import attention_shape, weights_fingerprint
-    from calibrations.registry import artifact_name, model_id_for
+    from qfserve.calibrations.artifact import read_calibration
+    from qfserve.calibrations.model_info import attention_shape, weights_fingerprint
+    from qfserve.calibrations.registry import artifact_name, model_id_for
 
     model_id = model_id_for(BUNDLED)
     assert model_id == "qfserve/qfserve-tiny"

@@ -1,5 +1,5 @@
 """Every parameter of OpenAI's chat and text completions references has its documented fate
-(``server.compat``): implemented ones are accepted and act, no-ops change no token of the
+(``qfserve.server.compat``): implemented ones are accepted and act, no-ops change no token of the
 answer, refused ones are a 400 naming them; ``null`` is the default for every optional one."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import httpx
 import jsonschema
 import pytest
 
-from server.compat import CHAT_FATES, COMPLETION_FATES, EXTENSION_FATES, REQUIRED
+from qfserve.server.compat import CHAT_FATES, COMPLETION_FATES, EXTENSION_FATES, REQUIRED
 from tests.server.conftest import MODEL_NAME
 
 README = Path(__file__).resolve().parents[2] / "README.md"

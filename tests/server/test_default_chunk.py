@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import SERVED_CHUNK, ConfigError
-from server.errors import APIError
-from server.schemas import CompletionRequest
-from server.settings import Settings
+from qfserve.engine.kv.config import SERVED_CHUNK, ConfigError
+from qfserve.server.errors import APIError
+from qfserve.server.schemas import CompletionRequest
+from qfserve.server.settings import Settings
 
 
 def config(settings: Settings, **body):

@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.gguf.convert import cache_root
+from qfserve.engine.models.gguf.convert import cache_root
 from tests.server.conftest import start_server
 from tests.server.test_bundled_model import isolated_env
 

@@ -21,7 +21,7 @@ def run_refused(model: str, tmp_path) -> tuple[int, str]:
     port = free_port()
     env_cache = tmp_path / "cache"
     process = subprocess.Popen(
-        [sys.executable, "-m", "server.cli", "--model", model, "--port", str(port)],
+        [sys.executable, "-m", "qfserve.server.cli", "--model", model, "--port", str(port)],
         cwd=REPO,
         env={**os.environ, "QFSERVE_CACHE": str(env_cache)},
         stdout=subprocess.PIPE,

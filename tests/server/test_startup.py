@@ -16,7 +16,7 @@ from tests.server.conftest import REPO, free_port
 
 def qfserve(*args: str, env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "server.cli", *args],
+        [sys.executable, "-m", "qfserve.server.cli", *args],
         cwd=REPO,
         env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         stdout=subprocess.PIPE,
@@ -62,14 +62,17 @@ def test_port_clash_exits_within_2_s_without_loading_the_model():
 
 def test_version():
     out = subprocess.run(
-        [sys.executable, "-m", "server.cli", "--version"], capture_output=True, text=True, cwd=REPO
+        [sys.executable, "-m", "qfserve.server.cli", "--version"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
     )
     assert out.returncode == 0 and out.stdout.strip() == "qfserve 0.1.0"
 
 
 def test_bad_environment_value_is_named():
     out = subprocess.run(
-        [sys.executable, "-m", "server.cli", "--model", "qfserve-tiny"],
+        [sys.executable, "-m", "qfserve.server.cli", "--model", "qfserve-tiny"],
         capture_output=True,
         text=True,
         cwd=REPO,

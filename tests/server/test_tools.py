@@ -10,7 +10,7 @@ import jsonschema
 import openai
 import pytest
 
-from engine.tools import parse_tool_calls
+from qfserve.engine.text.tools import parse_tool_calls
 from tests.server.conftest import MODEL_NAME, start_server, stop_server
 from tests.tiny import TOOL_CHAT_TEMPLATE, save_tiny_model
 

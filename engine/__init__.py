@@ -1,1 +1,0 @@
-"""qfserve's generation engine: Q-Filters eviction caches for mlx-lm models."""

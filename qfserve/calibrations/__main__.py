@@ -1,0 +1,7 @@
+"""``python -m calibrations ...``: the same as ``qfserve calibrate ...``."""
+
+import sys
+
+from qfserve.calibrations.cli import main
+
+sys.exit(main())

@@ -1,0 +1,478 @@
+"""A KV cache that keeps at most ``budget`` rows per KV head, for any mlx-lm model.
+
+It honours mlx-lm's cache protocol (``update_and_fetch``, ``offset``, ``make_mask``,
+``state``, ``size``, ``nbytes``, ``empty``, ``is_trimmable``/``trim``), so mlx-lm's models and
+generation loop run on it unchanged. Which rows survive is decided by a scorer
+(:mod:`qfserve.engine.kv.scorers`) and the shared eviction core (:mod:`qfserve.engine.kv.evict`).
+
+Timing: a block of N new rows is appended and returned whole, so its own queries attend to
+all of it; eviction then trims what is *stored*, so the next block sees at most ``budget``
+old rows plus itself. ``offset`` is the absolute position (RoPE must see true positions after
+eviction); survivors keep the rotation they were stored with and are never renumbered.
+
+Layout: after a block the rows are stored in temporal order; once the cache is full, decode
+steps use the slot layout of :mod:`qfserve.engine.kv.slots` (O(budget) per step, no copy).
+
+Chunks (``chunk > 1``): a block eviction ranks rows by their chunk's mean score
+(:func:`qfserve.engine.kv.evict.chunk_scores` over the per-token scores and absolute positions the cache
+then also stores), so prefill and new turns keep whole chunks, on the plain-MLX path. The
+decode step stays O(budget) and per row: at the first eviction every stored row is ranked by
+the mean over its chunk's stored rows, a decoded row carries its own score (its chunk is
+still being written), and the victim is the lowest of those, so decoding eats the weakest
+chunk from its end instead of picking single tokens out of many chunks.
+
+Adaptive budgets (``floor``): block evictions share ``budget * H`` rows across the layer's
+heads (:mod:`qfserve.engine.kv.adaptive`); heads then hold different row counts, stored padded, with
+``head_mask`` telling attention which rows are real (:mod:`qfserve.engine.kv.attention`). Decode steps
+evict one row per head, so each head's count holds until the next block.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache, create_attention_mask
+
+from qfserve import kernels
+from qfserve.engine.kv import adaptive
+from qfserve.engine.kv.evict import chunk_scores, gather_rows, select_keep
+from qfserve.engine.kv.scorers import Scorer
+from qfserve.engine.kv.slots import SlotLayout
+from qfserve.engine.kv.stats import CacheStats
+
+_INF = float("inf")
+
+
+def _row_bytes(keys: mx.array, values: mx.array) -> int:
+    """Bytes one sequence position occupies across batch and KV heads (keys + values)."""
+    B, H, _, Dk = keys.shape
+    return B * H * (Dk * keys.itemsize + values.shape[-1] * values.itemsize)
+
+
+class EvictionCache(SlotLayout):
+    """One layer's eviction cache.
+
+    Args:
+        scorer: Says how important each key is (see :class:`qfserve.engine.kv.scorers.Scorer`).
+        budget: Rows kept per KV head after every update, sinks and recent rows included.
+        n_sink: Leading positions never evicted.
+        recent: Trailing positions never evicted.
+        chunk: Positions per chunk for block evictions (1 = per-row selection).
+        floor: Head-adaptive budgets (:mod:`qfserve.engine.kv.adaptive`): block evictions keep
+            ``budget * H`` rows per layer, every head at least ``floor``, stored padded with
+            a per-head mask that attention applies (``None``: ``budget`` rows per head).
+        use_kernel: Evict blocks with the fused GPU kernel (see
+            :func:`qfserve.kernels.resolve_kernel_mode`); the decode step's single-row eviction is
+            O(budget) in plain MLX either way, and chunked blocks use plain MLX.
+    """
+
+    def __init__(
+        self,
+        scorer: Scorer,
+        *,
+        budget: int,
+        n_sink: int = 4,
+        recent: int = 0,
+        chunk: int = 1,
+        floor: int | None = None,
+        use_kernel: bool = False,
+    ):
+        if n_sink + recent >= budget:
+            raise ValueError(
+                f"n_sink + recent must be < budget, got {n_sink} + {recent} >= {budget}"
+            )
+        if not 1 <= chunk < budget:
+            raise ValueError(f"chunk must be in [1, budget={budget}), got {chunk}")
+        if floor is not None and not n_sink + recent <= floor <= budget:
+            raise ValueError(
+                f"floor must be in [n_sink + recent = {n_sink + recent}, budget = {budget}], "
+                f"got {floor}"
+            )
+        self.scorer = scorer
+        self.budget = budget
+        self.n_sink = n_sink
+        self.recent = recent
+        self.chunk = chunk
+        self.floor = floor
+        self.use_kernel = use_kernel
+        self.keys: mx.array | None = None  # (B, H, S, D)
+        self.values: mx.array | None = None  # (B, H, S, Dv)
+        self.scores: mx.array | None = None  # (B, H, S) float32, once the scorer is ready
+        # Slot layout only (None in temporal order): each slot's rank in time (B, H, S) int32,
+        # and the slot the next token goes to (B, H, 1) uint32.
+        self.order: mx.array | None = None
+        self.free: mx.array | None = None
+        # Chunks only: per-token scores (``scores`` then holds the ranks the decode step
+        # compares) and absolute positions (B, H, S) int32 (``order`` in the slot layout).
+        self.token_scores: mx.array | None = None
+        self.positions: mx.array | None = None
+        # Adaptive budgets only, once heads are ragged: (B, H, S) bool, False on padding;
+        # head_mask is the mask of the rows update_and_fetch last returned.
+        self.valid: mx.array | None = None
+        self.head_mask: mx.array | None = None
+        self.offset = 0  # absolute position of the next token (= tokens seen)
+        self.evictions = 0  # updates that dropped rows
+
+    @property
+    def tracks(self) -> bool:
+        """Absolute positions are stored: with chunks, and for scorers that map rows to
+        positions (KVzip)."""
+        return self.chunk > 1 or getattr(self.scorer, "tracks_positions", False)
+
+    def defers(self, n: int) -> bool:
+        """A block of ``n`` rows is stored whole until :meth:`compress` scores it (KVzip's
+        prompt blocks)."""
+        defers = getattr(self.scorer, "defers", None)
+        return defers is not None and defers(n)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Append ``keys``/``values`` ``(B, H, N, D)``; return every stored row plus them."""
+        if self.free is not None:
+            if keys.shape[2] == 1:
+                self.head_mask = self.valid
+                return self._write_into_free_slot(keys, values)
+            self._to_temporal_order()
+        start = self.offset
+        self.offset += keys.shape[2]
+        if self.keys is None or self.values is None:  # set together; None before the first update
+            all_keys, all_values = keys, values
+        else:
+            all_keys = mx.concatenate([self.keys, keys], axis=2)
+            all_values = mx.concatenate([self.values, values], axis=2)
+
+        scorer = self.scorer
+        scores: mx.array | None
+        if scorer.ready and getattr(scorer, "dynamic", False):  # every row re-scored (TOVA)
+            scores = scorer.rescore(all_keys, keys.shape[2])  # type: ignore[attr-defined]
+        elif scorer.ready:
+            new_scores = scorer.score(keys, start)
+            old_scores = self.scores if not self.tracks else self.token_scores
+            scores = (
+                new_scores
+                if old_scores is None
+                else mx.concatenate([old_scores, new_scores], axis=2)
+            )
+        else:
+            # Nothing has been evicted yet, so the stored rows are positions 0 .. offset-1.
+            scorer.observe(all_keys, self.offset)
+            scores = scorer.score(all_keys, 0) if scorer.ready else None
+        positions = None
+        if self.tracks and self.positions is None and self.keys is not None:
+            # Restored from a state saved before the scorer was ready: nothing was evicted,
+            # so the stored rows are positions 0 .. start - 1.
+            self.positions = mx.broadcast_to(
+                mx.arange(start - self.keys.shape[2], start, dtype=mx.int32), self.keys.shape[:3]
+            )
+        if self.tracks:
+            new_positions = mx.broadcast_to(
+                mx.arange(start, self.offset, dtype=mx.int32), keys.shape[:3]
+            )
+            positions = (
+                new_positions
+                if self.positions is None
+                else mx.concatenate([self.positions, new_positions], axis=2)
+            )
+
+        valid = None
+        if self.valid is not None:
+            valid = mx.concatenate([self.valid, mx.ones(keys.shape[:3], dtype=mx.bool_)], axis=2)
+        self.head_mask = valid
+
+        L, N = all_keys.shape[2], keys.shape[2]
+        if self.defers(N):
+            self.keys, self.values, self.positions, self.valid = (
+                all_keys,
+                all_values,
+                positions,
+                valid,
+            )
+            self._set_scores(scores)
+        elif valid is not None and scores is not None:
+            self._evict_ragged(all_keys, all_values, scores, valid, positions, N)
+        elif scores is None or L <= self.budget:
+            self.keys, self.values, self.positions = all_keys, all_values, positions
+            self._set_scores(scores)
+        elif N == 1 and L == self.budget + 1:
+            # Full with one new row: switch to the slot layout, nothing is copied.
+            self.keys, self.values = all_keys, all_values
+            if positions is not None:
+                # The stored rows are ranked by chunk; the decoded row carries its own score.
+                self.positions = positions[..., :-1]
+                self._set_scores(scores[..., :-1], ranked=True)
+                assert self.scores is not None
+                own = mx.nan_to_num(scores[..., -1:], nan=-_INF, posinf=_INF, neginf=-_INF)
+                self.scores = mx.concatenate([self.scores, own], axis=2)
+                self.token_scores = scores
+                self.positions = self.order = positions
+            else:
+                self._set_scores(scores, ranked=True)
+                # Rank in time: the last rows get their true positions (the recent window
+                # is exact); older rows get smaller ranks in the same order.
+                self.order = mx.broadcast_to(
+                    mx.arange(self.offset - L, self.offset, dtype=mx.int32), scores.shape
+                )
+            self.free = self._victim()
+            self.evictions += 1
+        else:
+            self._evict_block(all_keys, all_values, scores, positions)
+        return all_keys, all_values
+
+    def _evict_block(
+        self, keys: mx.array, values: mx.array, scores: mx.array, positions: mx.array | None
+    ) -> None:
+        """Keep ``budget`` rows of a temporal-order block (rows per head, or the layer's
+        rows shared across heads with a floor)."""
+        if self.floor is not None:
+            self._evict_ragged(keys, values, scores, None, positions, keys.shape[2])
+        elif positions is not None:
+            idx = select_keep(
+                chunk_scores(scores, positions, self.chunk),
+                self.budget,
+                self.n_sink,
+                self.recent,
+            )
+            self.keys, self.values = gather_rows(keys, idx), gather_rows(values, idx)
+            self.positions = gather_rows(positions, idx)
+            self._set_scores(gather_rows(scores, idx), ranked=True)
+            self.evictions += 1
+        else:
+            self.keys, self.values, self.scores = kernels.fused_evict(
+                keys,
+                values,
+                scores,
+                budget=self.budget,
+                n_sink=self.n_sink,
+                recent=self.recent,
+                use_kernel=self.use_kernel,
+            )
+            self.evictions += 1
+
+    def prepare_compress(self) -> None:
+        """Stored rows in temporal order with their absolute positions (before
+        :meth:`compress` is handed scores for them)."""
+        if self.keys is None:
+            raise ValueError("the cache is empty")
+        if self.free is not None:
+            self._to_temporal_order()
+        if self.positions is None:  # nothing was evicted: rows are positions offset - S ..
+            S = self.keys.shape[2]
+            self.positions = mx.broadcast_to(
+                mx.arange(self.offset - S, self.offset, dtype=mx.int32), self.keys.shape[:3]
+            )
+
+    def compress(self, scores: mx.array) -> None:
+        """Replace the stored rows' scores and evict down to the budget as one block (the
+        pass of a scorer that defers blocks, :mod:`qfserve.engine.kv.kvzip`).
+
+        Args:
+            scores: ``(B, H, S)`` float32 over the stored rows in temporal order (after
+                :meth:`prepare_compress`), higher = keep.
+        """
+        self.prepare_compress()
+        assert self.keys is not None and self.values is not None
+        if scores.shape != self.keys.shape[:3]:
+            raise ValueError(f"scores must have shape {self.keys.shape[:3]}, got {scores.shape}")
+        if self.valid is not None:
+            self._evict_ragged(
+                self.keys, self.values, scores, self.valid, self.positions, self.keys.shape[2]
+            )
+        elif self.keys.shape[2] <= self.budget:
+            self._set_scores(scores)
+        else:
+            self._evict_block(self.keys, self.values, scores, self.positions)
+
+    def _evict_ragged(
+        self,
+        keys: mx.array,
+        values: mx.array,
+        scores: mx.array,
+        valid: mx.array | None,
+        positions: mx.array | None,
+        N: int,
+    ) -> None:
+        """A block shares the layer budget across heads (``valid``: None before heads are
+        ragged), ranked by chunk means with chunks; a decode row joining ragged heads takes
+        the slot layout, every head then evicting one row per step as always."""
+        if N > 1 or valid is None:
+            ranked = scores
+            if positions is not None:
+                ranked = chunk_scores(scores, positions, self.chunk, valid)
+            keep, counts = adaptive.select_adaptive(
+                ranked,
+                budget=self.budget,
+                n_sink=self.n_sink,
+                recent=self.recent,
+                floor=self.budget if self.floor is None else self.floor,
+                eligible=valid,
+                logits=not getattr(self.scorer, "scores_are_weights", False),
+            )
+            idx, self.valid = adaptive.ragged_gather(keep, counts)
+            self.keys, self.values = gather_rows(keys, idx), gather_rows(values, idx)
+            self.scores = gather_rows(scores, idx)
+            if positions is not None:
+                self.token_scores, self.positions = self.scores, gather_rows(positions, idx)
+        else:
+            self.keys, self.values, self.valid = keys, values, valid
+            ranks = scores
+            if positions is not None:
+                # As without ragged heads: the stored rows rank by their chunk's mean, the
+                # decoded row by its own score; the slots' order is their true position.
+                means = chunk_scores(
+                    scores[..., :-1], positions[..., :-1], self.chunk, valid[..., :-1]
+                )
+                ranks = mx.concatenate([means, scores[..., -1:]], axis=2)
+                self.token_scores = scores
+                self.positions = self.order = mx.where(valid, positions, -1)
+            else:
+                self.order = adaptive.slot_order(valid, self.offset)
+            finite = mx.nan_to_num(ranks, nan=-_INF, posinf=_INF, neginf=-_INF)
+            self.scores = mx.where(valid, finite, _INF)  # padding is never the victim
+            self.free = self._victim()
+        self.evictions += 1
+
+    def _set_scores(self, scores: mx.array | None, *, ranked: bool = False) -> None:
+        """Store per-token ``scores`` (temporal order); once ``ranked`` (evicting), NaN maps
+        to -inf and, with chunks, the decode step's ranks are the chunk means."""
+        if not self.tracks or scores is None:
+            self.scores = scores
+            if ranked and scores is not None:
+                self.scores = mx.nan_to_num(scores, nan=-_INF, posinf=_INF, neginf=-_INF)
+            return
+        self.token_scores = scores
+        if ranked:
+            assert self.positions is not None
+            means = chunk_scores(scores, self.positions, self.chunk)
+            self.scores = mx.nan_to_num(means, nan=-_INF, posinf=_INF, neginf=-_INF)
+        else:
+            self.scores = scores
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> Any:
+        # The mask describes stored rows: every one of them is visible to the new block.
+        return create_attention_mask(
+            N, offset=self.size(), return_array=return_array, window_size=window_size
+        )
+
+    def size(self) -> int:
+        if self.keys is None:
+            return 0
+        return self.keys.shape[2] - (self.free is not None)  # the free slot holds no token
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    @property
+    def state(self) -> tuple[mx.array, ...]:
+        # The arrays as stored (cheap to evaluate every step); kept() gives temporal order.
+        # Chunks add the per-token scores and positions (``order`` in the slot layout).
+        if self.keys is None or self.values is None:
+            return ()
+        if self.scores is None:
+            return self.keys, self.values
+        extra: tuple[mx.array, ...] = ()
+        if self.token_scores is not None and self.positions is not None:
+            extra = (self.token_scores, self.positions)
+        ragged = () if self.valid is None else (self.valid,)
+        if self.order is None or self.free is None:
+            return self.keys, self.values, self.scores, *extra, *ragged
+        return self.keys, self.values, self.scores, *extra, self.order, self.free, *ragged
+
+    @state.setter
+    def state(self, v: tuple[mx.array, ...]) -> None:
+        # Read from the tuple alone (mlx-lm's from_state sets state before meta_state): ragged
+        # heads end with ``valid`` (bool), the slot layout then with ``free`` (the only
+        # uint32 array); chunks add two arrays.
+        self.keys, self.values, *rest = v
+        self.scores = rest.pop(0) if rest else None
+        self.valid = rest.pop() if rest and rest[-1].dtype == mx.bool_ else None
+        slots = bool(rest) and rest[-1].dtype == mx.uint32
+        self.order, self.free = (rest[-2], rest[-1]) if slots else (None, None)
+        chunked = rest[:-2] if slots else rest
+        self.token_scores, self.positions = (chunked[0], chunked[1]) if chunked else (None, None)
+
+    @property
+    def meta_state(self) -> tuple[str, ...]:
+        return tuple(
+            str(x)
+            for x in (
+                self.offset,
+                self.budget,
+                self.n_sink,
+                self.recent,
+                self.evictions,
+                self.chunk,
+                -1 if self.floor is None else self.floor,
+            )
+        )
+
+    @meta_state.setter
+    def meta_state(self, v: tuple[str, ...]) -> None:
+        self.offset, self.budget, self.n_sink, self.recent, self.evictions, *more = map(int, v)
+        self.chunk = more[0] if more else 1
+        self.floor = more[1] if len(more) > 1 and more[1] >= 0 else None
+
+    @property
+    def nbytes(self) -> int:
+        if self.keys is None or self.values is None:
+            return 0
+        extra = sum(
+            x.nbytes
+            for x in (self.scores, self.token_scores, self.positions, self.valid)
+            if x is not None
+        )
+        return self.keys.nbytes + self.values.nbytes + extra
+
+    def is_trimmable(self) -> bool:
+        # Once rows were dropped, "remove the last n tokens" no longer maps onto stored rows.
+        return self.evictions == 0
+
+    def trim(self, n: int) -> int:
+        if not self.is_trimmable():
+            return 0
+        n = min(self.offset, n)
+        keep = self.size() - n
+        self.offset -= n
+        if self.keys is not None and self.values is not None:
+            self.keys, self.values = self.keys[..., :keep, :], self.values[..., :keep, :]
+            if self.scores is not None:
+                self.scores = self.scores[..., :keep]
+            if self.token_scores is not None:
+                self.token_scores = self.token_scores[..., :keep]
+            if self.positions is not None:
+                self.positions = self.positions[..., :keep]
+        return n
+
+    def stats(self) -> CacheStats:
+        if self.keys is None or self.values is None:
+            return CacheStats(filter_source=self.scorer.source)
+        row = _row_bytes(self.keys, self.values)
+        kept = self.size()
+        held = kept  # rows per head the arrays hold
+        if self.valid is not None:  # ragged heads: the mean real rows per head (the budget),
+            B, H = self.keys.shape[:2]  # while the arrays hold the longest head's, padded
+            rows = self.valid.sum().item() - (B * H if self.free is not None else 0)
+            kept = int(rows) // (B * H)  # type: ignore[arg-type]
+        return CacheStats(
+            tokens_seen=self.offset,
+            tokens_kept=kept,
+            kept_bytes=row * held,
+            full_seq_bytes=row * self.offset,
+            evictions=self.evictions,
+            filter_source=self.scorer.source,
+            filter_bytes=self.scorer.nbytes,
+        )
+
+
+class FullKVCache(KVCache):
+    """mlx-lm's own ``KVCache`` (the no-eviction control arm) with the same statistics."""
+
+    def stats(self) -> CacheStats:
+        if self.keys is None or self.values is None:
+            return CacheStats()
+        row = _row_bytes(self.keys, self.values)
+        return CacheStats(
+            tokens_seen=self.offset,
+            tokens_kept=self.offset,
+            kept_bytes=row * self.offset,
+            full_seq_bytes=row * self.offset,
+        )

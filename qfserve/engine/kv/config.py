@@ -1,0 +1,175 @@
+"""Eviction settings for one request: a frozen dataclass validated at construction."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+Method = Literal["qfilters", "kvzip", "knorm", "streaming", "snapkv", "tova", "full"]
+KernelMode = Literal["auto", "on", "off"]
+BudgetMode = Literal["per_head", "adaptive", "global"]
+
+METHODS: tuple[str, ...] = ("qfilters", "kvzip", "knorm", "streaming", "snapkv", "tova", "full")
+QUERY_AWARE: tuple[str, ...] = ("snapkv", "tova")  # read the model's queries to evict
+TAPPED: tuple[str, ...] = (*QUERY_AWARE, "kvzip")  # need the layers' query taps
+KERNEL_MODES: tuple[str, ...] = ("auto", "on", "off")
+BUDGET_MODES: tuple[str, ...] = ("per_head", "adaptive", "global")
+DEFAULT_METHOD: Method = "qfilters"
+DEFAULT_BUDGET = 512
+DEFAULT_N_SINK = 4
+DEFAULT_RECENT = 0
+DEFAULT_CALIB_TOKENS = 128
+DEFAULT_CHUNK = 1  # a CacheConfig's own: rows ranked one by one
+SERVED_CHUNK = 8  # what the server gives scored methods by default (see fit_chunk)
+SCORED: tuple[str, ...] = ("qfilters", "knorm")  # rank rows by a score: chunks apply
+CHUNKED_MIN_BUDGET = 256  # the smallest budget the default chunk was measured at
+DEFAULT_BUDGET_MODE: BudgetMode = "per_head"
+DEFAULT_FLOOR = 0.2  # AdaKV's default share of the budget every head keeps
+# kvzip's rows shared across layers: on SmolLM2's needle documents per-head kvzip lost the
+# needle at 2x where the shared rows kept it (README, bench/results/smollm2/kvzip).
+DEFAULT_KVZIP_BUDGET_MODE: BudgetMode = "global"
+
+
+def fit_chunk(chunk: int | None, method: str, budget: int) -> int:
+    """The chunk of a request that sends none, for its own method and budget.
+
+    Chunks are for methods that rank rows by a score (streaming keeps the latest rows
+    whatever the chunk; query-aware methods select rows one by one), and a budget must
+    exceed its chunk; elsewhere 1. ``chunk`` is the server's ``--chunk``; ``None`` (not given)
+    means :data:`SERVED_CHUNK` at budgets of at least :data:`CHUNKED_MIN_BUDGET`. Chunks of 8
+    won or tied on SmolLM2 at budgets 256-1,024 (README); at budget 64 the bundled tiny
+    model's pass-key answer broke with them (8 chunks leave few to choose among), so smaller
+    budgets read token by token unless the server or the request asks for chunks.
+    """
+    if method not in SCORED:
+        return 1
+    if chunk is None:
+        return SERVED_CHUNK if budget >= CHUNKED_MIN_BUDGET else 1
+    return chunk if chunk < budget else 1
+
+
+def fit_budget_mode(mode: str, method: str) -> str:
+    """The budget mode of a request that sends none, for its own method: the server's
+    ``mode``, except that ``kvzip`` takes :data:`DEFAULT_KVZIP_BUDGET_MODE` where that is the
+    general default (``per_head``), and other methods ``per_head`` where it is ``global``
+    (only kvzip shares rows across layers)."""
+    if method == "kvzip" and mode == DEFAULT_BUDGET_MODE:
+        return DEFAULT_KVZIP_BUDGET_MODE
+    if method != "kvzip" and mode == "global":
+        return DEFAULT_BUDGET_MODE
+    return mode
+
+
+class ConfigError(ValueError):
+    """An invalid eviction setting; ``param`` names the :class:`CacheConfig` field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """How one request's KV caches evict.
+
+    Args:
+        method: ``qfilters`` (projection on a per-head filter), ``kvzip`` (the attention a
+            reconstruction of the context pays each key, :mod:`qfserve.engine.kv.kvzip`), ``knorm``
+            (keep small-norm keys), ``streaming`` (sinks + most recent rows), ``snapkv`` / ``tova`` (query-aware
+            references, :mod:`qfserve.engine.kv.query_aware`) or ``full`` (no eviction).
+        budget: Rows kept per layer and KV head, sinks and recent rows included.
+        n_sink: Leading positions never evicted. Default: ``4``.
+        recent: Trailing positions never evicted. Default: ``0`` (paper-faithful);
+            about ``budget // 4`` helps open-ended generation.
+        sign: ``+1`` keeps keys with a large projection on the filter, ``-1`` the opposite
+            (an ablation; meaningful on the key-SVD fallback, whose sign is ambiguous).
+        calib_tokens: Keys observed before the key-SVD fallback freezes its direction.
+        chunk: Block evictions keep whole chunks of this many positions, ranked by their
+            mean score (ChunkKV); ``1`` (default) ranks rows one by one.
+        budget_mode: ``per_head`` (default): ``budget`` rows in every KV head;
+            ``adaptive``: block evictions share ``budget * n_kv_heads`` rows across a
+            layer's heads (AdaKV), each keeping at least ``floor`` of its budget;
+            ``global`` (kvzip only): the reconstruction pass shares ``budget * n_kv_heads *
+            n_layers`` rows across every layer and head (kvpress's KVzip default).
+        floor: Share of ``budget`` every head keeps under ``adaptive`` (``0 < floor <= 1``).
+        kernel: Fused eviction kernel: ``auto`` (where a GPU backend exists), ``on``
+            (require it) or ``off`` (pure MLX).
+    """
+
+    method: Method = DEFAULT_METHOD
+    budget: int = DEFAULT_BUDGET
+    n_sink: int = DEFAULT_N_SINK
+    recent: int = DEFAULT_RECENT
+    sign: int = 1
+    calib_tokens: int = DEFAULT_CALIB_TOKENS
+    chunk: int = DEFAULT_CHUNK
+    budget_mode: BudgetMode = DEFAULT_BUDGET_MODE
+    floor: float = DEFAULT_FLOOR
+    kernel: KernelMode = "auto"
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ConfigError("method", f"method must be one of {METHODS}, got {self.method!r}")
+        if self.kernel not in KERNEL_MODES:
+            raise ConfigError(
+                "kernel", f"kernel must be one of {KERNEL_MODES}, got {self.kernel!r}"
+            )
+        for name in ("budget", "n_sink", "recent", "calib_tokens", "chunk"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(name, f"{name} must be an integer, got {value!r}")
+        if self.budget < 1:
+            raise ConfigError("budget", f"budget must be >= 1, got {self.budget}")
+        if self.n_sink < 0:
+            raise ConfigError("n_sink", f"n_sink must be >= 0, got {self.n_sink}")
+        if self.recent < 0:
+            raise ConfigError("recent", f"recent must be >= 0, got {self.recent}")
+        if self.calib_tokens < 1:
+            raise ConfigError("calib_tokens", f"calib_tokens must be >= 1, got {self.calib_tokens}")
+        if self.chunk < 1:
+            raise ConfigError("chunk", f"chunk must be >= 1, got {self.chunk}")
+        if self.method != "full" and self.chunk >= self.budget:
+            raise ConfigError("chunk", f"chunk must be < budget={self.budget}, got {self.chunk}")
+        if self.budget_mode not in BUDGET_MODES:
+            raise ConfigError(
+                "budget_mode",
+                f"budget_mode must be one of {BUDGET_MODES}, got {self.budget_mode!r}",
+            )
+        if self.budget_mode == "global" and self.method not in ("kvzip", "full"):
+            raise ConfigError(
+                "budget_mode",
+                "budget_mode='global' shares rows across layers by the scores of kvzip's "
+                f"reconstruction pass: method must be kvzip, got {self.method!r}",
+            )
+        if self.method in TAPPED and self.chunk != 1:
+            raise ConfigError("chunk", f"{self.method} selects rows one by one: chunk must be 1")
+        if self.method in QUERY_AWARE and self.budget_mode != "per_head":
+            raise ConfigError(
+                "budget_mode", f"{self.method} keeps budget rows per head: budget_mode per_head"
+            )
+        if isinstance(self.floor, bool) or not isinstance(self.floor, (int, float)):
+            raise ConfigError("floor", f"floor must be a number, got {self.floor!r}")
+        if not 0 < self.floor <= 1:
+            raise ConfigError("floor", f"floor must be in (0, 1], got {self.floor}")
+        if self.sign not in (1, -1) or isinstance(self.sign, bool):
+            raise ConfigError("sign", f"sign must be +1 or -1, got {self.sign!r}")
+        if self.method != "full" and self.n_sink + self.recent >= self.budget:
+            raise ConfigError(
+                "budget",
+                "n_sink + recent must be < budget (some rows must be evictable): "
+                f"got n_sink={self.n_sink} + recent={self.recent} >= budget={self.budget}",
+            )
+
+    @property
+    def floor_rows(self) -> int:
+        """Rows every head keeps under adaptive budgets: ``floor * budget``, at least the
+        protected rows (under ``global``: the protected rows alone)."""
+        if self.budget_mode == "global":
+            return self.n_sink + self.recent
+        return min(self.budget, max(self.n_sink + self.recent, math.ceil(self.floor * self.budget)))
+
+    @property
+    def evicts(self) -> bool:
+        """False for the ``full`` control arm."""
+        return self.method != "full"

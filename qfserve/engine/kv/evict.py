@@ -1,0 +1,114 @@
+"""The eviction core: which stored rows survive, written once for every scorer.
+
+Scores are ``(B, H, L)`` float32, higher = keep. The first ``n_sink`` rows and the last
+``recent`` rows are protected (ranked as +inf); NaN ranks lowest. Survivors are row indices in
+temporal order. Ties are broken deterministically: among equal scores the lower position is
+kept.
+
+Two paths: a block eviction (:func:`select_keep`, the plain-MLX path of the fused kernel in
+:mod:`qfserve.kernels.qfilters_apply`, so kernel and CPU share one definition) and the decode step,
+where exactly one row goes (:func:`select_victim`, O(budget), no sort: the cache then writes
+the next token into the freed slot instead of copying the rows).
+
+Chunk-level selection (ChunkKV, arXiv 2502.00299) ranks a block's rows by the mean score of
+their chunk, ``position // chunk`` (:func:`chunk_scores`), so :func:`select_keep` keeps whole
+chunks: members tie, and ties go lowest position first, so only the chunk at the boundary
+can be cut, from its end.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from qfserve.kernels.qfilters_apply import protected_rows, select_keep_reference
+
+_INF = mx.array(float("inf"), dtype=mx.float32)
+
+
+def select_keep(scores: mx.array, budget: int, n_sink: int, recent: int) -> mx.array:
+    """Indices of the ``budget`` rows to keep, in temporal order (block path).
+
+    Top-``budget`` by score with protected rows forced in. The threshold is the
+    ``budget``-th largest score; rows strictly above it are always admitted and rows equal
+    to it only while quota remains, lowest position first, so exactly ``budget`` rows
+    survive even when scores tie (every protected row ties at +inf).
+
+    Args:
+        scores: ``(B, H, L)`` float32 with ``L > budget``.
+        budget: Rows to keep, ``n_sink + recent < budget < L``.
+    Returns:
+        ``(B, H, budget)`` uint32 row indices, ascending.
+    """
+    return select_keep_reference(scores, budget=budget, n_sink=n_sink, recent=recent)
+
+
+def select_victim(scores: mx.array, order: mx.array, n_sink: int, first_recent: int) -> mx.array:
+    """The slot to free when exactly one row must go (the decode step), O(C), no sort.
+
+    Rows may sit in any slot; ``order`` ranks them in time. The victim is the lowest-scoring
+    unprotected row, the latest among ties, which matches :func:`select_keep`'s
+    lower-position-first tie-break. Protected: slots ``< n_sink`` (sinks never move) and rows
+    whose ``order >= first_recent``.
+
+    Args:
+        scores: ``(B, H, C)`` float32 without NaN (callers map NaN to -inf on insertion).
+        order: ``(B, H, C)`` int32, distinct per (b, h), increasing with position.
+        n_sink: Sink slots at the front.
+        first_recent: ``order`` of the oldest protected recent row.
+    Returns:
+        ``(B, H, 1)`` uint32 slot indices.
+    """
+    guarded = protected_rows(scores.shape[-1], n_sink, 0) | (order >= first_recent)
+    masked = mx.where(guarded, _INF, scores)
+    tied = masked == masked.min(axis=-1, keepdims=True)
+    return mx.argmax(mx.where(tied, order, -1), axis=-1, keepdims=True)  # uint32
+
+
+def chunk_scores(
+    scores: mx.array, positions: mx.array, chunk: int, valid: mx.array | None = None
+) -> mx.array:
+    """Each row's chunk mean: the mean score of the stored rows sharing ``position // chunk``.
+
+    A NaN score makes its chunk's mean NaN (ranked lowest, as a NaN row would be). Rows are
+    grouped by chunk id, not by adjacency, so a chunk split by padding (ragged heads: a
+    head's rows, its padding, then the new block) is still one chunk.
+
+    Args:
+        scores: ``(B, H, L)`` float32 per-row scores.
+        positions: ``(B, H, L)`` int32 absolute positions.
+        chunk: Positions per chunk, ``>= 1`` (1 returns ``scores``).
+        valid: ``(B, H, L)`` bool, False on padding rows, which join no chunk (their own
+            score is returned for them).
+    Returns:
+        ``(B, H, L)`` float32.
+    """
+    if chunk == 1:
+        return scores
+    B, H, L = scores.shape
+    real = mx.ones(scores.shape, dtype=mx.bool_) if valid is None else valid
+    ids = mx.where(real, positions // chunk, 0)
+    n = int(ids.max().item()) + 1  # type: ignore[arg-type]  # block evictions only
+    flat = (ids + (mx.arange(B * H, dtype=mx.int32) * n).reshape(B, H, 1)).reshape(-1)
+    weight = real.astype(mx.float32).reshape(-1)
+    sums = (
+        mx.zeros((B * H * n,), dtype=mx.float32)
+        .at[flat]
+        .add(mx.where(real, scores, 0.0).reshape(-1))
+    )
+    counts = mx.zeros((B * H * n,), dtype=mx.float32).at[flat].add(weight)
+    means = (sums[flat] / mx.maximum(counts[flat], 1.0)).reshape(B, H, L)
+    return means if valid is None else mx.where(real, means, scores)
+
+
+def gather_rows(x: mx.array, idx: mx.array) -> mx.array:
+    """Rows ``idx`` of ``x`` along the sequence axis.
+
+    Args:
+        x: ``(B, H, L, D)`` or ``(B, H, L)``.
+        idx: ``(B, H, K)`` row indices.
+    Returns:
+        ``(B, H, K, D)`` or ``(B, H, K)``.
+    """
+    if x.ndim == 4:
+        return mx.take_along_axis(x, idx[..., None], axis=2)
+    return mx.take_along_axis(x, idx, axis=2)

@@ -1,0 +1,177 @@
+"""Scorers: how important each stored key is (higher = keep). Nothing else.
+
+When to evict, what is protected and how rows are gathered live in :mod:`qfserve.engine.kv.evict` and
+:mod:`qfserve.engine.kv.cache`; a scorer only maps a block of keys to one float32 score per row. Scores
+are computed once, when a key is inserted, and never recomputed. A NaN score (from a NaN key)
+ranks lowest; :mod:`qfserve.engine.kv.evict` handles it.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import mlx.core as mx
+
+
+class Scorer(Protocol):
+    """The scorer role.
+
+    ``score(keys, start)`` maps ``keys`` ``(B, H, N, D)`` holding positions
+    ``start .. start + N - 1`` to ``(B, H, N)`` float32 scores. A scorer that is not
+    ``ready`` (the key-SVD fallback before it has seen enough keys) blocks eviction and is
+    shown every stored key through ``observe`` until it is.
+    """
+
+    source: str  # "calibrated" | "fallback" | "none": reported in cache statistics
+
+    @property
+    def ready(self) -> bool: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def observe(self, keys: mx.array, tokens_seen: int) -> None: ...
+
+    def score(self, keys: mx.array, start: int) -> mx.array: ...
+
+
+def _as_float32(x: mx.array) -> mx.array:
+    return x if x.dtype == mx.float32 else x.astype(mx.float32)
+
+
+def project(keys: mx.array, direction: mx.array, sign: int) -> mx.array:
+    """``sign * (keys . direction)`` in float32.
+
+    Args:
+        keys: ``(B, H, N, D)`` any float dtype.
+        direction: ``(H, D)`` or ``(B, H, D)`` float32.
+    Returns:
+        ``(B, H, N)`` float32.
+    """
+    d = direction if sign == 1 else -direction
+    return (_as_float32(keys) @ d[..., None]).squeeze(-1)  # (B, H, N)
+
+
+class AlwaysReady:
+    """A scorer with nothing to learn: ready from the first key, nothing observed."""
+
+    source = "none"
+    ready = True
+
+    @property
+    def nbytes(self) -> int:
+        return 0
+
+    def observe(self, keys: mx.array, tokens_seen: int) -> None:
+        return None
+
+
+class QFilterScorer(AlwaysReady):
+    """Calibrated Q-Filters: projection on a per-KV-head filter computed offline from queries.
+
+    Args:
+        filters: ``(H, D)`` unit filters for this layer's KV heads.
+        sign: ``+1`` (the paper's direction) or ``-1`` (ablation).
+        query_scale: ``(H,)`` each head's ``E<q, f>`` from calibration; given, scores are
+            expected attention logits ``E<q, f> * (f . k) / sqrt(D)``, comparable across
+            heads (what head-adaptive budgets rank by).
+    """
+
+    source = "calibrated"
+
+    def __init__(self, filters: mx.array, sign: int = 1, query_scale: mx.array | None = None):
+        self.filters = filters.astype(mx.float32)
+        self.sign = sign
+        self.scale = None
+        if query_scale is not None:
+            D = self.filters.shape[-1]
+            self.scale = (query_scale.astype(mx.float32) / D**0.5)[:, None]  # (H, 1)
+
+    @property
+    def nbytes(self) -> int:
+        return self.filters.nbytes
+
+    def score(self, keys: mx.array, start: int) -> mx.array:
+        scores = project(keys, self.filters, self.sign)
+        return scores if self.scale is None else scores * self.scale
+
+
+class KeySVDScorer:
+    """Key-SVD fallback: estimate each head's direction from the keys it has seen, then freeze.
+
+    Until ``calib_tokens`` keys have been observed there is no direction and nothing is
+    evicted. The direction is the top right singular vector of the raw (uncentred) keys of
+    each (sequence, KV head), i.e. the top eigenvector of ``K^T K``. What it cannot know:
+
+    * the sign. A query decides which end of the key axis earns attention and the cache has
+      none. We orient the axis *against* the observed keys' mean: in the models measured the
+      queries' mean points away from the keys' (on SmolLM2-135M the key-SVD axis oriented to
+      the keys' mean has a negative cosine with the calibrated filter in 94% of heads; on
+      qfserve-tiny the mean-oriented scores correlate with attention at Spearman -0.37), so
+      keys low on the shared key axis earn the most attention, which is also why K-norm
+      works. ``sign = -1`` keeps the other end (the ablation).
+    * a direction independent of traffic. It is frozen from whichever update first crosses
+      ``calib_tokens``, so a prompt prefilled in one block and the same prompt fed in chunks
+      can freeze different directions and keep different rows (path dependence).
+
+    Calibrated filters (:class:`QFilterScorer`) have neither problem.
+    """
+
+    source = "fallback"
+
+    def __init__(self, calib_tokens: int, sign: int = 1):
+        self.calib_tokens = calib_tokens
+        self.sign = sign
+        self.direction: mx.array | None = None  # (B, H, D) once frozen
+
+    @property
+    def ready(self) -> bool:
+        return self.direction is not None
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.direction is None else self.direction.nbytes
+
+    def observe(self, keys: mx.array, tokens_seen: int) -> None:
+        if self.direction is None and tokens_seen >= self.calib_tokens:
+            self.direction = estimate_direction(keys)
+
+    def score(self, keys: mx.array, start: int) -> mx.array:
+        if self.direction is None:
+            raise RuntimeError("KeySVDScorer.score called before the direction was frozen")
+        return project(keys, self.direction, self.sign)
+
+
+def estimate_direction(keys: mx.array) -> mx.array:
+    """Top right singular vector of each head's uncentred keys, oriented against their mean
+    (the observed keys project negatively on it; see :class:`KeySVDScorer`).
+
+    Args:
+        keys: ``(B, H, T, D)``.
+    Returns:
+        ``(B, H, D)`` float32 unit vectors.
+    """
+    k = _as_float32(keys)
+    gram = k.swapaxes(-1, -2) @ k  # (B, H, D, D)
+    # eigh runs on the CPU stream on every backend; eigenvalues ascend, so the last is top.
+    _, vecs = mx.linalg.eigh(gram, stream=mx.cpu)
+    top = vecs[..., -1]  # (B, H, D)
+    mean_proj = (k @ top[..., None]).sum(axis=(-2, -1))  # (B, H)
+    orient = mx.where(mean_proj > 0, -1.0, 1.0)[..., None]
+    return top * orient
+
+
+class KNormScorer(AlwaysReady):
+    """K-norm: keys with a small L2 norm tend to receive more attention, so score = -||k||."""
+
+    def score(self, keys: mx.array, start: int) -> mx.array:
+        return -mx.sqrt(mx.square(_as_float32(keys)).sum(axis=-1))
+
+
+class RecencyScorer(AlwaysReady):
+    """StreamingLLM: score = position, so the kept rows are the sinks plus the latest ones."""
+
+    def score(self, keys: mx.array, start: int) -> mx.array:
+        B, H, N, _ = keys.shape
+        positions = mx.arange(start, start + N, dtype=mx.float32)
+        return mx.broadcast_to(positions, (B, H, N))

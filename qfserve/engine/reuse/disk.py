@@ -1,0 +1,155 @@
+"""Kept caches on disk (``--prompt-cache-dir``): one safetensors file per prompt-cache entry.
+
+mlx-lm's ``save_prompt_cache`` / ``load_prompt_cache`` (0.32) save each layer's ``state``
+arrays and rebuild caches by class name from its own module, so an eviction cache cannot go
+through them: its settings (``meta_state``) and its scorer are not in ``state``, and its class
+is not mlx-lm's. A file here holds the same per-layer ``state`` arrays (plus what a scorer
+learned from its request: the fallback's frozen direction, a self-calibrated filter), and a JSON header with the entry's key (model, settings, filter
+source), its tokens, the model's weights fingerprint and each layer's class and
+``meta_state``. Loading builds fresh caches for those settings with the server's own filters
+(``make_caches``), then restores each layer's state into them; a file for other weights, of
+another format or that does not restore is skipped, and the log names it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, cast
+
+import mlx.core as mx
+
+from qfserve.engine.kv.config import CacheConfig
+from qfserve.engine.kv.scorers import KeySVDScorer
+from qfserve.engine.kv.selfcal import SelfCalibratingScorer
+
+logger = logging.getLogger(__name__)
+
+FORMAT = 1
+SUFFIX = ".qfcache.safetensors"
+
+
+def entry_name(key: tuple[Any, ...], tokens: list[int]) -> str:
+    """The file name of an entry: a hash of its key and tokens."""
+    digest = hashlib.sha1(json.dumps([list(key), list(tokens)]).encode()).hexdigest()
+    return digest[:20] + SUFFIX
+
+
+def settings_of(key: tuple[Any, ...]) -> CacheConfig:
+    """The cache settings a key was made from (:func:`qfserve.engine.reuse.kept.cache_key`)."""
+    names = list(CacheConfig.__dataclass_fields__)
+    return CacheConfig(**dict(zip(names, key[1:-1], strict=True)))
+
+
+def save(
+    folder: Path, key: tuple[Any, ...], tokens: list[int], caches: list[Any], fingerprint: str
+) -> Path:
+    """Write one entry (atomically: a temporary file, then a rename)."""
+    arrays: dict[str, mx.array] = {}
+    layers = []
+    for i, cache in enumerate(caches):
+        state = tuple(cache.state)
+        arrays.update({f"{i}.{j}": a for j, a in enumerate(state)})
+        scorer = getattr(cache, "scorer", None)
+        arrays.update({f"{i}.{name}": a for name, a in _learned(scorer).items()})
+        meta = getattr(cache, "meta_state", None)
+        layers.append(
+            {
+                "class": type(cache).__name__,
+                "n_state": len(state),
+                "meta_state": None if meta is None else list(meta),
+                "source": getattr(scorer, "source", None),
+            }
+        )
+    header = {
+        "format": FORMAT,
+        "key": list(key),
+        "tokens": list(tokens),
+        "fingerprint": fingerprint,
+        "layers": layers,
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / entry_name(key, tokens)
+    tmp = path.with_name(path.name + ".tmp.safetensors")
+    mx.save_safetensors(str(tmp), arrays, {"qfserve": json.dumps(header)})
+    os.replace(tmp, path)
+    return path
+
+
+def load(
+    path: Path, fingerprint: str, fresh: Callable[[CacheConfig], list[Any]]
+) -> tuple[tuple[Any, ...], list[int], list[Any]]:
+    """Read one entry back into fresh caches (``fresh`` builds them for its settings).
+
+    Raises:
+        ValueError: another format or other weights, or a layer that does not match.
+    """
+    loaded = mx.load(str(path), return_metadata=True)
+    arrays, meta = cast("tuple[dict[str, mx.array], dict[str, str]]", loaded)
+    header = json.loads(meta["qfserve"])
+    if header.get("format") != FORMAT:
+        raise ValueError(f"format {header.get('format')!r}, expected {FORMAT}")
+    if header["fingerprint"] != fingerprint:
+        raise ValueError("saved for other weights (the model's fingerprint differs)")
+    key = tuple(header["key"])
+    caches = fresh(settings_of(key))
+    if len(caches) != len(header["layers"]):
+        raise ValueError(f"{len(header['layers'])} layers saved, the model has {len(caches)}")
+    for i, (cache, layer) in enumerate(zip(caches, header["layers"], strict=True)):
+        if type(cache).__name__ != layer["class"]:
+            raise ValueError(f"layer {i} was a {layer['class']}, now {type(cache).__name__}")
+        cache.state = tuple(arrays[f"{i}.{j}"] for j in range(layer["n_state"]))
+        if layer["meta_state"] is not None:
+            cache.meta_state = tuple(layer["meta_state"])
+        for name in ("direction", "filters"):
+            if f"{i}.{name}" in arrays:
+                setattr(cache.scorer, name, arrays[f"{i}.{name}"])
+        if isinstance(getattr(cache, "scorer", None), SelfCalibratingScorer) and layer.get(
+            "source"
+        ):
+            cache.scorer.source = layer["source"]  # "fallback" where no prompt block came first
+    return key, list(header["tokens"]), caches
+
+
+def _learned(scorer: Any) -> dict[str, mx.array]:
+    """What a scorer learned from its own request, which fresh caches cannot rebuild."""
+    if isinstance(scorer, KeySVDScorer) and scorer.direction is not None:
+        return {"direction": scorer.direction}
+    if isinstance(scorer, SelfCalibratingScorer) and scorer.filters is not None:
+        return {"filters": scorer.filters}
+    return {}
+
+
+def load_folder(
+    folder: Path, fingerprint: str, fresh: Callable[[CacheConfig], list[Any]], limit: int
+) -> list[tuple[tuple[Any, ...], list[int], list[Any]]]:
+    """The ``limit`` most recent entries of ``folder`` that restore, oldest first (files
+    for other weights stay where they are, for the server they belong to)."""
+    if not folder.is_dir():
+        return []
+
+    def mtime(path: Path) -> float:
+        try:
+            return path.stat().st_mtime
+        except OSError:  # gone since the glob (another server pruned it)
+            return 0.0
+
+    out: list[tuple[tuple[Any, ...], list[int], list[Any]]] = []
+    for path in sorted(folder.glob("*" + SUFFIX), key=mtime, reverse=True):
+        if len(out) == limit:
+            break
+        try:
+            out.append(load(path, fingerprint, fresh))
+        except Exception as exc:  # noqa: BLE001 - a bad file must not stop the server
+            logger.warning("skipping saved cache %s: %s", path, exc)
+    return out[::-1]
+
+
+def prune(folder: Path, mine: set[str], keep: set[str]) -> None:
+    """Delete the files this server wrote or loaded (``mine``) that are not in ``keep``."""
+    for name in mine - keep:
+        (folder / name).unlink(missing_ok=True)

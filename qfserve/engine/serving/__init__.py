@@ -1,0 +1,5 @@
+"""Serving: the one thread that owns the model (:mod:`.worker`), the scheduler that admits,
+prefills and decodes every running request in one batch (:mod:`.scheduler`, :mod:`.batch`,
+:mod:`.packed`), what memory admits (:mod:`.admission`), and each request's record and
+event queue (:mod:`.records`, :mod:`.jobs`).
+"""

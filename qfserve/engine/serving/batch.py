@@ -1,0 +1,167 @@
+"""One layer's cache for a decode batch: every request keeps its own cache, stepped together.
+
+mlx-lm batches requests through batch caches (``BatchKVCache``: one padded tensor, left
+padding, ``merge``/``filter``/``extend``/``extract``), and its ``GenerationBatch`` drives
+any cache with that protocol. A padded tensor cannot express what qfserve's requests need:
+each one evicts with its own method, budget, recent window, sinks and filters, so their row
+counts, slot layouts and eviction steps all differ. :class:`BatchCache` therefore keeps the
+members' own caches (:class:`qfserve.engine.kv.cache.EvictionCache`, ``FullKVCache`` or whatever the
+model uses) and, per decode step, lets each member update and evict exactly as it would
+alone (O(budget) per request), then right-pads their rows to the longest for one batched
+attention. Padding is masked per KV head through ``head_mask``
+(:mod:`qfserve.engine.kv.attention`), together with any member's own ragged-head mask.
+
+That general path costs a copy of the batch's kept rows per layer and step (the padding),
+and some twenty small MLX operations per member; on a CPU their dispatch, not the bytes,
+is what grows with the batch. So while every member is a cache whose decode step it knows
+(eviction caches whose score it knows, chunked or not, and full caches), the batch
+holds their rows in one set of arrays (:class:`qfserve.engine.serving.packed.PackedBatch`) and steps them
+with the same few operations whatever its size. Members leave and join it there (a gather
+or a concatenation per array); a member that cannot be packed joining makes every member
+take its rows back and the batch step each on its own.
+
+Only decode steps (one new token per member) go through a batch: prompts are prefilled per
+request, on its own caches, and join the batch when done (:mod:`qfserve.engine.serving.scheduler`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from qfserve.engine.serving.packed import PackedBatch, can_pack
+
+
+def _pad_rows(x: mx.array, n: int) -> mx.array:
+    """Append ``n`` zero rows along the sequence axis (axis 2)."""
+    if n == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[2] = (0, n)
+    return mx.pad(x, widths)
+
+
+class BatchCache:
+    """The caches of one layer for every member of a decode batch, in batch order."""
+
+    def __init__(self, members: list[Any]) -> None:
+        self.members = members
+        self.head_mask: mx.array | None = None  # (B, H, S) bool over the rows last returned
+        self._packed: PackedBatch | None = None
+
+    @classmethod
+    def merge(cls, caches: list[Any]) -> BatchCache:
+        """mlx-lm's constructor name for a batch of single-request caches."""
+        members: list[Any] = []
+        for c in caches:
+            members.extend(c.members if isinstance(c, BatchCache) else [c])
+        return cls(members)
+
+    @property
+    def offset(self) -> Any:
+        """Each member's absolute position: ``(B,)`` int32, which RoPE takes per row."""
+        if len(self.members) == 1:
+            return self.members[0].offset
+        return mx.array([m.offset for m in self.members], dtype=mx.int32)
+
+    def _unpack(self) -> None:
+        """Members get their own rows back (before the batch's membership changes)."""
+        if self._packed is not None:
+            self._packed.release()
+            self._packed = None
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """One decode step: ``keys``/``values`` ``(B, H, 1, D)``, one row per member."""
+        if keys.shape[2] != 1:
+            raise ValueError(
+                f"a batch cache takes decode steps only (one row per member), got {keys.shape[2]}"
+            )
+        if self._packed is not None and self._packed.detached:  # extracted, still here
+            self._unpack()
+        if self._packed is None and all(can_pack(m) for m in self.members):
+            self._packed = PackedBatch(self.members)
+        if self._packed is not None:
+            k, v, self.head_mask = self._packed.step(keys, values)
+            return k, v
+        outs = []
+        for i, m in enumerate(self.members):
+            tap = getattr(getattr(m, "scorer", None), "tap", None)
+            if tap is not None:  # a scorer that reads queries sees its own request's row
+                tap.narrow(i)
+            outs.append(m.update_and_fetch(keys[i : i + 1], values[i : i + 1]))
+        masks = [getattr(m, "head_mask", None) for m in self.members]
+        if len(outs) == 1:
+            self.head_mask = masks[0]
+            return outs[0]
+        S = max(k.shape[2] for k, _ in outs)
+        if all(k.shape[2] == S for k, _ in outs) and all(m is None for m in masks):
+            self.head_mask = None
+            return (
+                mx.concatenate([k for k, _ in outs], axis=0),
+                mx.concatenate([v for _, v in outs], axis=0),
+            )
+        ks, vs, hms = [], [], []
+        for (k, v), hm in zip(outs, masks, strict=True):
+            pad = S - k.shape[2]
+            real = mx.ones(k.shape[:3], dtype=mx.bool_) if hm is None else hm
+            ks.append(_pad_rows(k, pad))
+            vs.append(_pad_rows(v, pad))
+            hms.append(_pad_rows(real, pad))
+        self.head_mask = mx.concatenate(hms, axis=0)
+        return mx.concatenate(ks, axis=0), mx.concatenate(vs, axis=0)
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> Any:
+        # A decode row sees every row its member returns; padding goes through head_mask.
+        return None
+
+    # -- mlx-lm's batch protocol -----------------------------------------------------------
+
+    def filter(self, batch_indices: list[int]) -> None:
+        if self._packed is not None:
+            if not batch_indices or self._packed.detached & set(batch_indices):
+                self._unpack()  # an extracted member stays: the batch repacks at its next step
+            else:
+                self._packed.filter(batch_indices)
+        self.members = [self.members[i] for i in batch_indices]
+
+    def extend(self, other: BatchCache) -> None:
+        packed = self._packed
+        if packed is not None and not packed.detached and other.members:
+            if other._packed is None and all(can_pack(m) for m in other.members):
+                other._packed = PackedBatch(other.members)
+            if other._packed is not None and not other._packed.detached:
+                packed.extend(other._packed)
+                other._packed = None
+                self.members.extend(other.members)
+                return
+        self._unpack()
+        other._unpack()
+        self.members.extend(other.members)
+
+    def extract(self, idx: int) -> Any:
+        """Member ``idx``, holding its own rows (mlx-lm extracts a finished request's cache,
+        then filters it out)."""
+        if self._packed is not None:
+            self._packed.detach(idx)
+        return self.members[idx]
+
+    def size(self) -> int:
+        return max((m.size() for m in self.members), default=0)
+
+    def empty(self) -> bool:
+        return all(m.empty() for m in self.members)
+
+    @property
+    def state(self) -> tuple[mx.array, ...]:
+        """Every member's arrays (what ``mx.eval`` needs to materialise the batch)."""
+        if self._packed is not None:
+            return self._packed.state
+        return tuple(a for m in self.members for a in m.state)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.nbytes for m in self.members)
+
+    def is_trimmable(self) -> bool:
+        return False

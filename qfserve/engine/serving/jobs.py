@@ -1,0 +1,75 @@
+"""A request as the worker holds it: the handler's side of the channel to the model thread.
+
+A :class:`Job` carries the request, its record and an asyncio queue of events; the worker
+thread posts to it with ``loop.call_soon_threadsafe`` and the handler awaits them. Either
+side may cancel it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+
+from qfserve.engine.serving.records import RequestRecord
+from qfserve.engine.text.requests import Event, Failed, GenerationRequest
+
+
+class WorkerUnavailable(RuntimeError):
+    """The worker cannot take the request now (loading, dead, draining or queue full)."""
+
+    def __init__(self, message: str, *, retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class Job:
+    """One submitted request: the handler awaits :meth:`next_event` and may :meth:`cancel`."""
+
+    def __init__(
+        self, request: GenerationRequest, record: RequestRecord, loop: asyncio.AbstractEventLoop
+    ) -> None:
+        self.request = request
+        self.record = record
+        self._loop = loop
+        self._events: asyncio.Queue[Event] = asyncio.Queue()
+        self._cancel = threading.Event()
+        self.failure: Failed | None = None  # what a cancelled job tells its client, if anyone
+        self._emitted = 0  # written by the worker thread only
+        self._taken = 0  # written by the event loop only
+
+    @property
+    def id(self) -> str:
+        return self.record.id
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def cancel(self, failure: Failed | None = None) -> None:
+        """Stop this request: dropped if still queued, else within one decode step.
+
+        Args:
+            failure: Sent to a client that is still listening (e.g. the server is shutting
+                down); ``None`` when the client itself went away.
+        """
+        if failure is not None and not self._cancel.is_set():
+            self.failure = failure
+        self._cancel.set()
+
+    def emit(self, event: Event) -> None:
+        """Post an event to the handler's loop (called from the worker thread)."""
+        # A closed loop (server shut down) means nobody is listening any more.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+            self._emitted += 1
+
+    @property
+    def backlog(self) -> int:
+        """Events posted that the handler has not taken yet."""
+        return self._emitted - self._taken
+
+    async def next_event(self) -> Event:
+        event = await self._events.get()
+        self._taken += 1
+        return event

@@ -1,0 +1,429 @@
+"""The decode step of a whole batch in one set of arrays: :class:`PackedBatch`.
+
+Stepping every member's own cache (:class:`qfserve.engine.serving.batch.BatchCache`'s general path) costs
+about twenty small MLX operations per member, layer and step, and on a CPU their dispatch
+outweighs the step's arithmetic once a batch holds a few requests. Here the members' rows
+live in one right-padded set of arrays for as long as the batch's membership holds still,
+and a decode step is the same dozen operations whatever the batch size: score the new rows
+(each member by its own scorer's formula), write each into its member's next slot, and pick
+each evicting member's next victim with its own sinks, recent window and budget (the rule of
+:func:`qfserve.engine.kv.evict.select_victim`, per row). Nothing else changes: the rows an eviction
+cache keeps are the ones it keeps alone, in the same slots.
+
+Per member, ``held`` slots are in use: a cache still growing (fewer than ``budget + 1`` rows,
+or a full cache) appends at slot ``held``; once ``budget + 1`` slots are held it is in the
+slot layout of :mod:`qfserve.engine.kv.slots` and writes into the victim's slot.
+
+While packed a member is *lent*: its arrays are replaced by :class:`Lent` placeholders that
+carry their shape and size but no data, so its statistics stay current, its rows are not
+held twice, and any attempt to compute with it fails loudly. :meth:`PackedBatch.release`
+writes the real rows back (copies: a member leaving keeps nothing of the batch's buffers).
+
+Chunked members (``chunk > 1``) decode as they do alone: stored rows rank by their chunk's
+mean, a decoded row by its own score. The batch keeps their per-token scores beside the ranks
+and their true positions in ``order``; when one reaches its budget, its stored rows are ranked
+by chunk once (:func:`qfserve.engine.kv.evict.chunk_scores`, as the cache does alone at that step).
+
+What can be packed: eviction caches with heads not ragged and a scorer whose formula is
+batched here; mlx-lm's ``KVCache`` (and our ``FullKVCache``). A batch with anything else
+steps each member on its own.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from qfserve.engine.kv.cache import EvictionCache, FullKVCache
+from qfserve.engine.kv.evict import chunk_scores
+from qfserve.engine.kv.scorers import KeySVDScorer, KNormScorer, QFilterScorer, RecencyScorer
+from qfserve.engine.kv.selfcal import SelfCalibratingScorer
+
+_INF = float("inf")
+_STEP = 256  # slots added at a time when a growing member needs more (as mlx-lm's KVCache)
+_PROJECT, _NORM, _POSITION, _NONE = range(4)  # how a member scores its rows
+
+
+@dataclass(frozen=True)
+class Lent:
+    """Stands in for a packed member's array: its shape and size, no data."""
+
+    shape: tuple[int, ...]
+    dtype: mx.Dtype
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.size
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+def _score_form(scorer: Any) -> tuple[int, mx.array | None, mx.array | None] | None:
+    """(kind, signed direction ``(H, D)``, scale ``(H, 1)``) of a scorer, or None if this
+    module does not batch it. Mirrors each scorer's ``score`` operation for operation, so a
+    packed score is the one the member computes alone."""
+    if isinstance(scorer, QFilterScorer):
+        d = scorer.filters if scorer.sign == 1 else -scorer.filters
+        return _PROJECT, d, scorer.scale
+    if isinstance(scorer, KeySVDScorer) and scorer.direction is not None:
+        d = scorer.direction[0] if scorer.sign == 1 else -scorer.direction[0]
+        return _PROJECT, d, None
+    if isinstance(scorer, SelfCalibratingScorer) and scorer.filters is not None:
+        d = scorer.filters if scorer.sign == 1 else -scorer.filters
+        return _PROJECT, d, None
+    if isinstance(scorer, KNormScorer):
+        return _NORM, None, None
+    if isinstance(scorer, RecencyScorer):
+        return _POSITION, None, None
+    return None
+
+
+def can_pack(cache: Any) -> bool:
+    """Whether :class:`PackedBatch` can step this cache (one sequence, decode steps)."""
+    if type(cache) in (KVCache, FullKVCache):
+        return cache.keys is not None and cache.keys.shape[0] == 1
+    if type(cache) is not EvictionCache:
+        return False
+    return (
+        cache.keys is not None
+        and cache.keys.shape[0] == 1
+        and cache.scores is not None
+        and (cache.chunk == 1 or cache.token_scores is not None and cache.positions is not None)
+        and cache.valid is None
+        and _score_form(cache.scorer) is not None
+    )
+
+
+def _arrays(cache: Any) -> list[mx.array]:
+    names = ("keys", "values", "scores", "order", "free", "token_scores", "positions")
+    return [a for a in (getattr(cache, n, None) for n in names) if isinstance(a, mx.array)]
+
+
+def _pad(x: mx.array, rows: int) -> mx.array:
+    """Zero rows appended along the slot axis (axis 2) up to ``rows``."""
+    if x.shape[2] == rows:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[2] = (0, rows - x.shape[2])
+    return mx.pad(x, widths)
+
+
+class PackedBatch:
+    """One layer's caches of a decode batch, held in shared arrays (see the module doc)."""
+
+    def __init__(self, members: list[Any]) -> None:
+        if not members or not all(can_pack(m) for m in members):
+            raise ValueError("every member must be a packable cache (see can_pack)")
+        self.members = list(members)  # its own list: the batch cache keeps another
+        self.caps: list[float] = []  # slots an evicting member holds at most (budget + 1)
+        self.held: list[int] = []
+        self.offsets: list[int] = [m.offset for m in members]
+        self.chunks: list[int] = [getattr(m, "chunk", 1) for m in members]
+        keys: list[Any] = []
+        values: list[Any] = []
+        scores: list[Any] = []
+        order: list[Any] = []
+        free: list[Any] = []
+        tokens: list[Any] = []  # per-token scores (the ranks but for chunked members)
+        forms = []
+        m: Any
+        for m in members:
+            k, v = m.keys, m.values
+            _, H, rows, _ = k.shape
+            if isinstance(m, EvictionCache):
+                cap: float = m.budget + 1
+                s = m.scores
+                t = s if m.chunk == 1 else m.token_scores
+                if m.free is not None:  # slot layout: every slot is held, one is free
+                    o, f = m.order, m.free
+                elif m.chunk > 1:  # temporal order; chunks need the true positions
+                    o, f = m.positions, mx.full((1, H, 1), rows, dtype=mx.uint32)
+                else:  # temporal order: ranks in time as the slot layout would give them
+                    o = mx.broadcast_to(mx.arange(m.offset - rows, m.offset, dtype=mx.int32),
+                                        (1, H, rows))  # fmt: skip
+                    f = mx.full((1, H, 1), rows, dtype=mx.uint32)
+                form = _score_form(m.scorer)
+                assert form is not None  # can_pack checked it
+                forms.append(form)
+            else:  # a full cache: grows, never evicts
+                cap = _INF
+                rows = m.offset
+                k, v = k[..., :rows, :], v[..., :rows, :]
+                s = t = mx.zeros((1, H, rows), dtype=mx.float32)
+                o = mx.zeros((1, H, rows), dtype=mx.int32)
+                f = mx.full((1, H, 1), rows, dtype=mx.uint32)
+                forms.append((_NONE, None, None))
+            self.caps.append(cap)
+            self.held.append(rows)
+            keys.append(k)
+            values.append(v)
+            scores.append(s)
+            order.append(o)
+            free.append(f)
+            tokens.append(t)
+        C = max(self._needed(i) for i in range(len(members)))
+        self.keys = mx.concatenate([_pad(x, C) for x in keys])  # (B, H, C, D)
+        self.values = mx.concatenate([_pad(x, C) for x in values])  # (B, H, C, Dv)
+        self.scores = mx.concatenate([_pad(x, C) for x in scores])  # (B, H, C) raw
+        self.order = mx.concatenate([_pad(x, C) for x in order])  # (B, H, C) int32
+        self.free = mx.concatenate(free)  # (B, H, 1) uint32: where each next row goes
+        self.token_scores = None  # (B, H, C) raw per-token scores, with chunked members only
+        if any(c > 1 for c in self.chunks):
+            self.token_scores = mx.concatenate([_pad(x, C) for x in tokens])
+        self.forms = forms
+        self.detached: set[int] = set()  # members already given their rows (extract)
+        self._set_members()
+        for i in range(len(members)):
+            self._lend(i)
+
+    def _set_members(self) -> None:
+        """The per-member constants of the step, from the member lists."""
+        self._set_scoring(self.forms)
+        rows = [[getattr(m, name, 0) for m in self.members] for name in ("n_sink", "recent")]
+        self.n_sink = mx.array(rows[0], mx.int32)[:, None, None]
+        self.recent = mx.array(rows[1], mx.int32)[:, None, None]
+
+    def _needed(self, i: int) -> int:
+        """Slots member ``i`` needs for its next row: room to grow by whole steps, up to its
+        ``budget + 1`` (a large budget on a short request reserves nothing it does not use)."""
+        grown = -(-(self.held[i] + 1) // _STEP) * _STEP
+        return int(min(self.caps[i], grown))
+
+    def _set_scoring(self, forms: list[tuple[int, mx.array | None, mx.array | None]]) -> None:
+        self.kinds = sorted({kind for kind, _, _ in forms})
+        self.kind = mx.array([kind for kind, _, _ in forms], dtype=mx.int32)[:, None, None]
+        self.directions = self.scale = None
+        if _PROJECT in self.kinds:
+            H, D = self.keys.shape[1], self.keys.shape[3]
+            zero = mx.zeros((H, D), dtype=mx.float32)
+            self.directions = mx.stack([zero if d is None else d for _, d, _ in forms])  # (B,H,D)
+            if any(s is not None for _, _, s in forms):
+                one = mx.ones((H, 1), dtype=mx.float32)
+                self.scale = mx.stack([one if s is None else s for _, _, s in forms])  # (B,H,1)
+
+    def _score(self, keys: mx.array, positions: mx.array) -> mx.array:
+        """``(B, H, 1)`` float32 scores of the new rows, each by its member's formula."""
+        k = keys if keys.dtype == mx.float32 else keys.astype(mx.float32)
+        parts = {}
+        if _PROJECT in self.kinds:
+            assert self.directions is not None
+            proj = (k @ self.directions[..., None]).squeeze(-1)
+            parts[_PROJECT] = proj if self.scale is None else proj * self.scale
+        if _NORM in self.kinds:
+            parts[_NORM] = -mx.sqrt(mx.square(k).sum(axis=-1))
+        if _POSITION in self.kinds:
+            parts[_POSITION] = mx.broadcast_to(positions.astype(mx.float32), k.shape[:3])
+        if _NONE in self.kinds:
+            parts[_NONE] = mx.zeros(k.shape[:3], dtype=mx.float32)
+        kinds = list(parts)
+        out = parts[kinds[0]]
+        for kind in kinds[1:]:
+            out = mx.where(self.kind == kind, parts[kind], out)
+        return out
+
+    # -- one decode step -----------------------------------------------------------------
+
+    def step(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array, Any]:
+        """Write one row per member; return every slot and the mask of the held ones.
+
+        Args:
+            keys: ``(B, H, 1, D)``; values ``(B, H, 1, Dv)``.
+        Returns:
+            ``(keys, values, head_mask)``: ``(B, H, W, D)``, ``(B, H, W, Dv)``, and
+            ``(B, 1, W)`` bool (None when every member holds all ``W`` slots), where ``W``
+            is the most slots any member holds.
+        """
+        if self.detached:
+            raise ValueError("a member was given its rows back: filter the batch first")
+        B = len(self.members)
+        C = max(self._needed(i) for i in range(B))
+        if C > self.keys.shape[2]:  # a growing member needs more slots
+            self.keys, self.values = _pad(self.keys, C), _pad(self.values, C)
+            self.scores, self.order = _pad(self.scores, C), _pad(self.order, C)
+            if self.token_scores is not None:
+                self.token_scores = _pad(self.token_scores, C)
+        C = self.keys.shape[2]
+        positions = mx.array(self.offsets, dtype=mx.int32)[:, None, None]  # (B, 1, 1)
+        held = [int(min(h + 1, c)) for h, c in zip(self.held, self.caps, strict=True)]
+        slot = self.free[..., None]  # (B, H, 1, 1)
+        self.keys = mx.put_along_axis(self.keys, slot, keys, axis=2)
+        self.values = mx.put_along_axis(self.values, slot, values, axis=2)
+        score = self._score(keys, positions)
+        self.scores = mx.put_along_axis(self.scores, self.free, score, axis=2)
+        self.order = mx.put_along_axis(
+            self.order, self.free, mx.broadcast_to(positions, self.free.shape), axis=2
+        )
+        if self.token_scores is not None:
+            self.token_scores = mx.put_along_axis(self.token_scores, self.free, score, axis=2)
+            for i, n in enumerate(self.held):
+                if self.chunks[i] > 1 and n < self.caps[i] == held[i]:  # reaches its budget
+                    # Its stored rows (slots 0 .. n-1, in time) now rank by their chunk's
+                    # mean; the row just written at slot n keeps its own score.
+                    self.scores[i : i + 1, :, :n] = chunk_scores(
+                        self.token_scores[i : i + 1, :, :n],
+                        self.order[i : i + 1, :, :n],
+                        self.chunks[i],
+                    )
+        held_now = mx.array(held, dtype=mx.int32)[:, None, None]
+        slots = mx.arange(C, dtype=mx.int32)
+        evict = [h == c for h, c in zip(held, self.caps, strict=True)]
+        if any(evict):
+            # select_victim per row: sinks by slot, the recent window by time, and slots not
+            # (yet) held are never victims; NaN ranks lowest, the latest among ties goes.
+            guarded = (
+                (slots < self.n_sink)
+                | (self.order >= positions + 1 - self.recent)
+                | (slots >= held_now)
+            )
+            ranked = mx.nan_to_num(self.scores, nan=-_INF, posinf=_INF, neginf=-_INF)
+            masked = mx.where(guarded, _INF, ranked)
+            tied = masked == masked.min(axis=-1, keepdims=True)
+            victim = mx.argmax(mx.where(tied, self.order, -1), axis=-1, keepdims=True)
+            grow = held_now.astype(mx.uint32)
+            self.free = victim if all(evict) else mx.where(mx.array(evict)[:, None, None],
+                                                           victim, grow)  # fmt: skip
+        else:
+            self.free = mx.broadcast_to(held_now.astype(mx.uint32), self.free.shape)
+        for i, m in enumerate(self.members):
+            m.offset += 1
+            self.offsets[i] += 1
+            if evict[i]:
+                m.evictions += 1
+            if held[i] != self.held[i]:
+                self.held[i] = held[i]
+                self._lend(i)
+        # Attention reads the slots some member holds, not the room grown ahead of them (a
+        # growing member reserves whole steps of slots: reading them all would double the
+        # width of a batch whose caches just passed a step).
+        width = max(held)
+        mask = None if all(h == width for h in held) else slots[:width] < held_now
+        if width == C:
+            return self.keys, self.values, mask
+        return self.keys[:, :, :width], self.values[:, :, :width], mask
+
+    # -- lending and giving back ---------------------------------------------------------
+
+    def _lend(self, i: int) -> None:
+        """Member ``i``'s arrays become placeholders of the shapes it holds now."""
+        m: Any = self.members[i]  # its arrays' annotations do not foresee a placeholder
+        held = self.held[i]
+        _, H, _, D = self.keys.shape
+        m.keys = Lent((1, H, held, D), self.keys.dtype)
+        m.values = Lent((1, H, held, self.values.shape[3]), self.values.dtype)
+        if self.caps[i] == _INF:  # a full cache has nothing else
+            return
+        m.scores = Lent((1, H, held), mx.float32)
+        if self.chunks[i] > 1:
+            m.token_scores = Lent((1, H, held), mx.float32)
+            m.positions = Lent((1, H, held), mx.int32)
+        if held == self.caps[i]:  # the slot layout
+            m.order = Lent((1, H, held), mx.int32)
+            m.free = Lent((1, H, 1), mx.uint32)
+
+    # -- membership --------------------------------------------------------------------
+    # mlx-lm's batch protocol: a finished member is extracted (its rows given back), then
+    # the batch is filtered to the rest; newcomers join by extend. Done on the shared arrays
+    # (one gather or concatenation per array), a change of membership costs a few
+    # operations per layer instead of giving every member its rows back and packing anew.
+
+    def detach(self, i: int) -> None:
+        """Give member ``i`` its rows back; it stays in the arrays until :meth:`filter`
+        drops it, and the batch must not step before then."""
+        if i not in self.detached:
+            self._give_back([i])
+            self.detached.add(i)
+
+    def filter(self, keep: list[int]) -> None:
+        """Keep members ``keep``, in that order; the others get their rows back."""
+        kept = set(keep)
+        if self.detached & kept:  # checked before anyone is given their rows back
+            raise ValueError("a detached member cannot stay in the batch")
+        self._give_back([i for i in range(len(self.members)) if i not in kept])
+        if not keep:
+            self.members = []
+            return
+        idx = mx.array(keep, dtype=mx.int32)
+        for name in ("caps", "held", "offsets", "chunks", "forms", "members"):
+            setattr(self, name, [getattr(self, name)[i] for i in keep])
+        C = max(self._needed(i) for i in range(len(keep)))  # what the rest need, no more
+        self.keys, self.values = self.keys[idx, :, :C], self.values[idx, :, :C]
+        self.scores, self.order = self.scores[idx, :, :C], self.order[idx, :, :C]
+        self.free = self.free[idx]
+        if self.token_scores is not None:
+            chunked = any(c > 1 for c in self.chunks)
+            self.token_scores = self.token_scores[idx, :, :C] if chunked else None
+        self.detached = set()
+        self._set_members()
+
+    def extend(self, other: PackedBatch) -> None:
+        """Append ``other``'s members (it is used up: its members are lent to this batch)."""
+        if self.detached or other.detached:
+            raise ValueError("filter detached members out before extending")
+        C = max(self.keys.shape[2], other.keys.shape[2])
+
+        def join(a: mx.array, b: mx.array) -> mx.array:
+            return mx.concatenate([_pad(a, C), _pad(b, C)])
+
+        if self.token_scores is not None or other.token_scores is not None:
+            mine = self.scores if self.token_scores is None else self.token_scores
+            theirs = other.scores if other.token_scores is None else other.token_scores
+            self.token_scores = join(mine, theirs)
+        self.keys, self.values = join(self.keys, other.keys), join(self.values, other.values)
+        self.scores, self.order = join(self.scores, other.scores), join(self.order, other.order)
+        self.free = mx.concatenate([self.free, other.free])
+        for name in ("caps", "held", "offsets", "chunks", "forms", "members"):
+            getattr(self, name).extend(getattr(other, name))
+        other.members = []
+        self._set_members()
+
+    def release(self) -> None:
+        """Give every member its rows back (copies) in the layout it would have alone."""
+        self._give_back(range(len(self.members)))
+        self.members = []
+
+    def _give_back(self, which: Any) -> None:
+        """Members ``which`` get their rows back (copies), as they would hold them alone.
+
+        The copies are evaluated now, without waiting: until then each one would keep the
+        whole batch's buffers alive (a finished request's caches may stay for a later turn).
+        """
+        given = []
+        for i in which:
+            if i in self.detached:
+                continue
+            m = self.members[i]
+            given.append(m)
+            held = self.held[i]
+
+            def rows(x: mx.array, i: int = i, held: int = held) -> mx.array:
+                return mx.contiguous(x[i : i + 1, :, :held])
+
+            m.keys, m.values = rows(self.keys), rows(self.values)
+            if not isinstance(m, EvictionCache):
+                continue
+            chunked = self.chunks[i] > 1
+            if chunked:
+                assert self.token_scores is not None
+                m.token_scores, m.positions = rows(self.token_scores), rows(self.order)
+            if held == self.caps[i]:
+                m.scores = mx.nan_to_num(rows(self.scores), nan=-_INF, posinf=_INF, neginf=-_INF)
+                m.order = m.positions if chunked else rows(self.order)
+                m.free = mx.contiguous(self.free[i : i + 1])
+            else:  # below its budget a chunked member's ranks are its token scores
+                m.scores = rows(self.scores)
+        mx.async_eval([a for m in given for a in _arrays(m)])
+
+    @property
+    def state(self) -> tuple[mx.array, ...]:
+        extra = () if self.token_scores is None else (self.token_scores,)
+        return self.keys, self.values, self.scores, self.order, self.free, *extra

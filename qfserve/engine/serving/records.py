@@ -1,0 +1,182 @@
+"""What the server reports about its requests: one record per request, totals, KV reservations
+and the MLX memory probe. Counts only, never prompt text or token ids.
+
+The worker thread writes records; the event loop reads :meth:`Ledger.snapshot` for the admin
+endpoint and the metrics. Everything shared goes through the ledger's lock.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from qfserve.engine.kv.config import CacheConfig
+from qfserve.engine.kv.stats import summarize
+
+State = Literal["queued", "prefill", "decode", "done", "cancelled", "error"]
+_COUNTED = ("prompt_tokens", "completion_tokens", "kept_bytes", "full_seq_bytes")
+_FROM_STATS = (
+    "filter_source",
+    "tokens_seen",
+    "tokens_kept",
+    "kept_bytes",
+    "full_seq_bytes",
+    "compression_ratio",
+    "evictions",
+)
+
+
+def mlx_memory() -> dict[str, int]:
+    """MLX allocator figures in bytes: held by arrays now, the peak since start, and freed
+    buffers kept for reuse. Counter reads only (safe off the worker thread)."""
+    import mlx.core as mx
+
+    return {
+        "mlx_active_bytes": int(mx.get_active_memory()),
+        "mlx_peak_bytes": int(mx.get_peak_memory()),
+        "mlx_cache_bytes": int(mx.get_cache_memory()),
+    }
+
+
+@dataclass
+class RequestRecord:
+    """Counts about one request for the admin endpoint; written by the worker thread only."""
+
+    id: str
+    model: str
+    kind: str
+    method: str
+    budget: int
+    recent: int
+    n_sink: int
+    chunk: int = 1
+    budget_mode: str = "per_head"
+    state: State = "queued"
+    filter_source: str = "none"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    tokens_seen: int = 0
+    tokens_kept: int = 0
+    kept_bytes: int = 0
+    kv_reserved_bytes: int = 0
+    full_seq_bytes: int = 0
+    compression_ratio: float = 1.0
+    evictions: int = 0
+    created: float = field(default_factory=time.time)
+    finished: float | None = None
+
+    @classmethod
+    def opened(cls, id: str, model: str, kind: str, config: CacheConfig) -> RequestRecord:
+        """The record of a request just submitted, with its cache settings."""
+        return cls(
+            id=id, model=model, kind=kind, method=config.method, budget=config.budget,
+            recent=config.recent, n_sink=config.n_sink, chunk=config.chunk,
+            budget_mode=config.budget_mode,
+        )  # fmt: skip
+
+    def update(self, caches: list[Any]) -> None:
+        """Refresh the cache figures from the request's caches."""
+        stats = summarize(caches)
+        for name in _FROM_STATS:
+            setattr(self, name, getattr(stats, name))
+
+    def kv_cache(self, config: CacheConfig) -> dict[str, Any]:
+        """The ``kv_cache`` summary a finished request reports: its settings and figures."""
+        return {
+            "method": config.method,
+            "budget": config.budget,
+            "recent": config.recent,
+            "n_sink": config.n_sink,
+            "chunk": config.chunk,
+            "budget_mode": config.budget_mode,
+            "floor": config.floor if config.budget_mode == "adaptive" else None,
+            "filter_source": self.filter_source,
+            "tokens_seen": self.tokens_seen,
+            "tokens_kept": self.tokens_kept,
+            "kept_bytes": self.kept_bytes,
+            "full_seq_bytes": self.full_seq_bytes,
+            "compression_ratio": self.compression_ratio,
+            "evictions": self.evictions,
+        }
+
+
+class Ledger:
+    """Active records, a bounded history of finished ones, totals and KV reservations.
+
+    Args:
+        history: Finished records kept.
+        max_kv_bytes: What the running requests may reserve together.
+    """
+
+    def __init__(self, history: int, max_kv_bytes: int) -> None:
+        self.max_kv_bytes = max_kv_bytes
+        self._lock = threading.Lock()
+        self._active: dict[str, RequestRecord] = {}
+        self._history: deque[RequestRecord] = deque(maxlen=history)
+        self._reserved: dict[str, int] = {}
+        self._totals = dict.fromkeys(("requests", "done", "cancelled", "error", *_COUNTED), 0)
+
+    def open(self, record: RequestRecord) -> None:
+        with self._lock:
+            self._active[record.id] = record
+            self._totals["requests"] += 1
+
+    def discard(self, record: RequestRecord) -> None:
+        """Undo :meth:`open` for a request that was never queued."""
+        with self._lock:
+            if self._active.pop(record.id, None) is not None:
+                self._totals["requests"] -= 1
+
+    def close(self, record: RequestRecord, state: State) -> None:
+        """The request ended in ``state``: into the history and the totals; its KV freed."""
+        record.state, record.finished = state, time.time()
+        with self._lock:
+            self._active.pop(record.id, None)
+            self._reserved.pop(record.id, None)
+            self._history.append(record)
+            self._totals[state] += 1
+            for name in _COUNTED:
+                self._totals[name] += getattr(record, name)
+
+    def reserve(self, record: RequestRecord, need: int, *, alone: bool) -> bool:
+        """Reserve ``need`` KV bytes if they fit beside the others' (``alone``: nothing else
+        runs, so it is admitted regardless)."""
+        with self._lock:
+            if not alone and sum(self._reserved.values()) + need > self.max_kv_bytes:
+                return False
+            self._reserved[record.id] = need
+        record.kv_reserved_bytes = need
+        return True
+
+    def reserved(self) -> int:
+        """KV bytes the admitted requests have reserved."""
+        with self._lock:
+            return sum(self._reserved.values())
+
+    def idle(self) -> bool:
+        with self._lock:
+            return not self._active
+
+    def active_kv_bytes(self) -> tuple[int, int]:
+        """(kept, full-cache) bytes over the active requests."""
+        with self._lock:
+            records = list(self._active.values())
+        return sum(r.kept_bytes for r in records), sum(r.full_seq_bytes for r in records)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Active and recent records plus totals (with MLX memory), as plain dicts."""
+        with self._lock:
+            active = [asdict(r) for r in self._active.values()]
+            history = [asdict(r) for r in reversed(self._history)]
+            totals: dict[str, Any] = dict(self._totals)
+            totals["kv_reserved_bytes"] = sum(self._reserved.values())
+        totals["active"] = len(active)
+        totals["queued"] = sum(r["state"] == "queued" for r in active)
+        totals["batch"] = sum(r["state"] in ("prefill", "decode") for r in active)
+        totals["kv_used_bytes"] = sum(r["kept_bytes"] for r in active)
+        totals["max_kv_bytes"] = self.max_kv_bytes
+        totals.update(mlx_memory())
+        return {"active": active, "history": history, "totals": totals}

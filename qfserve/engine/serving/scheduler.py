@@ -1,0 +1,391 @@
+"""Continuous batching: requests join and leave one running decode batch at step boundaries.
+
+Each :meth:`Scheduler.step` reads at most ``prefill_chunk`` prompt tokens, oldest request
+first, then runs one decode step of the batch. A long prompt is read one chunk per step;
+prompts that end within the tokens the step has left are read in the same step (one forward
+pass each, on their own caches), so a burst of short requests does not join one step apart.
+Every prompt is cut into the same blocks as when it is alone (a prompt is never started with
+less than a chunk unless it ends there). Newcomers therefore stall the running streams for one
+chunk's tokens at most, and each joins the batch when its prompt is done.
+
+Decoding reuses mlx-lm's ``GenerationBatch`` (per-request samplers, logits processors, EOS
+matching and ``max_tokens``; ``filter``/``extend`` as requests leave and join) over
+:class:`qfserve.engine.serving.batch.BatchCache`, which keeps each request's own eviction caches. Prompts are
+prefilled here, one request at a time on its own caches, rather than by mlx-lm's
+``PromptProcessingBatch``: that one right-pads a batch of prompts into shared batch caches
+and rolls the padding away afterwards (``prepare``/``finalize``), which an eviction cache
+that drops rows during the prompt cannot follow. What is left per request (streaming
+detokenization, stop strings, logprobs, cancellation, the client's backlog) is the
+:class:`Sequence` below.
+
+Everything here runs on the worker thread that owns the model.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, cast
+
+import mlx.core as mx
+from mlx_lm.generate import GenerationBatch, generation_stream, make_stop_sequences
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+from qfserve.engine.kv import kvzip
+from qfserve.engine.serving.batch import BatchCache
+from qfserve.engine.text.prompts import StopText, token_logprobs
+from qfserve.engine.text.requests import Delta, Failed, Finished, FinishReason
+from qfserve.engine.text.sampling import request_sampler
+
+if TYPE_CHECKING:
+    from qfserve.engine.models.loading import LoadedModel
+    from qfserve.engine.serving.jobs import Job
+    from qfserve.engine.serving.records import RequestRecord, State
+
+logger = logging.getLogger(__name__)
+
+STATS_EVERY = 8  # decode steps between cache-stat refreshes of an active record
+
+
+@dataclass
+class Sequence:
+    """One admitted request: its prompt, its caches and its streaming state."""
+
+    job: Job
+    prompt: list[int]
+    max_tokens: int
+    caches: list[Any]
+    detokenizer: Any
+    stop: StopText | None
+    read: int = 0  # prompt tokens the caches hold so far (a reused cache starts with some)
+    tokens: int = 0  # tokens generated so far (EOS included)
+    uid: int = -1
+    cached: int = 0  # prompt tokens a reused cache already held
+    generated: list[int] = field(default_factory=list)
+    # kvzip: the pass under way (the prompt over budget, once read; or what is read so far,
+    # under memory pressure), qfserve.engine.kv.kvzip
+    reconstruction: kvzip.Reconstruction | None = None
+
+    @property
+    def record(self) -> RequestRecord:
+        return self.job.record
+
+
+class Scheduler:
+    """The prefill queue and the decode batch of one model.
+
+    Args:
+        loaded: The model and tokenizer.
+        finish: Called once per request that leaves, with its final state.
+        keep: Called with a request that finished normally, its caches and the tokens they
+            hold (prompt and every generated token), for the next turn to continue.
+        max_backlog: Events a client may leave untaken before it is cancelled.
+        prefill_chunk: Prompt tokens per prefill step.
+    """
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        finish: Callable[[RequestRecord, State], None],
+        keep: Callable[[Sequence], None] | None = None,
+        max_backlog: int,
+        prefill_chunk: int,
+    ) -> None:
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        self.loaded = loaded
+        self._finish = finish
+        self._keep = keep
+        self._max_backlog = max_backlog
+        self.prefill_chunk = prefill_chunk
+        self._prefilling: deque[Sequence] = deque()
+        self._batch = self._empty_batch()
+        self._decoding: dict[int, Sequence] = {}
+        self._uids = 0
+        self._repeat: kvzip.RepeatPrompt | None = None  # built for the first kvzip request
+
+    def _empty_batch(self) -> GenerationBatch:
+        return GenerationBatch.empty(self.loaded.model, make_sampler(0.0))
+
+    def __len__(self) -> int:
+        """Requests admitted and not finished (prefilling or decoding)."""
+        return len(self._prefilling) + len(self._decoding)
+
+    def sequences(self) -> list[Sequence]:
+        return [*self._prefilling, *self._decoding.values()]
+
+    def add(
+        self, job: Job, prompt: list[int], max_tokens: int, caches: list[Any], cached: int = 0
+    ) -> None:
+        """Admit a request whose caches are built (holding its first ``cached`` prompt
+        tokens, when reused) and whose ``Started`` was sent."""
+        stop = job.request.sampling.stop
+        self._prefilling.append(
+            Sequence(
+                job=job,
+                prompt=prompt,
+                max_tokens=max_tokens,
+                caches=caches,
+                detokenizer=self.loaded.tokenizer.detokenizer,
+                stop=StopText(stop) if stop else None,
+                read=cached,
+                cached=cached,
+            )
+        )
+        job.record.state = "prefill"
+
+    # -- one step ------------------------------------------------------------------------
+
+    def step(self) -> None:
+        """Up to ``prefill_chunk`` prompt tokens (if prompts wait), then one decode step."""
+        with mx.stream(generation_stream):
+            self._drop_cancelled()
+            tokens = self.prefill_chunk
+            while self._prefilling:
+                seq = self._prefilling[0]
+                if tokens < self.prefill_chunk and len(seq.prompt) - 1 - seq.read > tokens:
+                    # Only a prompt that ends within what is left joins this step: one cut
+                    # elsewhere would be chunked unlike alone (and some caches' kept rows
+                    # depend on the chunking). It starts the next step.
+                    break
+                tokens -= self._prefill_chunk(seq, tokens)
+                if self._prefilling and self._prefilling[0] is seq:
+                    break  # still reading: the step's tokens are spent
+            if self._decoding:
+                self._decode()
+            if not self:
+                # Nothing left: no MLX work may outlive its requests (a removed member's
+                # next token was queued by async_eval), nor any array (the last step's
+                # tokens and logprobs), and freed buffers go back.
+                self._batch = self._empty_batch()
+                mx.synchronize(generation_stream)
+                mx.clear_cache()
+
+    def _prefill_chunk(self, seq: Sequence, limit: int) -> int:
+        """Read up to ``limit`` more of the oldest prompt (it joins the batch once read, or
+        leaves the queue failed); returns the tokens it read."""
+        n = 0
+        try:
+            todo = len(seq.prompt) - 1 - seq.read  # the last token starts the decoding
+            run = seq.reconstruction
+            if run is not None:  # a kvzip pass under way; its tokens count as prefill's do
+                n = run.step(limit)
+                if not run.done:
+                    return n
+                seq.reconstruction = None
+            elif todo > 0:
+                n = min(limit, todo)
+                chunk = mx.array(seq.prompt[seq.read : seq.read + n])[None]
+                self.loaded.model(chunk, cache=seq.caches)
+                mx.eval([c.state for c in seq.caches])
+                seq.read += n
+                todo -= n
+                if todo > 0 and kvzip.over_limit(seq.caches):
+                    # The whole prompt would not fit the memory it may hold: compress what
+                    # is read so far, then read on.
+                    seq.reconstruction = kvzip.Reconstruction(
+                        self.loaded.model, seq.caches, seq.prompt[: seq.read], self.repeat
+                    )
+            if todo > 0:
+                return n
+            if kvzip.needs_pass(seq.caches):
+                run = seq.reconstruction = kvzip.Reconstruction(
+                    self.loaded.model, seq.caches, seq.prompt[:-1], self.repeat
+                )
+                n += run.step(limit - n)
+                if not run.done:
+                    return n
+                seq.reconstruction = None
+            self._prefilling.popleft()
+            self._join(seq)
+        except Exception as exc:  # noqa: BLE001 - one request failing must not stop the others
+            if self._prefilling and self._prefilling[0] is seq:
+                self._prefilling.popleft()
+            self._fail(seq, exc)
+        return n
+
+    def _join(self, seq: Sequence) -> None:
+        """The prompt is read: the last prompt token starts the request's decoding."""
+        sp = seq.job.request.sampling
+        processors = make_logits_processors(
+            dict(sp.logit_bias) or None,
+            repetition_penalty=sp.repetition_penalty if sp.repetition_penalty != 1 else None,
+            presence_penalty=sp.presence_penalty or None,
+            frequency_penalty=sp.frequency_penalty or None,
+        )
+        if seq.job.request.constraint is not None:
+            from qfserve.engine.text.structured import GrammarProcessor
+
+            processors.append(GrammarProcessor(self.loaded.tokenizer, seq.job.request.constraint))
+        seq.uid, self._uids = self._uids, self._uids + 1
+        sampler = request_sampler(sp)
+        newcomer = GenerationBatch(
+            self.loaded.model,
+            [seq.uid],
+            mx.array(seq.prompt[-1:]),
+            [BatchCache([c]) for c in seq.caches],
+            [list(seq.prompt[:-1])],  # what the caches hold; the first step adds the last
+            [sampler],
+            sampler,
+            [processors],
+            [make_stop_sequences(self.loaded.tokenizer)],
+            [seq.max_tokens],
+        )
+        seq.read = len(seq.prompt)
+        seq.record.state = "decode"
+        self._batch.extend(newcomer)
+        self._decoding[seq.uid] = seq
+
+    def _decode(self) -> None:
+        try:
+            responses = self._batch.next()
+        except Exception as exc:  # noqa: BLE001 - the batch's step failed: fail its members
+            logger.exception("a decode step failed")
+            members = list(self._decoding.values())
+            self._decoding.clear()
+            self._batch.filter([])
+            for seq in members:
+                self._fail(seq, exc, logged=True)
+            return
+        leaving: list[int] = []
+        for r in responses:
+            seq = self._decoding[r.uid]
+            try:
+                done = self._emit(seq, r.token, r.logprobs, r.finish_reason)
+            except _Leave as leave:
+                leaving.append(r.uid)
+                self._leave(seq, leave.state, leave.event)
+                continue
+            except Exception as exc:  # noqa: BLE001 - this member only
+                leaving.append(r.uid)
+                self._decoding.pop(r.uid)
+                self._fail(seq, exc)
+                continue
+            if done is not None:
+                self._decoding.pop(r.uid)
+                leaving.append(r.uid)  # a stop string: still in mlx-lm's batch
+                seq.job.emit(done)
+                self._finish(seq.record, "done")
+                if self._keep is not None and r.finish_reason is not None:
+                    # Ended by EOS or max_tokens, so the caches hold every token the client
+                    # gets back (a stop string cuts what it gets: not worth keeping).
+                    self._settle(seq)
+                    self._keep(seq)
+        if leaving:
+            self._remove(leaving)
+
+    def _emit(
+        self, seq: Sequence, token: int, logprobs: mx.array, finish: str | None
+    ) -> Finished | None:
+        """Stream one generated token; the request's ``Finished`` once it ends."""
+        seq.tokens += 1
+        seq.generated.append(token)
+        record, sp = seq.record, seq.job.request.sampling
+        record.completion_tokens = seq.tokens
+        if seq.tokens % STATS_EVERY == 1:
+            record.update(seq.caches)
+        if finish != "stop":  # EOS is not text
+            seq.detokenizer.add_token(token)
+        if finish is not None:
+            seq.detokenizer.finalize()
+        piece = seq.detokenizer.last_segment
+        text, stopped = seq.stop.feed(piece) if seq.stop else (piece, False)
+        reason: FinishReason | None = None
+        if finish is not None and not stopped:
+            reason = cast(FinishReason, finish)  # mlx-lm sets only "stop" and "length"
+            if seq.stop:
+                text += seq.stop.flush()
+        if stopped:
+            reason = "stop"
+        lp = _Token(token, logprobs)
+        logged = token_logprobs(self.loaded.tokenizer, lp, sp.top_logprobs) if sp.logprobs else ()
+        if text or logged:
+            seq.job.emit(Delta(text, logged))
+            if seq.job.backlog > self._max_backlog:
+                logger.warning("request %s: its client stopped reading; cancelled", seq.job.id)
+                seq.job.cancel(Failed("cancelled", "the client stopped reading the stream"))
+                raise _Leave("cancelled", seq.job.failure)
+        if reason is None:
+            return None
+        record.update(seq.caches)
+        return Finished(
+            finish_reason=reason,
+            prompt_tokens=len(seq.prompt),
+            completion_tokens=seq.tokens,
+            kv_cache=record.kv_cache(seq.job.request.cache),
+            cached_tokens=seq.cached,
+        )
+
+    @property
+    def repeat(self) -> kvzip.RepeatPrompt:
+        """The tokenizer's reconstruction prompts (built for the first kvzip request)."""
+        if self._repeat is None:
+            self._repeat = kvzip.RepeatPrompt.for_tokenizer(self.loaded.tokenizer)
+        return self._repeat
+
+    def _settle(self, seq: Sequence) -> None:
+        """A kvzip turn that answered on its full cache is compressed before it is kept, so
+        the next turn continues a bounded cache scored without knowing its question. The
+        pass runs here, in one go, between two decode steps of the others."""
+        if not kvzip.holding(seq.caches):
+            return
+        kvzip.hold(seq.caches, False)
+        if kvzip.needs_pass(seq.caches):
+            tokens = [*seq.prompt, *seq.generated][: seq.caches[0].offset]
+            kvzip.compress(self.loaded.model, seq.caches, tokens, self.repeat)
+
+    # -- leaving -------------------------------------------------------------------------
+
+    def _drop_cancelled(self) -> None:
+        for seq in [s for s in self._prefilling if s.job.cancelled]:
+            self._prefilling.remove(seq)
+            self._leave(seq, "cancelled", seq.job.failure)
+        gone = [uid for uid, s in self._decoding.items() if s.job.cancelled]
+        for uid in gone:
+            seq = self._decoding.pop(uid)
+            self._leave(seq, "cancelled", seq.job.failure)
+        if gone:
+            self._remove(gone)
+
+    def _remove(self, uids: list[int]) -> None:
+        """Take these members out of mlx-lm's batch (its caches with them)."""
+        gone = set(uids)
+        keep = [i for i, uid in enumerate(self._batch.uids) if uid not in gone]
+        if len(keep) < len(self._batch.uids):
+            if not keep:  # mlx-lm drops its caches unfiltered: members get their rows first
+                for cache in self._batch.prompt_cache:
+                    cache.filter([])
+            self._batch.filter(keep)
+
+    def _leave(self, seq: Sequence, state: State, event: Failed | None) -> None:
+        self._decoding.pop(seq.uid, None)
+        seq.job.emit(event or Failed("cancelled", "the request was cancelled"))
+        self._finish(seq.record, state)
+
+    def _fail(self, seq: Sequence, exc: BaseException, *, logged: bool = False) -> None:
+        if not logged:
+            logger.exception("request %s failed", seq.job.id)
+        seq.job.emit(Failed("internal", f"generation failed: {type(exc).__name__}: {exc}"))
+        self._finish(seq.record, "error")
+
+    def clear(self) -> None:
+        """Forget every admitted request (the worker is stopping and tells their clients)."""
+        self._prefilling.clear()
+        self._decoding.clear()
+        self._batch = self._empty_batch()
+
+
+class _Leave(Exception):  # noqa: N818 - control flow, not an error
+    def __init__(self, state: State, event: Failed | None) -> None:
+        self.state, self.event = state, event
+
+
+@dataclass
+class _Token:
+    """What :func:`qfserve.engine.text.prompts.token_logprobs` reads of a generated token."""
+
+    token: int
+    logprobs: mx.array

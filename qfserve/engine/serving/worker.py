@@ -1,0 +1,469 @@
+"""The one thread that owns the model: a bounded FIFO of requests, batched as they come.
+
+Handlers on the asyncio event loop call :meth:`Worker.submit` and await the job's events;
+the worker thread loads the model, admits queued requests while the batch has room
+(``max_batch``), builds each one's eviction caches with ``make_caches``, steps them together
+(:mod:`qfserve.engine.serving.scheduler`) and posts events back with ``loop.call_soon_threadsafe``. MLX is
+only ever evaluated on this thread.
+
+The worker also keeps a record per request (counts only, never prompt text or token ids)
+for the admin endpoint: the active ones and a bounded history of finished ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+from qfserve.engine.filters.model import DEFAULT_SELF_CALIBRATION, ModelFilters, check_mode
+from qfserve.engine.kv.config import ConfigError
+from qfserve.engine.models.loading import LoadedModel, load_model
+from qfserve.engine.serving.jobs import Job, WorkerUnavailable
+from qfserve.engine.serving.records import Ledger, RequestRecord, State
+from qfserve.engine.text.prompts import PromptError, encode_prompt
+from qfserve.engine.text.requests import Failed, GenerationRequest, Started
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_QUEUE = 16
+DEFAULT_HISTORY = 64
+# Events a job may have waiting for its handler. A client that reads keeps this near zero;
+# one that stopped reading (its socket buffers full) lets it grow, and is cancelled here.
+DEFAULT_MAX_BACKLOG = 128
+DEFAULT_MAX_BATCH = 32  # as mlx_lm.server's decode concurrency; README: "Reliability"
+DEFAULT_PREFILL_CHUNK = 512
+DEFAULT_PROMPT_CACHE_SIZE = 10
+
+
+class Worker:
+    """Owns the model on one thread; admits queued requests in FIFO order into one batch.
+
+    Args:
+        model_ref: ``--model`` value (``None``: the bundled model), loaded on the thread.
+        max_queue: Requests waiting at most; beyond, :meth:`submit` raises.
+        history: Finished requests kept for the admin endpoint.
+        max_backlog: Events a running job may leave untaken (its client stopped reading)
+            before it is cancelled.
+        max_batch: Requests generating at once (prefilling or decoding); 1 serves them one
+            at a time.
+        prefill_chunk: Prompt tokens per prefill step: how long a newcomer's prefill may
+            hold up the running streams.
+        max_kv_bytes: KV bytes the running requests' caches may hold together at most
+            (:mod:`qfserve.engine.serving.admission`; ``None``: a share of physical memory). Kept caches
+            (``prompt_cache_*``) count too, and give way to running requests.
+        prompt_cache_size: Finished requests' caches kept for later turns to continue
+            (:mod:`qfserve.engine.reuse.kept`); 0 turns reuse off.
+        prompt_cache_bytes: Bytes those may hold (``None``: up to ``max_kv_bytes``).
+        prompt_cache_dir: Keep those on disk too, and start with the ones saved there
+            (:mod:`qfserve.engine.reuse.disk`).
+        self_calibration: What a model without a calibration artifact does
+            (:mod:`qfserve.engine.filters.model`): ``traffic`` learns an artifact from the queries
+            sampled from traffic (the key-SVD fallback until then), ``prompt`` also gives
+            each request the filters of its own prompt's queries until then, ``off``
+            neither.
+        traffic_samples: Queries per layer pooled before that artifact is written
+            (``None``: calibration's default sample count).
+        traffic_prompts: Prompts pooled at least before it is written (``None``:
+            :data:`qfserve.engine.filters.traffic.DEFAULT_MIN_PROMPTS`).
+        loader: Replaces :func:`qfserve.engine.models.loading.load_model` (tests).
+    """
+
+    def __init__(
+        self,
+        model_ref: str | None,
+        *,
+        max_queue: int = DEFAULT_MAX_QUEUE,
+        history: int = DEFAULT_HISTORY,
+        max_backlog: int = DEFAULT_MAX_BACKLOG,
+        max_batch: int = DEFAULT_MAX_BATCH,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        max_kv_bytes: int | None = None,
+        prompt_cache_size: int = DEFAULT_PROMPT_CACHE_SIZE,
+        prompt_cache_bytes: int | None = None,
+        prompt_cache_dir: str | None = None,
+        self_calibration: str = DEFAULT_SELF_CALIBRATION,
+        traffic_samples: int | None = None,
+        traffic_prompts: int | None = None,
+        loader: Callable[[str | None], LoadedModel] = load_model,
+    ) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        if max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        if max_backlog < 1:
+            raise ValueError(f"max_backlog must be >= 1, got {max_backlog}")
+        check_mode(self_calibration)
+        self._ref = model_ref
+        self._max_backlog = max_backlog
+        self.max_batch = max_batch
+        self._prefill_chunk = prefill_chunk
+        if max_kv_bytes is None:
+            from qfserve.engine.serving.admission import default_max_kv_bytes
+
+            max_kv_bytes = default_max_kv_bytes()
+        if max_kv_bytes < 1:
+            raise ValueError(f"max_kv_bytes must be >= 1, got {max_kv_bytes}")
+        self._next: Any = None  # the oldest request, prepared, waiting for KV memory
+        if prompt_cache_size < 0:
+            raise ValueError(f"prompt_cache_size must be >= 0, got {prompt_cache_size}")
+        # Built on the thread (qfserve.engine.reuse.kept imports mlx-lm, which a start-up check must not wait for).
+        self._prompt_cache_limits = (prompt_cache_size, prompt_cache_bytes or max_kv_bytes)
+        self.prompt_cache: Any = None  # qfserve.engine.reuse.kept.KeptCaches
+        self._cache_dir = Path(prompt_cache_dir) if prompt_cache_dir and prompt_cache_size else None
+        self._loader = loader
+        self._self_calibration = self_calibration
+        self._traffic = (traffic_samples, traffic_prompts)
+        self.calibration: ModelFilters | None = None  # built on the thread
+        self._queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
+        self.ledger = Ledger(history, max_kv_bytes)
+        self._ids = itertools.count(1)
+        self._stopping = threading.Event()
+        self._draining = False
+        self._thread = threading.Thread(target=self._main, name="qfserve-worker", daemon=True)
+        self._scheduler: Any = (
+            None  # qfserve.engine.serving.scheduler.Scheduler, built on the thread
+        )
+        self._running: list[Job] = []  # admitted and not finished (read off-thread to cancel)
+        self.status: Literal["loading", "ready", "failed", "dead", "stopped"] = "loading"
+        self.error: str | None = None
+        self.loaded: LoadedModel | None = None
+        self.started_at = int(time.time())
+
+    # -- life cycle (event loop side) ----------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Finish the running requests' current step, fail the waiting ones, join."""
+        self._stopping.set()
+        for job in list(self._running):
+            job.cancel()
+        self._thread.join(timeout)
+
+    def alive(self) -> bool:
+        """The worker thread is still running (``stop`` returns after its timeout regardless)."""
+        return self._thread.is_alive()
+
+    def drain(self) -> None:
+        """Refuse new requests; the running and queued ones continue."""
+        self._draining = True
+
+    def abort_all(self, message: str) -> int:
+        """Cancel every queued and running request, telling their clients ``message`` (503).
+
+        Returns:
+            How many requests were cancelled.
+        """
+        with self._queue.mutex:
+            jobs = [*self._queue.queue, *self._running]
+        failure = Failed("unavailable", message)
+        aborted = 0
+        for job in jobs:
+            if job is not None and not job.cancelled:
+                job.cancel(failure)
+                aborted += 1
+        return aborted
+
+    def idle(self) -> bool:
+        """Nothing queued or running."""
+        return self.ledger.idle()
+
+    @property
+    def max_kv_bytes(self) -> int:
+        return self.ledger.max_kv_bytes
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @property
+    def ready(self) -> bool:
+        return self.status == "ready" and self._thread.is_alive()
+
+    def queue_length(self) -> int:
+        return self._queue.qsize()
+
+    @property
+    def filter_source(self) -> str:
+        """Where the Q-Filters come from (``"none"`` before the model is loaded)."""
+        return "none" if self.calibration is None else self.calibration.source
+
+    @property
+    def fingerprint(self) -> str:
+        """The model weights' fingerprint (``""`` before the model is loaded)."""
+        return "" if self.calibration is None else self.calibration.fingerprint
+
+    @property
+    def filters(self) -> Any:
+        return None if self.calibration is None else self.calibration.filters
+
+    @property
+    def query_scale(self) -> Any:
+        return None if self.calibration is None else self.calibration.query_scale
+
+    def submit(
+        self,
+        request: GenerationRequest,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        request_id: str | None = None,
+    ) -> Job:
+        """Queue a request; raises :class:`WorkerUnavailable` when it cannot be taken.
+
+        Args:
+            request: What to generate.
+            loop: The event loop the job's events are posted to.
+            request_id: Shown by :meth:`snapshot` (the response id); default: a counter.
+        """
+        if self._draining:
+            raise WorkerUnavailable("the server is shutting down", retry_after=5)
+        if not self.ready:
+            if self.status == "loading":
+                raise WorkerUnavailable("the model is still loading", retry_after=5)
+            raise WorkerUnavailable(
+                f"the generation worker is not running ({self.status}: {self.error})"
+            )
+        assert self.loaded is not None
+        record = RequestRecord.opened(
+            request_id or f"req-{next(self._ids)}", self.loaded.name, request.kind, request.cache
+        )
+        job = Job(request, record, loop)
+        # Opened before it is queued: the worker may take it and close it at once.
+        self.ledger.open(record)
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            self.ledger.discard(record)
+            raise WorkerUnavailable(
+                f"too many requests waiting ({self._queue.maxsize}); retry shortly",
+                retry_after=1,
+            ) from None
+        return job
+
+    def snapshot(self) -> dict[str, Any]:
+        """Active and recent requests plus totals, as plain dicts (counts only)."""
+        snap = self.ledger.snapshot()
+        snap["totals"]["max_batch"] = self.max_batch
+        kept = self.prompt_cache
+        snap["prompt_cache"] = (
+            {"enabled": self._prompt_cache_limits[0] > 0} if kept is None else kept.view
+        )
+        return snap
+
+    def active_kv_bytes(self) -> tuple[int, int]:
+        """(kept, full-cache) bytes over the active requests."""
+        return self.ledger.active_kv_bytes()
+
+    # -- the worker thread ---------------------------------------------------------------
+
+    def _main(self) -> None:
+        try:
+            self._load()
+            scheduler = self._scheduler = self._make_scheduler()
+        except BaseException as exc:  # noqa: BLE001 - report any load failure, then exit
+            self.status, self.error = "failed", f"{type(exc).__name__}: {exc}"
+            logger.error("could not load the model: %s", self.error)
+            self._fail_waiting("the model failed to load")
+            return
+        self.status = "ready"
+        try:
+            while not self._stopping.is_set():
+                self._admit(wait=len(scheduler) == 0)
+                if len(scheduler):
+                    scheduler.step()
+                if self.calibration is not None and self.calibration.learning:
+                    self.calibration.learn()
+        except BaseException as exc:  # noqa: BLE001 - the thread dies; say why
+            self.error = f"{type(exc).__name__}: {exc}"
+            logger.exception("generation worker died")
+            raise
+        finally:
+            self.status = "stopped" if self._stopping.is_set() else "dead"
+            scheduler.clear()
+            self._next = None
+            for job in list(self._running):
+                job.emit(Failed("unavailable", "the generation worker stopped"))
+                self._finish(job.record, "error")
+            self._fail_waiting("the generation worker stopped")
+
+    def _load(self) -> None:
+        self.loaded = self._loader(self._ref)
+        self.calibration = ModelFilters(
+            self.loaded,
+            self_calibration=self._self_calibration,
+            traffic_samples=self._traffic[0],
+            traffic_prompts=self._traffic[1],
+        )
+
+    def _make_scheduler(self) -> Any:
+        from qfserve.engine.serving.scheduler import Scheduler
+
+        assert self.loaded is not None
+        size, max_bytes = self._prompt_cache_limits
+        if size:
+            from qfserve.engine.reuse.kept import KeptCaches
+
+            self.prompt_cache = KeptCaches(
+                size, max_bytes, self._cache_dir, self.fingerprint, self._caches_for
+            )
+        if self.max_batch > 1:
+            from qfserve.engine.kv.attention import install_head_masks
+
+            try:  # a batch masks its members' padding per head
+                install_head_masks(self.loaded.model)
+            except ValueError as exc:
+                logger.warning("requests run one at a time: %s", exc)
+                self.max_batch = 1
+        return Scheduler(
+            self.loaded,
+            finish=self._finish,
+            keep=self._keep,
+            max_backlog=self._max_backlog,
+            prefill_chunk=self._prefill_chunk,
+        )
+
+    def _fail_waiting(self, message: str) -> None:
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            job.emit(Failed("unavailable", message))
+            self._finish(job.record, "error")
+
+    def _finish(self, record: RequestRecord, state: State) -> None:
+        self._running = [j for j in self._running if j.record is not record]
+        self.ledger.close(record, state)
+
+    def _admit(self, *, wait: bool) -> None:
+        """Move queued requests into the batch while it has room and their KV memory fits
+        (``wait``: block briefly for the first, the batch being empty). The oldest request
+        that does not fit yet waits for running ones to finish; none overtakes it."""
+        scheduler = self._scheduler
+        while len(scheduler) < self.max_batch:
+            if self._next is None:
+                try:
+                    job = self._queue.get(timeout=0.2) if wait else self._queue.get_nowait()
+                except queue.Empty:
+                    return
+                wait = False
+                self._running.append(job)
+                self._next = self._start(job)
+                if self._next is None:
+                    continue
+            job, prompt, max_tokens, caches, need, cached = self._next
+            if job.cancelled:
+                self._next = None
+                job.emit(job.failure or Failed("cancelled", "the request was cancelled"))
+                self._finish(job.record, "cancelled")
+                continue
+            full = self._hold_need(job, len(prompt), max_tokens)
+            if full is not None and self.ledger.reserve(job.record, full, alone=False):
+                from qfserve.engine.kv import kvzip
+
+                kvzip.hold(caches)  # this turn answers on its full cache; kept, it is compressed
+            elif not self.ledger.reserve(job.record, need, alone=not len(scheduler)):
+                return
+            self._next = None
+            if self.prompt_cache is not None:  # kept caches give way to running requests
+                self.prompt_cache.shrink(self.max_kv_bytes - self.ledger.reserved())
+            job.emit(Started(prompt_tokens=len(prompt), max_tokens=max_tokens))
+            scheduler.add(job, prompt, max_tokens, caches, cached)
+
+    def _start(self, job: Job) -> tuple[Job, list[int], int, list[Any], int, int] | None:
+        """Encode the prompt, build the caches and size their KV memory (``None``: the job
+        already ended, with its event sent)."""
+        from qfserve.engine.serving.admission import kv_need
+
+        if job.cancelled:
+            if job.failure is not None:
+                job.emit(job.failure)
+            self._finish(job.record, "cancelled")
+            return None
+        try:
+            prompt, max_tokens = encode_prompt(self.loaded, job.request)  # type: ignore[arg-type]
+            job.record.prompt_tokens = len(prompt)
+            caches, cached = self._reused_caches(job, prompt)
+            if caches is None:
+                caches = self._caches_for(job.request.cache)
+            need, param = kv_need(self.loaded, job.request.cache, len(prompt), max_tokens)
+            if need > self.max_kv_bytes and job.request.cache.method == "kvzip":
+                need = self._stream_kvzip(caches, job.request.cache) or need
+            if need > self.max_kv_bytes:
+                raise PromptError(
+                    f"this request's KV cache can hold {need} bytes, more than the server's "
+                    f"--max-kv-bytes {self.max_kv_bytes}; lower {param}",
+                    param,
+                )
+        except (PromptError, ConfigError) as exc:  # ConfigError: settings this model cannot honour
+            job.emit(Failed("invalid_request", str(exc), exc.param))
+            self._finish(job.record, "error")
+            return None
+        except Exception as exc:  # noqa: BLE001 - one request failing must not stop the worker
+            logger.exception("request %s failed", job.id)
+            job.emit(Failed("internal", f"generation failed: {type(exc).__name__}: {exc}"))
+            self._finish(job.record, "error")
+            return None
+        return job, prompt, max_tokens, caches, need, cached
+
+    def _stream_kvzip(self, caches: list[Any], config: Any) -> int | None:
+        """A kvzip prompt too long to hold whole within ``--max-kv-bytes`` is compressed as
+        it is read, whenever its rows reach what fits; the bytes it then needs (``None``: not
+        even that fits)."""
+        from qfserve.engine.kv import kvzip
+        from qfserve.engine.serving.admission import kvzip_limit
+
+        fit = kvzip_limit(self.loaded, config, self.max_kv_bytes, self._prefill_chunk)
+        if fit is None:
+            return None
+        kvzip.set_limit(caches, fit[0])
+        return fit[1]
+
+    def _hold_need(self, job: Job, prompt_tokens: int, max_tokens: int) -> int | None:
+        """KV bytes a kvzip request that continues in a later turn needs to answer this one
+        on its full cache (``None``: not such a request)."""
+        if self.prompt_cache is None or not job.request.reuse:
+            return None
+        from qfserve.engine.serving.admission import hold_need
+
+        return hold_need(self.loaded, job.request.cache, prompt_tokens, max_tokens)
+
+    def _key(self, job: Job) -> tuple[Any, ...]:
+        from qfserve.engine.reuse.kept import cache_key
+
+        assert self.loaded is not None
+        return cache_key(self.loaded.name, job.request.cache, self.filter_source)
+
+    def _reused_caches(self, job: Job, prompt: list[int]) -> tuple[list[Any] | None, int]:
+        """A finished request's caches that hold a prefix of ``prompt`` (a copy), and how many
+        prompt tokens they hold; ``(None, 0)`` when none does or reuse is off."""
+        if self.prompt_cache is None or not job.request.reuse:
+            return None, 0
+        return self.prompt_cache.fetch(self._key(job), prompt)
+
+    def _keep(self, seq: Any) -> None:
+        """A request ended normally: its caches stay for the next turn to continue (a
+        failure to keep or save them is logged; the request itself is already done)."""
+        if self.prompt_cache is None or not seq.job.request.reuse:
+            return
+        try:
+            room = self.max_kv_bytes - self.ledger.reserved()
+            self.prompt_cache.keep(
+                self._key(seq.job), [*seq.prompt, *seq.generated], seq.caches, room
+            )
+        except Exception as exc:  # noqa: BLE001 - a cache not kept must not stop the worker
+            logger.warning("request %s: its cache was not kept: %s", seq.job.id, exc)
+
+    def _caches_for(self, config: Any) -> list[Any]:
+        assert self.calibration is not None
+        return self.calibration.caches_for(config)

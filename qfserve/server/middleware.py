@@ -1,0 +1,59 @@
+"""ASGI middleware: the request-body size limit (413 before any handler runs)."""
+
+from __future__ import annotations
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from qfserve.server.errors import APIError
+
+
+class BodyLimitMiddleware:
+    """Buffers request bodies up to ``max_bytes`` and answers 413 beyond.
+
+    Checks ``Content-Length`` first and also counts chunked bodies, then replays the body
+    to the app; later ``receive`` calls (disconnect notices) pass through.
+    """
+
+    def __init__(self, app: ASGIApp, *, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await self._reject(scope, receive, send)
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break  # the client went away while sending
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await self._reject(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
+        error = APIError(
+            413,
+            f"request body exceeds the limit of {self.max_bytes} bytes",
+            code="request_too_large",
+            headers={"Connection": "close"},
+        )
+        await error.response()(scope, receive, send)

@@ -1,0 +1,215 @@
+"""What each route answers, as the OpenAPI document states it: bodies, error statuses and the
+SSE stream, so schema-driven clients and fuzzers (schemathesis) can hold the server to it.
+
+The response models document and type the dicts :mod:`qfserve.server.generation` builds; the routes
+declare them with ``responses=``. FastAPI's automatic 422 entries are removed: validation
+errors are 400s here (see :mod:`qfserve.server.errors`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from qfserve.server.schemas import KVCacheInfo, Usage
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every error, in OpenAI's shape."""
+
+    error: ErrorDetail
+
+
+class ChatLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(ChatLogprob):
+    top_logprobs: list[ChatLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+    refusal: None = None
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"]
+    content: str | None
+    refusal: None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None
+    finish_reason: Literal["stop", "length"]
+
+
+class ChatCompletion(BaseModel):
+    """``stream: false``; with ``stream: true`` the body is ``text/event-stream``."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    kv_cache: KVCacheInfo
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class Completion(BaseModel):
+    """``stream: false``; with ``stream: true`` the body is ``text/event-stream``."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    kv_cache: KVCacheInfo
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One ``data:`` event of a chat stream; the last (with ``include_usage``) has no choices."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    kv_cache: KVCacheInfo | None = None
+
+
+class CompletionChunk(BaseModel):
+    """One ``data:`` event of a text-completion stream."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    kv_cache: KVCacheInfo | None = None
+
+
+class HealthStatus(BaseModel):
+    status: Literal["ok"]
+    model: str
+    queue_length: int
+
+
+_ERRORS = {
+    400: "Invalid request; `param` names the field",
+    401: "Missing or wrong API key (only when the server has one)",
+    404: "Unknown model",
+    413: "Body over --max-body-bytes",
+    415: "Content-Type is not JSON",
+    503: "Loading, draining, queue full or worker down; see Retry-After",
+}
+_CHUNKS = (ChatCompletionChunk, CompletionChunk, ErrorResponse)
+
+
+def _sse(chunk: type[BaseModel]) -> dict[str, Any]:
+    """One server-sent event (OpenAPI 3.1: ``schema`` describes each event): a JSON chunk,
+    an error after the stream began, or the closing ``[DONE]``."""
+    payload = {
+        "contentMediaType": "application/json",
+        "contentSchema": {
+            "anyOf": [
+                {"$ref": f"#/components/schemas/{chunk.__name__}"},
+                {"$ref": "#/components/schemas/ErrorResponse"},
+            ]
+        },
+    }
+    event = {
+        "type": "object",
+        "required": ["data"],
+        "properties": {
+            "event": {"type": "string"},
+            "data": {"type": "string", "if": {"const": "[DONE]"}, "then": True, "else": payload},
+        },
+        "description": "`data: {chunk}` events, then `data: [DONE]`; a failure after the "
+        "stream began is a `data: {error}` event before `[DONE]`",
+    }
+    return {"text/event-stream": {"schema": event}}
+
+
+def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """``responses=`` entries for these error statuses."""
+    return {s: {"model": ErrorResponse, "description": _ERRORS[s]} for s in statuses}
+
+
+def generation(model: type[BaseModel], chunk: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
+    """``responses=`` of a generation route: JSON or SSE events, and its errors."""
+    ok = {
+        "model": model,
+        "description": "The completion (JSON) or its stream",
+        "content": _sse(chunk),
+    }
+    return {200: ok, **errors(400, 401, 404, 413, 415, 503)}
+
+
+def install_openapi(app: FastAPI) -> None:
+    """Serve the document without FastAPI's 422 entries (we answer 400)."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            for operations in schema.get("paths", {}).values():
+                for operation in operations.values():
+                    operation.get("responses", {}).pop("422", None)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for name in ("HTTPValidationError", "ValidationError"):
+                components.pop(name, None)
+            # The stream chunks are referenced only from the SSE event schema.
+            _, chunks = models_json_schema(
+                [(m, "serialization") for m in _CHUNKS],
+                ref_template="#/components/schemas/{model}",
+            )
+            for name, definition in chunks.get("$defs", {}).items():
+                components.setdefault(name, definition)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
