@@ -55,7 +55,6 @@ def simulate(keys: np.ndarray, blocks: list[int], chunk: int = 1) -> list[list[i
         new = list(range(start, start + n))
         start += n
         total = sum(len(s) for s in stored) + n * H
-        ragged = any(len(s) != len(stored[0]) for s in stored)
         if n == 1 and total > BUDGET * H:  # decode: each head drops one row
             if rank is None:
                 rank = [chunk_means(score[h], stored[h], chunk) for h in range(H)]
