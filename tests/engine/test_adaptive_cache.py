@@ -55,8 +55,7 @@ def simulate(keys: np.ndarray, blocks: list[int], chunk: int = 1) -> list[list[i
         new = list(range(start, start + n))
         start += n
         total = sum(len(s) for s in stored) + n * H
-        ragged = any(len(s) != len(stored[0]) for s in stored)
-        if n == 1 and (ragged or total > BUDGET * H):  # decode: each head drops one row
+        if n == 1 and total > BUDGET * H:  # decode: each head drops one row
             if rank is None:
                 rank = [chunk_means(score[h], stored[h], chunk) for h in range(H)]
             for h in range(H):
@@ -177,6 +176,27 @@ def test_the_head_mask_marks_padding_and_the_slot_layout_round_trips():
     assert restored.floor == FLOOR and restored.valid is not None
     assert kept_positions(restored) == kept_positions(cache)
     assert cache.nbytes == sum(x.nbytes for x in cache.state[:3]) + cache.valid.nbytes
+
+
+def test_ragged_heads_under_their_budget_grow_then_evict_one_row_per_head():
+    """A budget raised after a block eviction (KVzip's layer share, a question appended
+    uncompressed): decoded rows join every head, dropping none, until the layer holds
+    ``budget * H`` rows; from then each step drops one row per head."""
+    keys = make_keys(60, seed=11)
+    cache = EvictionCache(
+        FirstComponent(), budget=BUDGET, n_sink=N_SINK, recent=RECENT, floor=FLOOR
+    )
+    feed(cache, keys, [50])
+    before = kept_positions(cache)
+    assert sum(map(len, before)) == BUDGET * H and len({len(p) for p in before}) > 1
+    cache.budget = BUDGET + 2
+    feed(cache, keys[:, :, 50:], [1, 1])  # under the raised budget: nothing is dropped
+    assert cache.free is None and cache.evictions == 1
+    assert kept_positions(cache) == [p + [50, 51] for p in before]
+    feed(cache, keys[:, :, 52:], [1])  # full again: one row per head goes
+    after = kept_positions(cache)
+    assert cache.evictions == 2 and sum(map(len, after)) == (BUDGET + 2) * H
+    assert all(52 in p and len(p) == len(q) + 2 for p, q in zip(after, before, strict=True))
 
 
 def test_factory_refuses_adaptive_budgets_it_cannot_honour():

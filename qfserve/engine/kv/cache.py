@@ -111,6 +111,7 @@ class EvictionCache(SlotLayout):
         # head_mask is the mask of the rows update_and_fetch last returned.
         self.valid: mx.array | None = None
         self.head_mask: mx.array | None = None
+        self._ragged_rows: int | None = None  # real rows of the fullest batch row, when known
         self.offset = 0  # absolute position of the next token (= tokens seen)
         self.evictions = 0  # updates that dropped rows
 
@@ -188,8 +189,20 @@ class EvictionCache(SlotLayout):
                 valid,
             )
             self._set_scores(scores)
-        elif valid is not None and scores is not None:
+        elif valid is not None and scores is not None and not self._ragged_fits(valid):
             self._evict_ragged(all_keys, all_values, scores, valid, positions, N)
+        elif valid is not None:
+            # Ragged heads under the layer's rows (a budget raised after a block eviction,
+            # or KVzip's layer share): they grow, as a cache under its budget does.
+            assert self._ragged_rows is not None
+            self._ragged_rows += keys.shape[1] * N
+            self.keys, self.values, self.positions, self.valid = (
+                all_keys,
+                all_values,
+                positions,
+                valid,
+            )
+            self._set_scores(scores)
         elif scores is None or L <= self.budget:
             self.keys, self.values, self.positions = all_keys, all_values, positions
             self._set_scores(scores)
@@ -282,6 +295,16 @@ class EvictionCache(SlotLayout):
         else:
             self._evict_block(self.keys, self.values, scores, self.positions)
 
+    def _ragged_fits(self, valid: mx.array) -> bool:
+        """Every batch row's heads hold at most ``budget * H`` real rows in ``valid``.
+
+        The count is kept in Python (:attr:`_ragged_rows`) so a decode step never waits on
+        the device; it is read from ``valid`` only after a restore."""
+        if self._ragged_rows is None:
+            self._ragged_rows = int(self.valid.sum(axis=(1, 2)).max().item())  # type: ignore[union-attr]
+        added = valid.shape[1] * (valid.shape[2] - self.valid.shape[2])  # type: ignore[union-attr]
+        return self._ragged_rows + added <= self.budget * valid.shape[1]
+
     def _evict_ragged(
         self,
         keys: mx.array,
@@ -308,6 +331,9 @@ class EvictionCache(SlotLayout):
                 logits=not getattr(self.scorer, "scores_are_weights", False),
             )
             idx, self.valid = adaptive.ragged_gather(keep, counts)
+            # Every batch row now holds ``budget * H`` rows when all were eligible; after a
+            # pass over ragged rows the count is read once from ``valid`` when next needed.
+            self._ragged_rows = self.budget * keys.shape[1] if valid is None else None
             self.keys, self.values = gather_rows(keys, idx), gather_rows(values, idx)
             self.scores = gather_rows(scores, idx)
             if positions is not None:
@@ -385,6 +411,7 @@ class EvictionCache(SlotLayout):
         self.keys, self.values, *rest = v
         self.scores = rest.pop(0) if rest else None
         self.valid = rest.pop() if rest and rest[-1].dtype == mx.bool_ else None
+        self._ragged_rows = None
         slots = bool(rest) and rest[-1].dtype == mx.uint32
         self.order, self.free = (rest[-2], rest[-1]) if slots else (None, None)
         chunked = rest[:-2] if slots else rest
