@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -44,7 +44,7 @@ def combine_masks(mask: Any, head_mask: mx.array, queries: mx.array) -> mx.array
         rows = mx.arange(S - N, S)[:, None]
         mask = rows >= mx.arange(S)[None]
     if mask.dtype == mx.bool_:
-        return mask & per_head
+        return cast(mx.array, mask & per_head)
     return mx.where(per_head, mask, mx.array(-mx.inf, dtype=mask.dtype))
 
 

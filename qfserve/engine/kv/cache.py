@@ -29,7 +29,7 @@ evict one row per head, so each head's count holds until the next block.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, create_attention_mask
@@ -301,8 +301,10 @@ class EvictionCache(SlotLayout):
         The count is kept in Python (:attr:`_ragged_rows`) so a decode step never waits on
         the device; it is read from ``valid`` only after a restore."""
         if self._ragged_rows is None:
-            self._ragged_rows = int(self.valid.sum(axis=(1, 2)).max().item())  # type: ignore[union-attr]
-        added = valid.shape[1] * (valid.shape[2] - self.valid.shape[2])  # type: ignore[union-attr]
+            assert self.valid is not None
+            self._ragged_rows = int(cast(int, self.valid.sum(axis=(1, 2)).max().item()))
+        stored = 0 if self.valid is None else self.valid.shape[2]
+        added = valid.shape[1] * (valid.shape[2] - stored)
         return self._ragged_rows + added <= self.budget * valid.shape[1]
 
     def _evict_ragged(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 Method = Literal["qfilters", "kvzip", "knorm", "streaming", "snapkv", "tova", "full"]
 KernelMode = Literal["auto", "on", "off"]
@@ -49,7 +49,7 @@ def fit_chunk(chunk: int | None, method: str, budget: int) -> int:
     return chunk if chunk < budget else 1
 
 
-def fit_budget_mode(mode: str, method: str) -> str:
+def fit_budget_mode(mode: str, method: str) -> BudgetMode:
     """The budget mode of a request that sends none, for its own method: the server's
     ``mode``, except that ``kvzip`` takes :data:`DEFAULT_KVZIP_BUDGET_MODE` where that is the
     general default (``per_head``), and other methods ``per_head`` where it is ``global``
@@ -58,7 +58,9 @@ def fit_budget_mode(mode: str, method: str) -> str:
         return DEFAULT_KVZIP_BUDGET_MODE
     if method != "kvzip" and mode == "global":
         return DEFAULT_BUDGET_MODE
-    return mode
+    if mode not in BUDGET_MODES:
+        raise ConfigError("budget_mode", f"budget_mode must be one of {BUDGET_MODES}, got {mode!r}")
+    return cast(BudgetMode, mode)
 
 
 class ConfigError(ValueError):

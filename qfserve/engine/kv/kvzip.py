@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.models.cache import create_attention_mask
@@ -179,7 +179,7 @@ class _ReconstructionView:
 
     @property
     def offset(self) -> int:
-        return self.cache.offset + (0 if self.keys is None else self.keys.shape[2])
+        return int(self.cache.offset) + (0 if self.keys is None else self.keys.shape[2])
 
     @property
     def head_mask(self) -> mx.array | None:
@@ -189,7 +189,7 @@ class _ReconstructionView:
         return mx.concatenate([valid, mx.ones(self.keys.shape[:3], dtype=mx.bool_)], axis=2)
 
     def size(self) -> int:
-        return self.cache.keys.shape[2] + (0 if self.keys is None else self.keys.shape[2])
+        return int(self.cache.keys.shape[2]) + (0 if self.keys is None else self.keys.shape[2])
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> Any:
         return create_attention_mask(
@@ -332,7 +332,7 @@ def _first_unscored(caches: list[Any], n: int) -> int:
         if cache.valid is not None:
             pending = pending & cache.valid
         firsts.append(mx.where(pending, cache.positions, n).min())
-    return min(int(f.item()) for f in firsts) if firsts else n
+    return min(int(cast(int, f.item())) for f in firsts) if firsts else n
 
 
 def evict(caches: list[Any], scores: list[mx.array]) -> None:
@@ -376,7 +376,7 @@ def layer_budgets(caches: list[Any], scores: list[mx.array]) -> list[int]:
     kth = mx.sort(flat)[-min(total, flat.size)]
     budgets = []
     for cache, layer in zip(caches, ranked, strict=True):
-        rows = int((layer >= kth).sum().item()) // H
+        rows = int(cast(int, (layer >= kth).sum().item())) // H
         budgets.append(max(rows, cache.n_sink + cache.recent))
     # Ties at the threshold can give more than the total: trim the largest layers.
     excess = sum(budgets) - total // H
