@@ -364,15 +364,12 @@ def test_a_request_waiting_for_kv_memory_is_failed_when_the_worker_stops(loaded)
 def test_prompts_that_end_within_the_step_join_together_and_long_ones_keep_their_chunks(loaded):
     """A step reads up to ``prefill_chunk`` prompt tokens: short prompts that end within them
     join the batch in the same step, and a long one is cut into the same chunks as alone."""
-    from qfserve.engine.serving.jobs import Job
+    from qfserve.engine.serving.jobs import Admission, Job
     from qfserve.engine.serving.records import RequestRecord
     from qfserve.engine.serving.scheduler import Scheduler
 
     chunk, states = 64, []
-    scheduler = Scheduler(
-        loaded, finish=lambda _rec, state: states.append(state), max_backlog=10_000,
-        prefill_chunk=chunk,
-    )  # fmt: skip
+    scheduler = Scheduler(loaded, max_backlog=10_000, prefill_chunk=chunk)
     loop = asyncio.new_event_loop()
     lengths, config = (20, 30, 200, 40), SETTINGS[2]
     for i, n in enumerate(lengths):
@@ -383,11 +380,12 @@ def test_prompts_that_end_within_the_step_join_together_and_long_ones_keep_their
             cache=config,
         )
         job = Job(req, RequestRecord.opened(f"r{i}", loaded.name, "completion", config), loop)
-        scheduler.add(job, list(req.prompt), 3, make_caches(loaded.model, config))
+        caches = make_caches(loaded.model, config)
+        scheduler.add(Admission(job, list(req.prompt), 3, caches, need=0))
     long_one = scheduler.sequences()[2]
     seen = []  # after each step: (requests decoding or done, the long prompt's tokens read)
     while len(scheduler):
-        scheduler.step()
+        states += [left.state for left in scheduler.step()]
         seen.append((len(lengths) - len(scheduler._prefilling), long_one.read))
     loop.close()
     # Step 1: the 19 + 29 tokens of the first two; the long one waits for a whole chunk.

@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+from dataclasses import dataclass
+from typing import Any
 
-from qfserve.engine.serving.records import RequestRecord
+from qfserve.engine.serving.records import RequestRecord, State
 from qfserve.engine.text.requests import Event, Failed, GenerationRequest
 
 
@@ -73,3 +75,36 @@ class Job:
         event = await self._events.get()
         self._taken += 1
         return event
+
+
+@dataclass
+class Admission:
+    """A request prepared for the batch: its prompt encoded, its caches built (a reused one
+    holds the first ``cached`` prompt tokens) and the KV bytes it needs reserved."""
+
+    job: Job
+    prompt: list[int]
+    max_tokens: int
+    caches: list[Any]
+    need: int
+    cached: int = 0
+
+
+@dataclass
+class KeptTurn:
+    """A turn that ended by EOS or ``max_tokens``: its caches hold every token its client
+    got back, so the next turn may continue them (multi-turn reuse)."""
+
+    request: GenerationRequest
+    tokens: list[int]  # prompt then generated, as the caches hold them
+    caches: list[Any]
+
+
+@dataclass
+class Departure:
+    """A request that left the scheduler: its record's final state, and the turn to keep
+    when it ended normally and asked for reuse."""
+
+    record: RequestRecord
+    state: State
+    turn: KeptTurn | None = None

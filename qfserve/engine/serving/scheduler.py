@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
@@ -35,13 +34,14 @@ from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from qfserve.engine.kv import kvzip
 from qfserve.engine.serving.batch import BatchCache
+from qfserve.engine.serving.jobs import Departure, KeptTurn
 from qfserve.engine.text.prompts import StopText, token_logprobs
 from qfserve.engine.text.requests import Delta, Failed, Finished, FinishReason
 from qfserve.engine.text.sampling import request_sampler
 
 if TYPE_CHECKING:
     from qfserve.engine.models.loading import LoadedModel
-    from qfserve.engine.serving.jobs import Job
+    from qfserve.engine.serving.jobs import Admission, Job
     from qfserve.engine.serving.records import RequestRecord, State
 
 logger = logging.getLogger(__name__)
@@ -76,11 +76,13 @@ class Sequence:
 class Scheduler:
     """The prefill queue and the decode batch of one model.
 
+    It owns every admitted request from :meth:`add` until it leaves; :meth:`step` hands
+    back those that left (:class:`Departure`), with the turn to keep where it ended normally.
+
     Args:
         loaded: The model and tokenizer.
-        finish: Called once per request that leaves, with its final state.
-        keep: Called with a request that finished normally, its caches and the tokens they
-            hold (prompt and every generated token), for the next turn to continue.
+        keeps: Turns that end normally and ask for reuse are handed back with their caches
+            (a kvzip turn held whole is compressed first).
         max_backlog: Events a client may leave untaken before it is cancelled.
         prefill_chunk: Prompt tokens per prefill step.
     """
@@ -89,16 +91,15 @@ class Scheduler:
         self,
         loaded: LoadedModel,
         *,
-        finish: Callable[[RequestRecord, State], None],
-        keep: Callable[[Sequence], None] | None = None,
+        keeps: bool = False,
         max_backlog: int,
         prefill_chunk: int,
     ) -> None:
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.loaded = loaded
-        self._finish = finish
-        self._keep = keep
+        self._keeps = keeps
+        self._departed: list[Departure] = []
         self._max_backlog = max_backlog
         self.prefill_chunk = prefill_chunk
         self._prefilling: deque[Sequence] = deque()
@@ -117,30 +118,28 @@ class Scheduler:
     def sequences(self) -> list[Sequence]:
         return [*self._prefilling, *self._decoding.values()]
 
-    def add(
-        self, job: Job, prompt: list[int], max_tokens: int, caches: list[Any], cached: int = 0
-    ) -> None:
-        """Admit a request whose caches are built (holding its first ``cached`` prompt
-        tokens, when reused) and whose ``Started`` was sent."""
-        stop = job.request.sampling.stop
+    def add(self, admission: Admission) -> None:
+        """Admit a prepared request whose ``Started`` was sent."""
+        job, stop = admission.job, admission.job.request.sampling.stop
         self._prefilling.append(
             Sequence(
                 job=job,
-                prompt=prompt,
-                max_tokens=max_tokens,
-                caches=caches,
+                prompt=admission.prompt,
+                max_tokens=admission.max_tokens,
+                caches=admission.caches,
                 detokenizer=self.loaded.tokenizer.detokenizer,
                 stop=StopText(stop) if stop else None,
-                read=cached,
-                cached=cached,
+                read=admission.cached,
+                cached=admission.cached,
             )
         )
         job.record.state = "prefill"
 
     # -- one step ------------------------------------------------------------------------
 
-    def step(self) -> None:
-        """Up to ``prefill_chunk`` prompt tokens (if prompts wait), then one decode step."""
+    def step(self) -> list[Departure]:
+        """Up to ``prefill_chunk`` prompt tokens (if prompts wait), then one decode step;
+        returns the requests that left during it."""
         with mx.stream(generation_stream):
             self._drop_cancelled()
             tokens = self.prefill_chunk
@@ -163,6 +162,8 @@ class Scheduler:
                 self._batch = self._empty_batch()
                 mx.synchronize(generation_stream)
                 mx.clear_cache()
+        departed, self._departed = self._departed, []
+        return departed
 
     def _prefill_chunk(self, seq: Sequence, limit: int) -> int:
         """Read up to ``limit`` more of the oldest prompt (it joins the batch once read, or
@@ -268,12 +269,14 @@ class Scheduler:
                 self._decoding.pop(r.uid)
                 leaving.append(r.uid)  # a stop string: still in mlx-lm's batch
                 seq.job.emit(done)
-                self._finish(seq.record, "done")
-                if self._keep is not None and r.finish_reason is not None:
+                turn = None
+                if self._keeps and seq.job.request.reuse and r.finish_reason is not None:
                     # Ended by EOS or max_tokens, so the caches hold every token the client
                     # gets back (a stop string cuts what it gets: not worth keeping).
                     self._settle(seq)
-                    self._keep(seq)
+                    tokens = [*seq.prompt, *seq.generated]
+                    turn = KeptTurn(seq.job.request, tokens, seq.caches)
+                self._departed.append(Departure(seq.record, "done", turn))
         if leaving:
             self._remove(leaving)
 
@@ -363,16 +366,17 @@ class Scheduler:
     def _leave(self, seq: Sequence, state: State, event: Failed | None) -> None:
         self._decoding.pop(seq.uid, None)
         seq.job.emit(event or Failed("cancelled", "the request was cancelled"))
-        self._finish(seq.record, state)
+        self._departed.append(Departure(seq.record, state))
 
     def _fail(self, seq: Sequence, exc: BaseException, *, logged: bool = False) -> None:
         if not logged:
             logger.exception("request %s failed", seq.job.id)
         seq.job.emit(Failed("internal", f"generation failed: {type(exc).__name__}: {exc}"))
-        self._finish(seq.record, "error")
+        self._departed.append(Departure(seq.record, "error"))
 
     def clear(self) -> None:
         """Forget every admitted request (the worker is stopping and tells their clients)."""
+        self._departed.clear()
         self._prefilling.clear()
         self._decoding.clear()
         self._batch = self._empty_batch()

@@ -25,7 +25,7 @@ from typing import Any, Literal
 from qfserve.engine.filters.model import DEFAULT_SELF_CALIBRATION, ModelFilters, check_mode
 from qfserve.engine.kv.config import ConfigError
 from qfserve.engine.models.loading import LoadedModel, load_model
-from qfserve.engine.serving.jobs import Job, WorkerUnavailable
+from qfserve.engine.serving.jobs import Admission, Job, KeptTurn, WorkerUnavailable
 from qfserve.engine.serving.records import Ledger, RequestRecord, State
 from qfserve.engine.text.prompts import PromptError, encode_prompt
 from qfserve.engine.text.requests import Failed, GenerationRequest, Started
@@ -112,7 +112,7 @@ class Worker:
             max_kv_bytes = default_max_kv_bytes()
         if max_kv_bytes < 1:
             raise ValueError(f"max_kv_bytes must be >= 1, got {max_kv_bytes}")
-        self._next: Any = None  # the oldest request, prepared, waiting for KV memory
+        self._next: Admission | None = None  # the oldest request, prepared, waiting for memory
         if prompt_cache_size < 0:
             raise ValueError(f"prompt_cache_size must be >= 0, got {prompt_cache_size}")
         # Built on the thread (qfserve.engine.reuse.kept imports mlx-lm, which a start-up check must not wait for).
@@ -280,7 +280,10 @@ class Worker:
             while not self._stopping.is_set():
                 self._admit(wait=len(scheduler) == 0)
                 if len(scheduler):
-                    scheduler.step()
+                    for left in scheduler.step():
+                        self._finish(left.record, left.state)
+                        if left.turn is not None:
+                            self._keep(left.record.id, left.turn)
                 if self.calibration is not None and self.calibration.learning:
                     self.calibration.learn()
         except BaseException as exc:  # noqa: BLE001 - the thread dies; say why
@@ -326,8 +329,7 @@ class Worker:
                 self.max_batch = 1
         return Scheduler(
             self.loaded,
-            finish=self._finish,
-            keep=self._keep,
+            keeps=self.prompt_cache is not None,
             max_backlog=self._max_backlog,
             prefill_chunk=self._prefill_chunk,
         )
@@ -361,26 +363,28 @@ class Worker:
                 self._next = self._start(job)
                 if self._next is None:
                     continue
-            job, prompt, max_tokens, caches, need, cached = self._next
+            admission = self._next
+            job = admission.job
             if job.cancelled:
                 self._next = None
                 job.emit(job.failure or Failed("cancelled", "the request was cancelled"))
                 self._finish(job.record, "cancelled")
                 continue
-            full = self._hold_need(job, len(prompt), max_tokens)
+            full = self._hold_need(job, len(admission.prompt), admission.max_tokens)
             if full is not None and self.ledger.reserve(job.record, full, alone=False):
                 from qfserve.engine.kv import kvzip
 
-                kvzip.hold(caches)  # this turn answers on its full cache; kept, it is compressed
-            elif not self.ledger.reserve(job.record, need, alone=not len(scheduler)):
+                # This turn answers on its full cache; kept, it is compressed.
+                kvzip.hold(admission.caches)
+            elif not self.ledger.reserve(job.record, admission.need, alone=not len(scheduler)):
                 return
             self._next = None
             if self.prompt_cache is not None:  # kept caches give way to running requests
                 self.prompt_cache.shrink(self.max_kv_bytes - self.ledger.reserved())
-            job.emit(Started(prompt_tokens=len(prompt), max_tokens=max_tokens))
-            scheduler.add(job, prompt, max_tokens, caches, cached)
+            job.emit(Started(prompt_tokens=len(admission.prompt), max_tokens=admission.max_tokens))
+            scheduler.add(admission)
 
-    def _start(self, job: Job) -> tuple[Job, list[int], int, list[Any], int, int] | None:
+    def _start(self, job: Job) -> Admission | None:
         """Encode the prompt, build the caches and size their KV memory (``None``: the job
         already ended, with its event sent)."""
         from qfserve.engine.serving.admission import kv_need
@@ -414,7 +418,7 @@ class Worker:
             job.emit(Failed("internal", f"generation failed: {type(exc).__name__}: {exc}"))
             self._finish(job.record, "error")
             return None
-        return job, prompt, max_tokens, caches, need, cached
+        return Admission(job, prompt, max_tokens, caches, need, cached)
 
     def _stream_kvzip(self, caches: list[Any], config: Any) -> int | None:
         """A kvzip prompt too long to hold whole within ``--max-kv-bytes`` is compressed as
@@ -438,31 +442,29 @@ class Worker:
 
         return hold_need(self.loaded, job.request.cache, prompt_tokens, max_tokens)
 
-    def _key(self, job: Job) -> tuple[Any, ...]:
+    def _key(self, request: GenerationRequest) -> tuple[Any, ...]:
         from qfserve.engine.reuse.kept import cache_key
 
         assert self.loaded is not None
-        return cache_key(self.loaded.name, job.request.cache, self.filter_source)
+        return cache_key(self.loaded.name, request.cache, self.filter_source)
 
     def _reused_caches(self, job: Job, prompt: list[int]) -> tuple[list[Any] | None, int]:
         """A finished request's caches that hold a prefix of ``prompt`` (a copy), and how many
         prompt tokens they hold; ``(None, 0)`` when none does or reuse is off."""
         if self.prompt_cache is None or not job.request.reuse:
             return None, 0
-        return self.prompt_cache.fetch(self._key(job), prompt)
+        return self.prompt_cache.fetch(self._key(job.request), prompt)
 
-    def _keep(self, seq: Any) -> None:
+    def _keep(self, request_id: str, turn: KeptTurn) -> None:
         """A request ended normally: its caches stay for the next turn to continue (a
         failure to keep or save them is logged; the request itself is already done)."""
-        if self.prompt_cache is None or not seq.job.request.reuse:
+        if self.prompt_cache is None or not turn.request.reuse:
             return
         try:
             room = self.max_kv_bytes - self.ledger.reserved()
-            self.prompt_cache.keep(
-                self._key(seq.job), [*seq.prompt, *seq.generated], seq.caches, room
-            )
+            self.prompt_cache.keep(self._key(turn.request), turn.tokens, turn.caches, room)
         except Exception as exc:  # noqa: BLE001 - a cache not kept must not stop the worker
-            logger.warning("request %s: its cache was not kept: %s", seq.job.id, exc)
+            logger.warning("request %s: its cache was not kept: %s", request_id, exc)
 
     def _caches_for(self, config: Any) -> list[Any]:
         assert self.calibration is not None
