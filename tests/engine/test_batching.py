@@ -233,7 +233,7 @@ def test_max_batch_bounds_what_runs_at_once(loaded):
 
         def counted():
             seen.append(len(scheduler))
-            step()
+            return step()
 
         scheduler.step = counted
         return scheduler
@@ -308,11 +308,12 @@ def test_a_newcomer_prefills_one_chunk_per_step_while_the_batch_decodes(loaded):
         step = scheduler.step
 
         def counted():
-            step()
+            left = step()
             seqs = {s.job.id: s for s in scheduler.sequences()}
             if len(seqs) == 2:
                 a, b = seqs[jobs[0].id], seqs[jobs[1].id]
                 steps.append((b.read, a.tokens))
+            return left
 
         scheduler.step = counted
         return scheduler

@@ -13,7 +13,7 @@ import pytest
 from tests.server.conftest import REPO, start_server
 
 BUNDLED = REPO / "models" / "qfserve-tiny"
-ARTIFACTS = REPO / "calibrations" / "artifacts"
+ARTIFACTS = REPO / "qfserve" / "calibrations" / "artifacts"
 
 
 def test_shipped_artifact_is_for_the_shipped_weights():
