@@ -29,16 +29,16 @@ evict one row per head, so each head's count holds until the next block.
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, create_attention_mask
 
 from qfserve import kernels
-from qfserve.engine.kv import adaptive
 from qfserve.engine.kv.evict import chunk_scores, gather_rows, select_keep
+from qfserve.engine.kv.ragged import RaggedHeads
+from qfserve.engine.kv.saved import SavedState
 from qfserve.engine.kv.scorers import Scorer
-from qfserve.engine.kv.slots import SlotLayout
 from qfserve.engine.kv.stats import CacheStats
 
 _INF = float("inf")
@@ -50,7 +50,7 @@ def _row_bytes(keys: mx.array, values: mx.array) -> int:
     return B * H * (Dk * keys.itemsize + values.shape[-1] * values.itemsize)
 
 
-class EvictionCache(SlotLayout):
+class EvictionCache(RaggedHeads, SavedState):
     """One layer's eviction cache.
 
     Args:
@@ -295,70 +295,6 @@ class EvictionCache(SlotLayout):
         else:
             self._evict_block(self.keys, self.values, scores, self.positions)
 
-    def _ragged_fits(self, valid: mx.array) -> bool:
-        """Every batch row's heads hold at most ``budget * H`` real rows in ``valid``.
-
-        The count is kept in Python (:attr:`_ragged_rows`) so a decode step never waits on
-        the device; it is read from ``valid`` only after a restore."""
-        if self._ragged_rows is None:
-            assert self.valid is not None
-            self._ragged_rows = int(cast(int, self.valid.sum(axis=(1, 2)).max().item()))
-        stored = 0 if self.valid is None else self.valid.shape[2]
-        added = valid.shape[1] * (valid.shape[2] - stored)
-        return self._ragged_rows + added <= self.budget * valid.shape[1]
-
-    def _evict_ragged(
-        self,
-        keys: mx.array,
-        values: mx.array,
-        scores: mx.array,
-        valid: mx.array | None,
-        positions: mx.array | None,
-        N: int,
-    ) -> None:
-        """A block shares the layer budget across heads (``valid``: None before heads are
-        ragged), ranked by chunk means with chunks; a decode row joining ragged heads takes
-        the slot layout, every head then evicting one row per step as always."""
-        if N > 1 or valid is None:
-            ranked = scores
-            if positions is not None:
-                ranked = chunk_scores(scores, positions, self.chunk, valid)
-            keep, counts = adaptive.select_adaptive(
-                ranked,
-                budget=self.budget,
-                n_sink=self.n_sink,
-                recent=self.recent,
-                floor=self.budget if self.floor is None else self.floor,
-                eligible=valid,
-                logits=not getattr(self.scorer, "scores_are_weights", False),
-            )
-            idx, self.valid = adaptive.ragged_gather(keep, counts)
-            # Every batch row now holds ``budget * H`` rows when all were eligible; after a
-            # pass over ragged rows the count is read once from ``valid`` when next needed.
-            self._ragged_rows = self.budget * keys.shape[1] if valid is None else None
-            self.keys, self.values = gather_rows(keys, idx), gather_rows(values, idx)
-            self.scores = gather_rows(scores, idx)
-            if positions is not None:
-                self.token_scores, self.positions = self.scores, gather_rows(positions, idx)
-        else:
-            self.keys, self.values, self.valid = keys, values, valid
-            ranks = scores
-            if positions is not None:
-                # As without ragged heads: the stored rows rank by their chunk's mean, the
-                # decoded row by its own score; the slots' order is their true position.
-                means = chunk_scores(
-                    scores[..., :-1], positions[..., :-1], self.chunk, valid[..., :-1]
-                )
-                ranks = mx.concatenate([means, scores[..., -1:]], axis=2)
-                self.token_scores = scores
-                self.positions = self.order = mx.where(valid, positions, -1)
-            else:
-                self.order = adaptive.slot_order(valid, self.offset)
-            finite = mx.nan_to_num(ranks, nan=-_INF, posinf=_INF, neginf=-_INF)
-            self.scores = mx.where(valid, finite, _INF)  # padding is never the victim
-            self.free = self._victim()
-        self.evictions += 1
-
     def _set_scores(self, scores: mx.array | None, *, ranked: bool = False) -> None:
         """Store per-token ``scores`` (temporal order); once ``ranked`` (evicting), NaN maps
         to -inf and, with chunks, the decode step's ranks are the chunk means."""
@@ -388,57 +324,6 @@ class EvictionCache(SlotLayout):
 
     def empty(self) -> bool:
         return self.keys is None
-
-    @property
-    def state(self) -> tuple[mx.array, ...]:
-        # The arrays as stored (cheap to evaluate every step); kept() gives temporal order.
-        # Chunks add the per-token scores and positions (``order`` in the slot layout).
-        if self.keys is None or self.values is None:
-            return ()
-        if self.scores is None:
-            return self.keys, self.values
-        extra: tuple[mx.array, ...] = ()
-        if self.token_scores is not None and self.positions is not None:
-            extra = (self.token_scores, self.positions)
-        ragged = () if self.valid is None else (self.valid,)
-        if self.order is None or self.free is None:
-            return self.keys, self.values, self.scores, *extra, *ragged
-        return self.keys, self.values, self.scores, *extra, self.order, self.free, *ragged
-
-    @state.setter
-    def state(self, v: tuple[mx.array, ...]) -> None:
-        # Read from the tuple alone (mlx-lm's from_state sets state before meta_state): ragged
-        # heads end with ``valid`` (bool), the slot layout then with ``free`` (the only
-        # uint32 array); chunks add two arrays.
-        self.keys, self.values, *rest = v
-        self.scores = rest.pop(0) if rest else None
-        self.valid = rest.pop() if rest and rest[-1].dtype == mx.bool_ else None
-        self._ragged_rows = None
-        slots = bool(rest) and rest[-1].dtype == mx.uint32
-        self.order, self.free = (rest[-2], rest[-1]) if slots else (None, None)
-        chunked = rest[:-2] if slots else rest
-        self.token_scores, self.positions = (chunked[0], chunked[1]) if chunked else (None, None)
-
-    @property
-    def meta_state(self) -> tuple[str, ...]:
-        return tuple(
-            str(x)
-            for x in (
-                self.offset,
-                self.budget,
-                self.n_sink,
-                self.recent,
-                self.evictions,
-                self.chunk,
-                -1 if self.floor is None else self.floor,
-            )
-        )
-
-    @meta_state.setter
-    def meta_state(self, v: tuple[str, ...]) -> None:
-        self.offset, self.budget, self.n_sink, self.recent, self.evictions, *more = map(int, v)
-        self.chunk = more[0] if more else 1
-        self.floor = more[1] if len(more) > 1 and more[1] >= 0 else None
 
     @property
     def nbytes(self) -> int:

@@ -1,0 +1,230 @@
+"""The reconstruction pass (see :mod:`qfserve.engine.kv.kvzip`): run chunk by chunk over the
+rows no earlier pass scored, each layer's view scoring its stored rows."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, cast
+
+import mlx.core as mx
+from mlx_lm.models.cache import create_attention_mask
+
+from qfserve.engine.kv.kvzip.scorer import (
+    DEFAULT_BLOCK,
+    DEFAULT_CHUNK,
+    KVzipScorer,
+    RepeatPrompt,
+    evict,
+)
+from qfserve.engine.kv.selfcal import QueryTap
+
+
+class _ReconstructionView:
+    """Stands in for one layer's cache during the pass: attention sees the stored rows plus
+    the chunk's reconstruction rows so far; those rows stay here and are dropped.
+
+    It accumulates ``scores`` ``(B, H, S)`` over the stored rows: the max over every
+    reconstruction query of the group of its softmax weight, over the sinks, the stored rows
+    of the chunk and the reconstruction keys (causal).
+    """
+
+    def __init__(self, cache: Any, first: int) -> None:
+        self.cache = cache
+        # Rows before ``first`` keep the scores an earlier pass gave them.
+        self.scores = mx.where(cache.positions < first, mx.maximum(cache.token_scores, 0.0), 0.0)
+        self.keys: mx.array | None = None  # the chunk's reconstruction rows
+        self.values: mx.array | None = None
+        # Sinks, the chunk's first and last stored row (over heads), its positions.
+        self._span = (0, 0, 0, 0, 0)
+
+    def begin(self, start: int, end: int) -> None:
+        """Reconstruct context positions ``[start, end)`` next."""
+        positions = self.cache.positions
+        if self.cache.valid is not None:  # padding rows (at each head's end) join no chunk
+            positions = mx.where(self.cache.valid, positions, mx.iinfo(mx.int32).max)
+        lo = int((positions < start).sum(axis=-1).min().item())
+        hi = int((positions < end).sum(axis=-1).max().item())
+        sinks = min(self.cache.n_sink, start, lo)
+        self._span = (sinks, lo, hi, start, end)
+        self.keys = self.values = None
+
+    @property
+    def offset(self) -> int:
+        return int(self.cache.offset) + (0 if self.keys is None else self.keys.shape[2])
+
+    @property
+    def head_mask(self) -> mx.array | None:
+        valid = self.cache.valid
+        if valid is None or self.keys is None:
+            return None
+        return mx.concatenate([valid, mx.ones(self.keys.shape[:3], dtype=mx.bool_)], axis=2)
+
+    def size(self) -> int:
+        return int(self.cache.keys.shape[2]) + (0 if self.keys is None else self.keys.shape[2])
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> Any:
+        return create_attention_mask(
+            N, offset=self.size(), return_array=return_array, window_size=window_size
+        )
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if self.keys is None or self.values is None:
+            self.keys, self.values = keys, values
+        else:
+            self.keys = mx.concatenate([self.keys, keys], axis=2)
+            self.values = mx.concatenate([self.values, values], axis=2)
+        self._score(keys.shape[2])
+        stored = self.cache
+        return (
+            mx.concatenate([stored.keys, self.keys], axis=2),
+            mx.concatenate([stored.values, self.values], axis=2),
+        )
+
+    def _score(self, N: int) -> None:
+        assert self.keys is not None
+        tap: QueryTap = self.cache.scorer.tap
+        queries = tap.take(N)
+        if queries is None:
+            raise RuntimeError("kvzip: the layer's query tap holds no reconstruction queries")
+        sinks, lo, hi, start, end = self._span
+        stored, positions = self.cache.keys, self.cache.positions
+        B, Hq, _, D = queries.shape
+        H = stored.shape[1]
+        R = self.keys.shape[2]  # reconstruction rows, the N new ones last
+        keys = mx.concatenate([stored[:, :, :sinks], stored[:, :, lo:hi], self.keys], axis=2)
+        q = queries.astype(mx.float32).reshape(B, H, Hq // H, N, D)
+        logits = (q @ keys.astype(mx.float32)[:, :, None].swapaxes(-1, -2)) * tap.scale
+        # (B, H, G, N, sinks + hi - lo + R). A stored row of [lo, hi) outside the chunk's
+        # positions (heads keep different rows) is masked, as are later reconstruction rows.
+        span = positions[:, :, lo:hi]
+        ours = (span >= start) & (span < end)  # (B, H, hi - lo)
+        if self.cache.valid is not None:
+            ours = ours & self.cache.valid[:, :, lo:hi]
+        causal = mx.arange(R)[None, :] <= mx.arange(R - N, R)[:, None]  # (N, R)
+        visible = mx.concatenate(
+            [
+                mx.broadcast_to(mx.ones((1, 1, 1, 1, sinks), dtype=mx.bool_), (B, H, 1, N, sinks)),
+                mx.broadcast_to(ours[:, :, None, None, :], (B, H, 1, N, hi - lo)),
+                mx.broadcast_to(causal[None, None, None], (B, H, 1, N, R)),
+            ],
+            axis=-1,
+        )
+        weights = mx.softmax(mx.where(visible, logits, -mx.inf), axis=-1)
+        best = weights[..., sinks : sinks + hi - lo].max(axis=(2, 3))  # (B, H, hi - lo)
+        best = mx.where(ours, best, 0.0)
+        head = self.scores[:, :, lo:hi]
+        self.scores[:, :, lo:hi] = mx.maximum(head, best)
+
+
+class Reconstruction:
+    """The reconstruction pass over one request's caches, run in steps of ``limit`` tokens
+    (the scheduler interleaves it with decoding, as it does prefill chunks).
+
+    A pass reconstructs from the first position no earlier pass scored (a later turn: its
+    own tokens and the answer before them), since each chunk is scored on its own: the rows
+    kept from earlier turns keep their scores, and a conversation costs one pass over its
+    tokens in all, not one per turn over its whole history.
+
+    Args:
+        model: The mlx-lm model the caches belong to.
+        caches: The request's caches; layers under :class:`KVzipScorer` are scored.
+        tokens: The tokens the caches hold, in order (``offset`` of them).
+        repeat: The tokenizer's :class:`RepeatPrompt`.
+        chunk: Context tokens reconstructed at once.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        caches: list[Any],
+        tokens: Sequence[int],
+        repeat: RepeatPrompt,
+        *,
+        chunk: int = DEFAULT_CHUNK,
+    ) -> None:
+        if chunk < 1:
+            raise ValueError(f"chunk must be >= 1, got {chunk}")
+        scored = [c for c in caches if isinstance(getattr(c, "scorer", None), KVzipScorer)]
+        if scored and len(scored) != len(caches):
+            raise ValueError("kvzip needs every layer's cache to be an eviction cache")
+        for cache in scored:
+            if cache.offset != len(tokens):
+                raise ValueError(f"the caches hold {cache.offset} tokens, got {len(tokens)}")
+            cache.prepare_compress()
+        self.model = model
+        self.caches = scored
+        self.first = _first_unscored(scored, len(tokens))
+        self._plan = repeat.chunks(tokens, chunk, self.first) if scored else []
+        self._views = [_ReconstructionView(c, self.first) for c in scored]
+        self._fed = 0  # ids of the current chunk fed so far
+
+    @property
+    def done(self) -> bool:
+        return not self._plan
+
+    def step(self, limit: int) -> int:
+        """Feed up to ``limit`` reconstruction tokens; returns how many it fed. Once every
+        chunk is fed, each cache is compressed to its budget."""
+        fed = 0
+        while self._plan and fed < limit:
+            start, end, ids = self._plan[0]
+            if self._fed == 0:
+                for view in self._views:
+                    view.begin(start, end)
+            n = min(limit - fed, len(ids) - self._fed)
+            block = mx.array(ids[self._fed : self._fed + n])[None]
+            taps = [view.cache.scorer.tap for view in self._views]
+            offers = [tap.offer for tap in taps]
+            try:  # the pass's queries are not traffic to learn filters from
+                for tap in taps:
+                    tap.offer = None
+                self.model(block, cache=self._views)
+            finally:
+                for tap, offer in zip(taps, offers, strict=True):
+                    tap.offer = offer
+            mx.eval([view.scores for view in self._views])
+            self._fed += n
+            fed += n
+            if self._fed == len(ids):
+                self._plan.pop(0)
+                self._fed = 0
+        if not self._plan and self._views:
+            evict(self.caches, [view.scores for view in self._views])
+            self._views = []
+        return fed
+
+
+def _first_unscored(caches: list[Any], n: int) -> int:
+    """The first position whose row no pass has scored yet (a prompt block's or a generated
+    row's provisional score is below zero, :func:`generated_tier`); ``n`` if none."""
+    firsts = []
+    for cache in caches:
+        pending = cache.token_scores < 0
+        if cache.valid is not None:
+            pending = pending & cache.valid
+        firsts.append(mx.where(pending, cache.positions, n).min())
+    return min(int(cast(int, f.item())) for f in firsts) if firsts else n
+
+
+def compress(
+    model: Any,
+    caches: list[Any],
+    tokens: Sequence[int],
+    repeat: RepeatPrompt,
+    *,
+    chunk: int = DEFAULT_CHUNK,
+    block: int = DEFAULT_BLOCK,
+) -> None:
+    """Run the whole reconstruction pass on ``caches`` and evict each to its budget.
+
+    Args:
+        model: The caches' model.
+        caches: One request's caches, holding ``tokens``.
+        tokens: Every token the caches have seen, in order.
+        repeat: The tokenizer's :class:`RepeatPrompt`.
+        chunk: Context tokens reconstructed at once.
+        block: Reconstruction tokens per forward pass.
+    """
+    run = Reconstruction(model, caches, tokens, repeat, chunk=chunk)
+    while not run.done:
+        run.step(block)

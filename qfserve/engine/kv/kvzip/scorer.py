@@ -1,0 +1,213 @@
+"""KVzip's scorer, prompts and the eviction its scores drive (see :mod:`qfserve.engine.kv.kvzip`)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import mlx.core as mx
+
+from qfserve.engine.kv.scorers import AlwaysReady, Scorer
+from qfserve.engine.kv.selfcal import QueryTap
+
+REPEAT_FIRST = "\n\nRepeat the previous context exactly."
+REPEAT_NEXT = "\n\nRepeat the part of the previous context exactly, starting with"
+DEFAULT_CHUNK = 2048  # context tokens reconstructed at once (kvpress's and the paper's)
+PREV_TAIL = 8  # tokens of the previous chunk that open the next chunk's prompt
+REPEAT_ROWS = 64  # at most the repeat prompt, the previous tail and the template's suffix
+DEFAULT_BLOCK = 512  # reconstruction tokens per forward pass (bounds the score matrices)
+
+
+def generated_tier(scores: mx.array) -> mx.array:
+    """Map any float scores monotonically into ``(-1, 0)``: below every reconstruction score
+    (attention weights, ``>= 0``) while keeping their order (``atan`` keeps float32
+    resolution where plain offsets would round it away)."""
+    return mx.arctan(scores) / math.pi - 0.5
+
+
+class KVzipScorer(AlwaysReady):
+    """A layer's scorer under ``method="kvzip"``.
+
+    Prompt blocks are stored whole until the reconstruction pass scores them
+    (:meth:`defers`); until then, and for every generated row, scores come from
+    ``inner`` mapped by :func:`generated_tier`.
+
+    Args:
+        tap: The layer's query tap (the pass reads the reconstruction queries from it).
+        inner: Ranks generated rows: calibrated Q-Filters where the model has them.
+        shared: The pass shares the rows of every layer (``budget_mode="global"``): each
+            layer then keeps what the global top-k gives it (:func:`layer_budgets`).
+    """
+
+    tracks_positions = True  # the pass maps stored rows to context chunks by position
+    scores_are_weights = True  # attention weights: comparable across heads as they are
+
+    def __init__(self, tap: QueryTap, inner: Scorer, *, shared: bool = False) -> None:
+        self.tap = tap
+        self.inner = inner
+        self.shared = shared
+        self.budget: int | None = None  # the request's budget, before a layer takes its share
+        # Set while a turn runs on its full cache, compressed only when it is kept for reuse.
+        self.holding = False
+        # Rows the prompt may hold before what is read so far is compressed (memory).
+        self.limit: int | None = None
+        self.source = inner.source
+
+    def defers(self, n: int) -> bool:
+        """A block of ``n`` rows is stored whole until :meth:`EvictionCache.compress`: every
+        prompt block, and every row while holding."""
+        return n > 1 or self.holding
+
+    @property
+    def nbytes(self) -> int:
+        return self.inner.nbytes
+
+    def score(self, keys: mx.array, start: int) -> mx.array:
+        return generated_tier(self.inner.score(keys, start))
+
+
+@dataclass(frozen=True)
+class RepeatPrompt:
+    """The token ids that open each reconstruction chunk, for one tokenizer.
+
+    Args:
+        first: ``REPEAT_FIRST``'s ids.
+        next: ``REPEAT_NEXT``'s ids (the previous chunk's tail follows them).
+        suffix: What the chat template puts between a user turn and the reply (``"\\n"``
+            without a template), as kvpress derives it.
+    """
+
+    first: tuple[int, ...]
+    next: tuple[int, ...]
+    suffix: tuple[int, ...]
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Any) -> RepeatPrompt:
+        """Derive the ids from ``tokenizer`` (mlx-lm's wrapper or a ``transformers`` one)."""
+        suffix_text = "\n"
+        if getattr(tokenizer, "chat_template", None):
+            dummy = "dummy context"
+            separator = "\n" + "#" * len(dummy)
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": dummy + separator}],
+                add_generation_prompt=True,
+                tokenize=False,
+            )
+            suffix_text = text.split(separator)[-1]
+
+        def ids(text: str) -> tuple[int, ...]:
+            return tuple(tokenizer.encode(text, add_special_tokens=False))
+
+        return cls(ids(REPEAT_FIRST), ids(REPEAT_NEXT), ids(suffix_text))
+
+    def chunks(
+        self, tokens: Sequence[int], chunk: int, first: int = 0
+    ) -> list[tuple[int, int, list[int]]]:
+        """``(start, end, ids)`` per chunk of ``tokens[first:]``: the context span it
+        reconstructs and the ids fed for it (prompt, suffix, the span's tokens)."""
+        out = []
+        for start in range(first, len(tokens), chunk):
+            end = min(start + chunk, len(tokens))
+            lead = (
+                self.first
+                if start == 0
+                else (*self.next, *tokens[max(0, start - PREV_TAIL) : start])
+            )
+            out.append((start, end, [*lead, *self.suffix, *tokens[start:end]]))
+        return out
+
+
+def evict(caches: list[Any], scores: list[mx.array]) -> None:
+    """Evict each kvzip cache to its budget by the pass's ``scores`` (one ``(B, H, S)`` per
+    cache), the layers first taking their shares of the rows where they share them."""
+    if caches and caches[0].scorer.shared:
+        for cache, budget in zip(caches, layer_budgets(caches, scores), strict=True):
+            cache.budget = budget
+    for cache, layer_scores in zip(caches, scores, strict=True):
+        cache.compress(layer_scores)
+    mx.eval([c.state for c in caches])
+
+
+def layer_budgets(caches: list[Any], scores: list[mx.array]) -> list[int]:
+    """Each layer's rows per head when every layer shares the request's rows (kvpress's
+    KVzip default): the global top ``budget * H * n_layers`` of the pass's scores, protected
+    rows (sinks, recent window) first; a layer then keeps its share, spread over its heads by
+    the same scores (:mod:`qfserve.engine.kv.adaptive`), so heads and layers whose reconstruction
+    attention is diffuse give rows to those that read the context.
+
+    Args:
+        caches: The request's caches (one batch row), stored rows in temporal order.
+        scores: ``(1, H, S)`` float32 per layer, the pass's.
+    Returns:
+        Rows per head per layer: at least the protected rows, ``H`` times it summing to at
+        most ``budget * H * n_layers``.
+    """
+    ranked = []
+    for cache, layer_scores in zip(caches, scores, strict=True):
+        if cache.scorer.budget is None:  # the request's budget, kept for later turns
+            cache.scorer.budget = cache.budget
+        real = mx.ones(layer_scores.shape, dtype=mx.bool_) if cache.valid is None else cache.valid
+        from_start = mx.cumsum(real.astype(mx.int32), axis=-1)
+        from_end = mx.cumsum(real.astype(mx.int32), axis=-1, reverse=True)
+        protected = real & ((from_start <= cache.n_sink) | (from_end <= cache.recent))
+        guarded = mx.where(protected, mx.inf, mx.where(real, layer_scores, -mx.inf))
+        ranked.append(guarded.reshape(-1))
+    flat = mx.concatenate(ranked)
+    H = caches[0].keys.shape[1]
+    total = sum(c.scorer.budget * H for c in caches)
+    kth = mx.sort(flat)[-min(total, flat.size)]
+    budgets = []
+    for cache, layer in zip(caches, ranked, strict=True):
+        rows = int(cast(int, (layer >= kth).sum().item())) // H
+        budgets.append(max(rows, cache.n_sink + cache.recent))
+    # Ties at the threshold can give more than the total: trim the largest layers.
+    excess = sum(budgets) - total // H
+    while excess > 0:
+        i = max(range(len(budgets)), key=budgets.__getitem__)
+        budgets[i] -= 1
+        excess -= 1
+    return budgets
+
+
+def needs_pass(caches: list[Any]) -> bool:
+    """Some layer under :class:`KVzipScorer` holds more rows than the request's budget and
+    is not holding them for the turn boundary."""
+    return any(
+        isinstance(getattr(c, "scorer", None), KVzipScorer)
+        and not c.scorer.holding
+        and c.size() > (c.scorer.budget or c.budget)
+        for c in caches
+    )
+
+
+def over_limit(caches: list[Any]) -> bool:
+    """Some layer holds more rows than the memory its request may hold lets a prompt keep
+    before the rows read so far are compressed (:func:`set_limit`)."""
+    return any(
+        isinstance(getattr(c, "scorer", None), KVzipScorer)
+        and c.scorer.limit is not None
+        and c.size() > c.scorer.limit
+        for c in caches
+    )
+
+
+def set_limit(caches: list[Any], rows: int) -> None:
+    """Compress the prompt read so far whenever a layer holds more than ``rows`` rows."""
+    for cache in caches:
+        if isinstance(getattr(cache, "scorer", None), KVzipScorer):
+            cache.scorer.limit = rows
+
+
+def hold(caches: list[Any], on: bool = True) -> None:
+    """Keep every row of a kvzip request's caches (``on``) until the turn is kept for reuse
+    and compressed, or let them evict again."""
+    for cache in caches:
+        if isinstance(getattr(cache, "scorer", None), KVzipScorer):
+            cache.scorer.holding = on
+
+
+def holding(caches: list[Any]) -> bool:
+    """Some layer holds its rows for the turn boundary (:func:`hold`)."""
+    return any(getattr(getattr(c, "scorer", None), "holding", False) for c in caches)
