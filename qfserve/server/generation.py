@@ -25,9 +25,10 @@ from qfserve.engine.serving.jobs import Job, WorkerUnavailable
 from qfserve.engine.serving.worker import Worker
 from qfserve.engine.text.requests import Delta, Event, Failed, Finished, Started, TokenLogprob
 from qfserve.server.errors import APIError
+from qfserve.server.eviction import CACHE_PARAMS
 from qfserve.server.formats import ResponseFormat
 from qfserve.server.metrics import Metrics
-from qfserve.server.schemas import CACHE_PARAMS, GenerationBody
+from qfserve.server.schemas import GenerationBody
 from qfserve.server.settings import Settings
 
 logger = logging.getLogger(__name__)

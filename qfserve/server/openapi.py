@@ -12,10 +12,51 @@ from typing import Any, Literal
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from pydantic.json_schema import models_json_schema
 
-from qfserve.server.schemas import KVCacheInfo, Usage
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="Prompt tokens a reused KV cache already held.")
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class KVCacheInfo(BaseModel):
+    """The eviction settings that ran, the filter's source and the final cache statistics."""
+
+    method: str
+    budget: int
+    recent: int
+    n_sink: int
+    chunk: int = 1
+    budget_mode: str = "per_head"
+    floor: float | None = None
+    filter_source: str
+    tokens_seen: int
+    tokens_kept: int
+    kept_bytes: int
+    full_seq_bytes: int
+    compression_ratio: float
+    evictions: int
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "qfserve"
+    context_length: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
 
 
 class ErrorDetail(BaseModel):

@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
-from qfserve.engine.kv.config import METHODS, CacheConfig, ConfigError, fit_budget_mode, fit_chunk
+from qfserve.engine.kv.config import CacheConfig, ConfigError, fit_budget_mode, fit_chunk
 from qfserve.engine.text.requests import GenerationRequest, SamplingParams
 from qfserve.engine.text.structured import GrammarError, JSONConstraint, ToolCallConstraint
 from qfserve.server.compat import (
@@ -28,167 +28,14 @@ from qfserve.server.compat import (
     refused,
 )
 from qfserve.server.errors import APIError
-
-KVMethod = Literal["qfilters", "kvzip", "knorm", "streaming", "snapkv", "tova", "full"]
-assert set(METHODS) == set(KVMethod.__args__)  # type: ignore[attr-defined]
-CACHE_PARAMS = {
-    "method": "kv_method",
-    "budget": "qfilters_budget",
-    "recent": "qfilters_recent",
-    "n_sink": "qfilters_n_sink",
-    "chunk": "qfilters_chunk",
-    "budget_mode": "qfilters_budget_mode",
-    "floor": "qfilters_floor",
-}
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
-
-
-class StreamOptions(_Strict):
-    include_usage: bool | None = False
-    include_obfuscation: bool | None = None  # a no-op: nothing here needs padding
-
-
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
-
-
-class FunctionCall(_Strict):
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
-
-
-class ToolCall(_Strict):
-    id: str
-    type: Literal["function"]
-    function: FunctionCall
-
-
-class FunctionDef(_Strict):
-    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class Tool(_Strict):
-    type: Literal["function"]
-    function: FunctionDef
-
-
-class NamedToolChoice(_Strict):
-    type: Literal["function"]
-    function: dict[Literal["name"], str]
-
-
-class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-    tool_calls: list[ToolCall] | None = None  # assistant turns that called tools
-    tool_call_id: str | None = None  # a tool's answer
-
-    def as_template_input(self) -> dict[str, Any]:
-        content = self.content
-        if isinstance(content, list):
-            content = "".join(part.text for part in content)
-        out: dict[str, Any] = {"role": self.role, "content": content or ""}
-        if self.tool_calls:
-            # Chat templates take arguments as a mapping (the Hugging Face convention).
-            out["tool_calls"] = [
-                {
-                    "id": c.id,
-                    "type": "function",
-                    "function": {
-                        "name": c.function.name,
-                        "arguments": _json_or_text(c.function.arguments),
-                    },
-                }
-                for c in self.tool_calls
-            ]
-        if self.tool_call_id is not None:
-            out["tool_call_id"] = self.tool_call_id
-        return out
-
-
-def _json_or_text(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
-
-
-class EvictionFields(_Strict):
-    """qfserve's extensions: how this request's KV caches evict (server flags are defaults)."""
-
-    qfilters_budget: Annotated[
-        int | None,
-        Field(
-            ge=1,
-            description="KV rows kept per layer and KV head, sinks and recent rows "
-            "included. Default: the server's --budget.",
-        ),
-    ] = None
-    qfilters_recent: Annotated[
-        int | None,
-        Field(ge=0, description="Most recent positions never evicted. Default: --recent."),
-    ] = None
-    qfilters_n_sink: Annotated[
-        int | None,
-        Field(
-            ge=0,
-            description="Leading positions (attention sinks) never evicted. Default: --n-sink.",
-        ),
-    ] = None
-    qfilters_chunk: Annotated[
-        int | None,
-        Field(
-            ge=1,
-            description="Prefill and new turns keep whole chunks of this many positions, "
-            "ranked by their mean score (1 = token by token). Default for qfilters and knorm: "
-            "--chunk where below the budget, or without --chunk 8 at budgets of 256 or more; "
-            "otherwise 1.",
-        ),
-    ] = None
-    qfilters_budget_mode: Annotated[
-        Literal["per_head", "adaptive", "global"] | None,
-        Field(
-            description="per_head: budget rows in every KV head; adaptive: a layer's heads "
-            "share budget x heads rows (AdaKV), ranked by expected attention logits (qfilters: "
-            "needs calibrated filters with query scales) or by kvzip's scores; global (kvzip "
-            "only): every layer and head share budget x heads x layers rows by kvzip's "
-            "scores. Default: --budget-mode.",
-        ),
-    ] = None
-    qfilters_floor: Annotated[
-        float | None,
-        Field(
-            gt=0,
-            le=1,
-            description="Share of the budget every head keeps under adaptive budgets. "
-            "Default: --floor.",
-        ),
-    ] = None
-    qfilters_reuse: Annotated[
-        bool | None,
-        Field(
-            description="Continue a finished request's KV cache when it holds the start of "
-            "this prompt (multi-turn chat), and keep this one's for the next turn. "
-            "Default: true (when the server keeps a prompt cache).",
-        ),
-    ] = None
-    kv_method: Annotated[
-        KVMethod | None,
-        Field(
-            description="Eviction method: qfilters (calibrated projection), kvzip (a prompt "
-            "over its budget is scored by the attention a reconstruction of it pays each key: "
-            "one extra pass over the prompt), knorm, streaming (sinks + recent), snapkv or tova (query-aware references: they read the model's "
-            "queries to evict) or full (no eviction). Default: --kv-method."
-        ),
-    ] = None
+from qfserve.server.eviction import CACHE_PARAMS, EvictionFields
+from qfserve.server.messages import (
+    ChatMessage,
+    NamedToolChoice,
+    StreamOptions,
+    Strict,
+    Tool,
+)
 
 
 class GenerationBody(EvictionFields):
@@ -365,7 +212,7 @@ MinP = Annotated[float, Field(ge=0.0, le=1.0)]
 RepetitionPenalty = Annotated[float, Field(gt=0.0, le=10.0)]
 
 
-class SamplerExtensions(_Strict):
+class SamplerExtensions(Strict):
     """Sampler extensions local servers share (mlx_lm.server, llama-server, vLLM)."""
 
     top_k: Annotated[
@@ -521,49 +368,3 @@ class CompletionRequest(SamplerExtensions, GenerationBody):
         if self.prompt and isinstance(self.prompt[0], str):
             return str(self.prompt[0])
         return tuple(int(t) for t in self.prompt)
-
-
-# -- responses (built as dicts by qfserve.server.generation; these document and type-check them) --
-
-
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int = Field(description="Prompt tokens a reused KV cache already held.")
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails | None = None
-
-
-class KVCacheInfo(BaseModel):
-    """The eviction settings that ran, the filter's source and the final cache statistics."""
-
-    method: str
-    budget: int
-    recent: int
-    n_sink: int
-    chunk: int = 1
-    budget_mode: str = "per_head"
-    floor: float | None = None
-    filter_source: str
-    tokens_seen: int
-    tokens_kept: int
-    kept_bytes: int
-    full_seq_bytes: int
-    compression_ratio: float
-    evictions: int
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "qfserve"
-    context_length: int
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]

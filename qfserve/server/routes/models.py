@@ -8,8 +8,7 @@ from fastapi import APIRouter, Depends
 from qfserve.server.dependencies import WorkerDep, require_api_key
 from qfserve.server.errors import APIError
 from qfserve.server.generation import check_model
-from qfserve.server.openapi import errors
-from qfserve.server.schemas import ModelCard, ModelList
+from qfserve.server.openapi import ModelCard, ModelList, errors
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
