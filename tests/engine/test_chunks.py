@@ -12,12 +12,13 @@ from qfserve.engine.kv.cache import EvictionCache
 from qfserve.engine.kv.config import CacheConfig
 from qfserve.engine.kv.evict import chunk_scores
 from qfserve.engine.kv.factory import make_caches
+from qfserve.engine.kv.scorers import ScorerBase
 from tests.tiny import make_tiny_model
 
 B, H, D = 2, 3, 8
 
 
-class FirstComponent:
+class FirstComponent(ScorerBase):
     """Scores a key by its first component, so a test writes the scores into the keys."""
 
     source = "none"

@@ -144,8 +144,8 @@ class EvictionCache(RaggedHeads, SavedState):
 
         scorer = self.scorer
         scores: mx.array | None
-        if scorer.ready and getattr(scorer, "dynamic", False):  # every row re-scored (TOVA)
-            scores = scorer.rescore(all_keys, keys.shape[2])  # type: ignore[attr-defined]
+        if scorer.ready and scorer.dynamic:  # every row re-scored (TOVA)
+            scores = scorer.rescore(all_keys, keys.shape[2])
         elif scorer.ready:
             new_scores = scorer.score(keys, start)
             old_scores = self.scores if not self.tracks else self.token_scores

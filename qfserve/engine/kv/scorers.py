@@ -8,9 +8,23 @@ ranks lowest; :mod:`qfserve.engine.kv.evict` handles it.
 
 from __future__ import annotations
 
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Literal, Protocol
 
 import mlx.core as mx
+
+
+@dataclass(frozen=True)
+class ScoreForm:
+    """A scorer's per-row score as one of the few operations a packed decode step batches
+    over many requests (:mod:`qfserve.engine.serving.packed`), giving each member the score
+    its own :meth:`Scorer.score` would: ``project`` (``keys . direction``, times ``scale``
+    where given), ``norm`` (minus the key's L2 norm) or ``position`` (its absolute position).
+    """
+
+    kind: Literal["project", "norm", "position"]
+    direction: mx.array | None = None  # (H, D) float32, the sign applied
+    scale: mx.array | None = None  # (H, 1) float32
 
 
 class Scorer(Protocol):
@@ -19,10 +33,14 @@ class Scorer(Protocol):
     ``score(keys, start)`` maps ``keys`` ``(B, H, N, D)`` holding positions
     ``start .. start + N - 1`` to ``(B, H, N)`` float32 scores. A scorer that is not
     ``ready`` (the key-SVD fallback before it has seen enough keys) blocks eviction and is
-    shown every stored key through ``observe`` until it is.
+    shown every stored key through ``observe`` until it is. A ``dynamic`` scorer (TOVA)
+    re-scores every stored row after each insertion through ``rescore``; every other one
+    scores a row once. ``form`` is the batched form of ``score``, or ``None`` where a packed
+    decode step cannot batch it. :class:`ScorerBase` gives the defaults.
     """
 
     source: str  # "calibrated" | "fallback" | "none": reported in cache statistics
+    dynamic: bool
 
     @property
     def ready(self) -> bool: ...
@@ -33,6 +51,22 @@ class Scorer(Protocol):
     def observe(self, keys: mx.array, tokens_seen: int) -> None: ...
 
     def score(self, keys: mx.array, start: int) -> mx.array: ...
+
+    def rescore(self, keys: mx.array, n_new: int) -> mx.array: ...
+
+    def form(self) -> ScoreForm | None: ...
+
+
+class ScorerBase:
+    """The protocol's defaults: scores fixed at insertion, no batched form."""
+
+    dynamic = False
+
+    def rescore(self, keys: mx.array, n_new: int) -> mx.array:
+        raise NotImplementedError(f"{type(self).__name__} scores a row once, when it is stored")
+
+    def form(self) -> ScoreForm | None:
+        return None
 
 
 def _as_float32(x: mx.array) -> mx.array:
@@ -52,7 +86,7 @@ def project(keys: mx.array, direction: mx.array, sign: int) -> mx.array:
     return (_as_float32(keys) @ d[..., None]).squeeze(-1)  # (B, H, N)
 
 
-class AlwaysReady:
+class AlwaysReady(ScorerBase):
     """A scorer with nothing to learn: ready from the first key, nothing observed."""
 
     source = "none"
@@ -95,8 +129,11 @@ class QFilterScorer(AlwaysReady):
         scores = project(keys, self.filters, self.sign)
         return scores if self.scale is None else scores * self.scale
 
+    def form(self) -> ScoreForm:
+        return ScoreForm("project", self.filters if self.sign == 1 else -self.filters, self.scale)
 
-class KeySVDScorer:
+
+class KeySVDScorer(ScorerBase):
     """Key-SVD fallback: estimate each head's direction from the keys it has seen, then freeze.
 
     Until ``calib_tokens`` keys have been observed there is no direction and nothing is
@@ -141,6 +178,12 @@ class KeySVDScorer:
             raise RuntimeError("KeySVDScorer.score called before the direction was frozen")
         return project(keys, self.direction, self.sign)
 
+    def form(self) -> ScoreForm | None:
+        if self.direction is None:
+            return None
+        d = self.direction[0]  # one sequence's direction, (H, D)
+        return ScoreForm("project", d if self.sign == 1 else -d)
+
 
 def estimate_direction(keys: mx.array) -> mx.array:
     """Top right singular vector of each head's uncentred keys, oriented against their mean
@@ -167,6 +210,9 @@ class KNormScorer(AlwaysReady):
     def score(self, keys: mx.array, start: int) -> mx.array:
         return -mx.sqrt(mx.square(_as_float32(keys)).sum(axis=-1))
 
+    def form(self) -> ScoreForm:
+        return ScoreForm("norm")
+
 
 class RecencyScorer(AlwaysReady):
     """StreamingLLM: score = position, so the kept rows are the sinks plus the latest ones."""
@@ -175,3 +221,6 @@ class RecencyScorer(AlwaysReady):
         B, H, N, _ = keys.shape
         positions = mx.arange(start, start + N, dtype=mx.float32)
         return mx.broadcast_to(positions, (B, H, N))
+
+    def form(self) -> ScoreForm:
+        return ScoreForm("position")

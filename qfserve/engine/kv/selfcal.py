@@ -35,7 +35,7 @@ import mlx.nn as nn
 
 from qfserve.calibrations.capture import QueryRoPE
 from qfserve.calibrations.model_info import attention_modules, head_counts
-from qfserve.engine.kv.scorers import estimate_direction, project
+from qfserve.engine.kv.scorers import ScoreForm, ScorerBase, estimate_direction, project
 
 _MARK = "_qfserve_query_tap"
 _CANCEL_TOL = 0.05  # as qfserve.calibrations.compute: a group mean this short is no direction
@@ -141,7 +141,7 @@ def filters_from_moments(gram: mx.array, total: mx.array, n_kv_heads: int) -> mx
     return chosen / mx.linalg.norm(chosen, axis=-1, keepdims=True)
 
 
-class SelfCalibratingScorer:
+class SelfCalibratingScorer(ScorerBase):
     """Q-Filters of one layer from the request's own prompt queries (see the module doc).
 
     Args:
@@ -193,3 +193,8 @@ class SelfCalibratingScorer:
         if self.filters is None:
             raise RuntimeError("SelfCalibratingScorer.score called before the filter was frozen")
         return project(keys, self.filters, self.sign)
+
+    def form(self) -> ScoreForm | None:
+        if self.filters is None:
+            return None
+        return ScoreForm("project", self.filters if self.sign == 1 else -self.filters)

@@ -46,13 +46,13 @@ class SlotLayout:
         assert self.scores is not None and self.order is not None and self.free is not None
         position = self.offset
         self.offset += 1
-        dynamic = getattr(self.scorer, "dynamic", False)  # every row re-scored (TOVA)
+        dynamic = self.scorer.dynamic  # every row re-scored (TOVA)
         raw = None if dynamic else self.scorer.score(keys, position)  # (B, H, 1)
         slot = self.free[..., None]  # (B, H, 1, 1)
         self.keys = mx.put_along_axis(self.keys, slot, keys, axis=2)
         self.values = mx.put_along_axis(self.values, slot, values, axis=2)
         if raw is None:
-            ranked = self.scorer.rescore(self.keys, 1)  # type: ignore[attr-defined]
+            ranked = self.scorer.rescore(self.keys, 1)
             self.scores = mx.nan_to_num(ranked, nan=-_INF, posinf=_INF, neginf=-_INF)
         else:
             score = mx.nan_to_num(raw, nan=-_INF, posinf=_INF, neginf=-_INF)

@@ -40,12 +40,11 @@ from mlx_lm.models.cache import KVCache
 
 from qfserve.engine.kv.cache import EvictionCache, FullKVCache
 from qfserve.engine.kv.evict import chunk_scores
-from qfserve.engine.kv.scorers import KeySVDScorer, KNormScorer, QFilterScorer, RecencyScorer
-from qfserve.engine.kv.selfcal import SelfCalibratingScorer
+from qfserve.engine.kv.scorers import ScoreForm
 
 _INF = float("inf")
 _STEP = 256  # slots added at a time when a growing member needs more (as mlx-lm's KVCache)
-_PROJECT, _NORM, _POSITION, _NONE = range(4)  # how a member scores its rows
+_NONE = "none"  # a member that does not evict (a full cache) scores nothing
 
 
 @dataclass(frozen=True)
@@ -68,26 +67,6 @@ class Lent:
         return len(self.shape)
 
 
-def _score_form(scorer: Any) -> tuple[int, mx.array | None, mx.array | None] | None:
-    """(kind, signed direction ``(H, D)``, scale ``(H, 1)``) of a scorer, or None if this
-    module does not batch it. Mirrors each scorer's ``score`` operation for operation, so a
-    packed score is the one the member computes alone."""
-    if isinstance(scorer, QFilterScorer):
-        d = scorer.filters if scorer.sign == 1 else -scorer.filters
-        return _PROJECT, d, scorer.scale
-    if isinstance(scorer, KeySVDScorer) and scorer.direction is not None:
-        d = scorer.direction[0] if scorer.sign == 1 else -scorer.direction[0]
-        return _PROJECT, d, None
-    if isinstance(scorer, SelfCalibratingScorer) and scorer.filters is not None:
-        d = scorer.filters if scorer.sign == 1 else -scorer.filters
-        return _PROJECT, d, None
-    if isinstance(scorer, KNormScorer):
-        return _NORM, None, None
-    if isinstance(scorer, RecencyScorer):
-        return _POSITION, None, None
-    return None
-
-
 def can_pack(cache: Any) -> bool:
     """Whether :class:`PackedBatch` can step this cache (one sequence, decode steps)."""
     if type(cache) in (KVCache, FullKVCache):
@@ -100,7 +79,7 @@ def can_pack(cache: Any) -> bool:
         and cache.scores is not None
         and (cache.chunk == 1 or cache.token_scores is not None and cache.positions is not None)
         and cache.valid is None
-        and _score_form(cache.scorer) is not None
+        and cache.scorer.form() is not None
     )
 
 
@@ -135,7 +114,7 @@ class PackedBatch:
         order: list[Any] = []
         free: list[Any] = []
         tokens: list[Any] = []  # per-token scores (the ranks but for chunked members)
-        forms = []
+        forms: list[ScoreForm | None] = []  # None: a member that scores nothing
         m: Any
         for m in members:
             k, v = m.keys, m.values
@@ -152,7 +131,7 @@ class PackedBatch:
                     o = mx.broadcast_to(mx.arange(m.offset - rows, m.offset, dtype=mx.int32),
                                         (1, H, rows))  # fmt: skip
                     f = mx.full((1, H, 1), rows, dtype=mx.uint32)
-                form = _score_form(m.scorer)
+                form = m.scorer.form()
                 assert form is not None  # can_pack checked it
                 forms.append(form)
             else:  # a full cache: grows, never evicts
@@ -162,7 +141,7 @@ class PackedBatch:
                 s = t = mx.zeros((1, H, rows), dtype=mx.float32)
                 o = mx.zeros((1, H, rows), dtype=mx.int32)
                 f = mx.full((1, H, 1), rows, dtype=mx.uint32)
-                forms.append((_NONE, None, None))
+                forms.append(None)
             self.caps.append(cap)
             self.held.append(rows)
             keys.append(k)
@@ -199,36 +178,38 @@ class PackedBatch:
         grown = -(-(self.held[i] + 1) // _STEP) * _STEP
         return int(min(self.caps[i], grown))
 
-    def _set_scoring(self, forms: list[tuple[int, mx.array | None, mx.array | None]]) -> None:
-        self.kinds = sorted({kind for kind, _, _ in forms})
-        self.kind = mx.array([kind for kind, _, _ in forms], dtype=mx.int32)[:, None, None]
+    def _set_scoring(self, forms: list[ScoreForm | None]) -> None:
+        kinds = [_NONE if f is None else f.kind for f in forms]
+        self.kinds = sorted(set(kinds))
+        codes = {kind: i for i, kind in enumerate(self.kinds)}
+        self.kind = mx.array([codes[k] for k in kinds], dtype=mx.int32)[:, None, None]
         self.directions = self.scale = None
-        if _PROJECT in self.kinds:
+        if "project" in self.kinds:
             H, D = self.keys.shape[1], self.keys.shape[3]
-            zero = mx.zeros((H, D), dtype=mx.float32)
-            self.directions = mx.stack([zero if d is None else d for _, d, _ in forms])  # (B,H,D)
-            if any(s is not None for _, _, s in forms):
-                one = mx.ones((H, 1), dtype=mx.float32)
-                self.scale = mx.stack([one if s is None else s for _, _, s in forms])  # (B,H,1)
+            zero, one = mx.zeros((H, D), dtype=mx.float32), mx.ones((H, 1), dtype=mx.float32)
+            dirs = [zero if f is None or f.direction is None else f.direction for f in forms]
+            self.directions = mx.stack(dirs)  # (B, H, D)
+            if any(f is not None and f.scale is not None for f in forms):
+                scales = [one if f is None or f.scale is None else f.scale for f in forms]
+                self.scale = mx.stack(scales)  # (B, H, 1)
 
     def _score(self, keys: mx.array, positions: mx.array) -> mx.array:
         """``(B, H, 1)`` float32 scores of the new rows, each by its member's formula."""
         k = keys if keys.dtype == mx.float32 else keys.astype(mx.float32)
         parts = {}
-        if _PROJECT in self.kinds:
+        if "project" in self.kinds:
             assert self.directions is not None
             proj = (k @ self.directions[..., None]).squeeze(-1)
-            parts[_PROJECT] = proj if self.scale is None else proj * self.scale
-        if _NORM in self.kinds:
-            parts[_NORM] = -mx.sqrt(mx.square(k).sum(axis=-1))
-        if _POSITION in self.kinds:
-            parts[_POSITION] = mx.broadcast_to(positions.astype(mx.float32), k.shape[:3])
+            parts["project"] = proj if self.scale is None else proj * self.scale
+        if "norm" in self.kinds:
+            parts["norm"] = -mx.sqrt(mx.square(k).sum(axis=-1))
+        if "position" in self.kinds:
+            parts["position"] = mx.broadcast_to(positions.astype(mx.float32), k.shape[:3])
         if _NONE in self.kinds:
             parts[_NONE] = mx.zeros(k.shape[:3], dtype=mx.float32)
-        kinds = list(parts)
-        out = parts[kinds[0]]
-        for kind in kinds[1:]:
-            out = mx.where(self.kind == kind, parts[kind], out)
+        out = parts[self.kinds[0]]
+        for code, kind in enumerate(self.kinds[1:], start=1):
+            out = mx.where(self.kind == code, parts[kind], out)
         return out
 
     # -- one decode step -----------------------------------------------------------------
