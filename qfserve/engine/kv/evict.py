@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from qfserve.kernels.qfilters_apply import protected_rows, select_keep_reference
+from qfserve.kernels.qfilters_apply import select_keep_reference
 
 _INF = mx.array(float("inf"), dtype=mx.float32)
 
@@ -42,23 +42,34 @@ def select_keep(scores: mx.array, budget: int, n_sink: int, recent: int) -> mx.a
     return select_keep_reference(scores, budget=budget, n_sink=n_sink, recent=recent)
 
 
-def select_victim(scores: mx.array, order: mx.array, n_sink: int, first_recent: int) -> mx.array:
+def select_victim(
+    scores: mx.array,
+    order: mx.array,
+    n_sink: int | mx.array,
+    first_recent: int | mx.array,
+    held: mx.array | None = None,
+) -> mx.array:
     """The slot to free when exactly one row must go (the decode step), O(C), no sort.
 
     Rows may sit in any slot; ``order`` ranks them in time. The victim is the lowest-scoring
     unprotected row, the latest among ties, which matches :func:`select_keep`'s
-    lower-position-first tie-break. Protected: slots ``< n_sink`` (sinks never move) and rows
-    whose ``order >= first_recent``.
+    lower-position-first tie-break. Protected: slots ``< n_sink`` (sinks never move), rows
+    whose ``order >= first_recent``, and slots ``>= held`` (not yet holding a row).
 
     Args:
         scores: ``(B, H, C)`` float32 without NaN (callers map NaN to -inf on insertion).
         order: ``(B, H, C)`` int32, distinct per (b, h), increasing with position.
-        n_sink: Sink slots at the front.
-        first_recent: ``order`` of the oldest protected recent row.
+        n_sink: Sink slots at the front (an int, or ``(B, 1, 1)`` per batch row).
+        first_recent: ``order`` of the oldest protected recent row (likewise).
+        held: ``(B, 1, 1)`` slots holding rows, per batch row (a packed batch's members
+            grow at their own pace); ``None``: every slot.
     Returns:
         ``(B, H, 1)`` uint32 slot indices.
     """
-    guarded = protected_rows(scores.shape[-1], n_sink, 0) | (order >= first_recent)
+    slots = mx.arange(scores.shape[-1], dtype=mx.int32)
+    guarded = (slots < n_sink) | (order >= first_recent)
+    if held is not None:
+        guarded = guarded | (slots >= held)
     masked = mx.where(guarded, _INF, scores)
     tied = masked == masked.min(axis=-1, keepdims=True)
     return mx.argmax(mx.where(tied, order, -1), axis=-1, keepdims=True)  # uint32

@@ -39,7 +39,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from qfserve.engine.kv.cache import EvictionCache, FullKVCache
-from qfserve.engine.kv.evict import chunk_scores
+from qfserve.engine.kv.evict import chunk_scores, select_victim
 from qfserve.engine.kv.scorers import ScoreForm
 
 _INF = float("inf")
@@ -259,17 +259,10 @@ class PackedBatch:
         slots = mx.arange(C, dtype=mx.int32)
         evict = [h == c for h, c in zip(held, self.caps, strict=True)]
         if any(evict):
-            # select_victim per row: sinks by slot, the recent window by time, and slots not
-            # (yet) held are never victims; NaN ranks lowest, the latest among ties goes.
-            guarded = (
-                (slots < self.n_sink)
-                | (self.order >= positions + 1 - self.recent)
-                | (slots >= held_now)
-            )
+            # Each row's own sinks, recent window and held slots; NaN ranks lowest.
             ranked = mx.nan_to_num(self.scores, nan=-_INF, posinf=_INF, neginf=-_INF)
-            masked = mx.where(guarded, _INF, ranked)
-            tied = masked == masked.min(axis=-1, keepdims=True)
-            victim = mx.argmax(mx.where(tied, self.order, -1), axis=-1, keepdims=True)
+            first_recent = positions + 1 - self.recent
+            victim = select_victim(ranked, self.order, self.n_sink, first_recent, held_now)
             grow = held_now.astype(mx.uint32)
             self.free = victim if all(evict) else mx.where(mx.array(evict)[:, None, None],
                                                            victim, grow)  # fmt: skip
