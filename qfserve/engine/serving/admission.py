@@ -11,9 +11,11 @@ trims it) are activations of that step, not cache, and are not reserved.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any, cast
 
 from qfserve.engine.kv.config import CacheConfig
+from qfserve.engine.serving.jobs import Admission, Job
 
 DEFAULT_KV_SHARE = 0.25  # of physical memory, when --max-kv-bytes is not given
 
@@ -128,3 +130,45 @@ def kvzip_limit(
         return None
     peak = limit + prefill_chunk + min(DEFAULT_CHUNK, limit + prefill_chunk) + REPEAT_ROWS
     return limit, peak * row
+
+
+def prepare(
+    job: Job,
+    loaded: Any,
+    caches_for: Callable[[CacheConfig], list[Any]],
+    fetch: Callable[[tuple[Any, ...], list[int]], tuple[list[Any] | None, int]] | None,
+    key: tuple[Any, ...],
+    max_kv_bytes: int,
+    prefill_chunk: int,
+) -> Admission:
+    """A queued job made ready for the batch: its prompt encoded, its caches (a kept turn's
+    copy from ``fetch`` when one holds a prefix of the prompt, else ``caches_for``) and the
+    KV bytes they need. A kvzip prompt too long to hold whole within ``max_kv_bytes`` is set
+    to compress as it is read, whenever its rows reach what fits.
+
+    Raises:
+        PromptError: the prompt cannot be encoded, or its caches can never fit.
+        ConfigError: the request's cache settings do not suit this model.
+    """
+    from qfserve.engine.kv import kvzip
+    from qfserve.engine.text.prompts import PromptError, encode_prompt
+
+    request = job.request
+    prompt, max_tokens = encode_prompt(loaded, request)
+    job.record.prompt_tokens = len(prompt)
+    caches, cached = fetch(key, prompt) if fetch is not None else (None, 0)
+    if caches is None:
+        caches = caches_for(request.cache)
+    need, param = kv_need(loaded, request.cache, len(prompt), max_tokens)
+    if need > max_kv_bytes and request.cache.method == "kvzip":
+        fit = kvzip_limit(loaded, request.cache, max_kv_bytes, prefill_chunk)
+        if fit is not None:
+            kvzip.set_limit(caches, fit[0])
+            need = fit[1]
+    if need > max_kv_bytes:
+        raise PromptError(
+            f"this request's KV cache can hold {need} bytes, more than the server's "
+            f"--max-kv-bytes {max_kv_bytes}; lower {param}",
+            param,
+        )
+    return Admission(job, prompt, max_tokens, caches, need, cached)

@@ -25,9 +25,10 @@ from typing import Any, Literal
 from qfserve.engine.filters.model import DEFAULT_SELF_CALIBRATION, ModelFilters, check_mode
 from qfserve.engine.kv.config import ConfigError
 from qfserve.engine.models.loading import LoadedModel, load_model
+from qfserve.engine.serving.admission import hold_need, prepare
 from qfserve.engine.serving.jobs import Admission, Job, KeptTurn, WorkerUnavailable
 from qfserve.engine.serving.records import Ledger, RequestRecord, State
-from qfserve.engine.text.prompts import PromptError, encode_prompt
+from qfserve.engine.text.prompts import PromptError
 from qfserve.engine.text.requests import Failed, GenerationRequest, Started
 
 logger = logging.getLogger(__name__)
@@ -311,13 +312,13 @@ class Worker:
     def _make_scheduler(self) -> Any:
         from qfserve.engine.serving.scheduler import Scheduler
 
-        assert self.loaded is not None
+        assert self.loaded is not None and self.calibration is not None
         size, max_bytes = self._prompt_cache_limits
         if size:
             from qfserve.engine.reuse.kept import KeptCaches
 
             self.prompt_cache = KeptCaches(
-                size, max_bytes, self._cache_dir, self.fingerprint, self._caches_for
+                size, max_bytes, self._cache_dir, self.fingerprint, self.calibration.caches_for
             )
         if self.max_batch > 1:
             from qfserve.engine.kv.attention import install_head_masks
@@ -370,7 +371,12 @@ class Worker:
                 job.emit(job.failure or Failed("cancelled", "the request was cancelled"))
                 self._finish(job.record, "cancelled")
                 continue
-            full = self._hold_need(job, len(admission.prompt), admission.max_tokens)
+            full = None
+            if self.prompt_cache is not None and job.request.reuse:
+                # A kvzip turn kept for the next one answers on its full cache if it fits.
+                full = hold_need(
+                    self.loaded, job.request.cache, len(admission.prompt), admission.max_tokens
+                )
             if full is not None and self.ledger.reserve(job.record, full, alone=False):
                 from qfserve.engine.kv import kvzip
 
@@ -387,28 +393,23 @@ class Worker:
     def _start(self, job: Job) -> Admission | None:
         """Encode the prompt, build the caches and size their KV memory (``None``: the job
         already ended, with its event sent)."""
-        from qfserve.engine.serving.admission import kv_need
-
         if job.cancelled:
             if job.failure is not None:
                 job.emit(job.failure)
             self._finish(job.record, "cancelled")
             return None
+        assert self.loaded is not None and self.calibration is not None
+        reuse = self.prompt_cache is not None and job.request.reuse
         try:
-            prompt, max_tokens = encode_prompt(self.loaded, job.request)  # type: ignore[arg-type]
-            job.record.prompt_tokens = len(prompt)
-            caches, cached = self._reused_caches(job, prompt)
-            if caches is None:
-                caches = self._caches_for(job.request.cache)
-            need, param = kv_need(self.loaded, job.request.cache, len(prompt), max_tokens)
-            if need > self.max_kv_bytes and job.request.cache.method == "kvzip":
-                need = self._stream_kvzip(caches, job.request.cache) or need
-            if need > self.max_kv_bytes:
-                raise PromptError(
-                    f"this request's KV cache can hold {need} bytes, more than the server's "
-                    f"--max-kv-bytes {self.max_kv_bytes}; lower {param}",
-                    param,
-                )
+            return prepare(
+                job,
+                self.loaded,
+                self.calibration.caches_for,
+                self.prompt_cache.fetch if reuse else None,  # type: ignore[union-attr]
+                self._key(job.request),
+                self.max_kv_bytes,
+                self._prefill_chunk,
+            )
         except (PromptError, ConfigError) as exc:  # ConfigError: settings this model cannot honour
             job.emit(Failed("invalid_request", str(exc), exc.param))
             self._finish(job.record, "error")
@@ -418,42 +419,12 @@ class Worker:
             job.emit(Failed("internal", f"generation failed: {type(exc).__name__}: {exc}"))
             self._finish(job.record, "error")
             return None
-        return Admission(job, prompt, max_tokens, caches, need, cached)
-
-    def _stream_kvzip(self, caches: list[Any], config: Any) -> int | None:
-        """A kvzip prompt too long to hold whole within ``--max-kv-bytes`` is compressed as
-        it is read, whenever its rows reach what fits; the bytes it then needs (``None``: not
-        even that fits)."""
-        from qfserve.engine.kv import kvzip
-        from qfserve.engine.serving.admission import kvzip_limit
-
-        fit = kvzip_limit(self.loaded, config, self.max_kv_bytes, self._prefill_chunk)
-        if fit is None:
-            return None
-        kvzip.set_limit(caches, fit[0])
-        return fit[1]
-
-    def _hold_need(self, job: Job, prompt_tokens: int, max_tokens: int) -> int | None:
-        """KV bytes a kvzip request that continues in a later turn needs to answer this one
-        on its full cache (``None``: not such a request)."""
-        if self.prompt_cache is None or not job.request.reuse:
-            return None
-        from qfserve.engine.serving.admission import hold_need
-
-        return hold_need(self.loaded, job.request.cache, prompt_tokens, max_tokens)
 
     def _key(self, request: GenerationRequest) -> tuple[Any, ...]:
         from qfserve.engine.reuse.kept import cache_key
 
         assert self.loaded is not None
         return cache_key(self.loaded.name, request.cache, self.filter_source)
-
-    def _reused_caches(self, job: Job, prompt: list[int]) -> tuple[list[Any] | None, int]:
-        """A finished request's caches that hold a prefix of ``prompt`` (a copy), and how many
-        prompt tokens they hold; ``(None, 0)`` when none does or reuse is off."""
-        if self.prompt_cache is None or not job.request.reuse:
-            return None, 0
-        return self.prompt_cache.fetch(self._key(job.request), prompt)
 
     def _keep(self, request_id: str, turn: KeptTurn) -> None:
         """A request ended normally: its caches stay for the next turn to continue (a
@@ -465,7 +436,3 @@ class Worker:
             self.prompt_cache.keep(self._key(turn.request), turn.tokens, turn.caches, room)
         except Exception as exc:  # noqa: BLE001 - a cache not kept must not stop the worker
             logger.warning("request %s: its cache was not kept: %s", request_id, exc)
-
-    def _caches_for(self, config: Any) -> list[Any]:
-        assert self.calibration is not None
-        return self.calibration.caches_for(config)
