@@ -181,21 +181,15 @@ class EvictionCache(RaggedHeads, SavedState):
         self.head_mask = valid
 
         L, N = all_keys.shape[2], keys.shape[2]
-        if self.defers(N):
-            self.keys, self.values, self.positions, self.valid = (
-                all_keys,
-                all_values,
-                positions,
-                valid,
-            )
-            self._set_scores(scores)
-        elif valid is not None and scores is not None and not self._ragged_fits(valid):
+        defers = self.defers(N)
+        if valid is not None and scores is not None and not defers and not self._ragged_fits(valid):
             self._evict_ragged(all_keys, all_values, scores, valid, positions, N)
-        elif valid is not None:
-            # Ragged heads under the layer's rows (a budget raised after a block eviction,
-            # or KVzip's layer share): they grow, as a cache under its budget does.
-            assert self._ragged_rows is not None
-            self._ragged_rows += keys.shape[1] * N
+        elif defers or valid is not None:
+            # A block kept whole for KVzip's pass, or ragged heads under the layer's rows (a
+            # budget raised after a block eviction, KVzip's layer share): they grow, as a
+            # cache under its budget does.
+            if valid is not None and self._ragged_rows is not None:
+                self._ragged_rows += keys.shape[1] * N
             self.keys, self.values, self.positions, self.valid = (
                 all_keys,
                 all_values,

@@ -14,7 +14,6 @@ import mlx.core as mx
 
 from qfserve.engine.kv import adaptive
 from qfserve.engine.kv.evict import chunk_scores, gather_rows
-from qfserve.engine.kv.scorers import Scorer
 from qfserve.engine.kv.slots import SlotLayout
 
 _INF = float("inf")
@@ -22,24 +21,6 @@ _INF = float("inf")
 
 class RaggedHeads(SlotLayout):
     """Ragged-head evictions, over the slot layout (their state lives on the cache)."""
-
-    scorer: Scorer
-    keys: mx.array | None
-    values: mx.array | None
-    scores: mx.array | None
-    order: mx.array | None
-    free: mx.array | None
-    token_scores: mx.array | None
-    positions: mx.array | None
-    valid: mx.array | None
-    offset: int
-    budget: int
-    n_sink: int
-    recent: int
-    chunk: int
-    floor: int | None
-    evictions: int
-    _ragged_rows: int | None
 
     def _ragged_fits(self, valid: mx.array) -> bool:
         """Every batch row's heads hold at most ``budget * H`` real rows in ``valid``.

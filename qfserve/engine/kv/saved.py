@@ -6,26 +6,11 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from qfserve.engine.kv.slots import CacheFields
 
-class SavedState:
+
+class SavedState(CacheFields):
     """The cache's arrays and settings as mlx-lm's prompt-cache files hold them."""
-
-    keys: mx.array | None
-    values: mx.array | None
-    scores: mx.array | None
-    order: mx.array | None
-    free: mx.array | None
-    token_scores: mx.array | None
-    positions: mx.array | None
-    valid: mx.array | None
-    offset: int
-    budget: int
-    n_sink: int
-    recent: int
-    chunk: int
-    floor: int | None
-    evictions: int
-    _ragged_rows: int | None
 
     @property
     def state(self) -> tuple[mx.array, ...]:

@@ -19,8 +19,10 @@ from qfserve.engine.kv.scorers import Scorer
 _INF = float("inf")
 
 
-class SlotLayout:
-    """The slot-layout half of the eviction cache (its state lives on the cache)."""
+class CacheFields:
+    """The eviction cache's state, declared once for the halves that read it (the slot
+    layout, ragged heads, saved state); :class:`qfserve.engine.kv.cache.EvictionCache` sets
+    them."""
 
     scorer: Scorer
     keys: mx.array | None
@@ -32,9 +34,17 @@ class SlotLayout:
     positions: mx.array | None
     valid: mx.array | None
     offset: int
+    budget: int
     n_sink: int
     recent: int
+    chunk: int
+    floor: int | None
     evictions: int
+    _ragged_rows: int | None
+
+
+class SlotLayout(CacheFields):
+    """The slot-layout half of the eviction cache (its state lives on the cache)."""
 
     def _victim(self) -> mx.array:
         assert self.scores is not None and self.order is not None
