@@ -45,7 +45,7 @@ def make_parser(env: EnvDefaults | None = None) -> argparse.ArgumentParser:
         "'smollm2-135m-instruct' (default; fetched from PyPI on first use)",
     )
     p.add_argument("--host", default=s.host, help="bind address (default: %(default)s)")
-    p.add_argument("--port", type=int, default=s.port, help="(default: %(default)s)")
+    p.add_argument("--port", type=int, default=s.port, help="port (default: %(default)s)")
     p.add_argument(
         "--kv-method",
         choices=METHODS,
@@ -194,7 +194,10 @@ def make_parser(env: EnvDefaults | None = None) -> argparse.ArgumentParser:
         "(default: %(default)s)",
     )
     p.add_argument(
-        "--log-level", default=s.log_level, choices=("debug", "info", "warning", "error")
+        "--log-level",
+        default=s.log_level,
+        choices=("debug", "info", "warning", "error"),
+        help="how much the server logs (default: %(default)s)",
     )
     return p
 
