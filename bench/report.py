@@ -86,7 +86,7 @@ MODELS = (
         "smollm2/kvzip",
         "SmolLM2-135M-Instruct: KVzip (context reconstruction) per head, across a layer's heads "
         "and with rows shared across layers, beside Q-Filters, K-norm, SnapKV and streaming "
-        "(kvzip_reuse and kvzip_parity: README)",
+        "(kvzip_reuse and kvzip_parity: bench/README.md)",
         False,
     ),
     (
