@@ -120,7 +120,9 @@ def test_a_dying_worker_fails_waiting_requests_fast():
 
     worker._start = crash
     worker.start()
+    deadline = time.monotonic() + 30
     while not worker.ready:
+        assert time.monotonic() < deadline, f"the worker never got ready: {worker.error}"
         time.sleep(0.01)
 
     async def go():

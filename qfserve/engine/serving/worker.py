@@ -312,13 +312,13 @@ class Worker:
     def _make_scheduler(self) -> Any:
         from qfserve.engine.serving.scheduler import Scheduler
 
-        assert self.loaded is not None and self.calibration is not None
+        assert self.loaded is not None
         size, max_bytes = self._prompt_cache_limits
         if size:
             from qfserve.engine.reuse.kept import KeptCaches
 
             self.prompt_cache = KeptCaches(
-                size, max_bytes, self._cache_dir, self.fingerprint, self.calibration.caches_for
+                size, max_bytes, self._cache_dir, self.fingerprint, self._caches_for
             )
         if self.max_batch > 1:
             from qfserve.engine.kv.attention import install_head_masks
@@ -436,3 +436,8 @@ class Worker:
             self.prompt_cache.keep(self._key(turn.request), turn.tokens, turn.caches, room)
         except Exception as exc:  # noqa: BLE001 - a cache not kept must not stop the worker
             logger.warning("request %s: its cache was not kept: %s", request_id, exc)
+
+    def _caches_for(self, config: Any) -> list[Any]:
+        """Fresh caches for ``config`` (saved turns are read back into them)."""
+        assert self.calibration is not None
+        return self.calibration.caches_for(config)
