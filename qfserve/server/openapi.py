@@ -12,22 +12,29 @@ from typing import Any, Literal
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import models_json_schema
 
 
-class PromptTokensDetails(BaseModel):
+class Out(BaseModel):
+    """A response body part: a field the code sends but the model does not declare fails
+    validation (``tests/server/test_tools.py`` checks real bodies against these)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class PromptTokensDetails(Out):
     cached_tokens: int = Field(description="Prompt tokens a reused KV cache already held.")
 
 
-class Usage(BaseModel):
+class Usage(Out):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
-class KVCacheInfo(BaseModel):
+class KVCacheInfo(Out):
     """The eviction settings that ran, the filter's source and the final cache statistics."""
 
     method: str
@@ -46,7 +53,7 @@ class KVCacheInfo(BaseModel):
     evictions: int
 
 
-class ModelCard(BaseModel):
+class ModelCard(Out):
     id: str
     object: Literal["model"] = "model"
     created: int
@@ -54,25 +61,25 @@ class ModelCard(BaseModel):
     context_length: int
 
 
-class ModelList(BaseModel):
+class ModelList(Out):
     object: Literal["list"] = "list"
     data: list[ModelCard]
 
 
-class ErrorDetail(BaseModel):
+class ErrorDetail(Out):
     message: str
     type: str
     param: str | None
     code: str | None
 
 
-class ErrorResponse(BaseModel):
+class ErrorResponse(Out):
     """Every error, in OpenAI's shape."""
 
     error: ErrorDetail
 
 
-class ChatLogprob(BaseModel):
+class ChatLogprob(Out):
     token: str
     logprob: float
     bytes: list[int] | None
@@ -82,25 +89,41 @@ class ChatTokenLogprob(ChatLogprob):
     top_logprobs: list[ChatLogprob]
 
 
-class ChatLogprobs(BaseModel):
+class ChatLogprobs(Out):
     content: list[ChatTokenLogprob] | None
     refusal: None = None
 
 
-class ChatMessageOut(BaseModel):
+class FunctionCallOut(Out):
+    name: str
+    arguments: str = Field(description="The call's arguments, a JSON object as a string.")
+
+
+class ToolCallOut(Out):
+    id: str
+    type: Literal["function"]
+    function: FunctionCallOut
+
+
+class ToolCallDelta(ToolCallOut):
+    index: int
+
+
+class ChatMessageOut(Out):
     role: Literal["assistant"]
     content: str | None
     refusal: None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(Out):
     index: int
     message: ChatMessageOut
     logprobs: ChatLogprobs | None
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "tool_calls"]
 
 
-class ChatCompletion(BaseModel):
+class ChatCompletion(Out):
     """``stream: false``; with ``stream: true`` the body is ``text/event-stream``."""
 
     id: str
@@ -112,21 +135,21 @@ class ChatCompletion(BaseModel):
     kv_cache: KVCacheInfo
 
 
-class CompletionLogprobs(BaseModel):
+class CompletionLogprobs(Out):
     tokens: list[str]
     token_logprobs: list[float]
     top_logprobs: list[dict[str, float]]
     text_offset: list[int]
 
 
-class CompletionChoice(BaseModel):
+class CompletionChoice(Out):
     index: int
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: Literal["stop", "length"] | None
 
 
-class Completion(BaseModel):
+class Completion(Out):
     """``stream: false``; with ``stream: true`` the body is ``text/event-stream``."""
 
     id: str
@@ -138,19 +161,20 @@ class Completion(BaseModel):
     kv_cache: KVCacheInfo
 
 
-class ChatDelta(BaseModel):
+class ChatDelta(Out):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
-class ChatChunkChoice(BaseModel):
+class ChatChunkChoice(Out):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(Out):
     """One ``data:`` event of a chat stream; the last (with ``include_usage``) has no choices."""
 
     id: str
@@ -162,7 +186,7 @@ class ChatCompletionChunk(BaseModel):
     kv_cache: KVCacheInfo | None = None
 
 
-class CompletionChunk(BaseModel):
+class CompletionChunk(Out):
     """One ``data:`` event of a text-completion stream."""
 
     id: str
@@ -174,7 +198,7 @@ class CompletionChunk(BaseModel):
     kv_cache: KVCacheInfo | None = None
 
 
-class HealthStatus(BaseModel):
+class HealthStatus(Out):
     status: Literal["ok"]
     model: str
     queue_length: int

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import jsonschema
 import openai
 import pytest
 
 from qfserve.engine.text.tools import parse_tool_calls
+from qfserve.server.openapi import ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk
 from tests.server.conftest import MODEL_NAME, start_server, stop_server
 from tests.tiny import TOOL_CHAT_TEMPLATE, save_tiny_model
 
@@ -114,3 +116,44 @@ def test_parse_tool_calls_keeps_the_rest_as_content():
         ("f", {"x": 1})
     ]
     assert parse_tool_calls("plain") == ("plain", [])
+
+
+def _post(server, path: str, body: dict) -> httpx.Response:
+    resp = httpx.post(f"{server.url}{path}", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    return resp
+
+
+def _events(resp: httpx.Response) -> list[dict]:
+    data = [line[len("data: ") :] for line in resp.text.splitlines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    return [json.loads(d) for d in data[:-1]]
+
+
+def test_sent_bodies_are_the_documented_response_models(tool_server):
+    """The OpenAPI document's models forbid undeclared fields, so a body the code builds
+    that drifts from them (a tool call, a finish reason) fails here."""
+    forced = {
+        "model": MODEL_NAME,
+        "messages": MESSAGES,
+        "tools": [WEATHER],
+        "tool_choice": "required",
+        "max_tokens": 200,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+    body = _post(tool_server, "/v1/chat/completions", forced).json()
+    assert ChatCompletion.model_validate(body).choices[0].finish_reason == "tool_calls"
+    stream = {**forced, "stream": True, "stream_options": {"include_usage": True}}
+    chunks = [
+        ChatCompletionChunk.model_validate(e)
+        for e in _events(_post(tool_server, "/v1/chat/completions", stream))
+    ]
+    assert any(c.choices and c.choices[0].delta.tool_calls for c in chunks)
+    plain = {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 3, "temperature": 0}
+    ChatCompletion.model_validate(_post(tool_server, "/v1/chat/completions", plain).json())
+    text = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 3, "logprobs": 2}
+    Completion.model_validate(_post(tool_server, "/v1/completions", text).json())
+    for event in _events(_post(tool_server, "/v1/completions", {**text, "stream": True})):
+        CompletionChunk.model_validate(event)

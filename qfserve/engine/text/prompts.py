@@ -108,9 +108,19 @@ class StopText:
         return held
 
 
+# What OpenAI reports for a token with no probability (JSON has no -inf): a constrained
+# request's grammar masks tokens to -inf, and a top-n list can reach them.
+MIN_LOGPROB = -9999.0
+
+
+def _finite(logprob: float) -> float:
+    return logprob if logprob >= MIN_LOGPROB else MIN_LOGPROB  # -inf and NaN alike
+
+
 def token_logprobs(tokenizer: Any, gen: Any, top_n: int) -> tuple[TokenLogprob, ...]:
     """The sampled token's log-probability and the ``top_n`` best, from a
-    ``GenerationResponse`` (its ``logprobs`` is the full ``(vocab,)`` vector)."""
+    ``GenerationResponse`` (its ``logprobs`` is the full ``(vocab,)`` vector); a token with
+    no probability reads :data:`MIN_LOGPROB`."""
     import mlx.core as mx
 
     top: tuple[tuple[str, float], ...] = ()
@@ -120,6 +130,6 @@ def token_logprobs(tokenizer: Any, gen: Any, top_n: int) -> tuple[TokenLogprob, 
         # array.tolist() is typed as any nesting of scalars; ids is 1-D, so a list of ints.
         token_ids = cast("list[int]", ids.tolist())
         pairs = sorted(zip(token_ids, values, strict=True), key=lambda p: -p[1])
-        top = tuple((tokenizer.decode([i]), v) for i, v in pairs)
+        top = tuple((tokenizer.decode([i]), _finite(v)) for i, v in pairs)
     token = tokenizer.decode([gen.token])
-    return (TokenLogprob(token, gen.logprobs[gen.token].item(), top),)
+    return (TokenLogprob(token, _finite(gen.logprobs[gen.token].item()), top),)
