@@ -19,7 +19,10 @@ logger = logging.getLogger("qfserve")
 
 
 def port_problem(host: str, port: int) -> str | None:
-    """Why ``host:port`` cannot be listened on (in use, no such address), or None."""
+    """Why ``host:port`` cannot be listened on (out of range, in use, no such address), or
+    None."""
+    if not 0 <= port <= 65535:
+        return "the port must be in 0-65535"
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError as exc:

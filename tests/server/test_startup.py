@@ -10,6 +10,7 @@ import sys
 import time
 
 import httpx
+import pytest
 
 from tests.server.conftest import REPO, free_port
 
@@ -58,6 +59,17 @@ def test_port_clash_exits_within_2_s_without_loading_the_model():
     assert elapsed < 2.0, elapsed
     lines = [line for line in out.splitlines() if line.strip()]
     assert lines == [f"qfserve: error: cannot listen on 127.0.0.1:{port}: Address already in use"]
+
+
+@pytest.mark.parametrize("port", ["99999", "-1"])
+def test_a_port_out_of_range_exits_2_with_one_line(port):
+    process = qfserve("--model", "qfserve-tiny", "--port", port)
+    out, _ = process.communicate(timeout=30)
+    assert process.returncode == 2
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert lines == [
+        f"qfserve: error: cannot listen on 127.0.0.1:{port}: the port must be in 0-65535"
+    ]
 
 
 def test_version():
