@@ -1,6 +1,9 @@
-"""ASGI middleware: the request-body size limit (413 before any handler runs)."""
+"""ASGI middleware: the request-body size limit (413 before any handler runs), and a JSON body
+sent with curl's default form type read as JSON."""
 
 from __future__ import annotations
+
+import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -11,7 +14,10 @@ class BodyLimitMiddleware:
     """Buffers request bodies up to ``max_bytes`` and answers 413 beyond.
 
     Checks ``Content-Length`` first and also counts chunked bodies, then replays the body
-    to the app; later ``receive`` calls (disconnect notices) pass through.
+    to the app; later ``receive`` calls (disconnect notices) pass through. ``curl -d`` sends
+    ``application/x-www-form-urlencoded`` (and some clients no type at all): a body that
+    parses as a JSON object is then handed on as ``application/json`` (any other type is
+    still a 415).
     """
 
     def __init__(self, app: ASGIApp, *, max_bytes: int) -> None:
@@ -38,13 +44,15 @@ class BodyLimitMiddleware:
                 return
             if not message.get("more_body", False):
                 break
+        body = b"".join(chunks)
+        scope = _as_json(scope, body)
         replayed = False
 
         async def replay() -> Message:
             nonlocal replayed
             if not replayed:
                 replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+                return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
         await self.app(scope, replay, send)
@@ -57,3 +65,21 @@ class BodyLimitMiddleware:
             headers={"Connection": "close"},
         )
         await error.response()(scope, receive, send)
+
+
+_FORM_TYPES = (b"", b"application/x-www-form-urlencoded")
+
+
+def _as_json(scope: Scope, body: bytes) -> Scope:
+    """``scope`` with its content type made ``application/json`` when a form-typed (or
+    untyped) body is a JSON object."""
+    headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+    media = dict(scope["headers"]).get(b"content-type", b"").split(b";")[0].strip().lower()
+    if media not in _FORM_TYPES:
+        return scope
+    try:
+        if not isinstance(json.loads(body), dict):
+            return scope
+    except ValueError:
+        return scope
+    return {**scope, "headers": [*headers, (b"content-type", b"application/json")]}

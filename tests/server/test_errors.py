@@ -147,6 +147,15 @@ BAD = [
         None,
     ),
     (
+        "form-typed-body-that-is-not-json",
+        "POST",
+        CHAT_URL,
+        b"model=qfserve-tiny&max_tokens=2",
+        {"content-type": "application/x-www-form-urlencoded"},
+        415,
+        None,
+    ),
+    (
         "wrong-content-type",
         "POST",
         CHAT_URL,
@@ -217,6 +226,19 @@ def test_bad_request_gets_openai_error(server, method, path, body, headers, stat
     assert set(error) == {"message", "type", "param", "code"}
     assert isinstance(error["message"], str) and error["message"]
     assert error["param"] == param
+
+
+@pytest.mark.parametrize("media", ["application/x-www-form-urlencoded", None])
+def test_a_json_body_sent_as_curl_sends_it_is_read_as_json(server, media):
+    """``curl -d '{...}'`` without ``-H 'Content-Type: application/json'`` sends the form
+    type; a body that is a JSON object is answered as if it had been typed."""
+    resp = httpx.post(
+        server.url + CHAT_URL,
+        content=json.dumps(CHAT).encode(),
+        headers={"content-type": media} if media else {},
+    )
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["object"] == "chat.completion"
 
 
 def test_healthy_after_the_bad_inputs(server):
