@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class Strict(BaseModel):
@@ -58,6 +58,22 @@ class ChatMessage(Strict):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # assistant turns that called tools
     tool_call_id: str | None = None  # a tool's answer
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_parts_only(cls, data: Any) -> Any:
+        # Without this, an image part reads "Input should be a valid string": say instead
+        # what is not supported.
+        content = data.get("content") if isinstance(data, dict) else None
+        if isinstance(content, list):
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind is not None and kind != "text":
+                    raise ValueError(
+                        f"content parts of type {kind!r} are not supported: "
+                        "the served models read text only"
+                    )
+        return data
 
     def as_template_input(self) -> dict[str, Any]:
         content = self.content

@@ -37,6 +37,25 @@ BAD = [
         "messages[0].role",
     ),
     ("messages-not-a-list", "POST", CHAT_URL, chat(messages="hi"), None, 400, "messages"),
+    (
+        "image-content-part",
+        "POST",
+        CHAT_URL,
+        chat(
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "what is this?"},
+                        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}},
+                    ],
+                }
+            ]
+        ),
+        None,
+        400,
+        "messages[0]",
+    ),
     ("temperature-3", "POST", CHAT_URL, chat(temperature=3), None, 400, "temperature"),
     ("temperature-string", "POST", CHAT_URL, chat(temperature="hot"), None, 400, "temperature"),
     ("top-p-1.5", "POST", CHAT_URL, chat(top_p=1.5), None, 400, "top_p"),
@@ -226,6 +245,8 @@ def test_bad_request_gets_openai_error(server, method, path, body, headers, stat
     assert set(error) == {"message", "type", "param", "code"}
     assert isinstance(error["message"], str) and error["message"]
     assert error["param"] == param
+    if "image_url" in json.dumps(body if isinstance(body, dict) else {}):
+        assert "'image_url' are not supported" in error["message"]
 
 
 @pytest.mark.parametrize("media", ["application/x-www-form-urlencoded", None])
