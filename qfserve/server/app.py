@@ -12,7 +12,7 @@ from fastapi import FastAPI
 from qfserve.engine.serving.worker import Worker
 from qfserve.server.errors import install_error_handlers
 from qfserve.server.metrics import Metrics
-from qfserve.server.middleware import BodyLimitMiddleware
+from qfserve.server.middleware import BodyLimitMiddleware, StatusCountMiddleware
 from qfserve.server.openapi import install_openapi
 from qfserve.server.routes import admin, chat, completions, health, metrics, models
 from qfserve.server.settings import Settings
@@ -51,6 +51,7 @@ def build_app(settings: Settings | None = None, *, worker: Worker | None = None)
     app.state.metrics = Metrics(app.state.worker)
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(StatusCountMiddleware, counter=app.state.metrics.responses)  # outermost
     for module in (chat, completions, models, health, metrics):
         app.include_router(module.router)
     if settings.admin_enabled:

@@ -32,6 +32,11 @@ class Metrics:
             ["endpoint", "outcome"],
             registry=r,
         )
+        # Every answer by status, rejections included (a 400 from validation, a 413 from the
+        # body limit, a 401): ``requests`` counts only the generations that were started.
+        self.responses = Counter(
+            "qfserve_http_responses", "HTTP responses by status code", ["status"], registry=r
+        )
         self.prompt_tokens = Counter("qfserve_prompt_tokens", "Prompt tokens processed", registry=r)
         self.completion_tokens = Counter(
             "qfserve_completion_tokens", "Tokens generated", registry=r

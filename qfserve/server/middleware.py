@@ -1,13 +1,35 @@
-"""ASGI middleware: the request-body size limit (413 before any handler runs), and a JSON body
-sent with curl's default form type read as JSON."""
+"""ASGI middleware: every response counted by status, the request-body size limit (413 before
+any handler runs), and a JSON body sent with curl's default form type read as JSON."""
 
 from __future__ import annotations
 
 import json
 
+from prometheus_client import Counter
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from qfserve.server.errors import APIError
+
+
+class StatusCountMiddleware:
+    """Counts every HTTP response by its status (outermost, so the body limit's 413s and
+    every error handler's answers count too)."""
+
+    def __init__(self, app: ASGIApp, *, counter: Counter) -> None:
+        self.app = app
+        self.counter = counter
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def counted(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.counter.labels(status=str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counted)
 
 
 class BodyLimitMiddleware:

@@ -240,6 +240,29 @@ def test_metrics_exposes_prometheus_counters(server):
     assert 'outcome="ok"' in text
 
 
+def _responses(server, status: str) -> float:
+    for line in httpx.get(f"{server.url}/metrics").text.splitlines():
+        if line.startswith(f'qfserve_http_responses_total{{status="{status}"}}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_metrics_count_every_rejection_by_status(server):
+    before = {s: _responses(server, s) for s in ("400", "404", "413", "415")}
+    url = f"{server.url}/v1/chat/completions"
+    assert httpx.post(url, json={"model": MODEL_NAME}).status_code == 400  # no messages
+    assert httpx.post(url, json={"model": MODEL_NAME, "messages": "hi"}).status_code == 400
+    assert httpx.get(f"{server.url}/v1/nothing").status_code == 404
+    big = b"{" + b" " * (9 * 1024 * 1024) + b"}"
+    assert (
+        httpx.post(url, content=big, headers={"content-type": "application/json"}).status_code
+        == 413
+    )
+    assert httpx.post(url, content=b"x", headers={"content-type": "text/plain"}).status_code == 415
+    after = {s: _responses(server, s) for s in before}
+    assert {s: after[s] - before[s] for s in before} == {"400": 2, "404": 1, "413": 1, "415": 1}
+
+
 def test_sdk_parse_on_the_tiny_model(server):
     from pydantic import BaseModel, Field
 
