@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -188,5 +189,11 @@ def load_model(ref: str | None) -> LoadedModel:
         context_length=context_length(config, tokenizer),
         config=config,
     )
+    # The server measures prompts against the context length itself (a clear 400). Left
+    # at the model's length, the Hugging Face tokenizer also logs "will result in indexing
+    # errors" for every over-long prompt it encodes, a prompt the server then refuses.
+    hf = getattr(tokenizer, "_tokenizer", None)
+    if hf is not None and hasattr(hf, "model_max_length"):
+        hf.model_max_length = sys.maxsize
     logger.info("loaded %s from %s (context %d)", loaded.name, source, loaded.context_length)
     return loaded
