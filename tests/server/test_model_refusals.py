@@ -71,3 +71,17 @@ def test_missing_path_says_it_is_missing(tmp_path):
     assert code != 0
     assert "'./models/missing' looks like a path, but nothing is there" in err
     assert "HFValidationError" not in err
+
+
+def test_a_hub_id_that_cannot_be_fetched_fails_before_the_port_once(tmp_path, monkeypatch):
+    # Offline (as this machine is, and as HF_HUB_OFFLINE makes it anywhere): the id is
+    # neither cached nor fetchable.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    code, err = run_refused("someorg/no-such-model", tmp_path)
+    assert code == 2
+    errors = [line for line in err.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and errors[0].startswith(
+        "qfserve: error: --model 'someorg/no-such-model'"
+    )
+    assert "cannot be fetched" in errors[0]

@@ -107,7 +107,8 @@ def resolve_model_ref(ref: str | None) -> str:
                 f"--model {ref!r} looks like a hub repository of GGUF files; download one "
                 ".gguf file and pass its path"
             )
-        return ref  # a hub id: mlx_lm.load downloads it (or finds it in the local HF cache)
+        _fetch_from_hub(ref)
+        return ref  # a hub id, now in the local Hugging Face cache, where mlx_lm.load finds it
     if path.is_file():
         from qfserve.engine.models.gguf.convert import converted_folder, file_sha256, is_gguf
 
@@ -197,3 +198,25 @@ def load_model(ref: str | None) -> LoadedModel:
         hf.model_max_length = sys.maxsize
     logger.info("loaded %s from %s (context %d)", loaded.name, source, loaded.context_length)
     return loaded
+
+
+def _fetch_from_hub(ref: str) -> None:
+    """Find a hub model's files in the local Hugging Face cache or download them, with the
+    patterns mlx-lm loads, before the server binds its port: an unknown id, or one that is
+    not cached on a machine without network, is then one clear error at start-up instead of
+    a server that binds, reports itself running and dies on its model thread.
+
+    Raises:
+        ModelNotFoundError: the files are neither cached nor fetchable (the reason named).
+    """
+    from huggingface_hub import snapshot_download
+    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
+
+    try:
+        snapshot_download(ref, allow_patterns=DEFAULT_ALLOW_PATTERNS)
+    except Exception as exc:  # noqa: BLE001 - hub, network and cache errors alike
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise ModelNotFoundError(
+            f"--model {ref!r}: not in the local Hugging Face cache and cannot be fetched "
+            f"({type(exc).__name__}{': ' + reason if reason else ''})"
+        ) from None
