@@ -1,14 +1,14 @@
 """The decode step of a whole batch in one set of arrays: :class:`PackedBatch`.
 
-Stepping every member's own cache (:class:`qfserve.engine.serving.batch.BatchCache`'s general path) costs
-about twenty small MLX operations per member, layer and step, and on a CPU their dispatch
-outweighs the step's arithmetic once a batch holds a few requests. Here the members' rows
-live in one right-padded set of arrays for as long as the batch's membership holds still,
-and a decode step is the same dozen operations whatever the batch size: score the new rows
-(each member by its own scorer's formula), write each into its member's next slot, and pick
-each evicting member's next victim with its own sinks, recent window and budget (the rule of
-:func:`qfserve.engine.kv.evict.select_victim`, per row). Nothing else changes: the rows an eviction
-cache keeps are the ones it keeps alone, in the same slots.
+Stepping every member's own cache (:class:`qfserve.engine.serving.batch.BatchCache`'s general
+path) costs about twenty small MLX operations per member, layer and step, and on a CPU their
+dispatch outweighs the step's arithmetic once a batch holds a few requests. Here the members'
+rows live in one right-padded set of arrays while the batch's membership holds still, and a
+decode step is the same dozen operations whatever the batch size: score the new rows (each
+member by its scorer's batched form, :meth:`qfserve.engine.kv.scorers.Scorer.form`), write
+each into its member's next slot, and pick each evicting member's victim with
+:func:`qfserve.engine.kv.evict.select_victim` (its own sinks, recent window and held slots).
+The rows an eviction cache keeps are the ones it keeps alone, in the same slots.
 
 Per member, ``held`` slots are in use: a cache still growing (fewer than ``budget + 1`` rows,
 or a full cache) appends at slot ``held``; once ``budget + 1`` slots are held it is in the
@@ -24,9 +24,9 @@ mean, a decoded row by its own score. The batch keeps their per-token scores bes
 and their true positions in ``order``; when one reaches its budget, its stored rows are ranked
 by chunk once (:func:`qfserve.engine.kv.evict.chunk_scores`, as the cache does alone at that step).
 
-What can be packed: eviction caches with heads not ragged and a scorer whose formula is
-batched here; mlx-lm's ``KVCache`` (and our ``FullKVCache``). A batch with anything else
-steps each member on its own.
+What can be packed: eviction caches with heads not ragged and a scorer with a batched form;
+mlx-lm's ``KVCache`` (and our ``FullKVCache``). A batch with anything else steps each member
+on its own.
 """
 
 from __future__ import annotations
