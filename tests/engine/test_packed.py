@@ -16,7 +16,8 @@ import pytest
 from qfserve.engine.kv.cache import EvictionCache, FullKVCache
 from qfserve.engine.kv.scorers import KeySVDScorer, KNormScorer, QFilterScorer, RecencyScorer
 from qfserve.engine.serving.batch import BatchCache
-from qfserve.engine.serving.packed import Lent, PackedBatch, can_pack
+from qfserve.engine.serving.lent import Lent
+from qfserve.engine.serving.packed import PackedBatch, can_pack
 
 H, D = 2, 8
 

@@ -31,8 +31,6 @@ on its own.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -41,30 +39,11 @@ from mlx_lm.models.cache import KVCache
 from qfserve.engine.kv.cache import EvictionCache, FullKVCache
 from qfserve.engine.kv.evict import chunk_scores, select_victim
 from qfserve.engine.kv.scorers import ScoreForm
+from qfserve.engine.serving.lent import Lent
 
 _INF = float("inf")
 _STEP = 256  # slots added at a time when a growing member needs more (as mlx-lm's KVCache)
 _NONE = "none"  # a member that does not evict (a full cache) scores nothing
-
-
-@dataclass(frozen=True)
-class Lent:
-    """Stands in for a packed member's array: its shape and size, no data."""
-
-    shape: tuple[int, ...]
-    dtype: mx.Dtype
-
-    @property
-    def itemsize(self) -> int:
-        return self.dtype.size
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.itemsize
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
 
 
 def can_pack(cache: Any) -> bool:
