@@ -23,8 +23,9 @@ chunk from its end instead of picking single tokens out of many chunks.
 
 Adaptive budgets (``floor``): block evictions share ``budget * H`` rows across the layer's
 heads (:mod:`qfserve.engine.kv.adaptive`); heads then hold different row counts, stored padded, with
-``head_mask`` telling attention which rows are real (:mod:`qfserve.engine.kv.attention`). Decode steps
-evict one row per head, so each head's count holds until the next block.
+``head_mask`` telling attention which rows are real (:mod:`qfserve.engine.kv.attention`). Rows
+join every head while the layer holds fewer than ``budget * H`` (:mod:`qfserve.engine.kv.ragged`);
+at it, a decode step evicts one row per head, so each head's count holds until the next block.
 """
 
 from __future__ import annotations
