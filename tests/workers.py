@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from qfserve.engine.models.loading import LoadedModel
+from qfserve.engine.serving.config import EngineConfig
 from qfserve.engine.serving.jobs import Job
 from qfserve.engine.serving.worker import Worker
 from qfserve.engine.text.requests import Event, Failed, Finished, GenerationRequest
@@ -17,7 +18,7 @@ from qfserve.engine.text.requests import Event, Failed, Finished, GenerationRequ
 
 def worker_for(loaded: LoadedModel, **options: Any) -> Worker:
     """A worker that serves ``loaded`` (not started)."""
-    return Worker(loaded.name, loader=lambda _ref: loaded, **options)
+    return Worker(EngineConfig(model=loaded.name, **options), loader=lambda _ref: loaded)
 
 
 @contextmanager

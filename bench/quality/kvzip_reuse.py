@@ -41,6 +41,7 @@ from bench.quality.common import progress, run
 from bench.quality.niah import CITIES
 from bench.quality.prose import stdlib_prose
 from bench.quality.study import open_study
+from qfserve.engine.serving.config import EngineConfig
 from qfserve.engine.serving.worker import Worker
 from qfserve.engine.text.requests import Delta, Failed, Finished, GenerationRequest, SamplingParams
 
@@ -160,7 +161,10 @@ def main(argv: list[str] | None = None) -> int:
                 doc = make_doc(study.tokenizer, length, d)
                 tokens = len(study.tokenizer.encode(doc["text"]))
                 budget = None if ratio == "-" else round(tokens / int(ratio))
-                worker = Worker(loaded.name, loader=lambda _ref: loaded, prompt_cache_size=4)
+                worker = Worker(
+                    EngineConfig(model=loaded.name, prompt_cache_size=4),
+                    loader=lambda _ref: loaded,
+                )
                 worker.start()
                 while worker.status == "loading":
                     time.sleep(0.05)

@@ -52,7 +52,7 @@ from bench.quality.prose import prose_windows
 from bench.quality.teacher import token_nll
 from bench.speed import common
 from qfserve.engine.kv.config import CacheConfig
-from qfserve.engine.serving.worker import DEFAULT_PREFILL_CHUNK
+from qfserve.engine.serving.config import DEFAULT_PREFILL_CHUNK
 from qfserve.engine.text.prompts import encode_prompt
 from qfserve.engine.text.requests import GenerationRequest, SamplingParams
 

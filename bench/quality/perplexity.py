@@ -47,7 +47,7 @@ from bench.quality.data import recall_windows, stdlib_windows
 from bench.quality.prose import prose_windows
 from bench.quality.study import open_study
 from bench.quality.teacher import full_nll, prefill_length, streaming_nll
-from qfserve.engine.serving.worker import DEFAULT_PREFILL_CHUNK
+from qfserve.engine.serving.config import DEFAULT_PREFILL_CHUNK
 
 STUDY = "perplexity"
 METHODS = ("qfilters", "fallback", "fallback-", "knorm")

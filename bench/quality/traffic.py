@@ -49,7 +49,7 @@ from qfserve.engine.filters.traffic import DEFAULT_MIN_PROMPTS, TrafficCalibrati
 from qfserve.engine.kv.selfcal import install_query_taps, remove_query_taps
 
 STUDY = "traffic"
-CHUNK = 512  # the server's prefill chunk (qfserve.engine.serving.worker.DEFAULT_PREFILL_CHUNK)
+CHUNK = 512  # the server's prefill chunk (qfserve.engine.serving.config.DEFAULT_PREFILL_CHUNK)
 INSTRUCTIONS = (
     "Explain what the following does.",
     "Summarise this in three sentences.",

@@ -43,7 +43,8 @@ from bench.harness import (  # noqa: E402
 )
 from bench.speed import common  # noqa: E402
 from qfserve.engine.kv.config import CacheConfig  # noqa: E402
-from qfserve.engine.serving.worker import DEFAULT_PREFILL_CHUNK, Worker  # noqa: E402
+from qfserve.engine.serving.config import DEFAULT_PREFILL_CHUNK, EngineConfig  # noqa: E402
+from qfserve.engine.serving.worker import Worker  # noqa: E402
 from qfserve.engine.text.prompts import encode_prompt  # noqa: E402
 from qfserve.engine.text.requests import Delta, Failed, Finished, GenerationRequest, SamplingParams  # noqa: E402
 
@@ -141,7 +142,7 @@ def through_worker(worker: Worker, loop: asyncio.AbstractEventLoop, request: Gen
 
 
 def start_worker(sm) -> Worker:
-    worker = Worker(str(sm.path), loader=lambda _ref: sm.loaded)
+    worker = Worker(EngineConfig(model=str(sm.path)), loader=lambda _ref: sm.loaded)
     worker.start()
     deadline = time.monotonic() + 60
     while not worker.ready:

@@ -36,18 +36,7 @@ def build_app(settings: Settings | None = None, *, worker: Worker | None = None)
         title="qfserve", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None
     )
     app.state.settings = settings
-    app.state.worker = worker or Worker(
-        settings.model,
-        max_queue=settings.max_queue,
-        history=settings.history,
-        max_batch=settings.max_batch,
-        prefill_chunk=settings.prefill_chunk,
-        max_kv_bytes=settings.max_kv_bytes,
-        prompt_cache_size=settings.prompt_cache_size,
-        prompt_cache_bytes=settings.prompt_cache_bytes,
-        prompt_cache_dir=settings.prompt_cache_dir,
-        self_calibration=settings.self_calibration,
-    )
+    app.state.worker = worker or Worker(settings)
     app.state.metrics = Metrics(app.state.worker)
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)

@@ -11,8 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from qfserve.server.cli import make_parser
-from qfserve.server.settings import EnvDefaults
+from qfserve.server.settings import EnvDefaults, make_parser
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 BEGIN, END = "<!-- flags:begin (python -m qfserve.server.flagdoc) -->", "<!-- flags:end -->"

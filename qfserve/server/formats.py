@@ -54,13 +54,14 @@ class ChatFormat:
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, *, tools: bool = False) -> None:
-        self.holds_text = tools
+    def __init__(self, *, tools: tuple[str, ...] = ()) -> None:
+        self.holds_text = bool(tools)
+        self._names = tools
 
     def _split(self, text: str, finish_reason: str | None) -> tuple[str | None, list, str | None]:
         if not self.holds_text:
             return text, [], finish_reason
-        content, calls = parse_tool_calls(text)
+        content, calls = parse_tool_calls(text, self._names)
         return content, calls, ("tool_calls" if calls and finish_reason else finish_reason)
 
     def choice(self, text, logprobs, finish_reason):

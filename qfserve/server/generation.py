@@ -107,7 +107,7 @@ class Generation:
     async def start(self) -> Generation:
         """Queue the request and wait until the worker accepted its prompt."""
         check_model(self.body.model, self.worker)  # type: ignore[attr-defined]
-        engine_request = self.body.to_engine(self.settings.cache_defaults(), self.settings.chunk)
+        engine_request = self.body.to_engine(self.settings)
         try:
             self.job = self.worker.submit(
                 engine_request, asyncio.get_running_loop(), request_id=self.id

@@ -39,6 +39,11 @@ class KVCacheInfo(Out):
 
     method: str
     budget: int
+    budget_source: Literal["auto", "request", "server"] = Field(
+        description="auto: the server's --budget auto chose it from the prompt's length and "
+        "--max-kv-bytes (method full while the full cache fits); request: qfilters_budget; "
+        "server: the server's --budget"
+    )
     recent: int
     n_sink: int
     chunk: int = 1

@@ -14,7 +14,8 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
-from qfserve.engine.kv.config import CacheConfig, ConfigError, fit_budget_mode, fit_chunk
+from qfserve.engine.kv.config import BudgetSource, CacheConfig, ConfigError
+from qfserve.engine.serving.config import EngineConfig, request_cache
 from qfserve.engine.text.requests import GenerationRequest, SamplingParams
 from qfserve.engine.text.structured import GrammarError, JSONConstraint, ToolCallConstraint
 from qfserve.server.compat import (
@@ -86,11 +87,10 @@ class GenerationBody(EvictionFields):
             raise APIError(400, str(exc), param="response_format", code="invalid_value") from None
         return constraint
 
-    def cache_config(self, defaults: CacheConfig, chunk: int | None = None) -> CacheConfig:
-        """The request's eviction settings over the server defaults; 400 names a bad field.
-        ``chunk`` is the server's ``--chunk`` as given (``None``: its served default), fitted
-        to the request's own method and budget when the request sends none."""
-        chosen = {
+    def cache_config(self, config: EngineConfig) -> tuple[CacheConfig, BudgetSource, Any]:
+        """The request's eviction settings over the server's (see
+        :func:`qfserve.engine.serving.config.request_cache`); 400 names a bad field."""
+        sent = {
             "method": self.kv_method,
             "budget": self.qfilters_budget,
             "recent": self.qfilters_recent,
@@ -99,27 +99,21 @@ class GenerationBody(EvictionFields):
             "budget_mode": self.qfilters_budget_mode,
             "floor": self.qfilters_floor,
         }
-        overrides = {k: v for k, v in chosen.items() if v is not None}
-        merged = {**defaults.__dict__, **overrides}
-        if "chunk" not in overrides:  # the default chunk, where it applies to this request
-            merged["chunk"] = fit_chunk(chunk, merged["method"], merged["budget"])
-        if "budget_mode" not in overrides:  # kvzip's own default allocation
-            merged["budget_mode"] = fit_budget_mode(merged["budget_mode"], merged["method"])
         try:
-            return CacheConfig(**merged)
+            return request_cache(config, sent)
         except ConfigError as exc:
-            sent = [CACHE_PARAMS[k] for k in overrides]
+            given = [CACHE_PARAMS[k] for k, v in sent.items() if v is not None]
             param = CACHE_PARAMS.get(exc.param)
             raise APIError(
                 400,
                 f"invalid eviction settings: {exc}",
-                param=param if param in sent else (sent[0] if sent else None),
+                param=param if param in given else (given[0] if given else None),
                 code="invalid_value",
             ) from None
 
-    def to_engine(self, defaults: CacheConfig, chunk: int | None = None) -> GenerationRequest:
-        """The one conversion from an HTTP body to the engine's frozen request (``chunk``: the
-        server's ``--chunk`` as given, see :meth:`cache_config`)."""
+    def to_engine(self, config: EngineConfig) -> GenerationRequest:
+        """The one conversion from an HTTP body to the engine's frozen request, over the
+        server's defaults ``config``."""
         fields = self.model_dump()
         stop = fields.get("stop")
         stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
@@ -143,7 +137,7 @@ class GenerationBody(EvictionFields):
             min_p=fields["min_p"],
             repetition_penalty=fields["repetition_penalty"],
         )
-        cache = self.cache_config(defaults, chunk)
+        cache, budget_source, auto = self.cache_config(config)
         constraint = self.constraint()
         if isinstance(self, ChatCompletionRequest):
             tools, tool_constraint = self.tool_setup()
@@ -159,6 +153,8 @@ class GenerationBody(EvictionFields):
                 sampling=sampling,
                 cache=cache,
                 reuse=self.qfilters_reuse is not False,
+                budget_source=budget_source,
+                auto=auto,
                 messages=tuple(m.as_template_input() for m in self.messages),
                 constraint=constraint or tool_constraint,
                 tools=tools,
@@ -169,6 +165,8 @@ class GenerationBody(EvictionFields):
             sampling=sampling,
             cache=cache,
             reuse=self.qfilters_reuse is not False,
+            budget_source=budget_source,
+            auto=auto,
             prompt=self.single_prompt(),
             constraint=constraint,
         )
@@ -296,8 +294,11 @@ class ChatCompletionRequest(SamplerExtensions, GenerationBody):
         return tools, constraint
 
     @property
-    def wants_tool_calls(self) -> bool:
-        return bool(self.tools) and self.tool_choice != "none"
+    def tool_names(self) -> tuple[str, ...]:
+        """The functions a call in the answer may name (none under ``tool_choice`` none)."""
+        if not self.tools or self.tool_choice == "none":
+            return ()
+        return tuple(t.function.name for t in self.tools)
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:

@@ -22,8 +22,8 @@ from qfserve.engine.kv.config import CacheConfig
 from qfserve.engine.kv.factory import make_caches
 from qfserve.engine.kv.kvzip import RepeatPrompt, compress
 from qfserve.engine.models.loading import default_model_path, load_model
+from qfserve.engine.serving.config import DEFAULT_PREFILL_CHUNK
 from qfserve.engine.serving.packed import PackedBatch
-from qfserve.engine.serving.worker import DEFAULT_PREFILL_CHUNK
 from qfserve.engine.text.requests import Delta, Failed, Finished, GenerationRequest, SamplingParams
 from tests.workers import final_event, serving, worker_for
 

@@ -18,7 +18,7 @@ from mlx_lm.sample_utils import make_sampler
 from qfserve.engine.kv.config import CacheConfig
 from qfserve.engine.kv.factory import make_caches
 from qfserve.engine.models.loading import default_model_path, load_model
-from qfserve.engine.serving.worker import DEFAULT_PREFILL_CHUNK
+from qfserve.engine.serving.config import DEFAULT_PREFILL_CHUNK
 from qfserve.engine.text.requests import Delta, Failed, Finished, GenerationRequest, SamplingParams
 from tests.workers import serving, worker_for
 

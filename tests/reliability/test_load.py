@@ -16,7 +16,7 @@ import httpx
 import pytest
 from openai.types.chat import ChatCompletionChunk
 
-from qfserve.engine.serving.worker import DEFAULT_MAX_BATCH
+from qfserve.engine.serving.config import DEFAULT_MAX_BATCH
 from tests.reliability.harness import (
     Sampler,
     Server,

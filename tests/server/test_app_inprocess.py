@@ -13,6 +13,7 @@ import pytest
 
 from qfserve.engine.models import loading
 from qfserve.engine.models.loading import LoadedModel, ModelNotFoundError, resolve_model_ref
+from qfserve.engine.serving.config import EngineConfig
 from qfserve.engine.serving.jobs import Job, WorkerUnavailable
 from qfserve.engine.serving.worker import Worker
 from qfserve.engine.text.requests import Delta, Failed, GenerationRequest, SamplingParams, Started
@@ -81,7 +82,7 @@ def test_context_overflow_is_400_before_any_sse_byte():
 
 
 def test_no_admin_removes_the_endpoint():
-    app = build_app(Settings(admin_enabled=False), worker=ScriptedWorker([]))
+    app = build_app(Settings(no_admin=True), worker=ScriptedWorker([]))
     assert call(app, "GET", "/admin/cache").status_code == 404
 
 
@@ -92,7 +93,7 @@ def test_health_is_503_while_loading_and_after_a_failed_load():
         gate.wait(10)
         raise FileNotFoundError("no weights")
 
-    worker = Worker(None, loader=slow_then_broken)
+    worker = Worker(loader=slow_then_broken)
     app = build_app(worker=worker)
     worker.start()
     loading_resp = call(app, "GET", "/health")
@@ -110,7 +111,7 @@ def test_a_dying_worker_fails_waiting_requests_fast():
     fake = LoadedModel(
         model=None, tokenizer=None, name="fake", model_id="fake", source="fake", context_length=64
     )
-    worker = Worker(None, max_queue=4, loader=lambda ref: fake)
+    worker = Worker(EngineConfig(max_queue=4), loader=lambda ref: fake)
     worker._load = lambda: (setattr(worker, "loaded", fake), setattr(worker, "status", "ready"))
     release = threading.Event()
 
@@ -195,8 +196,7 @@ def test_bad_flags_are_rejected():
 
 
 def test_self_calibration_modes_from_the_command_line_and_the_environment(monkeypatch):
-    from qfserve.server.cli import make_parser, settings_from_args
-    from qfserve.server.settings import EnvDefaults
+    from qfserve.server.settings import EnvDefaults, make_parser, settings_from_args
 
     def mode(*argv: str) -> str:
         return settings_from_args(make_parser().parse_args(list(argv))).self_calibration
@@ -212,4 +212,4 @@ def test_self_calibration_modes_from_the_command_line_and_the_environment(monkey
     with pytest.raises(ValueError, match="self_calibration"):
         EnvDefaults()
     with pytest.raises(ValueError, match="self_calibration must be one of"):
-        Worker(None, self_calibration="sometimes")
+        EngineConfig(self_calibration="sometimes")

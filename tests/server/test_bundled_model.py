@@ -78,7 +78,10 @@ def test_qfserve_tiny_answers_with_calibrated_filters(default_server):
     (model,) = client.models.list().data
     assert model.id == "qfserve-tiny"
     resp = client.chat.completions.create(
-        model=model.id, messages=[{"role": "user", "content": "Hello!"}], temperature=0
+        model=model.id,
+        messages=[{"role": "user", "content": "Hello!"}],
+        temperature=0,
+        extra_body={"qfilters_budget": 512},
     )
     kv = resp.model_extra["kv_cache"]
     assert resp.choices[0].message.content.strip()

@@ -13,7 +13,7 @@ from qfserve.server.settings import Settings
 
 def config(settings: Settings, **body):
     request = CompletionRequest.model_validate({"model": "m", "prompt": "hi", **body})
-    return request.cache_config(settings.cache_defaults(), settings.chunk)
+    return request.cache_config(settings)[0]
 
 
 def test_the_served_default_is_8_where_it_was_measured():

@@ -83,6 +83,7 @@ def test_default_model_answers_with_calibrated_filters(client):
         messages=[{"role": "user", "content": "What is the capital of France?"}],
         temperature=0,
         max_tokens=32,
+        extra_body={"qfilters_budget": 512},
     )
     kv = resp.model_extra["kv_cache"]
     assert "Paris" in resp.choices[0].message.content
@@ -147,18 +148,36 @@ def test_sampled_structured_output_always_validates(client, stream):
         jsonschema.validate(json.loads(text), schema)
 
 
-def test_smollm2_template_has_no_tool_support(client):
-    import openai
-
-    with pytest.raises(openai.BadRequestError) as exc:
-        client.chat.completions.create(
-            model="smollm2-135m-instruct",
-            messages=[{"role": "user", "content": "Weather in Paris?"}],
-            tools=[
-                {
-                    "type": "function",
-                    "function": {"name": "get_weather", "parameters": {"type": "object"}},
-                }
-            ],
-        )
-    assert exc.value.body["param"] == "tools" and "no tool support" in exc.value.body["message"]
+def test_smollm2_calls_tools_through_the_generic_format(client):
+    """SmolLM2's template has no tool support: the tools are described in a system message
+    and a required call is decoded under the grammar; the SDK parses what comes back."""
+    parameters = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    resp = client.chat.completions.create(
+        model="smollm2-135m-instruct",
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[
+            {
+                "type": "function",
+                "function": {
+                    "name": "get_weather",
+                    "description": "The weather in a city",
+                    "parameters": parameters,
+                },
+            }
+        ],
+        tool_choice="required",
+        temperature=0,
+        max_tokens=48,
+    )
+    choice = resp.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, parameters)
+    assert "paris" in arguments["city"].lower()

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from qfserve.server.cli import make_parser
 from qfserve.server.flagdoc import DOC, flag_table, render
-from qfserve.server.settings import EnvDefaults
+from qfserve.server.settings import EnvDefaults, make_parser
 
 
 def test_the_documented_flag_table_is_the_parsers():

@@ -42,8 +42,9 @@ def test_chat_completion(server):
     assert resp.usage.completion_tokens <= 8
     assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
     kv = resp.model_extra["kv_cache"]
-    assert kv["method"] == "qfilters" and kv["budget"] == 512
-    assert kv["filter_source"] in ("calibrated", "fallback")
+    # --budget auto: a request that fits the server's memory keeps every row, and says why.
+    assert kv["method"] == "full" and kv["budget_source"] == "auto"
+    assert kv["budget"] == resp.usage.prompt_tokens + 8 and kv["evictions"] == 0
 
 
 def test_chat_stream_role_first_one_finish_reason_and_usage(server):
@@ -54,7 +55,7 @@ def test_chat_stream_role_first_one_finish_reason_and_usage(server):
         stream=True,
         stream_options={"include_usage": True},
         logit_bias=NO_EOS,  # sampled at temperature 1: without it an early EOS may end it
-        extra_body={"kv_method": "knorm"},
+        extra_body={"kv_method": "knorm", "qfilters_budget": 64},
     )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"

@@ -8,7 +8,6 @@ import json
 
 import httpx
 import jsonschema
-import openai
 import pytest
 
 from qfserve.engine.text.tools import parse_tool_calls
@@ -99,13 +98,65 @@ def test_history_with_tool_calls_and_results_is_rendered(tool_server):
     assert resp.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
-def test_template_without_tool_support_is_a_400(server):
-    with pytest.raises(openai.BadRequestError) as exc:
-        server.client().chat.completions.create(
-            model=MODEL_NAME, messages=MESSAGES, tools=[WEATHER], max_tokens=4
+def test_a_template_without_tool_support_gets_the_generic_format(server):
+    """The bundled model's template ignores tools: they are described in a system message,
+    and a forced call is still decoded under the grammar and parsed by the SDK."""
+    client = server.client()
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        resp = client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=MESSAGES,
+            tools=[WEATHER],
+            tool_choice=choice,
+            max_tokens=200,
+            temperature=0,
         )
-    assert exc.value.body["param"] == "tools"
-    assert "no tool support" in exc.value.body["message"]
+        assert resp.choices[0].finish_reason == "tool_calls"
+        (call,) = resp.choices[0].message.tool_calls
+        assert call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    # A history with calls and results renders too (written back in the same convention).
+    history = [
+        *MESSAGES,
+        {"role": "assistant", "content": None, "tool_calls": [_CALL]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+    ]
+    resp = client.chat.completions.create(
+        model=MODEL_NAME, messages=history, tools=[WEATHER], max_tokens=4, temperature=0
+    )
+    assert resp.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+_CALL = {
+    "id": "call_1",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": '{"city": "paris"}'},
+}
+
+
+def test_generic_tool_messages_describe_the_tools_and_write_back_calls():
+    from qfserve.engine.text.tools import generic_tool_messages
+
+    out = generic_tool_messages(
+        [
+            {"role": "system", "content": "Be brief."},
+            *MESSAGES,
+            {"role": "assistant", "content": None, "tool_calls": [_CALL]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        ],
+        [WEATHER],
+    )
+    assert [m["role"] for m in out] == ["system", "user", "assistant", "user"]
+    system = out[0]["content"]
+    assert system.startswith("Be brief.") and "get_weather: Weather in a city" in system
+    assert json.dumps(WEATHER["function"]["parameters"], separators=(",", ":")) in system
+    written = out[2]["content"]
+    assert written.startswith("<tool_call>") and written.endswith("</tool_call>")
+    content, (call,) = parse_tool_calls(written)
+    assert content is None and json.loads(call["function"]["arguments"]) == {"city": "paris"}
+    assert out[3]["content"] == "Result of call_1: sunny"
+    # No system message: one is added in front.
+    assert generic_tool_messages(MESSAGES, [WEATHER])[0]["role"] == "system"
 
 
 def test_parse_tool_calls_keeps_the_rest_as_content():
@@ -116,6 +167,12 @@ def test_parse_tool_calls_keeps_the_rest_as_content():
         ("f", {"x": 1})
     ]
     assert parse_tool_calls("plain") == ("plain", [])
+    # Without tags, a whole answer naming one of the request's tools is a call; else text.
+    bare = '{"name": "f", "arguments": {"x": 2}}'
+    assert parse_tool_calls(bare) == (bare, [])
+    assert parse_tool_calls(bare, ("g",)) == (bare, [])
+    content, (call,) = parse_tool_calls(f" {bare}\n", ("f",))
+    assert content is None and json.loads(call["function"]["arguments"]) == {"x": 2}
 
 
 def _post(server, path: str, body: dict) -> httpx.Response:

@@ -29,6 +29,12 @@ DEFAULT_FLOOR = 0.2  # AdaKV's default share of the budget every head keeps
 # kvzip's rows shared across layers: on SmolLM2's needle documents per-head kvzip lost the
 # needle at 2x where the shared rows kept it (README, bench/results/smollm2/kvzip).
 DEFAULT_KVZIP_BUDGET_MODE: BudgetMode = "global"
+# A budget given no recent window: the seed documents measured a 16x perplexity swing in
+# generation between recent = 0 and recent = budget/4, so the default window is budget/4.
+RECENT_SHARE = 4
+MAX_ROWS = 2**31 - 1
+AUTO_TEMPLATE_BUDGET = 1 << 20  # an auto budget's stand-in until the worker resolves it
+BudgetSource = Literal["auto", "request", "server"]
 
 
 def fit_chunk(chunk: int | None, method: str, budget: int) -> int:
@@ -123,6 +129,9 @@ class CacheConfig:
                 raise ConfigError(name, f"{name} must be an integer, got {value!r}")
         if self.budget < 1:
             raise ConfigError("budget", f"budget must be >= 1, got {self.budget}")
+        for name in ("budget", "n_sink", "recent", "chunk"):
+            if getattr(self, name) > MAX_ROWS:  # row counts travel as int32 on the device
+                raise ConfigError(name, f"{name} must be <= {MAX_ROWS}, got {getattr(self, name)}")
         if self.n_sink < 0:
             raise ConfigError("n_sink", f"n_sink must be >= 0, got {self.n_sink}")
         if self.recent < 0:
@@ -175,3 +184,19 @@ class CacheConfig:
     def evicts(self) -> bool:
         """False for the ``full`` control arm."""
         return self.method != "full"
+
+
+def default_recent(budget: int, n_sink: int) -> int:
+    """The recent window of a budget that was given none: a quarter of it, leaving some
+    rows evictable beside the sinks."""
+    return max(0, min(budget // RECENT_SHARE, budget - n_sink - 1))
+
+
+@dataclass(frozen=True)
+class AutoBudget:
+    """A request whose budget follows memory: resolved by the worker once its prompt is
+    encoded (:func:`qfserve.engine.serving.admission.resolve_auto`). ``recent`` and ``chunk``
+    are what the request sent (``None``: fitted to the budget chosen)."""
+
+    recent: int | None = None
+    chunk: int | None = None

@@ -8,6 +8,7 @@ calibrated Q-Filters are looked up under, and how long a context the model accep
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import sys
@@ -198,6 +199,32 @@ def load_model(ref: str | None) -> LoadedModel:
         hf.model_max_length = sys.maxsize
     logger.info("loaded %s from %s (context %d)", loaded.name, source, loaded.context_length)
     return loaded
+
+
+def served_as(loaded: LoadedModel, alias: str | None, ctx_size: int | None) -> LoadedModel:
+    """``loaded`` listed as ``alias`` and serving at most ``ctx_size`` tokens a request
+    (llama-server's ``--alias`` and ``--ctx-size``); ``None`` keeps the model's own.
+
+    Raises:
+        ValueError: ``ctx_size`` exceeds the context the model was trained for.
+    """
+    if ctx_size is not None and ctx_size > loaded.context_length:
+        raise ValueError(
+            f"--ctx-size {ctx_size} exceeds {loaded.name}'s context length {loaded.context_length}"
+        )
+    return dataclasses.replace(
+        loaded,
+        name=alias or loaded.name,
+        context_length=ctx_size or loaded.context_length,
+    )
+
+
+def gguf_alias(ref: str | None) -> str | None:
+    """The name a GGUF file given by path is served under: its file name without
+    ``.gguf`` (``None`` for anything else)."""
+    if ref is None or not ref.lower().endswith(".gguf"):
+        return None
+    return Path(ref).name[: -len(".gguf")] or None
 
 
 def _fetch_from_hub(ref: str) -> None:

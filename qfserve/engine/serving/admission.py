@@ -10,14 +10,21 @@ trims it) are activations of that step, not cache, and are not reserved.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
-from qfserve.engine.kv.config import CacheConfig
+from qfserve.engine.kv.config import CacheConfig, default_recent, fit_chunk
 from qfserve.engine.serving.jobs import Admission, Job
 
+if TYPE_CHECKING:
+    from qfserve.engine.serving.config import EngineConfig
+
 DEFAULT_KV_SHARE = 0.25  # of physical memory, when --max-kv-bytes is not given
+# The smallest budget an auto request is evicted to, memory allowing: on SmolLM2 the
+# needle study kept the full cache's answers at 2x and lost them from 8x (docs/eviction.md).
+MIN_AUTO_BUDGET = 512
 
 
 def default_max_kv_bytes() -> int:
@@ -132,19 +139,53 @@ def kvzip_limit(
     return limit, peak * row
 
 
+def resolve_auto(
+    loaded: Any,
+    template: CacheConfig,
+    auto: Any,
+    prompt_tokens: int,
+    max_tokens: int,
+    config: EngineConfig,
+    max_kv_bytes: int,
+) -> CacheConfig:
+    """The settings a request whose budget follows memory runs with: every row (``full``)
+    while its full cache fits ``max_kv_bytes``, so a user who sets nothing never gets a
+    worse answer than the full cache while memory allows it; beyond, ``template``'s method
+    with the largest budget whose cache fits the request's share (``max_kv_bytes /
+    max_batch``, at least :data:`MIN_AUTO_BUDGET` rows where the memory holds them) and a
+    recent window of a quarter of it (``auto``: what the request sent for ``recent`` and
+    ``chunk``, a :class:`qfserve.engine.kv.config.AutoBudget`)."""
+    total = prompt_tokens + max_tokens
+    full = dataclasses.replace(
+        template, method="full", budget=max(total, 1), recent=0, chunk=1, budget_mode="per_head"
+    )
+    if kv_need(loaded, full, prompt_tokens, max_tokens)[0] <= max_kv_bytes:
+        return full
+    row = kv_row_bytes(loaded.model, loaded.config, template)
+    fits = max_kv_bytes // row - 1  # - the decode step's free slot
+    share = max_kv_bytes // max(1, config.max_batch) // row - 1
+    budget = max(1, min(fits, max(share, MIN_AUTO_BUDGET)))
+    recent = auto.recent if auto.recent is not None else default_recent(budget, template.n_sink)
+    chunk = (
+        auto.chunk if auto.chunk is not None else fit_chunk(config.chunk, template.method, budget)
+    )
+    return dataclasses.replace(template, budget=budget, recent=recent, chunk=chunk)
+
+
 def prepare(
     job: Job,
     loaded: Any,
     caches_for: Callable[[CacheConfig], list[Any]],
     fetch: Callable[[tuple[Any, ...], list[int]], tuple[list[Any] | None, int]] | None,
-    key: tuple[Any, ...],
+    key_for: Callable[[CacheConfig], tuple[Any, ...]],
     max_kv_bytes: int,
-    prefill_chunk: int,
+    config: EngineConfig,
 ) -> Admission:
-    """A queued job made ready for the batch: its prompt encoded, its caches (a kept turn's
-    copy from ``fetch`` when one holds a prefix of the prompt, else ``caches_for``) and the
-    KV bytes they need. A kvzip prompt too long to hold whole within ``max_kv_bytes`` is set
-    to compress as it is read, whenever its rows reach what fits.
+    """A queued job made ready for the batch: its prompt encoded, an ``auto`` budget
+    resolved (:func:`resolve_auto`; the job then carries the settings that run), its caches
+    (a kept turn's copy from ``fetch`` when one holds a prefix of the prompt, else
+    ``caches_for``) and the KV bytes they need. A kvzip prompt too long to hold whole within
+    ``max_kv_bytes`` is set to compress as it is read, whenever its rows reach what fits.
 
     Raises:
         PromptError: the prompt cannot be encoded, or its caches can never fit.
@@ -156,12 +197,21 @@ def prepare(
     request = job.request
     prompt, max_tokens = encode_prompt(loaded, request)
     job.record.prompt_tokens = len(prompt)
-    caches, cached = fetch(key, prompt) if fetch is not None else (None, 0)
+    if request.auto is not None:
+        cache = resolve_auto(
+            loaded, request.cache, request.auto, len(prompt), max_tokens, config, max_kv_bytes
+        )
+        if request.cache.evicts and not cache.evicts:
+            # Settings this model cannot honour are refused whether or not eviction runs.
+            caches_for(request.cache)
+        request = job.request = dataclasses.replace(request, cache=cache, auto=None)
+        job.record.configure(cache)
+    caches, cached = fetch(key_for(request.cache), prompt) if fetch is not None else (None, 0)
     if caches is None:
         caches = caches_for(request.cache)
     need, param = kv_need(loaded, request.cache, len(prompt), max_tokens)
     if need > max_kv_bytes and request.cache.method == "kvzip":
-        fit = kvzip_limit(loaded, request.cache, max_kv_bytes, prefill_chunk)
+        fit = kvzip_limit(loaded, request.cache, max_kv_bytes, config.prefill_chunk)
         if fit is not None:
             kvzip.set_limit(caches, fit[0])
             need = fit[1]

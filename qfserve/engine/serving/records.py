@@ -71,11 +71,14 @@ class RequestRecord:
     @classmethod
     def opened(cls, id: str, model: str, kind: str, config: CacheConfig) -> RequestRecord:
         """The record of a request just submitted, with its cache settings."""
-        return cls(
-            id=id, model=model, kind=kind, method=config.method, budget=config.budget,
-            recent=config.recent, n_sink=config.n_sink, chunk=config.chunk,
-            budget_mode=config.budget_mode,
-        )  # fmt: skip
+        record = cls(id=id, model=model, kind=kind, method="", budget=0, recent=0, n_sink=0)
+        record.configure(config)
+        return record
+
+    def configure(self, config: CacheConfig) -> None:
+        """Record the cache settings the request runs with (an auto budget, once resolved)."""
+        self.method, self.budget, self.recent = config.method, config.budget, config.recent
+        self.n_sink, self.chunk, self.budget_mode = config.n_sink, config.chunk, config.budget_mode
 
     def update(self, caches: list[Any]) -> None:
         """Refresh the cache figures from the request's caches."""
@@ -83,11 +86,13 @@ class RequestRecord:
         for name in _FROM_STATS:
             setattr(self, name, getattr(stats, name))
 
-    def kv_cache(self, config: CacheConfig) -> dict[str, Any]:
-        """The ``kv_cache`` summary a finished request reports: its settings and figures."""
+    def kv_cache(self, config: CacheConfig, budget_source: str = "server") -> dict[str, Any]:
+        """The ``kv_cache`` summary a finished request reports: its settings, where its
+        budget came from, and its figures."""
         return {
             "method": config.method,
             "budget": config.budget,
+            "budget_source": budget_source,
             "recent": config.recent,
             "n_sink": config.n_sink,
             "chunk": config.chunk,

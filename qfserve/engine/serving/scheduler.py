@@ -318,7 +318,7 @@ class Scheduler:
             finish_reason=reason,
             prompt_tokens=len(seq.prompt),
             completion_tokens=seq.tokens,
-            kv_cache=record.kv_cache(seq.job.request.cache),
+            kv_cache=record.kv_cache(seq.job.request.cache, seq.job.request.budget_source),
             cached_tokens=seq.cached,
         )
 

@@ -22,10 +22,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-from qfserve.engine.filters.model import DEFAULT_SELF_CALIBRATION, ModelFilters, check_mode
-from qfserve.engine.kv.config import ConfigError
-from qfserve.engine.models.loading import LoadedModel, load_model
+from qfserve.engine.filters.model import ModelFilters
+from qfserve.engine.kv.config import CacheConfig, ConfigError
+from qfserve.engine.models.loading import LoadedModel, load_model, served_as
 from qfserve.engine.serving.admission import hold_need, prepare
+from qfserve.engine.serving.config import EngineConfig
 from qfserve.engine.serving.jobs import Admission, Job, KeptTurn, WorkerUnavailable
 from qfserve.engine.serving.records import Ledger, RequestRecord, State
 from qfserve.engine.text.prompts import PromptError
@@ -33,99 +34,39 @@ from qfserve.engine.text.requests import Failed, GenerationRequest, Started
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_QUEUE = 16
-DEFAULT_HISTORY = 64
-# Events a job may have waiting for its handler. A client that reads keeps this near zero;
-# one that stopped reading (its socket buffers full) lets it grow, and is cancelled here.
-DEFAULT_MAX_BACKLOG = 128
-DEFAULT_MAX_BATCH = 32  # as mlx_lm.server's decode concurrency; README: "Reliability"
-DEFAULT_PREFILL_CHUNK = 512
-DEFAULT_PROMPT_CACHE_SIZE = 10
-
 
 class Worker:
     """Owns the model on one thread; admits queued requests in FIFO order into one batch.
 
     Args:
-        model_ref: ``--model`` value (``None``: the bundled model), loaded on the thread.
-        max_queue: Requests waiting at most; beyond, :meth:`submit` raises.
-        history: Finished requests kept for the admin endpoint.
-        max_backlog: Events a running job may leave untaken (its client stopped reading)
-            before it is cancelled.
-        max_batch: Requests generating at once (prefilling or decoding); 1 serves them one
-            at a time.
-        prefill_chunk: Prompt tokens per prefill step: how long a newcomer's prefill may
-            hold up the running streams.
-        max_kv_bytes: KV bytes the running requests' caches may hold together at most
-            (:mod:`qfserve.engine.serving.admission`; ``None``: a share of physical memory). Kept caches
-            (``prompt_cache_*``) count too, and give way to running requests.
-        prompt_cache_size: Finished requests' caches kept for later turns to continue
-            (:mod:`qfserve.engine.reuse.kept`); 0 turns reuse off.
-        prompt_cache_bytes: Bytes those may hold (``None``: up to ``max_kv_bytes``).
-        prompt_cache_dir: Keep those on disk too, and start with the ones saved there
-            (:mod:`qfserve.engine.reuse.disk`).
-        self_calibration: What a model without a calibration artifact does
-            (:mod:`qfserve.engine.filters.model`): ``traffic`` learns an artifact from the queries
-            sampled from traffic (the key-SVD fallback until then), ``prompt`` also gives
-            each request the filters of its own prompt's queries until then, ``off``
-            neither.
-        traffic_samples: Queries per layer pooled before that artifact is written
-            (``None``: calibration's default sample count).
-        traffic_prompts: Prompts pooled at least before it is written (``None``:
-            :data:`qfserve.engine.filters.traffic.DEFAULT_MIN_PROMPTS`).
+        config: The model to load (on the thread) and the worker's limits (its fields say
+            what each does). ``max_kv_bytes`` ``None`` is a share of physical memory
+            (:mod:`qfserve.engine.serving.admission`); kept caches count too, and give way
+            to running requests.
         loader: Replaces :func:`qfserve.engine.models.loading.load_model` (tests).
     """
 
     def __init__(
         self,
-        model_ref: str | None,
+        config: EngineConfig | None = None,
         *,
-        max_queue: int = DEFAULT_MAX_QUEUE,
-        history: int = DEFAULT_HISTORY,
-        max_backlog: int = DEFAULT_MAX_BACKLOG,
-        max_batch: int = DEFAULT_MAX_BATCH,
-        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-        max_kv_bytes: int | None = None,
-        prompt_cache_size: int = DEFAULT_PROMPT_CACHE_SIZE,
-        prompt_cache_bytes: int | None = None,
-        prompt_cache_dir: str | None = None,
-        self_calibration: str = DEFAULT_SELF_CALIBRATION,
-        traffic_samples: int | None = None,
-        traffic_prompts: int | None = None,
         loader: Callable[[str | None], LoadedModel] = load_model,
     ) -> None:
-        if max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-        if prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
-        if max_queue < 1:
-            raise ValueError(f"max_queue must be >= 1, got {max_queue}")
-        if max_backlog < 1:
-            raise ValueError(f"max_backlog must be >= 1, got {max_backlog}")
-        check_mode(self_calibration)
-        self._ref = model_ref
-        self._max_backlog = max_backlog
-        self.max_batch = max_batch
-        self._prefill_chunk = prefill_chunk
+        config = self.config = config or EngineConfig()
+        self.max_batch = config.max_batch
+        max_kv_bytes = config.max_kv_bytes
         if max_kv_bytes is None:
             from qfserve.engine.serving.admission import default_max_kv_bytes
 
             max_kv_bytes = default_max_kv_bytes()
-        if max_kv_bytes < 1:
-            raise ValueError(f"max_kv_bytes must be >= 1, got {max_kv_bytes}")
         self._next: Admission | None = None  # the oldest request, prepared, waiting for memory
-        if prompt_cache_size < 0:
-            raise ValueError(f"prompt_cache_size must be >= 0, got {prompt_cache_size}")
-        # Built on the thread (qfserve.engine.reuse.kept imports mlx-lm, which a start-up check must not wait for).
-        self._prompt_cache_limits = (prompt_cache_size, prompt_cache_bytes or max_kv_bytes)
+        # Built on the thread (qfserve.engine.reuse.kept imports mlx-lm, which a start-up
+        # check must not wait for).
         self.prompt_cache: Any = None  # qfserve.engine.reuse.kept.KeptCaches
-        self._cache_dir = Path(prompt_cache_dir) if prompt_cache_dir and prompt_cache_size else None
         self._loader = loader
-        self._self_calibration = self_calibration
-        self._traffic = (traffic_samples, traffic_prompts)
         self.calibration: ModelFilters | None = None  # built on the thread
-        self._queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
-        self.ledger = Ledger(history, max_kv_bytes)
+        self._queue: queue.Queue[Job] = queue.Queue(maxsize=config.max_queue)
+        self.ledger = Ledger(config.history, max_kv_bytes)
         self._ids = itertools.count(1)
         self._stopping = threading.Event()
         self._draining = False
@@ -257,7 +198,7 @@ class Worker:
         snap["totals"]["max_batch"] = self.max_batch
         kept = self.prompt_cache
         snap["prompt_cache"] = (
-            {"enabled": self._prompt_cache_limits[0] > 0} if kept is None else kept.view
+            {"enabled": self.config.prompt_cache_size > 0} if kept is None else kept.view
         )
         return snap
 
@@ -301,24 +242,30 @@ class Worker:
             self._fail_waiting("the generation worker stopped")
 
     def _load(self) -> None:
-        self.loaded = self._loader(self._ref)
+        config = self.config
+        self.loaded = served_as(self._loader(config.model), config.alias, config.ctx_size)
         self.calibration = ModelFilters(
             self.loaded,
-            self_calibration=self._self_calibration,
-            traffic_samples=self._traffic[0],
-            traffic_prompts=self._traffic[1],
+            self_calibration=config.self_calibration,
+            traffic_samples=config.traffic_samples,
+            traffic_prompts=config.traffic_prompts,
         )
 
     def _make_scheduler(self) -> Any:
         from qfserve.engine.serving.scheduler import Scheduler
 
         assert self.loaded is not None
-        size, max_bytes = self._prompt_cache_limits
-        if size:
+        config = self.config
+        if config.prompt_cache_size:
             from qfserve.engine.reuse.kept import KeptCaches
 
+            folder = Path(config.prompt_cache_dir) if config.prompt_cache_dir else None
             self.prompt_cache = KeptCaches(
-                size, max_bytes, self._cache_dir, self.fingerprint, self._caches_for
+                config.prompt_cache_size,
+                config.prompt_cache_bytes or self.max_kv_bytes,
+                folder,
+                self.fingerprint,
+                self._caches_for,
             )
         if self.max_batch > 1:
             from qfserve.engine.kv.attention import install_head_masks
@@ -331,8 +278,8 @@ class Worker:
         return Scheduler(
             self.loaded,
             keeps=self.prompt_cache is not None,
-            max_backlog=self._max_backlog,
-            prefill_chunk=self._prefill_chunk,
+            max_backlog=config.max_backlog,
+            prefill_chunk=config.prefill_chunk,
         )
 
     def _fail_waiting(self, message: str) -> None:
@@ -406,9 +353,9 @@ class Worker:
                 self.loaded,
                 self.calibration.caches_for,
                 self.prompt_cache.fetch if reuse else None,  # type: ignore[union-attr]
-                self._key(job.request),
+                self._cache_key,
                 self.max_kv_bytes,
-                self._prefill_chunk,
+                self.config,
             )
         except (PromptError, ConfigError) as exc:  # ConfigError: settings this model cannot honour
             job.emit(Failed("invalid_request", str(exc), exc.param))
@@ -420,11 +367,11 @@ class Worker:
             self._finish(job.record, "error")
             return None
 
-    def _key(self, request: GenerationRequest) -> tuple[Any, ...]:
+    def _cache_key(self, config: CacheConfig) -> tuple[Any, ...]:
         from qfserve.engine.reuse.kept import cache_key
 
         assert self.loaded is not None
-        return cache_key(self.loaded.name, request.cache, self.filter_source)
+        return cache_key(self.loaded.name, config, self.filter_source)
 
     def _keep(self, request_id: str, turn: KeptTurn) -> None:
         """A request ended normally: its caches stay for the next turn to continue (a
@@ -433,7 +380,9 @@ class Worker:
             return
         try:
             room = self.max_kv_bytes - self.ledger.reserved()
-            self.prompt_cache.keep(self._key(turn.request), turn.tokens, turn.caches, room)
+            self.prompt_cache.keep(
+                self._cache_key(turn.request.cache), turn.tokens, turn.caches, room
+            )
         except Exception as exc:  # noqa: BLE001 - a cache not kept must not stop the worker
             logger.warning("request %s: its cache was not kept: %s", request_id, exc)
 

@@ -10,7 +10,7 @@ from typing import Any, cast
 
 from qfserve.engine.models.loading import LoadedModel
 from qfserve.engine.text.requests import GenerationRequest, TokenLogprob
-from qfserve.engine.text.tools import template_renders_tools
+from qfserve.engine.text.tools import generic_tool_messages, template_renders_tools
 
 
 class PromptError(ValueError):
@@ -42,13 +42,9 @@ def encode_prompt(loaded: LoadedModel, request: GenerationRequest) -> tuple[list
         uses_tools = bool(request.tools) or any(
             m.get("role") == "tool" or m.get("tool_calls") for m in messages
         )
-        if uses_tools and not template_renders_tools(tok):
-            raise PromptError(
-                "this model's chat template has no tool support (it does not render tools), "
-                "so the model cannot be told about them",
-                "tools" if request.tools else "messages",
-            )
         extra = {"tools": list(request.tools)} if request.tools else {}
+        if uses_tools and not template_renders_tools(tok):
+            messages, extra = generic_tool_messages(messages, list(request.tools)), {}
         if getattr(tok, "chat_template", None):
             try:
                 prompt = list(

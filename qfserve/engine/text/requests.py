@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from qfserve.engine.kv.config import CacheConfig
+from qfserve.engine.kv.config import AutoBudget, BudgetSource, CacheConfig
 from qfserve.engine.text.structured import JSONConstraint, ToolCallConstraint
 
 Kind = Literal["chat", "completion"]
@@ -68,6 +68,10 @@ class GenerationRequest:
         tools: OpenAI ``tools`` entries rendered through the chat template (chat only).
         reuse: Continue a finished request's caches when they hold a prefix of the prompt
             (:mod:`qfserve.engine.reuse.kept`), and keep this one's for the next turn.
+        budget_source: Where ``cache.budget`` comes from: the request, the server's
+            ``--budget``, or ``auto`` (memory).
+        auto: Set while an ``auto`` budget waits to be resolved from the prompt's length
+            (``cache`` is then a template).
     """
 
     kind: Kind
@@ -78,6 +82,8 @@ class GenerationRequest:
     constraint: JSONConstraint | ToolCallConstraint | None = None
     tools: tuple[dict[str, Any], ...] = ()
     reuse: bool = True
+    budget_source: BudgetSource = "server"
+    auto: AutoBudget | None = None
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ async def create_chat_completion(
         worker=worker,
         settings=settings,
         metrics=metrics,
-        fmt=ChatFormat(tools=body.wants_tool_calls),
+        fmt=ChatFormat(tools=body.tool_names),
         endpoint="chat",
     ).start()
     return generation.sse() if body.stream else await generation.json()
