@@ -249,6 +249,9 @@ def request_cache(
     auto = None
     if "budget" in sent:
         budget, source = sent["budget"], "request"
+    elif method == "full":  # no budget to choose: it keeps every row
+        budget = config.budget if isinstance(config.budget, int) else AUTO_TEMPLATE_BUDGET
+        source = "request" if "method" in sent else "server"
     elif isinstance(config.budget, int):
         budget, source = config.budget, "server"
     else:  # a placeholder the worker replaces; checked here with every default fitted to it
