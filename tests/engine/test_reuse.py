@@ -307,3 +307,29 @@ def test_a_kvzip_prompt_longer_than_memory_allows_is_compressed_as_it_is_read(lo
     assert len(pieces) == TURN_TOKENS and final.kv_cache["tokens_kept"] <= config.budget
     # Passes over what was read so far, each time the rows reached the limit, then the last.
     assert len(passes) >= 3 and passes == sorted(passes) and passes[-1] == len(prompt) - 1
+
+
+def test_an_entrys_hits_follow_its_conversation_when_a_later_turn_replaces_it():
+    """mlx-lm drops a trimmable cache's prefixes when a longer turn is kept: the hits of the
+    turn it replaced carry over, so per-entry hits add up to the total."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    from qfserve.engine.kv.config import CacheConfig
+    from qfserve.engine.reuse.kept import PromptCache, cache_key
+
+    def caches(n: int) -> list[KVCache]:
+        cache = KVCache()
+        cache.update_and_fetch(mx.zeros((1, 1, n, 4)), mx.zeros((1, 1, n, 4)))
+        return [cache]
+
+    store = PromptCache(4)
+    key = cache_key("m", CacheConfig(method="full"), "none")
+    store.insert(key, [1, 2, 3], caches(3))
+    for turn in range(1, 4):  # each turn continues the last and is kept in its place
+        tokens = list(range(1, 4 + 2 * turn))
+        held_caches, held = store.fetch(key, tokens)
+        assert held_caches is not None and held == len(tokens) - 2
+        store.insert(key, tokens, caches(len(tokens)))
+    (entry,) = store.entries()
+    assert entry["hits"] == store.hits == 3

@@ -83,15 +83,29 @@ class PromptCache:
         return caches, held
 
     def insert(self, key: tuple[Any, ...], tokens: list[int], caches: list[Any]) -> None:
-        """Keep ``caches``, which hold exactly ``tokens`` (the objects, not a copy)."""
+        """Keep ``caches``, which hold exactly ``tokens`` (the objects, not a copy).
+
+        An entry's ``hits`` count the turns its conversation was continued from it; when a
+        later turn's caches replace an earlier turn's (mlx-lm drops the prefixes of a
+        trimmable cache), the count carries over to the entry that replaced them."""
+        entry = (key, tuple(tokens))
+        earlier = {
+            k: e["hits"]
+            for k, e in self._entries.items()
+            if k[0] == key and k != entry and entry[1][: len(k[1])] == k[1]
+        }
         self._lru.insert_cache(key, list(tokens), caches)
-        self._entries[(key, tuple(tokens))] = {
+        self._entries[entry] = {
             "tokens": len(tokens),
             "bytes": sum(c.nbytes for c in caches),
             "settings": {"model": key[0], **_settings(key)},
             "hits": 0,
         }
         self._forget_evicted()
+        if entry in self._entries:
+            self._entries[entry]["hits"] = sum(
+                hits for k, hits in earlier.items() if k not in self._entries
+            )
 
     def shrink(self, max_bytes: int) -> None:
         """Drop least recently used entries until they hold ``max_bytes`` at most."""

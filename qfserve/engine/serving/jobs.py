@@ -60,7 +60,10 @@ class Job:
         self._cancel.set()
 
     def emit(self, event: Event) -> None:
-        """Post an event to the handler's loop (called from the worker thread)."""
+        """Post an event to the handler's loop (called from the worker thread); a failure's
+        reason is kept on the record for the admin endpoint."""
+        if isinstance(event, Failed) and self.record is not None:
+            self.record.error = f"{event.kind}: {event.message}"
         # A closed loop (server shut down) means nobody is listening any more.
         with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(self._events.put_nowait, event)

@@ -67,6 +67,7 @@ class RequestRecord:
     evictions: int = 0
     created: float = field(default_factory=time.time)
     finished: float | None = None
+    error: str | None = None  # why it failed or was cancelled
 
     @classmethod
     def opened(cls, id: str, model: str, kind: str, config: CacheConfig) -> RequestRecord:
