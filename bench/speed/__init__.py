@@ -12,6 +12,6 @@
 Each takes the arguments of :mod:`bench.cli` (``--model``, default the served
 SmolLM2-135M-Instruct; ``--quick``, CI-sized on the bundled qfserve-tiny; ``--reps``), writes
 ``bench/results/<model>/<study>.json`` plus PNG plots and prints a table. Shared plumbing:
-:mod:`bench.models`, :mod:`bench.harness`, :mod:`bench.servers` (servers on loopback ports,
+:mod:`bench.models`, :mod:`bench.harness`, :mod:`qfserve.testing` (servers on loopback ports,
 which the test suite uses too) and :mod:`bench.speed.common`.
 """

@@ -35,7 +35,7 @@ from pathlib import Path  # noqa: E402
 
 import httpx  # noqa: E402
 
-from bench import servers  # noqa: E402
+from qfserve import testing as servers  # noqa: E402
 from bench.cli import command_line, parse, parser  # noqa: E402
 from bench.harness import interleave, print_table, ratio_row, summary, write_results  # noqa: E402
 from bench.speed import common  # noqa: E402

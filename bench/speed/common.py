@@ -1,5 +1,5 @@
 """What the speed studies share beyond :mod:`bench.cli`, :mod:`bench.models`,
-:mod:`bench.harness` and :mod:`bench.servers`: model and prompts, caches per arm, progress,
+:mod:`bench.harness` and :mod:`qfserve.testing`: model and prompts, caches per arm, progress,
 plots, and timed streaming requests.
 
 Every entry point calls :func:`qfserve.engine.models.blas.reexec_with_openblas` before importing this module

@@ -39,7 +39,7 @@ from typing import Any  # noqa: E402
 
 import httpx  # noqa: E402
 
-from bench import servers  # noqa: E402
+from qfserve import testing as servers  # noqa: E402
 from bench.cli import command_line, parse, parser  # noqa: E402
 from bench.harness import print_table, summary, write_results  # noqa: E402
 from bench.speed import common  # noqa: E402

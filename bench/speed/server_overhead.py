@@ -32,7 +32,7 @@ import httpx  # noqa: E402
 from mlx_lm import stream_generate  # noqa: E402
 from mlx_lm.sample_utils import make_logits_processors, make_sampler  # noqa: E402
 
-from bench import servers  # noqa: E402
+from qfserve import testing as servers  # noqa: E402
 from bench.cli import command_line, parse, parser  # noqa: E402
 from bench.harness import (  # noqa: E402
     interleave,

@@ -23,7 +23,7 @@ import itertools  # noqa: E402
 
 import httpx  # noqa: E402
 
-from bench import servers  # noqa: E402
+from qfserve import testing as servers  # noqa: E402
 from bench.cli import command_line, parse, parser  # noqa: E402
 from bench.harness import (  # noqa: E402
     interleave,

@@ -1,6 +1,7 @@
 """Server subprocesses on loopback: qfserve or ``mlx_lm.server`` on an ephemeral port.
 
-One way to start, wait for and stop a server, shared by the benchmarks and the test suites:
+One way to start, wait for and stop a server, shared by the test suites and the benchmarks
+(``bench/``, which imports this; nothing in ``qfserve`` imports ``bench``):
 :func:`launch` starts one (no waiting), :func:`wait_ready` polls its health route,
 :func:`start` does both and :func:`serve` runs several together for the length of a ``with``.
 Nothing here talks to any address but 127.0.0.1.
@@ -29,6 +30,7 @@ from qfserve.engine.models.blas import find_openblas
 if TYPE_CHECKING:
     from openai import OpenAI
 
+# The source checkout (this file is qfserve/testing.py): servers run from it, on its path.
 REPO = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"  # loopback only, always
 HEALTH = {"qfserve": "/health", "mlx_lm": "/v1/models"}
