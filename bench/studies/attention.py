@@ -15,7 +15,7 @@ score, computed by the engine's own scorer classes:
 * ``fallback+`` / ``fallback-``: the key-SVD direction frozen after the first 128 keys, as
   the cache would, with both signs (:class:`qfserve.engine.kv.scorers.KeySVDScorer`);
 * ``traffic/<name>``: the filters of an artifact the server learned from traffic
-  (``--traffic-artifacts``, :mod:`bench.quality.traffic`);
+  (``--traffic-artifacts``, :mod:`bench traffic`);
 * ``snapkv`` / ``snapkv/w8``: SnapKV's prompt score (:class:`qfserve.engine.kv.query_aware.SnapKVScorer`,
   a 32- or 8-token observation window), as if the first half were the prompt: the attention
   its last queries pay the keys, pooled over neighbours;
@@ -26,7 +26,7 @@ the mean over heads, and the share of heads where it is positive. With several
 ``--lengths`` each length's sets are named ``<data>@<length>`` (fewer sequences at longer
 lengths: ``sequences * 1024 / length``, at least 2), and ``all`` pools every one.
 
-Run: ``python -m bench.quality.attention [--quick] [--lengths 1024 2048 4096 8192]``.
+Run: ``python -m bench attention [--quick] [--lengths 1024 2048 4096 8192]``.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ embedding is read whole by the output projection) + the kept keys and values of 
 Our cache also rewrites its rows each step (the append's concatenate and the eviction's
 gather); that traffic is estimated in a separate column, not folded into the percentage.
 
-Run: ``python -m bench.speed.bandwidth [--quick] [--model M] [--reps 7]``.
+Run: ``python -m bench bandwidth [--quick] [--model M] [--reps 7]``.
 Writes ``bench/results/<model>/bandwidth.json`` and ``bandwidth.png``.
 """
 

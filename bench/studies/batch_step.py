@@ -10,7 +10,7 @@ with chunk-level selection (``--chunk`` positions), so its ratio to ``ours`` is 
 add to the batched step. What it isolates: the cost of keeping eviction per request inside a
 batch, apart from prefill scheduling and serving.
 
-Run: ``python -m bench.speed.batch_step [--quick] [--model M] [--batches 1 4 8 16]
+Run: ``python -m bench batch-step [--quick] [--model M] [--batches 1 4 8 16]
 [--chunk 8]``.
 Writes ``bench/results/<model>/batch_step.json`` and ``batch_step.png``.
 """

@@ -14,7 +14,7 @@ end-to-end tokens/s (all completion tokens over the burst's wall time, prefill i
 every stream's TTFT (p50, p99). Arms are interleaved per round; ratios are to qfserve
 one-at-a-time, and ``batched_b`` (the batching server again) is the A/A row.
 
-Run: ``python -m bench.speed.batching [--quick] [--model M] [--reps 1] [--streams 1 4 8 16]
+Run: ``python -m bench batching [--quick] [--model M] [--reps 1] [--streams 1 4 8 16]
 [--prompts 256 2048]``.
 Writes ``bench/results/<model>/batching.json`` and ``batching.png``.
 """

@@ -17,7 +17,7 @@ Three parts, each with its arms interleaved in one process:
 Each arm is prefilled once, the way the server prefills, and then both measured for memory
 and timed; the A/A full arm is a copy of the first one's rows.
 
-Run: ``python -m bench.speed.decode [--quick] [--model M] [--reps 5] [--steps 16]``.
+Run: ``python -m bench decode [--quick] [--model M] [--reps 5] [--steps 16]``.
 Writes ``bench/results/<model>/decode.json`` and ``decode_ms.png``, ``decode_memory.png``.
 """
 

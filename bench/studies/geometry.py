@@ -14,7 +14,7 @@ query head:
   |mean projection| over the mean of the other components');
 * ``cos_to_calibrated``: cosine between that held-out filter and the calibrated one.
 
-Run: ``python -m bench.quality.geometry [--quick]``.
+Run: ``python -m bench geometry [--quick]``.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ Then the decode step at budget: ``--steps`` steps of each evicting arm's caches 
 prefill (ms/step, interleaved, ratio to ``qfilters``: the same O(budget) single-row step).
 Peak memory is MLX's, reset before each arm's prefill.
 
-Run: ``python -m bench.speed.kvzip_cost [--quick] [--reps 3] [--prompt 2048] [--budget 256]``.
+Run: ``python -m bench kvzip-cost [--quick] [--reps 3] [--prompt 2048] [--budget 256]``.
 Writes ``bench/results/<model>/kvzip_cost.json`` and ``kvzip_cost.png``.
 """
 

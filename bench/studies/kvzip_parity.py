@@ -15,7 +15,7 @@ transformers' ``gguf_file=``, fed the same ids. Reported per ratio: accuracy of 
 overlap of the rows each keeps per (layer, KV head): the share of kvpress's kept context rows
 that ours keeps too, and the Jaccard index.
 
-Run: ``python -m bench.quality.kvzip_parity --kvpress-python /path/to/venv/bin/python
+Run: ``python -m bench kvzip-parity --kvpress-python /path/to/venv/bin/python
 [--docs 20] [--ratios 2 4 8]``; ``<out>/kvzip_parity/`` holds the documents, kvpress's raw
 records (resumed), ours, and the JSON and plot.
 """

@@ -17,7 +17,7 @@ memory allows); later turns read the compressed cache plus their own tokens.
 Records are appended to ``<out>/kvzip_reuse.jsonl`` per (document, arm, ratio), so a run
 resumes; ``<out>/kvzip_reuse.json`` and the plot are written at the end.
 
-Run: ``python -m bench.quality.kvzip_reuse [--quick] [--docs 6] [--length 1500]``.
+Run: ``python -m bench kvzip-reuse [--quick] [--docs 6] [--length 1500]``.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ Four arms hold the same conversation side by side, one turn each per round: Q-Fi
 (budget 512) with reuse, Q-Filters without, a full cache with reuse (qfserve), and mlx-lm's.
 Every turn adds the
 same new user text (about ``--turn-tokens`` tokens of English prose from the standard
-library's docstrings, :mod:`bench.quality.prose`) to that conversation's own history, with
+library's docstrings, :mod:`bench prose`) to that conversation's own history, with
 the model's own answers (greedy, at most ``--max-tokens``, ending where the model ends them,
 so the template renders each answer back as it was generated). Per turn and arm: TTFT,
 prompt tokens, the tokens a reused cache held (``cached_tokens``), KV bytes kept (qfserve's
@@ -19,7 +19,7 @@ runs a subset (only the servers those arms need are started). The ratio of the l
 TTFT to turn 2's is reported per conversation and as their median; ``turns`` and the plot
 show the first conversation, ``runs`` every one.
 
-Run: ``python -m bench.speed.multiturn [--quick] [--model M] [--turns 20] [--conversations K]
+Run: ``python -m bench multiturn [--quick] [--model M] [--turns 20] [--conversations K]
 [--arms qfilters_reuse ...]``.
 Writes ``bench/results/<model>/multiturn.json`` and ``multiturn.png``.
 """

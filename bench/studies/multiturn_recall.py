@@ -1,7 +1,7 @@
 """A pass key given in turn 1 of a chat, asked again turns later, with and without reuse.
 
 Each conversation opens with "Remember this pass key: <5 digits>." and then, turn after turn,
-about ``--turn-tokens`` tokens of English prose (:mod:`bench.quality.prose`); at the turns in
+about ``--turn-tokens`` tokens of English prose (:mod:`bench prose`); at the turns in
 ``--ask`` the user asks for the pass key, at the others for a one-line summary. The model
 answers greedily (at most ``--max-tokens``, ending where it ends) and each answer joins the
 history, as a chat client would send it. At an ask, two measures: whether the greedy answer
@@ -29,7 +29,7 @@ per ask turn. At the default size (20 turns of 150 tokens, asks at 5, 10 and 20,
 and 512, three methods) that is about 60k prompt tokens per conversation, roughly 40 minutes
 on one core here.
 
-Run: ``python -m bench.quality.multiturn_recall [--quick] [--turns 20] [--ask 5 10 20]``.
+Run: ``python -m bench multiturn-recall [--quick] [--turns 20] [--ask 5 10 20]``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Study 6: needle in a haystack in English prose, depth x length, per arm and compression.
 
 The haystack is English prose every machine has offline: paragraphs of the Python standard
-library's docstrings (:func:`bench.quality.prose.stdlib_prose`). The needle is one sentence,
+library's docstrings (:func:`bench prose.stdlib_prose`). The needle is one sentence,
 "The special magic number for <city> is <7 digits>.", placed between paragraphs at a
 controlled depth (0 = first, 1 = last before the question); the prompt ends with the question
 and "The special magic number for <city> is", and an arm is right when the first number of
@@ -15,7 +15,7 @@ which evict exactly as one block call would.
 Results are appended to ``<out>/niah.jsonl`` one document at a time, so an interrupted run
 resumes where it stopped; ``<out>/niah.json`` and the heatmaps are written at the end.
 
-Run: ``python -m bench.quality.niah [--quick] [--lengths ...] [--depths ...] [--ratios ...]``.
+Run: ``python -m bench niah [--quick] [--lengths ...] [--depths ...] [--ratios ...]``.
 """
 
 from __future__ import annotations
@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return study.save(
         {
             "data": {
-                "haystack": "paragraphs of Python standard-library docstrings (bench.quality.prose)",
+                "haystack": "paragraphs of Python standard-library docstrings (bench prose)",
                 "needle": "The special magic number for <city> is <7 digits>.",
                 "scoring": "first number of the greedy continuation equals the needle's",
                 "docs_per_cell": per_cell,

@@ -1,10 +1,10 @@
 """Study 3: perplexity of streaming generation with eviction active, per budget and arm.
 
 Sequences of ``L`` tokens (default 4 x 2,048) are fed one token per step through each arm's
-real caches (:mod:`bench.quality.teacher`), teacher-forced, at budgets 256 / 512 / 1,024 by
+real caches (:mod:`bench teacher`), teacher-forced, at budgets 256 / 512 / 1,024 by
 default (those with ``budget <= L/2``). Data sets: ``stdlib`` (evaluation-split standard
 library code windows), ``prose`` (running English prose: standard-library docstring
-paragraphs, :mod:`bench.quality.prose`) and ``recall`` (held-out generated recall
+paragraphs, :mod:`bench prose`) and ``recall`` (held-out generated recall
 documents). Perplexity is scored on the second half of each sequence, where every budget is
 full and evicting, so budgets are comparable. Arms: full cache, calibrated Q-Filters and
 K-norm with ``recent = budget/4`` (``--methods`` adds the key-SVD fallback in either
@@ -21,7 +21,7 @@ at any step.
 Each (data set, budget, arm) is appended to ``<out>/perplexity.jsonl`` as it finishes, so an
 interrupted run resumes where it stopped.
 
-Run: ``python -m bench.quality.perplexity [--quick] [--budgets ...] [--datasets ...]``.
+Run: ``python -m bench perplexity [--quick] [--budgets ...] [--datasets ...]``.
 """
 
 from __future__ import annotations
@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "kinds": {
                     "stdlib": "evaluation-split stdlib windows, evenly spaced",
                     "prose": "running English prose: stdlib docstring paragraphs "
-                    "(bench.quality.prose), windows from evenly spaced paragraphs",
+                    "(bench prose), windows from evenly spaced paragraphs",
                     "recall": "held-out generated kv / fact / pass-key documents (eval seeds)",
                 },
             },

@@ -16,7 +16,7 @@ layer, shared unevenly, stored padded to the longest head; attention then reads 
 width, so that arm's step pays for its padding too. The rows each arm stores (``stored_rows``,
 padding included) and keeps (``kept_rows``) are recorded beside its time.
 
-Run: ``python -m bench.speed.refine_step [--quick] [--model M] [--budgets 256 512]``.
+Run: ``python -m bench refine-step [--quick] [--model M] [--budgets 256 512]``.
 Writes ``bench/results/<model>/refine_step.json`` and ``refine_step.png``.
 """
 

@@ -27,7 +27,7 @@ Each document's outcomes are appended to ``<out>/retrieval.jsonl`` as soon as th
 measured, and a rerun with the same arms, ratios and filler skips those documents, so a long
 run that was stopped resumes where it was.
 
-Run: ``python -m bench.quality.retrieval [--quick] [--lengths 256 512 1024 2048]``.
+Run: ``python -m bench retrieval [--quick] [--lengths 256 512 1024 2048]``.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ matrix until the first eviction, then the filter is computed), ``fallback`` (no 
 the key-SVD estimate) and ``calibrated_again`` (the A/A copy). Ratios are to
 ``calibrated``. The goal: ``self`` within 1.10x.
 
-Run: ``python -m bench.speed.selfcal_prefill [--quick] [--model M] [--reps 3] [--prompt 4096]``.
+Run: ``python -m bench selfcal-prefill [--quick] [--model M] [--reps 3] [--prompt 4096]``.
 Writes ``bench/results/<model>/selfcal_prefill.json`` and ``selfcal_prefill.png``.
 """
 

@@ -19,7 +19,7 @@ still holds after the prompt was compressed (a graded signal: which rows the fil
 and per source its mean cosine to the calibrated filters. ``--fillers`` runs the synthetic
 filler (``classic``: a few sentences repeated) and natural text (``prose``, ``code``).
 
-Run: ``python -m bench.quality.selfcal_text [--quick] [--lengths 1024] [--fillers classic prose]``.
+Run: ``python -m bench selfcal-text [--quick] [--lengths 1024] [--fillers classic prose]``.
 """
 
 from __future__ import annotations

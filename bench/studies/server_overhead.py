@@ -15,7 +15,7 @@ sends the same prompt, which a kept cache would answer without a prefill.
 Arms interleaved per round: in-process, worker, HTTP, in-process, HTTP; the two copies of
 in-process and of HTTP are the A/A pairs.
 
-Run: ``python -m bench.speed.server_overhead [--quick] [--model M] [--reps 7]``.
+Run: ``python -m bench server-overhead [--quick] [--model M] [--reps 7]``.
 Writes ``bench/results/<model>/server_overhead.json`` and ``server_overhead.png``.
 """
 

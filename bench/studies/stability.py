@@ -1,7 +1,7 @@
 """Study 5: how stable is the calibration across sample counts and calibration texts?
 
 Queries are captured once from each of two disjoint calibration texts, ``A`` and ``B``
-(halves of the training-split standard library, :mod:`bench.quality.calib`), with the
+(halves of the training-split standard library, :mod:`bench calib`), with the
 paper's 3,000 positions per head. Filters are then computed from uniform subsamples of 100,
 300, 1,000 and 3,000 positions (a uniform subsample of a uniform sample is a uniform sample;
 ``--repeats`` draws per count give the spread). We report, per KV head:
@@ -12,7 +12,7 @@ paper's 3,000 positions per head. Filters are then computed from uniform subsamp
 and the streaming perplexity (as in study 3) of held-out stdlib windows at budget 128 with
 each filter set, against the ``A_3000`` reference, with ``recent`` 0 and budget/4.
 
-Run: ``python -m bench.quality.stability [--quick]``.
+Run: ``python -m bench stability [--quick]``.
 """
 
 from __future__ import annotations

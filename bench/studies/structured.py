@@ -10,7 +10,7 @@ and the grammar's first mask excluded) up to ``--tokens`` or the end of the answ
 reports milliseconds per token; the schema arm also reports the time spent inside the
 processor (the matcher's mask and its application).
 
-Run: ``python -m bench.speed.structured [--quick] [--model smollm2-135m-instruct]``.
+Run: ``python -m bench structured [--quick] [--model smollm2-135m-instruct]``.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ with ``--traffic-artifacts chat=PATH passkey=PATH`` as the ``traffic`` arms.
 The pool writes once it holds calibration's sample count from at least ``--min-prompts``
 prompts (the server's default, :data:`qfserve.engine.filters.traffic.DEFAULT_MIN_PROMPTS`).
 
-Run: ``python -m bench.quality.traffic [--quick] [--traffic chat passkey]``.
+Run: ``python -m bench traffic [--quick] [--traffic chat passkey]``.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ then mlx-lm's ``generate_step`` (default ``prefill_step_size`` 2048) with
 (twice, the A/A pair) and Q-Filters at budgets 256 and 512. Prompts longer than the model's
 trained context are labelled: RoPE runs past it, so speed is measurable there.
 
-Run: ``python -m bench.speed.ttft [--quick] [--model M] [--reps 5] [--prompts ...] [--budgets ...]``.
+Run: ``python -m bench ttft [--quick] [--model M] [--reps 5] [--prompts ...] [--budgets ...]``.
 Writes ``bench/results/<model>/ttft.json`` and ``ttft.png``.
 """
 

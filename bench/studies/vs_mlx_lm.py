@@ -8,7 +8,7 @@ banned through ``logit_bias`` (so each makes exactly ``max_tokens``) and a uniqu
 Arms interleaved per round: theirs (full cache), ours full, ours with Q-Filters, theirs again
 (the A/A pair). At a short and a long prompt: TTFT and decode tok/s, as ratios to theirs.
 
-Run: ``python -m bench.speed.vs_mlx_lm [--quick] [--model M] [--reps 3] [--prompts 256,8096]``.
+Run: ``python -m bench vs-mlx-lm [--quick] [--model M] [--reps 3] [--prompts 256,8096]``.
 Writes ``bench/results/<model>/vs_mlx_lm.json`` and ``vs_mlx_lm.png``.
 """
 
