@@ -245,4 +245,3 @@ def main(argv: list[str] | None = None) -> dict:
     if not all(all(r["parity_bitwise"].values()) for r in results):
         sys.exit("kernel_cuda: parity FAILED (see the JSON)")
     return payload
-
