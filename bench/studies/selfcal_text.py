@@ -32,7 +32,7 @@ import numpy as np
 
 from bench.arms import Arm, feed_block
 from bench.data import passkey_docs, stdlib_windows
-from bench.harness import open_run, parse, parser, progress, save_plot, subplots
+from bench.harness import color, open_run, parse, parser, progress, save_plot, subplots
 from bench.report import plots, quality_header, table
 from bench.studies.retrieval import BINS, budget_for, decode, prefill_block
 from qfserve.engine.kv.cache import EvictionCache
@@ -149,7 +149,7 @@ def cell_texts(cells: dict[str, dict[str, float]], ratios: list[int]) -> list[st
     ]
 
 
-COLORS = {"calibrated": "qfilters", "own": "self", "other": "fallback", "streaming": "streaming"}
+METHOD_OF = {"calibrated": "qfilters", "own": "self", "other": "fallback", "streaming": "streaming"}
 
 
 def plot(results: dict[str, Any], ratios: list[int], out: Any, title: str) -> str:
@@ -163,7 +163,7 @@ def plot(results: dict[str, Any], ratios: list[int], out: Any, title: str) -> st
                 cells = res["arms"].get(name, {})
                 xs = [r for r in ratios if str(r) in cells]
                 a.plot(xs, [cells[str(r)][metric] for r in xs], "o-",
-                       color=COLORS[COLORS[name]], label=name)  # fmt: skip
+                       color=color(METHOD_OF[name]), label=name)  # fmt: skip
             a.set_xscale("log", base=2)
             a.set_xticks(ratios, [f"{r}x" for r in ratios])
             a.set_ylim(-0.05, 1.05)
