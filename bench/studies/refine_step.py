@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     progress = Progress("refine_step")
     sm = open_run("refine_step", args, argv)
     model = sm.loaded.model
-    bm = sm.bench
+    bm = sm
     filters, scale, source = resolve_calibration(
         model, bm.loaded.model_id, fingerprint=model_fingerprint(model, bm.loaded.config)
     )
