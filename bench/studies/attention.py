@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def render(data: dict[str, Any]) -> list[str]:
     """This study's section of ``bench/RESULTS.md``."""
-    lines = quality_header("2. Does the score predict attention?", data)
+    lines = quality_header("Does the score predict attention?", data)
     d = data["data"]
     lengths = d["length"] if isinstance(d["length"], list) else [d["length"]]
     lines += [

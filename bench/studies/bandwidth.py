@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def render(d: dict[str, Any]) -> list[str]:
     """This study's section of ``bench/RESULTS.md``."""
     b = d["bandwidth"]
-    lines = speed_header("10. The physical limit: memory bandwidth vs bytes read per token", d)
+    lines = speed_header("The physical limit: memory bandwidth vs bytes read per token", d)
     lines.append(
         f"Bandwidth ({b['method']}, {b['buffer_mib']} MiB buffers): copy "
         f"{ms(b['copy_gbps'], 1.0, 1)} GB/s, read {ms(b['read_gbps'], 1.0, 1)} GB/s; "

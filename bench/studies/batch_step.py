@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def render(d: dict[str, Any]) -> list[str]:
     """This study's section of ``bench/RESULTS.md``."""
     s = d["settings"]
-    lines = speed_header("14. One decode step of a batch: per-request caches against mlx-lm's", d)
+    lines = speed_header("One decode step of a batch: per-request caches against mlx-lm's", d)
     lines.append(
         f"In process: {s['ours']} against {s['theirs']}; prompts of {s['prompt']} tokens, "
         f"budget {s['budget']}, {s['reps']} interleaved rounds (`ours_again` = A/A)."

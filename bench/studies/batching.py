@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def render(d: dict[str, Any]) -> list[str]:
     """This study's section of ``bench/RESULTS.md``."""
     s = d["settings"]
-    lines = speed_header("12. Continuous batching: concurrent streams", d)
+    lines = speed_header("Continuous batching: concurrent streams", d)
     lines.append(
         f"Streamed chat requests of one prompt length sent at once, greedy, {s['max_tokens']} "
         f"tokens (EOS banned); ours mix methods and budgets. Arms: {s['serial']} (serial), "

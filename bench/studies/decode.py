@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def render(d: dict[str, Any]) -> list[str]:
     """This study's section of ``bench/RESULTS.md``."""
     budgets = d["settings"]["budgets"]
-    lines = speed_header("6. Decode step time, eviction overhead and memory against context", d)
+    lines = speed_header("Decode step time, eviction overhead and memory against context", d)
     lines.append(
         f"ms per decode step, median [IQR] over {d['settings']['reps']} interleaved repetitions "
         f"of {d['settings']['steps']} steps; ratios are medians of paired per-round ratios to "

@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def render(data: dict[str, Any]) -> list[str]:
     """This study's section of ``bench/RESULTS.md``."""
     s = data["summary"]
-    lines = quality_header("1. Geometry: are the queries anisotropic?", data)
+    lines = quality_header("Geometry: are the queries anisotropic?", data)
     lines += [
         "",
         f"Held-out queries ({data['data']['tokens']:,} tokens, {data['data']['samples_per_head']}"

@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def render(d: dict[str, Any]) -> list[str]:
     """This study's section of ``bench/RESULTS.md``."""
     s = d["settings"]
-    lines = speed_header("13. Multi-turn chat: reuse of compressed caches", d)
+    lines = speed_header("Multi-turn chat: reuse of compressed caches", d)
     lines.append(
         f"{s['turns']} turns of about {s['turn_tokens']} new prose tokens each, greedy answers "
         f"of at most {s['max_tokens']} tokens; Q-Filters at budget {s['budget']}."

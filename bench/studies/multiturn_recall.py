@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def render(data: dict[str, Any]) -> list[str]:
     """This study's section of ``bench/RESULTS.md``."""
-    lines = quality_header("8. A pass key from turn 1, asked turns later", data)
+    lines = quality_header("A pass key from turn 1, asked turns later", data)
     st, ask = data["settings"], data["settings"]["ask"]
     lines += [
         "",

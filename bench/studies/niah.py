@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def render(data: dict[str, Any]) -> list[str]:
     """This study's section of ``bench/RESULTS.md``."""
-    lines = quality_header("6. Needle in a haystack, in prose", data)
+    lines = quality_header("Needle in a haystack, in prose", data)
     d = data["data"]
     lengths, depths, ratios = data["lengths"], data["depths"], data["ratios"]
     lines += [

@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def render(data: dict[str, Any]) -> list[str]:
     """This study's section of ``bench/RESULTS.md``."""
-    lines = quality_header("3. Streaming generation perplexity", data)
+    lines = quality_header("Streaming generation perplexity", data)
     d = data["data"]
     lines += [
         "",

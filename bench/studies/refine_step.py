@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def render(d: dict[str, Any]) -> list[str]:
     """This study's section of ``bench/RESULTS.md``."""
     s = d["settings"]
-    lines = speed_header("16. Chunks and adaptive budgets: the decode step at equal size", d)
+    lines = speed_header("Chunks and adaptive budgets: the decode step at equal size", d)
     lines.append(
         f"In process: every arm prefilled with {s['prompt']}, so each step evicts one row; "
         f"recent {s['recent']}, {s['steps']} steps per timing, {s['reps']} interleaved rounds. "

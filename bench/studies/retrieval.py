@@ -402,7 +402,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def render(data: dict[str, Any]) -> list[str]:
     """This study's section of ``bench/RESULTS.md``."""
-    lines = quality_header("4. Pass-key retrieval", data)
+    lines = quality_header("Pass-key retrieval", data)
     check = data["shared_prefill_check"]
     full_acc = [r["arms"]["full"]["-"]["accuracy"] for r in data["results"].values()
                 if "full" in r["arms"]]  # fmt: skip

@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def render(d: dict[str, Any]) -> list[str]:
     """This study's section of ``bench/RESULTS.md``."""
     s = d["settings"]
-    lines = speed_header("15. Self-calibration: its cost on a prefill", d)
+    lines = speed_header("Self-calibration: its cost on a prefill", d)
     lines.append(
         f"In process: a {s['prompt_tokens']}-token prompt prefilled in {s['prefill_chunk']}-token "
         f"chunks into Q-Filters caches (budget {s['budget']}, recent {s['recent']}), "

@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def render(data: dict[str, Any]) -> list[str]:
     """This study's section of ``bench/RESULTS.md``."""
-    lines = quality_header("7. Whose queries calibrate a prompt's filters?", data)
+    lines = quality_header("Whose queries calibrate a prompt's filters?", data)
     d, ratios = data["data"], data["ratios"]
     lines += [
         "",

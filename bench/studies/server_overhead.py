@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def render(d: dict[str, Any]) -> list[str]:
     """This study's section of ``bench/RESULTS.md``."""
     s = d["settings"]
-    lines = speed_header("8. Server overhead: streamed HTTP vs the worker vs in-process", d)
+    lines = speed_header("Server overhead: streamed HTTP vs the worker vs in-process", d)
     lines.append(
         f"{s['max_tokens']} tokens generated (EOS banned), Q-Filters budget {s['budget']}, "
         f"greedy; {s['reps']} interleaved rounds. `in_process`: encode + `make_caches` + "

@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def render(data: dict[str, Any]) -> list[str]:
     """This study's section of ``bench/RESULTS.md``."""
-    lines = quality_header("5. Calibration stability", data)
+    lines = quality_header("Calibration stability", data)
     cal = data["calibration"]
     lines += [
         "",

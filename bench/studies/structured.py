@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def render(d: dict[str, Any]) -> list[str]:
     """This study's section of ``bench/RESULTS.md``."""
     r, aa = d["ratios"]["schema/free"], d["ratios"]["free_again/free (A/A)"]
-    lines = speed_header("11. Structured output: what a JSON-schema constraint costs per token", d)
+    lines = speed_header("Structured output: what a JSON-schema constraint costs per token", d)
     lines += [
         f"Greedy decode, {d['reps']} interleaved repetitions of {d['steps']} tokens, "
         f"served grammar engine {d['grammar_engine']}.",

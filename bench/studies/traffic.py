@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def render(data: dict[str, Any]) -> list[str]:
     """This study's section of ``bench/RESULTS.md``."""
-    lines = quality_header("9. Q-Filters learned from traffic", data)
+    lines = quality_header("Q-Filters learned from traffic", data)
     d = data["data"]
     lines += [
         "",

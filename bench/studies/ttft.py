@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def render(d: dict[str, Any]) -> list[str]:
     """This study's section of ``bench/RESULTS.md``."""
     budgets = d["settings"]["budgets"]
-    lines = speed_header("7. Time to first token, eviction vs full", d)
+    lines = speed_header("Time to first token, eviction vs full", d)
     lines.append(
         f"Timed: {d['settings']['timed']} (prefill step {d['settings']['prefill_step_size']}). "
         f"ms, median [IQR] over {d['settings']['reps']} interleaved repetitions; ratios to full."

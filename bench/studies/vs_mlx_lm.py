@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def render(d: dict[str, Any]) -> list[str]:
     """This study's section of ``bench/RESULTS.md``."""
     s = d["settings"]
-    lines = speed_header("9. Against mlx-lm's own server", d)
+    lines = speed_header("Against mlx-lm's own server", d)
     lines.append(
         f"Same model folder and prompts, streamed `/v1/chat/completions`, greedy, "
         f"{s['max_tokens']} tokens (EOS banned), {s['reps']} interleaved rounds; theirs: {s['theirs']}; "
