@@ -213,7 +213,7 @@ def multiturn(folder: Path) -> Row:
     fresh = ratios.get("qfilters_fresh")
     without = "" if fresh is None else f" ({fresh:.2f}× without)"
     measured = f"turn {len(kept)} / turn 2 TTFT: {ratio:.2f}× with reuse{without}"
-    # Repeated conversations (bench.speed.multiturn --conversations K, run into the
+    # Repeated conversations (bench multiturn --conversations K, run into the
     # multiturn_repeats subfolder) give the ratio a spread; their median is the figure judged
     # when they were run with this run's settings on the same weights.
     repeats = _load(folder / "multiturn_repeats", "multiturn")

@@ -1,23 +1,284 @@
-"""Shared benchmark plumbing: interleaved arms, medians with spread, JSON results, tables.
+"""What every study shares: its command line, the model it measures, timing, results, progress
+and plots.
 
-Machines running these are shared and noisy, so arms always run in the same process,
-interleaved (A B A B ...), and results are read as ratios against a reference arm, with an
-A/A pair (the reference against itself) showing the noise floor.
+Arguments: ``--model`` (default: the served SmolLM2-135M-Instruct; with ``--quick`` the bundled
+``qfserve-tiny``, so a smoke run needs nothing downloaded), ``--quick``, ``--out`` (default
+``bench/results/<model>/``), ``--seed``, and where a study asks for them ``--reps`` and
+``--calibration``. :func:`open_run` loads the model the way the server does and records exactly
+which weights were measured; :meth:`Run.save` writes ``<out>/<study>.json`` and prints the
+study's section of the results page.
+
+Timing: machines running these are shared and noisy, so arms run in one process, interleaved
+(A B A B ...), and are read as ratios against a reference arm, with an A/A pair (the
+reference against itself) for the noise floor. Long studies append to a JSONL as they go and
+resume where they stopped (:func:`read_jsonl`, :func:`append_jsonl`).
 """
 
 from __future__ import annotations
 
+import argparse
+import hashlib
 import json
 import math
 import os
 import platform
 import statistics
+import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS_DIR = REPO / "bench" / "results"
+DEFAULT_MODEL = "smollm2-135m-instruct"  # what `qfserve` serves with no --model
+BUNDLED = "qfserve-tiny"
+RESULTS_FOLDERS = {DEFAULT_MODEL: "smollm2", BUNDLED: BUNDLED}  # bench/results/<folder>/
+MiB = 2**20
+
+
+# -- command line --------------------------------------------------------------------------
+
+
+def parser(
+    description: str, *, reps: int | None = None, calibration: bool = False
+) -> argparse.ArgumentParser:
+    """The shared arguments; ``reps`` adds ``--reps`` with that default, ``calibration`` adds
+    ``--calibration``."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument(
+        "--model",
+        default=None,
+        help=f"catalog name, GGUF file, mlx-lm folder or hub id (default: {DEFAULT_MODEL}; "
+        f"with --quick: {BUNDLED})",
+    )
+    p.add_argument("--quick", action="store_true", help="CI-sized smoke run (seconds)")
+    p.add_argument(
+        "--out", type=Path, default=None, help="results folder (default: bench/results/<model>)"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    if reps is not None:
+        p.add_argument(
+            "--reps",
+            type=int,
+            default=None,
+            help=f"timed repetitions per arm (default: {reps}; quick: 2)",
+        )
+        p.set_defaults(default_reps=reps)
+    if calibration:
+        p.add_argument(
+            "--calibration",
+            choices=("auto", "registry", "fresh"),
+            default="auto",
+            help="calibrated filters: the registry's artifact if one exists (auto), only the "
+            "registry, or always calibrate afresh on held-in training text",
+        )
+    return p
+
+
+def parse(p: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parse and fill the defaults that depend on other arguments (model, out, reps)."""
+    args = p.parse_args(argv)
+    if args.model is None:
+        args.model = BUNDLED if args.quick else DEFAULT_MODEL
+    if args.out is None:
+        args.out = results_dir(args.model)
+    if hasattr(args, "reps"):
+        if args.reps is None:
+            args.reps = 2 if args.quick else args.default_reps
+        if args.reps < 1:
+            p.error(f"--reps must be >= 1, got {args.reps}")
+    return args
+
+
+def add_data_arguments(p: argparse.ArgumentParser) -> None:
+    """``--length`` and ``--sequences``: the held-out windows a study measures on."""
+    p.add_argument("--length", type=int, default=None, help="tokens per held-out sequence")
+    p.add_argument("--sequences", type=int, default=None, help="held-out sequences per kind")
+
+
+def command_line(study: str, argv: Sequence[str] | None) -> str:
+    """The command that reproduces this run: ``python -m bench <study> <arguments>``."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    return " ".join(["python -m bench", study.replace("_", "-"), *args])
+
+
+def results_dir(ref: str) -> Path:
+    """Default results folder for ``--model ref``: ``bench/results/<short name>``."""
+    name = RESULTS_FOLDERS.get(ref)
+    if name is None:
+        path = Path(ref)
+        name = (path.stem if path.suffix.lower() == ".gguf" else path.name) or "model"
+    return RESULTS_DIR / name
+
+
+# -- the measured model and one study's run -------------------------------------------------
+
+
+@dataclass
+class Run:
+    """One study run: its arguments, the model loaded as the server loads it and named exactly
+    (:func:`identity`), and what its arms are measured with."""
+
+    name: str
+    args: argparse.Namespace
+    argv: Sequence[str] | None
+    loaded: Any  # qfserve.engine.models.loading.LoadedModel
+    folder: Path  # what servers a study starts load (a GGUF's converted folder)
+    identity: dict[str, Any]
+    started: float = field(default_factory=time.perf_counter)
+    calibrated: Any = None  # (n_layers, n_kv_heads, head_dim) filters the study calibrated
+    calibration: dict[str, Any] | None = None  # where they came from
+
+    @property
+    def model(self) -> Any:
+        return self.loaded.model
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.loaded.tokenizer
+
+    @property
+    def context_length(self) -> int:
+        return int(self.loaded.context_length)
+
+    @cached_property
+    def served(self) -> tuple[Any, str]:
+        """The filters the server would use (the registry's, else none: the key-SVD fallback)
+        and their source."""
+        from qfserve.engine.filters.artifact import resolve_filters
+
+        return resolve_filters(self.model, self.identity["model_id"],
+                               fingerprint=self.identity["fingerprint"])  # fmt: skip
+
+    @property
+    def filters(self) -> Any:
+        """The study's calibrated filters when it made them, else the server's."""
+        return self.calibrated if self.calibration is not None else self.served[0]
+
+    @cached_property
+    def corpus(self) -> Any:
+        """The held-out evaluation text (:func:`bench.data.heldout_corpus`)."""
+        from bench.data import heldout_corpus
+
+        return heldout_corpus(self.tokenizer)
+
+    @cached_property
+    def repeat(self) -> Any:
+        """The tokenizer's reconstruction prompts (kvzip arms)."""
+        from qfserve.engine.kv.kvzip import RepeatPrompt
+
+        return RepeatPrompt.for_tokenizer(self.tokenizer)
+
+    def describe(self) -> dict[str, Any]:
+        """The model's identity and where the server's filters come from (speed studies)."""
+        return {**self.identity, "filter_source": self.served[1]}
+
+    def calibrate(self) -> None:
+        """Calibrated filters per ``--calibration`` (:func:`bench.arms.filters_for`), with
+        those of ``--traffic-artifacts`` carried along."""
+        from bench.arms import filters_for, with_learned
+
+        a = self.args
+        self.calibrated, self.calibration = filters_for(
+            self.model, self.tokenizer, self.identity, mode=a.calibration, quick=a.quick,
+            seed=a.seed)  # fmt: skip
+        if getattr(a, "traffic_artifacts", None):
+            self.calibrated, learned = with_learned(
+                self.calibrated, a.traffic_artifacts, self.identity
+            )
+            self.calibration = {**self.calibration, "traffic_artifacts": learned}
+
+    def save(self, payload: dict[str, Any], *, section: str = "quality",
+             model: dict[str, Any] | None = None, calibration: Any = None,
+             echo: bool = True) -> dict[str, Any]:  # fmt: skip
+        """Write ``<out>/<name>.json`` (command line, quick flag, model identity, calibration,
+        date, machine, runtime, then ``payload``), print the study's section of the results
+        page (unless not ``echo``: a partial write) and return what was written."""
+        data = {"command": command_line(self.name, self.argv), "quick": self.args.quick,
+                "model": self.identity if model is None else model}  # fmt: skip
+        if section == "quality":
+            data["calibration"] = self.calibration if calibration is None else calibration
+        path = write_results(self.name, {**data, **payload}, self.args.out, section=section,
+                             started=self.started)  # fmt: skip
+        written = json.loads(path.read_text())
+        if not echo:
+            return written
+        from bench.report import render_study
+
+        print("\n".join(render_study(self.name, written)).replace("](results/", "]("))
+        print(f"\nwrote {path}")
+        return written
+
+
+def open_run(
+    name: str, args: argparse.Namespace, argv: Sequence[str] | None, *, calibrate: bool = False
+) -> Run:
+    """Load ``args.model`` with the server's loader (a GGUF file or catalog name becomes its
+    converted folder first); with ``calibrate``, the study's calibrated filters too. The clock
+    for the JSON's ``runtime_s`` starts here."""
+    from qfserve.engine.models.loading import load_model, resolve_model_ref
+
+    started = time.perf_counter()
+    folder = Path(resolve_model_ref(args.model))
+    loaded = load_model(str(folder))
+    run = Run(name, args, argv, loaded, folder, identity(loaded, folder), started)
+    if calibrate:
+        run.calibrate()
+    return run
+
+
+def identity(loaded: Any, folder: Path) -> dict[str, Any]:
+    """What exactly was measured: folder, served name, model id, weight hashes and shape."""
+    from mlx.utils import tree_flatten
+
+    from qfserve.calibrations.model_info import (
+        attention_modules,
+        head_counts,
+        max_context,
+        model_fingerprint,
+    )
+
+    model = loaded.model
+    digest = hashlib.sha1()
+    for w in sorted(folder.glob("*.safetensors")):
+        digest.update(w.read_bytes())
+    state_file = folder / "training_state.json"
+    state = json.loads(state_file.read_text()) if state_file.is_file() else None
+    n_heads, n_kv_heads, head_dim = head_counts(attention_modules(model)[0], model)
+    resolved = folder.resolve()
+    return {
+        "name": loaded.name,
+        "path": str(resolved.relative_to(REPO)) if resolved.is_relative_to(REPO) else str(folder),
+        "model_id": loaded.model_id,
+        "weights_sha1": digest.hexdigest()[:12],
+        "fingerprint": model_fingerprint(model, loaded.config),
+        "training_state": state,
+        "checkpoint": checkpoint_label(state, loaded.name),
+        "n_layers": len(attention_modules(model)),
+        "n_heads": n_heads,
+        "n_kv_heads": n_kv_heads,
+        "head_dim": head_dim,
+        "hidden_size": int(loaded.config.get("hidden_size", 0)),
+        "max_context": max_context(model) or loaded.context_length,
+        "weight_bytes": sum(v.nbytes for _, v in tree_flatten(model.parameters())),
+    }
+
+
+def checkpoint_label(state: dict[str, Any] | None, name: str = "") -> str:
+    """``"qfserve-tiny-recall step 1952 (18,711,040 training tokens)"`` from
+    ``training_state.json``; a pretrained model without one is labelled by its name."""
+    if not state:
+        return f"{name} (pretrained)" if name else "unknown (no training_state.json)"
+    run = f"{state['run']} " if state.get("run") else ""
+    return f"{run}step {state.get('step')} ({state.get('tokens_seen', 0):,} training tokens)"
+
+
+# -- timing ---------------------------------------------------------------------------------
 
 
 def interleave(
@@ -42,23 +303,78 @@ def interleave(
     return samples
 
 
-def summary(values: list[float]) -> dict[str, float]:
-    """Median and spread (min, max, interquartile range) of one arm's measurements."""
-    q = statistics.quantiles(values, n=4) if len(values) >= 2 else [values[0]] * 3
-    return {
-        "median": statistics.median(values),
-        "min": min(values),
-        "max": max(values),
-        "q1": q[0],
-        "q3": q[2],
-        "n": len(values),
-    }
+def summary(values: Sequence[float | None]) -> dict[str, float]:
+    """Median, interquartile range, min and max of ``values`` (``None`` and NaN dropped)."""
+    v = [float(x) for x in values if x is not None and math.isfinite(x)]
+    if not v:
+        return {"median": math.nan, "q1": math.nan, "q3": math.nan, "n": 0}
+    q = statistics.quantiles(v, n=4) if len(v) >= 2 else [v[0]] * 3
+    return {"median": statistics.median(v), "q1": q[0], "q3": q[2], "min": min(v),
+            "max": max(v), "n": len(v)}  # fmt: skip
 
 
-def ratio_row(samples: dict[str, list[float]], arm: str, reference: str) -> dict[str, float]:
+def ratio_row(samples: dict[str, list[float]], arm: str, reference: str) -> dict[str, Any]:
     """Median of per-repetition ratios ``arm / reference`` (pairs from the same round)."""
     ratios = [a / b for a, b in zip(samples[arm], samples[reference], strict=True)]
     return {"arm": arm, "reference": reference, **summary(ratios)}
+
+
+@dataclass(frozen=True)
+class StreamTiming:
+    """One streamed request, timed on the client: seconds, from sending the request."""
+
+    ttft: float  # first chunk with non-empty text
+    total: float  # stream finished
+    completion_tokens: int
+    prompt_tokens: int
+    chunks: int
+    kv_cache: dict[str, Any] | None = None
+    chunk_times: tuple[float, ...] = ()  # each text chunk's arrival
+
+    @property
+    def itl(self) -> float:
+        """Mean inter-token latency after the first token (seconds)."""
+        return (self.total - self.ttft) / max(1, self.completion_tokens - 1)
+
+    @property
+    def decode_tps(self) -> float:
+        return 1.0 / self.itl
+
+
+def stream_chat(client: Any, url: str, body: dict[str, Any]) -> StreamTiming:
+    """POST a streamed ``/v1/chat/completions`` request with ``client`` (httpx) and time its
+    chunks."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    ttft, chunks, times, usage, kv = None, 0, [], {}, None
+    tic = time.perf_counter()
+    with client.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
+        if r.status_code != 200:
+            r.read()
+            raise RuntimeError(f"{url}: HTTP {r.status_code}: {r.text[:500]}")
+        for line in r.iter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            event = json.loads(data)
+            if "error" in event:
+                raise RuntimeError(f"{url}: stream error: {event['error']}")
+            for choice in event.get("choices") or ():
+                if (choice.get("delta") or {}).get("content"):
+                    chunks += 1
+                    times.append(time.perf_counter() - tic)
+                    ttft = times[0]
+            usage = event.get("usage") or usage
+            kv = event.get("kv_cache") or kv
+    total = time.perf_counter() - tic
+    if ttft is None:
+        raise RuntimeError(f"{url}: the stream carried no text")
+    return StreamTiming(ttft, total, int(usage.get("completion_tokens", chunks)),
+                        int(usage.get("prompt_tokens", 0)), chunks, kv, tuple(times))  # fmt: skip
+
+
+# -- results --------------------------------------------------------------------------------
 
 
 def _training_running() -> bool:
@@ -97,13 +413,14 @@ def machine() -> dict[str, Any]:
     return info
 
 
-def _jsonable(x: Any) -> Any:
+def jsonable(x: Any) -> Any:
+    """``x`` with numpy values as lists and numbers, NaN as ``None`` and paths as strings."""
     if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
+        return {str(k): jsonable(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
+        return [jsonable(v) for v in x]
     if hasattr(x, "tolist"):  # numpy arrays and scalars
-        return _jsonable(x.tolist())
+        return jsonable(x.tolist())
     if isinstance(x, float) and not math.isfinite(x):
         return None  # JSON has no NaN
     if isinstance(x, Path):
@@ -112,46 +429,131 @@ def _jsonable(x: Any) -> Any:
 
 
 def write_results(
-    name: str,
-    payload: dict[str, Any],
-    out: Path,
-    *,
-    section: str,
-    started: float | None = None,
+    name: str, payload: dict[str, Any], out: Path, *, section: str, started: float | None = None
 ) -> Path:
     """Write ``<out>/<name>.json``: the study's payload with its date, machine, section
     (``quality`` or ``speed``) and, given the ``time.perf_counter()`` it started at, runtime."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.json"
-    data: dict[str, Any] = {
-        "benchmark": name,
-        "section": section,
-        "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": machine(),
-    }
+    data: dict[str, Any] = {"benchmark": name, "section": section,
+                            "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine()}  # fmt: skip
     if started is not None:
         data["runtime_s"] = round(time.perf_counter() - started, 1)
     data.update(payload)
-    path.write_text(json.dumps(_jsonable(data), indent=1) + "\n")
+    path.write_text(json.dumps(jsonable(data), indent=1) + "\n")
     return path
 
 
-def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: str = "") -> None:
-    """A fixed-width table on stdout, right-aligned; floats with 3 significant digits."""
+def read_jsonl(path: Path, keep: Callable[[dict[str, Any]], bool] = lambda r: True) -> Iterator[dict]:  # fmt: skip
+    """The records of a study's log that ``keep`` accepts (none if the file is missing)."""
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line.strip() and keep(rec := json.loads(line)):
+                yield rec
 
-    def fmt(x: Any) -> str:
-        if isinstance(x, float):
-            if not math.isfinite(x):
-                return "nan"
-            return f"{x:.3g}" if abs(x) < 1000 else f"{x:.0f}"
-        return str(x)
 
-    cells = [[fmt(c) for c in r] for r in rows]
-    widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
+def append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    """Append one record to a study's log, flushed at once (a stopped run resumes from it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(json.dumps(jsonable(record)) + "\n")
+
+
+# -- progress and plots ---------------------------------------------------------------------
+
+
+def progress(**kwargs: Any) -> Any:
+    """A tqdm bar; in a log file (no terminal) it writes a line every 30 s, not every step."""
+    from tqdm import tqdm
+
+    if not sys.stderr.isatty():
+        kwargs.setdefault("mininterval", 30.0)
+    return tqdm(**kwargs)
+
+
+class Progress:
+    """One line per step on stderr, with the elapsed time: ``[decode 12.3s] context 1024``."""
+
+    def __init__(self, study: str) -> None:
+        self.study, self.start = study, time.perf_counter()
+
+    def __call__(self, message: str) -> None:
+        elapsed = time.perf_counter() - self.start
+        print(f"[{self.study} {elapsed:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+    def rounds(self, label: str) -> Callable[[int, int], None]:
+        """A callback for :func:`interleave`."""
+        return lambda done, total: self(f"{label}: round {done}/{total}")
+
+    @property
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+
+COLORS = {
+    "full": "black", "qfilters": "tab:blue", "self": "tab:purple", "traffic": "tab:pink",
+    "traffic/passkey": "tab:gray", "snapkv": "tab:olive", "tova": "tab:cyan",
+    "kvzip": "darkgoldenrod", "fallback": "tab:orange", "knorm": "tab:green",
+    "streaming": "tab:red", "recency": "tab:red", "fallback+": "tab:orange",
+    "fallback-": "tab:brown",
+}  # fmt: skip
+
+
+def color(method: str, variant: str = "") -> str:
+    """An arm's colour: its variant's (``traffic/passkey``) where it has one, else its
+    method's."""
+    return COLORS.get(f"{method}/{variant}", COLORS[method])
+
+
+def pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as pyplot
+
+    return pyplot
+
+
+def subplots(nrows: int = 1, ncols: int = 1, **kwargs: Any) -> tuple[Any, Any]:
+    """A figure of ``nrows x ncols`` panels, always as a 2-D array of axes."""
+    kwargs.setdefault("figsize", (5.0 * ncols, 3.6 * nrows))
+    kwargs.setdefault("squeeze", False)
+    return pyplot().subplots(nrows, ncols, **kwargs)
+
+
+def save_plot(fig: Any, out: Path, name: str, title: str = "") -> str:
+    """Save ``fig`` as ``<out>/<name>.png``, close it and return the file's name."""
     if title:
-        print(f"\n{title}")
-    print("  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True)))
-    print("  ".join("-" * w for w in widths))
-    for r in cells:
-        print("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    out.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out / f"{name}.png", dpi=110)
+    pyplot().close(fig)
+    return f"{name}.png"
+
+
+def log2_axis(ax: Any, ticks: Sequence[int], *, logy: bool = False) -> None:
+    """Log-2 x axis labelled only at ``ticks`` (no minor-tick clutter); optionally log y."""
+    from matplotlib.ticker import NullLocator, ScalarFormatter
+
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(list(ticks), [str(t) for t in ticks])
+    ax.xaxis.set_minor_locator(NullLocator())
+    if logy:
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(ScalarFormatter())
+        ax.yaxis.set_minor_formatter(ScalarFormatter())
+
+
+def errorbars(stats: Sequence[dict[str, float]]) -> tuple[list[float], list[list[float]]]:
+    """Medians and the interquartile range as matplotlib's asymmetric ``yerr``."""
+    med = [s["median"] for s in stats]
+    return med, [[m - s["q1"] for m, s in zip(med, stats, strict=True)],
+                 [s["q3"] - m for m, s in zip(med, stats, strict=True)]]  # fmt: skip
+
+
+def finite(values: Any) -> np.ndarray:
+    """``values`` as a float array with ``None`` as NaN (for plotting partial grids)."""
+    return np.array([[np.nan if v is None else v for v in row] for row in values], dtype=float)

@@ -1,25 +1,30 @@
-"""Render ``bench/results/<model>/*.json`` into ``bench/RESULTS.md``: every figure on the page
-comes from those files. The default model (SmolLM2-135M-Instruct, ``bench/results/smollm2/``)
-comes first; the bundled test model's results (``bench/results/qfserve-tiny/``) follow,
-labelled as such. Each model has a quality and a speed section, one renderer per study.
+"""Render ``bench/results/<model>/*.json`` into ``bench/RESULTS.md``, and the headline table of
+``README.md`` between its markers: every figure on either page comes from those files.
 
-Run: ``python -m bench.report`` (after the studies; a missing study is listed, not an error).
+The page opens with the goals on the default model (:mod:`bench.goals`); then each results
+folder (:data:`MODELS`: SmolLM2-135M-Instruct first, then its subfolders of refinements, then
+the bundled test model's results, labelled as such) gets a quality and a speed section. A
+section opens with its headline lines, then each registered study (:mod:`bench.studies`) whose
+JSON is there, rendered by its module's ``render``; a study that has not run is listed (not an
+error). The markdown building blocks the studies' renderers share are here too.
+
+Run: ``python -m bench.report`` (after the studies).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
+from typing import Any
 
 from bench.goals import render_goals
-from bench.harness import RESULTS_DIR
-from bench.quality.headlines import headlines as quality_headlines
-from bench.quality.report import RENDERERS as QUALITY
-from bench.quality.report import SUBFOLDER_STUDIES
-from bench.speed.report import load_results, render_speed_section
+from bench.harness import RESULTS_DIR, MiB
+from bench.studies import STUDIES
 
 PAGE = Path(__file__).resolve().parent / "RESULTS.md"
+README = PAGE.parents[1] / "README.md"
 
 # (folder under bench/results, section title, list the studies that have not run)
 MODELS = (
@@ -109,38 +114,470 @@ MODELS = (
 )
 
 
-def render_quality(results_dir: Path, title: str = "Quality", *, missing: bool = True) -> list[str]:
-    """One quality section; ``missing=False`` leaves out studies that have not run."""
-    lines = [f"## {title}", "", *quality_headlines(results_dir), ""]
-    for name, render in QUALITY.items():
-        path = results_dir / f"{name}.json"
-        if path.exists():
-            lines += [*render(json.loads(path.read_text())), ""]
-        elif missing and name not in SUBFOLDER_STUDIES:
-            lines += [f"*{name}: no results yet (`python -m bench.quality.{name}`).*", ""]
+# -- markdown building blocks -------------------------------------------------------------
+
+CHUNKS = (4, 8, 16)  # chunk sizes the studies may run (bench.quality.arms.Arm.chunk)
+
+ARM_ORDER = (
+    "qfilters/r0",
+    "qfilters/r25",
+    *(f"qfilters/r{r}/c{c}" for r in (0, 25) for c in CHUNKS),
+    "qfilters/r0/ada",
+    "qfilters/r25/ada",
+    "fallback/r0",
+    "fallback/r25",
+    "fallback-/r0",
+    "fallback-/r25",
+    "knorm/r0",
+    "knorm/r25",
+    "streaming/r0",
+)
+
+ARM_NAMES = {
+    "full": "full cache",
+    "qfilters/r0": "Q-Filters calibrated, recent 0",
+    "qfilters/r25": "Q-Filters calibrated, recent b/4",
+    "fallback/r0": "key-SVD fallback, recent 0",
+    "fallback/r25": "key-SVD fallback, recent b/4",
+    "fallback-/r0": "key-SVD fallback sign-flipped (ablation), recent 0",
+    "fallback-/r25": "key-SVD fallback sign-flipped (ablation), recent b/4",
+    "knorm/r0": "K-norm, recent 0",
+    "knorm/r25": "K-norm, recent b/4",
+    "streaming/r0": "streaming (sinks + latest)",
+    **{
+        f"qfilters/r{r}/c{c}": f"Q-Filters calibrated, recent {'b/4' if r else 0}, chunks of {c}"
+        for r in (0, 25)
+        for c in CHUNKS
+    },
+    "qfilters/r0/ada": "Q-Filters calibrated, recent 0, adaptive budgets",
+    "qfilters/r25/ada": "Q-Filters calibrated, recent b/4, adaptive budgets",
+}
+
+METHOD_NAMES = {  # the other arms' methods (bench.quality.arms.Arm.name's first part)
+    "qfilters": "Q-Filters calibrated",
+    "self": "Q-Filters self-calibrated (the prompt's own queries)",
+    "traffic": "Q-Filters learned from traffic",
+    "snapkv": "SnapKV",
+    "tova": "TOVA",
+    "fallback": "key-SVD fallback",
+    "fallback-": "key-SVD fallback sign-flipped (ablation)",
+    "knorm": "K-norm",
+    "streaming": "streaming (sinks + latest)",
+}
+
+
+def arm_label(name: str) -> str:
+    """A row label for any arm name ``method/rNN[/cN][/ada][/wN][/<traffic>]``."""
+    if name in ARM_NAMES:
+        return ARM_NAMES[name]
+    method, _, rest = name.partition("/")
+    parts = rest.split("/") if rest else []
+    label = METHOD_NAMES.get(method, method)
+    for part in parts:
+        if part.startswith("r") and part[1:].isdigit():
+            share = int(part[1:])
+            label += ", recent " + (
+                "b/4" if share == 25 else "0" if share == 0 else f"{share}% of b"
+            )
+        elif part.startswith("c") and part[1:].isdigit():
+            label += f", chunks of {part[1:]}"
+        elif part == "ada":
+            label += ", adaptive budgets"
+        elif part.startswith("w") and part[1:].isdigit():
+            label += f", {part[1:]}-token window"
+        elif method == "traffic":
+            label = label.replace("from traffic", f"from {part} traffic")
+        else:
+            label += f", {part}"
+    return label
+
+
+def arm_order(present: Any) -> list[str]:
+    """``present`` arm names in reading order: the full cache, the standard arms, then the
+    rest as they came."""
+    present = list(dict.fromkeys(present))
+    known = [n for n in ("full", *ARM_ORDER) if n in present]
+    return known + [n for n in present if n not in known]
+
+
+def fmt(x: Any, digits: int = 3) -> str:
+    return "–" if x is None else f"{x:.{digits}f}"
+
+
+def pct(x: Any) -> str:
+    return "–" if x is None else f"{100 * x:.0f}%"
+
+
+def table(headers: list[str], rows: list[list[Any]]) -> list[str]:
+    out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return out
+
+
+def quality_header(title: str, data: dict[str, Any]) -> list[str]:
+    model = data["model"]
+    cal = data.get("calibration") or {}
+    lines = [
+        f"### {title}",
+        "",
+        f"`{data['command']}` — {data['when']}, {data.get('runtime_s', '?')} s. Model "
+        f"`{model['path']}` at **{model['checkpoint']}** (weights sha1 "
+        f"`{model['weights_sha1']}`).",
+    ]
+    if cal.get("source"):
+        lines[-1] += (
+            f" Filters: {cal['source']} calibration, {cal.get('samples_per_head')} samples per "
+            f"head on {cal.get('text')}; disjoint from the evaluation text: "
+            f"{cal.get('disjoint_from_eval')}."
+        )
+    if data.get("quick"):
+        lines += ["", "**Quick (smoke-test) run: sizes too small to read anything into.**"]
     return lines
 
 
-def render_model(results_dir: Path, title: str, *, missing: bool) -> list[str]:
-    """A model's quality and speed sections, plots linked into its results folder."""
-    if not results_dir.is_dir() or not any(results_dir.glob("*.json")):
-        return []
+def speed_header(title: str, data: dict[str, Any]) -> list[str]:
+    m = data["machine"]
+    notes = m.get("notes", "")
     lines = [
-        *render_quality(results_dir, f"{title}: quality", missing=missing),
-        *render_speed_section(
-            load_results(results_dir), f"{title}: speed and memory", missing=missing
-        ),
+        f"### {title}",
+        "",
+        f"`{data['command']}` — {data['when']}, {data.get('runtime_s', '?')} s; "
+        f"{m['processor']}, {m.get('cpu_count', '?')} cores, {m['device']}, MLX {m['mlx']}, "
+        f"load average {m.get('load_average', '?')}. {m['blas']}.",
     ]
-    relative = (
-        results_dir.relative_to(PAGE.parent)
-        if results_dir.is_relative_to(PAGE.parent)
-        else results_dir
+    if notes:
+        lines += ["", f"*Machine note: {notes}.*"]
+    if data.get("quick"):
+        lines += ["", "*Quick (CI-sized) run: not a measurement.*"]
+    return [*lines, ""]
+
+
+def plots(data: dict[str, Any]) -> list[str]:
+    return ["", *[f"![{p}](results/{p})" for p in data.get("plots", [])]]
+
+
+def spread_cell(s: dict[str, Any], digits: int = 3) -> str:
+    return f"{fmt(s.get('median'), digits)} [{fmt(s.get('q1'), digits)}–{fmt(s.get('q3'), digits)}]"
+
+
+def ms(s: dict[str, float], scale: float = 1.0, digits: int = 2) -> str:
+    return f"{s['median'] * scale:.{digits}f} [{s['q1'] * scale:.{digits}f}–{s['q3'] * scale:.{digits}f}]"
+
+
+def ratio_cell(row: dict[str, Any]) -> str:
+    """A paired-ratio row as ``median [q1-q3]``."""
+    return f"{row['median']:.3f} [{row['q1']:.2f}–{row['q3']:.2f}]"
+
+
+# -- section headlines -------------------------------------------------------------------
+
+QUALITY_HEADLINES = ("geometry", "attention", "perplexity", "retrieval", "stability", "niah")
+
+
+def quality_headlines(results_dir: Path) -> list[str]:
+    """The section's opening lines: model checkpoint(s) and the headline numbers."""
+    data = {}
+    for name in QUALITY_HEADLINES:
+        path = results_dir / f"{name}.json"
+        if path.is_file():
+            data[name] = json.loads(path.read_text())
+    if not data:
+        return []
+    # Weights decide whether studies are comparable; the checkpoint label of an older
+    # results file may differ for the same weights.
+    models = {(d["model"]["path"], d["model"]["weights_sha1"]) for d in data.values()}
+    lines = [
+        "Held-out data only: evaluation-split standard-library files and generated documents "
+        "from the training package's evaluation seeds; calibration on training-split files. "
+        "Budgets are matched in rows (sinks and recent rows included) and every arm is checked "
+        "to keep exactly that many. Quality figures are deterministic for given data, so there is "
+        "no timing noise to interleave against: all arms of a study see the same sequences in "
+        "one run, and the spreads shown are over sequences, heads or calibration draws.",
+        "",
+    ]
+    if len(models) > 1:
+        lines += [f"**Warning: the studies ran on different weights: {sorted(models)}.**", ""]
+    else:
+        (path, sha), *_ = models
+        # The newest study's label (older results files may lack the model's name).
+        checkpoint = max(data.values(), key=lambda d: d.get("when", ""))["model"]["checkpoint"]
+        lines += [
+            f"All studies: `{path}` at **{checkpoint}**, weights sha1 `{sha}`. "
+            "The numbers describe these weights only: after changing them, rerun the same "
+            "commands.",
+            "",
+        ]
+    lines += ["Headlines (all from the tables below):", ""]
+    if "geometry" in data:
+        s = data["geometry"]["summary"]
+        lines.append(
+            f"- Geometry: {s['share_heads_positive'] * s['heads']:.0f}/{s['heads']} query heads "
+            f"have a positive mean held-out projection on their filter; median top-component "
+            f"energy {s['top_energy']['median']:.2f}, median drift ratio "
+            f"{s['drift_ratio']['median']:.0f}×."
+        )
+    if "attention" in data:
+        r = data["attention"]["results"]["all"]
+        lines.append(
+            "- Score vs attention (mean Spearman ρ over KV heads, share of heads positive): "
+            + "; ".join(
+                f"{k} {v['mean_rho']:+.2f} ({pct(v['share_heads_positive'])})" for k, v in r.items()
+            )
+            + "."
+        )
+    if "perplexity" in data:
+        res = data["perplexity"]["results"]
+        for dataset, d in res.items():
+            budgets = list(d["budgets"])
+            b = "128" if "128" in budgets else budgets[0]
+            arms = d["budgets"][b]
+            lines.append(
+                f"- Perplexity ({dataset}, budget {b}; full {d['full']['ppl']:.2f}): "
+                + ", ".join(
+                    f"{n} {arms[n]['ppl']:.2f}"
+                    + (
+                        f" (gap closed {pct(arms[n]['gap_closed_vs_streaming'])})"
+                        if n != "streaming/r0"
+                        else ""
+                    )
+                    for n in arm_order(arms)
+                    if n != "full"
+                )
+                + "."
+            )
+    if "retrieval" in data:
+        res = data["retrieval"]["results"]
+        full = [v["arms"]["full"]["-"]["accuracy"] for v in res.values() if "full" in v["arms"]]
+        names = arm_order(n for v in res.values() for n in v["arms"])
+        acc = {}
+        for name in [n for n in names if n != "full"]:
+            vals = [c["accuracy"] for v in res.values() for c in v["arms"].get(name, {}).values()]
+            if vals:
+                acc[name] = sum(vals) / len(vals)
+        lines.append(
+            f"- Pass-key accuracy, mean over lengths and compressions (full cache "
+            f"{sum(full) / max(1, len(full)):.2f}): "
+            + ", ".join(f"{k} {v:.2f}" for k, v in acc.items())
+            + "."
+        )
+        nll = {}
+        for name in names:
+            vals = [
+                c["answer_nll_mean"]
+                for v in res.values()
+                for c in v["arms"].get(name, {}).values()
+                if "answer_nll_mean" in c
+            ]
+            if vals:
+                nll[name] = sum(vals) / len(vals)
+        if nll:
+            lines.append(
+                "- Pass-key answer NLL (nats/token, mean over lengths and compressions; lower is "
+                "better): " + ", ".join(f"{k} {v:.3f}" for k, v in nll.items()) + "."
+            )
+    if "stability" in data:
+        rows = data["stability"]["rows"]
+        first, last = rows[0], rows[-1]
+        lines.append(
+            f"- Calibration stability: median per-head cosine between calibrations on disjoint "
+            f"texts {first['cos_A_n_vs_B_n']['median']:.3f} at {first['samples_per_head']} "
+            f"samples/head, {last['cos_A_n_vs_B_n']['median']:.3f} at "
+            f"{last['samples_per_head']}; perplexity change at budget "
+            f"{data['stability']['budget']} with {first['samples_per_head']} samples "
+            f"{100 * first['ppl_change_A_r0']:+.1f}% (recent 0)."
+        )
+    return lines
+
+
+def _find(rows: list[dict[str, Any]], arm: str) -> dict[str, Any]:
+    return next(r for r in rows if r["arm"] == arm)
+
+
+def _worse(row: dict[str, Any], aa: dict[str, Any]) -> bool:
+    return row["q1"] > max(aa["q3"], 1.0)
+
+
+def where_eviction_loses(results: dict[str, dict[str, Any]]) -> list[str]:
+    """Time ratios of an eviction arm that sit above the noise floor, study by study."""
+    out = []
+    if "decode" in results:
+        d = results["decode"]
+        for r in d["sweep"]:
+            aa = _find(r["ratios"], "full_b")
+            out += [
+                f"decode at {r['context']}, {x['arm']} {ratio_cell(x)}"
+                for x in r["ratios"][1:]
+                if _worse(x, aa)
+            ]
+        for o in d["overhead"]:
+            if _worse(o["ratios"][1], o["ratios"][0]):
+                out.append(f"equal-size decode at B={o['budget']} {ratio_cell(o['ratios'][1])}")
+        for m in d["memory"]:
+            full = next(
+                f for f in d["memory"] if f["context"] == m["context"] and f["arm"] == "full"
+            )
+            if m["arm"] != "full" and m["decode_peak_bytes"] > full["decode_peak_bytes"]:
+                out.append(
+                    f"decode peak memory at {m['context']}, {m['arm']} "
+                    f"{m['decode_peak_bytes'] / MiB:.1f} vs full "
+                    f"{full['decode_peak_bytes'] / MiB:.1f} MiB"
+                )
+    if "ttft" in results:
+        for r in results["ttft"]["rows"]:
+            out += [
+                f"TTFT at {r['prompt_tokens']}, {x['arm']} {ratio_cell(x)}"
+                for x in r["ratios"][1:]
+                if _worse(x, r["ratios"][0])
+            ]
+    return out
+
+
+def speed_headlines(results: dict[str, dict[str, Any]]) -> list[str]:
+    """The ratios worth quoting, each beside its A/A noise floor (paired medians [IQR])."""
+    out = []
+    if "decode" in results:
+        d = results["decode"]
+        top = max(
+            (r for r in d["sweep"] if not r["beyond_trained_context"]), key=lambda r: r["context"]
+        )
+        parts = ", ".join(
+            f"budget {b}: {ratio_cell(_find(top['ratios'], f'b{b}'))}"
+            for b in d["settings"]["budgets"]
+        )
+        out.append(
+            f"- Decode step at the trained maximum context ({top['context']}), "
+            f"eviction / full: {parts}; A/A {ratio_cell(_find(top['ratios'], 'full_b'))}."
+        )
+        for o in d["overhead"]:
+            out.append(
+                f"- Eviction overhead at equal size B={o['budget']} (ours / `KVCache`): "
+                f"{ratio_cell(o['ratios'][1])}; A/A {ratio_cell(o['ratios'][0])}."
+            )
+        full = max((m for m in d["memory"] if m["arm"] == "full"), key=lambda m: m["context"])
+        kept = {m["arm"]: m for m in d["memory"] if m["context"] == full["context"]}
+        out.append(
+            f"- Kept KV at context {full['context']}: full {full['kept_bytes'] / MiB:.2f} MiB; "
+            + ", ".join(
+                f"{a} {m['kept_bytes'] / MiB:.2f} MiB "
+                f"({full['kept_bytes'] / m['kept_bytes']:.0f}x less)"
+                for a, m in kept.items()
+                if a != "full"
+            )
+            + "."
+        )
+    if "ttft" in results:
+        for r in results["ttft"]["rows"]:
+            parts = ", ".join(f"{x['arm']}: {ratio_cell(x)}" for x in r["ratios"][1:])
+            out.append(
+                f"- TTFT at {r['prompt_tokens']} prompt tokens"
+                + (" (beyond trained context)" if r["beyond_trained_context"] else "")
+                + f", eviction / full: {parts}; A/A {ratio_cell(r['ratios'][0])}."
+            )
+    if "server_overhead" in results:
+        for r in results["server_overhead"]["rows"]:
+            t = {(x["arm"], x["reference"]): x for x in r["ttft_ratios"]}
+            i = {(x["arm"], x["reference"]): x for x in r["itl_ratios"]}
+            k, w = ("http_a", "in_process_a"), ("worker", "in_process_a")
+            aa, bb = ("in_process_b", "in_process_a"), ("http_b", "http_a")
+            out.append(
+                f"- Serving overhead at a {r['prompt_tokens']}-token prompt, HTTP / in-process: "
+                f"TTFT {ratio_cell(t[k])}, inter-token latency {ratio_cell(i[k])} (worker / in-process: "
+                f"{ratio_cell(t[w])}, {ratio_cell(i[w])}); A/A in-process {ratio_cell(t[aa])} / {ratio_cell(i[aa])}, "
+                f"HTTP {ratio_cell(t[bb])} / {ratio_cell(i[bb])}."
+            )
+    if "vs_mlx_lm" in results:
+        for r in results["vs_mlx_lm"]["rows"]:
+            tr = {x["arm"]: x for x in r["ttft_ratios"]}
+            sr = {x["arm"]: x for x in r["tps_ratios"]}
+            out.append(
+                f"- vs `mlx_lm.server` at a {r['prompt_tokens']}-token prompt: ours full "
+                f"TTFT {ratio_cell(tr['ours_full'])}, tok/s {ratio_cell(sr['ours_full'])}; ours with "
+                f"Q-Filters TTFT {ratio_cell(tr['ours_qfilters'])}, tok/s {ratio_cell(sr['ours_qfilters'])}; "
+                f"A/A TTFT {ratio_cell(tr['theirs_b'])}, tok/s {ratio_cell(sr['theirs_b'])}."
+            )
+    if "bandwidth" in results:
+        d = results["bandwidth"]
+        parts = ", ".join(f"{r['arm']} {r['percent_of_bandwidth']:.1f}%" for r in d["decode"])
+        out.append(
+            f"- Share of measured bandwidth ({d['bandwidth']['reference_gbps']:.1f} GB/s) "
+            f"reached in decode at context {d['settings']['context']}: {parts}."
+        )
+    losses = where_eviction_loses(results)
+    if losses:
+        out.append(
+            "- Where eviction loses (its ratio's lower quartile above both 1 and the A/A upper "
+            "quartile): " + "; ".join(losses) + "."
+        )
+    return (
+        [
+            "**Headline ratios measured** (below 1 is faster for time ratios, above 1 is faster "
+            "for tok/s ratios):",
+            "",
+            *out,
+            "",
+        ]
+        if out
+        else []
     )
-    # Renderers link plots as results/<file>; point them at this model's folder.
+
+
+# -- the page ----------------------------------------------------------------------------
+
+
+def render_study(name: str, data: dict[str, Any]) -> list[str]:
+    """One study's section of the page, by its module's ``render`` (none: no lines)."""
+    from bench.studies import study
+
+    render = getattr(study(name).module(), "render", None)
+    return [] if render is None else render(data)
+
+
+def _results(folder: Path, section: str) -> dict[str, dict[str, Any]]:
+    """The JSON of every registered study of ``section`` found in ``folder``, by name."""
+    names = [s.key for s in STUDIES.values() if s.section == section]
+    return {n: json.loads((folder / f"{n}.json").read_text()) for n in names
+            if (folder / f"{n}.json").exists()}  # fmt: skip
+
+
+def render_section(folder: Path, section: str, title: str, *, missing: bool) -> list[str]:
+    """A model's ``quality`` or ``speed`` section: headlines, then every registered study of
+    it in the registry's order (``missing``: a line for each that has not run here)."""
+    results = _results(folder, section)
+    if section == "quality":
+        lines = [f"## {title}", "", *quality_headlines(folder), ""]
+    elif results or missing:
+        lines = [f"## {title}", "", "Speed studies (`python -m bench --list`). Each row compares "
+                 "arms run in the same process, interleaved, with an A/A row for the noise "
+                 "floor; ratios are medians of per-round ratios with their interquartile range.",
+                 "", *speed_headlines(results)]  # fmt: skip
+    else:
+        return []
+    for s in STUDIES.values():
+        if s.section != section:
+            continue
+        if s.key in results:
+            lines += [
+                *render_study(s.name, results[s.key]),
+                *([""] if section == "quality" else []),
+            ]
+        elif missing and not s.subfolder and hasattr(s.module(), "render"):
+            lines += [f"*{s.key}: no results yet (`python -m bench {s.name}`).*", ""]
+    return lines
+
+
+def render_model(folder: Path, title: str, *, missing: bool) -> list[str]:
+    """A results folder's quality and speed sections, plots linked into the folder."""
+    if not folder.is_dir() or not any(folder.glob("*.json")):
+        return []
+    lines = [*render_section(folder, "quality", f"{title}: quality", missing=missing),
+             *render_section(folder, "speed", f"{title}: speed and memory", missing=missing)]  # fmt: skip
+    relative = folder.relative_to(PAGE.parent) if folder.is_relative_to(PAGE.parent) else folder
+    # Renderers link plots as results/<file>; point them at this folder.
     return [line.replace("](results/", f"]({relative}/") for line in lines]
 
 
 def render(results_dir: Path = RESULTS_DIR) -> str:
+    """The whole of ``bench/RESULTS.md``."""
     lines = [
         "# qfserve benchmark results",
         "",
@@ -154,9 +591,80 @@ def render(results_dir: Path = RESULTS_DIR) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+# -- the README's headline table ------------------------------------------------------------
+
+BEGIN, END = "<!-- bench.report: headline results -->", "<!-- end of bench.report's table -->"
+
+
+def _load(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _slashed(values: list[float | None]) -> str:
+    return " / ".join("–" if v is None else f"{v:.2f}" for v in values)
+
+
+def readme_headlines(results_dir: Path = RESULTS_DIR) -> list[str]:
+    """The README's results table: KVzip on the needle in prose, against kvpress, its price."""
+    folder = results_dir / "smollm2" / "kvzip"
+    rows = []
+    niah = _load(folder / "niah.json")
+    if niah:
+
+        def mean(arm: str, key: str) -> float | None:
+            vals = [v for row in niah["grid"].get(arm, {}).get(key) or [] for v in row
+                    if v is not None]  # fmt: skip
+            return sum(vals) / len(vals) if vals else None
+
+        ratios, lengths = niah["ratios"], niah["lengths"]
+        docs = len(lengths) * len(niah["depths"]) * niah["data"]["docs_per_cell"]
+        rows.append([
+            f"needle in prose, {lengths[0] // 1024}k-{lengths[-1] // 1024}k tokens ({docs} "
+            f"documents), at {' / '.join(f'{r}x' for r in ratios)}",
+            f"KVzip (`kv_method: kvzip`) {_slashed([mean('kvzip/r25/global', str(r)) for r in ratios])}"
+            f" against the full cache's {mean('full', '-'):.2f}; calibrated Q-Filters "
+            f"{_slashed([mean('qfilters/r25', str(r)) for r in ratios])}",
+        ])  # fmt: skip
+    parity = _load(folder / "kvzip_parity.json")
+    if parity:
+        acc, ratios = parity["accuracy"], parity["ratios"]
+        rows.append([
+            f"KVzip against NVIDIA kvpress's `KVzipPress`, {parity['data']['documents']} chat "
+            f"documents, {' / '.join(f'{r}x' for r in ratios)}",
+            f"ours {_slashed([acc['ours/global'][str(r)] for r in ratios])}, kvpress "
+            f"{_slashed([acc['kvpress/global'][str(r)] for r in ratios])}",
+        ])  # fmt: skip
+    cost = _load(folder / "kvzip_cost.json")
+    if cost:
+        pre = {r["arm"]: r["median"] for r in cost["prefill_ratios"]}["kvzip"]
+        step = {r["arm"]: r for r in cost["decode_ratios"]}["kvzip"]
+        step_text = "unchanged" if step["q1"] <= 1 <= step["q3"] else f"{step['median']:.2f}x"
+        rows.append([
+            "KVzip's price",
+            f"prefill plus the reconstruction pass {pre:.2f}x a plain prefill at "
+            f"{cost['settings']['prompt_tokens'] // 1024}k tokens (goal 2.5x, "
+            f"{'met' if pre <= 2.5 else 'not met'}); decode step {step_text}",
+        ])  # fmt: skip
+    return table(["what", "result"], rows) if rows else []
+
+
+def write_readme(readme: Path = README, results_dir: Path = RESULTS_DIR) -> bool:
+    """Replace the README's lines between :data:`BEGIN` and :data:`END` with
+    :func:`readme_headlines`; returns whether the README has the markers."""
+    text = readme.read_text()
+    found = re.search(f"{re.escape(BEGIN)}\n.*?{re.escape(END)}", text, flags=re.S)
+    if not found:
+        return False
+    block = "\n".join([BEGIN, *readme_headlines(results_dir), END])
+    readme.write_text(text[: found.start()] + block + text[found.end() :])
+    return True
+
+
 def main() -> None:
     PAGE.write_text(render())
     print(f"wrote {PAGE}")
+    if write_readme():
+        print(f"wrote the headline table of {README}")
 
 
 if __name__ == "__main__":

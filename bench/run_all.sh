@@ -8,77 +8,77 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 which="${1:-all}"
-run() { echo "== python -m $*"; python -m "$@"; }
+run() { echo "== python -m bench $*"; python -m bench "$@"; }
 if [[ "$which" == quality || "$which" == all ]]; then
-    run bench.quality.geometry --calibration registry
-    run bench.quality.attention --calibration registry
-    run bench.quality.retrieval --calibration registry --lengths 1024 4096 8192 \
+    run geometry --calibration registry
+    run attention --calibration registry
+    run retrieval --calibration registry --lengths 1024 4096 8192 \
         --ratios 2 4 8 16 32 --per-bin 2 --recent-fracs 0.25
-    run bench.quality.niah --calibration registry
-    run bench.quality.perplexity --calibration registry
-    run bench.quality.stability
-    run bench.quality.multiturn_recall
+    run niah --calibration registry
+    run perplexity --calibration registry
+    run stability
+    run multiturn-recall
 fi
 if [[ "$which" == selfcal || "$which" == all ]]; then
     # Without the artifact: Q-Filters from each prompt's own queries beside the calibrated
     # ones, the key-SVD fallback, the query-aware references, K-norm and streaming.
     out=bench/results/smollm2/selfcal
-    run bench.quality.retrieval --calibration registry --lengths 1024 2048 4096 --ratios 2 4 8 16 \
+    run retrieval --calibration registry --lengths 1024 2048 4096 --ratios 2 4 8 16 \
         --per-bin 2 --recent-fracs 0.25 --self-calibrated --out "$out" \
         --only qfilters/r25 self/r25 fallback/r25 knorm/r25 streaming/r0
-    run bench.quality.attention --calibration registry --out "$out"
+    run attention --calibration registry --out "$out"
     # SnapKV and TOVA, which read the model's own queries, beside them on the same documents.
-    run bench.quality.retrieval --calibration registry --lengths 1024 2048 4096 --ratios 2 4 8 16 \
+    run retrieval --calibration registry --lengths 1024 2048 4096 --ratios 2 4 8 16 \
         --per-bin 2 --recent-fracs 0.25 --self-calibrated --query-aware \
         --out bench/results/smollm2/query_aware --only qfilters/r25 self/r25 fallback/r25 \
         snapkv/r25 tova/r25 knorm/r25 streaming/r0
     # SnapKV's observation window: its default 32 tokens against the question's last 8.
-    run bench.quality.retrieval --calibration registry --lengths 1024 2048 4096 --ratios 2 4 8 16 \
+    run retrieval --calibration registry --lengths 1024 2048 4096 --ratios 2 4 8 16 \
         --per-bin 2 --recent-fracs 0.25 --query-aware --snapkv-windows 8 \
         --out bench/results/smollm2/query_aware/window8 --only snapkv/r25 snapkv/r25/w8
     # The same comparison on 8k-token documents (no direct-way check: a prefill per arm).
-    run bench.quality.retrieval --calibration registry --lengths 8192 --ratios 2 4 8 16 \
+    run retrieval --calibration registry --lengths 8192 --ratios 2 4 8 16 \
         --per-bin 2 --recent-fracs 0.25 --self-calibrated --query-aware --snapkv-windows 8 \
         --no-prefill-check --out bench/results/smollm2/query_aware/8k --only qfilters/r25 \
         self/r25 fallback/r25 snapkv/r25 snapkv/r25/w8 tova/r25 knorm/r25 streaming/r0
     # Why the prompt's own filters lose the synthetic pass key: the same recipe fed the
     # document's queries, another text's, or the artifact, on repetitive and natural filler.
-    run bench.quality.selfcal_text --calibration registry --out "$out"
+    run selfcal-text --calibration registry --out "$out"
     # What the server learns from traffic without an artifact (its default), and how those
     # filters retrieve and predict attention beside the others.
     t=bench/results/smollm2/traffic
-    run bench.quality.traffic --calibration registry --out "$t"
+    run traffic --calibration registry --out "$t"
     learned=(--traffic-artifacts
              chat=$t/chat/HuggingFaceTB--SmolLM2-135M-Instruct.safetensors
              passkey=$t/passkey/HuggingFaceTB--SmolLM2-135M-Instruct.safetensors)
-    run bench.quality.retrieval --calibration registry --lengths 1024 2048 4096 --ratios 2 4 8 16 \
+    run retrieval --calibration registry --lengths 1024 2048 4096 --ratios 2 4 8 16 \
         --per-bin 2 --recent-fracs 0.25 --self-calibrated --no-prefill-check "${learned[@]}" \
         --only qfilters/r25 traffic/r25/chat traffic/r25/passkey self/r25 fallback/r25 \
         streaming/r0 --out "$t"
-    run bench.quality.retrieval --calibration registry --lengths 8192 --ratios 2 4 8 16 \
+    run retrieval --calibration registry --lengths 8192 --ratios 2 4 8 16 \
         --per-bin 2 --recent-fracs 0.25 --self-calibrated --no-prefill-check "${learned[@]}" \
         --only qfilters/r25 traffic/r25/chat traffic/r25/passkey self/r25 fallback/r25 \
         streaming/r0 --out "$t/8k"
-    run bench.quality.attention --calibration registry --lengths 1024 2048 4096 8192 \
+    run attention --calibration registry --lengths 1024 2048 4096 8192 \
         --sequences 6 "${learned[@]}" --out "$out/lengths"
 fi
 if [[ "$which" == speed || "$which" == all ]]; then
-    run bench.speed.decode
-    run bench.speed.ttft
-    run bench.speed.server_overhead
-    run bench.speed.vs_mlx_lm
-    run bench.speed.batching
+    run decode
+    run ttft
+    run server-overhead
+    run vs-mlx-lm
+    run batching
     # After the packed step's in-place joins and leaves: 256-token prompts, two rounds a row.
-    run bench.speed.batching --prompts 256 --streams 1 8 16 --reps 2 \
+    run batching --prompts 256 --streams 1 8 16 --reps 2 \
         --out bench/results/smollm2/batching_16
-    run bench.speed.batch_step
-    run bench.speed.selfcal_prefill
-    run bench.speed.multiturn
+    run batch-step
+    run selfcal-prefill
+    run multiturn
     # The reused arm alone over five more conversations: its turn-20/turn-2 ratio's spread.
-    run bench.speed.multiturn --conversations 5 --arms qfilters_reuse \
+    run multiturn --conversations 5 --arms qfilters_reuse \
         --out bench/results/smollm2/multiturn_repeats
-    run bench.speed.bandwidth
-    run bench.speed.structured --reps 5 --tokens 40
+    run bandwidth
+    run structured --reps 5 --tokens 40
 fi
 if [[ "$which" == refinements || "$which" == all ]]; then
     # Chunk-level selection and head-adaptive budgets beside plain Q-Filters, K-norm and
@@ -86,11 +86,11 @@ if [[ "$which" == refinements || "$which" == all ]]; then
     out=bench/results/smollm2/refinements
     arms=(--chunks 4 8 16 --adaptive --only qfilters/r25 qfilters/r25/c4 qfilters/r25/c8
           qfilters/r25/c16 qfilters/r25/ada qfilters/r25/c8/ada knorm/r25 streaming/r0)
-    run bench.quality.retrieval --calibration registry --lengths 2048 4096 --ratios 2 4 8 16 \
+    run retrieval --calibration registry --lengths 2048 4096 --ratios 2 4 8 16 \
         --per-bin 2 --recent-fracs 0.25 --out "$out" "${arms[@]}"
-    run bench.quality.niah --calibration registry --lengths 2048 4096 --ratios 2 4 8 16 \
+    run niah --calibration registry --lengths 2048 4096 --ratios 2 4 8 16 \
         --out "$out" "${arms[@]}"
-    run bench.quality.perplexity --calibration registry --out "$out" "${arms[@]}"
-    run bench.speed.refine_step
+    run perplexity --calibration registry --out "$out" "${arms[@]}"
+    run refine-step
 fi
 run bench.report

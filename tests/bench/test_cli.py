@@ -7,9 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.cli import command_line, parse, parser
-from bench.harness import RESULTS_DIR
-from bench.models import results_dir
+from bench.harness import RESULTS_DIR, command_line, parse, parser, results_dir
 
 
 def test_the_default_model_is_the_served_one_and_quick_runs_the_bundled_one():
@@ -49,33 +47,19 @@ def test_studies_without_reps_or_calibration_do_not_take_them():
 
 
 def test_the_command_line_reproduces_the_run():
-    assert command_line("bench.speed.decode", ["--quick", "--reps", "2"]) == (
-        "python -m bench.speed.decode --quick --reps 2"
+    assert command_line("kvzip_cost", ["--quick", "--reps", "2"]) == (
+        "python -m bench kvzip-cost --quick --reps 2"
     )
 
 
-@pytest.mark.parametrize(
-    "script",
-    sorted(
-        p
-        for folder in ("quality", "speed")
-        for p in (Path(__file__).parents[2] / "bench" / folder).glob("*.py")
-        if 'if __name__ == "__main__"' in p.read_text()
-    ),
-    ids=lambda p: f"{p.parent.name}/{p.stem}",
-)
-def test_every_study_runs_mlx_on_openblas(script: Path) -> None:
+def test_studies_run_mlx_on_openblas_through_the_one_entry_point() -> None:
     """Without OpenBLAS preloaded, MLX's CPU matmul here is ~30x slower: a study that forgot
-    it once ran for hours instead of minutes. Each entry point re-executes with it, directly
-    or through ``bench.quality.common.run``."""
-    tree = ast.parse(script.read_text())
-    imported = {(node.module, alias.name) for node in ast.walk(tree)
-                if isinstance(node, ast.ImportFrom) for alias in node.names}  # fmt: skip
-    called = {node.func.id for node in ast.walk(tree)
-              if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}  # fmt: skip
-    direct = (
-        "qfserve.engine.models.blas",
-        "reexec_with_openblas",
-    ) in imported and "reexec_with_openblas" in called
-    shared = ("bench.quality.common", "run") in imported and "run" in called
-    assert direct or shared
+    it once ran for hours instead of minutes. ``python -m bench`` re-executes with it before
+    any study is imported, and no study module re-executes on its own."""
+    bench = Path(__file__).parents[2] / "bench"
+    entry = ast.parse((bench / "__main__.py").read_text())
+    called = {n.func.id for n in ast.walk(entry) if isinstance(n, ast.Call)
+              and isinstance(n.func, ast.Name)}  # fmt: skip
+    assert "reexec_with_openblas" in called
+    for module in (bench / "studies").glob("*.py"):
+        assert "reexec_with_openblas" not in module.read_text(), module.name

@@ -1,15 +1,14 @@
-"""Every quality study runs end to end in quick mode on a tiny random model, and renders.
-
-The sizes are far too small to mean anything; what is checked is the plumbing: each study
-writes its JSON and plots, every evicting arm kept exactly its budget, the retrieval study's
-shared prefill matches a direct ``generate_step``, and the report renders every study.
+"""The quality studies' plumbing, beyond the registry's smoke test (:mod:`test_studies`): every
+evicting arm kept exactly its budget, the retrieval study's shared prefill matches a direct
+``generate_step``, the long studies resume from their logs, and the arm options do what they
+say (extra runs on a tiny random model). The sizes are far too small to mean anything.
 """
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -17,66 +16,19 @@ import pytest
 
 from tests.tiny import save_tiny_model
 
-STUDIES = (
-    "geometry",
-    "attention",
-    "perplexity",
-    "retrieval",
-    "stability",
-    "niah",
-    "multiturn_recall",
-    "selfcal_text",
-    "traffic",
-)
-
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
 
 
-@pytest.fixture(scope="module")
-def results(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import os
-
-    out = tmp_path_factory.mktemp("results")
-    os.environ["QFSERVE_BENCH_CACHE"] = str(out / "cache")
-    try:
-        from bench.quality import calib
-
-        calib.CACHE_DIR = out / "cache"  # imported before the variable was set
-        for study in STUDIES:
-            module = importlib.import_module(f"bench.quality.{study}")
-            argv = ["--quick", "--model", str(tiny_model), "--out", str(out)]
-            fresh = study not in ("stability", "multiturn_recall")  # these use the registry's own
-            if study in ("retrieval", "niah"):  # they share one prefill, queries included
-                argv += ["--self-calibrated", "--query-aware", "--kvzip"]
-            assert module.main([*argv, "--calibration", "fresh"] if fresh else argv) == 0
-    finally:
-        os.environ.pop("QFSERVE_BENCH_CACHE", None)
-    return out
-
-
-def _load(results: Path, study: str) -> dict:
-    return json.loads((results / f"{study}.json").read_text())
-
-
-@pytest.mark.parametrize("study", STUDIES)
-def test_study_writes_json_and_plots(results: Path, study: str) -> None:
-    data = _load(results, study)
-    assert data["benchmark"] == study and data["quick"] is True
-    assert data["model"]["weights_sha1"] and data["command"].startswith("python -m")
-    for plot in data["plots"]:
-        assert (results / plot).stat().st_size > 1000
-
-
-def test_calibration_is_fresh_and_disjoint_from_eval(results: Path) -> None:
-    cal = _load(results, "geometry")["calibration"]
+def test_calibration_is_fresh_and_disjoint_from_eval(quick: Callable, results: Path) -> None:
+    cal = quick("geometry")["calibration"]
     assert cal["source"] == "fresh" and cal["disjoint_from_eval"] is True
 
 
-def test_every_perplexity_arm_kept_exactly_its_budget(results: Path) -> None:
-    data = _load(results, "perplexity")
+def test_every_perplexity_arm_kept_exactly_its_budget(quick: Callable, results: Path) -> None:
+    data = quick("perplexity")
     for res in data["results"].values():
         for budget, arms in res["budgets"].items():
             assert set(arms) == set(data["arms"]) - {"full"}
@@ -85,8 +37,8 @@ def test_every_perplexity_arm_kept_exactly_its_budget(results: Path) -> None:
                 assert r["max_rows_any_step"] <= int(budget)
 
 
-def test_retrieval_shared_prefill_matches_generate_step(results: Path) -> None:
-    data = _load(results, "retrieval")
+def test_retrieval_shared_prefill_matches_generate_step(quick: Callable, results: Path) -> None:
+    data = quick("retrieval")
     lines = (results / "retrieval.jsonl").read_text().splitlines()
     assert len(lines) == sum(r["docs"] for r in data["results"].values())  # one per document
     check = data["shared_prefill_check"]
@@ -100,13 +52,13 @@ def test_retrieval_shared_prefill_matches_generate_step(results: Path) -> None:
 
 
 def test_chunked_arms_run_beside_the_plain_ones(results: Path, tiny_model: Path) -> None:
-    from bench.quality.retrieval import main
+    from bench.studies.retrieval import main
 
     out = results / "retrieval-chunks"
     argv = ["--quick", "--model", str(tiny_model), "--out", str(out), "--calibration", "fresh",
             "--chunks", "4", "--adaptive",
             "--only", "qfilters/r25", "qfilters/r25/c4", "qfilters/r25/ada", "streaming/r0"]  # fmt: skip
-    assert main(argv) == 0
+    main(argv)
     data = json.loads((out / "retrieval.json").read_text())
     assert data["arms"] == [
         "full", "qfilters/r25", "streaming/r0", "qfilters/r25/c4", "qfilters/r25/ada"]  # fmt: skip
@@ -119,17 +71,17 @@ def test_chunked_arms_run_beside_the_plain_ones(results: Path, tiny_model: Path)
 def test_perplexity_resumes_from_its_log(results: Path, tiny_model: Path) -> None:
     """A full-size run appends one line per (data set, budget, arm) and, run again, reads
     them back instead of recomputing: the same figures, no new lines."""
-    from bench.quality.perplexity import main
+    from bench.studies.perplexity import main
 
     out = results / "perplexity-resume"
     argv = ["--model", str(tiny_model), "--out", str(out), "--calibration", "fresh",
             "--length", "64", "--sequences", "2", "--budgets", "16", "--datasets", "prose"]  # fmt: skip
-    assert main(argv) == 0
+    main(argv)
     lines = (out / "perplexity.jsonl").read_text().splitlines()
     assert [json.loads(line)["arm"] for line in lines] == [
         "qfilters/r25", "knorm/r25", "streaming/r0"]  # fmt: skip
     first = json.loads((out / "perplexity.json").read_text())["results"]
-    assert main(argv) == 0
+    main(argv)
     assert (out / "perplexity.jsonl").read_text().splitlines() == lines
     again = json.loads((out / "perplexity.json").read_text())["results"]
     for name, row in first["prose"]["budgets"]["16"].items():
@@ -142,14 +94,14 @@ def test_perplexity_reads_a_prompt_in_blocks_without_streaming(
     """``--prompt`` with ``--only`` leaving streaming out: the arms run, logged with how they
     were fed (a one-token-per-step log line is not read back for them), and the gap to
     streaming is left empty rather than made up."""
-    from bench.quality.perplexity import main
+    from bench.studies.perplexity import main
 
     out = results / "perplexity-prompt"
     argv = ["--model", str(tiny_model), "--out", str(out), "--calibration", "fresh",
             "--length", "64", "--sequences", "2", "--budgets", "16", "--datasets", "prose",
             "--chunks", "4", "--only", "qfilters/r25", "qfilters/r25/c4"]  # fmt: skip
-    assert main(argv) == 0
-    assert main([*argv, "--prompt"]) == 0
+    main(argv)
+    main([*argv, "--prompt"])
     lines = [json.loads(line) for line in (out / "perplexity.jsonl").read_text().splitlines()]
     assert [(r["arm"], r["prompt_block"]) for r in lines] == [
         ("qfilters/r25", None), ("qfilters/r25/c4", None),
@@ -159,10 +111,12 @@ def test_perplexity_reads_a_prompt_in_blocks_without_streaming(
     assert all(r["gap_closed_vs_streaming"] is None and r["ppl"] > 1 for r in rows.values())
 
 
-def test_niah_places_the_needle_and_resumes(results: Path, tiny_model: Path) -> None:
-    from bench.quality.niah import main
+def test_niah_places_the_needle_and_resumes(
+    quick: Callable, results: Path, tiny_model: Path
+) -> None:
+    from bench.studies.niah import main
 
-    data = _load(results, "niah")
+    data = quick("niah")
     assert {r["target_depth"] for r in data["records"]} == set(data["depths"])
     for r in data["records"]:
         assert abs(r["depth"] - r["target_depth"]) < 0.35  # paragraph boundaries are coarse
@@ -177,17 +131,17 @@ def test_niah_places_the_needle_and_resumes(results: Path, tiny_model: Path) -> 
     out = results / "niah-resume"
     argv = ["--model", str(tiny_model), "--out", str(out), "--calibration", "fresh",
             "--lengths", "320", "--depths", "0", "1", "--ratios", "4"]  # fmt: skip
-    assert main(argv) == 0
+    main(argv)
     lines = (out / "niah.jsonl").read_text().splitlines()
     assert len(lines) == 2
-    assert main(argv) == 0
+    main(argv)
     assert (out / "niah.jsonl").read_text().splitlines() == lines
 
 
-def test_selfcal_text_runs_the_servers_self_caches(results: Path) -> None:
+def test_selfcal_text_runs_the_servers_self_caches(quick: Callable, results: Path) -> None:
     """The ``own`` arm is the server's self-calibrated cache, the others their own sources;
     every cell is a share."""
-    res = _load(results, "selfcal_text")["results"]["classic"]
+    res = quick("selfcal-text")["results"]["classic"]
     for record in res["records"]:
         assert record["needle_rows"] > 0  # the key's digits were found in the prompt
         sources = {
@@ -200,24 +154,12 @@ def test_selfcal_text_runs_the_servers_self_caches(results: Path) -> None:
     assert -1 <= res["cosine_to_calibrated"]["own"] <= 1
 
 
-def test_attention_and_stability_values_are_in_range(results: Path) -> None:
-    for res in _load(results, "attention")["results"].values():
+def test_attention_and_stability_values_are_in_range(quick: Callable, results: Path) -> None:
+    for res in quick("attention")["results"].values():
         for r in res.values():
             assert -1 <= r["mean_rho"] <= 1 and 0 <= r["share_heads_positive"] <= 1
-    rows = _load(results, "stability")["rows"]
+    rows = quick("stability")["rows"]
     assert rows[-1]["cos_A_n_vs_A_ref"]["median"] == pytest.approx(1.0)
-
-
-def test_report_renders_every_quality_study(results: Path) -> None:
-    from bench.report import render_quality
-
-    text = "\n".join(render_quality(results))
-    for title in (
-        "1. Geometry", "2. Does the score", "3. Streaming", "4. Pass-key", "5. Calib", "6. Needle",
-        "7. Whose queries", "8. A pass key from turn 1", "9. Q-Filters learned from traffic",
-    ):  # fmt: skip
-        assert title in text
-    assert "no results yet" not in text
 
 
 @pytest.mark.parametrize("method", ["qfilters", "fallback", "knorm", "streaming"])
@@ -225,8 +167,7 @@ def test_block_prefill_matches_token_by_token(method: str) -> None:
     """The teacher-forcing shortcut (first tokens as one block) stores and predicts the same."""
     import numpy as np
 
-    from bench.quality.arms import Arm
-    from bench.quality.teacher import prefill_length, streaming_nll
+    from bench.arms import Arm, prefill_length, streaming_nll
     from tests.tiny import make_tiny_model
 
     model = make_tiny_model(seed=1)
@@ -247,12 +188,14 @@ def test_block_prefill_matches_token_by_token(method: str) -> None:
         np.testing.assert_allclose(ka, kb, rtol=1e-5, atol=1e-5)
 
 
-def test_multiturn_recall_asks_the_fresh_arm_on_the_reused_arms_text(results: Path) -> None:
+def test_multiturn_recall_asks_the_fresh_arm_on_the_reused_arms_text(
+    quick: Callable, results: Path
+) -> None:
     """A reuse arm holds the whole conversation and continues its caches from turn 2 on,
     unless the prompt does not start with what they hold (a counted miss); its fresh sibling
     answers only at the ask turns, on the same prompt, with nothing cached. Every ask has the
     key's likelihood."""
-    data = _load(results, "multiturn_recall")
+    data = quick("multiturn-recall")
     ask, turns = data["settings"]["ask"], data["settings"]["turns"]
     rows = {row["arm"]: row for row in data["rows"]}
     assert set(rows) == set(data["accuracy"]) == set(data["key_nll"]) and "full/reuse" in rows
@@ -292,8 +235,7 @@ def test_a_prompt_read_in_blocks_predicts_as_one_pass_and_keeps_the_budget() -> 
     exactly the budget after every block and step."""
     import numpy as np
 
-    from bench.quality.arms import Arm, kept_rows
-    from bench.quality.teacher import full_nll, streaming_nll
+    from bench.arms import Arm, full_nll, kept_rows, streaming_nll
     from tests.tiny import make_tiny_model
 
     model = make_tiny_model(seed=1)
@@ -321,12 +263,12 @@ def test_a_prompt_read_in_blocks_predicts_as_one_pass_and_keeps_the_budget() -> 
 
 
 def test_snapkv_window_arms_set_their_scorers_window(results: Path, tiny_model: Path) -> None:
-    from bench.models import load
-    from bench.quality.arms import Arm
-    from bench.quality.retrieval import main
+    from bench.arms import Arm
+    from bench.studies.retrieval import main
     from qfserve.engine.kv.query_aware import DEFAULT_WINDOW
+    from qfserve.engine.models.loading import load_model
 
-    model = load(str(tiny_model)).model
+    model = load_model(str(tiny_model)).model
     arm = Arm("snapkv", 0.25, window=4)
     assert arm.name == "snapkv/r25/w4"
     assert {c.scorer.window for c in arm.caches(model, 16, None)} == {4}
@@ -337,16 +279,18 @@ def test_snapkv_window_arms_set_their_scorers_window(results: Path, tiny_model: 
     argv = ["--quick", "--model", str(tiny_model), "--out", str(out), "--calibration", "fresh",
             "--query-aware", "--snapkv-windows", "4", "--only", "snapkv/r25", "snapkv/r25/w4",
             "--no-prefill-check"]  # fmt: skip
-    assert main(argv) == 0
+    main(argv)
     data = json.loads((out / "retrieval.json").read_text())
     assert data["arms"] == ["full", "snapkv/r25", "snapkv/r25/w4"]
     assert data["prefill_check_skipped"] is True and data["shared_prefill_check"]["arms"] == 0
 
 
-def test_traffic_study_writes_an_artifact_from_enough_prompts(results: Path) -> None:
+def test_traffic_study_writes_an_artifact_from_enough_prompts(
+    quick: Callable, results: Path
+) -> None:
     from qfserve.calibrations.artifact import read_calibration
 
-    data = _load(results, "traffic")
+    data = quick("traffic")
     for r in data["results"].values():
         cal = read_calibration(results / r["artifact"])
         assert (
@@ -359,16 +303,18 @@ def test_traffic_study_writes_an_artifact_from_enough_prompts(results: Path) -> 
 
 def _calibrated_as_artifact(results: Path, tiny_model: Path) -> Path:
     """The fresh calibration the studies used, written as an artifact a traffic arm reads."""
-    from bench.models import load
-    from bench.quality.calib import filters_for
+    from bench.arms import filters_for
+    from bench.harness import identity
     from qfserve.calibrations.artifact import save_calibration
+    from qfserve.engine.models.loading import load_model
 
-    bm = load(str(tiny_model))
-    filters, _ = filters_for(bm.model, bm.tokenizer, bm.identity, mode="fresh", quick=True)
+    loaded = load_model(str(tiny_model))
+    ident = identity(loaded, tiny_model)
+    filters, _ = filters_for(loaded.model, loaded.tokenizer, ident, mode="fresh", quick=True)
     return save_calibration(
         results / "as-traffic" / "same.safetensors", np.asarray(filters),
-        model_id=bm.identity["model_id"], n_sequences=1, tokens_per_sequence=1,
-        samples_per_head=1, text="the studies' calibration", weights=bm.identity["fingerprint"],
+        model_id=ident["model_id"], n_sequences=1, tokens_per_sequence=1,
+        samples_per_head=1, text="the studies' calibration", weights=ident["fingerprint"],
         query_scale=filters.query_scale,
     )  # fmt: skip
 
@@ -376,14 +322,14 @@ def _calibrated_as_artifact(results: Path, tiny_model: Path) -> Path:
 def test_a_traffic_arm_with_the_calibrated_filters_is_the_calibrated_arm(
     results: Path, tiny_model: Path
 ) -> None:
-    from bench.quality.retrieval import main
+    from bench.studies.retrieval import main
 
     same = _calibrated_as_artifact(results, tiny_model)
     out = results / "retrieval-traffic"
     argv = ["--quick", "--model", str(tiny_model), "--out", str(out), "--calibration", "fresh",
             "--recent-fracs", "0.25", "--traffic-artifacts", f"same={same}",
             "--only", "qfilters/r25", "traffic/r25/same", "--no-prefill-check"]  # fmt: skip
-    assert main(argv) == 0
+    main(argv)
     data = json.loads((out / "retrieval.json").read_text())
     assert data["arms"] == ["full", "qfilters/r25", "traffic/r25/same"]
     assert data["calibration"]["traffic_artifacts"]["same"]["path"] == str(same)
@@ -399,13 +345,13 @@ def test_a_traffic_arm_with_the_calibrated_filters_is_the_calibrated_arm(
 
 
 def test_attention_over_lengths_scores_traffic_and_snapkv(results: Path, tiny_model: Path) -> None:
-    from bench.quality.attention import main
+    from bench.studies.attention import main
 
     same = _calibrated_as_artifact(results, tiny_model)
     out = results / "attention-lengths"
     argv = ["--quick", "--model", str(tiny_model), "--out", str(out), "--calibration", "fresh",
             "--lengths", "96", "160", "--sequences", "2", "--traffic-artifacts", f"same={same}"]  # fmt: skip
-    assert main(argv) == 0
+    main(argv)
     data = json.loads((out / "attention.json").read_text())
     assert data["data"]["length"] == [96, 160]
     assert {"traffic/same", "snapkv", "snapkv/w8"} <= set(data["scorers"])

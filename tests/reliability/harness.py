@@ -19,8 +19,8 @@ from typing import Any
 import httpx
 import psutil
 
-from bench import servers
-from bench.servers import HOST, REPO
+from qfserve import testing
+from qfserve.testing import HOST, REPO
 
 BUNDLED = REPO / "models" / "qfserve-tiny"
 RESULTS = REPO / "bench" / "results" / "reliability.json"
@@ -165,7 +165,7 @@ def eos_ids(model: Path) -> list[int]:
 
 
 @dataclass
-class Server(servers.ServerProcess):
+class Server(testing.ServerProcess):
     """A ``python -m qfserve.server.cli`` subprocess on 127.0.0.1 and an ephemeral port, with probes
     of its state and the ``logit_bias`` that keeps its model from ending early."""
 
@@ -213,12 +213,12 @@ def start_server(
 ) -> Server:
     """Start qfserve at log level warning; with ``wait`` return once ``/health`` is 200
     (raise if it exits). ``env`` is added to this process's environment."""
-    base = servers.launch(
+    base = testing.launch(
         "qfserve", model, *flags, log=log, env={**os.environ, **(env or {})}, log_level="warning"
     )
     server = Server(**vars(base), no_bias={str(t): -100 for t in eos_ids(model)})
     if wait:
-        servers.wait_ready(server, timeout)
+        testing.wait_ready(server, timeout)
     return server
 
 

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from bench import servers
-from bench.servers import REPO, free_port
+from qfserve import testing
+from qfserve.testing import REPO, free_port
 from tests.tiny import save_tiny_model
 
 if TYPE_CHECKING:
@@ -22,7 +22,7 @@ MODEL_NAME = "qfserve-tiny"  # tests serve a tiny random model under the bundled
 
 
 @dataclass
-class Server(servers.ServerProcess):
+class Server(testing.ServerProcess):
     """A qfserve subprocess whose clients validate every response strictly."""
 
     def client(self, **kwargs: Any) -> OpenAI:
@@ -47,12 +47,12 @@ def start_server(
     """
     server = Server(
         **vars(
-            servers.launch(
+            testing.launch(
                 "qfserve", model, *flags, log=log, env=env, console_script=console_script
             )
         )
     )
-    servers.wait_ready(server, timeout)
+    testing.wait_ready(server, timeout)
     return server
 
 

@@ -1,0 +1,312 @@
+"""Study 2: does each scorer's score predict the attention a key will receive?
+
+For every held-out sequence of ``L`` tokens we run the model once with a full cache, take
+each layer's post-RoPE queries (captured with :class:`qfserve.calibrations.capture.QueryCapture`) and
+stored keys, and compute the true softmax attention explicitly. A key's *received attention*
+is its weight averaged over the later queries (positions ``L/2 .. L-1``) and over the query
+heads of its GQA group. Over the keys at positions ``n_sink .. L/2 - 1`` (sinks are always
+kept, so they are left out) we take the Spearman correlation between that and each scorer's
+score, computed by the engine's own scorer classes:
+
+* ``qfilters``: calibrated filter projection (:class:`qfserve.engine.kv.scorers.QFilterScorer`);
+* ``self``: the filter the server computes from a prompt's own queries
+  (:func:`qfserve.engine.kv.selfcal.filters_from_moments`), here from the queries at positions
+  ``0 .. L/2 - 1`` only, so it never sees the queries whose attention is measured;
+* ``fallback+`` / ``fallback-``: the key-SVD direction frozen after the first 128 keys, as
+  the cache would, with both signs (:class:`qfserve.engine.kv.scorers.KeySVDScorer`);
+* ``traffic/<name>``: the filters of an artifact the server learned from traffic
+  (``--traffic-artifacts``, :mod:`bench traffic`);
+* ``snapkv`` / ``snapkv/w8``: SnapKV's prompt score (:class:`qfserve.engine.kv.query_aware.SnapKVScorer`,
+  a 32- or 8-token observation window), as if the first half were the prompt: the attention
+  its last queries pay the keys, pooled over neighbours;
+* ``knorm``: minus the key norm; ``recency``: the position (what streaming keeps).
+
+A correlation is per (sequence, layer, KV head); we report its mean over sequences per head,
+the mean over heads, and the share of heads where it is positive. With several
+``--lengths`` each length's sets are named ``<data>@<length>`` (fewer sequences at longer
+lengths: ``sequences * 1024 / length``, at least 2), and ``all`` pools every one.
+
+Run: ``python -m bench attention [--quick] [--lengths 1024 2048 4096 8192]``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
+
+from bench.arms import add_traffic_argument
+from bench.data import recall_windows, stdlib_windows
+from bench.harness import (
+    COLORS,
+    add_data_arguments,
+    color,
+    open_run,
+    parse,
+    parser,
+    progress,
+    save_plot,
+    subplots,
+    summary,
+)
+from bench.report import fmt, pct, plots, quality_header, spread_cell, table
+from qfserve.calibrations.capture import QueryCapture
+from qfserve.calibrations.model_info import attention_modules
+from qfserve.engine.kv.config import DEFAULT_CALIB_TOKENS, DEFAULT_N_SINK
+from qfserve.engine.kv.query_aware import SnapKVScorer
+from qfserve.engine.kv.scorers import KeySVDScorer, KNormScorer, QFilterScorer, RecencyScorer
+from qfserve.engine.kv.selfcal import QueryTap, filters_from_moments
+
+STUDY = "attention"
+SCORERS = ("qfilters", "self", "fallback+", "fallback-", "knorm", "snapkv", "snapkv/w8",
+           "recency")  # fmt: skip
+SNAPKV_WINDOWS = {"snapkv": 32, "snapkv/w8": 8}
+
+
+def rankdata(a: np.ndarray) -> np.ndarray:
+    """Ranks ``0..n-1`` with ties averaged (as ``scipy.stats.rankdata`` minus one)."""
+    order = np.argsort(a, kind="mergesort")
+    ranks = np.empty(len(a), dtype=np.float64)
+    ranks[order] = np.arange(len(a))
+    _, inverse, counts = np.unique(a, return_inverse=True, return_counts=True)
+    return (np.bincount(inverse, weights=ranks) / counts)[inverse]
+
+
+def spearman(a: np.ndarray, b: np.ndarray) -> float:
+    ra, rb = rankdata(a), rankdata(b)
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    denom = np.sqrt((ra * ra).sum() * (rb * rb).sum())
+    return float((ra * rb).sum() / denom) if denom > 0 else float("nan")
+
+
+def received_attention(queries: np.ndarray, keys: np.ndarray, scale: float) -> np.ndarray:
+    """Mean attention each key gets from the later half of the queries, per KV head.
+
+    Args:
+        queries: ``(H, L, D)`` post-RoPE queries in position order.
+        keys: ``(KV, L, D)`` post-RoPE keys.
+    Returns:
+        ``(KV, L)`` attention averaged over queries ``L/2 .. L-1`` and the group's heads.
+    """
+    H, L, _ = queries.shape
+    kv = keys.shape[0]
+    group = H // kv
+    later = np.arange(L // 2, L)
+    # matmul, not einsum: a BLAS call per head (an 8k-token sequence is 9 x 4k x 8k logits).
+    logits = (queries[:, later] @ keys[np.arange(H) // group].transpose(0, 2, 1)) * scale
+    logits[:, np.arange(len(later))[:, None] < (np.arange(L)[None, :] - later[0])] = -np.inf
+    logits -= logits.max(axis=-1, keepdims=True)
+    weights = np.exp(logits)
+    weights /= weights.sum(axis=-1, keepdims=True)  # (H, |later|, L)
+    return weights.mean(axis=1).reshape(kv, group, L).mean(axis=1)
+
+
+def self_filters(queries: np.ndarray, n_kv_heads: int) -> mx.array:
+    """The self-calibrated ``(KV, D)`` filters of one layer from its queries ``(H, N, D)``."""
+    q = mx.array(queries.astype(np.float32))
+    return filters_from_moments(q.swapaxes(-1, -2) @ q, q.sum(axis=1), n_kv_heads)
+
+
+def snapkv_scores(queries: np.ndarray, keys: mx.array, scale: float, window: int) -> mx.array:
+    """SnapKV's ``(1, KV, L)`` scores had the first half of the sequence been the prompt
+    (``queries`` ``(H, L, D)``; keys past the half score 0: only the first half is ranked)."""
+    half = keys.shape[2] // 2
+    tap = QueryTap(scale)
+    tap.queries = mx.array(queries[None, :, :half].astype(np.float32))
+    scored = SnapKVScorer(tap, scale=scale, window=window).score(keys[:, :, :half], 0)
+    return mx.concatenate([scored, mx.zeros((1, keys.shape[1], keys.shape[2] - half))], axis=2)
+
+
+def scores_for(
+    keys: mx.array,
+    queries: np.ndarray,
+    scale: float,
+    layer_filters: np.ndarray,
+    layer_self: mx.array,
+    learned: dict[str, np.ndarray],
+) -> dict[str, np.ndarray]:
+    """Every scorer's ``(KV, L)`` scores for one layer's keys ``(1, KV, L, D)``
+    (``learned``: this layer's filters of each traffic artifact)."""
+    out = {
+        "qfilters": QFilterScorer(mx.array(layer_filters)).score(keys, 0),
+        "self": QFilterScorer(layer_self).score(keys, 0),
+        "knorm": KNormScorer().score(keys, 0),
+        "recency": RecencyScorer().score(keys, 0),
+    }
+    for name, layer_learned in learned.items():
+        out[f"traffic/{name}"] = QFilterScorer(mx.array(layer_learned)).score(keys, 0)
+    for name, window in SNAPKV_WINDOWS.items():
+        out[name] = snapkv_scores(queries, keys, scale, window)
+    for sign, name in ((1, "fallback+"), (-1, "fallback-")):
+        scorer = KeySVDScorer(DEFAULT_CALIB_TOKENS, sign=sign)
+        scorer.observe(keys[:, :, :DEFAULT_CALIB_TOKENS], DEFAULT_CALIB_TOKENS)
+        out[name] = scorer.score(keys, 0)
+    return {k: np.array(v[0]) for k, v in out.items()}
+
+
+def sequence_correlations(
+    model: Any, tokens: np.ndarray, filters: np.ndarray, scorers: tuple[str, ...]
+) -> np.ndarray:
+    """``(n_scorers, n_layers, n_kv)`` Spearman correlations on one sequence."""
+    L = len(tokens)
+    cache = make_prompt_cache(model)
+    with QueryCapture(model, samples_per_head=L) as capture:
+        model(mx.array(tokens.astype(np.int32))[None], cache=cache)
+        samples = capture.samples()
+    attns = attention_modules(model)
+    keys_of = np.arange(DEFAULT_N_SINK, L // 2)
+    learned = getattr(filters, "learned", {})
+    out = np.zeros((len(scorers), len(attns), filters.shape[1]))
+    for layer, (attn, sample, c) in enumerate(zip(attns, samples, cache, strict=True)):
+        queries = sample.queries[:, np.argsort(sample.positions)]  # (H, L, D)
+        keys = c.keys[:, :, :L].astype(mx.float32)  # (1, KV, L, D)
+        scale = float(attn.scale)
+        received = received_attention(queries, np.array(keys[0]), scale)
+        own = self_filters(queries[:, : L // 2], filters.shape[1])
+        scores = scores_for(
+            keys, queries, scale, filters[layer], own, {k: v[layer] for k, v in learned.items()}
+        )
+        for s, name in enumerate(scorers):
+            for k in range(filters.shape[1]):
+                out[s, layer, k] = spearman(scores[name][k, keys_of], received[k, keys_of])
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = parser(__doc__.splitlines()[0], calibration=True)
+    add_data_arguments(p)
+    p.add_argument("--lengths", type=int, nargs="+", default=None,
+                   help="several sequence lengths in one run (instead of --length)")  # fmt: skip
+    add_traffic_argument(p)
+    args = parse(p, argv)
+    lengths = args.lengths or [args.length or (160 if args.quick else 1024)]
+    n_seq = args.sequences or (1 if args.quick else 12)
+
+    study = open_run(STUDY, args, argv, calibrate=True)
+    model, identity, filters, corpus = study.model, study.identity, study.filters, study.corpus
+    scorers = SCORERS[:2] + tuple(f"traffic/{k}" for k in filters.learned) + SCORERS[2:]
+    datasets = {}
+    for length in lengths:
+        n = n_seq if len(lengths) == 1 else max(2, round(n_seq * 1024 / length))
+        tag = "" if len(lengths) == 1 else f"@{length}"
+        datasets[f"stdlib{tag}"] = stdlib_windows(corpus, length, n)
+        datasets[f"recall{tag}"] = recall_windows(corpus, length, n)
+    rho: dict[str, np.ndarray] = {}
+    with progress(total=sum(len(v) for v in datasets.values()), desc="sequences") as bar:
+        for name, seqs in datasets.items():
+            per_seq = []
+            for tokens in seqs:
+                per_seq.append(sequence_correlations(model, tokens, filters, scorers))
+                bar.update(1)
+            rho[name] = np.stack(per_seq)  # (S, n_scorers, n_layers, n_kv)
+    if len(lengths) > 1:
+        for length in lengths:
+            rho[f"all@{length}"] = np.concatenate(
+                [rho[f"stdlib@{length}"], rho[f"recall@{length}"]]
+            )
+    rho["all"] = np.concatenate([v for k, v in rho.items() if not k.startswith("all")])
+
+    results: dict[str, Any] = {}
+    for name, r in rho.items():
+        head_mean = np.nanmean(r, axis=0)  # (n_scorers, n_layers, n_kv)
+        results[name] = {}
+        for s, scorer in enumerate(scorers):
+            per_head = head_mean[s].ravel()
+            results[name][scorer] = {
+                "mean_rho": float(np.nanmean(per_head)),
+                "share_heads_positive": float(np.mean(per_head > 0)),
+                "share_cells_positive": float(np.mean(r[:, s] > 0)),
+                "per_head_spread": summary(per_head.tolist()),
+                "per_head": head_mean[s].tolist(),  # [layer][kv_head]
+            }
+
+    n_layers, n_kv = filters.shape[:2]
+    fig, ax = subplots(1, 2, figsize=(11, 3.8))
+    a = ax[0, 0]
+    for s, scorer in enumerate(scorers):
+        per_head = np.nanmean(rho["all"], axis=0)[s].ravel()
+        jitter = np.linspace(-0.15, 0.15, len(per_head))
+        c = color(*scorer.split("/")[:2]) if "/" in scorer else COLORS[scorer]
+        a.scatter(s + jitter, per_head, s=12, color=c, alpha=0.8)
+        a.hlines(np.nanmean(per_head), s - 0.3, s + 0.3, color="black")
+    a.axhline(0, color="grey", lw=0.5)
+    a.set_xticks(range(len(scorers)), scorers, rotation=30, fontsize=7)
+    a.set_ylabel("Spearman rho (per KV head, mean over sequences)")
+    a = ax[0, 1]
+    im = a.imshow(np.nanmean(rho["all"], axis=0)[0], cmap="RdBu", vmin=-1, vmax=1, aspect="auto")
+    a.set_xlabel("KV head")
+    a.set_ylabel("layer")
+    a.set_xticks(range(n_kv))
+    a.set_yticks(range(n_layers))
+    a.set_title("calibrated Q-Filters, rho per head", fontsize=9)
+    fig.colorbar(im, ax=a)
+    save_plot(
+        fig,
+        args.out,
+        STUDY,
+        f"{identity['path']} {identity['checkpoint']}: does the score predict attention?",
+    )
+
+    return study.save(
+        {
+            "data": {
+                "length": lengths[0] if len(lengths) == 1 else lengths,
+                "sequences": {k: len(v) for k, v in datasets.items()},
+                "keys": f"positions {DEFAULT_N_SINK} .. L/2-1",
+                "queries": "positions L/2 .. L-1, all query heads of the KV group",
+                "fallback_calib_tokens": DEFAULT_CALIB_TOKENS,
+                "snapkv_windows": SNAPKV_WINDOWS,
+            },
+            "scorers": list(scorers),
+            "results": results,
+            "plots": [f"{STUDY}.png"],
+        }
+    )
+
+
+def render(data: dict[str, Any]) -> list[str]:
+    """This study's section of ``bench/RESULTS.md``."""
+    lines = quality_header("Does the score predict attention?", data)
+    d = data["data"]
+    lengths = d["length"] if isinstance(d["length"], list) else [d["length"]]
+    lines += [
+        "",
+        f"Spearman correlation, per KV head, between each score and the attention a key "
+        f"receives from later queries (keys {d['keys']}; queries {d['queries']}), "
+        f"{', '.join(map(str, lengths))}-token held-out sequences {d['sequences']}. Mean over "
+        "heads, the share of heads where it is positive, and the spread of per-head values.",
+        "",
+    ]
+    if len(lengths) > 1:  # one row per scorer, a column per length (both kinds of data)
+        res = data["results"]
+        keys = [f"all@{n}" for n in lengths] + ["all"]
+        rows = [[scorer, *(f"{fmt(res[k][scorer]['mean_rho'], 2)} "
+                           f"({pct(res[k][scorer]['share_heads_positive'])})" for k in keys)]
+                for scorer in res["all"]]  # fmt: skip
+        lines += ["Mean ρ over KV heads (share of heads with ρ > 0), by sequence length:", ""]
+        lines += table(["scorer", *[f"{n} tokens" for n in lengths], "all sequences pooled"], rows)
+        lines += ["", "By data and length:", ""]
+    rows = []
+    for dataset, res in data["results"].items():
+        for scorer, r in res.items():
+            rows.append(
+                [dataset, scorer, fmt(r["mean_rho"]), pct(r["share_heads_positive"]),
+                 spread_cell(r["per_head_spread"])]
+            )  # fmt: skip
+    lines += table(["data", "scorer", "mean ρ", "heads ρ > 0", "per-head [q1–q3]"], rows)
+    res = data["results"].get("all")
+    if res:
+        scorers = list(res)
+        n_layers = len(res[scorers[0]]["per_head"])
+        lines += ["", "Per layer (all data; each cell: ρ of KV head 0 / 1 / ...):", ""]
+        lines += table(
+            ["layer", *scorers],
+            [
+                [layer]
+                + [" / ".join(f"{v:+.2f}" for v in res[sc]["per_head"][layer]) for sc in scorers]
+                for layer in range(n_layers)
+            ],
+        )
+    return lines + plots(data)

@@ -1,0 +1,201 @@
+"""Study 1, geometry: are the model's queries anisotropic, and does the filter's sign hold?
+
+Q-Filters rests on two observations about each head's post-RoPE queries (paper §3): their
+cloud has drifted away from the origin along one direction (so the mean query projects
+positively on the filter), and that direction carries most of the energy. We sample held-out
+queries (evaluation-split stdlib windows and held-out generated documents) and measure, per
+query head:
+
+* ``mean_proj_rel``: the mean held-out query's projection on the calibrated filter of its KV
+  head, over the mean query norm; the head is sign-correct when it is positive, and
+  ``share_positive`` is the share of individual queries that project positively;
+* ``top_energy`` and ``drift_ratio`` of the held-out queries' own uncentred SVD, from
+  :func:`qfserve.calibrations.compute.layer_filters` (first component's energy share, and its
+  |mean projection| over the mean of the other components');
+* ``cos_to_calibrated``: cosine between that held-out filter and the calibrated one.
+
+Run: ``python -m bench geometry [--quick]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from bench.data import recall_windows, stdlib_windows
+from bench.harness import (
+    add_data_arguments,
+    open_run,
+    parse,
+    parser,
+    progress,
+    save_plot,
+    subplots,
+    summary,
+)
+from bench.report import fmt, pct, plots, quality_header, spread_cell, table
+from qfserve.calibrations.capture import capture_queries
+from qfserve.calibrations.compute import layer_filters
+
+STUDY = "geometry"
+
+
+def head_rows(queries: Sequence[np.ndarray], filters: np.ndarray) -> list[dict]:
+    """One row per (layer, query head): see the module docstring."""
+    rows = []
+    n_kv = filters.shape[1]
+    for layer, q in enumerate(queries):  # q: (H, N, D)
+        group = q.shape[0] // n_kv
+        for h in range(q.shape[0]):
+            f = filters[layer, h // group]
+            own, summary = layer_filters(q[h : h + 1], 1)
+            proj = q[h] @ f  # (N,)
+            rows.append(
+                {
+                    "layer": layer,
+                    "head": h,
+                    "kv_head": h // group,
+                    "mean_proj_rel": float(proj.mean() / np.linalg.norm(q[h], axis=-1).mean()),
+                    "share_positive": float((proj > 0).mean()),
+                    "top_energy": summary["top_energy"],
+                    "drift_ratio": summary["drift_ratio"],
+                    "cos_to_calibrated": float(own[0] @ f),
+                }
+            )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = parser(__doc__.splitlines()[0], calibration=True)
+    add_data_arguments(p)
+    args = parse(p, argv)
+    length = args.length or (160 if args.quick else 1024)
+    n_seq = args.sequences or (2 if args.quick else 12)
+    samples = 200 if args.quick else 3000
+
+    study = open_run(STUDY, args, argv, calibrate=True)
+    model, identity, filters, corpus = study.model, study.identity, study.filters, study.corpus
+    sequences = [*stdlib_windows(corpus, length, n_seq), *recall_windows(corpus, length, n_seq)]
+    total = sum(len(s) for s in sequences)
+    with progress(total=total, unit="tok", desc="held-out queries") as bar:
+        found = capture_queries(
+            model, [s.tolist() for s in sequences], samples_per_head=samples, progress=bar.update
+        )
+    rows = head_rows([s.queries for s in found], filters)
+
+    positive = [r["mean_proj_rel"] > 0 for r in rows]
+    overall = {
+        "heads": len(rows),
+        "share_heads_positive": float(np.mean(positive)),
+        "share_queries_positive": summary([r["share_positive"] for r in rows]),
+        "mean_proj_rel": summary([r["mean_proj_rel"] for r in rows]),
+        "top_energy": summary([r["top_energy"] for r in rows]),
+        "drift_ratio": summary([r["drift_ratio"] for r in rows]),
+        "cos_to_calibrated": summary([r["cos_to_calibrated"] for r in rows]),
+    }
+    print(
+        f"\nheads with positive mean projection on the calibrated filter: "
+        f"{sum(positive)}/{len(rows)}; median top energy {overall['top_energy']['median']:.3f}; "
+        f"median drift ratio {overall['drift_ratio']['median']:.1f}x"
+    )
+
+    fig, ax = subplots(2, 2, figsize=(10, 6.4))
+    x = np.arange(len(rows))
+    labels = [f"L{r['layer']}h{r['head']}" for r in rows]
+    for a, key, title in (
+        (ax[0, 0], "mean_proj_rel", "mean query projection on filter / mean |q|"),
+        (ax[0, 1], "share_positive", "share of held-out queries with q.f > 0"),
+        (ax[1, 0], "top_energy", "top-component energy share"),
+        (ax[1, 1], "drift_ratio", "|mean proj v1| / mean |mean proj v_i>1| (log)"),
+    ):
+        values = [r[key] for r in rows]
+        a.bar(x, values, color=["tab:blue" if v > 0 else "tab:red" for v in values])
+        a.set_title(title, fontsize=9)
+        a.set_xticks(x, labels, rotation=90, fontsize=6)
+        if key == "drift_ratio":
+            a.set_yscale("log")
+        a.axhline(0, color="black", lw=0.5)
+    save_plot(
+        fig,
+        args.out,
+        STUDY,
+        f"{identity['path']} {identity['checkpoint']}: query geometry per head (held-out)",
+    )
+
+    return study.save(
+        {
+            "data": {
+                "kinds": ["stdlib eval split windows", "held-out generated kv/fact/passkey"],
+                "sequences": len(sequences),
+                "tokens": total,
+                "length": length,
+                "samples_per_head": int(found[0].queries.shape[1]),
+            },
+            "summary": overall,
+            "heads": rows,
+            "plots": [f"{STUDY}.png"],
+        }
+    )
+
+
+def render(data: dict[str, Any]) -> list[str]:
+    """This study's section of ``bench/RESULTS.md``."""
+    s = data["summary"]
+    lines = quality_header("Geometry: are the queries anisotropic?", data)
+    lines += [
+        "",
+        f"Held-out queries ({data['data']['tokens']:,} tokens, {data['data']['samples_per_head']}"
+        " sampled per head) against the calibrated filter of their KV head. Spread is the "
+        "median [q1–q3] over query heads.",
+        "",
+        *table(
+            ["measure", "median [q1–q3] over heads"],
+            [
+                [
+                    "heads whose mean query projects positively on the filter",
+                    f"{s['share_heads_positive'] * s['heads']:.0f} / {s['heads']}",
+                ],
+                [
+                    "share of held-out queries with q·f > 0",
+                    spread_cell(s["share_queries_positive"]),
+                ],
+                ["mean projection / mean ‖q‖", spread_cell(s["mean_proj_rel"])],
+                ["top-component energy (own uncentred SVD)", spread_cell(s["top_energy"])],
+                [
+                    "drift ratio: \\|mean proj. on v1\\| / mean \\|mean proj. on v_i>1\\|",
+                    spread_cell(s["drift_ratio"], 1),
+                ],
+                [
+                    "cosine(held-out top vector, calibrated filter)",
+                    spread_cell(s["cos_to_calibrated"]),
+                ],
+            ],
+        ),  # fmt: skip
+    ]
+    anisotropy = data.get("calibration", {}).get("anisotropy")
+    if anisotropy:
+        lines += [
+            "",
+            "On the calibration queries themselves (`qfserve.calibrations.compute`'s per-layer summary):",
+            "",
+            *table(
+                [
+                    "layer",
+                    "heads positive on their KV filter",
+                    "top energy (mean)",
+                    "drift ratio (median)",
+                ],
+                [
+                    [
+                        a["layer"],
+                        pct(a["positive_share"]),
+                        fmt(a["top_energy"]),
+                        fmt(a["drift_ratio"], 1),
+                    ]
+                    for a in anisotropy
+                ],
+            ),  # fmt: skip
+        ]
+    return lines + plots(data)

@@ -1,0 +1,142 @@
+"""KVzip's cost: a prompt prefilled and reconstructed, against a plain prefill, then decode.
+
+In process, no server. A ``--prompt``-token prompt (standard-library text) is prefilled in
+512-token chunks, as the server does. Arms, interleaved per round: ``qfilters`` (calibrated
+Q-Filters at ``--budget``, evicting as it reads: the cheap mode), ``kvzip`` (the prompt kept
+whole, then :mod:`qfserve.engine.kv.kvzip`'s reconstruction pass, 512 tokens a forward pass, and the
+eviction to ``--budget``), ``full`` (the plain prefill the goal is measured against) and
+``full_again`` (its A/A copy). Prefill ratios are to ``full``; the goal is kvzip within 2.5x.
+Then the decode step at budget: ``--steps`` steps of each evicting arm's caches after its
+prefill (ms/step, interleaved, ratio to ``qfilters``: the same O(budget) single-row step).
+Peak memory is MLX's, reset before each arm's prefill.
+
+Run: ``python -m bench kvzip-cost [--quick] [--reps 3] [--prompt 2048] [--budget 256]``.
+Writes ``bench/results/<model>/kvzip_cost.json`` and ``kvzip_cost.png``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import mlx.core as mx
+
+from bench.arms import decode_timer, prefill
+from bench.data import prompt_tokens
+from bench.harness import (
+    MiB,
+    Progress,
+    interleave,
+    open_run,
+    parse,
+    parser,
+    pyplot,
+    ratio_row,
+    save_plot,
+    summary,
+)
+from bench.report import ms, plots, ratio_cell, speed_header, table
+from qfserve.engine.kv.config import CacheConfig
+from qfserve.engine.kv.factory import make_caches
+from qfserve.engine.kv.kvzip import compress
+
+ARMS = ("full", "qfilters", "kvzip", "full_again")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = parser(__doc__.splitlines()[0], reps=3)
+    p.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 2048)")
+    p.add_argument("--budget", type=int, default=None, help="(default 256)")
+    p.add_argument("--steps", type=int, default=None, help="decode steps timed (default 32)")
+    args = parse(p, argv)
+    n = args.prompt or (200 if args.quick else 2048)
+    budget = args.budget or (32 if args.quick else 256)
+    steps = args.steps or (4 if args.quick else 32)
+    progress = Progress("kvzip_cost")
+    sm = open_run("kvzip_cost", args, argv)
+    model = sm.loaded.model
+    tokens = prompt_tokens(sm, n)
+    repeat = sm.repeat
+    configs = {
+        "full": CacheConfig(method="full"),
+        "qfilters": CacheConfig(method="qfilters", budget=budget, recent=budget // 4),
+        "kvzip": CacheConfig(method="kvzip", budget=budget, recent=budget // 4),
+    }
+    peaks: dict[str, int] = {}
+    filled: dict[str, list] = {}
+
+    def prefill_arm(name: str):
+        config = configs[name.removesuffix("_again")]
+
+        def run() -> float:
+            caches = make_caches(
+                model, config, filters=None if config.method == "full" else sm.filters
+            )
+            mx.reset_peak_memory()
+            tic = time.perf_counter()
+            prefill(model, caches, tokens)
+            if config.method == "kvzip":
+                compress(model, caches, tokens, repeat)
+            elapsed = time.perf_counter() - tic
+            peaks[name] = mx.get_peak_memory()
+            filled[name] = caches
+            return elapsed
+
+        return run
+
+    runs = interleave(
+        {a: prefill_arm(a) for a in ARMS}, args.reps, progress=progress.rounds("prefill")
+    )
+    kept = {a: filled[a][0].size() for a in ("qfilters", "kvzip")}
+    steps_ms = interleave(
+        {a: decode_timer(model, filled[a], steps, hold=False) for a in ("qfilters", "kvzip")},
+        args.reps,
+        progress=progress.rounds("decode"),
+    )
+    result = {
+        "settings": {
+            "prompt_tokens": n,
+            "prefill_chunk": 512,
+            "budget": budget,
+            "recent": budget // 4,
+            "reps": args.reps,
+            "decode_steps": steps,
+            "kept_rows_after_prefill": kept,
+        },  # fmt: skip
+        "prefill_s": {a: summary(v) for a, v in runs.items()},
+        "prefill_ratios": [ratio_row(runs, a, "full") for a in ARMS[1:]],
+        "peak_memory_bytes": peaks,
+        "decode_ms": {a: summary(v) for a, v in steps_ms.items()},
+        "decode_ratios": [ratio_row(steps_ms, "kvzip", "qfilters")],
+    }
+    plt = pyplot()
+    fig, ax = plt.subplots(1, 2, figsize=(9, 3.4))
+    ax[0].bar(ARMS, [result["prefill_s"][a]["median"] for a in ARMS],
+              color=["black", "tab:blue", "darkgoldenrod", "black"])  # fmt: skip
+    ax[0].set(ylabel="prefill seconds (median)", title=f"{n}-token prompt, budget {budget}")
+    ax[1].bar(["qfilters", "kvzip"], [result["decode_ms"][a]["median"] for a in ("qfilters", "kvzip")],
+              color=["tab:blue", "darkgoldenrod"])  # fmt: skip
+    ax[1].set(ylabel="ms per decode step (median)", title="decode at budget")
+    result["plots"] = [save_plot(fig, args.out, "kvzip_cost")]
+    return sm.save(result, section="speed", model=sm.describe())
+
+
+def render(d: dict[str, Any]) -> list[str]:
+    """This study's section of ``bench/RESULTS.md``."""
+    s = d["settings"]
+    lines = speed_header("KVzip's cost: the reconstruction pass against a plain prefill", d)
+    lines.append(
+        f"In process: a {s['prompt_tokens']}-token prompt prefilled in {s['prefill_chunk']}-token "
+        f"chunks; budget {s['budget']}, recent {s['recent']}, {s['reps']} interleaved rounds. "
+        "Prefill ratios are to `full` (`full_again`: the A/A copy); the decode step "
+        f"({s['decode_steps']} steps at budget) is kvzip's over Q-Filters'."
+    )
+    lines.append("")
+    ratios = {r["arm"]: r for r in d["prefill_ratios"]}
+    lines += table(["arm", "prefill s", "ratio to full", "peak MiB"], [
+        [a, f"{v['median']:.2f}", "1.00" if a == "full" else ratio_cell(ratios[a]),
+         f"{d['peak_memory_bytes'][a] / MiB:,.0f}"] for a, v in d["prefill_s"].items()])  # fmt: skip
+    lines += ["", "Decode step at budget: " + ", ".join(
+        f"{a} {ms(v)} ms" for a, v in d["decode_ms"].items()) + f"; kvzip / qfilters "
+        f"{ratio_cell(d['decode_ratios'][0])}."]  # fmt: skip
+    return [*lines, *plots(d), ""]

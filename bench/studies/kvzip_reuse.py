@@ -1,0 +1,223 @@
+"""Five questions on one document in five later turns, through the server's own prompt cache.
+
+A document of English prose holds five sentences "The special magic number for <city> is
+<7 digits>." at different depths. Turn 0 sends the document and asks for a one-sentence
+summary; turns 1-5 each ask for one city's number ("Answer: The special magic number for
+<city> is"), every prompt continuing the previous one token for token (the answers included),
+as a chat client sends a conversation. Requests run through :class:`qfserve.engine.serving.worker.Worker`
+with its prompt cache on, so each turn continues the caches the previous turn left: what a
+later question can read is what was kept without knowing it. An answer is right when its
+first number is the city's.
+
+Arms: the full cache, and at each compression (budget = document tokens / ratio, recent window
+budget/4) Q-Filters, SnapKV, streaming and KVzip with rows shared across layers. KVzip
+answers turn 0 on its full cache and is compressed when kept (the server's default where
+memory allows); later turns read the compressed cache plus their own tokens.
+
+Records are appended to ``<out>/kvzip_reuse.jsonl`` per (document, arm, ratio), so a run
+resumes; ``<out>/kvzip_reuse.json`` and the plot are written at the end.
+
+Run: ``python -m bench kvzip-reuse [--quick] [--docs 6] [--length 1500]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import re
+import time
+from typing import Any
+
+import numpy as np
+
+from bench.arms import Arm
+from bench.data import stdlib_prose
+from bench.harness import color, open_run, parse, parser, progress, save_plot, subplots
+from bench.report import arm_label, fmt, plots, quality_header, table
+from bench.studies.niah import CITIES
+from qfserve.engine.serving.config import EngineConfig
+from qfserve.engine.serving.worker import Worker
+from qfserve.engine.text.requests import Delta, Failed, Finished, GenerationRequest, SamplingParams
+
+STUDY = "kvzip_reuse"
+FACTS = 5
+ARMS = (
+    Arm("full"),
+    Arm("qfilters", 0.25),
+    Arm("snapkv", 0.25),
+    Arm("streaming", 0.0),
+    Arm("kvzip", 0.25, shared=True),
+)
+
+
+def make_doc(tokenizer: Any, length: int, index: int) -> dict[str, Any]:
+    """About ``length`` tokens of prose with :data:`FACTS` facts at spread depths."""
+    rng = random.Random(f"reuse-{length}-{index}")
+    paragraphs = stdlib_prose()
+    start = rng.randrange(len(paragraphs))
+    chosen: list[str] = []
+    while len(tokenizer.encode("\n\n".join(chosen))) < length:
+        chosen.append(paragraphs[(start + len(chosen)) % len(paragraphs)])
+    cities = rng.sample(CITIES, FACTS)
+    facts = [(c, str(rng.randrange(1_000_000, 10_000_000))) for c in cities]
+    for k, (city, number) in reversed(list(enumerate(facts))):
+        at = round((k + 0.5) / FACTS * len(chosen))
+        chosen.insert(at, f"The special magic number for {city} is {number}.")
+    return {"text": "\n\n".join(chosen), "facts": facts, "order": rng.sample(range(FACTS), FACTS)}
+
+
+def turns(doc: dict[str, Any]) -> list[tuple[str, int, str | None]]:
+    """``(text to append, max_tokens, expected number)`` per turn."""
+    out: list[tuple[str, int, str | None]] = [
+        (doc["text"] + "\n\nSummary of the text above in one sentence:", 16, None)
+    ]
+    for k in doc["order"]:
+        city, number = doc["facts"][k]
+        q = f"\n\nQuestion: What is the special magic number for {city}?\nAnswer: The special magic number for {city} is"
+        out.append((q, 10, number))
+    return out
+
+
+def converse(
+    worker: Worker, tokenizer: Any, doc: dict[str, Any], arm: Arm, budget: int | None
+) -> dict[str, Any]:
+    """One conversation on a fresh prompt cache: each turn's correctness and cached tokens."""
+    config = arm.config(budget)
+    # Generated ids from their text pieces (what a client sends back is the text).
+    vocab = {tokenizer.decode([i]): i for i in range(len(tokenizer.vocab))}
+    prompt: list[int] = []
+    out: dict[str, Any] = {"correct": [], "cached": [], "kept": [], "seconds": 0.0}
+    tic = time.perf_counter()
+    for text, max_tokens, expected in turns(doc):
+        prompt = [*prompt, *tokenizer.encode(text, add_special_tokens=False)]
+        request = GenerationRequest(
+            kind="completion",
+            prompt=tuple(prompt),
+            sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=True),
+            cache=config,
+            reuse=True,
+        )
+        pieces, final = asyncio.run(_ask(worker, request))
+        ids = [vocab[piece] for piece in pieces]
+        prompt = [*prompt, *ids]
+        out["cached"].append(final.cached_tokens)
+        out["kept"].append(final.kv_cache.get("tokens_kept"))
+        if expected is not None:
+            found = re.search(r"\d+", tokenizer.decode(ids))
+            out["correct"].append(bool(found and found.group() == expected))
+    out["seconds"] = round(time.perf_counter() - tic, 2)
+    return out
+
+
+async def _ask(worker: Worker, request: GenerationRequest) -> tuple[list[str], Finished]:
+    job = worker.submit(request, asyncio.get_running_loop())
+    pieces: list[str] = []
+    while True:
+        event = await job.next_event()
+        if isinstance(event, Delta):
+            pieces.extend(lp.token for lp in event.logprobs)
+        elif isinstance(event, Failed):
+            raise RuntimeError(f"request failed: {event}")
+        elif isinstance(event, Finished):
+            return pieces, event
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--docs", type=int, default=None, help="documents (default 6; quick 1)")
+    p.add_argument("--length", type=int, default=None, help="document tokens (default 1500)")
+    p.add_argument("--ratios", type=int, nargs="+", default=None, help="(default 2 4 8)")
+    args = parse(p, argv)
+    n_docs = args.docs or (1 if args.quick else 6)
+    length = args.length or (200 if args.quick else 1500)
+    ratios = args.ratios or ([4] if args.quick else [2, 4, 8])
+    study = open_run(STUDY, args, argv)
+    loaded = study.loaded
+    args.out.mkdir(parents=True, exist_ok=True)
+    log = args.out / f"{STUDY}.jsonl"
+    if args.quick and log.exists():
+        log.unlink()
+    done = {}
+    if log.exists():
+        for line in log.read_text().splitlines():
+            rec = json.loads(line)
+            done[(rec["doc"], rec["arm"], rec["ratio"])] = rec
+    todo = [
+        (d, a, r)
+        for d in range(n_docs)
+        for a in ARMS
+        for r in (["-"] if a.method == "full" else ratios)
+    ]
+    with progress(total=len(todo), desc="conversations") as bar, log.open("a") as f:
+        for d, arm, ratio in todo:
+            key = (d, arm.name, str(ratio))
+            if key not in done:
+                doc = make_doc(study.tokenizer, length, d)
+                tokens = len(study.tokenizer.encode(doc["text"]))
+                budget = None if ratio == "-" else round(tokens / int(ratio))
+                worker = Worker(
+                    EngineConfig(model=loaded.name, prompt_cache_size=4),
+                    loader=lambda _ref: loaded,
+                )
+                worker.start()
+                while worker.status == "loading":
+                    time.sleep(0.05)
+                try:
+                    rec = {"doc": d, "arm": arm.name, "ratio": str(ratio), "budget": budget,
+                           "doc_tokens": tokens, **converse(worker, study.tokenizer, doc, arm, budget)}  # fmt: skip
+                finally:
+                    worker.stop()
+                f.write(json.dumps(rec) + "\n")
+                f.flush()
+                done[key] = rec
+            bar.update(1)
+    records = [done[(d, a.name, str(r))] for d, a, r in todo]
+    accuracy: dict[str, dict[str, float]] = {}
+    for rec in records:
+        accuracy.setdefault(rec["arm"], {}).setdefault(rec["ratio"], [])  # type: ignore[arg-type]
+        accuracy[rec["arm"]][rec["ratio"]].extend(rec["correct"])  # type: ignore[attr-defined]
+    accuracy = {a: {r: float(np.mean(v)) for r, v in by.items()} for a, by in accuracy.items()}
+    reused = all(all(c > 0 for c in rec["cached"][1:]) for rec in records)
+    fig, ax = subplots(1, 1)
+    for arm in ARMS:
+        by = accuracy.get(arm.name, {})
+        if arm.method == "full":
+            ax[0, 0].axhline(by["-"], color="black", ls="--", label="full cache")
+        else:
+            ax[0, 0].plot(ratios, [by[str(r)] for r in ratios], marker="o",
+                          color=color(arm.method), label=arm.label)  # fmt: skip
+    ax[0, 0].set(xscale="log", xlabel="compression", ylabel="accuracy", ylim=(-0.05, 1.05))
+    ax[0, 0].legend(fontsize=7)
+    save_plot(fig, args.out, STUDY, f"{study.identity['path']}: questions in later turns")
+    return study.save(
+        {
+            "data": {
+                "documents": n_docs,
+                "document_tokens": length,
+                "facts": FACTS,
+                "scoring": "first number of the greedy answer equals the city's",
+            },  # fmt: skip
+            "ratios": ratios,
+            "arms": [a.name for a in ARMS],
+            "budget_rule": "budget = round(document tokens / ratio), recent = budget/4",
+            "every_later_turn_reused": reused,
+            "accuracy": accuracy,
+            "records": records,
+            "plots": [f"{STUDY}.png"],
+        }
+    )
+
+
+def render(d: dict[str, Any]) -> list[str]:
+    """This study's section of ``bench/RESULTS.md``."""
+    ratios, data = d["ratios"], d["data"]
+    lines = quality_header("KVzip through the prompt cache: facts asked turns later", d)
+    lines += ["", f"{data['documents']} documents of about {data['document_tokens']:,} tokens "
+              f"holding {data['facts']} facts, each asked in a later turn; {data['scoring']}; "
+              f"{d['budget_rule']}. Every later turn reused its cache: "
+              f"{d['every_later_turn_reused']}. Accuracy:", ""]  # fmt: skip
+    lines += table(["arm", *[f"{r}×" for r in ratios]], [
+        [arm_label(a), *(fmt(by.get(str(r), by.get("-")), 2) for r in ratios)]
+        for a, by in d["accuracy"].items()])  # fmt: skip
+    return lines + plots(d)

@@ -1,0 +1,268 @@
+"""Multi-turn chat: time to first token, KV bytes and RSS per turn, with and without reuse.
+
+Up to three servers on the same model folder, as subprocesses on 127.0.0.1 (OpenBLAS preloaded
+for all): qfserve with its prompt cache (the default), qfserve with ``--prompt-cache-size 0``
+(every turn prefilled again) and ``mlx_lm.server`` with its own prompt cache (full caches).
+Four arms hold the same conversation side by side, one turn each per round: Q-Filters
+(budget 512) with reuse, Q-Filters without, a full cache with reuse (qfserve), and mlx-lm's.
+Every turn adds the
+same new user text (about ``--turn-tokens`` tokens of English prose from the standard
+library's docstrings, :mod:`bench prose`) to that conversation's own history, with
+the model's own answers (greedy, at most ``--max-tokens``, ending where the model ends them,
+so the template renders each answer back as it was generated). Per turn and arm: TTFT,
+prompt tokens, the tokens a reused cache held (``cached_tokens``), KV bytes kept (qfserve's
+``kv_cache``) and the server's RSS after the turn.
+
+``--conversations K`` runs K conversations one after another on the same servers, each on
+other prose (starting at another paragraph), so a per-turn figure gets a spread; ``--arms``
+runs a subset (only the servers those arms need are started). The ratio of the last turn's
+TTFT to turn 2's is reported per conversation and as their median; ``turns`` and the plot
+show the first conversation, ``runs`` every one.
+
+Run: ``python -m bench multiturn [--quick] [--model M] [--turns 20] [--conversations K]
+[--arms qfilters_reuse ...]``.
+Writes ``bench/results/<model>/multiturn.json`` and ``multiturn.png``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.harness import (
+    MiB,
+    Progress,
+    Run,
+    open_run,
+    parse,
+    parser,
+    pyplot,
+    save_plot,
+    summary,
+)
+from bench.report import plots, speed_header, table
+from qfserve import testing as servers
+
+ARMS = ("qfilters_reuse", "qfilters_fresh", "full_reuse", "theirs")
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def user_turns(sm: Run, turns: int, n_tokens: int, conversations: int = 1) -> list[list[str]]:
+    """Per conversation, ``turns`` user messages of about ``n_tokens`` tokens each of
+    consecutive prose; the conversations start at evenly spaced paragraphs."""
+    from bench.data import prose_windows
+
+    tok = sm.loaded.tokenizer
+    return [
+        [
+            f"Turn {k + 1}. Read on: " + tok.decode(ids[k * n_tokens : (k + 1) * n_tokens].tolist())
+            for k in range(turns)
+        ]
+        for ids in prose_windows(tok, n_tokens * turns, conversations)
+    ]
+
+
+def chat_turn(client: httpx.Client, url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """One streamed turn: TTFT on the client, the answer, and the final usage and kv_cache."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    tic = time.perf_counter()
+    ttft: float | None = None
+    text, kv = "", None
+    usage: dict[str, Any] = {}
+    with client.stream("POST", url + "/v1/chat/completions", json=body, timeout=900) as r:
+        if r.status_code != 200:
+            r.read()
+            raise RuntimeError(f"{url}: HTTP {r.status_code}: {r.text[:300]}")
+        for line in r.iter_lines():
+            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                continue
+            event = json.loads(line[5:])
+            for choice in event.get("choices") or ():
+                piece = (choice.get("delta") or {}).get("content") or ""
+                if piece and ttft is None:
+                    ttft = time.perf_counter() - tic
+                text += piece
+            usage = event.get("usage") or usage
+            kv = event.get("kv_cache") or kv
+    details = usage.get("prompt_tokens_details") or {}
+    return {
+        "ttft_s": ttft if ttft is not None else time.perf_counter() - tic,
+        "answer": text,
+        "prompt_tokens": usage.get("prompt_tokens"),
+        "completion_tokens": usage.get("completion_tokens"),
+        "cached_tokens": details.get("cached_tokens"),
+        "kept_bytes": None if kv is None else kv["kept_bytes"],
+    }
+
+
+def ttft_ratio(turns: list[dict[str, Any]]) -> float | None:
+    """TTFT at the last turn over turn 2's (turn 1 has nothing to reuse)."""
+    return None if len(turns) < 2 else turns[-1]["ttft_s"] / turns[1]["ttft_s"]
+
+
+def plot(result, out) -> list[str]:
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+    for arm in result["turns"]:
+        turns = result["turns"][arm]
+        x = [t["turn"] for t in turns]
+        axes[0].plot(x, [t["ttft_s"] for t in turns], "o-", label=arm)
+        kept = [t["kept_bytes"] for t in turns]
+        if all(k is not None for k in kept):
+            axes[1].plot(x, [k / 2**20 for k in kept], "o-", label=arm)
+        axes[2].plot(x, [t["rss_bytes"] / 2**20 for t in turns], "o-", label=arm)
+    axes[0].set(title="TTFT (s)", xlabel="turn", yscale="log")
+    axes[1].set(title="KV MiB kept (qfserve)", xlabel="turn")
+    axes[2].set(title="server RSS MiB", xlabel="turn")
+    for ax in axes:
+        ax.legend(fontsize=8)
+    return [save_plot(fig, out, "multiturn")]
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = parser(__doc__.splitlines()[0], reps=1)
+    p.add_argument("--turns", type=int, default=None, help="(default 20; quick 4)")
+    p.add_argument("--turn-tokens", type=int, default=None, help="(default 150; quick 40)")
+    p.add_argument("--max-tokens", type=int, default=None, help="(default 48; quick 8)")
+    p.add_argument("--budget", type=int, default=None, help="Q-Filters budget (default 512)")
+    p.add_argument("--conversations", type=int, default=1, help="repeats with other prose (1)")
+    p.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS), help="(default all)")
+    args = parse(p, argv)
+    if args.conversations < 1:
+        p.error("--conversations must be >= 1")
+    n_turns = args.turns or (4 if args.quick else 20)
+    turn_tokens = args.turn_tokens or (40 if args.quick else 150)
+    max_tokens = args.max_tokens or (8 if args.quick else 48)
+    budget = args.budget or (64 if args.quick else 512)
+    arms = [a for a in ARMS if a in args.arms]
+    progress = Progress("multiturn")
+    sm = open_run("multiturn", args, argv)
+    conversations = user_turns(sm, n_turns, turn_tokens, args.conversations)
+    extra: dict[str, dict[str, Any]] = {
+        "qfilters_reuse": {"kv_method": "qfilters", "qfilters_budget": budget},
+        "qfilters_fresh": {"kv_method": "qfilters", "qfilters_budget": budget},
+        "full_reuse": {"kv_method": "full"},
+        "theirs": {},
+    }
+    serving = {"qfilters_reuse": "reuse", "qfilters_fresh": "fresh", "full_reuse": "reuse",
+               "theirs": "theirs"}  # fmt: skip
+    launches = {
+        "reuse": ("qfserve",),
+        "fresh": ("qfserve", "--prompt-cache-size", "0"),
+        "theirs": ("mlx_lm",),
+    }
+    runs: list[dict[str, list[dict[str, Any]]]] = []
+    with contextlib.ExitStack() as stack:
+        needed = sorted({serving[a] for a in arms})
+        progress(f"starting servers: {', '.join(needed)}")
+        logs = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        procs = {}
+        for name in needed:
+            kind, *flags = launches[name]
+            quiet = {"log_level": "warning"} if kind == "qfserve" else {}
+            procs[name] = servers.launch(kind, sm.folder, *flags, log=logs / f"{name}.log", **quiet)
+            stack.callback(servers.stop_all, [procs[name]], 10)
+        for proc in procs.values():
+            servers.wait_ready(proc, 180)
+        client = stack.enter_context(httpx.Client())
+        for c, users in enumerate(conversations):
+            history: dict[str, list[dict[str, str]]] = {a: [] for a in arms}
+            turns: dict[str, list[dict[str, Any]]] = {a: [] for a in arms}
+            for k, user in enumerate(users, start=1):
+                for arm in arms:
+                    proc = procs[serving[arm]]
+                    history[arm].append({"role": "user", "content": user})
+                    body = {
+                        "model": sm.loaded.name if arm != "theirs" else str(sm.folder),
+                        "messages": history[arm],
+                        "max_tokens": max_tokens,
+                        "temperature": 0,
+                        **extra[arm],
+                    }
+                    t = chat_turn(client, proc.url, body)
+                    history[arm].append({"role": "assistant", "content": t.pop("answer")})
+                    t.update(turn=k, rss_bytes=rss_bytes(proc.pid))
+                    turns[arm].append(t)
+                progress(f"conversation {c + 1}/{len(conversations)}, turn {k}/{n_turns}: "
+                         + ", ".join(f"{a} {turns[a][-1]['ttft_s']:.2f}s" for a in arms))  # fmt: skip
+            runs.append(turns)
+
+    by_conversation = {a: [ttft_ratio(run[a]) for run in runs] for a in arms}
+    result = {
+        "study": "multiturn",
+        "settings": {
+            "turns": n_turns,
+            "turn_tokens": turn_tokens,
+            "max_tokens": max_tokens,
+            "budget": budget,
+            "temperature": 0,
+            "conversations": len(runs),
+            "arms": {a: {"server": serving[a], **extra[a]} for a in arms},
+            "theirs": "python -m mlx_lm.server (its prompt cache on, full KVCache)",
+        },
+        "turns": runs[0],  # the first conversation
+        "runs": runs,
+        # Median over conversations (the first one's alone when there is one).
+        "last_over_second_ttft": {
+            a: None if None in r else summary(r)["median"] for a, r in by_conversation.items()
+        },
+        "last_over_second_ttft_by_conversation": by_conversation,
+    }
+    result["plots"] = plot(result, args.out)
+    return sm.save(result, section="speed", model=sm.describe())
+
+
+def render(d: dict[str, Any]) -> list[str]:
+    """This study's section of ``bench/RESULTS.md``."""
+    s = d["settings"]
+    lines = speed_header("Multi-turn chat: reuse of compressed caches", d)
+    lines.append(
+        f"{s['turns']} turns of about {s['turn_tokens']} new prose tokens each, greedy answers "
+        f"of at most {s['max_tokens']} tokens; Q-Filters at budget {s['budget']}."
+    )
+    lines.append("")
+    arms = list(d["turns"])
+    picks = sorted({1, 2, len(d["turns"][arms[0]]) // 2, len(d["turns"][arms[0]])})
+    rows = []
+    for a in arms:
+        for t in d["turns"][a]:
+            if t["turn"] in picks:
+                kept = t["kept_bytes"]
+                rows.append(
+                    [
+                        t["turn"],
+                        a,
+                        t["prompt_tokens"],
+                        t["cached_tokens"] if t["cached_tokens"] is not None else "—",
+                        f"{t['ttft_s']:.2f}",
+                        "—" if kept is None else f"{kept / MiB:.1f}",
+                        f"{t['rss_bytes'] / MiB:.0f}",
+                    ]
+                )
+    lines += table(["turn", "arm", "prompt", "cached", "TTFT s", "KV MiB", "RSS MiB"], rows)
+    by_conversation = d.get("last_over_second_ttft_by_conversation", {})
+    n = s.get("conversations", 1)
+
+    def ratio(a: str, v: float) -> str:
+        each = by_conversation.get(a) or []
+        if n < 2 or None in each:
+            return f"{a} {v:.2f}×"
+        return f"{a} {v:.2f}× (median of {n}; {min(each):.2f}–{max(each):.2f})"
+
+    ratios = ", ".join(ratio(a, v) for a, v in d["last_over_second_ttft"].items() if v is not None)
+    where = "in the first conversation " if n > 1 else ""
+    lines += ["", f"Rows above: {where}turns 1, 2, the middle and the last."]
+    lines += ["", f"TTFT at the last turn over turn 2: {ratios}."]
+    return lines + [*plots(d), ""]

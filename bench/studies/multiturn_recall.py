@@ -1,0 +1,310 @@
+"""A pass key given in turn 1 of a chat, asked again turns later, with and without reuse.
+
+Each conversation opens with "Remember this pass key: <5 digits>." and then, turn after turn,
+about ``--turn-tokens`` tokens of English prose (:mod:`bench prose`); at the turns in
+``--ask`` the user asks for the pass key, at the others for a one-line summary. The model
+answers greedily (at most ``--max-tokens``, ending where it ends) and each answer joins the
+history, as a chat client would send it. At an ask, two measures: whether the greedy answer
+contains the key, and the key's mean negative log-likelihood as the answer (teacher-forced on
+a copy of the caches, so it does not change the conversation). The second says how close an
+arm is where every arm, the full cache included, answers wrong.
+
+Arms: the full cache (the reference), and Q-Filters, K-norm (recent window budget/4) and
+streaming at each budget. A *reuse* arm holds the whole conversation in one set of caches,
+each turn feeding only the tokens its cache does not hold yet: turn N attends to the history
+as it was compressed turn by turn. That is what the server's prompt cache does
+(``tests/engine/test_reuse.py`` checks a reused turn against these same caches fed by hand);
+it runs here in process so the key's likelihood can be read. A turn whose prompt does not
+start with the tokens the caches hold (an answer that re-tokenises differently) is a counted
+miss and prefills the whole history afresh, as the server would. Its *fresh* sibling asks the
+same question on the same text without reuse: at each ask turn it prefills the reuse arm's
+transcript up to that turn in one go (the history compressed at once). Prompts are read in
+blocks of the server's default ``--prefill-chunk``.
+
+Each arm's conversation is appended to ``<out>/multiturn_recall.jsonl`` as soon as it ends,
+so an interrupted run resumes; ``<out>/multiturn_recall.json`` is written at the end.
+
+Cost: a reuse arm prefills each turn's new tokens once; a fresh arm prefills the history once
+per ask turn. At the default size (20 turns of 150 tokens, asks at 5, 10 and 20, budgets 256
+and 512, three methods) that is about 60k prompt tokens per conversation, roughly 40 minutes
+on one core here.
+
+Run: ``python -m bench multiturn-recall [--quick] [--turns 20] [--ask 5 10 20]``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import time
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm import stream_generate
+from mlx_lm.sample_utils import make_sampler
+
+from bench.arms import make_caches, prefill, token_nll
+from bench.data import prose_windows
+from bench.harness import Run, open_run, parse, parser, pyplot, save_plot
+from bench.report import plots, quality_header, table
+from qfserve.engine.kv.config import CacheConfig
+from qfserve.engine.serving.config import DEFAULT_PREFILL_CHUNK
+from qfserve.engine.text.prompts import encode_prompt
+from qfserve.engine.text.requests import GenerationRequest, SamplingParams
+
+STUDY = "multiturn_recall"
+ASK = "What is the pass key I gave you in my first message? Answer with the number only."
+SUMMARY = "Summarise this part in one sentence."
+SETTINGS_TAG = "in process, key NLL"  # log lines of another design are not read back
+
+
+def arms(budgets: list[int], methods: list[str]) -> dict[str, tuple[CacheConfig, bool]]:
+    """Name -> (cache settings, reuse)."""
+    out = {"full/reuse": (CacheConfig(method="full"), True)}
+    for budget in budgets:
+        for method in methods:
+            recent = 0 if method == "streaming" else budget // 4
+            config = CacheConfig(method=method, budget=budget, recent=recent)  # type: ignore[arg-type]
+            for reuse in (True, False):
+                out[f"{method}/b{budget}/{'reuse' if reuse else 'fresh'}"] = (config, reuse)
+    return out
+
+
+def user_messages(tok: Any, key: str, turns: int, ask: set[int], n: int, start: int) -> list[str]:
+    (ids,) = prose_windows(tok, n * turns + start, 1)
+    ids = ids[start:]
+    out = []
+    for k in range(1, turns + 1):
+        text = tok.decode(ids[(k - 1) * n : k * n].tolist())
+        head = (
+            f"Remember this pass key: {key}. I will ask you about it later.\n\n" if k == 1 else ""
+        )
+        out.append(f"{head}{text}\n\n{ASK if k in ask else SUMMARY}")
+    return out
+
+
+class Chat:
+    """One arm's caches and the tokens they hold."""
+
+    def __init__(self, sm: Run, config: CacheConfig) -> None:
+        self.sm, self.config = sm, config
+        self.caches: list[Any] = []
+        self.held: list[int] = []
+        self.misses = 0
+
+    def _reset(self) -> None:
+        filters = self.sm.filters if self.config.method == "qfilters" else None
+        self.caches = make_caches(self.sm.loaded.model, self.config, filters=filters)
+        self.held = []
+
+    def turn(self, prompt: list[int], key: list[int] | None, max_tokens: int) -> dict[str, Any]:
+        """Feed what the caches lack of ``prompt``, score ``key`` if asked, then answer."""
+        reused = 0
+        if self.held and prompt[: len(self.held)] == self.held:
+            reused = len(self.held)
+        elif self.held:
+            self.misses += 1
+        if not reused:
+            self._reset()
+        model = self.sm.loaded.model
+        prefill(model, self.caches, prompt[reused:-1], chunk=DEFAULT_PREFILL_CHUNK)
+        key_nll = None
+        if key is not None:  # on a copy: the conversation goes on from the unscored caches
+            scored = copy.deepcopy(self.caches)
+            logits = model(mx.array([[prompt[-1], *key[:-1]]]), cache=scored)
+            key_nll = float(token_nll(logits, mx.array([key])).mean())
+        tokens = [
+            g.token
+            for g in stream_generate(
+                model,
+                self.sm.loaded.tokenizer,
+                prompt[-1:],
+                max_tokens=max_tokens,
+                sampler=make_sampler(0.0),
+                prompt_cache=self.caches,
+            )
+        ]
+        # stream_generate feeds each token it returns, the last (EOS included) too.
+        self.held = [*prompt, *tokens]
+        eos = set(self.sm.loaded.tokenizer.eos_token_ids)
+        text = self.sm.loaded.tokenizer.decode([t for t in tokens if t not in eos])
+        kept = [c.size() for c in self.caches if hasattr(c, "size")]
+        return {"answer": text, "prompt_tokens": len(prompt), "cached_tokens": reused,
+                "completion_tokens": len(tokens),
+                "tokens_kept": max(kept), "key_nll": key_nll}  # fmt: skip
+
+
+def chat_prompt(sm: Any, history: list[dict[str, str]]) -> list[int]:
+    """The prompt the server would build for these messages."""
+    request = GenerationRequest(kind="chat", messages=tuple(history),
+                                sampling=SamplingParams(temperature=0.0), cache=CacheConfig())  # fmt: skip
+    return encode_prompt(sm.loaded, request)[0]
+
+
+def converse(sm, config, users, key, ask, max_tokens) -> tuple[list[dict[str, Any]], int]:
+    """The whole conversation in one set of caches; per turn its record, and the misses."""
+    chat, history, turns = Chat(sm, config), [], []
+    for k, user in enumerate(users, 1):
+        history.append({"role": "user", "content": user})
+        turn = chat.turn(chat_prompt(sm, history), key if k in ask else None, max_tokens)
+        history.append({"role": "assistant", "content": turn["answer"]})
+        turns.append({"turn": k, **turn})
+    return turns, chat.misses
+
+
+def ask_fresh(sm, config, users, transcript, key, ask, max_tokens) -> list[dict[str, Any]]:
+    """At each ask turn, the reuse arm's transcript up to it, prefilled afresh."""
+    turns = []
+    for k in ask:
+        history: list[dict[str, str]] = []
+        for user, said in zip(users[: k - 1], transcript[: k - 1], strict=True):
+            history += [{"role": "user", "content": user},
+                        {"role": "assistant", "content": said["answer"]}]  # fmt: skip
+        history.append({"role": "user", "content": users[k - 1]})
+        turns.append(
+            {"turn": k, **Chat(sm, config).turn(chat_prompt(sm, history), key, max_tokens)}
+        )
+    return turns
+
+
+def plot(accuracy: dict, key_nll: dict, out: Any) -> list[str]:
+    plt = pyplot()
+    names = list(accuracy)
+    asks = sorted(next(iter(accuracy.values())))
+    fig, axes = plt.subplots(1, 2, figsize=(max(10, 1.2 * len(names)), 4))
+    width = 0.8 / len(asks)
+    for ax, values, title in ((axes[0], accuracy, "pass key from turn 1: accuracy"),
+                              (axes[1], key_nll, "the key's NLL as the answer (nats/token)")):  # fmt: skip
+        for i, k in enumerate(asks):
+            x = [j + (i - (len(asks) - 1) / 2) * width for j in range(len(names))]
+            ax.bar(x, [values[n][k] for n in names], width, label=f"asked at turn {k}")
+        ax.set_xticks(range(len(names)), names, rotation=40, ha="right", fontsize=8)
+        ax.set(title=title)
+        ax.legend(fontsize=8)
+    axes[0].set_ylim(0, 1.05)
+    fig.tight_layout()
+    return [save_plot(fig, out, STUDY)]
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--turns", type=int, default=None, help="(default 20; quick 4)")
+    p.add_argument("--ask", type=int, nargs="+", default=None, help="(default 5 10 20)")
+    p.add_argument("--budgets", type=int, nargs="+", default=None, help="(default 256 512)")
+    p.add_argument("--methods", nargs="+", default=None, help="(default qfilters knorm streaming)")
+    p.add_argument("--conversations", type=int, default=None, help="(default 1)")
+    p.add_argument("--turn-tokens", type=int, default=None, help="(default 150; quick 40)")
+    p.add_argument("--max-tokens", type=int, default=None, help="(default 24; quick 8)")
+    args = parse(p, argv)
+    quick = args.quick
+    n_turns = args.turns or (4 if quick else 20)
+    ask = sorted(set(args.ask or ([2, 4] if quick else [5, 10, 20])))
+    budgets = args.budgets or ([64] if quick else [256, 512])
+    methods = args.methods or ["qfilters", "knorm", "streaming"]
+    n_conv = args.conversations or 1
+    turn_tokens = args.turn_tokens or (40 if quick else 150)
+    max_tokens = args.max_tokens or (8 if quick else 24)
+    started = time.perf_counter()
+    sm = open_run(STUDY, args, argv)
+    tok = sm.loaded.tokenizer
+    table = arms(budgets, methods)
+    args.out.mkdir(parents=True, exist_ok=True)
+    log = args.out / f"{STUDY}.jsonl"
+    # Rows are read back only for the same design, sizes, seed (the keys and texts) and model.
+    weights = sm.describe().get("weights_sha1")
+    settings = [n_turns, ask, turn_tokens, max_tokens, SETTINGS_TAG, args.seed, weights]
+    done = {}
+    if log.exists():
+        for line in log.read_text().splitlines():
+            row = json.loads(line)
+            if row["settings"] == settings:
+                done[(row["conversation"], row["arm"])] = row
+    rng = random.Random(args.seed)
+    for c in range(n_conv):
+        key = f"{rng.randrange(10_000, 100_000)}"
+        key_ids = list(tok.encode(key, add_special_tokens=False))
+        users = user_messages(tok, key, n_turns, set(ask), turn_tokens, 997 * c)
+        for name, (config, reuse) in table.items():
+            if (c, name) in done:
+                continue
+            misses = 0
+            if reuse:
+                turns, misses = converse(sm, config, users, key_ids, ask, max_tokens)
+            else:
+                sibling = done[(c, name.replace("/fresh", "/reuse"))]
+                if sibling["key"] != key:
+                    raise RuntimeError(f"{name}: the logged reuse arm asked another key")
+                transcript = sibling["turns"]
+                turns = ask_fresh(sm, config, users, transcript, key_ids, ask, max_tokens)
+            by_turn = {t["turn"]: t for t in turns}
+            row = {"conversation": c, "arm": name, "key": key, "settings": settings,
+                   "turns": turns, "misses": misses,
+                   "right": [key in by_turn[k]["answer"] for k in ask],
+                   "key_nll": [by_turn[k]["key_nll"] for k in ask]}  # fmt: skip
+            done[(c, name)] = row
+            with log.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            print(f"conversation {c + 1}, {name}: right {row['right']}, key NLL "
+                  f"{[round(x, 2) for x in row['key_nll']]} "
+                  f"({time.perf_counter() - started:.0f}s)", flush=True)  # fmt: skip
+    rows = [done[(c, name)] for c in range(n_conv) for name in table]
+    accuracy = {
+        name: {k: sum(done[(c, name)]["right"][i] for c in range(n_conv)) / n_conv
+               for i, k in enumerate(ask)}
+        for name in table
+    }  # fmt: skip
+    key_nll = {
+        name: {k: sum(done[(c, name)]["key_nll"][i] for c in range(n_conv)) / n_conv
+               for i, k in enumerate(ask)}
+        for name in table
+    }  # fmt: skip
+    results = {
+        "settings": {
+            "turns": n_turns,
+            "ask": ask,
+            "turn_tokens": turn_tokens,
+            "max_tokens": max_tokens,
+            "conversations": n_conv,
+            "budgets": budgets,
+            "methods": methods,
+            "recent": "budget/4 (streaming: 0)",
+            "fresh": "the reuse arm's transcript, prefilled whole at each ask turn",
+            "prefill_chunk": DEFAULT_PREFILL_CHUNK,
+            "temperature": 0,
+        },
+        "accuracy": accuracy,
+        "key_nll": key_nll,
+        # Turns that continued the caches, and turns that could not (a reply that does not
+        # tokenise back the same: that turn prefilled the whole history instead).
+        "reuse_hits": {
+            name: sum(t["cached_tokens"] > 0 for r in rows if r["arm"] == name for t in r["turns"])
+            for name in table
+        },  # fmt: skip
+        "reuse_misses": {
+            name: sum(r["misses"] for r in rows if r["arm"] == name) for name in table
+        },
+        "plots": plot(accuracy, key_nll, args.out),
+        "rows": rows,
+    }
+    return sm.save(results, model=sm.describe())
+
+
+def render(data: dict[str, Any]) -> list[str]:
+    """This study's section of ``bench/RESULTS.md``."""
+    lines = quality_header("A pass key from turn 1, asked turns later", data)
+    st, ask = data["settings"], data["settings"]["ask"]
+    lines += [
+        "",
+        f"{st['conversations']} conversation(s) of {st['turns']} turns ({st['turn_tokens']} prose "
+        f"tokens each, greedy answers of up to {st['max_tokens']} tokens); the key asked at turns "
+        f"{', '.join(map(str, ask))}; recent {st['recent']}. Reuse: one set of caches for the "
+        f"whole chat; fresh: {st['fresh']}. Each cell: accuracy / the key's mean NLL as the "
+        "answer (nats per token, teacher-forced).",
+        "",
+    ]
+    rows = [[name, *[f"{data['accuracy'][name][str(k)]:.2f} / {data['key_nll'][name][str(k)]:.2f}"
+                     for k in ask], data["reuse_hits"][name], data["reuse_misses"][name]]
+            for name in data["accuracy"]]  # fmt: skip
+    lines += table(["arm", *[f"turn {k}" for k in ask], "turns reused", "misses"], rows)
+    return lines + plots(data)

@@ -1,0 +1,315 @@
+"""Study 6: needle in a haystack in English prose, depth x length, per arm and compression.
+
+The haystack is English prose every machine has offline: paragraphs of the Python standard
+library's docstrings (:func:`bench prose.stdlib_prose`). The needle is one sentence,
+"The special magic number for <city> is <7 digits>.", placed between paragraphs at a
+controlled depth (0 = first, 1 = last before the question); the prompt ends with the question
+and "The special magic number for <city> is", and an arm is right when the first number of
+its greedy continuation is the needle's (exact match).
+
+Every arm keeps ``round(prompt tokens / ratio)`` rows, with a recent window of a quarter of
+the budget (the question must survive). As in the pass-key study, the prompt (but its last
+token) is prefilled once as one block with a full cache and handed to each arm's caches,
+which evict exactly as one block call would.
+
+Results are appended to ``<out>/niah.jsonl`` one document at a time, so an interrupted run
+resumes where it stopped; ``<out>/niah.json`` and the heatmaps are written at the end.
+
+Run: ``python -m bench niah [--quick] [--lengths ...] [--depths ...] [--ratios ...]``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from typing import Any
+
+import numpy as np
+
+from bench.arms import READS_QUERIES, Arm, add_arm_arguments, select_arms
+from bench.data import stdlib_prose
+from bench.harness import open_run, parse, parser, progress, save_plot, subplots
+from bench.report import arm_label, arm_order, fmt, plots, quality_header, table
+from bench.studies.retrieval import answer_nll, budget_for, prefill_block, run_arm
+
+STUDY = "niah"
+CITIES = (
+    "Lisbon", "Nairobi", "Osaka", "Quito", "Tallinn", "Hanoi", "Accra", "Perth", "Bergen",
+    "Cusco", "Dakar", "Tbilisi", "Malmo", "Recife", "Gdansk", "Kyoto", "Tunis", "Austin",
+)  # fmt: skip
+INTRO = "Read the text below. A special magic number is hidden in it; remember it.\n\n"
+
+
+def default_arms() -> list[Arm]:
+    """Full cache, then every method with a recent window of budget/4 (and the fallback's
+    sign ablation)."""
+    return [
+        Arm("full"),
+        Arm("qfilters", 0.25),
+        Arm("knorm", 0.25),
+        Arm("streaming", 0.0),
+        Arm("fallback", 0.25),
+        Arm("fallback", 0.25, sign=-1),
+    ]
+
+
+def make_doc(
+    tokenizer: Any, paragraphs: list[str], length: int, depth: float, index: int
+) -> dict[str, Any]:
+    """A prompt of at most ``length`` tokens (a few percent under, at a sentence end) with the
+    needle at ``depth`` of the haystack."""
+    rng = random.Random(f"niah-{length}-{depth}-{index}")
+    city = rng.choice(CITIES)
+    number = str(rng.randrange(1_000_000, 10_000_000))
+    needle = f"The special magic number for {city} is {number}."
+    question = (
+        f"\n\nWhat is the special magic number for {city}? The special magic number for {city} is"
+    )
+    reserve = len(tokenizer.encode(INTRO + needle + question)) + 8
+    start = rng.randrange(len(paragraphs))
+
+    def build(room: int) -> tuple[list[int], float]:
+        chosen: list[str] = []
+        sizes: list[int] = []
+        while not chosen or sum(sizes) < room:
+            para = paragraphs[(start + len(chosen)) % len(paragraphs)]
+            chosen.append(para)
+            sizes.append(len(tokenizer.encode(para + "\n\n")))
+        # Cut the last paragraph at a word so the haystack fits (it still ends a sentence).
+        words = chosen[-1].split()
+        while sum(sizes) > max(room, 1) and len(words) > 1:
+            words = words[: max(1, len(words) * 3 // 4)]
+            chosen[-1] = " ".join(words).rstrip(".,;:") + "."
+            sizes[-1] = len(tokenizer.encode(chosen[-1] + "\n\n"))
+        # The needle goes between paragraphs, at the boundary nearest to `depth` of the tokens.
+        cumulative = np.concatenate([[0], np.cumsum(sizes)])
+        slot = int(np.argmin(np.abs(cumulative - depth * cumulative[-1])))
+        parts = [*chosen[:slot], needle, *chosen[slot:]]
+        prompt = tokenizer.encode(INTRO + "\n\n".join(parts) + question)
+        return prompt, float(cumulative[slot] / max(cumulative[-1], 1))
+
+    # The whole text's tokens are not the sum of its paragraphs' (merges across the joins):
+    # shrink the room by the overshoot until the prompt fits, never past the model's context.
+    room = length - reserve
+    prompt, where = build(room)
+    while len(prompt) > length and room > 1:
+        room = max(1, room - (len(prompt) - length + 4))
+        prompt, where = build(room)
+    if len(prompt) > length:
+        raise ValueError(f"length {length} is too short for the needle and question")
+    return {
+        "prompt": prompt,
+        "number": number,
+        "answer": tokenizer.encode(" " + number)[-len(tokenizer.encode(number)) :],
+        "depth": where,
+        "tokens": len(prompt),
+    }
+
+
+def measure(
+    model: Any,
+    tokenizer: Any,
+    doc: dict[str, Any],
+    filters: Any,
+    ratios: list[int],
+    arms: list[Arm],
+    repeat: Any = None,
+) -> dict:
+    """Every arm at every ratio on one document: correct and answer NLL (``repeat``: the
+    tokenizer's reconstruction prompts, for kvzip arms)."""
+    prompt = doc["prompt"]
+    block = prefill_block(
+        model,
+        prompt,
+        queries=any(arm.method in READS_QUERIES for arm in arms),
+        kvzip=repeat if any(arm.method == "kvzip" for arm in arms) else None,
+    )
+    max_tokens = len(doc["answer"]) + 2
+    out: dict[str, dict[str, Any]] = {}
+    for arm in arms:
+        for ratio in [None] if arm.method == "full" else ratios:
+            budget = None if ratio is None else budget_for(len(prompt), ratio, arm)
+            if ratio is not None and budget is None:
+                continue
+            tokens, source = run_arm(model, prompt, block, arm, budget, filters, max_tokens)
+            found = re.search(r"\d+", tokenizer.decode(tokens))
+            nll = answer_nll(model, prompt, doc["answer"], block, arm, budget, filters)
+            out.setdefault(arm.name, {})["-" if ratio is None else str(ratio)] = {
+                "correct": bool(found and found.group() == doc["number"]),
+                "answer_nll": nll,
+                "budget": budget,
+                "filter_source": source,
+            }
+    return out
+
+
+def load_done(path: Any) -> dict[tuple[int, float, int], dict]:
+    done = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                rec = json.loads(line)
+                done[(rec["length"], rec["target_depth"], rec["index"])] = rec
+    return done
+
+
+def aggregate(
+    records: list[dict], lengths: list[int], depths: list[float], arms: list[Arm]
+) -> dict:
+    """``grid[arm][ratio]`` = accuracy matrix ``[depth][length]`` (None where not run)."""
+    grid: dict[str, dict[str, list[list[float | None]]]] = {}
+    for arm in arms:
+        for key in (
+            ["-"]
+            if arm.method == "full"
+            else sorted({k for r in records for k in r["arms"].get(arm.name, {})}, key=int)
+        ):
+            cells: list[list[float | None]] = []
+            for d in depths:
+                row: list[float | None] = []
+                for n in lengths:
+                    hits = [
+                        r["arms"][arm.name][key]["correct"]
+                        for r in records
+                        if r["length"] == n
+                        and r["target_depth"] == d
+                        and key in r["arms"].get(arm.name, {})
+                    ]
+                    row.append(float(np.mean(hits)) if hits else None)
+                cells.append(row)
+            grid.setdefault(arm.name, {})[key] = cells
+    return grid
+
+
+def plot(
+    grid: dict,
+    lengths: list[int],
+    depths: list[float],
+    ratios: list[int],
+    arms: list[Arm],
+    out_dir: Any,
+    title: str,
+) -> None:
+    names = [a.name for a in arms if a.method != "full"]
+    fig, ax = subplots(
+        len(names) + 1, len(ratios), figsize=(2.1 * len(ratios), 1.9 * (len(names) + 1))
+    )
+    for col in range(len(ratios)):
+        for row in range(len(names) + 1):
+            ax[row, col].axis("off")
+
+    def heat(a: Any, cells: list[list[float | None]], label: str) -> None:
+        a.axis("on")
+        data = np.array([[np.nan if v is None else v for v in row] for row in cells])
+        a.imshow(data, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        a.set_xticks(
+            range(len(lengths)),
+            [f"{n // 1024}k" if n >= 1024 else str(n) for n in lengths],
+            fontsize=6,
+        )
+        a.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths], fontsize=6)
+        a.set_title(label, fontsize=7)
+
+    heat(ax[0, 0], grid["full"]["-"], "full cache")
+    for row, name in enumerate(names, start=1):
+        label = next(a.label for a in arms if a.name == name)
+        for col, r in enumerate(ratios):
+            if str(r) in grid.get(name, {}):
+                heat(ax[row, col], grid[name][str(r)], f"{label}\n{r}x")
+    save_plot(fig, out_dir, STUDY, title)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = parser(__doc__.splitlines()[0], calibration=True)
+    p.add_argument("--lengths", type=int, nargs="+", default=None, help="prompt tokens")
+    p.add_argument("--depths", type=float, nargs="+", default=None, help="needle depths, 0..1")
+    p.add_argument("--ratios", type=int, nargs="+", default=None, help="compression ratios")
+    p.add_argument("--per-cell", type=int, default=None, help="documents per depth x length")
+    add_arm_arguments(p)
+    args = parse(p, argv)
+    arms = select_arms(default_arms(), args)
+    lengths = args.lengths or ([256] if args.quick else [1024, 2048, 4096, 8192])
+    depths = args.depths or ([0.0, 1.0] if args.quick else [0.0, 0.25, 0.5, 0.75, 1.0])
+    ratios = args.ratios or ([4] if args.quick else [2, 4, 8, 16, 32])
+    per_cell = args.per_cell or 1
+
+    study = open_run(STUDY, args, argv, calibrate=True)
+    if study.identity["max_context"]:
+        lengths = [n for n in lengths if n <= study.identity["max_context"]]
+    paragraphs = stdlib_prose()
+    args.out.mkdir(parents=True, exist_ok=True)
+    log = args.out / f"{STUDY}.jsonl"
+    done = load_done(log) if not args.quick else {}
+    if args.quick and log.exists():
+        log.unlink()
+    todo = [(n, d, i) for n in lengths for d in depths for i in range(per_cell)]
+    with progress(total=len(todo), desc="documents") as bar, log.open("a") as f:
+        for n, d, i in todo:
+            if (n, d, i) not in done:
+                doc = make_doc(study.tokenizer, paragraphs, n, d, i)
+                rec = {
+                    "length": n,
+                    "target_depth": d,
+                    "index": i,
+                    "depth": doc["depth"],
+                    "tokens": doc["tokens"],
+                    "model": study.identity["path"],
+                    "arms": measure(
+                        study.model, study.tokenizer, doc, study.filters, ratios, arms, study.repeat
+                    ),
+                }
+                f.write(json.dumps(rec) + "\n")
+                f.flush()
+                done[(n, d, i)] = rec
+            bar.update(1)
+    records = [done[k] for k in todo]
+    grid = aggregate(records, lengths, depths, arms)
+    plot(
+        grid, lengths, depths, ratios, arms, args.out, f"{study.identity['path']}: needle in prose"
+    )
+    return study.save(
+        {
+            "data": {
+                "haystack": "paragraphs of Python standard-library docstrings (bench prose)",
+                "needle": "The special magic number for <city> is <7 digits>.",
+                "scoring": "first number of the greedy continuation equals the needle's",
+                "docs_per_cell": per_cell,
+            },
+            "lengths": lengths,
+            "depths": depths,
+            "ratios": ratios,
+            "arms": [a.name for a in arms],
+            "budget_rule": "budget = round(prompt tokens / ratio), recent = budget/4",
+            "grid": grid,
+            "records": records,
+            "plots": [f"{STUDY}.png"],
+        }
+    )
+
+
+def render(data: dict[str, Any]) -> list[str]:
+    """This study's section of ``bench/RESULTS.md``."""
+    lines = quality_header("Needle in a haystack, in prose", data)
+    d = data["data"]
+    lengths, depths, ratios = data["lengths"], data["depths"], data["ratios"]
+    lines += [
+        "",
+        f'Haystack: {d["haystack"]}; needle: "{d["needle"]}", asked at the end; '
+        f"{d['scoring']}. {d['docs_per_cell']} document(s) per depth x length "
+        f"({', '.join(map(str, lengths))} tokens; depths {', '.join(f'{x:.0%}' for x in depths)}); "
+        f"{data['budget_rule']}. Exact match, mean over the grid:",
+        "",
+    ]
+    rows = []
+    for name in arm_order(data["grid"]):
+        by_ratio = data["grid"].get(name)
+        if not by_ratio:
+            continue
+        row = [arm_label(name)]
+        for key in ["-", *map(str, ratios)]:
+            vals = [v for line in by_ratio.get(key) or [] for v in line if v is not None]
+            row.append(fmt(sum(vals) / len(vals), 2) if vals else "")
+        rows.append(row)
+    lines += table(["arm", "no eviction", *[f"{r}×" for r in ratios]], rows)
+    return lines + plots(data)

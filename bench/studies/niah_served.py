@@ -1,0 +1,138 @@
+"""The needle in prose through the server, with the settings a user who changes nothing gets.
+
+The documents of the ``niah`` study (a 7-digit number stated once in standard-library prose,
+asked for at the end, the needle at half depth), sent as token ids to ``/v1/completions``,
+greedy. Arms:
+
+- ``auto``: the default server, the request sends no eviction field (``--budget auto``);
+- ``full``: the same server, ``kv_method: full`` (the reference);
+- ``auto-small``: a server started with a small ``--max-kv-bytes`` (what a full cache of
+  2,048 tokens holds; quick: 300), the request again sending nothing: past it, it evicts.
+
+Each answer records what ``kv_cache`` reported (method, budget, ``budget_source``,
+evictions). Answers are appended to ``<out>/niah_served.jsonl`` as they come (an
+interrupted run resumes).
+"""
+
+from __future__ import annotations
+
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.data import stdlib_prose
+from bench.harness import (
+    append_jsonl,
+    open_run,
+    parse,
+    parser,
+    progress,
+    read_jsonl,
+    save_plot,
+    subplots,
+)
+from bench.report import plots, quality_header, table
+from bench.studies.niah import make_doc
+from qfserve import testing
+
+STUDY = "niah_served"
+ARMS = ("auto", "full", "auto-small")
+SMALL_TOKENS = 2048  # the small server's --max-kv-bytes holds a full cache this long
+
+
+def ask(url: str, doc: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
+    """One greedy answer and what its ``kv_cache`` says ran."""
+    (card,) = httpx.get(f"{url}/v1/models", timeout=30).json()["data"]
+    request = {"model": card["id"], "prompt": doc["prompt"], "max_tokens": len(doc["answer"]) + 2,
+               "temperature": 0, **body}  # fmt: skip
+    resp = httpx.post(f"{url}/v1/completions", json=request, timeout=3600)
+    resp.raise_for_status()
+    out = resp.json()
+    found = re.search(r"\d+", out["choices"][0]["text"])
+    kv = out["kv_cache"]
+    return {"correct": bool(found and found.group() == doc["number"]),
+            **{k: kv[k] for k in ("method", "budget", "budget_source", "evictions")}}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--docs", type=int, default=None, help="documents per length (default 5)")
+    p.add_argument("--lengths", type=int, nargs="+", default=None, help="(default 1k-8k)")
+    args = parse(p, argv)
+    docs = args.docs or (2 if args.quick else 5)
+    lengths = args.lengths or ([256, 512] if args.quick else [1024, 2048, 4096, 8192])
+    run = open_run(STUDY, args, argv)
+    from qfserve.engine.serving.admission import kv_row_bytes
+    from qfserve.engine.serving.config import EngineConfig
+
+    row = kv_row_bytes(run.model, run.loaded.config, EngineConfig().cache_defaults())
+    small = row * (300 if args.quick else SMALL_TOKENS)
+    log = args.out / f"{STUDY}.jsonl"
+    if args.quick:
+        log.unlink(missing_ok=True)
+    done = {(r["arm"], r["length"], r["doc"]): r for r in read_jsonl(log)}
+    paragraphs = list(stdlib_prose())
+    logs = Path(tempfile.mkdtemp(prefix="niah-served-"))
+    servers = [
+        testing.start("qfserve", run.folder, log=logs / "default.log", timeout=300),
+        testing.start("qfserve", run.folder, "--max-kv-bytes", str(small),
+                      log=logs / "small.log", timeout=300),
+    ]  # fmt: skip
+    todo = [(a, n, d) for n in lengths for d in range(docs) for a in ARMS]
+    try:
+        with progress(total=len(todo), desc="answers") as bar:
+            for arm, n, d in todo:
+                if (arm, n, d) not in done:
+                    doc = make_doc(run.tokenizer, paragraphs, n, 0.5, d)
+                    url = servers[arm == "auto-small"].url
+                    rec = {"arm": arm, "length": n, "doc": d, "tokens": doc["tokens"],
+                           **ask(url, doc, {"kv_method": "full"} if arm == "full" else {})}  # fmt: skip
+                    append_jsonl(log, rec)
+                    done[(arm, n, d)] = rec
+                bar.update(1)
+    finally:
+        testing.stop_all(servers, 15)
+    records = [done[k] for k in todo]
+    accuracy = summarize(records, lengths)
+    fig, ax = subplots()
+    for arm, colour in zip(ARMS, ("tab:blue", "black", "tab:red"), strict=True):
+        xs = [n for n in lengths if str(n) in accuracy[arm]]
+        ax[0, 0].plot(xs, [accuracy[arm][str(n)]["accuracy"] for n in xs], marker="o",
+                      color=colour, label=arm)  # fmt: skip
+    ax[0, 0].set(xscale="log", xlabel="prompt tokens", ylabel="accuracy", ylim=(-0.05, 1.05))
+    ax[0, 0].legend(fontsize=7)
+    save_plot(fig, args.out, STUDY, f"{run.identity['path']}: the needle with default settings")
+    return run.save({"docs": docs, "lengths": lengths, "small_kv_bytes": small,
+                     "small_tokens": small // row, "accuracy": accuracy, "records": records,
+                     "plots": [f"{STUDY}.png"]})  # fmt: skip
+
+
+def summarize(records: list[dict[str, Any]], lengths: list[int]) -> dict[str, dict[str, Any]]:
+    """Per arm and length: accuracy, what ran (``method@budget`` where it evicted)."""
+    out: dict[str, dict[str, Any]] = {arm: {} for arm in ARMS}
+    for arm in ARMS:
+        for n in lengths:
+            hits = [r for r in records if r["arm"] == arm and r["length"] == n]
+            if hits:
+                ran = sorted({f"{r['method']}@{r['budget']}" if r["evictions"] else r["method"]
+                              for r in hits})  # fmt: skip
+                out[arm][str(n)] = {"accuracy": sum(r["correct"] for r in hits) / len(hits),
+                                    "n": len(hits), "ran": ran}  # fmt: skip
+    return out
+
+
+def render(d: dict[str, Any]) -> list[str]:
+    """This study's section of ``bench/RESULTS.md``."""
+    lines = quality_header("The needle through the server with default settings", d)
+    lines += ["", f"{d['docs']} documents per length, the needle at half depth; greedy. `auto`: "
+              "no eviction field (`--budget auto`); `full`: `kv_method: full`; `auto-small`: "
+              f"the same request on a server whose `--max-kv-bytes` holds {d['small_tokens']:,} "
+              "tokens of full cache. Accuracy (what ran):", ""]  # fmt: skip
+    lines += table(["arm", *[f"{n:,}" for n in d["lengths"]]], [
+        [arm, *(f"{by[str(n)]['accuracy']:.2f} ({', '.join(by[str(n)]['ran'])})"
+                if str(n) in by else "-" for n in d["lengths"])]
+        for arm, by in d["accuracy"].items()])  # fmt: skip
+    return lines + plots(d)

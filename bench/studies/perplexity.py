@@ -1,0 +1,349 @@
+"""Study 3: perplexity of streaming generation with eviction active, per budget and arm.
+
+Sequences of ``L`` tokens (default 4 x 2,048) are fed one token per step through each arm's
+real caches (:mod:`bench teacher`), teacher-forced, at budgets 256 / 512 / 1,024 by
+default (those with ``budget <= L/2``). Data sets: ``stdlib`` (evaluation-split standard
+library code windows), ``prose`` (running English prose: standard-library docstring
+paragraphs, :mod:`bench prose`) and ``recall`` (held-out generated recall
+documents). Perplexity is scored on the second half of each sequence, where every budget is
+full and evicting, so budgets are comparable. Arms: full cache, calibrated Q-Filters and
+K-norm with ``recent = budget/4`` (``--methods`` adds the key-SVD fallback in either
+orientation, ``--recent-fracs`` other windows; quick runs all of them at 0 and b/4), and
+streaming (sinks + latest rows, for which a recent window changes nothing).
+
+``gap closed vs streaming`` is ``(nll_streaming - nll_arm) / (nll_streaming - nll_full)`` on
+the pooled mean NLL at the same budget: 100% matches the full cache, 0% is no better than
+keeping the latest rows, negative is worse. It is left out (``None``) where streaming is not
+worse than the full cache by at least 0.002 nats/token: there is no gap to close. Every arm
+is checked to hold exactly ``budget`` rows per layer and KV head at the end and never more
+at any step.
+
+Each (data set, budget, arm) is appended to ``<out>/perplexity.jsonl`` as it finishes, so an
+interrupted run resumes where it stopped.
+
+Run: ``python -m bench perplexity [--quick] [--budgets ...] [--datasets ...]``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.arms import (
+    LABELS,
+    Arm,
+    add_arm_arguments,
+    full_nll,
+    prefill_length,
+    select_arms,
+    standard_arms,
+    streaming_nll,
+)
+from bench.data import prose_windows, recall_windows, stdlib_windows
+from bench.harness import COLORS, open_run, parse, parser, progress, save_plot, subplots, summary
+from bench.report import arm_label, arm_order, fmt, pct, plots, quality_header, spread_cell, table
+from qfserve.engine.serving.config import DEFAULT_PREFILL_CHUNK
+
+STUDY = "perplexity"
+METHODS = ("qfilters", "fallback", "fallback-", "knorm")
+DEFAULT_METHODS = ("qfilters", "knorm")
+# --prompt: the first half is read as a server reads a prompt, in blocks of its default
+# --prefill-chunk, each block evicting at once; the second half is then decoded one token per
+# step. Chunks and adaptive budgets act on block evictions; fed one token per step, a chunked
+# cache ranks by chunk only once (when it first fills) and an adaptive one never shares rows.
+PROMPT_BLOCK = DEFAULT_PREFILL_CHUNK
+
+
+def run_arm(
+    model: Any,
+    tokens: np.ndarray,
+    arm: Arm,
+    budget: int,
+    filters: np.ndarray,
+    bar: Any = None,
+    block: int | None = None,
+) -> tuple[np.ndarray, dict[str, Any]]:
+    """``(B, L-1)`` streaming NLL of one arm at one budget, and its budget record. With
+    ``block``, the first half goes in as a prompt in blocks of that size (``--prompt``)."""
+    caches = arm.caches(model, budget, filters)
+    config = arm.config(budget)
+    calib = config.calib_tokens if arm.method == "fallback" else None
+    nll, max_rows = streaming_nll(
+        model,
+        tokens,
+        caches,
+        budget=budget,
+        prefill=tokens.shape[1] // 2 if block else prefill_length(budget, calib),
+        block=block,
+        on_step=None if bar is None else bar.update,
+    )
+    record = {
+        "budget": budget,
+        "recent": config.recent,
+        "n_sink": config.n_sink,
+        "rows_kept_at_end": budget,  # check_budget raised otherwise
+        "max_rows_any_step": max_rows,
+        "filter_source": arm.source(caches),
+    }
+    return nll, record
+
+
+def evaluate(
+    model: Any,
+    tokens: np.ndarray,
+    arms: list[Arm],
+    budgets: list[int],
+    filters: np.ndarray,
+    desc: str,
+    log: Path | None = None,
+    block: int | None = None,
+) -> dict[str, Any]:
+    """NLL windows and budget records of every (budget, arm) on one batch of sequences.
+
+    With ``log``, each (budget, arm) is appended to that JSONL file as it finishes and those
+    already there (same data set, shape, budget and feeding) are read back instead of rerun.
+    """
+    L = tokens.shape[1]
+    window = slice(L // 2, None)  # nll index i predicts token i + 1
+    full = full_nll(model, tokens)[:, window]
+    out: dict[str, Any] = {"full": {"nll": full}, "budgets": {b: {} for b in budgets}}
+    shape = list(tokens.shape)
+    done = {}
+    if log is not None and log.exists():
+        for line in log.read_text().splitlines():
+            rec = json.loads(line) if line.strip() else None
+            same = rec and rec["dataset"] == desc and rec["shape"] == shape
+            if same and rec.get("prompt_block") == block:
+                done[(rec["budget"], rec["arm"])] = rec
+    evicting = [a for a in arms if a.method != "full"]
+    todo = [(b, a) for b in budgets for a in evicting if (b, a.name) not in done]
+    with progress(total=(L - 1) * len(todo), unit="tok", desc=desc) as bar:
+        for budget in budgets:
+            for arm in evicting:
+                if (budget, arm.name) in done:
+                    rec = done[(budget, arm.name)]
+                    out["budgets"][budget][arm.name] = {
+                        **rec["record"],
+                        "nll": np.asarray(rec["nll"], dtype=np.float32),
+                    }
+                    continue
+                nll, record = run_arm(model, tokens, arm, budget, filters, bar, block)
+                out["budgets"][budget][arm.name] = {"nll": nll[:, window], **record}
+                if log is not None:
+                    with log.open("a") as f:
+                        f.write(json.dumps({
+                            "dataset": desc, "shape": shape, "budget": budget, "arm": arm.name,
+                            "prompt_block": block,
+                            "record": record, "nll": nll[:, window].tolist(),
+                        }) + "\n")  # fmt: skip
+    return out
+
+
+# Below this (nats/token) streaming is not measurably worse than the full cache: no gap.
+MIN_GAP_NATS = 0.002
+
+
+def gap_closed(nll_streaming: float, nll_arm: float, nll_full: float) -> float | None:
+    """Share of streaming's gap to the full cache that an arm closes (1 = all of it).
+
+    ``None`` when streaming is within ``MIN_GAP_NATS`` of the full cache or better than it
+    (an undertrained model can do better with less context), where the ratio means nothing.
+    """
+    denom = nll_streaming - nll_full
+    return (nll_streaming - nll_arm) / denom if denom > MIN_GAP_NATS else None
+
+
+def summarise(raw: dict[str, Any]) -> dict[str, Any]:
+    """Perplexities, per-sequence ratios to full and gap closed, from the NLL windows."""
+    full = raw["full"]["nll"]
+    full_mean = float(full.mean())
+    full_seq = full.mean(axis=1)
+    out: dict[str, Any] = {
+        "full": {"ppl": math.exp(full_mean), "nll": full_mean, "ppl_per_seq": np.exp(full_seq)},
+        "budgets": {},
+    }
+    for budget, arms in raw["budgets"].items():
+        # Left out by --only, streaming leaves no gap to measure against.
+        stream = float(arms["streaming/r0"]["nll"].mean()) if "streaming/r0" in arms else None
+        rows = {}
+        for name, r in arms.items():
+            nll = float(r["nll"].mean())
+            seq = r["nll"].mean(axis=1)
+            rows[name] = {
+                "ppl": math.exp(nll),
+                "nll": nll,
+                "ppl_per_seq": np.exp(seq),
+                "ratio_to_full": summary(np.exp(seq - full_seq).tolist()),
+                "gap_closed_vs_streaming": None
+                if stream is None
+                else gap_closed(stream, nll, full_mean),
+                **{k: v for k, v in r.items() if k != "nll"},
+            }
+        out["budgets"][budget] = rows
+    return out
+
+
+def plot(results: dict[str, Any], identity: dict[str, Any], out_dir: Any) -> list[str]:
+    names = []
+    for dataset, res in results.items():
+        budgets = sorted(res["budgets"])
+        names_run = sorted(res["budgets"][budgets[0]])
+
+        def recent_of(name: str) -> int:
+            return int(name.split("/")[1][1:])  # "qfilters/r25/c4" -> 25
+
+        fracs = sorted({recent_of(n) for n in names_run if not n.startswith("streaming")})
+        fig, ax = subplots(1, len(fracs), figsize=(5 * len(fracs), 3.8), sharey=True)
+        styles = ["o-", "s--", "^:", "v-.", "D--", "x:"]
+        for col, frac in enumerate(fracs):
+            a = ax[0, col]
+            a.axhline(res["full"]["ppl"], color="black", ls="--", label="full")
+            shown = [n for n in names_run if n.startswith("streaming") or recent_of(n) == frac]
+            for i, name in enumerate(shown):
+                method = name.split("/")[0].rstrip("-")
+                ppl = [res["budgets"][b][name]["ppl"] for b in budgets]
+                variant = "/".join(name.split("/")[2:])
+                label = LABELS[method] + (f" ({variant})" if variant else "")
+                a.plot(budgets, ppl, styles[i % len(styles)], color=COLORS[method], label=label)
+            a.set_xscale("log", base=2)
+            a.set_yscale("log")
+            a.set_xticks(budgets, [str(b) for b in budgets])
+            a.set_xlabel("budget (rows per layer and KV head)")
+            a.set_title(f"recent = {'0' if frac == 0 else 'budget/4'}", fontsize=9)
+            if col == 0:
+                a.set_ylabel("perplexity (2nd half of each sequence)")
+                a.legend(fontsize=7)
+        name = f"{STUDY}_{dataset}"
+        save_plot(
+            fig,
+            out_dir,
+            name,
+            f"{identity['path']} {identity['checkpoint']}: streaming perplexity, {dataset}",
+        )
+        names.append(f"{name}.png")
+    return names
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = parser(__doc__.splitlines()[0], calibration=True)
+    p.add_argument("--length", type=int, default=None, help="tokens per sequence")
+    p.add_argument("--sequences", type=int, default=None, help="sequences per data set")
+    p.add_argument("--budgets", type=int, nargs="+", default=None)
+    p.add_argument("--datasets", nargs="+", choices=("stdlib", "recall", "prose"), default=None)
+    p.add_argument(
+        "--recent-fracs",
+        type=float,
+        nargs="+",
+        default=None,
+        help="recent windows as fractions of the budget (default 0.25; quick: 0 and 0.25)",
+    )
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        choices=METHODS,
+        default=None,
+        help="evicting arms beside streaming (default: qfilters and knorm; quick: all)",
+    )
+    p.add_argument(
+        "--prompt",
+        action="store_true",
+        help=f"read the first half as a prompt, in {PROMPT_BLOCK}-token blocks that evict at "
+        "once, then decode the second half (chunks and adaptive budgets act only on blocks)",
+    )
+    add_arm_arguments(p)
+    args = parse(p, argv)
+    length = args.length or (96 if args.quick else 2048)
+    n_seq = args.sequences or (2 if args.quick else 4)
+    budgets = [b for b in (args.budgets or ((16, 32) if args.quick else (256, 512, 1024)))]
+    budgets = [b for b in budgets if b <= length // 2]
+    datasets = args.datasets or ["stdlib", "prose"]
+    if not budgets:
+        raise ValueError(f"budgets must be <= length/2 = {length // 2}, got {args.budgets}")
+
+    study = open_run(STUDY, args, argv, calibrate=True)
+    model, identity, filters, corpus = study.model, study.identity, study.filters, study.corpus
+    make = {
+        "stdlib": lambda: stdlib_windows(corpus, length, n_seq),
+        "recall": lambda: recall_windows(corpus, length, n_seq),
+        "prose": lambda: prose_windows(study.tokenizer, length, n_seq),
+    }
+    arms = [
+        a
+        for a in standard_arms(tuple(args.recent_fracs or ((0.0, 0.25) if args.quick else (0.25,))))
+        if a.method in ("full", "streaming")
+        or a.name.split("/")[0] in (args.methods or (METHODS if args.quick else DEFAULT_METHODS))
+    ]
+    arms = select_arms(arms, args)
+    log = None if args.quick else args.out / f"{STUDY}.jsonl"
+    args.out.mkdir(parents=True, exist_ok=True)
+    results, shapes = {}, {}
+    block = PROMPT_BLOCK if args.prompt else None
+    for dataset in datasets:
+        tokens = make[dataset]()
+        shapes[dataset] = list(tokens.shape)
+        raw = evaluate(model, tokens, arms, budgets, filters, dataset, log, block)
+        results[dataset] = summarise(raw)
+
+    names = plot(results, identity, args.out)
+    return study.save(
+        {
+            "data": {
+                "length": length,
+                "scored": f"tokens {length // 2 + 1} .. {length - 1} (second half)",
+                "batches": shapes,
+                "full_arm": "one forward pass over each sequence (what a full cache decodes, "
+                "up to float rounding)",
+                "prefill": f"the first half, as a prompt in {PROMPT_BLOCK}-token blocks that "
+                "each evict at once (--prompt)"
+                if args.prompt
+                else "the first min(budget, calib_tokens - 1) tokens (fallback) or "
+                "budget tokens (others) go in as one block: identical stored rows",
+                "kinds": {
+                    "stdlib": "evaluation-split stdlib windows, evenly spaced",
+                    "prose": "running English prose: stdlib docstring paragraphs "
+                    "(bench prose), windows from evenly spaced paragraphs",
+                    "recall": "held-out generated kv / fact / pass-key documents (eval seeds)",
+                },
+            },
+            "budgets": budgets,
+            "arms": [a.name for a in arms],
+            "results": results,
+            "plots": names,
+        }
+    )
+
+
+def render(data: dict[str, Any]) -> list[str]:
+    """This study's section of ``bench/RESULTS.md``."""
+    lines = quality_header("Streaming generation perplexity", data)
+    d = data["data"]
+    lines += [
+        "",
+        f"Teacher-forced, one token per step through the real caches; scored on {d['scored']}"
+        f" of {d['length']}-token sequences; batches {d['batches']}. Ratio = per-sequence "
+        "perplexity / full cache, median [q1–q3]. Gap closed = (NLL streaming − NLL arm) / "
+        "(NLL streaming − NLL full) at the same budget; – where streaming is not worse than the "
+        "full cache (no gap to close). Every arm held exactly `budget` rows "
+        "per layer and KV head (checked at every step).",
+    ]
+    for dataset, res in data["results"].items():
+        full = res["full"]["ppl"]
+        lines += ["", f"**{dataset}** (full cache: {full:.3f})", ""]
+        rows = []
+        for budget, arms in res["budgets"].items():
+            for name in arm_order(arms):
+                r = arms[name]
+                rows.append(
+                    [budget, arm_label(name), fmt(r["ppl"]), spread_cell(r["ratio_to_full"]),
+                     pct(r["gap_closed_vs_streaming"]), r["max_rows_any_step"]]
+                )  # fmt: skip
+        lines += table(
+            ["budget", "arm", "perplexity", "ratio to full", "gap closed vs streaming",
+             "max rows"],
+            rows,
+        )  # fmt: skip
+    return lines + plots(data)

@@ -1,0 +1,209 @@
+"""The decode step of chunked and head-adaptive Q-Filters against plain ones, same budget.
+
+In process, no server. At each budget ``B`` every arm's caches are prefilled (512-token
+chunks, as the server prefills) with the same ``2B`` tokens, so each decode step evicts one
+row per layer and head (checked: every timed call adds ``steps`` evictions per layer); then
+the arms' steps are timed interleaved, round after round. Arms: plain Q-Filters twice (the
+A/A pair, first and last in each round, so it brackets the others), chunks of ``--chunk``
+positions, adaptive budgets, and both; recent window ``B/4`` and n_sink 4, as the
+refinements' quality studies run them. The head-mask wrapper that adaptive budgets need is
+installed for every arm (a server that has served one adaptive request runs with it), and
+costs a plain cache one attribute look-up per layer.
+
+What it isolates: whether chunk ranks and ragged heads add work to the decode step. Chunked
+caches hold ``B`` rows per head like plain ones. Adaptive caches hold ``B x heads`` rows per
+layer, shared unevenly, stored padded to the longest head; attention then reads the padded
+width, so that arm's step pays for its padding too. The rows each arm stores (``stored_rows``,
+padding included) and keeps (``kept_rows``) are recorded beside its time.
+
+Run: ``python -m bench refine-step [--quick] [--model M] [--budgets 256 512]``.
+Writes ``bench/results/<model>/refine_step.json`` and ``refine_step.png``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from bench.arms import decode_timer, prefill
+from bench.data import prompt_tokens
+from bench.harness import (
+    Progress,
+    errorbars,
+    interleave,
+    open_run,
+    parse,
+    parser,
+    pyplot,
+    ratio_row,
+    save_plot,
+    summary,
+)
+from bench.report import plots, speed_header, table
+from qfserve.calibrations.model_info import model_fingerprint
+from qfserve.engine.filters.artifact import resolve_calibration
+from qfserve.engine.kv.attention import install_head_masks
+from qfserve.engine.kv.config import CacheConfig
+from qfserve.engine.kv.factory import make_caches
+
+REFERENCE = "plain_a"
+
+
+def arm_configs(budget: int, chunk: int) -> dict[str, CacheConfig]:
+    """Arm name -> cache settings; the two plain arms are the A/A pair."""
+    base: dict[str, Any] = {"method": "qfilters", "budget": budget, "recent": budget // 4}
+    return {
+        "plain_a": CacheConfig(**base),
+        f"c{chunk}": CacheConfig(**base, chunk=chunk),
+        "adaptive": CacheConfig(**base, budget_mode="adaptive"),
+        f"c{chunk}_adaptive": CacheConfig(**base, chunk=chunk, budget_mode="adaptive"),
+        "plain_b": CacheConfig(**base),
+    }
+
+
+def evicting_timer(model, caches: list[Any], steps: int):
+    """:func:`common.decode_timer` that also checks every step evicted one row per layer."""
+    timed = decode_timer(model, caches, steps, hold=False)
+
+    def run() -> float:
+        before = [c.evictions for c in caches]
+        ms = timed()
+        grew = {c.evictions - b for c, b in zip(caches, before, strict=True)}
+        if grew != {steps}:
+            raise RuntimeError(f"expected {steps} evictions per layer per timing, got {grew}")
+        return ms
+
+    return run
+
+
+def rows_held(caches: list[Any]) -> dict[str, float]:
+    """Rows per layer and KV head: stored (the padded width attention reads) and kept."""
+    # In the slot layout every head has one free slot, which holds no token.
+    stored = max(c.keys.shape[2] - (c.free is not None) for c in caches)
+    longest = max(
+        (
+            int(c.valid.sum(axis=-1).max()) - (c.free is not None)
+            for c in caches
+            if c.valid is not None
+        ),
+        default=stored,
+    )
+    return {"stored_rows": stored, "longest_head_rows": longest}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = parser(__doc__.splitlines()[0], reps=9)
+    p.add_argument("--budgets", type=int, nargs="+", default=None, help="(default 256 512)")
+    p.add_argument("--chunk", type=int, default=None, help="chunk size (default 8)")
+    p.add_argument("--steps", type=int, default=None, help="decode steps per timing (16)")
+    args = parse(p, argv)
+    budgets = args.budgets or ([32, 64] if args.quick else [256, 512])
+    chunk = args.chunk if args.chunk is not None else (4 if args.quick else 8)
+    steps = args.steps if args.steps is not None else (4 if args.quick else 16)
+    if chunk < 2 or steps < 1 or min(budgets) <= chunk:
+        raise SystemExit("need --chunk >= 2, --steps >= 1 and every budget above the chunk")
+    progress = Progress("refine_step")
+    sm = open_run("refine_step", args, argv)
+    model = sm.loaded.model
+    bm = sm
+    filters, scale, source = resolve_calibration(
+        model, bm.loaded.model_id, fingerprint=model_fingerprint(model, bm.loaded.config)
+    )
+    if filters is None or scale is None:
+        raise SystemExit(
+            f"{bm.loaded.name}: adaptive budgets need a calibration with query scales "
+            f"(format version 2); found {source}"
+        )
+    install_head_masks(model)
+    rows = []
+    for budget in budgets:
+        tokens = prompt_tokens(sm, 2 * budget)
+        arms, held = {}, {}
+        for name, config in arm_configs(budget, chunk).items():
+            progress(f"budget {budget}: prefilling {name}")
+            caches = make_caches(model, config, filters=filters, query_scale=scale)
+            prefill(model, caches, tokens)
+            arms[name] = evicting_timer(model, caches, steps)
+            arms[name]()  # warm-up: from its first step on, every step evicts
+            held[name] = rows_held(caches)
+        samples = interleave(arms, args.reps, progress=progress.rounds(f"budget {budget}"))
+        rows.append(
+            {
+                "budget": budget,
+                "ms_per_step": {k: summary(v) for k, v in samples.items()},
+                "rows": held,
+                "ratios": [ratio_row(samples, k, REFERENCE) for k in arms if k != REFERENCE],
+            }
+        )
+        del arms, caches
+        mx.clear_cache()
+
+    result = {
+        "study": "refine_step",
+        "settings": {
+            "budgets": budgets,
+            "chunk": chunk,
+            "steps": steps,
+            "reps": args.reps,
+            "prompt": "2 x budget tokens of the standard-library corpus",
+            "recent": "budget / 4",
+            "n_sink": 4,
+            "reference": REFERENCE,
+            "prefill_chunk": 512,
+        },
+        "rows": rows,
+    }
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    names = [r["arm"] for r in rows[0]["ratios"]]
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        med, err = errorbars([next(x for x in r["ratios"] if x["arm"] == name) for r in rows])
+        x = [j + i * width for j in range(len(rows))]
+        ax.bar(x, med, width, yerr=err, capsize=3, label=name)
+    ax.axhline(1.0, color="grey", ls=":")
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))], [f"b{b}" for b in budgets])
+    ax.set(title="decode step / plain Q-Filters (median, IQR)", ylabel="ratio")
+    ax.legend(fontsize=8)
+    result["plots"] = [save_plot(fig, args.out, "refine_step")]
+    return sm.save(result, section="speed", model=sm.describe())
+
+
+def render(d: dict[str, Any]) -> list[str]:
+    """This study's section of ``bench/RESULTS.md``."""
+    s = d["settings"]
+    lines = speed_header("Chunks and adaptive budgets: the decode step at equal size", d)
+    lines.append(
+        f"In process: every arm prefilled with {s['prompt']}, so each step evicts one row; "
+        f"recent {s['recent']}, {s['steps']} steps per timing, {s['reps']} interleaved rounds. "
+        f"Ratios are to plain Q-Filters (`{s['reference']}`); `plain_b` is the A/A copy."
+    )
+    lines.append("")
+    rows = []
+    for r in d["rows"]:
+        ref = r["ms_per_step"][s["reference"]]["median"]
+        held = r.get("rows", {})
+
+        def width(arm: str, held: dict = held) -> str:
+            return str(held[arm]["stored_rows"]) if arm in held else "—"
+
+        rows.append([r["budget"], s["reference"], width(s["reference"]), f"{ref:.1f}", "1.00", ""])
+        for x in r["ratios"]:
+            rows.append(
+                [
+                    "",
+                    x["arm"],
+                    width(x["arm"]),
+                    f"{r['ms_per_step'][x['arm']]['median']:.1f}",
+                    f"{x['median']:.3f}",
+                    f"{x['q1']:.2f}-{x['q3']:.2f}",
+                ]
+            )
+    lines += table(["budget", "arm", "rows stored", "ms/step", "ratio", "IQR"], rows)
+    lines += [
+        "",
+        "Rows stored: per layer and KV head, the width attention reads (adaptive budgets pad "
+        "every head to the longest).",
+    ]
+    return lines + [*plots(d), ""]

@@ -1,0 +1,471 @@
+"""Study 4: pass-key retrieval against context length, compression and needle depth.
+
+Held-out pass-key documents (:func:`training.data.passkey_eval_set`: evaluation seeds,
+evaluation-split filler) of 256 .. 2048 tokens, with the needle spread evenly over three
+depth bins (first, middle, last third of the prompt). Each prompt ends at "...The pass key
+is"; the model decodes greedily through :func:`mlx_lm.generate_step` with
+``prompt_cache=make_caches(...)`` and is right when the first number it writes is the key.
+
+An untrained or small model may retrieve nothing even with a full cache, which leaves
+accuracy at 0 for every arm; so each arm also reports ``answer_nll``, the teacher-forced
+negative log-likelihood (nats per token) of the true answer (" " + key digits) given what
+its cache kept: a graded signal that separates arms before accuracy can.
+
+Compression is ``prompt tokens / budget`` at 2x .. 32x, so every arm keeps the same number of
+rows (sinks and recent rows included): full cache, calibrated Q-Filters, key-SVD fallback
+and K-norm with ``recent`` 0 and budget/4, and streaming.
+
+mlx-lm prefills ``prompt[:-1]`` in one block (prompts here are < 2,048 tokens) and the block
+attends to all of itself before the cache evicts. That block's keys and values are the same
+for every arm, so we compute them once per document and hand them to each arm's fresh
+caches through ``update_and_fetch``, which evicts exactly as the block call would; the last
+prompt token and the answer then run through ``generate_step``. The first document is also
+run the direct way for every arm, and the two must agree token for token (recorded as
+``shared_prefill_check``).
+
+Each document's outcomes are appended to ``<out>/retrieval.jsonl`` as soon as they are
+measured, and a rerun with the same arms, ratios and filler skips those documents, so a long
+run that was stopped resumes where it was.
+
+Run: ``python -m bench retrieval [--quick] [--lengths 256 512 1024 2048]``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+
+from bench.arms import (
+    READS_QUERIES,
+    Arm,
+    add_arm_arguments,
+    add_traffic_argument,
+    check_budget,
+    feed_block,
+    select_arms,
+    standard_arms,
+    streaming_nll,
+)
+from bench.data import passkey_docs
+from bench.harness import color, open_run, parse, parser, progress, save_plot, subplots, summary
+from bench.report import arm_label, arm_order, fmt, plots, quality_header, table
+from qfserve.engine.kv.config import DEFAULT_N_SINK, CacheConfig
+from qfserve.engine.kv.factory import make_caches
+from qfserve.engine.kv.kvzip import RepeatPrompt, compress
+from qfserve.engine.kv.selfcal import install_query_taps
+
+STUDY = "retrieval"
+BINS = ("first third", "middle third", "last third")
+
+
+def budget_for(prompt_len: int, ratio: int, arm: Arm) -> int | None:
+    """``round(prompt_len / ratio)``, or None when it leaves no evictable row."""
+    budget = round(prompt_len / ratio)
+    return budget if budget > DEFAULT_N_SINK + arm.recent(budget) else None
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of ``k`` successes in ``n``."""
+    if n == 0:
+        return (float("nan"), float("nan"))
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+def decode(model: Any, prompt: list[int], caches: list[Any], max_tokens: int) -> list[int]:
+    """Greedy tokens from ``generate_step`` with ``prompt_cache=caches``."""
+    out = []
+    for (token, _), _n in zip(
+        generate_step(mx.array(prompt), model, prompt_cache=caches, max_tokens=max_tokens),
+        range(max_tokens),
+        strict=False,
+    ):
+        out.append(int(token))
+    return out
+
+
+def prefill_block(
+    model: Any, prompt: list[int], *, queries: bool = False, kvzip: RepeatPrompt | None = None
+) -> list[tuple[mx.array, ...]]:
+    """Keys and values every layer stores for ``prompt[:-1]`` (one block, full cache), with
+    ``queries`` the block's rotated queries (for self-calibrated arms), and with ``kvzip``
+    the queries and the reconstruction pass's scores of every row (they do not depend on
+    the budget, so the pass runs once per document for every kvzip arm and ratio)."""
+    n = len(prompt) - 1
+    taps = install_query_taps(model) if queries or kvzip is not None else None
+    if kvzip is not None:  # a budget above the block: the pass scores rows, evicts none
+        cache = make_caches(model, CacheConfig(method="kvzip", budget=n + 1))
+    else:
+        cache = make_prompt_cache(model)
+    model(mx.array(prompt[:-1])[None], cache=cache)
+    kv: list[tuple[mx.array, ...]] = [(c.keys[..., :n, :], c.values[..., :n, :]) for c in cache]
+    if taps is not None:
+        kv = [(*layer, tap.take(n)) for layer, tap in zip(kv, taps, strict=True)]
+    if kvzip is not None:
+        compress(model, cache, prompt[:-1], kvzip)
+        kv = [(*layer, c.token_scores) for layer, c in zip(kv, cache, strict=True)]
+    mx.eval(kv)
+    return kv
+
+
+def run_arm(
+    model: Any,
+    prompt: list[int],
+    block: list[tuple[mx.array, ...]] | None,
+    arm: Arm,
+    budget: int | None,
+    filters: np.ndarray,
+    max_tokens: int,
+) -> tuple[list[int], str]:
+    """Generated tokens of one arm and where its filters came from (``block=None``:
+    prefilled the direct way)."""
+    caches = arm.caches(model, budget, filters)
+    if block is None:
+        tokens = decode(model, prompt, caches, max_tokens)
+    else:
+        feed_block(caches, block)
+        tokens = decode(model, prompt[-1:], caches, max_tokens)
+    check_budget(caches, budget, len(prompt) - 1 + len(tokens))
+    return tokens, arm.source(caches)
+
+
+def answer_nll(
+    model: Any,
+    prompt: list[int],
+    answer: list[int],
+    block: list[tuple[mx.array, ...]],
+    arm: Arm,
+    budget: int | None,
+    filters: np.ndarray,
+) -> float:
+    """Mean NLL per answer token, teacher-forced one token per step after the prompt."""
+    caches = arm.caches(model, budget, filters)
+    feed_block(caches, block)
+    tokens = np.array([[prompt[-1], *answer]])
+    # budget=None: the rows are checked against the whole document just below.
+    nll, _ = streaming_nll(model, tokens, caches, budget=None, prefill=1)
+    check_budget(caches, budget, len(prompt) - 1 + len(answer))
+    return float(nll.mean())
+
+
+def measure_doc(
+    study: Any,
+    doc: dict[str, Any],
+    configs: list[tuple[Arm, int | None]],
+    filters: Any,
+    *,
+    first: bool,
+) -> dict[str, Any]:
+    """Every arm at every ratio on one document (``first``: also check the shared prefill
+    against a direct ``generate_step``)."""
+    model, prompt = study.model, doc["prompt"]
+    max_tokens = doc["key_tokens"] + 2
+    block = prefill_block(
+        model,
+        prompt,
+        queries=any(arm.method in READS_QUERIES for arm, _ in configs),
+        kvzip=study.repeat if any(arm.method == "kvzip" for arm, _ in configs) else None,
+    )
+    cells: list[list[Any]] = []
+    sources: dict[str, str] = {}
+    check: dict[str, Any] = {"arms": 0, "identical": 0, "mismatches": []}
+    for arm, ratio in configs:
+        budget = None if ratio is None else budget_for(len(prompt), ratio, arm)
+        if ratio is not None and budget is None:
+            continue
+        tokens, sources[arm.name] = run_arm(model, prompt, block, arm, budget, filters, max_tokens)
+        nll = answer_nll(model, prompt, doc["answer"], block, arm, budget, filters)
+        if first and arm.method != "kvzip":  # kvzip's pass runs on the shared block only
+            direct, _ = run_arm(model, prompt, None, arm, budget, filters, max_tokens)
+            check["arms"] += 1
+            check["identical"] += direct == tokens
+            if direct != tokens:
+                check["mismatches"].append(f"{arm.name}@{ratio}x")
+        found = re.search(r"\d+", study.tokenizer.decode(tokens))
+        correct = bool(found and found.group() == doc["key"])
+        cells.append([arm.name, "-" if ratio is None else str(ratio), correct, nll, budget])
+    return {"bin": doc["bin"], "cells": cells, "sources": sources, "check": check}
+
+
+def plot_metric(a: Any, res: dict[str, Any], arms: list[Arm], ratios: list[int], key: str) -> None:
+    """One panel: ``key`` against compression per arm, the full cache as a dashed line."""
+    full = res["arms"].get("full", {}).get("-")
+    if full is not None:
+        a.axhline(full[key], color="black", ls="--", label="full")
+    for arm in arms:
+        cells = res["arms"].get(arm.name, {})
+        xs = [r for r in ratios if str(r) in cells]
+        if arm.method == "full" or not xs:
+            continue
+        a.plot(
+            xs,
+            [cells[str(r)][key] for r in xs],
+            marker="o" if arm.recent_frac == 0 else "s",
+            linestyle=":" if arm.sign < 0 else "-" if arm.recent_frac == 0 else "--",
+            color=color(arm.method, arm.traffic),
+            label=arm.label,
+        )
+    a.set_xscale("log", base=2)
+    a.set_xticks(ratios, [f"{r}x" for r in ratios])
+    a.set_xlabel("compression (prompt / budget)")
+    if key == "accuracy":
+        a.set_ylim(-0.05, 1.05)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = parser(__doc__.splitlines()[0], calibration=True)
+    p.add_argument("--lengths", type=int, nargs="+", default=None, help="document tokens")
+    p.add_argument("--ratios", type=int, nargs="+", default=None, help="compression ratios")
+    p.add_argument("--per-bin", type=int, default=None, help="documents per depth bin")
+    p.add_argument("--filler", default="classic", choices=("classic", "prose", "code"))
+    p.add_argument(
+        "--recent-fracs",
+        type=float,
+        nargs="+",
+        default=[0.0, 0.25],
+        help="recent windows as fractions of the budget (default: 0 0.25)",
+    )
+    p.add_argument(
+        "--no-prefill-check",
+        action="store_true",
+        help="skip running the first document's arms the direct way (at 8k tokens it costs a "
+        "full prefill per arm and ratio)",
+    )
+    add_arm_arguments(p)
+    add_traffic_argument(p)
+    args = parse(p, argv)
+    lengths = args.lengths or ([320] if args.quick else [256, 512, 1024, 2048])
+    ratios = args.ratios or ([2, 8] if args.quick else [2, 4, 8, 16, 32])
+    per_bin = args.per_bin or (1 if args.quick else 5)
+
+    study = open_run(STUDY, args, argv, calibrate=True)
+    identity, filters, corpus = study.identity, study.filters, study.corpus
+    if identity["max_context"]:
+        lengths = [n for n in lengths if n <= identity["max_context"]]
+    arms = select_arms(standard_arms(tuple(args.recent_fracs)), args)
+    configs = [(a, None) for a in arms if a.method == "full"]
+    configs += [(a, r) for r in ratios for a in arms if a.method != "full"]
+
+    docs = {
+        n: passkey_docs(corpus, n, per_bin, len(BINS), filler_kind=args.filler) for n in lengths
+    }
+    # Every document's outcomes go to a JSONL as they are measured; a rerun with the same
+    # arguments skips the documents already there (delete the file to start afresh).
+    log = args.out / f"{STUDY}.jsonl"
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.quick and log.exists():
+        log.unlink()
+    signature: dict[str, Any] = {
+        "arms": [a.name for a in arms], "ratios": ratios, "filler": args.filler}  # fmt: skip
+    if study.calibration.get("traffic_artifacts"):  # records hold for those filters only
+        signature["learned"] = {
+            k: v["sha1"] for k, v in sorted(study.calibration["traffic_artifacts"].items())
+        }
+    done: dict[tuple[int, int], dict[str, Any]] = {}
+    if log.exists():
+        for line in log.read_text().splitlines():
+            rec = json.loads(line) if line.strip() else None
+            if rec and rec["signature"] == signature:
+                done[(rec["length"], rec["index"])] = rec
+    with (
+        progress(total=sum(len(d) for d in docs.values()), desc="documents") as bar,
+        log.open("a") as f,
+    ):
+        for n in lengths:
+            for i, doc in enumerate(docs[n]):
+                if (n, i) not in done:
+                    rec = measure_doc(
+                        study,
+                        doc,
+                        configs,
+                        filters,
+                        first=i == 0 and n == lengths[0] and not args.no_prefill_check,
+                    )
+                    rec.update(length=n, index=i, signature=signature)
+                    f.write(json.dumps(rec) + "\n")
+                    f.flush()
+                    done[(n, i)] = rec
+                bar.update(1)
+    # hits[length][arm name][ratio or "-"] = list of (correct, bin, nll)
+    hits: dict[int, dict[str, dict[str, list]]] = {n: {} for n in lengths}
+    budgets: dict[int, dict[str, list[int]]] = {n: {} for n in lengths}
+    check: dict[str, Any] = {"arms": 0, "identical": 0, "mismatches": []}
+    sources: dict[str, set[str]] = {}  # arm -> filter sources its caches reported
+    for (n, i), rec in sorted(done.items()):
+        if n not in hits or i >= len(docs[n]):
+            continue
+        for name, key, correct, nll, budget in rec["cells"]:
+            hits[n].setdefault(name, {}).setdefault(key, []).append((correct, rec["bin"], nll))
+            if budget is not None:
+                budgets[n].setdefault(key, []).append(budget)
+        for name, source in rec.get("sources", {}).items():  # older records have none
+            sources.setdefault(name, set()).add(source)
+        for k in ("arms", "identical"):
+            check[k] += rec.get("check", {}).get(k, 0)
+        check["mismatches"] += rec.get("check", {}).get("mismatches", [])
+
+    results: dict[str, Any] = {}
+    for n in lengths:
+        results[str(n)] = {
+            "docs": len(docs[n]),
+            "mean_prompt_tokens": float(np.mean([len(d["prompt"]) for d in docs[n]])),
+            "depths": [round(d["depth"], 3) for d in docs[n]],
+            "budget_by_ratio": {k: sorted(set(v)) for k, v in budgets[n].items()},
+            "arms": {},
+        }
+        for name, by_ratio in hits[n].items():
+            cells = {}
+            for key, outcomes in by_ratio.items():
+                k = sum(c for c, _, _ in outcomes)
+                cells[key] = {
+                    "accuracy": k / len(outcomes),
+                    "n": len(outcomes),
+                    "ci95": wilson(k, len(outcomes)),
+                    "answer_nll": summary([x for _, _, x in outcomes]),
+                    "answer_nll_mean": float(np.mean([x for _, _, x in outcomes])),
+                    "by_depth": {
+                        BINS[b]: float(np.mean([c for c, bb, _ in outcomes if bb == b]))
+                        if any(bb == b for _, bb, _ in outcomes)
+                        else None
+                        for b in range(len(BINS))
+                    },
+                }
+            results[str(n)]["arms"][name] = cells
+
+    print(
+        f"shared-prefill check: {check['identical']}/{check['arms']} arms identical to direct "
+        f"generate_step"
+    )
+
+    fig, ax = subplots(2, len(lengths), figsize=(3.6 * len(lengths), 6.4), sharey="row")
+    for col, n in enumerate(lengths):
+        plot_metric(ax[0, col], results[str(n)], arms, ratios, "accuracy")
+        plot_metric(ax[1, col], results[str(n)], arms, ratios, "answer_nll_mean")
+        ax[0, col].set_title(f"{n}-token documents", fontsize=9)
+    ax[0, 0].set_ylabel("pass-key accuracy")
+    ax[1, 0].set_ylabel("answer NLL (nats/token)")
+    ax[0, 0].legend(fontsize=6)
+    save_plot(
+        fig, args.out, STUDY, f"{identity['path']} {identity['checkpoint']}: pass-key retrieval"
+    )
+    fig, ax = subplots(1, 1, figsize=(7, 3.4))
+    a = ax[0, 0]
+    names = [arm.name for arm in arms]
+    width = 0.8 / len(BINS)
+    for b, label in enumerate(BINS):
+        means = []
+        for name in names:
+            vals = [
+                c["by_depth"][label]
+                for n in lengths
+                for c in results[str(n)]["arms"].get(name, {}).values()
+                if c["by_depth"][label] is not None
+            ]
+            means.append(float(np.mean(vals)) if vals else 0.0)
+        a.bar(np.arange(len(names)) + b * width, means, width, label=f"needle in {label}")
+    a.set_xticks(np.arange(len(names)) + width, names, rotation=30, fontsize=7)
+    a.set_ylabel("accuracy (mean over lengths, ratios)")
+    a.legend(fontsize=7)
+    save_plot(fig, args.out, f"{STUDY}_depth", "pass-key accuracy by needle depth")
+
+    return study.save(
+        {
+            "data": {
+                "generator": "training.data.passkey_eval_set (eval seeds, eval-split filler)",
+                "filler": args.filler,
+                "docs_per_depth_bin": per_bin,
+                "depth_bins": list(BINS),
+                "scoring": "first number in the greedy continuation equals the key",
+            },
+            "lengths": lengths,
+            "ratios": ratios,
+            "arms": [a.name for a in arms],
+            "budget_rule": "budget = round(prompt tokens / ratio); every arm the same; skipped "
+            "when it leaves no evictable row (n_sink + recent >= budget)",
+            "shared_prefill_check": check,
+            "prefill_check_skipped": args.no_prefill_check,
+            "filter_sources": {name: sorted(v) for name, v in sources.items()},
+            "results": results,
+            "plots": [f"{STUDY}.png", f"{STUDY}_depth.png"],
+        }
+    )
+
+
+def render(data: dict[str, Any]) -> list[str]:
+    """This study's section of ``bench/RESULTS.md``."""
+    lines = quality_header("Pass-key retrieval", data)
+    check = data["shared_prefill_check"]
+    full_acc = [r["arms"]["full"]["-"]["accuracy"] for r in data["results"].values()
+                if "full" in r["arms"]]  # fmt: skip
+    if full_acc and max(full_acc) == 0:
+        lines += [
+            "",
+            "**The model does not retrieve the key even with a full cache, so accuracy cannot "
+            "separate the arms at this checkpoint; read the answer NLL below instead.**",
+        ]
+    lines += [
+        "",
+        f"Greedy pass-key accuracy on held-out documents ({data['data']['generator']}, "
+        f"{data['data']['filler']} filler), {data['data']['docs_per_depth_bin']} per needle "
+        f"depth bin ({', '.join(data['data']['depth_bins'])}). Budget = prompt tokens / "
+        f"compression, the same for every arm. Shared-prefill check: {check['identical']}/"
+        f"{check['arms']} arms generated the same tokens as a direct `generate_step`.",
+    ]
+    ratios = data["ratios"]
+    names = arm_order(n for r in data["results"].values() for n in r["arms"])
+    for n, res in data["results"].items():
+        lines += ["", f"**{n}-token documents** ({res['docs']} docs, mean prompt "
+                  f"{res['mean_prompt_tokens']:.0f} tokens)", ""]  # fmt: skip
+        rows = []
+        for name in names:
+            cells = res["arms"].get(name)
+            if not cells:
+                continue
+            row = [arm_label(name), fmt(cells["-"]["accuracy"], 2) if "-" in cells else ""]
+            row += [fmt(cells[str(r)]["accuracy"], 2) if str(r) in cells else "" for r in ratios]
+            rows.append(row)
+        lines += table(["arm", "no eviction", *[f"{r}×" for r in ratios]], rows)
+    if any("answer_nll_mean" in c for r in data["results"].values()
+           for cells in r["arms"].values() for c in cells.values()):  # fmt: skip
+        rows = []
+        for name in names:
+            row = [arm_label(name)]
+            for k in ["-", *map(str, ratios)]:
+                vals = [
+                    r["arms"][name][k]["answer_nll_mean"]
+                    for r in data["results"].values()
+                    if k in r["arms"].get(name, {})
+                ]
+                row.append(fmt(sum(vals) / len(vals)) if vals else "")
+            rows.append(row)
+        lines += [
+            "",
+            "Answer NLL (nats per answer token, teacher-forced through each arm's cache; lower "
+            "is better; mean over documents and lengths) — graded where accuracy is at the "
+            "floor:",
+            "",
+        ]
+        lines += table(["arm", "no eviction", *[f"{r}×" for r in ratios]], rows)
+    bins = data["data"]["depth_bins"]
+    rows = []
+    for name in names:
+        cells = [c for res in data["results"].values() for c in res["arms"].get(name, {}).values()]
+        if not cells:
+            continue
+        row = [arm_label(name)]
+        for b in bins:
+            vals = [c["by_depth"][b] for c in cells if c["by_depth"].get(b) is not None]
+            row.append(fmt(sum(vals) / len(vals), 2) if vals else "")
+        rows.append(row)
+    lines += ["", "By needle depth (mean over lengths and compressions):", ""]
+    lines += table(["arm", *[f"needle in {b}" for b in bins]], rows)
+    return lines + plots(data)

@@ -1,0 +1,122 @@
+"""Self-calibration's prefill cost: a prompt's own Q-Filters against a plain prefill.
+
+In process, no server. A ``--prompt``-token prompt (default 4,096, standard-library text) is
+prefilled in 512-token chunks, as the server does, into Q-Filters caches at ``--budget``
+(default 512, recent 128), evicting as it goes. Arms, interleaved per round: ``calibrated``
+(the registry's filters, no query taps installed: what a calibrated model runs),
+``self`` (no filters: the query taps of :mod:`qfserve.engine.kv.selfcal` accumulate each head's Gram
+matrix until the first eviction, then the filter is computed), ``fallback`` (no filters,
+the key-SVD estimate) and ``calibrated_again`` (the A/A copy). Ratios are to
+``calibrated``. The goal: ``self`` within 1.10x.
+
+Run: ``python -m bench selfcal-prefill [--quick] [--model M] [--reps 3] [--prompt 4096]``.
+Writes ``bench/results/<model>/selfcal_prefill.json`` and ``selfcal_prefill.png``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from bench.arms import prefill
+from bench.data import prompt_tokens
+from bench.harness import (
+    Progress,
+    interleave,
+    open_run,
+    parse,
+    parser,
+    pyplot,
+    ratio_row,
+    save_plot,
+    summary,
+)
+from bench.report import plots, speed_header, table
+from qfserve.engine.kv.config import CacheConfig
+from qfserve.engine.kv.factory import make_caches
+from qfserve.engine.kv.selfcal import install_query_taps, remove_query_taps
+
+ARMS = ("calibrated", "self", "fallback", "calibrated_again")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = parser(__doc__.splitlines()[0], reps=3)
+    p.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 4096)")
+    p.add_argument("--budget", type=int, default=None, help="(default 512)")
+    args = parse(p, argv)
+    n = args.prompt or (256 if args.quick else 4096)
+    budget = args.budget or (32 if args.quick else 512)
+    progress = Progress("selfcal_prefill")
+    sm = open_run("selfcal_prefill", args, argv)
+    model = sm.loaded.model
+    tokens = prompt_tokens(sm, n)
+    config = CacheConfig(method="qfilters", budget=budget, recent=budget // 4)
+    sources: dict[str, str] = {}
+
+    def arm(name: str):
+        def run() -> float:
+            tapped = name == "self"
+            if tapped:
+                install_query_taps(model)
+            else:
+                remove_query_taps(model)
+            filters = sm.filters if name.startswith("calibrated") else None
+            caches = make_caches(model, config, filters=filters, self_calibrate=tapped)
+            tic = time.perf_counter()
+            prefill(model, caches, tokens)
+            elapsed = time.perf_counter() - tic
+            sources[name] = caches[0].scorer.source
+            return elapsed
+
+        return run
+
+    runs = interleave({a: arm(a) for a in ARMS}, args.reps, progress=progress.rounds("prefill"))
+    remove_query_taps(model)
+    result = {
+        "study": "selfcal_prefill",
+        "settings": {
+            "prompt_tokens": n,
+            "prefill_chunk": 512,
+            "budget": budget,
+            "recent": budget // 4,
+            "reps": args.reps,
+            "filter_sources": sources,
+        },
+        "prefill_s": {a: summary(v) for a, v in runs.items()},
+        "tokens_per_s": {a: n / summary(v)["median"] for a, v in runs.items()},
+        "ratios": [ratio_row(runs, a, "calibrated") for a in ARMS[1:]],
+    }
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(5, 3.4))
+    medians = [result["prefill_s"][a]["median"] for a in ARMS]
+    ax.bar(ARMS, medians, color=["tab:blue", "tab:purple", "tab:orange", "tab:blue"])
+    ax.set(ylabel="prefill seconds (median)", title=f"{n}-token prompt, budget {budget}")
+    ax.tick_params(axis="x", labelsize=8)
+    result["plots"] = [save_plot(fig, args.out, "selfcal_prefill")]
+    return sm.save(result, section="speed", model=sm.describe())
+
+
+def render(d: dict[str, Any]) -> list[str]:
+    """This study's section of ``bench/RESULTS.md``."""
+    s = d["settings"]
+    lines = speed_header("Self-calibration: its cost on a prefill", d)
+    lines.append(
+        f"In process: a {s['prompt_tokens']}-token prompt prefilled in {s['prefill_chunk']}-token "
+        f"chunks into Q-Filters caches (budget {s['budget']}, recent {s['recent']}), "
+        f"{s['reps']} interleaved rounds. `self` computes its filters from the prompt's own "
+        "queries (qfserve.engine.kv.selfcal); `calibrated` uses the registry's, with no query taps; "
+        "`calibrated_again` is the A/A copy. Ratios are to `calibrated`."
+    )
+    lines.append("")
+    rows = [["calibrated", f"{d['prefill_s']['calibrated']['median']:.2f}", "1.00", ""]]
+    for r in d["ratios"]:
+        rows.append(
+            [
+                r["arm"],
+                f"{d['prefill_s'][r['arm']]['median']:.2f}",
+                f"{r['median']:.3f}",
+                f"{r['min']:.3f}-{r['max']:.3f}",
+            ]
+        )
+    lines += table(["arm", "prefill s", "ratio", "range"], rows)
+    return lines + [*plots(d), ""]

@@ -1,0 +1,255 @@
+"""Study 7: whose queries make a prompt-calibrated filter work on the pass key?
+
+A self-calibrated cache (:mod:`qfserve.engine.kv.selfcal`) computes its Q-Filters from the queries of
+the prompt it is about to compress. This study holds the recipe fixed (uncentred,
+sign-anchored, GQA-averaged top singular vector, :func:`qfserve.engine.kv.selfcal.filters_from_moments`)
+and changes only whose queries it reads, on the retrieval study's pass-key documents:
+
+* ``own``: the document's own prompt queries, through the server's ``self`` caches, fed the
+  prompt as one block as ``generate_step`` does for these lengths (the server reads prompts
+  in 512-token chunks, so it would freeze its filters on the first chunk's queries);
+* ``other``: the queries of a held-out standard-library window of the documents' nominal
+  length (about as many queries, at the same positions, from another text);
+* ``calibrated``: the registry's artifact (20 x 2,048 tokens of calibration text);
+
+with the full cache and streaming for reference. Each source runs with ``recent =
+budget/4`` at every compression. Per document and arm we record whether the greedy answer's
+first number is the key, and the share of the needle's digit rows each layer and KV head
+still holds after the prompt was compressed (a graded signal: which rows the filter kept),
+and per source its mean cosine to the calibrated filters. ``--fillers`` runs the synthetic
+filler (``classic``: a few sentences repeated) and natural text (``prose``, ``code``).
+
+Run: ``python -m bench selfcal-text [--quick] [--lengths 1024] [--fillers classic prose]``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from bench.arms import Arm, feed_block
+from bench.data import passkey_docs, stdlib_windows
+from bench.harness import color, open_run, parse, parser, progress, save_plot, subplots
+from bench.report import plots, quality_header, table
+from bench.studies.retrieval import BINS, budget_for, decode, prefill_block
+from qfserve.engine.kv.cache import EvictionCache
+from qfserve.engine.kv.selfcal import filters_from_moments
+
+STUDY = "selfcal_text"
+SOURCES = ("calibrated", "own", "other")
+
+
+def block_filters(block: list[tuple[mx.array, ...]]) -> mx.array:
+    """``(n_layers, n_kv_heads, D)`` filters from a prefill block's rotated queries."""
+    out = []
+    for keys, _, queries in block:
+        q = queries[0].astype(mx.float32)  # (H_q, N, D)
+        out.append(filters_from_moments(q.swapaxes(-1, -2) @ q, q.sum(axis=1), keys.shape[1]))
+    return mx.stack(out)
+
+
+def needle_rows(prompt: list[int], answer: list[int]) -> list[int]:
+    """Positions of every occurrence of the key's digit tokens in ``prompt``."""
+    digits = answer[1:] if len(answer) > 1 else answer  # answer is " " + key
+    n = len(digits)
+    hits = [i for i in range(len(prompt) - n + 1) if prompt[i : i + n] == digits]
+    return sorted({i + j for i in hits for j in range(n)})
+
+
+def share_kept(caches: list[Any], block: list[tuple[mx.array, ...]], rows: list[int]) -> float:
+    """Mean over layers and KV heads of the share of ``rows`` whose keys the cache holds."""
+    shares = []
+    for cache, (keys, *_) in zip(caches, block, strict=True):
+        if not isinstance(cache, EvictionCache) or cache.keys is None:
+            continue
+        kept = np.array(cache.keys[0].astype(mx.float32))  # (H, budget, D)
+        full = np.array(keys[0].astype(mx.float32))  # (H, N, D)
+        for h in range(full.shape[0]):
+            held = {r.tobytes() for r in kept[h]}  # rows are gathered, not recomputed
+            shares.append(np.mean([full[h, p].tobytes() in held for p in rows]))
+    if not rows or not shares:
+        raise ValueError("no needle rows to look for: the key's tokens are not in the prompt")
+    return float(np.mean(shares))
+
+
+def arm_for(name: str) -> Arm:
+    """The cache each source or reference runs with (a recent window of budget/4)."""
+    if name in ("full", "streaming"):
+        return Arm(name, 0.0)
+    return Arm("self" if name == "own" else "qfilters", 0.25)
+
+
+def measure_doc(study: Any, doc: dict[str, Any], other: mx.array, ratios: list[int]) -> dict:
+    """Every source and reference at every ratio on one document."""
+    model, prompt = study.model, doc["prompt"]
+    block = prefill_block(model, prompt, queries=True)
+    filters = {"calibrated": mx.array(np.asarray(study.filters)), "other": other}
+    rows = needle_rows(prompt, doc["answer"])
+
+    def outcome(name: str, budget: int | None) -> dict[str, Any]:
+        arm = arm_for(name)
+        caches = arm.caches(model, budget, filters.get(name))
+        feed_block(caches, block)  # only `own`'s caches take the queries
+        kept = share_kept(caches, block, rows) if budget is not None else 1.0
+        text = study.tokenizer.decode(decode(model, prompt[-1:], caches, doc["key_tokens"] + 2))
+        found = re.search(r"\d+", text)
+        return {
+            "correct": bool(found and found.group() == doc["key"]),
+            "needle_rows_kept": kept,
+            "budget": budget,
+            "source": arm.source(caches),
+        }
+
+    cells: dict[str, dict[str, Any]] = {"full": {"-": outcome("full", None)}}
+    for ratio in ratios:
+        for name in (*SOURCES, "streaming"):
+            budget = budget_for(len(prompt), ratio, arm_for(name))
+            if budget is not None:
+                cells.setdefault(name, {})[str(ratio)] = outcome(name, budget)
+    cal = np.asarray(study.filters)
+    own = np.array(block_filters(block))
+    return {
+        "bin": doc["bin"],
+        "depth": doc["depth"],
+        "needle_rows": len(rows),
+        "cells": cells,
+        "cosine_to_calibrated": {
+            "own": float((own * cal).sum(-1).mean()),
+            "other": float((np.array(other) * cal).sum(-1).mean()),
+        },
+    }
+
+
+def aggregate(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per arm and ratio: accuracy and mean needle rows kept, over the records."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for name in ("full", *SOURCES, "streaming"):
+        keys = sorted(
+            {k for r in records for k in r["cells"].get(name, {})},
+            key=lambda k: -1 if k == "-" else int(k),
+        )
+        for key in keys:
+            cells = [r["cells"][name][key] for r in records if key in r["cells"].get(name, {})]
+            out.setdefault(name, {})[key] = {
+                "accuracy": float(np.mean([c["correct"] for c in cells])),
+                "needle_rows_kept": float(np.mean([c["needle_rows_kept"] for c in cells])),
+                "docs": len(cells),
+            }
+    return out
+
+
+def cell_texts(cells: dict[str, dict[str, float]], ratios: list[int]) -> list[str]:
+    """``accuracy / needle rows kept`` per ratio, in the order of ``ratios`` ('' if not run)."""
+    return [
+        f"{c['accuracy']:.2f} / {c['needle_rows_kept']:.2f}" if (c := cells.get(str(r))) else ""
+        for r in ratios
+    ]
+
+
+METHOD_OF = {"calibrated": "qfilters", "own": "self", "other": "fallback", "streaming": "streaming"}
+
+
+def plot(results: dict[str, Any], ratios: list[int], out: Any, title: str) -> str:
+    fig, ax = subplots(2, len(results), sharey="row")
+    for j, (filler, res) in enumerate(results.items()):
+        for i, (metric, label) in enumerate(
+            (("accuracy", "pass-key accuracy"), ("needle_rows_kept", "needle rows kept"))
+        ):
+            a = ax[i][j]
+            for name in (*SOURCES, "streaming"):
+                cells = res["arms"].get(name, {})
+                xs = [r for r in ratios if str(r) in cells]
+                a.plot(xs, [cells[str(r)][metric] for r in xs], "o-",
+                       color=color(METHOD_OF[name]), label=name)  # fmt: skip
+            a.set_xscale("log", base=2)
+            a.set_xticks(ratios, [f"{r}x" for r in ratios])
+            a.set_ylim(-0.05, 1.05)
+            a.set_title(f"{filler} filler: {label}", fontsize=9)
+        ax[0][j].axhline(res["arms"]["full"]["-"]["accuracy"], color="black", ls="--", lw=1)
+    ax[0][0].legend(fontsize=7)
+    save_plot(fig, out, STUDY, title)
+    return f"{STUDY}.png"
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = parser(__doc__.splitlines()[0], calibration=True)
+    p.add_argument("--lengths", type=int, nargs="+", default=None, help="(default 1024)")
+    p.add_argument("--ratios", type=int, nargs="+", default=None, help="(default 2 4 8)")
+    p.add_argument("--per-bin", type=int, default=None, help="documents per depth bin (2)")
+    p.add_argument(
+        "--fillers", nargs="+", choices=("classic", "prose", "code"), default=None,
+        help="(default classic prose)",
+    )  # fmt: skip
+    args = parse(p, argv)
+    lengths = args.lengths or ([320] if args.quick else [1024])
+    ratios = args.ratios or ([2, 4] if args.quick else [2, 4, 8])
+    per_bin = args.per_bin or (1 if args.quick else 2)
+    fillers = args.fillers or (["classic"] if args.quick else ["classic", "prose"])
+
+    study = open_run(STUDY, args, argv, calibrate=True)
+    results: dict[str, Any] = {}
+    with progress(total=len(fillers) * len(lengths) * per_bin * len(BINS), desc="docs") as bar:
+        for filler in fillers:
+            records = []
+            for n in lengths:
+                window = [int(t) for t in stdlib_windows(study.corpus, n, 1)[0]]
+                other = block_filters(prefill_block(study.model, [*window, 0], queries=True))
+                for doc in passkey_docs(study.corpus, n, per_bin, len(BINS), filler_kind=filler):
+                    records.append({"length": n, **measure_doc(study, doc, other, ratios)})
+                    bar.update(1)
+            results[filler] = {
+                "arms": aggregate(records),
+                "cosine_to_calibrated": {
+                    k: float(np.mean([r["cosine_to_calibrated"][k] for r in records]))
+                    for k in ("own", "other")
+                },
+                "records": records,
+            }
+    name = study.identity["path"]
+    return study.save(
+        {
+            "data": {
+                "documents": "retrieval's held-out pass-key documents, spread over depth thirds",
+                "other_text": "an equal-length evaluation-split standard-library window",
+                "scoring": "first number of the greedy answer equals the key",
+                "needle_rows_kept": "share of the key's digit rows each layer and KV head "
+                "holds after the prompt, mean over layers and heads",
+            },
+            "lengths": lengths,
+            "ratios": ratios,
+            "fillers": fillers,
+            "budget_rule": "budget = round(prompt tokens / ratio), recent = budget/4",
+            "results": results,
+            "plots": [plot(results, ratios, study.args.out, f"{name}: whose queries calibrate")],
+        }
+    )
+
+
+def render(data: dict[str, Any]) -> list[str]:
+    """This study's section of ``bench/RESULTS.md``."""
+    lines = quality_header("Whose queries calibrate a prompt's filters?", data)
+    d, ratios = data["data"], data["ratios"]
+    lines += [
+        "",
+        f"The self-calibration recipe fed different queries, on {d['documents']} "
+        f"({', '.join(map(str, data['lengths']))} tokens): `own` is the document's own prompt "
+        f"(the server's `self` caches, fed the prompt as one block), `other` {d['other_text']}, `calibrated` the registry's "
+        f"artifact; {data['budget_rule']} (streaming: none). Each cell: accuracy ({d['scoring']}) "
+        f"/ {d['needle_rows_kept']}.",
+    ]
+    for filler, res in data["results"].items():
+        cos = res["cosine_to_calibrated"]
+        full = res["arms"]["full"]["-"]["accuracy"]
+        lines += [
+            "",
+            f"**{filler} filler** (full cache {full:.2f}; mean cosine to the calibrated filters: "
+            f"own {cos['own']:.3f}, other {cos['other']:.3f}):",
+            "",
+        ]
+        rows = [[name, *cell_texts(cells, ratios)] for name, cells in res["arms"].items()
+                if name != "full"]  # fmt: skip
+        lines += table(["filters", *[f"{r}×" for r in ratios]], rows)
+    return lines + plots(data)

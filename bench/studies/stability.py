@@ -1,0 +1,241 @@
+"""Study 5: how stable is the calibration across sample counts and calibration texts?
+
+Queries are captured once from each of two disjoint calibration texts, ``A`` and ``B``
+(halves of the training-split standard library, :mod:`bench calib`), with the
+paper's 3,000 positions per head. Filters are then computed from uniform subsamples of 100,
+300, 1,000 and 3,000 positions (a uniform subsample of a uniform sample is a uniform sample;
+``--repeats`` draws per count give the spread). We report, per KV head:
+
+* ``cos(A_n, A_3000)``: agreement with the largest calibration from the same text;
+* ``cos(A_n, B_n)``: agreement of two independent calibrations on disjoint texts;
+
+and the streaming perplexity (as in study 3) of held-out stdlib windows at budget 128 with
+each filter set, against the ``A_3000`` reference, with ``recent`` 0 and budget/4.
+
+Run: ``python -m bench stability [--quick]``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from bench.arms import (
+    FULL_SETTINGS,
+    QUICK_SETTINGS,
+    Arm,
+    capture,
+    full_nll,
+    prefill_length,
+    streaming_nll,
+)
+from bench.data import stdlib_windows
+from bench.harness import (
+    add_data_arguments,
+    open_run,
+    parse,
+    parser,
+    progress,
+    save_plot,
+    subplots,
+    summary,
+)
+from bench.report import fmt, plots, quality_header, spread_cell, table
+from qfserve.calibrations.compute import compute_filters
+
+STUDY = "stability"
+
+
+def subsample(queries: list[np.ndarray], n: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """``n`` of each layer's sampled positions, uniformly without replacement."""
+    out = []
+    for q in queries:  # (H, N, D); all heads of a layer share the positions, as in capture
+        idx = rng.choice(q.shape[1], size=min(n, q.shape[1]), replace=False)
+        out.append(q[:, np.sort(idx)])
+    return out
+
+
+def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Per (layer, KV head) cosine of two unit filter sets ``(n_layers, n_kv, D)``."""
+    return np.einsum("lkd,lkd->lk", a.astype(np.float64), b.astype(np.float64))
+
+
+def ppl_window(model: Any, tokens: np.ndarray, arm: Arm, budget: int, filters: Any) -> float:
+    """Pooled perplexity on the second half of each sequence, streaming at ``budget``."""
+    L = tokens.shape[1]
+    if arm.method == "full":
+        nll = full_nll(model, tokens)
+    else:
+        caches = arm.caches(model, budget, filters)
+        calib = arm.config(budget).calib_tokens if arm.method == "fallback" else None
+        nll, _ = streaming_nll(
+            model, tokens, caches, budget=budget, prefill=prefill_length(budget, calib)
+        )
+    return math.exp(float(nll[:, L // 2 :].mean()))
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = parser(__doc__.splitlines()[0], calibration=True)
+    p.add_argument("--counts", type=int, nargs="+", default=None, help="samples per head")
+    p.add_argument("--repeats", type=int, default=None, help="subsample draws per count")
+    p.add_argument("--budget", type=int, default=None)
+    add_data_arguments(p)
+    args = parse(p, argv)
+    settings = QUICK_SETTINGS if args.quick else FULL_SETTINGS
+    counts = args.counts or ([30, 100, 300] if args.quick else [100, 300, 1000, 3000])
+    repeats = args.repeats or (2 if args.quick else 3)
+    budget = args.budget or (16 if args.quick else 128)
+    length = args.length or (64 if args.quick else 512)
+    n_seq = args.sequences or (2 if args.quick else 4)
+
+    study = open_run(STUDY, args, argv)  # it calibrates its own sets
+    model, tokenizer, identity = study.model, study.tokenizer, study.identity
+    texts = {}
+    for text in ("A", "B"):
+        queries, info = capture(model, tokenizer, identity, text=text, settings=settings)
+        texts[text] = (queries, info)
+    n_kv = identity["n_kv_heads"]
+    rng = np.random.default_rng(args.seed)
+    # filters[text][n] = list over repeats of (n_layers, n_kv, D)
+    filters: dict[str, dict[int, list[np.ndarray]]] = {"A": {}, "B": {}}
+    for text, (queries, _) in texts.items():
+        for n in counts:
+            draws = 1 if n >= queries[0].shape[1] else repeats
+            filters[text][n] = [
+                compute_filters(subsample(queries, n, rng), n_kv)[0] for _ in range(draws)
+            ]
+    ref = filters["A"][counts[-1]][0]
+
+    rows: list[dict[str, Any]] = []
+    for n in counts:
+        same = np.concatenate([cosines(f, ref).ravel() for f in filters["A"][n]])
+        cross = np.concatenate(
+            [
+                cosines(fa, fb).ravel()
+                for fa, fb in zip(filters["A"][n], filters["B"][n], strict=False)
+            ]
+        )
+        rows.append(
+            {
+                "samples_per_head": n,
+                "draws": len(filters["A"][n]),
+                "cos_A_n_vs_A_ref": summary(same.tolist()),
+                "cos_A_n_vs_B_n": summary(cross.tolist()),
+            }
+        )
+
+    tokens = stdlib_windows(study.corpus, length, n_seq)
+    sets = {f"{t}_{n}": filters[t][n][0] for n in counts for t in ("A", "B")}
+    runs = [(name, frac) for frac in (0.0, 0.25) for name in sets]
+    ppl: dict[str, dict[str, float]] = {"r0": {}, "r25": {}}
+    with progress(total=len(runs) + 3, desc=f"perplexity at budget {budget}") as bar:
+        for name, frac in runs:
+            key = f"r{int(frac * 100)}"
+            ppl[key][name] = ppl_window(model, tokens, Arm("qfilters", frac), budget, sets[name])
+            bar.update(1)
+        ppl["full"] = {"full": ppl_window(model, tokens, Arm("full"), budget, None)}
+        bar.update(1)
+        for frac in (0.0, 0.25):
+            ppl[f"r{int(frac * 100)}"]["fallback"] = ppl_window(
+                model, tokens, Arm("fallback", frac), budget, None
+            )
+            bar.update(1)
+    ref_name = f"A_{counts[-1]}"
+    for row in rows:
+        n = row["samples_per_head"]
+        for key in ("r0", "r25"):
+            base = ppl[key][ref_name]
+            for t in ("A", "B"):
+                row[f"ppl_{t}_{key}"] = ppl[key][f"{t}_{n}"]
+                row[f"ppl_change_{t}_{key}"] = ppl[key][f"{t}_{n}"] / base - 1
+
+    print(
+        f"context: full {ppl['full']['full']:.3f}; fallback r0 {ppl['r0']['fallback']:.3f}, "
+        f"r25 {ppl['r25']['fallback']:.3f}; {ref_name} r0 {ppl['r0'][ref_name]:.3f}, "
+        f"r25 {ppl['r25'][ref_name]:.3f}"
+    )
+
+    fig, ax = subplots(1, 2, figsize=(10, 3.6))
+    a = ax[0, 0]
+    for key, label, style in (
+        ("cos_A_n_vs_A_ref", f"cos(A_n, {ref_name})", "o-"),
+        ("cos_A_n_vs_B_n", "cos(A_n, B_n), disjoint texts", "s--"),
+    ):
+        med = [r[key]["median"] for r in rows]
+        lo = [r[key]["min"] for r in rows]
+        a.plot(counts, med, style, label=f"{label} (median)")
+        a.plot(counts, lo, style, alpha=0.4, label=f"{label} (min)")
+    a.set_xscale("log")
+    a.set_xlabel("calibration samples per head")
+    a.set_ylabel("cosine per KV head")
+    a.legend(fontsize=7)
+    a = ax[0, 1]
+    for key, style in (("r0", "o-"), ("r25", "s--")):
+        for t in ("A", "B"):
+            a.plot(counts, [r[f"ppl_{t}_{key}"] for r in rows], style, label=f"text {t}, {key}")
+        a.axhline(ppl[key]["fallback"], ls=":", color="tab:orange", label=f"fallback {key}")
+    a.axhline(ppl["full"]["full"], color="black", ls="--", label="full")
+    a.set_xscale("log")
+    a.set_xlabel("calibration samples per head")
+    a.set_ylabel(f"perplexity at budget {budget}")
+    a.legend(fontsize=6)
+    save_plot(
+        fig, args.out, STUDY, f"{identity['path']} {identity['checkpoint']}: calibration stability"
+    )
+
+    return study.save(
+        {
+            "reference": ref_name,
+            "budget": budget,
+            "data": {
+                "perplexity": f"{n_seq} evaluation-split stdlib windows of {length} tokens, "
+                "second half scored"
+            },
+            "counts": counts,
+            "repeats": repeats,
+            "rows": rows,
+            "cos_A_ref_vs_B_ref_per_head": cosines(ref, filters["B"][counts[-1]][0]),
+            "ppl": ppl,
+            "plots": [f"{STUDY}.png"],
+        },
+        calibration={
+            t: {"text": info["description"], "tokens": info["tokens"]}
+            for t, (_, info) in texts.items()
+        },
+    )
+
+
+def render(data: dict[str, Any]) -> list[str]:
+    """This study's section of ``bench/RESULTS.md``."""
+    lines = quality_header("Calibration stability", data)
+    cal = data["calibration"]
+    lines += [
+        "",
+        f"Texts: A = {cal['A']['text']}; B = {cal['B']['text']}. Reference "
+        f"`{data['reference']}`; {data['repeats']} subsample draws per count; perplexity "
+        f"at budget {data['budget']} on {data['data']['perplexity']}.",
+        "",
+    ]
+    rows = []
+    for r in data["rows"]:
+        rows.append(
+            [r["samples_per_head"], spread_cell(r["cos_A_n_vs_A_ref"]), fmt(r["cos_A_n_vs_A_ref"]["min"]),
+             spread_cell(r["cos_A_n_vs_B_n"]), fmt(r["cos_A_n_vs_B_n"]["min"]),
+             f"{100 * r['ppl_change_A_r0']:+.2f}% / {100 * r['ppl_change_B_r0']:+.2f}%",
+             f"{100 * r['ppl_change_A_r25']:+.2f}% / {100 * r['ppl_change_B_r25']:+.2f}%"]
+        )  # fmt: skip
+    lines += table(
+        ["samples/head", "cos(A_n, ref)", "min", "cos(A_n, B_n)", "min",
+         "Δppl A / B, recent 0", "Δppl A / B, recent b/4"],
+        rows,
+    )  # fmt: skip
+    ppl = data["ppl"]
+    lines += [
+        "",
+        f"For scale: full cache {ppl['full']['full']:.3f}; key-SVD fallback "
+        f"{ppl['r0']['fallback']:.3f} (recent 0) / {ppl['r25']['fallback']:.3f} (recent b/4); "
+        f"reference {ppl['r0'][data['reference']]:.3f} / {ppl['r25'][data['reference']]:.3f}.",
+    ]
+    return lines + plots(data)

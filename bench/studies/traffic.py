@@ -1,0 +1,207 @@
+"""Study 9: Q-Filters learned from traffic, as a server without an artifact learns them.
+
+A server started on a model without a calibration artifact pools its prompts' post-RoPE
+queries (:mod:`qfserve.engine.filters.traffic`) and, once it has enough, writes a regular artifact and
+serves with it. This study runs that very code (:class:`qfserve.engine.filters.traffic.TrafficCalibration`
+on the model's query taps, flushed after every 512-token prefill chunk, as the worker does
+between scheduler steps) on held-out traffic until the artifact is written, and records how
+many prompts and tokens it took and how close each layer's learned filters are to the
+registry's calibrated ones (cosine per KV head, and the share with the same sign).
+
+Two kinds of traffic:
+
+* ``chat``: chat-templated requests (an instruction, then an evaluation-split
+  standard-library window or a docstring-prose window of 256, 512 or 1,024 tokens, in turn);
+* ``passkey``: the retrieval study's pass-key generator at 768 tokens (documents that are
+  not among the ones it measures), the traffic most like the documents it then compresses.
+
+The artifacts go to ``<out>/<traffic>/``; the retrieval and attention studies take them
+with ``--traffic-artifacts chat=PATH passkey=PATH`` as the ``traffic`` arms.
+
+The pool writes once it holds calibration's sample count from at least ``--min-prompts``
+prompts (the server's default, :data:`qfserve.engine.filters.traffic.DEFAULT_MIN_PROMPTS`).
+
+Run: ``python -m bench traffic [--quick] [--traffic chat passkey]``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
+
+from bench.data import passkey_docs, prose_windows, stdlib_windows
+from bench.harness import open_run, parse, parser, save_plot, subplots
+from bench.report import fmt, pct, plots, quality_header, table
+from bench.studies.stability import cosines
+from qfserve.calibrations.artifact import read_calibration
+from qfserve.calibrations.model_info import attention_shape
+from qfserve.engine.filters.traffic import DEFAULT_MIN_PROMPTS, TrafficCalibration
+from qfserve.engine.kv.selfcal import install_query_taps, remove_query_taps
+
+STUDY = "traffic"
+CHUNK = 512  # the server's prefill chunk (qfserve.engine.serving.config.DEFAULT_PREFILL_CHUNK)
+INSTRUCTIONS = (
+    "Explain what the following does.",
+    "Summarise this in three sentences.",
+    "Find the bugs in this, if any.",
+    "Translate this into plain English for a beginner.",
+)
+
+
+def chat_traffic(study: Any, n: int, lengths: tuple[int, ...]) -> list[list[int]]:
+    """``n`` chat-templated requests on held-out code and prose windows of ``lengths``."""
+    tok, corpus = study.tokenizer, study.corpus
+    windows = {  # (code?, length) -> n windows of that kind, spread over the held-out text
+        (code, length): stdlib_windows(corpus, length, n) if code else prose_windows(tok, length, n)
+        for code in (True, False)
+        for length in lengths
+    }
+    out = []
+    for i in range(n):
+        source = windows[(i % 2 == 0, lengths[i % len(lengths)])]
+        text = tok.decode(source[i].tolist())
+        messages = [{"role": "user", "content": f"{INSTRUCTIONS[i % len(INSTRUCTIONS)]}\n\n{text}"}]
+        out.append(list(tok.apply_chat_template(messages, add_generation_prompt=True)))
+    return out
+
+
+def passkey_traffic(study: Any, n: int, length: int) -> list[list[int]]:
+    """``n`` pass-key documents of ``length`` tokens (768 in full runs: not a length the
+    retrieval study measures)."""
+    docs = passkey_docs(study.corpus, length, -(-n // 3))
+    if not docs:
+        raise ValueError(f"the pass-key generator made no {length}-token documents")
+    return [d["prompt"] for d in docs][:n]
+
+
+def serve(model: Any, prompts: list[list[int]], pool: TrafficCalibration) -> dict[str, Any]:
+    """Prefill ``prompts`` in the server's chunks, flushing ``pool`` after each, until it
+    writes its artifact; what it took."""
+    started, fed = time.perf_counter(), 0
+    for n, prompt in enumerate(prompts, 1):
+        cache = make_prompt_cache(model)
+        for start in range(0, len(prompt), CHUNK):
+            model(mx.array(prompt[start : start + CHUNK])[None], cache=cache)
+            mx.eval([c.state for c in cache])
+            fed += len(prompt[start : start + CHUNK])
+            path = pool.flush()
+            if path is not None:
+                return {"path": path, "prompts": n, "tokens": fed,
+                        "seconds": time.perf_counter() - started}  # fmt: skip
+    raise RuntimeError(
+        f"{len(prompts)} prompts ({fed} tokens) were not enough to write an artifact "
+        f"({pool.prompts} prompts counted, {pool.tokens_seen} tokens pooled per layer)"
+    )
+
+
+def compare(learned: np.ndarray, calibrated: np.ndarray) -> dict[str, Any]:
+    """Cosine of each ``(layer, kv head)`` learned filter to the calibrated one."""
+    cos = cosines(learned, calibrated)
+    return {
+        "cosine_mean": float(cos.mean()),
+        "cosine_min": float(cos.min()),
+        "same_sign_share": float((cos > 0).mean()),
+        "cosine": cos.tolist(),  # [layer][kv head]
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = parser(__doc__.splitlines()[0], calibration=True)
+    p.add_argument("--traffic", nargs="+", default=["chat", "passkey"],
+                   choices=("chat", "passkey"))  # fmt: skip
+    p.add_argument("--max-prompts", type=int, default=None, help="traffic offered at most")
+    p.add_argument("--min-prompts", type=int, default=None,
+                   help=f"prompts pooled at least (default: the server's, {DEFAULT_MIN_PROMPTS})")  # fmt: skip
+    args = parse(p, argv)
+    quick = args.quick
+    max_prompts = args.max_prompts or (6 if quick else 64)
+    min_prompts = args.min_prompts or (3 if quick else DEFAULT_MIN_PROMPTS)
+    samples = 200 if quick else None  # None: calibration's default sample count
+
+    study = open_run(STUDY, args, argv, calibrate=True)
+    model, identity, calibrated = study.model, study.identity, np.asarray(study.filters)
+    _, n_kv, _ = attention_shape(model)
+    makers = {
+        "chat": lambda: chat_traffic(study, max_prompts, (128,) if quick else (256, 512, 1024)),
+        "passkey": lambda: passkey_traffic(study, max_prompts, 320 if quick else 768),
+    }
+    results: dict[str, Any] = {}
+    for kind in args.traffic:
+        prompts = makers[kind]()
+        taps = install_query_taps(model)
+        pool = TrafficCalibration(
+            taps, n_kv_heads=n_kv, model_id=identity["model_id"],
+            fingerprint=identity["fingerprint"], out_dir=Path(args.out) / kind,
+            min_prompts=min_prompts,
+            **({} if samples is None else {"samples_per_head": samples}),
+        )  # fmt: skip
+        try:
+            took = serve(model, prompts, pool)
+        finally:
+            remove_query_taps(model)
+        learned = read_calibration(took["path"])
+        results[kind] = {
+            "prompts": took["prompts"],
+            "tokens": took["tokens"],
+            "seconds": round(took["seconds"], 1),
+            "artifact": str(Path(took["path"]).relative_to(Path(args.out))),
+            "artifact_text": learned.metadata.get("text"),
+            "samples_per_head": learned.metadata.get("samples_per_head"),
+            **compare(learned.filters, calibrated),
+        }
+
+    fig, ax = subplots(1, len(results), figsize=(4.2 * len(results), 3.6), squeeze=False)
+    for col, (kind, r) in enumerate(results.items()):
+        a = ax[0, col]
+        cos = np.asarray(r["cosine"])
+        for k in range(cos.shape[1]):
+            a.plot(range(cos.shape[0]), cos[:, k], marker="o", ms=3, label=f"KV head {k}")
+        a.axhline(0, color="grey", lw=0.5)
+        a.set_ylim(-1.05, 1.05)
+        a.set_xlabel("layer")
+        a.set_title(f"{kind}: {r['prompts']} prompts, {r['tokens']} tokens", fontsize=9)
+    ax[0, 0].set_ylabel("cosine to the calibrated filter")
+    ax[0, 0].legend(fontsize=7)
+    save_plot(fig, args.out, STUDY, f"{identity['checkpoint']}: filters learned from traffic")
+
+    return study.save(
+        {
+            "data": {
+                "chat": "chat-templated requests: an instruction, then an evaluation-split "
+                "stdlib window or a stdlib docstring-prose window of 256/512/1024 tokens in turn",
+                "passkey": "retrieval's pass-key generator at 768 tokens (evaluation seeds)",
+                "prefill_chunk": CHUNK,
+                "min_prompts": min_prompts,
+            },
+            "results": results,
+            "plots": [f"{STUDY}.png"],
+        }
+    )
+
+
+def render(data: dict[str, Any]) -> list[str]:
+    """This study's section of ``bench/RESULTS.md``."""
+    lines = quality_header("Q-Filters learned from traffic", data)
+    d = data["data"]
+    lines += [
+        "",
+        "The server's own pooling (`qfserve.engine.filters.traffic`) fed held-out traffic in "
+        f"{d['prefill_chunk']}-token prefill chunks until it wrote its artifact; the learned "
+        "filters against the registry's calibrated ones (cosine per layer and KV head). "
+        f"`chat`: {d['chat']}; `passkey`: {d['passkey']}.",
+        "",
+    ]
+    rows = [[kind, r["prompts"], r["tokens"], r["seconds"], fmt(r["cosine_mean"]),
+             fmt(r["cosine_min"]), pct(r["same_sign_share"]), r["artifact"]]
+            for kind, r in data["results"].items()]  # fmt: skip
+    lines += table(
+        ["traffic", "prompts", "tokens", "s", "mean cosine", "min cosine", "same sign",
+         "artifact"],
+        rows,
+    )  # fmt: skip
+    return lines + plots(data)

@@ -1,0 +1,202 @@
+"""Study 7: time to first token with eviction against a full cache, at 1k / 2k / 4k prompts.
+
+Each measurement is one request as the engine runs it: build the caches with ``make_caches``,
+then mlx-lm's ``generate_step`` (default ``prefill_step_size`` 2048) with
+``prompt_cache=caches`` until it yields the first (greedy) token. Arms interleaved: full
+(twice, the A/A pair) and Q-Filters at budgets 256 and 512. Prompts longer than the model's
+trained context are labelled: RoPE runs past it, so speed is measurable there.
+
+Run: ``python -m bench ttft [--quick] [--model M] [--reps 5] [--prompts ...] [--budgets ...]``.
+Writes ``bench/results/<model>/ttft.json`` and ``ttft.png``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+from mlx_lm.sample_utils import make_sampler
+
+from bench.arms import caches_for, kv_stats
+from bench.data import prompt_tokens
+from bench.harness import (
+    Progress,
+    command_line,
+    errorbars,
+    interleave,
+    log2_axis,
+    machine,
+    open_run,
+    parse,
+    parser,
+    pyplot,
+    ratio_row,
+    save_plot,
+    summary,
+)
+from bench.report import ms, plots, ratio_cell, speed_header, table
+
+PROMPTS = (1024, 2048, 4096)
+BUDGETS = (256, 512)
+
+
+def ttft_timer(sm, arm, tokens: list[int], kept: dict):
+    """A callable returning seconds to the first token of one fresh request."""
+    prompt = mx.array(tokens)
+    greedy = make_sampler(0.0)
+
+    def run() -> float:
+        tic = time.perf_counter()
+        caches = caches_for(sm, arm)
+        gen = generate_step(
+            prompt, sm.loaded.model, max_tokens=1, sampler=greedy, prompt_cache=caches
+        )
+        next(gen)  # yields y.item(): the token is evaluated
+        seconds = time.perf_counter() - tic
+        gen.close()
+        kept.update(kv_stats(caches))
+        return seconds
+
+    return run
+
+
+# What must match for an earlier run's rows to sit beside this one's: not the load, nor the
+# platform string (it names the VM's kernel build); each row's ratios are its own run's.
+SAME_MACHINE = ("processor", "mlx", "device", "blas", "cpu_count")
+
+
+def earlier_rows(path, result: dict, measured: set[int]) -> list[dict]:
+    """Rows of other prompt lengths from an earlier run on the same weights with the same
+    settings, kept beside this run's (a long prompt can be added without rerunning the
+    short ones); each row says which command measured it."""
+    import json
+
+    if result["quick"] or not path.is_file():
+        return []
+    now = machine()
+    old = json.loads(path.read_text())
+    same = (
+        not old.get("quick")
+        and old.get("settings") == result["settings"]
+        and old["model"].get("weights_sha1") == result["model"].get("weights_sha1")
+        and old["model"].get("path") == result["model"].get("path")
+        and all(old["machine"].get(k) == now.get(k) for k in SAME_MACHINE)
+    )
+    if not same:
+        return []
+    kept = [r for r in old["rows"] if r["prompt_tokens"] not in measured]
+    for r in kept:
+        r.setdefault("measured_by", {"command": old["command"], "when": old["when"][:10]})
+    return kept
+
+
+def plot(result, out) -> list[str]:
+    plt = pyplot()
+    rows = result["rows"]
+    x = [r["prompt_tokens"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    for arm in ("full_a", *(f"b{b}" for b in result["settings"]["budgets"])):
+        med, err = errorbars([r["ttft_s"][arm] for r in rows])
+        ax.errorbar(
+            x,
+            [m * 1e3 for m in med],
+            yerr=[[e * 1e3 for e in side] for side in err],
+            marker="o",
+            capsize=3,
+            label="full" if arm == "full_a" else f"Q-Filters {arm}",
+        )
+    trained = result["model"]["max_context"]
+    ax.axvline(trained, color="grey", ls=":", label=f"trained context {trained}")
+    ax.set(
+        xlabel="prompt tokens",
+        ylabel="TTFT ms (median, IQR)",
+        title="Time to first token",
+    )
+    log2_axis(ax, x, logy=True)
+    ax.legend()
+    return [save_plot(fig, out, "ttft")]
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = parser(__doc__.splitlines()[0], reps=5)
+    p.add_argument("--prompts", type=int, nargs="+", default=None, help="prompt tokens")
+    p.add_argument("--budgets", type=int, nargs="+", default=None, help="Q-Filters budgets")
+    args = parse(p, argv)
+    reps = args.reps
+    progress = Progress("ttft")
+    sm = open_run("ttft", args, argv)
+    prompts = tuple(args.prompts or ((64, 256) if args.quick else PROMPTS))
+    budgets = tuple(args.budgets or ((32, 128) if args.quick else BUDGETS))
+    progress(f"model {sm.loaded.name}, prompts {prompts}, budgets {budgets}, reps {reps}")
+    rows = []
+    for n in prompts:
+        tokens = prompt_tokens(sm, n)
+        kept: dict[str, dict] = {}
+        arms = {}
+        for name, arm in [("full_a", "full"), ("full_b", "full"), *((f"b{b}", b) for b in budgets)]:
+            kept[name] = {}
+            arms[name] = ttft_timer(sm, arm, tokens, kept[name])
+        samples = interleave(arms, reps, progress=progress.rounds(f"prompt {n}"))
+        rows.append(
+            {
+                "prompt_tokens": n,
+                "beyond_trained_context": n > sm.context_length,
+                "ttft_s": {k: summary(v) for k, v in samples.items()},
+                "ratios": [ratio_row(samples, "full_b", "full_a")]
+                + [ratio_row(samples, f"b{b}", "full_a") for b in budgets],
+                "kv_after_prefill": kept,
+            }
+        )
+    result = {
+        "command": command_line("ttft", argv),  # earlier_rows compares these with older runs
+        "quick": args.quick,
+        "model": sm.describe(),
+        "settings": {
+            "reps": reps,
+            "budgets": list(budgets),
+            "method": "qfilters",
+            "n_sink": 4,
+            "recent": 0,
+            "prefill_step_size": 2048,
+            "sampler": "greedy",
+            "timed": "make_caches + generate_step until the first token is yielded",
+        },
+        "rows": rows,
+    }
+    for row in rows:
+        row["measured_by"] = {"command": result["command"], "when": time.strftime("%Y-%m-%d")}
+    rows += earlier_rows(args.out / "ttft.json", result, {r["prompt_tokens"] for r in rows})
+    rows.sort(key=lambda r: r["prompt_tokens"])
+    result["plots"] = plot(result, args.out)
+    return sm.save(result, section="speed", model=sm.describe())
+
+
+def render(d: dict[str, Any]) -> list[str]:
+    """This study's section of ``bench/RESULTS.md``."""
+    budgets = d["settings"]["budgets"]
+    lines = speed_header("Time to first token, eviction vs full", d)
+    lines.append(
+        f"Timed: {d['settings']['timed']} (prefill step {d['settings']['prefill_step_size']}). "
+        f"ms, median [IQR] over {d['settings']['reps']} interleaved repetitions; ratios to full."
+    )
+    lines.append("")
+    rows = []
+    for r in d["rows"]:
+        t, rr = r["ttft_s"], {x["arm"]: x for x in r["ratios"]}
+        label = str(r["prompt_tokens"]) + (
+            " (beyond trained context)" if r["beyond_trained_context"] else ""
+        )
+        by = r.get("measured_by", {"command": d["command"], "when": d["when"][:10]})
+        rows.append(
+            [label, ms(t["full_a"], 1e3, 1), ratio_cell(rr["full_b"])]
+            + [f"{t[f'b{b}']['median'] * 1e3:.1f} ({ratio_cell(rr[f'b{b}'])})" for b in budgets]
+            + [f"`{by['command']}`, {by['when']}"]
+        )
+    lines += table(
+        ["prompt tokens", "full ms", "A/A", *(f"budget {b}: ms (ratio)" for b in budgets),
+         "measured by"],
+        rows,
+    )  # fmt: skip
+    return lines + [*plots(d), ""]

@@ -1,0 +1,189 @@
+"""Study 9: qfserve against mlx-lm's own server, same model folder, same prompts.
+
+Both servers run as subprocesses on ephemeral 127.0.0.1 ports, both with OpenBLAS preloaded
+(qfserve does it for itself; ``mlx_lm.server`` gets the same ``LD_PRELOAD``). Every request
+is a streamed ``/v1/chat/completions`` call with temperature 0, the end-of-sequence tokens
+banned through ``logit_bias`` (so each makes exactly ``max_tokens``) and a unique prefix
+(``[<round>-<arm>]``) that keeps mlx-lm's prompt cache from reusing an earlier request.
+Arms interleaved per round: theirs (full cache), ours full, ours with Q-Filters, theirs again
+(the A/A pair). At a short and a long prompt: TTFT and decode tok/s, as ratios to theirs.
+
+Run: ``python -m bench vs-mlx-lm [--quick] [--model M] [--reps 3] [--prompts 256,8096]``.
+Writes ``bench/results/<model>/vs_mlx_lm.json`` and ``vs_mlx_lm.png``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from typing import Any
+
+import httpx
+
+from bench.data import chat_content, eos_ban
+from bench.harness import (
+    Progress,
+    StreamTiming,
+    errorbars,
+    interleave,
+    open_run,
+    parse,
+    parser,
+    pyplot,
+    ratio_row,
+    save_plot,
+    stream_chat,
+    summary,
+)
+from bench.report import ms, plots, ratio_cell, speed_header, table
+from qfserve import testing as servers
+
+ARMS = ("theirs_a", "ours_full", "ours_qfilters", "theirs_b")
+
+
+def plot(result, out) -> list[str]:
+    plt = pyplot()
+    rows = result["rows"]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    width = 0.2
+    for i, arm in enumerate(ARMS):
+        x = [j + (i - 1.5) * width for j in range(len(rows))]
+        for ax, key, scale in ((a1, "ttft_s", 1e3), (a2, "decode_tps", 1.0)):
+            med, err = errorbars([r[key][arm] for r in rows])
+            ax.bar(
+                x,
+                [m * scale for m in med],
+                width,
+                yerr=[[e * scale for e in s] for s in err],
+                capsize=3,
+                label=arm,
+            )
+    labels = [f"prompt {r['prompt_tokens']}" for r in rows]
+    a1.set(title="TTFT ms (median, IQR)")
+    a2.set(title="decode tokens/s (median, IQR)")
+    for ax in (a1, a2):
+        ax.set_xticks(range(len(rows)), labels)
+        ax.legend(fontsize=8)
+    return [save_plot(fig, out, "vs_mlx_lm")]
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = parser(__doc__.splitlines()[0], reps=3)
+    p.add_argument("--max-tokens", type=int, default=None, help="(default 64; quick 8)")
+    p.add_argument("--budget", type=int, default=None, help="Q-Filters budget (default 512)")
+    p.add_argument(
+        "--prompts",
+        type=lambda v: tuple(int(x) for x in v.split(",")),
+        default=None,
+        help="prompt lengths, comma-separated (default: 256 and the context - max_tokens - 32)",
+    )
+    args = parse(p, argv)
+    reps = args.reps
+    max_tokens = args.max_tokens or (8 if args.quick else 64)
+    budget = args.budget or (32 if args.quick else 512)
+    progress = Progress("vs_mlx_lm")
+    sm = open_run("vs_mlx_lm", args, argv)
+    # Long: as close to the context as prompt + max_tokens (+ the nonce) allow.
+    lengths = args.prompts or (
+        (64, 200) if args.quick else (256, sm.context_length - max_tokens - 32)
+    )
+    bias = eos_ban(sm)
+    seq = itertools.count()
+
+    def arm(client, url: str, n_prompt: int, name: str, extra: dict):
+        def run() -> StreamTiming:
+            nonce = f"[{next(seq):04d}-{name[:6]}] "
+            body = {
+                "model": sm.loaded.name if "ours" in name else str(sm.folder),
+                "messages": [{"role": "user", "content": chat_content(sm, n_prompt, nonce)}],
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "logit_bias": bias,
+                **extra,
+            }
+            return stream_chat(client, url, body)
+
+        return run
+
+    rows = []
+    with contextlib.ExitStack() as stack:
+        progress("starting mlx_lm.server and qfserve")
+        theirs, ours = stack.enter_context(servers.serve("mlx_lm", "qfserve", model=sm.folder))
+        client = stack.enter_context(httpx.Client())
+        progress(f"theirs {theirs}, ours {ours}; prompts {lengths}, {reps} reps")
+        for n in lengths:
+            arms = {
+                "theirs_a": arm(client, theirs, n, "theirs_a", {}),
+                "ours_full": arm(client, ours, n, "ours_full", {"kv_method": "full"}),
+                "ours_qfilters": arm(
+                    client, ours, n, "ours_qf", {"kv_method": "qfilters", "qfilters_budget": budget}
+                ),
+                "theirs_b": arm(client, theirs, n, "theirs_b", {}),
+            }
+            runs = interleave(arms, reps, progress=progress.rounds(f"prompt {n}"))
+            ttft = {k: [t.ttft for t in v] for k, v in runs.items()}
+            tps = {k: [t.decode_tps for t in v] for k, v in runs.items()}
+            rows.append(
+                {
+                    "prompt_tokens": n,
+                    "prompt_tokens_seen": {
+                        k: sorted({t.prompt_tokens for t in v}) for k, v in runs.items()
+                    },
+                    "completion_tokens": {
+                        k: sorted({t.completion_tokens for t in v}) for k, v in runs.items()
+                    },
+                    "ttft_s": {k: summary(v) for k, v in ttft.items()},
+                    "decode_tps": {k: summary(v) for k, v in tps.items()},
+                    "ttft_ratios": [ratio_row(ttft, a, "theirs_a") for a in ARMS[1:]],
+                    "tps_ratios": [ratio_row(tps, a, "theirs_a") for a in ARMS[1:]],
+                    "kv_cache_ours_qfilters": runs["ours_qfilters"][-1].kv_cache,
+                }
+            )
+    result = {
+        "settings": {
+            "reps": reps,
+            "max_tokens": max_tokens,
+            "budget": budget,
+            "n_sink": 4,
+            "recent": 0,
+            "temperature": 0,
+            "eos_banned": True,
+            "endpoint": "/v1/chat/completions (stream, include_usage)",
+            "theirs": "python -m mlx_lm.server (defaults: full KVCache, prompt cache on; "
+            "defeated by a unique prompt prefix)",
+            "both_openblas": True,
+            "host": servers.HOST,
+        },
+        "rows": rows,
+    }
+    result["plots"] = plot(result, args.out)
+    return sm.save(result, section="speed", model=sm.describe())
+
+
+def render(d: dict[str, Any]) -> list[str]:
+    """This study's section of ``bench/RESULTS.md``."""
+    s = d["settings"]
+    lines = speed_header("Against mlx-lm's own server", d)
+    lines.append(
+        f"Same model folder and prompts, streamed `/v1/chat/completions`, greedy, "
+        f"{s['max_tokens']} tokens (EOS banned), {s['reps']} interleaved rounds; theirs: {s['theirs']}; "
+        f"ours with Q-Filters at budget {s['budget']}. Ratios to `theirs_a` (`theirs_b` = A/A)."
+    )
+    lines.append("")
+    rows = []
+    for r in d["rows"]:
+        tr = {x["arm"]: x for x in r["ttft_ratios"]}
+        sr = {x["arm"]: x for x in r["tps_ratios"]}
+        for a in r["ttft_s"]:
+            rows.append(
+                [
+                    r["prompt_tokens"],
+                    a,
+                    ms(r["ttft_s"][a], 1e3, 1),
+                    ms(r["decode_tps"][a], 1.0, 0),
+                    "—" if a == "theirs_a" else ratio_cell(tr[a]),
+                    "—" if a == "theirs_a" else ratio_cell(sr[a]),
+                ]
+            )
+    lines += table(["prompt", "arm", "TTFT ms", "decode tok/s", "TTFT ratio", "tok/s ratio"], rows)
+    return lines + [*plots(d), ""]

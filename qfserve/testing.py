@@ -1,0 +1,228 @@
+"""Server subprocesses on loopback: qfserve or ``mlx_lm.server`` on an ephemeral port.
+
+One way to start, wait for and stop a server, shared by the test suites and the benchmarks
+(``bench/``, which imports this; nothing in ``qfserve`` imports ``bench``):
+:func:`launch` starts one (no waiting), :func:`wait_ready` polls its health route,
+:func:`start` does both and :func:`serve` runs several together for the length of a ``with``.
+Nothing here talks to any address but 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from qfserve.engine.models.blas import find_openblas
+
+if TYPE_CHECKING:
+    from openai import OpenAI
+
+# The source checkout (this file is qfserve/testing.py): servers run from it, on its path.
+REPO = Path(__file__).resolve().parents[1]
+HOST = "127.0.0.1"  # loopback only, always
+HEALTH = {"qfserve": "/health", "mlx_lm": "/v1/models"}
+
+
+def free_port() -> int:
+    """A TCP port on :data:`HOST` that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return sock.getsockname()[1]
+
+
+def server_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment a server runs in: ``env`` (default: this process's) plus OpenBLAS in
+    ``LD_PRELOAD``, the repository on ``PYTHONPATH`` and ``PYTHONUNBUFFERED=1``.
+
+    ``env`` replaces ``os.environ`` rather than adding to it.
+    """
+    out = dict(os.environ if env is None else env)
+    # qfserve re-executes itself with OpenBLAS; mlx_lm.server would otherwise run float32
+    # matmul on MLX's reference BLAS (~30x slower). QFSERVE_NO_OPENBLAS=1 opts out, as there.
+    lib = find_openblas()
+    preload = out.get("LD_PRELOAD", "")
+    if lib and lib not in preload and out.get("QFSERVE_NO_OPENBLAS") != "1":
+        out["LD_PRELOAD"] = ":".join(p for p in (lib, preload) if p)
+    out["PYTHONPATH"] = ":".join(p for p in (str(REPO), out.get("PYTHONPATH", "")) if p)
+    out["PYTHONUNBUFFERED"] = "1"
+    return out
+
+
+@dataclass
+class ServerProcess:
+    """A server subprocess: its kind (``qfserve`` or ``mlx_lm``), port, log file and model
+    (``None``: started without ``--model``)."""
+
+    kind: str
+    process: subprocess.Popen[bytes]
+    port: int
+    log: Path
+    model: Path | str | None
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def logs(self) -> str:
+        """Everything the server has written to stdout and stderr so far."""
+        return self.log.read_text(errors="replace")
+
+    def openai(self, **kwargs: Any) -> OpenAI:
+        """An OpenAI client for ``/v1``; keyword arguments override ``api_key``,
+        ``max_retries`` (0) and ``timeout`` (60 s)."""
+        from openai import OpenAI
+
+        kwargs = {"api_key": "unused", "max_retries": 0, "timeout": 60, **kwargs}
+        return OpenAI(base_url=f"{self.url}/v1", **kwargs)
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM, wait up to ``timeout`` seconds, then kill; returns the exit status."""
+        return stop_all([self], timeout)[0]
+
+
+def stop_all(servers: Sequence[ServerProcess], timeout: float = 30.0) -> list[int]:
+    """SIGTERM every server at once, then wait for each (killing it after ``timeout``)."""
+    for server in servers:
+        if server.process.poll() is None:
+            server.process.send_signal(signal.SIGTERM)
+    for server in servers:
+        try:
+            server.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            server.process.kill()
+            server.process.wait()
+    return [server.process.returncode for server in servers]
+
+
+def _command(kind: str, console_script: bool, log_level: str | None) -> list[str]:
+    if kind == "mlx_lm":
+        if console_script:
+            raise ValueError("console_script is for kind 'qfserve' only, got kind 'mlx_lm'")
+        level = (log_level or "warning").upper()
+        return [sys.executable, "-m", "mlx_lm.server", "--log-level", level]
+    script = shutil.which("qfserve", path=str(Path(sys.executable).parent))
+    command = (
+        [script] if console_script and script else [sys.executable, "-m", "qfserve.server.cli"]
+    )
+    return command + ([] if log_level is None else ["--log-level", log_level])
+
+
+def launch(
+    kind: str,
+    model: Path | str | None,
+    *flags: str,
+    log: Path,
+    env: Mapping[str, str] | None = None,
+    log_level: str | None = None,
+    console_script: bool = False,
+) -> ServerProcess:
+    """Start a server on :data:`HOST` and a free port without waiting for it.
+
+    Args:
+        kind: ``"qfserve"`` or ``"mlx_lm"``.
+        model: ``--model`` (``None``: no ``--model``, the server's default model).
+        flags: Further command-line flags, after the ones set here.
+        log: File that receives the server's stdout and stderr (overwritten).
+        env: Replaces ``os.environ`` (see :func:`server_env`).
+        log_level: ``--log-level`` (default: qfserve's own; ``mlx_lm`` always gets one,
+            ``WARNING`` unless given).
+        console_script: Run the installed ``qfserve`` script next to ``sys.executable``
+            rather than ``python -m qfserve.server.cli`` (which it falls back to if missing).
+    """
+    if kind not in HEALTH:
+        raise ValueError(f"kind must be 'qfserve' or 'mlx_lm', got {kind!r}")
+    port = free_port()
+    model_flags = [] if model is None else ["--model", str(model)]
+    command = _command(kind, console_script, log_level)
+    with log.open("wb") as out:  # the child keeps its own copy of the descriptor
+        process = subprocess.Popen(
+            [*command, *model_flags, "--host", HOST, "--port", str(port), *flags],
+            cwd=REPO,
+            env=server_env(env),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    return ServerProcess(kind, process, port, log, model)
+
+
+def wait_ready(server: ServerProcess, timeout: float = 120.0) -> None:
+    """Poll the health route (``/health``; ``/v1/models`` for ``mlx_lm``) until it answers 200.
+
+    Checks at least once even when ``timeout`` is spent. If the process exits or ``timeout``
+    seconds pass, stops it and raises ``RuntimeError`` carrying the end of its log.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        if server.process.poll() is not None:
+            problem = f"exited with {server.process.returncode}"
+            break
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(server.url + HEALTH[server.kind], timeout=2.0).status_code == 200:
+                return
+        if time.monotonic() > deadline:
+            problem = f"not ready after {max(timeout, 0):.3g} s"
+            break
+        time.sleep(0.2)
+    server.stop(10)
+    raise RuntimeError(f"{server.kind} {problem}:\n{server.logs()[-4000:]}")
+
+
+def start(
+    kind: str,
+    model: Path | str | None,
+    *flags: str,
+    log: Path,
+    timeout: float = 120.0,
+    env: Mapping[str, str] | None = None,
+    log_level: str | None = None,
+    console_script: bool = False,
+) -> ServerProcess:
+    """:func:`launch`, then :func:`wait_ready` with ``timeout`` seconds."""
+    server = launch(
+        kind, model, *flags, log=log, env=env, log_level=log_level, console_script=console_script
+    )
+    wait_ready(server, timeout)
+    return server
+
+
+@contextlib.contextmanager
+def serve(*kinds: str, model: Path, timeout: float = 120.0) -> Iterator[list[str]]:
+    """Start servers (``qfserve`` and/or ``mlx_lm``) on ephemeral loopback ports, together.
+
+    Yields their base URLs, in the order of ``kinds``, once every one answers its health
+    route within ``timeout`` seconds of them all being started; stops them all on exit and
+    removes their temporary logs.
+    """
+    servers: list[ServerProcess] = []
+    logs: list[Path] = []
+    try:
+        for kind in kinds:
+            fd, name = tempfile.mkstemp(prefix=f"{kind}-", suffix=".log")
+            os.close(fd)
+            logs.append(Path(name))
+            servers.append(launch(kind, model, log=logs[-1], log_level="warning"))
+        deadline = time.monotonic() + timeout
+        for server in servers:
+            wait_ready(server, deadline - time.monotonic())
+        yield [server.url for server in servers]
+    finally:
+        stop_all(servers, 10)
+        for log in logs:
+            log.unlink(missing_ok=True)

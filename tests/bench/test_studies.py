@@ -1,0 +1,110 @@
+"""Every registered study runs with ``--quick`` on the bundled model, writes what its section of
+the results page reads, and renders. The sizes are far too small to mean anything: what is
+checked is that each study measured what it says, with values in their range."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from bench.report import render_study
+from bench.studies import STUDIES
+
+
+def _share(x: float | None) -> bool:
+    return x is None or 0 <= x <= 1
+
+
+def _positive_medians(stats: dict[str, dict[str, float]]) -> bool:
+    return all(s["median"] > 0 for s in stats.values())
+
+
+def _ratios(rows: list[dict[str, Any]]) -> bool:
+    return all(r["median"] > 0 and r["q1"] <= r["median"] <= r["q3"] for r in rows)
+
+
+CHECKS: dict[str, Callable[[dict[str, Any]], bool]] = {
+    "geometry": lambda d: d["summary"]["heads"] == len(d["heads"]) > 0
+    and all(-1 <= h["cos_to_calibrated"] <= 1 and _share(h["share_positive"]) for h in d["heads"]),
+    "attention": lambda d: all(-1 <= r["mean_rho"] <= 1 and _share(r["share_heads_positive"])
+                               for res in d["results"].values() for r in res.values()),
+    "perplexity": lambda d: all(r["ppl"] > 1 and r["max_rows_any_step"] <= int(b)
+                                for res in d["results"].values()
+                                for b, arms in res["budgets"].items() for r in arms.values()),
+    "retrieval": lambda d: all(_share(c["accuracy"]) and c["answer_nll_mean"] > 0
+                               for res in d["results"].values()
+                               for cells in res["arms"].values() for c in cells.values()),
+    "stability": lambda d: d["rows"][-1]["cos_A_n_vs_A_ref"]["median"] == pytest.approx(1.0),
+    "niah": lambda d: {r["target_depth"] for r in d["records"]} == set(d["depths"])
+    and all(_share(v) for g in d["grid"].values() for rows in g.values() for row in rows
+            for v in row),
+    # Default settings: every row while it fits, the full cache's answers; a small
+    # --max-kv-bytes evicts (the longest documents) and says so.
+    "niah-served": lambda d: all(v["ran"] == ["full"] for v in d["accuracy"]["auto"].values())
+    and [v["accuracy"] for v in d["accuracy"]["auto"].values()]
+    == [v["accuracy"] for v in d["accuracy"]["full"].values()]
+    and any("@" in m for m in d["accuracy"]["auto-small"][str(max(d["lengths"]))]["ran"])
+    and all(r["budget_source"] == "auto" for r in d["records"] if r["arm"] != "full"),
+    "selfcal-text": lambda d: all(_share(c["needle_rows_kept"]) for res in d["results"].values()
+                                  for cells in res["arms"].values() for c in cells.values()),
+    "multiturn-recall": lambda d: set(d["accuracy"]) == set(d["key_nll"]) and "full/reuse" in d["accuracy"]
+    and all(_share(v) for by in d["accuracy"].values() for v in by.values()),
+    "traffic": lambda d: all(r["prompts"] >= d["data"]["min_prompts"] and -1 <= r["cosine_mean"] <= 1
+                             for r in d["results"].values()),
+    "kvzip-parity": lambda d: all(_share(v) for by in d["accuracy"].values() for v in by.values()),
+    "kvzip-reuse": lambda d: d["every_later_turn_reused"] is True
+    and all(_share(v) for by in d["accuracy"].values() for v in by.values()),
+    "decode": lambda d: all(_positive_medians(r["ms_per_step"]) and _ratios(r["ratios"])
+                            for r in d["sweep"]) and d["kv_bytes_per_token"] > 0,
+    "ttft": lambda d: all(_positive_medians(r["ttft_s"]) and _ratios(r["ratios"]) for r in d["rows"]),
+    "server-overhead": lambda d: all(_positive_medians(r["ttft_s"]) and _ratios(r["ttft_ratios"])
+                                     for r in d["rows"]),
+    "vs-mlx-lm": lambda d: all(_positive_medians(r["decode_tps"]) and _ratios(r["tps_ratios"])
+                               for r in d["rows"]),
+    "bandwidth": lambda d: d["bandwidth"]["copy_gbps"]["median"] > 0
+    and all(0 < r["percent_of_bandwidth"] for r in d["decode"]),
+    "structured": lambda d: d["ratios"]["schema/free"]["median"] > 0
+    and 0 < d["processor_ms_per_token"]["median"] < d["ms_per_token"]["schema"]["median"],
+    "batching": lambda d: d["complete"] is True
+    and all(_positive_medians(r["tokens_per_s"]) for r in d["rows"]),
+    "multiturn": lambda d: all(t["ttft_s"] > 0 for turns in d["turns"].values() for t in turns),
+    "batch-step": lambda d: all(_ratios(r["ratios"]) for r in d["rows"]),
+    "selfcal-prefill": lambda d: _ratios(d["ratios"]),
+    "refine-step": lambda d: all(_ratios(r["ratios"]) for r in d["rows"]),
+    "kvzip-cost": lambda d: _ratios(d["prefill_ratios"]) and _ratios(d["decode_ratios"])
+    and d["settings"]["kept_rows_after_prefill"]["kvzip"] <= d["settings"]["budget"],
+    "kernel-cuda": lambda d: True,
+}  # fmt: skip
+
+
+def test_every_registered_study_has_a_check() -> None:
+    assert set(CHECKS) == set(STUDIES)
+
+
+@pytest.mark.parametrize("name", list(STUDIES))
+def test_study_runs_quick_and_renders(name: str, quick: Callable, results: Any) -> None:
+    data = quick(name)
+    s = STUDIES[name]
+    assert data["benchmark"] == s.key and data["section"] == s.section and data["quick"] is True
+    assert data["command"].startswith(f"python -m bench {name} --quick")
+    if name != "kernel-cuda":  # the kernel alone, on random rows: no model
+        assert data["model"]["weights_sha1"] and data["machine"]["cpu_count"] >= 1
+    for plot in data.get("plots", []):
+        assert (results / plot).stat().st_size > 1000
+    assert CHECKS[name](data)
+    if hasattr(s.module(), "render"):
+        text = "\n".join(render_study(name, data))
+        assert text.startswith("### ") and "Quick" in text
+
+
+def test_the_command_line_lists_every_study_and_rejects_others() -> None:
+    listed = subprocess.run([sys.executable, "-m", "bench", "--list"], capture_output=True,
+                            text=True, check=True).stdout  # fmt: skip
+    assert all(f"  {name} " in listed for name in STUDIES)
+    wrong = subprocess.run([sys.executable, "-m", "bench", "no-such-study"], capture_output=True,
+                           text=True)  # fmt: skip
+    assert wrong.returncode == 2 and "study must be one of" in wrong.stderr
