@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from qfserve.engine.models.blas import find_openblas
+from qfserve.engine.models.blas import find_blas, preload_env
 
 if TYPE_CHECKING:
     from openai import OpenAI
@@ -51,11 +51,11 @@ def server_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
     """
     out = dict(os.environ if env is None else env)
     # qfserve re-executes itself with OpenBLAS; mlx_lm.server would otherwise run float32
-    # matmul on MLX's reference BLAS (~30x slower). QFSERVE_NO_OPENBLAS=1 opts out, as there.
-    lib = find_openblas()
-    preload = out.get("LD_PRELOAD", "")
-    if lib and lib not in preload and out.get("QFSERVE_NO_OPENBLAS") != "1":
-        out["LD_PRELOAD"] = ":".join(p for p in (lib, preload) if p)
+    # matmul on MLX's reference BLAS (~30x slower). QFSERVE_BLAS=off opts out, as there.
+    off = out.get("QFSERVE_NO_OPENBLAS") == "1" or out.get("QFSERVE_BLAS") == "off"
+    blas = None if off else find_blas(out.get("QFSERVE_BLAS"))
+    if blas is not None:
+        out = preload_env(blas, out)
     out["PYTHONPATH"] = ":".join(p for p in (str(REPO), out.get("PYTHONPATH", "")) if p)
     out["PYTHONUNBUFFERED"] = "1"
     return out

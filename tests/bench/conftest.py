@@ -38,6 +38,10 @@ def missing(name: str) -> str:
     """Why ``name`` cannot run here ('' when it can)."""
     if name == "kvzip-parity" and not (KVPRESS_PYTHON and Path(KVPRESS_PYTHON).exists()):
         return "needs a Python with torch, transformers and kvpress: set QFSERVE_KVPRESS_PYTHON"
+    if name == "blas":
+        from bench.studies.blas import missing as blas_missing
+
+        return blas_missing()
     if name == "kernel-cuda":
         if importlib.util.find_spec("torch") is None or importlib.util.find_spec("cupy") is None:
             return "needs torch and cupy with an NVIDIA GPU"

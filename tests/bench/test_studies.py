@@ -78,6 +78,10 @@ CHECKS: dict[str, Callable[[dict[str, Any]], bool]] = {
     "kvzip-cost": lambda d: _ratios(d["prefill_ratios"]) and _ratios(d["decode_ratios"])
     and d["settings"]["kept_rows_after_prefill"]["kvzip"] <= d["settings"]["budget"],
     "kernel-cuda": lambda d: True,
+    # Each server preloaded the library its arm names, and said so in its start-up log.
+    "blas": lambda d: all(d["settings"]["named_in_start_up_log"].values())
+    and d["settings"]["libraries"]["pip_a"] != d["settings"]["libraries"]["system"]
+    and _ratios(d["prefill_ratios"]) and _ratios(d["decode_ratios"]),
 }  # fmt: skip
 
 

@@ -1,58 +1,193 @@
-"""Get OpenBLAS under MLX's Linux CPU backend.
+"""Get a fast BLAS under MLX's Linux CPU backend, from PyPI alone where possible.
 
-MLX's Linux CPU wheel links a reference BLAS; preloading OpenBLAS makes float32 matmul
-about 30x faster. The loader only honours ``LD_PRELOAD`` at process start, so callers
-re-execute themselves once, before MLX is imported.
+MLX's Linux CPU wheel links a reference BLAS; preloading OpenBLAS makes float32 matmul about
+30x faster. MLX calls only ``cblas_sgemm``/``dgemm``/``cgemm`` and a few LAPACK routines from
+it, so any library that exports those names can stand in. The loader honours ``LD_PRELOAD``
+and ``LD_LIBRARY_PATH`` only at process start, so callers re-execute themselves once, before
+MLX is imported.
+
+Where the BLAS comes from (``QFSERVE_BLAS`` chooses; ``auto`` takes the first found):
+
+1. ``pip``: the ``ngsolve-openblas`` wheel, a dependency on x86-64 Linux (OpenBLAS 0.3.33
+   built for every x86-64 core, BSD). It needs ``libgfortran.so.5``; on a machine without one
+   the copy the ``mlx-cpu`` wheel itself ships is named so in a private folder put on
+   ``LD_LIBRARY_PATH`` (no root, nothing compiled). Other wheels were measured and rejected:
+   ``scipy-openblas32`` prefixes every symbol, ``cmeel-openblas`` is built for AVX-512 only
+   and crashes elsewhere, ``mkl`` is 323 MB (it is still used where installed, last).
+2. ``system``: Debian's ``libopenblas0-pthread`` (or Fedora's path) where installed.
+3. ``mkl``: ``libmkl_rt`` from the ``mkl`` wheel, where a user installed it.
+
+``QFSERVE_BLAS`` may also be ``off`` (the reference BLAS; ``QFSERVE_NO_OPENBLAS=1`` too) or a
+library's path.
 """
 
 from __future__ import annotations
 
+import ctypes
+import importlib.metadata as md
 import os
 import sys
+import tempfile
+from dataclasses import dataclass
+from fnmatch import fnmatch
 from pathlib import Path
 
-OPENBLAS_CANDIDATES = (
+SYSTEM_OPENBLAS = (
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
     "/usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0",
     "/usr/lib64/libopenblas.so.0",
 )
+PIP_OPENBLAS = ("ngsolve-openblas", "libopenblas*.so*")  # (distribution, file name)
+PIP_MKL = ("mkl", "libmkl_rt.so*")
+# Wheels that ship an auditwheel-renamed libgfortran.so.5 (mlx-cpu always is installed here).
+GFORTRAN_DONORS = ("mlx-cpu", "numpy", "scipy-openblas32", "scipy-openblas64")
+SOURCES = ("auto", "pip", "system", "mkl", "off")
 _MARKER = "QFSERVE_BLAS_REEXEC"
 
 
-def find_openblas() -> str | None:
-    """Return the path of an installed OpenBLAS shared library, or None."""
-    if not sys.platform.startswith("linux"):
+@dataclass(frozen=True)
+class Blas:
+    """A BLAS to preload: its file, where it came from, and folders its dependencies need
+    on ``LD_LIBRARY_PATH``."""
+
+    path: str
+    origin: str  # "pip", "system", "mkl" or "env"
+    lib_dirs: tuple[str, ...] = ()
+
+
+def _wheel_file(dist: str, pattern: str) -> Path | None:
+    """A file of an installed distribution whose name matches ``pattern``, found without
+    importing it (``ngsolve_openblas`` loads its library on import)."""
+    try:
+        files = md.files(dist) or ()
+    except md.PackageNotFoundError:
         return None
-    for candidate in OPENBLAS_CANDIDATES:
-        if Path(candidate).exists():
-            return candidate
+    hits = sorted(Path(str(f.locate())) for f in files if fnmatch(f.name, pattern))
+    hits = [p for p in hits if p.is_file() and ".dist-info" not in str(p)]
+    return hits[0].resolve() if hits else None
+
+
+def _has_gfortran() -> bool:
+    try:
+        ctypes.CDLL("libgfortran.so.5")
+    except OSError:
+        return False
+    return True
+
+
+def _gfortran_folder() -> str | None:
+    """A private folder where ``libgfortran.so.5`` names a wheel's own copy (with the
+    libraries beside it that it needs, such as its ``libquadmath``)."""
+    donor = next((p for d in GFORTRAN_DONORS if (p := _wheel_file(d, "libgfortran*.so.5*"))), None)
+    if donor is None:
+        return None
+    links = {"libgfortran.so.5": donor}
+    for sibling in donor.parent.glob("lib*.so*"):
+        links.setdefault(sibling.name, sibling)
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qfserve" / "blas"
+    for folder in (cache, None):
+        try:
+            where = Path(tempfile.mkdtemp(prefix="qfserve-blas-")) if folder is None else folder
+            where.mkdir(parents=True, exist_ok=True)
+            for name, target in links.items():
+                link = where / name
+                if link.is_symlink() and os.readlink(link) == str(target):
+                    continue
+                staged = where / f".{name}.{os.getpid()}"  # replaced atomically: starts race
+                staged.unlink(missing_ok=True)
+                staged.symlink_to(target)
+                os.replace(staged, link)
+            return str(where)
+        except OSError:
+            continue
     return None
 
 
-def openblas_active() -> bool:
-    """True when OpenBLAS is preloaded into this process."""
-    lib = find_openblas()
-    return lib is not None and lib in os.environ.get("LD_PRELOAD", "")
+def _pip() -> Blas | None:
+    lib = _wheel_file(*PIP_OPENBLAS)
+    if lib is None:
+        return None
+    if _has_gfortran():
+        return Blas(str(lib), "pip")
+    folder = _gfortran_folder()
+    return None if folder is None else Blas(str(lib), "pip", (folder,))
+
+
+def _system() -> Blas | None:
+    found = next((c for c in SYSTEM_OPENBLAS if Path(c).exists()), None)
+    return None if found is None else Blas(found, "system")
+
+
+def _mkl() -> Blas | None:
+    lib = _wheel_file(*PIP_MKL)
+    return None if lib is None else Blas(str(lib), "mkl")
+
+
+def find_blas(source: str | None = None) -> Blas | None:
+    """The BLAS to preload (``source``: default ``$QFSERVE_BLAS``, else ``auto``), or ``None``
+    off Linux, when turned off, or when none is found."""
+    if not sys.platform.startswith("linux"):
+        return None
+    source = source or os.environ.get("QFSERVE_BLAS") or "auto"
+    if source == "off" or os.environ.get("QFSERVE_NO_OPENBLAS") == "1":
+        return None
+    if source not in SOURCES:
+        return Blas(source, "env") if Path(source).is_file() else None
+    finders = {"pip": _pip, "system": _system, "mkl": _mkl}
+    for name in finders if source == "auto" else (source,):
+        found = finders[name]()
+        if found is not None:
+            return found
+    return None
+
+
+def find_openblas() -> str | None:
+    """The path :func:`find_blas` chooses (servers started by tests preload it too)."""
+    blas = find_blas()
+    return None if blas is None else blas.path
+
+
+def blas_active(blas: Blas | None = None) -> bool:
+    """The chosen BLAS is mapped into this process (read from ``/proc/self/maps``: the
+    preload may be a symlink)."""
+    blas = blas or find_blas()
+    if blas is None:
+        return False
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return blas.path in os.environ.get("LD_PRELOAD", "")
+    return blas.path in maps or os.path.realpath(blas.path) in maps
 
 
 def wants_reexec() -> bool:
-    """True when :func:`reexec_with_openblas` would re-execute this process.
-
-    False off Linux, when OpenBLAS is missing, when it is already preloaded, when
-    ``QFSERVE_NO_OPENBLAS=1`` is set, or after one attempt (guarded by an env marker).
-    """
-    if find_openblas() is None or openblas_active() or os.environ.get(_MARKER):
+    """True when :func:`reexec_with_openblas` would re-execute this process: a BLAS was
+    found and is not loaded yet, and no attempt was made before (an env marker)."""
+    if os.environ.get(_MARKER):
         return False
-    return os.environ.get("QFSERVE_NO_OPENBLAS") != "1"
+    blas = find_blas()
+    return blas is not None and not blas_active(blas)
+
+
+def preload_env(blas: Blas, env: dict[str, str]) -> dict[str, str]:
+    """``env`` with ``blas`` preloaded (and its folders on ``LD_LIBRARY_PATH``)."""
+    out = dict(env)
+    if blas.path not in out.get("LD_PRELOAD", ""):
+        out["LD_PRELOAD"] = ":".join(p for p in (blas.path, out.get("LD_PRELOAD", "")) if p)
+    for folder in blas.lib_dirs:
+        if folder not in out.get("LD_LIBRARY_PATH", "").split(":"):
+            out["LD_LIBRARY_PATH"] = ":".join(
+                p for p in (folder, out.get("LD_LIBRARY_PATH", "")) if p
+            )
+    return out
 
 
 def reexec_with_openblas() -> None:
-    """Re-execute this process with OpenBLAS preloaded, when that helps and is possible."""
-    lib = find_openblas()
-    if lib is None or not wants_reexec():
+    """Re-execute this process with the BLAS preloaded, when that helps and is possible."""
+    blas = find_blas()
+    if blas is None or not wants_reexec():
         return
-    env = dict(os.environ)
-    env["LD_PRELOAD"] = ":".join(p for p in (lib, env.get("LD_PRELOAD", "")) if p)
+    env = preload_env(blas, dict(os.environ))
     env[_MARKER] = "1"
     sys.stdout.flush()
     sys.stderr.flush()
@@ -63,12 +198,12 @@ def blas_summary() -> str:
     """One line for start-up logs saying which BLAS MLX's CPU backend uses."""
     if sys.platform == "darwin":
         return "BLAS: Accelerate (macOS)"
-    lib = find_openblas()
-    if openblas_active():
-        return f"BLAS: OpenBLAS preloaded ({lib})"
-    if lib is None:
+    blas = find_blas()
+    if blas is None:
         return (
-            "BLAS: MLX reference BLAS (slow float32 matmul); "
-            "install libopenblas0-pthread for ~30x faster CPU matmul"
+            "BLAS: MLX reference BLAS (slow float32 matmul); on x86-64 `pip install "
+            "ngsolve-openblas`, elsewhere `apt-get install libopenblas0-pthread`, ~30x faster"
         )
-    return "BLAS: MLX reference BLAS (OpenBLAS present but not preloaded)"
+    if blas_active(blas):
+        return f"BLAS: OpenBLAS from {blas.origin} preloaded ({blas.path})"
+    return f"BLAS: MLX reference BLAS ({blas.origin} {blas.path} found but not preloaded)"

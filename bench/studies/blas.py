@@ -1,0 +1,109 @@
+"""The BLAS from PyPI against the system's: the same server, the same prompts, side by side.
+
+Three ``qfserve`` servers on the same model, each preloading a different OpenBLAS through
+``QFSERVE_BLAS``: ``pip_a`` (the ``ngsolve-openblas`` wheel the install brings), ``system``
+(Debian's ``libopenblas0-pthread``) and ``pip_b`` (the wheel again: the A/A pair). Each round
+sends every arm one streamed chat request (greedy, EOS banned, a unique prefix) in turn; TTFT
+measures prefill, the tokens after it decode. Ratios are to ``system``, round by round.
+
+Run: ``python -m bench blas [--quick] [--reps 5] [--prompt 1024] [--max-tokens 64]``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.data import chat_content, eos_ban
+from bench.harness import (
+    Progress,
+    interleave,
+    open_run,
+    parse,
+    parser,
+    ratio_row,
+    stream_chat,
+    summary,
+)
+from bench.report import ratio_cell, speed_header, table
+from qfserve import testing
+from qfserve.engine.models.blas import find_blas
+
+ARMS = {"pip_a": "pip", "system": "system", "pip_b": "pip"}  # arm -> QFSERVE_BLAS
+
+
+def missing() -> str:
+    """Why this study cannot run here ("" when it can)."""
+    absent = [s for s in ("pip", "system") if find_blas(s) is None]
+    return f"no {' and no '.join(absent)} OpenBLAS on this machine" if absent else ""
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = parser(__doc__.splitlines()[0], reps=5)
+    p.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 1024)")
+    p.add_argument("--max-tokens", type=int, default=None, help="(default 64; quick 8)")
+    args = parse(p, argv)
+    if why := missing():
+        raise SystemExit(f"blas: {why}")
+    n_prompt = args.prompt or (128 if args.quick else 1024)
+    max_tokens = args.max_tokens or (8 if args.quick else 64)
+    run = open_run("blas", args, argv)
+    progress = Progress("blas")
+    bias, seq = eos_ban(run), itertools.count()
+    logs = Path(tempfile.mkdtemp(prefix="blas-"))
+    libs = {arm: find_blas(source).path for arm, source in ARMS.items()}  # type: ignore[union-attr]
+    with contextlib.ExitStack() as stack:
+        servers = {}
+        for arm, source in ARMS.items():
+            env = {**os.environ, "QFSERVE_BLAS": source}
+            env.pop("LD_PRELOAD", None)  # each server preloads its own
+            server = testing.start("qfserve", run.folder, log=logs / f"{arm}.log", env=env,
+                                   timeout=300)  # fmt: skip
+            stack.callback(server.stop, 15)
+            servers[arm] = server.url
+        client = stack.enter_context(httpx.Client())
+
+        def arm(name: str):
+            def one():
+                content = chat_content(run, n_prompt, f"[{next(seq):04d}-{name}] ")
+                body = {"model": run.loaded.name, "max_tokens": max_tokens, "temperature": 0,
+                        "logit_bias": bias, "messages": [{"role": "user", "content": content}]}  # fmt: skip
+                return stream_chat(client, servers[name], body)
+
+            return one
+
+        timings = interleave({name: arm(name) for name in ARMS}, args.reps,
+                             progress=progress.rounds("rounds"))  # fmt: skip
+    prefill = {k: [t.prompt_tokens / t.ttft for t in v] for k, v in timings.items()}
+    decode = {k: [t.decode_tps for t in v] for k, v in timings.items()}
+    loaded_libs = {arm: (logs / f"{arm}.log").read_text().count(libs[arm]) > 0 for arm in ARMS}
+    return run.save({
+        "settings": {"reps": args.reps, "prompt_tokens": n_prompt, "max_tokens": max_tokens,
+                     "temperature": 0, "eos_banned": True, "libraries": libs,
+                     "named_in_start_up_log": loaded_libs},
+        "prefill_tps": {k: summary(v) for k, v in prefill.items()},
+        "decode_tps": {k: summary(v) for k, v in decode.items()},
+        "prefill_ratios": [ratio_row(prefill, a, "system") for a in ("pip_a", "pip_b")],
+        "decode_ratios": [ratio_row(decode, a, "system") for a in ("pip_a", "pip_b")],
+    }, section="speed", model=run.describe())  # fmt: skip
+
+
+def render(d: dict[str, Any]) -> list[str]:
+    """This study's section of ``bench/RESULTS.md``."""
+    s = d["settings"]
+    lines = speed_header("OpenBLAS from PyPI against the system's", d)
+    lines += [f"Streamed chat, {s['prompt_tokens']:,}-token prompts, {s['max_tokens']} tokens, "
+              f"greedy, {s['reps']} interleaved rounds. Throughput ratios to `system` (above 1: "
+              "faster); `pip_b` is the wheel again (A/A).", ""]  # fmt: skip
+    pre = {r["arm"]: r for r in d["prefill_ratios"]}
+    dec = {r["arm"]: r for r in d["decode_ratios"]}
+    rows = [[arm, f"{d['prefill_tps'][arm]['median']:.0f}", ratio_cell(pre[arm]) if arm in pre
+             else "1", f"{d['decode_tps'][arm]['median']:.1f}",
+             ratio_cell(dec[arm]) if arm in dec else "1"] for arm in ARMS]  # fmt: skip
+    return lines + table(["arm", "prefill tok/s", "ratio", "decode tok/s", "ratio"], rows)
