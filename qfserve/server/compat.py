@@ -4,7 +4,8 @@ Each parameter is ``implemented``, a documented ``no-op`` (accepted and ignored:
 no token of the answer), or ``refused`` with a 400 that names it and says why, as vLLM's
 server does for what it does not implement: accept what is harmless, refuse what would
 silently change the answer. ``null`` means "the default" wherever the reference allows it
-(every optional parameter). The README's compatibility table is this table.
+(every optional parameter). The compatibility table of ``docs/api.md`` is generated from
+this one (:mod:`qfserve.server.docgen`).
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ CHAT_FATES: dict[str, tuple[Fate, str]] = {
     ),
     "tools": (
         "implemented",
-        "rendered by the chat template, <tool_call> blocks parsed; a template without tool support is a 400",
+        "rendered by the chat template, or described in a system message where the template "
+        "has no tool support; <tool_call> blocks parsed",
     ),
     "top_logprobs": ("implemented", "0-20, needs logprobs"),
     "top_p": ("implemented", "nucleus sampling"),
@@ -94,7 +96,7 @@ EXTENSION_FATES: dict[str, tuple[Fate, str]] = {
     "qfilters_chunk": ("implemented", "qfserve: prefill keeps whole chunks of positions"),
     "qfilters_budget_mode": (
         "implemented",
-        "qfserve: per_head, or adaptive across a layer's heads",
+        "qfserve: per_head, adaptive across a layer's heads, or global across layers (kvzip)",
     ),
     "qfilters_floor": ("implemented", "qfserve: share of the budget each head keeps (adaptive)"),
 }

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 from sse_starlette import EventSourceResponse
 from sse_starlette.sse import SendTimeoutError
 from starlette.types import Receive, Scope, Send
@@ -26,8 +26,9 @@ from qfserve.engine.serving.worker import Worker
 from qfserve.engine.text.requests import Delta, Event, Failed, Finished, Started, TokenLogprob
 from qfserve.server.errors import APIError
 from qfserve.server.eviction import CACHE_PARAMS
-from qfserve.server.formats import ResponseFormat
+from qfserve.server.formats import ResponseFormat, dump, kv_cache, usage
 from qfserve.server.metrics import Metrics
+from qfserve.server.openapi import KVCacheInfo
 from qfserve.server.schemas import GenerationBody
 from qfserve.server.settings import Settings
 
@@ -150,7 +151,7 @@ class Generation:
 
     # -- answers -------------------------------------------------------------------------
 
-    async def json(self) -> JSONResponse:
+    async def json(self) -> Response:
         """The whole completion as one body; a client that leaves cancels generation."""
         text: list[str] = []
         logprobs: list[TokenLogprob] = []
@@ -169,14 +170,12 @@ class Generation:
                 choice = self.fmt.choice(
                     "".join(text), logprobs if self.logprobs else None, event.finish_reason
                 )
-                return JSONResponse(
-                    {
-                        **self._envelope(self.fmt.object),
-                        "choices": [choice],
-                        "usage": _usage(event),
-                        "kv_cache": event.kv_cache,
-                    }
-                )
+                # Each format pairs its own choice model with its body model.
+                body = self.fmt.body(
+                    **self._envelope(chunk=False), choices=[choice],  # type: ignore[list-item]
+                    usage=usage(event), kv_cache=kv_cache(event),
+                )  # fmt: skip
+                return Response(dump(body), media_type="application/json")
             elif isinstance(event, Failed):
                 self._count("error")
                 raise failure(event)
@@ -210,26 +209,26 @@ class Generation:
                     self._finished(event)
                     finish: str = event.finish_reason
                     if held:
-                        choice, finish = self.fmt.held_chunk_choice("".join(held), finish)  # type: ignore[attr-defined]
-                        payload = {**self._envelope(self.fmt.chunk_object), "choices": [choice]}
+                        choice, finish = self.fmt.held_chunk_choice("".join(held), finish)
+                        chunk = self.fmt.chunk(**self._envelope(), choices=[choice])
                         if include_usage:
-                            payload["usage"] = None
-                        yield json.dumps(payload)
+                            chunk.usage = None
+                        yield dump(chunk)
                     yield self._chunk(
                         "",
                         None,
                         finish=finish,
                         usage=include_usage,
-                        kv_cache=event.kv_cache,
+                        kv_cache=kv_cache(event),
                     )
                     if include_usage:
-                        yield json.dumps(
-                            {
-                                **self._envelope(self.fmt.chunk_object),
-                                "choices": [],
-                                "usage": _usage(event),
-                                "kv_cache": event.kv_cache,
-                            }
+                        yield dump(
+                            self.fmt.chunk(
+                                **self._envelope(),
+                                choices=[],
+                                usage=usage(event),
+                                kv_cache=kv_cache(event),
+                            )  # fmt: skip
                         )
                     done = True
                     yield "[DONE]"
@@ -247,7 +246,9 @@ class Generation:
 
     # -- helpers -------------------------------------------------------------------------
 
-    def _envelope(self, obj: str) -> dict[str, Any]:
+    def _envelope(self, *, chunk: bool = True) -> dict[str, Any]:
+        """The fields every body (or stream chunk) of this generation begins with."""
+        obj = self.fmt.chunk_object if chunk else self.fmt.object
         return {"id": self.id, "object": obj, "created": self.created, "model": self.body.model}  # type: ignore[attr-defined]
 
     def _chunk(
@@ -258,18 +259,16 @@ class Generation:
         finish: str | None = None,
         first: bool = False,
         usage: bool = False,
-        kv_cache: dict[str, Any] | None = None,
+        kv_cache: KVCacheInfo | None = None,
     ) -> str:
         lp = list(logprobs) if self.logprobs and logprobs else None
-        payload = {
-            **self._envelope(self.fmt.chunk_object),
-            "choices": [self.fmt.chunk_choice(text, lp, finish, first=first)],
-        }
+        choice = self.fmt.chunk_choice(text, lp, finish, first=first)
+        chunk = self.fmt.chunk(**self._envelope(), choices=[choice])  # type: ignore[list-item]
         if usage:
-            payload["usage"] = None
+            chunk.usage = None
         if kv_cache is not None:
-            payload["kv_cache"] = kv_cache
-        return json.dumps(payload)
+            chunk.kv_cache = kv_cache
+        return dump(chunk)
 
     def _saw_text(self) -> None:
         if self.first_text_at is None:
@@ -286,12 +285,3 @@ class Generation:
 
     def _count(self, outcome: str) -> None:
         self.metrics.requests.labels(endpoint=self.endpoint, outcome=outcome).inc()
-
-
-def _usage(event: Finished) -> dict[str, Any]:
-    return {
-        "prompt_tokens": event.prompt_tokens,
-        "completion_tokens": event.completion_tokens,
-        "total_tokens": event.prompt_tokens + event.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": event.cached_tokens},
-    }

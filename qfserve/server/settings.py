@@ -5,7 +5,7 @@ frozen, replaced wholesale in tests.
 Every flag is a field here or in :class:`EngineConfig`, declared once with
 :func:`~qfserve.engine.serving.config.option`: :func:`make_parser` builds the command line
 and :data:`EnvDefaults` the ``QFSERVE_*`` variables from those fields, and
-:mod:`qfserve.server.flagdoc` the documented table.
+:mod:`qfserve.server.docgen` the documented table.
 """
 
 from __future__ import annotations

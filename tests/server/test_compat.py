@@ -101,11 +101,6 @@ def test_parameter_has_its_documented_fate(server, endpoint, name, fate):
         assert error["param"] == name and "not supported" in error["message"]
         assert httpx.get(server.url + "/health").status_code == 200
         return
-    if (
-        name == "tools"
-    ):  # this model's template renders no tools: see test_tools.py for one that does
-        assert resp.status_code == 400 and resp.json()["error"]["param"] == "tools"
-        return
     assert resp.status_code == 200, resp.text
     if fate == "no-op":
         assert text_of(endpoint, resp.json()) == text_of(endpoint, plain.json())
