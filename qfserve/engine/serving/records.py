@@ -11,10 +11,13 @@ import threading
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from qfserve.engine.kv.config import CacheConfig
 from qfserve.engine.kv.stats import summarize
+
+if TYPE_CHECKING:
+    from qfserve.engine.serving.jobs import Job
 
 State = Literal["queued", "prefill", "decode", "done", "cancelled", "error"]
 _COUNTED = ("prompt_tokens", "completion_tokens", "kept_bytes", "full_seq_bytes")
@@ -110,7 +113,8 @@ class RequestRecord:
 
 
 class Ledger:
-    """Active records, a bounded history of finished ones, totals and KV reservations.
+    """The one list of live requests (queued, waiting for memory or in the batch), a bounded
+    history of finished ones, totals and KV reservations.
 
     Args:
         history: Finished records kept.
@@ -120,21 +124,26 @@ class Ledger:
     def __init__(self, history: int, max_kv_bytes: int) -> None:
         self.max_kv_bytes = max_kv_bytes
         self._lock = threading.Lock()
-        self._active: dict[str, RequestRecord] = {}
+        self._active: dict[str, Job] = {}
         self._history: deque[RequestRecord] = deque(maxlen=history)
         self._reserved: dict[str, int] = {}
         self._totals = dict.fromkeys(("requests", "done", "cancelled", "error", *_COUNTED), 0)
 
-    def open(self, record: RequestRecord) -> None:
+    def open(self, job: Job) -> None:
         with self._lock:
-            self._active[record.id] = record
+            self._active[job.id] = job
             self._totals["requests"] += 1
 
-    def discard(self, record: RequestRecord) -> None:
+    def discard(self, job: Job) -> None:
         """Undo :meth:`open` for a request that was never queued."""
         with self._lock:
-            if self._active.pop(record.id, None) is not None:
+            if self._active.pop(job.id, None) is not None:
                 self._totals["requests"] -= 1
+
+    def live(self) -> list[Job]:
+        """The requests not finished yet, oldest first (read off-thread to cancel them)."""
+        with self._lock:
+            return list(self._active.values())
 
     def close(self, record: RequestRecord, state: State) -> None:
         """The request ended in ``state``: into the history and the totals; its KV freed."""
@@ -169,13 +178,13 @@ class Ledger:
     def active_kv_bytes(self) -> tuple[int, int]:
         """(kept, full-cache) bytes over the active requests."""
         with self._lock:
-            records = list(self._active.values())
+            records = [job.record for job in self._active.values()]
         return sum(r.kept_bytes for r in records), sum(r.full_seq_bytes for r in records)
 
     def snapshot(self) -> dict[str, Any]:
         """Active and recent records plus totals (with MLX memory), as plain dicts."""
         with self._lock:
-            active = [asdict(r) for r in self._active.values()]
+            active = [asdict(job.record) for job in self._active.values()]
             history = [asdict(r) for r in reversed(self._history)]
             totals: dict[str, Any] = dict(self._totals)
             totals["kv_reserved_bytes"] = sum(self._reserved.values())

@@ -74,7 +74,6 @@ class Worker:
         self._scheduler: Any = (
             None  # qfserve.engine.serving.scheduler.Scheduler, built on the thread
         )
-        self._running: list[Job] = []  # admitted and not finished (read off-thread to cancel)
         self.status: Literal["loading", "ready", "failed", "dead", "stopped"] = "loading"
         self.error: str | None = None
         self.loaded: LoadedModel | None = None
@@ -88,7 +87,7 @@ class Worker:
     def stop(self, timeout: float = 5.0) -> None:
         """Finish the running requests' current step, fail the waiting ones, join."""
         self._stopping.set()
-        for job in list(self._running):
+        for job in self.ledger.live():
             job.cancel()
         self._thread.join(timeout)
 
@@ -106,8 +105,7 @@ class Worker:
         Returns:
             How many requests were cancelled.
         """
-        with self._queue.mutex:
-            jobs = [*self._queue.queue, *self._running]
+        jobs = self.ledger.live()  # queued ones included: opened before they are queued
         failure = Failed("unavailable", message)
         aborted = 0
         for job in jobs:
@@ -181,11 +179,11 @@ class Worker:
         )
         job = Job(request, record, loop)
         # Opened before it is queued: the worker may take it and close it at once.
-        self.ledger.open(record)
+        self.ledger.open(job)
         try:
             self._queue.put_nowait(job)
         except queue.Full:
-            self.ledger.discard(record)
+            self.ledger.discard(job)
             raise WorkerUnavailable(
                 f"too many requests waiting ({self._queue.maxsize}); retry shortly",
                 retry_after=1,
@@ -236,10 +234,10 @@ class Worker:
             self.status = "stopped" if self._stopping.is_set() else "dead"
             scheduler.clear()
             self._next = None
-            for job in list(self._running):
+            self._fail_waiting("the generation worker stopped")
+            for job in self.ledger.live():  # admitted, or taken off the queue meanwhile
                 job.emit(Failed("unavailable", "the generation worker stopped"))
                 self._finish(job.record, "error")
-            self._fail_waiting("the generation worker stopped")
 
     def _load(self) -> None:
         config = self.config
@@ -292,7 +290,6 @@ class Worker:
             self._finish(job.record, "error")
 
     def _finish(self, record: RequestRecord, state: State) -> None:
-        self._running = [j for j in self._running if j.record is not record]
         self.ledger.close(record, state)
 
     def _admit(self, *, wait: bool) -> None:
@@ -307,7 +304,6 @@ class Worker:
                 except queue.Empty:
                     return
                 wait = False
-                self._running.append(job)
                 self._next = self._start(job)
                 if self._next is None:
                     continue
