@@ -165,6 +165,20 @@ def test_a_named_conversation_continues_only_caches_kept_under_its_name(worker, 
     assert two.cached_tokens == one.prompt_tokens + one.completion_tokens
 
 
+def test_a_full_caches_key_is_its_method_whatever_its_budget():
+    """An ``auto`` budget resolves to ``full`` with a budget of each turn's own length: a
+    later turn must still continue the last one's full cache."""
+    from qfserve.engine.reuse.kept import cache_key
+
+    def key(config: CacheConfig, name: str | None = None) -> tuple:
+        return cache_key("m", config, "calibrated", name)
+
+    turn1, turn2 = CacheConfig(method="full", budget=38), CacheConfig(method="full", budget=61)
+    assert key(turn1) == key(turn2) != key(turn2, "alice")
+    evicting = CacheConfig(method="qfilters", budget=38)
+    assert key(evicting) != key(replace(evicting, budget=61))
+
+
 def test_saved_entries_keep_their_name_and_old_files_read_as_unnamed(loaded, tmp_path):
     import json
 

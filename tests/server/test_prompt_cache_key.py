@@ -38,6 +38,23 @@ def test_a_key_continues_only_its_own_caches(server, endpoint):
     assert cached(server, endpoint, f"{endpoint}-second") > 0
 
 
+def test_a_later_turn_under_default_settings_continues_its_conversation(server):
+    """Default settings (``--budget auto``: a full cache sized to each turn) still reuse."""
+    client = server.client()
+    messages = [{"role": "user", "content": "Remember the pass key 8086."}]
+    for turn in range(3):
+        resp = client.chat.completions.create(
+            model=MODEL_NAME, messages=messages, max_tokens=4, temperature=0,
+            extra_body={"prompt_cache_key": "default-settings"},
+        )  # fmt: skip
+        assert resp.model_extra["kv_cache"]["method"] == "full"
+        assert (resp.usage.prompt_tokens_details.cached_tokens > 0) == (turn > 0)
+        messages += [
+            {"role": "assistant", "content": resp.choices[0].message.content},
+            {"role": "user", "content": f"Turn {turn + 2}: the pass key again?"},
+        ]
+
+
 @pytest.mark.parametrize(
     "key", ["k" * 257, 42, ["a"], {"a": 1}], ids=["too-long", "int", "list", "object"]
 )
