@@ -150,7 +150,7 @@ def test_a_prompt_that_differs_from_what_was_generated_is_a_counted_miss(worker,
 def test_a_named_conversation_continues_only_caches_kept_under_its_name(worker, loaded):
     """``cache_name`` (``prompt_cache_key``) is part of what a kept cache must match: the
     same prefix under another name, or under none, is a fresh prefill."""
-    config = CacheConfig(method="qfilters", budget=1024, recent=16)
+    config = CacheConfig(method="qfilters", budget=1000, recent=12)  # no other test's settings
     vocab = {loaded.tokenizer.decode([i]): i for i in range(len(loaded.tokenizer.vocab))}
     prompt = loaded.tokenizer.encode("a named conversation: the pass key is 7305")
 
