@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -80,10 +81,13 @@ def test_the_config_is_written_for_any_number_of_replicas(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory) -> Iterator[tuple[str, dict[str, str]]]:
-    """(the balancer's URL, replica name -> that replica's own URL)."""
+def deployment(tmp_path_factory) -> Iterator[tuple[str, dict[str, testing.ServerProcess]]]:
+    """(the balancer's URL, replica name -> that replica's server)."""
     logs = tmp_path_factory.mktemp("replicas")
-    replicas = [testing.launch("qfserve", MODEL, log=logs / f"replica-{i}.log") for i in (1, 2)]
+    replicas = [
+        testing.launch("qfserve", MODEL, "--drain-timeout", "2", log=logs / f"replica-{i}.log")
+        for i in (1, 2)
+    ]
     balancer = None
     try:
         for server in replicas:
@@ -106,7 +110,7 @@ def deployment(tmp_path_factory) -> Iterator[tuple[str, dict[str, str]]]:
             time.sleep(0.1)
         else:
             pytest.fail(f"haproxy did not answer:\n{(logs / 'haproxy.log').read_text()}")
-        yield url, {f"replica-{i}": s.url for i, s in enumerate(replicas, 1)}
+        yield url, {f"replica-{i}": s for i, s in enumerate(replicas, 1)}
     finally:
         if balancer is not None:
             balancer.terminate()
@@ -127,11 +131,11 @@ def chat(url: str, messages: list[dict], **extra) -> tuple[str, str, int]:
     return resp.choices[0].message.content or "", raw.headers["x-replica"], details.cached_tokens
 
 
-def hits(replicas: dict[str, str]) -> dict[str, int]:
+def hits(replicas: dict[str, testing.ServerProcess]) -> dict[str, int]:
     """Each replica's own count of requests that continued a kept cache."""
     return {
-        name: httpx.get(f"{url}/admin/cache", timeout=10).json()["prompt_cache"]["hits"]
-        for name, url in replicas.items()
+        name: httpx.get(f"{s.url}/admin/cache", timeout=10).json()["prompt_cache"]["hits"]
+        for name, s in replicas.items()
     }
 
 
@@ -171,3 +175,30 @@ def test_user_is_the_fallback_and_no_key_is_round_robin(deployment):
     # Neither (an empty key counts as none): round robin.
     anonymous = [chat(url, ask, **extra)[1] for extra in ({}, {"prompt_cache_key": ""}, {}, {})]
     assert set(anonymous) == set(replicas), anonymous
+
+
+def test_a_replica_that_stops_hands_its_conversations_to_the_other(deployment):
+    """Last in this file: it stops a replica. Its conversations' next turns are answered by
+    the other (a fresh prefill there), at once: a draining replica's 503 or a refused
+    connection is retried on the other before the health checks notice; the other
+    replica's own conversations still continue their caches."""
+    url, replicas = deployment
+    conversations = {
+        f"failover-{c}": [{"role": "user", "content": f"Keep the number {7000 + c}."}]
+        for c in range(CONVERSATIONS)
+    }
+    first = {}
+    for key, messages in conversations.items():
+        answer, first[key], _ = chat(url, messages, prompt_cache_key=key)
+        messages += [
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": "Again?"},
+        ]
+    assert set(first.values()) == set(replicas), first
+    stopped = first["failover-0"]
+    replicas[stopped].process.send_signal(signal.SIGTERM)  # drains, then exits
+    for key, messages in conversations.items():
+        _, replica, cached = chat(url, messages, prompt_cache_key=key)
+        assert replica != stopped, key
+        assert (cached > 0) == (first[key] == replica), (key, first[key], cached)
+    assert replicas[stopped].process.wait(15) == 0
