@@ -36,7 +36,11 @@ CHAT_FATES: dict[str, tuple[Fate, str]] = {
     "parallel_tool_calls": ("no-op", "every call the model writes is returned"),
     "prediction": ("no-op", "a latency hint; the answer is the same without it"),
     "presence_penalty": ("implemented", "mlx-lm's presence penalty"),
-    "prompt_cache_key": ("no-op", "a routing hint"),
+    "prompt_cache_key": (
+        "implemented",
+        "names the conversation: only caches kept under the same key are continued; "
+        "a balancer can hash on it (up to 256 characters)",
+    ),
     "reasoning_effort": ("no-op", "the served models do not reason in hidden tokens"),
     "response_format": ("implemented", "text, json_object, json_schema (llguidance)"),
     "safety_identifier": ("no-op", "nothing is logged per user"),
@@ -89,6 +93,7 @@ EXTENSION_FATES: dict[str, tuple[Fate, str]] = {
     "min_p": ("implemented", "drop tokens below min_p x the top probability; 0 is off"),
     "repetition_penalty": ("implemented", "mlx-lm's repetition penalty over the last 20 tokens"),
     "response_format (completions)": ("implemented", "as for chat"),
+    "prompt_cache_key (completions)": ("implemented", "as for chat"),
     "kv_method": ("implemented", f"qfserve: {', '.join(METHODS)}"),
     "qfilters_budget": ("implemented", "qfserve: KV rows kept per layer and KV head"),
     "qfilters_recent": ("implemented", "qfserve: recent positions never evicted"),

@@ -153,6 +153,7 @@ class GenerationBody(EvictionFields):
                 sampling=sampling,
                 cache=cache,
                 reuse=self.qfilters_reuse is not False,
+                cache_name=self.prompt_cache_key or None,
                 budget_source=budget_source,
                 auto=auto,
                 messages=tuple(m.as_template_input() for m in self.messages),
@@ -165,6 +166,7 @@ class GenerationBody(EvictionFields):
             sampling=sampling,
             cache=cache,
             reuse=self.qfilters_reuse is not False,
+            cache_name=self.prompt_cache_key or None,
             budget_source=budget_source,
             auto=auto,
             prompt=self.single_prompt(),
@@ -208,6 +210,15 @@ LogitBias = dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None
 TopK = Annotated[int, Field(ge=0)]
 MinP = Annotated[float, Field(ge=0.0, le=1.0)]
 RepetitionPenalty = Annotated[float, Field(gt=0.0, le=10.0)]
+PromptCacheKey = Annotated[
+    str | None,
+    Field(
+        max_length=256,
+        description="Names the conversation: the request continues only caches kept under "
+        "the same key, and its own are kept under it. A balancer in front of several "
+        "servers can hash on it. Empty or null: unnamed.",
+    ),
+]
 
 
 class SamplerExtensions(Strict):
@@ -251,6 +262,7 @@ class ChatCompletionRequest(SamplerExtensions, GenerationBody):
     max_tokens: MaxTokens = None
     n: Annotated[int, Field(ge=1)] | None = 1
     presence_penalty: Penalty | None = 0.0
+    prompt_cache_key: PromptCacheKey = None
     response_format: ResponseFormat | None = None
     seed: Seed = None
     stop: Stop = None
@@ -340,6 +352,7 @@ class CompletionRequest(SamplerExtensions, GenerationBody):
     temperature: Temperature | None = 1.0
     top_p: TopP | None = 1.0
     response_format: ResponseFormat | None = None
+    prompt_cache_key: PromptCacheKey = None
 
     @model_validator(mode="after")
     def _one_prompt(self) -> CompletionRequest:

@@ -147,6 +147,67 @@ def test_a_prompt_that_differs_from_what_was_generated_is_a_counted_miss(worker,
     assert all("prompt" not in e for e in entries)  # counts and settings only
 
 
+def test_a_named_conversation_continues_only_caches_kept_under_its_name(worker, loaded):
+    """``cache_name`` (``prompt_cache_key``) is part of what a kept cache must match: the
+    same prefix under another name, or under none, is a fresh prefill."""
+    config = CacheConfig(method="qfilters", budget=1000, recent=12)  # no other test's settings
+    vocab = {loaded.tokenizer.decode([i]): i for i in range(len(loaded.tokenizer.vocab))}
+    prompt = loaded.tokenizer.encode("a named conversation: the pass key is 7305")
+
+    def named(tokens: list[int], name: str | None) -> GenerationRequest:
+        return replace(request(tokens, config), cache_name=name)
+
+    pieces, one = ask(worker, named(prompt, "alice"))
+    turn2 = [*prompt, *(vocab[p] for p in pieces), *user_part(loaded, 0)]
+    assert ask(worker, named(turn2, "bob"))[1].cached_tokens == 0
+    assert ask(worker, named(turn2, None))[1].cached_tokens == 0
+    _, two = ask(worker, named(turn2, "alice"))
+    assert two.cached_tokens == one.prompt_tokens + one.completion_tokens
+
+
+def test_a_full_caches_key_is_its_method_whatever_its_budget():
+    """An ``auto`` budget resolves to ``full`` with a budget of each turn's own length: a
+    later turn must still continue the last one's full cache."""
+    from qfserve.engine.reuse.kept import cache_key
+
+    def key(config: CacheConfig, name: str | None = None) -> tuple:
+        return cache_key("m", config, "calibrated", name)
+
+    turn1, turn2 = CacheConfig(method="full", budget=38), CacheConfig(method="full", budget=61)
+    assert key(turn1) == key(turn2) != key(turn2, "alice")
+    evicting = CacheConfig(method="qfilters", budget=38)
+    assert key(evicting) != key(replace(evicting, budget=61))
+
+
+def test_saved_entries_keep_their_name_and_old_files_read_as_unnamed(loaded, tmp_path):
+    import json
+
+    import mlx.core as mx
+
+    from qfserve.engine.reuse import disk as persist
+    from qfserve.engine.reuse.kept import cache_key
+
+    config = CacheConfig(method="knorm", budget=64, recent=8)
+
+    def fresh(cfg: CacheConfig) -> list:
+        return make_caches(loaded.model, cfg)
+
+    caches = fresh(config)
+    tokens = loaded.tokenizer.encode("kept under a name")
+    loaded.model(mx.array(tokens)[None], cache=caches)
+    mx.eval([c.state for c in caches])
+    key = cache_key("tiny", config, "none", "alice")
+    path = persist.save(tmp_path, key, tokens, caches, "fp")
+    assert persist.load(path, "fp", fresh)[0] == key
+    # A file written before keys named their conversation (format 1: no name in the key).
+    arrays, meta = mx.load(str(path), return_metadata=True)
+    header = json.loads(meta["qfserve"])
+    header.update(format=1, key=header["key"][:-1])
+    old = tmp_path / ("1" * 20 + persist.SUFFIX)
+    mx.save_safetensors(str(old), arrays, {"qfserve": json.dumps(header)})
+    assert persist.load(old, "fp", fresh)[0] == cache_key("tiny", config, "none")
+
+
 @pytest.mark.parametrize("method", ["qfilters", "kvzip"])
 def test_saved_caches_survive_a_restart(loaded, tmp_path, caplog, method):
     from qfserve.engine.reuse import disk as persist

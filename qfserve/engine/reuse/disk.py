@@ -5,10 +5,11 @@ arrays and rebuild caches by class name from its own module, so an eviction cach
 through them: its settings (``meta_state``) and its scorer are not in ``state``, and its class
 is not mlx-lm's. A file here holds the same per-layer ``state`` arrays (plus what a scorer
 learned from its request: the fallback's frozen direction, a self-calibrated filter), and a JSON header with the entry's key (model, settings, filter
-source), its tokens, the model's weights fingerprint and each layer's class and
+source, conversation name), its tokens, the model's weights fingerprint and each layer's class and
 ``meta_state``. Loading builds fresh caches for those settings with the server's own filters
 (``make_caches``), then restores each layer's state into them; a file for other weights, of
-another format or that does not restore is skipped, and the log names it.
+another format or that does not restore is skipped, and the log names it. Files of format 1
+(before keys named their conversation) are read as unnamed entries.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from qfserve.engine.kv.selfcal import SelfCalibratingScorer
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2
 SUFFIX = ".qfcache.safetensors"
 
 
@@ -42,7 +43,7 @@ def entry_name(key: tuple[Any, ...], tokens: list[int]) -> str:
 def settings_of(key: tuple[Any, ...]) -> CacheConfig:
     """The cache settings a key was made from (:func:`qfserve.engine.reuse.kept.cache_key`)."""
     names = list(CacheConfig.__dataclass_fields__)
-    return CacheConfig(**dict(zip(names, key[1:-1], strict=True)))
+    return CacheConfig(**dict(zip(names, key[1:-2], strict=True)))
 
 
 def save(
@@ -91,11 +92,11 @@ def load(
     loaded = mx.load(str(path), return_metadata=True)
     arrays, meta = cast("tuple[dict[str, mx.array], dict[str, str]]", loaded)
     header = json.loads(meta["qfserve"])
-    if header.get("format") != FORMAT:
+    if header.get("format") not in (1, FORMAT):
         raise ValueError(f"format {header.get('format')!r}, expected {FORMAT}")
     if header["fingerprint"] != fingerprint:
         raise ValueError("saved for other weights (the model's fingerprint differs)")
-    key = tuple(header["key"])
+    key = tuple(header["key"]) + ((None,) if header["format"] == 1 else ())
     caches = fresh(settings_of(key))
     if len(caches) != len(header["layers"]):
         raise ValueError(f"{len(header['layers'])} layers saved, the model has {len(caches)}")

@@ -7,7 +7,9 @@ does the bookkeeping (a trie over token ids per key, nearest-prefix lookup, LRU 
 bytes, trimming of caches that can be trimmed); this module adds what it does not know:
 
 - The key: the model, every eviction setting and the filters' identity, so a request only
-  ever continues a cache built exactly as its own would be.
+  ever continues a cache built exactly as its own would be (a full cache: its method only);
+  and the conversation's name (``prompt_cache_key``), so a named conversation only
+  continues its own caches.
 - Evicting caches: one that has dropped rows cannot be trimmed, so it is reused only when
   its whole token list is a prefix of the new prompt, with at least one token left to feed.
   A reused cache has already evicted: the new turn attends to the compressed history, not
@@ -31,10 +33,16 @@ from qfserve.engine.kv.config import CacheConfig
 logger = logging.getLogger(__name__)
 
 
-def cache_key(model: str, config: CacheConfig, filter_source: str) -> tuple[Any, ...]:
-    """What must be equal for a cache to be continued: model, settings, filters."""
+def cache_key(
+    model: str, config: CacheConfig, filter_source: str, name: str | None = None
+) -> tuple[Any, ...]:
+    """What must be equal for a cache to be continued: model, settings, filters and the
+    conversation's name (``None``: unnamed). A full cache holds every row whatever its budget
+    says (an ``auto`` budget sizes it to each turn's prompt), so only its method counts."""
+    if config.method == "full":
+        config = CacheConfig(method="full")
     source = filter_source if config.method == "qfilters" else "none"
-    return (model, *astuple(config), source)
+    return (model, *astuple(config), source, name)
 
 
 class PromptCache:
@@ -205,5 +213,6 @@ class KeptCaches:
 
 
 def _settings(key: tuple[Any, ...]) -> dict[str, Any]:
+    # The conversation's name (key[-1]) is the client's; the admin view shows settings only.
     names = [f for f in CacheConfig.__dataclass_fields__]
-    return {**dict(zip(names, key[1:-1], strict=True)), "filter_source": key[-1]}
+    return {**dict(zip(names, key[1:-2], strict=True)), "filter_source": key[-2]}

@@ -20,6 +20,7 @@ from qfserve.engine.serving.jobs import Admission, Job
 
 if TYPE_CHECKING:
     from qfserve.engine.serving.config import EngineConfig
+    from qfserve.engine.text.requests import GenerationRequest
 
 DEFAULT_KV_SHARE = 0.25  # of physical memory, when --max-kv-bytes is not given
 # The smallest budget an auto request is evicted to, memory allowing: on SmolLM2 the
@@ -177,7 +178,7 @@ def prepare(
     loaded: Any,
     caches_for: Callable[[CacheConfig], list[Any]],
     fetch: Callable[[tuple[Any, ...], list[int]], tuple[list[Any] | None, int]] | None,
-    key_for: Callable[[CacheConfig], tuple[Any, ...]],
+    key_for: Callable[[GenerationRequest], tuple[Any, ...]],
     max_kv_bytes: int,
     config: EngineConfig,
 ) -> Admission:
@@ -206,7 +207,7 @@ def prepare(
             caches_for(request.cache)
         request = job.request = dataclasses.replace(request, cache=cache, auto=None)
         job.record.configure(cache)
-    caches, cached = fetch(key_for(request.cache), prompt) if fetch is not None else (None, 0)
+    caches, cached = fetch(key_for(request), prompt) if fetch is not None else (None, 0)
     if caches is None:
         caches = caches_for(request.cache)
     need, param = kv_need(loaded, request.cache, len(prompt), max_tokens)

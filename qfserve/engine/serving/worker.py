@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from qfserve.engine.filters.model import ModelFilters
-from qfserve.engine.kv.config import CacheConfig, ConfigError
+from qfserve.engine.kv.config import ConfigError
 from qfserve.engine.models.loading import LoadedModel, load_model, served_as
 from qfserve.engine.serving.admission import hold_need, prepare
 from qfserve.engine.serving.config import EngineConfig
@@ -363,11 +363,13 @@ class Worker:
             self._finish(job.record, "error")
             return None
 
-    def _cache_key(self, config: CacheConfig) -> tuple[Any, ...]:
+    def _cache_key(self, request: GenerationRequest) -> tuple[Any, ...]:
+        """What a kept cache must match for ``request`` to continue it (its settings and
+        conversation name; :func:`qfserve.engine.reuse.kept.cache_key`)."""
         from qfserve.engine.reuse.kept import cache_key
 
         assert self.loaded is not None
-        return cache_key(self.loaded.name, config, self.filter_source)
+        return cache_key(self.loaded.name, request.cache, self.filter_source, request.cache_name)
 
     def _keep(self, request_id: str, turn: KeptTurn) -> None:
         """A request ended normally: its caches stay for the next turn to continue (a
@@ -376,9 +378,7 @@ class Worker:
             return
         try:
             room = self.max_kv_bytes - self.ledger.reserved()
-            self.prompt_cache.keep(
-                self._cache_key(turn.request.cache), turn.tokens, turn.caches, room
-            )
+            self.prompt_cache.keep(self._cache_key(turn.request), turn.tokens, turn.caches, room)
         except Exception as exc:  # noqa: BLE001 - a cache not kept must not stop the worker
             logger.warning("request %s: its cache was not kept: %s", request_id, exc)
 

@@ -68,6 +68,9 @@ class GenerationRequest:
         tools: OpenAI ``tools`` entries rendered through the chat template (chat only).
         reuse: Continue a finished request's caches when they hold a prefix of the prompt
             (:mod:`qfserve.engine.reuse.kept`), and keep this one's for the next turn.
+        cache_name: The conversation's name (OpenAI's ``prompt_cache_key``): the request
+            continues only caches kept under the same name, and its own are kept under it;
+            ``None`` continues and keeps unnamed ones.
         budget_source: Where ``cache.budget`` comes from: the request, the server's
             ``--budget``, or ``auto`` (memory).
         auto: Set while an ``auto`` budget waits to be resolved from the prompt's length
@@ -82,6 +85,7 @@ class GenerationRequest:
     constraint: JSONConstraint | ToolCallConstraint | None = None
     tools: tuple[dict[str, Any], ...] = ()
     reuse: bool = True
+    cache_name: str | None = None
     budget_source: BudgetSource = "server"
     auto: AutoBudget | None = None
 
