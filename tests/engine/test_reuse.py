@@ -394,3 +394,25 @@ def test_an_entrys_hits_follow_its_conversation_when_a_later_turn_replaces_it():
         store.insert(key, tokens, caches(len(tokens)))
     (entry,) = store.entries()
     assert entry["hits"] == store.hits == 3
+
+
+def test_a_full_cache_is_saved_and_read_back(loaded, tmp_path):
+    """mlx-lm's KVCache.state ends with an integer offset: it travels in the file's header."""
+    import mlx.core as mx
+    import numpy as np
+
+    from qfserve.engine.reuse import disk as persist
+    from qfserve.engine.reuse.kept import cache_key
+
+    config = CacheConfig(method="full")
+    caches = make_caches(loaded.model, config)
+    tokens = loaded.tokenizer.encode(OPENING)
+    loaded.model(mx.array([tokens]), cache=caches)
+    key = cache_key(loaded.name, config, "none")
+    path = persist.save(tmp_path, key, tokens, caches, "fp")
+    read_key, read_tokens, back = persist.load(path, "fp", lambda c: make_caches(loaded.model, c))
+    assert read_key == key and read_tokens == tokens
+    for a, b in zip(caches, back, strict=True):
+        assert b.offset == a.offset == len(tokens)
+        np.testing.assert_array_equal(np.array(b.state[0]), np.array(a.state[0]))
+        np.testing.assert_array_equal(np.array(b.state[1]), np.array(a.state[1]))

@@ -54,7 +54,9 @@ def save(
     layers = []
     for i, cache in enumerate(caches):
         state = tuple(cache.state)
-        arrays.update({f"{i}.{j}": a for j, a in enumerate(state)})
+        # mlx-lm's KVCache.state ends with its integer offset: numbers go in the header.
+        arrays.update({f"{i}.{j}": a for j, a in enumerate(state) if isinstance(a, mx.array)})
+        numbers = {str(j): a for j, a in enumerate(state) if not isinstance(a, mx.array)}
         scorer = getattr(cache, "scorer", None)
         arrays.update({f"{i}.{name}": a for name, a in _learned(scorer).items()})
         meta = getattr(cache, "meta_state", None)
@@ -62,6 +64,7 @@ def save(
             {
                 "class": type(cache).__name__,
                 "n_state": len(state),
+                "numbers": numbers,
                 "meta_state": None if meta is None else list(meta),
                 "source": getattr(scorer, "source", None),
             }
@@ -103,7 +106,11 @@ def load(
     for i, (cache, layer) in enumerate(zip(caches, header["layers"], strict=True)):
         if type(cache).__name__ != layer["class"]:
             raise ValueError(f"layer {i} was a {layer['class']}, now {type(cache).__name__}")
-        cache.state = tuple(arrays[f"{i}.{j}"] for j in range(layer["n_state"]))
+        numbers = layer.get("numbers", {})
+        cache.state = tuple(
+            numbers[str(j)] if str(j) in numbers else arrays[f"{i}.{j}"]
+            for j in range(layer["n_state"])
+        )
         if layer["meta_state"] is not None:
             cache.meta_state = tuple(layer["meta_state"])
         for name in ("direction", "filters"):
