@@ -10,10 +10,7 @@ oracle for the kernel, and it equals ``qfserve.engine.kv.evict.select_keep`` + `
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import mlx.core as mx
-import numpy as np
 
 from qfserve.kernels.backend import check_kernel_budget, kernel, resolve_kernel_mode
 from qfserve.kernels.sources import APPLY, DEFAULT_THREADS, MAX_BUDGET
@@ -21,15 +18,13 @@ from qfserve.kernels.sources import APPLY, DEFAULT_THREADS, MAX_BUDGET
 _INF = float("inf")
 
 
-@lru_cache(maxsize=64)
 def protected_rows(L: int, n_sink: int, recent: int) -> mx.array:
-    """``(L,)`` bool, True on the first ``n_sink`` and the last ``recent`` rows (built once).
+    """``(L,)`` bool, True on the first ``n_sink`` and the last ``recent`` rows.
 
-    Built from numpy, so the cached array holds its data: a lazy one would belong to the
-    stream of the thread that first asked for it, and evaluating it on another thread (the
-    model's) fails with "There is no Stream(cpu, 0) in current thread"."""
-    rows = np.arange(L)
-    return mx.array((rows < n_sink) | (rows >= L - recent))
+    Built in the graph each time (three small ops): a cache of them keyed by ``L`` kept one
+    array per prompt length seen, memory the server never gave back."""
+    rows = mx.arange(L)
+    return (rows < n_sink) | (rows >= L - recent)
 
 
 def rank_scores(scores: mx.array, n_sink: int, recent: int) -> mx.array:

@@ -1,4 +1,4 @@
-"""The model runs on its own thread: what the kernels cache must evaluate there too."""
+"""The model runs on its own thread: the kernels' helpers must evaluate there too."""
 
 from __future__ import annotations
 
@@ -7,15 +7,15 @@ import threading
 import mlx.core as mx
 import numpy as np
 
-from qfserve.kernels.qfilters_apply import protected_rows, rank_scores
+from qfserve.kernels.qfilters_apply import rank_scores
 
 
-def test_a_mask_cached_on_one_thread_evaluates_on_another():
-    # A lazy cached mask belongs to the stream of the thread that built it; evaluated on the
-    # model's thread it failed with "There is no Stream(cpu, 0) in current thread".
-    protected_rows.cache_clear()
+def test_ranks_built_on_one_thread_evaluate_on_another():
+    # A lazy array belongs to the stream of the thread that built it: a mask cached on one
+    # thread and evaluated on the model's failed with "There is no Stream(cpu, 0) in current
+    # thread". Masks are now built in the graph of the call that uses them.
     scores = mx.array(np.random.default_rng(0).standard_normal((1, 2, 37)).astype(np.float32))
-    rank_scores(scores, 3, 5)  # builds and caches the mask here, never evaluated here
+    rank_scores(scores, 3, 5)  # built here, never evaluated here
     out: dict[str, object] = {}
 
     def model_thread() -> None:
