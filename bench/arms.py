@@ -1,23 +1,9 @@
 """The caches a study compares, and what it feeds them.
 
-An *arm* (:class:`Arm`) is an eviction method plus a recent window given as a fraction of the
-budget, so one definition spans every budget. Budgets count every stored row (sinks and recent
-rows included), the same for every arm, and :func:`check_budget` checks each keeps exactly it.
-The key-SVD fallback freezes its direction after ``min(budget, 128)`` keys, so it never holds
-more rows than the others while warming up. The speed studies' arms are simpler: ``"full"`` or
-a Q-Filters budget with the server's defaults (:func:`caches_for`).
-
-Calibrated Q-Filters (:func:`filters_for`) are the registry's artifact or a fresh calibration
-on training-split standard-library files (:func:`training.data.split_of`), never the
-evaluation split the studies measure on; the train files are shuffled with the seed and dealt
-into two disjoint texts, ``A`` (even positions, the default) and ``B`` (odd), which the
-stability study compares. Captured queries are cached in a temp folder keyed by the weights,
-text and settings, so the studies calibrate once.
-
-Teacher-forced log-likelihood (:func:`streaming_nll`) feeds sequences through an arm's real
-caches one token per step, the way decoding does: each token is predicted from what the cache
-kept of everything before it. The first ``prefill`` tokens go in as one block, which stores
-exactly what token-by-token feeding would (:func:`prefill_length`).
+An arm (:class:`Arm`) is a method plus a recent window as a fraction of the budget; budgets
+count every stored row and :func:`check_budget` checks each arm keeps exactly it. Calibrated
+filters come from the registry or from training-split text (:func:`filters_for`), never the
+evaluation split; :func:`streaming_nll` feeds an arm's real caches one token per step.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
-"""Render ``bench/results/<model>/*.json`` into ``bench/RESULTS.md``, and the headline table of
+"""Render ``bench/results/<model>/*.json`` into ``bench/RESULTS.md`` and the headline table of
 ``README.md`` between its markers: every figure on either page comes from those files.
 
-The page opens with the goals on the default model (:mod:`bench.goals`); then each results
-folder (:data:`MODELS`: SmolLM2-135M-Instruct first, then its subfolders of refinements, then
-the bundled test model's results, labelled as such) gets a quality and a speed section. A
-section opens with its headline lines, then each registered study (:mod:`bench.studies`) whose
-JSON is there, rendered by its module's ``render``; a study that has not run is listed (not an
-error). The markdown building blocks the studies' renderers share are here too.
-
-Run: ``python -m bench.report`` (after the studies).
+The page opens with the goals (:mod:`bench.goals`); then each results folder of
+:data:`MODELS` gets a quality and a speed section: headlines, then each registered study's
+``render``. Run: ``python -m bench.report``.
 """
 
 from __future__ import annotations
@@ -214,7 +209,8 @@ def table(headers: list[str], rows: list[list[Any]]) -> list[str]:
     return out
 
 
-def quality_header(title: str, data: dict[str, Any]) -> list[str]:
+def quality_header(title: str, data: dict[str, Any], intro: str = "") -> list[str]:
+    """A quality study's heading: its run, model and filters, then ``intro``."""
     model = data["model"]
     cal = data.get("calibration") or {}
     lines = [
@@ -232,10 +228,11 @@ def quality_header(title: str, data: dict[str, Any]) -> list[str]:
         )
     if data.get("quick"):
         lines += ["", "**Quick (smoke-test) run: sizes too small to read anything into.**"]
-    return lines
+    return [*lines, "", intro, ""] if intro else lines
 
 
-def speed_header(title: str, data: dict[str, Any]) -> list[str]:
+def speed_header(title: str, data: dict[str, Any], intro: str = "") -> list[str]:
+    """A speed study's heading: its run and machine, then ``intro``."""
     m = data["machine"]
     notes = m.get("notes", "")
     lines = [
@@ -249,7 +246,7 @@ def speed_header(title: str, data: dict[str, Any]) -> list[str]:
         lines += ["", f"*Machine note: {notes}.*"]
     if data.get("quick"):
         lines += ["", "*Quick (CI-sized) run: not a measurement.*"]
-    return [*lines, ""]
+    return [*lines, "", intro, ""] if intro else [*lines, ""]
 
 
 def plots(data: dict[str, Any]) -> list[str]:

@@ -1,18 +1,8 @@
 """One decode step of a batch: our per-request caches against mlx-lm's batch cache.
 
-In process, no server: ``B`` requests' Q-Filters caches (each prefilled alone with its own
-prompt, then evicting at ``--budget``) stepped together through
-:class:`qfserve.engine.serving.batch.BatchCache`, against mlx-lm's ``BatchKVCache`` merged from plain
-caches holding the same number of rows. Per batch size: the model step's time (forward pass
-and cache work), and the cache updates alone (one ``update_and_fetch`` per layer). Arms are
-interleaved per round; ``ours_again`` is the A/A copy, and ``ours_chunked`` the same caches
-with chunk-level selection (``--chunk`` positions), so its ratio to ``ours`` is what chunks
-add to the batched step. What it isolates: the cost of keeping eviction per request inside a
-batch, apart from prefill scheduling and serving.
-
-Run: ``python -m bench batch-step [--quick] [--model M] [--batches 1 4 8 16]
-[--chunk 8]``.
-Writes ``bench/results/<model>/batch_step.json`` and ``batch_step.png``.
+``B`` prompts' Q-Filters caches in a :class:`~qfserve.engine.serving.batch.BatchCache` (also
+chunked) against mlx-lm's ``BatchKVCache`` of the same rows: the model step and the cache
+updates alone, interleaved (``ours_again`` = A/A).
 """
 
 from __future__ import annotations
@@ -70,7 +60,7 @@ def build(sm, B: int, prompt: int, budget: int, chunk: int):
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__.splitlines()[0], reps=7)
+    p = parser(__doc__, reps=7)
     p.add_argument("--batches", type=int, nargs="+", default=None, help="(default 1 4 8 16)")
     p.add_argument("--prompt", type=int, default=None, help="tokens per prompt (default 512)")
     p.add_argument("--budget", type=int, default=None, help="(default 256)")

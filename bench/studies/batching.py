@@ -1,22 +1,9 @@
 """Continuous batching: aggregate decode tokens/s and TTFT under 1-16 concurrent streams.
 
-Three servers on the same model folder, as subprocesses on 127.0.0.1 (OpenBLAS preloaded
-for all): qfserve batching (``--max-batch 16``), qfserve one request at a time
-(``--max-batch 1``, the serving loop before batching) and ``mlx_lm.server`` with its own
-batching. Each burst sends ``c`` streamed chat requests of one prompt length at once (for
-qfserve, methods and budgets mixed: Q-Filters 512, full, K-norm 256, streaming 256;
-temperature 0, EOS banned so each makes exactly ``max_tokens``; a unique prefix defeats
-mlx-lm's prompt cache). Per burst: aggregate decode tokens/s (completion tokens after each
-stream's first, over the span from the first stream's first token to the last stream's end,
-so prompts read in that span count against it), steady decode tokens/s (text chunks of all
-streams while every stream is decoding: from the last first token to the first last one),
-end-to-end tokens/s (all completion tokens over the burst's wall time, prefill included), and
-every stream's TTFT (p50, p99). Arms are interleaved per round; ratios are to qfserve
-one-at-a-time, and ``batched_b`` (the batching server again) is the A/A row.
-
-Run: ``python -m bench batching [--quick] [--model M] [--reps 1] [--streams 1 4 8 16]
-[--prompts 256 2048]``.
-Writes ``bench/results/<model>/batching.json`` and ``batching.png``.
+qfserve batching (``--max-batch 16``), qfserve one at a time (``--max-batch 1``) and
+``mlx_lm.server``, each sent bursts of ``c`` streamed requests (ours mixing methods and
+budgets; EOS banned). Aggregate tok/s spans the first first token to the last end; steady
+tok/s only the span where every stream decodes. Ratios to one-at-a-time; ``batched_b`` = A/A.
 """
 
 from __future__ import annotations
@@ -104,7 +91,7 @@ def plot(result, out) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__.splitlines()[0], reps=1)
+    p = parser(__doc__, reps=1)
     p.add_argument("--max-tokens", type=int, default=None, help="(default 64; quick 8)")
     p.add_argument("--streams", type=int, nargs="+", default=None, help="(default 1 4 8 16)")
     p.add_argument("--prompts", type=int, nargs="+", default=None, help="(default 256 2048)")

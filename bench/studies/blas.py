@@ -1,12 +1,7 @@
-"""The BLAS from PyPI against the system's: the same server, the same prompts, side by side.
+"""OpenBLAS from PyPI against the system's, side by side.
 
-Three ``qfserve`` servers on the same model, each preloading a different OpenBLAS through
-``QFSERVE_BLAS``: ``pip_a`` (the ``ngsolve-openblas`` wheel the install brings), ``system``
-(Debian's ``libopenblas0-pthread``) and ``pip_b`` (the wheel again: the A/A pair). Each round
-sends every arm one streamed chat request (greedy, EOS banned, a unique prefix) in turn; TTFT
-measures prefill, the tokens after it decode. Ratios are to ``system``, round by round.
-
-Run: ``python -m bench blas [--quick] [--reps 5] [--prompt 1024] [--max-tokens 64]``.
+Three servers (``QFSERVE_BLAS`` pip, system, pip again: the A/A pair) get the same streamed
+chat requests, interleaved; prefill and decode throughput as ratios to the system's.
 """
 
 from __future__ import annotations
@@ -45,7 +40,7 @@ def missing() -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__.splitlines()[0], reps=5)
+    p = parser(__doc__, reps=5)
     p.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 1024)")
     p.add_argument("--max-tokens", type=int, default=None, help="(default 64; quick 8)")
     args = parse(p, argv)

@@ -1,17 +1,8 @@
 """KVzip's cost: a prompt prefilled and reconstructed, against a plain prefill, then decode.
 
-In process, no server. A ``--prompt``-token prompt (standard-library text) is prefilled in
-512-token chunks, as the server does. Arms, interleaved per round: ``qfilters`` (calibrated
-Q-Filters at ``--budget``, evicting as it reads: the cheap mode), ``kvzip`` (the prompt kept
-whole, then :mod:`qfserve.engine.kv.kvzip`'s reconstruction pass, 512 tokens a forward pass, and the
-eviction to ``--budget``), ``full`` (the plain prefill the goal is measured against) and
-``full_again`` (its A/A copy). Prefill ratios are to ``full``; the goal is kvzip within 2.5x.
-Then the decode step at budget: ``--steps`` steps of each evicting arm's caches after its
-prefill (ms/step, interleaved, ratio to ``qfilters``: the same O(budget) single-row step).
-Peak memory is MLX's, reset before each arm's prefill.
-
-Run: ``python -m bench kvzip-cost [--quick] [--reps 3] [--prompt 2048] [--budget 256]``.
-Writes ``bench/results/<model>/kvzip_cost.json`` and ``kvzip_cost.png``.
+In process, 512-token prefill chunks. Arms interleaved: ``full`` (the reference),
+``qfilters`` (evicting as it reads), ``kvzip`` (kept whole, then the reconstruction pass and
+the eviction) and ``full_again`` (A/A); then the decode step at budget, kvzip over qfilters.
 """
 
 from __future__ import annotations
@@ -44,7 +35,7 @@ ARMS = ("full", "qfilters", "kvzip", "full_again")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__.splitlines()[0], reps=3)
+    p = parser(__doc__, reps=3)
     p.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 2048)")
     p.add_argument("--budget", type=int, default=None, help="(default 256)")
     p.add_argument("--steps", type=int, default=None, help="decode steps timed (default 32)")

@@ -1,23 +1,9 @@
 """KVzip against NVIDIA kvpress's ``KVzipPress`` on the same model and the same token ids.
 
-Documents are needle-in-prose chats (:func:`chat_docs`): a user turn holding standard-library
-prose with one sentence "The special magic number for <city> is <7 digits>." at a random
-depth, split as kvpress splits a request: the *context* (the chat template's opening and the
-prose) is compressed, then the *question* (the question, the template's assistant opening
-and "The special magic number for <city> is") is appended uncompressed and the answer decoded
-greedily. An arm is right when the first number it says is the needle's.
-
-Ours: :mod:`qfserve.engine.kv.kvzip` on the context (rows shared across layers, our default; across
-each layer's heads; per head), with no recent window, as kvpress keeps none; the question and answer then stay whole, as in kvpress.
-Theirs: ``bench/reference/kvpress_kvzip.py`` run by a Python that has torch, transformers and
-kvpress (``--kvpress-python``; they are no dependency of qfserve), on the same GGUF through
-transformers' ``gguf_file=``, fed the same ids. Reported per ratio: accuracy of each, and the
-overlap of the rows each keeps per (layer, KV head): the share of kvpress's kept context rows
-that ours keeps too, and the Jaccard index.
-
-Run: ``python -m bench kvzip-parity --kvpress-python /path/to/venv/bin/python
-[--docs 20] [--ratios 2 4 8]``; ``<out>/kvzip_parity/`` holds the documents, kvpress's raw
-records (resumed), ours, and the JSON and plot.
+Needle-in-prose chats split as kvpress splits them: the context compressed, then the question
+appended whole and the answer decoded greedily. kvpress runs in its own Python
+(``--kvpress-python``, ``bench/reference/kvpress_kvzip.py``); reported per ratio: accuracy and
+the overlap of the rows each keeps per (layer, KV head).
 """
 
 from __future__ import annotations
@@ -142,7 +128,7 @@ def run_kvpress(
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__.splitlines()[0], calibration=True)
+    p = parser(__doc__, calibration=True)
     p.add_argument("--kvpress-python", required=True, help="a Python with torch and kvpress")
     p.add_argument("--docs", type=int, default=None, help="documents (default 20; quick 2)")
     p.add_argument("--length", type=int, default=1200, help="context tokens per document")

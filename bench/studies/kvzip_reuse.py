@@ -1,23 +1,9 @@
 """Five questions on one document in five later turns, through the server's own prompt cache.
 
-A document of English prose holds five sentences "The special magic number for <city> is
-<7 digits>." at different depths. Turn 0 sends the document and asks for a one-sentence
-summary; turns 1-5 each ask for one city's number ("Answer: The special magic number for
-<city> is"), every prompt continuing the previous one token for token (the answers included),
-as a chat client sends a conversation. Requests run through :class:`qfserve.engine.serving.worker.Worker`
-with its prompt cache on, so each turn continues the caches the previous turn left: what a
-later question can read is what was kept without knowing it. An answer is right when its
-first number is the city's.
-
-Arms: the full cache, and at each compression (budget = document tokens / ratio, recent window
-budget/4) Q-Filters, SnapKV, streaming and KVzip with rows shared across layers. KVzip
-answers turn 0 on its full cache and is compressed when kept (the server's default where
-memory allows); later turns read the compressed cache plus their own tokens.
-
-Records are appended to ``<out>/kvzip_reuse.jsonl`` per (document, arm, ratio), so a run
-resumes; ``<out>/kvzip_reuse.json`` and the plot are written at the end.
-
-Run: ``python -m bench kvzip-reuse [--quick] [--docs 6] [--length 1500]``.
+Turn 0 sends prose holding five "special magic number" facts and asks for a summary; each
+later turn asks for one fact, continuing the previous prompt token for token, through a
+:class:`~qfserve.engine.serving.worker.Worker` with reuse on: later questions read what was
+kept without knowing them. KVzip answers turn 0 on its full cache and is compressed when kept.
 """
 
 from __future__ import annotations
@@ -124,7 +110,7 @@ async def _ask(worker: Worker, request: GenerationRequest) -> tuple[list[str], F
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__.splitlines()[0])
+    p = parser(__doc__)
     p.add_argument("--docs", type=int, default=None, help="documents (default 6; quick 1)")
     p.add_argument("--length", type=int, default=None, help="document tokens (default 1500)")
     p.add_argument("--ratios", type=int, nargs="+", default=None, help="(default 2 4 8)")

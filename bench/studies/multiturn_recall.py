@@ -1,35 +1,10 @@
-"""A pass key given in turn 1 of a chat, asked again turns later, with and without reuse.
+"""A pass key given in turn 1, asked for turns later, per cache arm.
 
-Each conversation opens with "Remember this pass key: <5 digits>." and then, turn after turn,
-about ``--turn-tokens`` tokens of English prose (:mod:`bench prose`); at the turns in
-``--ask`` the user asks for the pass key, at the others for a one-line summary. The model
-answers greedily (at most ``--max-tokens``, ending where it ends) and each answer joins the
-history, as a chat client would send it. At an ask, two measures: whether the greedy answer
-contains the key, and the key's mean negative log-likelihood as the answer (teacher-forced on
-a copy of the caches, so it does not change the conversation). The second says how close an
-arm is where every arm, the full cache included, answers wrong.
-
-Arms: the full cache (the reference), and Q-Filters, K-norm (recent window budget/4) and
-streaming at each budget. A *reuse* arm holds the whole conversation in one set of caches,
-each turn feeding only the tokens its cache does not hold yet: turn N attends to the history
-as it was compressed turn by turn. That is what the server's prompt cache does
-(``tests/engine/test_reuse.py`` checks a reused turn against these same caches fed by hand);
-it runs here in process so the key's likelihood can be read. A turn whose prompt does not
-start with the tokens the caches hold (an answer that re-tokenises differently) is a counted
-miss and prefills the whole history afresh, as the server would. Its *fresh* sibling asks the
-same question on the same text without reuse: at each ask turn it prefills the reuse arm's
-transcript up to that turn in one go (the history compressed at once). Prompts are read in
-blocks of the server's default ``--prefill-chunk``.
-
-Each arm's conversation is appended to ``<out>/multiturn_recall.jsonl`` as soon as it ends,
-so an interrupted run resumes; ``<out>/multiturn_recall.json`` is written at the end.
-
-Cost: a reuse arm prefills each turn's new tokens once; a fresh arm prefills the history once
-per ask turn. At the default size (20 turns of 150 tokens, asks at 5, 10 and 20, budgets 256
-and 512, three methods) that is about 60k prompt tokens per conversation, roughly 40 minutes
-on one core here.
-
-Run: ``python -m bench multiturn-recall [--quick] [--turns 20] [--ask 5 10 20]``.
+Each user turn adds prose and asks either for the key or for a summary; greedy answers join
+the history. At an ask: whether the answer holds the key, and the key's NLL as the answer
+(teacher-forced on a copy of the caches). A *reuse* arm holds the whole chat in one set of
+caches (as the server's prompt cache does); its *fresh* sibling prefills the reuse arm's
+transcript afresh at each ask turn.
 """
 
 from __future__ import annotations
@@ -188,7 +163,7 @@ def plot(accuracy: dict, key_nll: dict, out: Any) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__.splitlines()[0])
+    p = parser(__doc__)
     p.add_argument("--turns", type=int, default=None, help="(default 20; quick 4)")
     p.add_argument("--ask", type=int, nargs="+", default=None, help="(default 5 10 20)")
     p.add_argument("--budgets", type=int, nargs="+", default=None, help="(default 256 512)")

@@ -1,21 +1,8 @@
-"""Study 6: needle in a haystack in English prose, depth x length, per arm and compression.
+"""A needle sentence in English prose, depth x length, per arm and compression.
 
-The haystack is English prose every machine has offline: paragraphs of the Python standard
-library's docstrings (:func:`bench prose.stdlib_prose`). The needle is one sentence,
-"The special magic number for <city> is <7 digits>.", placed between paragraphs at a
-controlled depth (0 = first, 1 = last before the question); the prompt ends with the question
-and "The special magic number for <city> is", and an arm is right when the first number of
-its greedy continuation is the needle's (exact match).
-
-Every arm keeps ``round(prompt tokens / ratio)`` rows, with a recent window of a quarter of
-the budget (the question must survive). As in the pass-key study, the prompt (but its last
-token) is prefilled once as one block with a full cache and handed to each arm's caches,
-which evict exactly as one block call would.
-
-Results are appended to ``<out>/niah.jsonl`` one document at a time, so an interrupted run
-resumes where it stopped; ``<out>/niah.json`` and the heatmaps are written at the end.
-
-Run: ``python -m bench niah [--quick] [--lengths ...] [--depths ...] [--ratios ...]``.
+The haystack is standard-library docstring prose; the needle "The special magic number for
+<city> is <7 digits>." sits at a controlled depth, and the prompt ends with the question. The
+prompt is prefilled once and handed to each arm's caches, as in the pass-key study.
 """
 
 from __future__ import annotations
@@ -221,7 +208,7 @@ def plot(
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__.splitlines()[0], calibration=True)
+    p = parser(__doc__, calibration=True)
     p.add_argument("--lengths", type=int, nargs="+", default=None, help="prompt tokens")
     p.add_argument("--depths", type=float, nargs="+", default=None, help="needle depths, 0..1")
     p.add_argument("--ratios", type=int, nargs="+", default=None, help="compression ratios")

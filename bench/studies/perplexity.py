@@ -1,27 +1,9 @@
-"""Study 3: perplexity of streaming generation with eviction active, per budget and arm.
+"""Perplexity of streaming generation with eviction active, per budget and arm.
 
-Sequences of ``L`` tokens (default 4 x 2,048) are fed one token per step through each arm's
-real caches (:mod:`bench teacher`), teacher-forced, at budgets 256 / 512 / 1,024 by
-default (those with ``budget <= L/2``). Data sets: ``stdlib`` (evaluation-split standard
-library code windows), ``prose`` (running English prose: standard-library docstring
-paragraphs, :mod:`bench prose`) and ``recall`` (held-out generated recall
-documents). Perplexity is scored on the second half of each sequence, where every budget is
-full and evicting, so budgets are comparable. Arms: full cache, calibrated Q-Filters and
-K-norm with ``recent = budget/4`` (``--methods`` adds the key-SVD fallback in either
-orientation, ``--recent-fracs`` other windows; quick runs all of them at 0 and b/4), and
-streaming (sinks + latest rows, for which a recent window changes nothing).
-
-``gap closed vs streaming`` is ``(nll_streaming - nll_arm) / (nll_streaming - nll_full)`` on
-the pooled mean NLL at the same budget: 100% matches the full cache, 0% is no better than
-keeping the latest rows, negative is worse. It is left out (``None``) where streaming is not
-worse than the full cache by at least 0.002 nats/token: there is no gap to close. Every arm
-is checked to hold exactly ``budget`` rows per layer and KV head at the end and never more
-at any step.
-
-Each (data set, budget, arm) is appended to ``<out>/perplexity.jsonl`` as it finishes, so an
-interrupted run resumes where it stopped.
-
-Run: ``python -m bench perplexity [--quick] [--budgets ...] [--datasets ...]``.
+Sequences are fed one token per step through each arm's real caches, teacher-forced, and
+scored on their second half, where every budget is full and evicting. ``gap closed`` is
+``(nll_streaming - nll_arm) / (nll_streaming - nll_full)`` at the same budget (None where
+streaming is not measurably worse). ``--prompt`` reads the first half in 512-token blocks.
 """
 
 from __future__ import annotations
@@ -229,7 +211,7 @@ def plot(results: dict[str, Any], identity: dict[str, Any], out_dir: Any) -> lis
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__.splitlines()[0], calibration=True)
+    p = parser(__doc__, calibration=True)
     p.add_argument("--length", type=int, default=None, help="tokens per sequence")
     p.add_argument("--sequences", type=int, default=None, help="sequences per data set")
     p.add_argument("--budgets", type=int, nargs="+", default=None)

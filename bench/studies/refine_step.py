@@ -1,23 +1,8 @@
 """The decode step of chunked and head-adaptive Q-Filters against plain ones, same budget.
 
-In process, no server. At each budget ``B`` every arm's caches are prefilled (512-token
-chunks, as the server prefills) with the same ``2B`` tokens, so each decode step evicts one
-row per layer and head (checked: every timed call adds ``steps`` evictions per layer); then
-the arms' steps are timed interleaved, round after round. Arms: plain Q-Filters twice (the
-A/A pair, first and last in each round, so it brackets the others), chunks of ``--chunk``
-positions, adaptive budgets, and both; recent window ``B/4`` and n_sink 4, as the
-refinements' quality studies run them. The head-mask wrapper that adaptive budgets need is
-installed for every arm (a server that has served one adaptive request runs with it), and
-costs a plain cache one attribute look-up per layer.
-
-What it isolates: whether chunk ranks and ragged heads add work to the decode step. Chunked
-caches hold ``B`` rows per head like plain ones. Adaptive caches hold ``B x heads`` rows per
-layer, shared unevenly, stored padded to the longest head; attention then reads the padded
-width, so that arm's step pays for its padding too. The rows each arm stores (``stored_rows``,
-padding included) and keeps (``kept_rows``) are recorded beside its time.
-
-Run: ``python -m bench refine-step [--quick] [--model M] [--budgets 256 512]``.
-Writes ``bench/results/<model>/refine_step.json`` and ``refine_step.png``.
+Every arm is prefilled with ``2B`` tokens so each step evicts one row (checked); plain
+Q-Filters run twice, first and last in each round (A/A). Adaptive caches store padded to the
+longest head, so their step pays for the padding; the rows stored are recorded.
 """
 
 from __future__ import annotations
@@ -93,7 +78,7 @@ def rows_held(caches: list[Any]) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__.splitlines()[0], reps=9)
+    p = parser(__doc__, reps=9)
     p.add_argument("--budgets", type=int, nargs="+", default=None, help="(default 256 512)")
     p.add_argument("--chunk", type=int, default=None, help="chunk size (default 8)")
     p.add_argument("--steps", type=int, default=None, help="decode steps per timing (16)")

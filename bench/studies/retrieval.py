@@ -1,33 +1,10 @@
-"""Study 4: pass-key retrieval against context length, compression and needle depth.
+"""Pass-key retrieval against context length, compression and needle depth.
 
-Held-out pass-key documents (:func:`training.data.passkey_eval_set`: evaluation seeds,
-evaluation-split filler) of 256 .. 2048 tokens, with the needle spread evenly over three
-depth bins (first, middle, last third of the prompt). Each prompt ends at "...The pass key
-is"; the model decodes greedily through :func:`mlx_lm.generate_step` with
-``prompt_cache=make_caches(...)`` and is right when the first number it writes is the key.
-
-An untrained or small model may retrieve nothing even with a full cache, which leaves
-accuracy at 0 for every arm; so each arm also reports ``answer_nll``, the teacher-forced
-negative log-likelihood (nats per token) of the true answer (" " + key digits) given what
-its cache kept: a graded signal that separates arms before accuracy can.
-
-Compression is ``prompt tokens / budget`` at 2x .. 32x, so every arm keeps the same number of
-rows (sinks and recent rows included): full cache, calibrated Q-Filters, key-SVD fallback
-and K-norm with ``recent`` 0 and budget/4, and streaming.
-
-mlx-lm prefills ``prompt[:-1]`` in one block (prompts here are < 2,048 tokens) and the block
-attends to all of itself before the cache evicts. That block's keys and values are the same
-for every arm, so we compute them once per document and hand them to each arm's fresh
-caches through ``update_and_fetch``, which evicts exactly as the block call would; the last
-prompt token and the answer then run through ``generate_step``. The first document is also
-run the direct way for every arm, and the two must agree token for token (recorded as
-``shared_prefill_check``).
-
-Each document's outcomes are appended to ``<out>/retrieval.jsonl`` as soon as they are
-measured, and a rerun with the same arms, ratios and filler skips those documents, so a long
-run that was stopped resumes where it was.
-
-Run: ``python -m bench retrieval [--quick] [--lengths 256 512 1024 2048]``.
+Held-out pass-key documents with the needle spread over three depth bins; each arm keeps
+``prompt tokens / ratio`` rows and decodes greedily (right when the first number is the key),
+and reports the answer's teacher-forced NLL as a graded signal. The prompt block is prefilled
+once and handed to each arm's caches; the first document is also run the direct way and the
+two must agree token for token.
 """
 
 from __future__ import annotations
@@ -222,7 +199,7 @@ def plot_metric(a: Any, res: dict[str, Any], arms: list[Arm], ratios: list[int],
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__.splitlines()[0], calibration=True)
+    p = parser(__doc__, calibration=True)
     p.add_argument("--lengths", type=int, nargs="+", default=None, help="document tokens")
     p.add_argument("--ratios", type=int, nargs="+", default=None, help="compression ratios")
     p.add_argument("--per-bin", type=int, default=None, help="documents per depth bin")

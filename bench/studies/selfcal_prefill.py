@@ -1,16 +1,8 @@
 """Self-calibration's prefill cost: a prompt's own Q-Filters against a plain prefill.
 
-In process, no server. A ``--prompt``-token prompt (default 4,096, standard-library text) is
-prefilled in 512-token chunks, as the server does, into Q-Filters caches at ``--budget``
-(default 512, recent 128), evicting as it goes. Arms, interleaved per round: ``calibrated``
-(the registry's filters, no query taps installed: what a calibrated model runs),
-``self`` (no filters: the query taps of :mod:`qfserve.engine.kv.selfcal` accumulate each head's Gram
-matrix until the first eviction, then the filter is computed), ``fallback`` (no filters,
-the key-SVD estimate) and ``calibrated_again`` (the A/A copy). Ratios are to
-``calibrated``. The goal: ``self`` within 1.10x.
-
-Run: ``python -m bench selfcal-prefill [--quick] [--model M] [--reps 3] [--prompt 4096]``.
-Writes ``bench/results/<model>/selfcal_prefill.json`` and ``selfcal_prefill.png``.
+A prompt prefilled in 512-token chunks into Q-Filters caches, interleaved: ``calibrated`` (no
+query taps), ``self`` (taps accumulate each head's Gram matrix until the first eviction),
+``fallback`` (key-SVD) and ``calibrated_again`` (A/A); ratios to ``calibrated``.
 """
 
 from __future__ import annotations
@@ -40,7 +32,7 @@ ARMS = ("calibrated", "self", "fallback", "calibrated_again")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__.splitlines()[0], reps=3)
+    p = parser(__doc__, reps=3)
     p.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 4096)")
     p.add_argument("--budget", type=int, default=None, help="(default 512)")
     args = parse(p, argv)

@@ -1,22 +1,8 @@
-"""Study 8: what serving adds. A streamed chat request through ``qfserve`` over HTTP, through
-the engine's worker in process (queue, model thread, the batching scheduler, event loop, no
-HTTP), and as plain mlx-lm generation of the same prompt on the same caches (the floor).
+"""What serving adds: a streamed chat request over HTTP, through the worker, and in process.
 
-The server runs as a subprocess on an ephemeral 127.0.0.1 port, loading the same model
-folder; the client is ``httpx`` streaming ``/v1/chat/completions``. In process, the prompt
-goes through the engine's own ``encode_prompt``, ``make_caches`` and mlx-lm's
-``stream_generate`` (greedy, the same logit bias, the worker's prefill chunk); the worker arm
-submits the same :class:`~qfserve.engine.text.requests.GenerationRequest` to an in-process
-:class:`~qfserve.engine.serving.worker.Worker` sharing the loaded model. All ban the end-of-sequence tokens
-(``logit_bias``) so every request makes exactly ``max_tokens``. TTFT is the time to the first
-non-empty text; inter-token latency (ITL) is ``(end - first) / (completion_tokens - 1)``.
-Multi-turn reuse is off in the worker and HTTP arms (``qfilters_reuse: false``): every round
-sends the same prompt, which a kept cache would answer without a prefill.
-Arms interleaved per round: in-process, worker, HTTP, in-process, HTTP; the two copies of
-in-process and of HTTP are the A/A pairs.
-
-Run: ``python -m bench server-overhead [--quick] [--model M] [--reps 7]``.
-Writes ``bench/results/<model>/server_overhead.json`` and ``server_overhead.png``.
+The same prompt and caches as plain mlx-lm generation (the floor), through an in-process
+:class:`~qfserve.engine.serving.worker.Worker`, and through ``qfserve`` over loopback HTTP;
+EOS banned, reuse off, arms interleaved with A/A copies of in-process and HTTP.
 """
 
 from __future__ import annotations
@@ -188,7 +174,7 @@ def plot(result, out) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__.splitlines()[0], reps=7)
+    p = parser(__doc__, reps=7)
     p.add_argument(
         "--prompts",
         type=lambda v: tuple(int(x) for x in v.split(",")),

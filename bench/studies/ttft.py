@@ -1,13 +1,7 @@
-"""Study 7: time to first token with eviction against a full cache, at 1k / 2k / 4k prompts.
+"""Time to first token with eviction against a full cache.
 
-Each measurement is one request as the engine runs it: build the caches with ``make_caches``,
-then mlx-lm's ``generate_step`` (default ``prefill_step_size`` 2048) with
-``prompt_cache=caches`` until it yields the first (greedy) token. Arms interleaved: full
-(twice, the A/A pair) and Q-Filters at budgets 256 and 512. Prompts longer than the model's
-trained context are labelled: RoPE runs past it, so speed is measurable there.
-
-Run: ``python -m bench ttft [--quick] [--model M] [--reps 5] [--prompts ...] [--budgets ...]``.
-Writes ``bench/results/<model>/ttft.json`` and ``ttft.png``.
+One request as the engine runs it (``make_caches``, then ``generate_step`` to the first
+token), arms interleaved: full (twice, A/A) and Q-Filters at each budget.
 """
 
 from __future__ import annotations
@@ -120,7 +114,7 @@ def plot(result, out) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__.splitlines()[0], reps=5)
+    p = parser(__doc__, reps=5)
     p.add_argument("--prompts", type=int, nargs="+", default=None, help="prompt tokens")
     p.add_argument("--budgets", type=int, nargs="+", default=None, help="Q-Filters budgets")
     args = parse(p, argv)

@@ -1,15 +1,7 @@
-"""Study 9: qfserve against mlx-lm's own server, same model folder, same prompts.
+"""qfserve against mlx-lm's own server, same model folder, same prompts.
 
-Both servers run as subprocesses on ephemeral 127.0.0.1 ports, both with OpenBLAS preloaded
-(qfserve does it for itself; ``mlx_lm.server`` gets the same ``LD_PRELOAD``). Every request
-is a streamed ``/v1/chat/completions`` call with temperature 0, the end-of-sequence tokens
-banned through ``logit_bias`` (so each makes exactly ``max_tokens``) and a unique prefix
-(``[<round>-<arm>]``) that keeps mlx-lm's prompt cache from reusing an earlier request.
-Arms interleaved per round: theirs (full cache), ours full, ours with Q-Filters, theirs again
-(the A/A pair). At a short and a long prompt: TTFT and decode tok/s, as ratios to theirs.
-
-Run: ``python -m bench vs-mlx-lm [--quick] [--model M] [--reps 3] [--prompts 256,8096]``.
-Writes ``bench/results/<model>/vs_mlx_lm.json`` and ``vs_mlx_lm.png``.
+Streamed chat requests, greedy, EOS banned, a unique prefix defeating mlx-lm's prompt cache;
+arms interleaved: theirs, ours full, ours with Q-Filters, theirs again (A/A).
 """
 
 from __future__ import annotations
@@ -68,7 +60,7 @@ def plot(result, out) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__.splitlines()[0], reps=3)
+    p = parser(__doc__, reps=3)
     p.add_argument("--max-tokens", type=int, default=None, help="(default 64; quick 8)")
     p.add_argument("--budget", type=int, default=None, help="Q-Filters budget (default 512)")
     p.add_argument(
