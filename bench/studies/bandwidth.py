@@ -89,14 +89,11 @@ def plot(result, out) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__, reps=7)
-    p.add_argument("--buffer-mib", type=int, default=None, help="(default 512; quick 64)")
-    p.add_argument("--steps", type=int, default=None, help="decode steps per timing (32)")
+    p = parser(__doc__, reps=7, buffer_mib=(512, 64), steps=(32, 4, "decode steps per timing"))
     args = parse(p, argv)
-    reps = args.reps
-    steps = args.steps or (4 if args.quick else 32)
+    reps, steps = args.reps, args.steps
     progress = Progress("bandwidth")
-    bandwidth = measure_bandwidth(args.buffer_mib or (64 if args.quick else 512), reps, progress)
+    bandwidth = measure_bandwidth(args.buffer_mib, reps, progress)
 
     sm = open_run("bandwidth", args, argv)
     model = sm.loaded.model
@@ -158,7 +155,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "a percentage far below 100 says decode is overhead-bound, not bandwidth-bound",
     }
     result["plots"] = plot(result, args.out)
-    return sm.save(result, section="speed", model=sm.describe())
+    return sm.save(result)
 
 
 def render(d: dict[str, Any]) -> list[str]:

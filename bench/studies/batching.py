@@ -20,7 +20,6 @@ import httpx
 
 from bench.data import chat_content, eos_ban
 from bench.harness import (
-    Progress,
     StreamTiming,
     interleave,
     log2_axis,
@@ -31,6 +30,7 @@ from bench.harness import (
     ratio_row,
     save_plot,
     stream_chat,
+    summaries,
     summary,
 )
 from bench.report import plots, speed_header, table
@@ -91,16 +91,12 @@ def plot(result, out) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__, reps=1)
-    p.add_argument("--max-tokens", type=int, default=None, help="(default 64; quick 8)")
-    p.add_argument("--streams", type=int, nargs="+", default=None, help="(default 1 4 8 16)")
-    p.add_argument("--prompts", type=int, nargs="+", default=None, help="(default 256 2048)")
+    p = parser(__doc__, reps=1, max_tokens=(64, 8), streams=([1, 4, 8, 16], [1, 2, 4]),
+               prompts=([256, 2048], [32, 96]))  # fmt: skip
     args = parse(p, argv)
-    max_tokens = args.max_tokens or (8 if args.quick else 64)
-    counts = args.streams or ([1, 2, 4] if args.quick else [1, 4, 8, 16])
-    lengths = args.prompts or ([32, 96] if args.quick else [256, 2048])
-    progress = Progress("batching")
+    max_tokens, counts, lengths = args.max_tokens, args.streams, args.prompts
     sm = open_run("batching", args, argv)
+    progress = sm.log
     bias = eos_ban(sm)
     seq = itertools.count()
 
@@ -168,7 +164,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             },
         }
         result["plots"] = plot(result, args.out)
-        return sm.save(result, section="speed", model=sm.describe(), echo=complete)
+        return sm.save(result, echo=complete)
 
     rows = []
     with contextlib.ExitStack() as stack:
@@ -204,7 +200,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 if any(x is None for v in values.values() for x in v):  # no steady span
                     row[key] = {a: None if None in v else summary(v) for a, v in values.items()}
                     continue
-                row[key] = {a: summary(v) for a, v in values.items()}
+                row[key] = summaries(values)
                 row[f"{key}_ratios"] = [ratio_row(values, a, "serial") for a in ARMS[1:]]
             rows.append(row)
             write(rows, complete=False)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.harness import RESULTS_DIR, command_line, interleave, summary
+from bench.harness import RESULTS_DIR, command_line, interleave, summaries
 from qfserve.kernels.cpu_model import fused_evict_model
 from qfserve.kernels.sources import (
     APPLY,
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "rows": L,
                 "parity_bitwise": parity,
                 "score_kernel_allclose": scores_close,
-                "microseconds": {name: summary(v) for name, v in samples.items()},
+                "microseconds": summaries(samples),
                 "speedup_vs_topk_median": {
                     name: statistics.median(b / a for a, b in zip(v, base, strict=True))
                     for name, v in samples.items()

@@ -20,7 +20,16 @@ import numpy as np
 
 from bench.arms import Arm, feed_block
 from bench.data import stdlib_prose
-from bench.harness import open_run, parse, parser, progress, save_plot, subplots
+from bench.harness import (
+    append_jsonl,
+    open_run,
+    parse,
+    parser,
+    progress,
+    read_jsonl,
+    save_plot,
+    subplots,
+)
 from bench.report import fmt, plots, quality_header, table
 from bench.studies.niah import CITIES
 from bench.studies.retrieval import prefill_block
@@ -128,11 +137,9 @@ def run_kvpress(
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__, calibration=True)
+    p = parser(__doc__, calibration=True, docs=(20, 2), ratios=[2, 4, 8],
+               length=(1200, 1200, "context tokens per document"))  # fmt: skip
     p.add_argument("--kvpress-python", required=True, help="a Python with torch and kvpress")
-    p.add_argument("--docs", type=int, default=None, help="documents (default 20; quick 2)")
-    p.add_argument("--length", type=int, default=1200, help="context tokens per document")
-    p.add_argument("--ratios", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--layerwise", action="store_true", help="also run kvpress with layerwise=True")
     p.add_argument("--gguf", type=Path, default=None,
                    help="the GGUF kvpress loads (default: --model's, or the catalog model's)")  # fmt: skip
@@ -147,31 +154,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit(f"{STUDY} compares on a GGUF file; {gguf} is none")
     out = args.out / STUDY
     out.mkdir(parents=True, exist_ok=True)
-    docs = chat_docs(
-        study.tokenizer, args.docs or (2 if args.quick else 20), args.length, args.seed
-    )
+    docs = chat_docs(study.tokenizer, args.docs, args.length, args.seed)
     (out / "docs.json").write_text(json.dumps(docs))
     theirs: dict[str, dict[str, Any]] = {}
     for layerwise in (False, True) if args.layerwise else (False,):
         log = out / f"kvpress{'_layerwise' if layerwise else ''}.jsonl"
         run_kvpress(args.kvpress_python, gguf, out / "docs.json", log, args.ratios, layerwise)
         mode = "layerwise" if layerwise else "global"
-        for line in log.read_text().splitlines():
-            rec = json.loads(line)
+        for rec in read_jsonl(log):
             theirs.setdefault(rec["id"], {})[mode] = rec
     mine_log = out / "ours.jsonl"
-    mine = {}
-    if mine_log.exists():
-        for line in mine_log.read_text().splitlines():
-            rec = json.loads(line)
-            mine[rec["id"]] = rec["modes"]
+    mine = {rec["id"]: rec["modes"] for rec in read_jsonl(mine_log)}
     cells: dict[str, dict[str, list[Any]]] = {}
-    with progress(total=len(docs), desc="documents") as bar, mine_log.open("a") as f:
+    with progress(total=len(docs), desc="documents") as bar:
         for doc in docs:
             if doc["id"] not in mine:
                 mine[doc["id"]] = ours(study, doc, args.ratios)
-                f.write(json.dumps({"id": doc["id"], "modes": mine[doc["id"]]}) + "\n")
-                f.flush()
+                append_jsonl(mine_log, {"id": doc["id"], "modes": mine[doc["id"]]})
             ref = theirs[doc["id"]]
             cells.setdefault("full", {}).setdefault("-", []).append(
                 ref["global"]["full"]["correct"]

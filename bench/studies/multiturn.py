@@ -19,7 +19,6 @@ import httpx
 
 from bench.harness import (
     MiB,
-    Progress,
     Run,
     open_run,
     parse,
@@ -114,23 +113,22 @@ def plot(result, out) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__, reps=1)
-    p.add_argument("--turns", type=int, default=None, help="(default 20; quick 4)")
-    p.add_argument("--turn-tokens", type=int, default=None, help="(default 150; quick 40)")
-    p.add_argument("--max-tokens", type=int, default=None, help="(default 48; quick 8)")
-    p.add_argument("--budget", type=int, default=None, help="Q-Filters budget (default 512)")
-    p.add_argument("--conversations", type=int, default=1, help="repeats with other prose (1)")
+    p = parser(__doc__, reps=1, turns=(20, 4), turn_tokens=(150, 40), max_tokens=(48, 8),
+               budget=(512, 64, "Q-Filters budget"), conversations=(1, 1, "repeats with other "
+               "prose"))  # fmt: skip
     p.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS), help="(default all)")
     args = parse(p, argv)
     if args.conversations < 1:
         p.error("--conversations must be >= 1")
-    n_turns = args.turns or (4 if args.quick else 20)
-    turn_tokens = args.turn_tokens or (40 if args.quick else 150)
-    max_tokens = args.max_tokens or (8 if args.quick else 48)
-    budget = args.budget or (64 if args.quick else 512)
+    n_turns, turn_tokens, max_tokens, budget = (
+        args.turns,
+        args.turn_tokens,
+        args.max_tokens,
+        args.budget,
+    )
     arms = [a for a in ARMS if a in args.arms]
-    progress = Progress("multiturn")
     sm = open_run("multiturn", args, argv)
+    progress = sm.log
     conversations = user_turns(sm, n_turns, turn_tokens, args.conversations)
     extra: dict[str, dict[str, Any]] = {
         "qfilters_reuse": {"kv_method": "qfilters", "qfilters_budget": budget},
@@ -203,7 +201,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "last_over_second_ttft_by_conversation": by_conversation,
     }
     result["plots"] = plot(result, args.out)
-    return sm.save(result, section="speed", model=sm.describe())
+    return sm.save(result)
 
 
 def render(d: dict[str, Any]) -> list[str]:

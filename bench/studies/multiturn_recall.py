@@ -10,7 +10,6 @@ transcript afresh at each ask turn.
 from __future__ import annotations
 
 import copy
-import json
 import random
 import time
 from typing import Any
@@ -21,7 +20,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from bench.arms import make_caches, prefill, token_nll
 from bench.data import prose_windows
-from bench.harness import Run, open_run, parse, parser, pyplot, save_plot
+from bench.harness import Run, append_jsonl, open_run, parse, parser, pyplot, resume, save_plot
 from bench.report import plots, quality_header, table
 from qfserve.engine.kv.config import CacheConfig
 from qfserve.engine.serving.config import DEFAULT_PREFILL_CHUNK
@@ -163,38 +162,24 @@ def plot(accuracy: dict, key_nll: dict, out: Any) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__)
-    p.add_argument("--turns", type=int, default=None, help="(default 20; quick 4)")
-    p.add_argument("--ask", type=int, nargs="+", default=None, help="(default 5 10 20)")
-    p.add_argument("--budgets", type=int, nargs="+", default=None, help="(default 256 512)")
-    p.add_argument("--methods", nargs="+", default=None, help="(default qfilters knorm streaming)")
-    p.add_argument("--conversations", type=int, default=None, help="(default 1)")
-    p.add_argument("--turn-tokens", type=int, default=None, help="(default 150; quick 40)")
-    p.add_argument("--max-tokens", type=int, default=None, help="(default 24; quick 8)")
+    methods = ["qfilters", "knorm", "streaming"]
+    p = parser(__doc__, turns=(20, 4), ask=([5, 10, 20], [2, 4]), budgets=([256, 512], [64]),
+               methods=(methods, methods), conversations=1, turn_tokens=(150, 40),
+               max_tokens=(24, 8))  # fmt: skip
     args = parse(p, argv)
-    quick = args.quick
-    n_turns = args.turns or (4 if quick else 20)
-    ask = sorted(set(args.ask or ([2, 4] if quick else [5, 10, 20])))
-    budgets = args.budgets or ([64] if quick else [256, 512])
-    methods = args.methods or ["qfilters", "knorm", "streaming"]
-    n_conv = args.conversations or 1
-    turn_tokens = args.turn_tokens or (40 if quick else 150)
-    max_tokens = args.max_tokens or (8 if quick else 24)
+    n_turns, ask, budgets, methods = args.turns, sorted(set(args.ask)), args.budgets, args.methods
+    n_conv, turn_tokens, max_tokens = args.conversations, args.turn_tokens, args.max_tokens
     started = time.perf_counter()
     sm = open_run(STUDY, args, argv)
     tok = sm.loaded.tokenizer
     table = arms(budgets, methods)
-    args.out.mkdir(parents=True, exist_ok=True)
     log = args.out / f"{STUDY}.jsonl"
     # Rows are read back only for the same design, sizes, seed (the keys and texts) and model.
     weights = sm.describe().get("weights_sha1")
     settings = [n_turns, ask, turn_tokens, max_tokens, SETTINGS_TAG, args.seed, weights]
-    done = {}
-    if log.exists():
-        for line in log.read_text().splitlines():
-            row = json.loads(line)
-            if row["settings"] == settings:
-                done[(row["conversation"], row["arm"])] = row
+    done = resume(
+        log, lambda r: (r["conversation"], r["arm"]), keep=lambda r: r["settings"] == settings
+    )
     rng = random.Random(args.seed)
     for c in range(n_conv):
         key = f"{rng.randrange(10_000, 100_000)}"
@@ -218,8 +203,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    "right": [key in by_turn[k]["answer"] for k in ask],
                    "key_nll": [by_turn[k]["key_nll"] for k in ask]}  # fmt: skip
             done[(c, name)] = row
-            with log.open("a") as f:
-                f.write(json.dumps(row) + "\n")
+            append_jsonl(log, row)
             print(f"conversation {c + 1}, {name}: right {row['right']}, key NLL "
                   f"{[round(x, 2) for x in row['key_nll']]} "
                   f"({time.perf_counter() - started:.0f}s)", flush=True)  # fmt: skip

@@ -49,12 +49,10 @@ def ask(url: str, doc: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__)
-    p.add_argument("--docs", type=int, default=None, help="documents per length (default 5)")
-    p.add_argument("--lengths", type=int, nargs="+", default=None, help="(default 1k-8k)")
+    p = parser(__doc__, docs=(5, 2, "documents per length"),
+               lengths=([1024, 2048, 4096, 8192], [256, 512]))  # fmt: skip
     args = parse(p, argv)
-    docs = args.docs or (2 if args.quick else 5)
-    lengths = args.lengths or ([256, 512] if args.quick else [1024, 2048, 4096, 8192])
+    docs, lengths = args.docs, args.lengths
     run = open_run(STUDY, args, argv)
     from qfserve.engine.serving.admission import kv_row_bytes
     from qfserve.engine.serving.config import EngineConfig

@@ -14,7 +14,6 @@ import mlx.core as mx
 from bench.arms import decode_timer, prefill
 from bench.data import prompt_tokens
 from bench.harness import (
-    Progress,
     errorbars,
     interleave,
     open_run,
@@ -23,7 +22,7 @@ from bench.harness import (
     pyplot,
     ratio_row,
     save_plot,
-    summary,
+    summaries,
 )
 from bench.report import plots, speed_header, table
 from qfserve.calibrations.model_info import model_fingerprint
@@ -78,18 +77,14 @@ def rows_held(caches: list[Any]) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__, reps=9)
-    p.add_argument("--budgets", type=int, nargs="+", default=None, help="(default 256 512)")
-    p.add_argument("--chunk", type=int, default=None, help="chunk size (default 8)")
-    p.add_argument("--steps", type=int, default=None, help="decode steps per timing (16)")
+    p = parser(__doc__, reps=9, budgets=([256, 512], [32, 64]), chunk=(8, 4, "chunk size"),
+               steps=(16, 4, "decode steps per timing"))  # fmt: skip
     args = parse(p, argv)
-    budgets = args.budgets or ([32, 64] if args.quick else [256, 512])
-    chunk = args.chunk if args.chunk is not None else (4 if args.quick else 8)
-    steps = args.steps if args.steps is not None else (4 if args.quick else 16)
+    budgets, chunk, steps = args.budgets, args.chunk, args.steps
     if chunk < 2 or steps < 1 or min(budgets) <= chunk:
         raise SystemExit("need --chunk >= 2, --steps >= 1 and every budget above the chunk")
-    progress = Progress("refine_step")
     sm = open_run("refine_step", args, argv)
+    progress = sm.log
     model = sm.loaded.model
     bm = sm
     filters, scale, source = resolve_calibration(
@@ -116,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rows.append(
             {
                 "budget": budget,
-                "ms_per_step": {k: summary(v) for k, v in samples.items()},
+                "ms_per_step": summaries(samples),
                 "rows": held,
                 "ratios": [ratio_row(samples, k, REFERENCE) for k in arms if k != REFERENCE],
             }
@@ -152,7 +147,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ax.set(title="decode step / plain Q-Filters (median, IQR)", ylabel="ratio")
     ax.legend(fontsize=8)
     result["plots"] = [save_plot(fig, args.out, "refine_step")]
-    return sm.save(result, section="speed", model=sm.describe())
+    return sm.save(result)
 
 
 def render(d: dict[str, Any]) -> list[str]:

@@ -159,19 +159,11 @@ def plot(results: dict[str, Any], ratios: list[int], out: Any, title: str) -> st
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__, calibration=True)
-    p.add_argument("--lengths", type=int, nargs="+", default=None, help="(default 1024)")
-    p.add_argument("--ratios", type=int, nargs="+", default=None, help="(default 2 4 8)")
-    p.add_argument("--per-bin", type=int, default=None, help="documents per depth bin (2)")
-    p.add_argument(
-        "--fillers", nargs="+", choices=("classic", "prose", "code"), default=None,
-        help="(default classic prose)",
-    )  # fmt: skip
+    p = parser(__doc__, calibration=True, lengths=([1024], [320]), ratios=([2, 4, 8], [2, 4]),
+               per_bin=(2, 1, "documents per depth bin"), fillers=(["classic", "prose"],
+               ["classic"], "of classic, prose, code"))  # fmt: skip
     args = parse(p, argv)
-    lengths = args.lengths or ([320] if args.quick else [1024])
-    ratios = args.ratios or ([2, 4] if args.quick else [2, 4, 8])
-    per_bin = args.per_bin or (1 if args.quick else 2)
-    fillers = args.fillers or (["classic"] if args.quick else ["classic", "prose"])
+    lengths, ratios, per_bin, fillers = args.lengths, args.ratios, args.per_bin, args.fillers
 
     study = open_run(STUDY, args, argv, calibrate=True)
     results: dict[str, Any] = {}

@@ -11,17 +11,16 @@ import json
 import time
 from typing import Any
 
-from bench.harness import Progress, interleave, open_run, parse, parser, ratio_row, summary
+from bench.harness import interleave, open_run, parse, parser, ratio_row, summaries, summary
 from bench.report import ms, speed_header, table
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__, reps=9)
-    p.add_argument("--tokens", type=int, default=None, help="decode steps per repetition")
+    p = parser(__doc__, reps=9, tokens=(48, 8, "decode steps per repetition"))
     args = parse(p, argv)
-    reps, steps = args.reps, args.tokens or (8 if args.quick else 48)
-    progress = Progress("structured")
+    reps, steps = args.reps, args.tokens
     sm = open_run("structured", args, argv)
+    progress = sm.log
     tokenizer = sm.loaded.tokenizer
     schema = {
         "type": "object",
@@ -127,7 +126,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     if "schema_outlines" in samples:
         rows["schema_outlines/free"] = ratio_row(samples, "schema_outlines", "free")
-    stats = {arm: summary(values) for arm, values in samples.items()}
+    stats = summaries(samples)
     processors_ms = {k: summary(v[-reps:]) for k, v in inside.items()}
     processor = processors_ms["True"]
     return sm.save(
@@ -143,9 +142,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 for k, v in processors_ms.items()
             },
             "grammar_engine": "llguidance",
-        },
-        section="speed",
-        model=sm.describe(),
+        }
     )
 
 

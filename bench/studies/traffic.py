@@ -93,16 +93,12 @@ def compare(learned: np.ndarray, calibrated: np.ndarray) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__, calibration=True)
+    p = parser(__doc__, calibration=True, max_prompts=(64, 6, "traffic offered at most"),
+               min_prompts=(DEFAULT_MIN_PROMPTS, 3, "prompts pooled at least"))  # fmt: skip
     p.add_argument("--traffic", nargs="+", default=["chat", "passkey"],
                    choices=("chat", "passkey"))  # fmt: skip
-    p.add_argument("--max-prompts", type=int, default=None, help="traffic offered at most")
-    p.add_argument("--min-prompts", type=int, default=None,
-                   help=f"prompts pooled at least (default: the server's, {DEFAULT_MIN_PROMPTS})")  # fmt: skip
     args = parse(p, argv)
-    quick = args.quick
-    max_prompts = args.max_prompts or (6 if quick else 64)
-    min_prompts = args.min_prompts or (3 if quick else DEFAULT_MIN_PROMPTS)
+    quick, max_prompts, min_prompts = args.quick, args.max_prompts, args.min_prompts
     samples = 200 if quick else None  # None: calibration's default sample count
 
     study = open_run(STUDY, args, argv, calibrate=True)

@@ -16,7 +16,6 @@ from mlx_lm.sample_utils import make_sampler
 from bench.arms import caches_for, kv_stats
 from bench.data import prompt_tokens
 from bench.harness import (
-    Progress,
     command_line,
     errorbars,
     interleave,
@@ -28,12 +27,9 @@ from bench.harness import (
     pyplot,
     ratio_row,
     save_plot,
-    summary,
+    summaries,
 )
 from bench.report import ms, plots, ratio_cell, speed_header, table
-
-PROMPTS = (1024, 2048, 4096)
-BUDGETS = (256, 512)
 
 
 def ttft_timer(sm, arm, tokens: list[int], kept: dict):
@@ -114,15 +110,13 @@ def plot(result, out) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__, reps=5)
-    p.add_argument("--prompts", type=int, nargs="+", default=None, help="prompt tokens")
-    p.add_argument("--budgets", type=int, nargs="+", default=None, help="Q-Filters budgets")
+    p = parser(__doc__, reps=5, prompts=([1024, 2048, 4096], [64, 256], "prompt tokens"),
+               budgets=([256, 512], [32, 128], "Q-Filters budgets"))  # fmt: skip
     args = parse(p, argv)
     reps = args.reps
-    progress = Progress("ttft")
     sm = open_run("ttft", args, argv)
-    prompts = tuple(args.prompts or ((64, 256) if args.quick else PROMPTS))
-    budgets = tuple(args.budgets or ((32, 128) if args.quick else BUDGETS))
+    progress = sm.log
+    prompts, budgets = args.prompts, args.budgets
     progress(f"model {sm.loaded.name}, prompts {prompts}, budgets {budgets}, reps {reps}")
     rows = []
     for n in prompts:
@@ -137,7 +131,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             {
                 "prompt_tokens": n,
                 "beyond_trained_context": n > sm.context_length,
-                "ttft_s": {k: summary(v) for k, v in samples.items()},
+                "ttft_s": summaries(samples),
                 "ratios": [ratio_row(samples, "full_b", "full_a")]
                 + [ratio_row(samples, f"b{b}", "full_a") for b in budgets],
                 "kv_after_prefill": kept,
@@ -164,7 +158,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows += earlier_rows(args.out / "ttft.json", result, {r["prompt_tokens"] for r in rows})
     rows.sort(key=lambda r: r["prompt_tokens"])
     result["plots"] = plot(result, args.out)
-    return sm.save(result, section="speed", model=sm.describe())
+    return sm.save(result)
 
 
 def render(d: dict[str, Any]) -> list[str]:
