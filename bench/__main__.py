@@ -1,9 +1,7 @@
-"""``python -m bench <study> [options]`` runs one registered study; ``python -m bench --list``
-names them all (:mod:`bench.studies`); ``python -m bench <study> --help`` gives its options.
+"""``python -m bench <study> [options]`` runs one registered study; ``--list`` names them all.
 
 MLX's CPU matmul needs OpenBLAS preloaded (~30x faster here), so the process re-executes once
-with it before any study imports MLX. The quality studies also pin numpy's OpenBLAS to one
-thread: on a loaded two-core machine its thread pool spins on every tiny SVD.
+with it before any study imports MLX; quality studies pin numpy's OpenBLAS to one thread.
 """
 
 from __future__ import annotations

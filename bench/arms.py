@@ -1,23 +1,9 @@
 """The caches a study compares, and what it feeds them.
 
-An *arm* (:class:`Arm`) is an eviction method plus a recent window given as a fraction of the
-budget, so one definition spans every budget. Budgets count every stored row (sinks and recent
-rows included), the same for every arm, and :func:`check_budget` checks each keeps exactly it.
-The key-SVD fallback freezes its direction after ``min(budget, 128)`` keys, so it never holds
-more rows than the others while warming up. The speed studies' arms are simpler: ``"full"`` or
-a Q-Filters budget with the server's defaults (:func:`caches_for`).
-
-Calibrated Q-Filters (:func:`filters_for`) are the registry's artifact or a fresh calibration
-on training-split standard-library files (:func:`training.data.split_of`), never the
-evaluation split the studies measure on; the train files are shuffled with the seed and dealt
-into two disjoint texts, ``A`` (even positions, the default) and ``B`` (odd), which the
-stability study compares. Captured queries are cached in a temp folder keyed by the weights,
-text and settings, so the studies calibrate once.
-
-Teacher-forced log-likelihood (:func:`streaming_nll`) feeds sequences through an arm's real
-caches one token per step, the way decoding does: each token is predicted from what the cache
-kept of everything before it. The first ``prefill`` tokens go in as one block, which stores
-exactly what token-by-token feeding would (:func:`prefill_length`).
+An arm (:class:`Arm`) is a method plus a recent window as a fraction of the budget; budgets
+count every stored row and :func:`check_budget` checks each arm keeps exactly it. Calibrated
+filters come from the registry or from training-split text (:func:`filters_for`), never the
+evaluation split; :func:`streaming_nll` feeds an arm's real caches one token per step.
 """
 
 from __future__ import annotations
@@ -47,40 +33,14 @@ from qfserve.engine.kv.config import DEFAULT_CALIB_TOKENS, DEFAULT_N_SINK, Cache
 from qfserve.engine.kv.factory import make_caches
 from qfserve.engine.kv.query_aware import SnapKVScorer
 
-LABELS = {
-    "full": "full cache",
-    "qfilters": "Q-Filters (calibrated)",
-    "self": "Q-Filters (self-calibrated)",
-    "traffic": "Q-Filters (learned from traffic)",
-    "snapkv": "SnapKV (query-aware)",
-    "tova": "TOVA (query-aware)",
-    "fallback": "Q-Filters (key-SVD fallback)",
-    "knorm": "K-norm",
-    "kvzip": "KVzip (context reconstruction)",
-    "streaming": "streaming (sinks + recent)",
-}
-
 
 @dataclass(frozen=True)
 class Arm:
-    """One cache arm.
-
-    Args:
-        method: ``full``, ``qfilters`` (calibrated), ``self`` (from the prompt's own
-            queries, :mod:`qfserve.engine.kv.selfcal`), ``traffic`` (an artifact the server learned
-            from traffic, :mod:`qfserve.engine.filters.traffic`), ``fallback`` (key-SVD), ``knorm``,
-            ``streaming``, or the query-aware references ``snapkv`` and ``tova``.
-        recent_frac: Recent window as a fraction of the budget (0 or 0.25 in the studies).
-        sign: ``-1`` keeps the other end of the scoring axis (the fallback's ablation: its
-            axis oriented *to* the keys' mean).
-        chunk: Block evictions keep whole chunks of this many positions (1 = per row).
-        adaptive: Head-adaptive budgets (calibrated Q-Filters with query scales only).
-        window: SnapKV's observation window (``None``: its default,
-            :data:`qfserve.engine.kv.query_aware.DEFAULT_WINDOW`).
-        traffic: Which learned artifact a ``traffic`` arm uses (a name of the filters'
-            ``learned``, :class:`CalibratedFilters`).
-        shared: kvzip's rows shared across every layer and head (``budget_mode="global"``).
-    """
+    """One cache arm: ``method`` (``full``, ``qfilters``, ``self``, ``traffic``, ``fallback``,
+    ``knorm``, ``streaming``, ``snapkv``, ``tova``, ``kvzip``) and its knobs: the recent window as
+    a fraction of the budget, the scoring axis's ``sign`` (the fallback's ablation), ``chunk``
+    positions kept whole, ``adaptive`` head budgets, SnapKV's ``window``, the ``traffic``
+    artifact's name and kvzip's rows ``shared`` across layers."""
 
     method: str
     recent_frac: float = 0.0
@@ -103,19 +63,6 @@ class Arm:
         traffic = f"/{self.traffic}" if self.traffic else ""
         shared = "/global" if self.shared else ""
         return f"{self.method}{flipped}/r{recent}{chunk}{ada}{window}{traffic}{shared}"
-
-    @property
-    def label(self) -> str:
-        flipped = ", sign flipped" if self.sign < 0 else ""
-        recent = "" if self.recent_frac == 0 or self.method == "full" else ", recent b/4"
-        chunk = f", chunks of {self.chunk}" if self.chunk > 1 else ""
-        ada = ", adaptive budgets" if self.adaptive else ""
-        window = "" if self.window is None else f", {self.window}-token window"
-        method = LABELS[self.method]
-        if self.traffic:
-            method = method.replace("traffic)", f"{self.traffic} traffic)")
-        shared = ", rows shared across layers" if self.shared else ""
-        return f"{method}{flipped}{recent}{chunk}{ada}{window}{shared}"
 
     def recent(self, budget: int) -> int:
         return int(budget * self.recent_frac)
@@ -203,57 +150,29 @@ def standard_arms(
     return arms
 
 
+ARM_FLAGS = {
+    "--adaptive": "also run calibrated Q-Filters with head-adaptive budgets",
+    "--self-calibrated": "also run Q-Filters from each prompt's own queries",
+    "--query-aware": "also run SnapKV and TOVA, which read the model's queries",
+    "--kvzip": "also run KVzip: per head, across a layer's heads, across layers",
+}
+
+
 def add_arm_arguments(p: Any) -> None:
-    """``--chunks`` (chunked Q-Filters arms) and ``--only`` (keep the named arms)."""
-    p.add_argument(
-        "--chunks",
-        type=int,
-        nargs="+",
-        default=[],
-        help="also run calibrated Q-Filters keeping whole chunks of these sizes",
-    )
-    p.add_argument(
-        "--adaptive",
-        action="store_true",
-        help="also run calibrated Q-Filters with head-adaptive budgets",
-    )
-    p.add_argument(
-        "--self-calibrated",
-        action="store_true",
-        help="also run Q-Filters computed from each prompt's own queries (qfserve.engine.kv.selfcal)",
-    )
-    p.add_argument(
-        "--query-aware",
-        action="store_true",
-        help="also run SnapKV and TOVA, which read the model's queries (qfserve.engine.kv.query_aware)",
-    )
-    p.add_argument(
-        "--snapkv-windows",
-        type=int,
-        nargs="+",
-        default=[],
-        help="with --query-aware, also run SnapKV with these observation windows",
-    )
-    p.add_argument(
-        "--kvzip",
-        action="store_true",
-        help="also run KVzip (qfserve.engine.kv.kvzip): per head, across a layer's heads, across layers",
-    )
+    """The options that add arms (:func:`select_arms`), and ``--only`` to keep named ones."""
+    p.add_argument("--chunks", type=int, nargs="+", default=[],
+                   help="also run calibrated Q-Filters keeping whole chunks of these sizes")  # fmt: skip
+    for flag, about in ARM_FLAGS.items():
+        p.add_argument(flag, action="store_true", help=about)
+    p.add_argument("--snapkv-windows", type=int, nargs="+", default=[],
+                   help="with --query-aware, also run SnapKV with these observation windows")  # fmt: skip
     p.add_argument("--only", nargs="+", default=None, help="run only these arm names")
 
 
 def add_traffic_argument(p: Any) -> None:
-    """``--traffic-artifacts NAME=PATH ...``: Q-Filters from artifacts learned from traffic
-    (:mod:`bench.studies.traffic`), as ``traffic`` arms or scorers. Only the studies whose
-    resumed records know which artifact made them (retrieval) or that do not resume
-    (attention) take it."""
-    p.add_argument(
-        "--traffic-artifacts",
-        nargs="+",
-        default=[],
-        metavar="NAME=PATH",
-        help="also run Q-Filters from these artifacts learned from traffic (bench.studies.traffic)",
-    )
+    """``--traffic-artifacts NAME=PATH ...``: filters learned from traffic, as arms or scorers."""
+    p.add_argument("--traffic-artifacts", nargs="+", default=[], metavar="NAME=PATH",
+                   help="also run Q-Filters from these artifacts learned from traffic")  # fmt: skip
 
 
 def select_arms(arms: list[Arm], args: Any) -> list[Arm]:
@@ -562,12 +481,14 @@ def streaming_nll(
     Raises:
         RuntimeError: a layer ever held more than ``budget`` rows, or fewer at the end.
     """
-    B, L = tokens.shape
+    L = tokens.shape[1]
     x = mx.array(tokens.astype(np.int32))
     prefill = max(1, min(prefill, L - 1))
+    step = block or prefill
+    spans = [(s, min(prefill, s + step)) for s in range(0, prefill, step)]
+    spans += [(i, i + 1) for i in range(prefill, L - 1)]
     out, max_rows = [], 0
-    for s in range(0, prefill, block or prefill):
-        e = min(prefill, s + (block or prefill))
+    for s, e in spans:
         out.append(token_nll(model(x[:, s:e], cache=caches), x[:, s + 1 : e + 1]))
         mx.eval(out[-1])
         max_rows = max(max_rows, *kept_rows(caches)) if budget is not None else e
@@ -575,15 +496,6 @@ def streaming_nll(
             raise RuntimeError(f"budget violated: a layer held {max_rows} rows > {budget}")
         if on_step is not None:
             on_step(e - s)
-    for i in range(prefill, L - 1):
-        step = token_nll(model(x[:, i : i + 1], cache=caches), x[:, i + 1 : i + 2])
-        mx.eval(step)
-        out.append(step)
-        max_rows = max(max_rows, *kept_rows(caches)) if budget is not None else i + 1
-        if budget is not None and max_rows > budget:
-            raise RuntimeError(f"budget violated: a layer held {max_rows} rows > {budget}")
-        if on_step is not None:
-            on_step(1)
     check_budget(caches, budget, L - 1)
     return np.array(mx.concatenate(out, axis=1)), max_rows
 

@@ -1,9 +1,5 @@
-"""The goals the default model's evidence is read against, each beside what was measured.
-
-Every figure is read from ``bench/results/smollm2/*.json`` when the page is rendered, so the
-table can only say what a study wrote; a study that has not run says so. A goal is *met*
-only when every number it names is met.
-"""
+"""The goals the default model's evidence is read against, each beside what was measured
+(read from ``bench/results/smollm2/*.json``); a goal is met only when every number it names is."""
 
 from __future__ import annotations
 

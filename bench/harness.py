@@ -1,18 +1,6 @@
 """What every study shares: its command line, the model it measures, timing, results, progress
-and plots.
-
-Arguments: ``--model`` (default: the served SmolLM2-135M-Instruct; with ``--quick`` the bundled
-``qfserve-tiny``, so a smoke run needs nothing downloaded), ``--quick``, ``--out`` (default
-``bench/results/<model>/``), ``--seed``, and where a study asks for them ``--reps`` and
-``--calibration``. :func:`open_run` loads the model the way the server does and records exactly
-which weights were measured; :meth:`Run.save` writes ``<out>/<study>.json`` and prints the
-study's section of the results page.
-
-Timing: machines running these are shared and noisy, so arms run in one process, interleaved
-(A B A B ...), and are read as ratios against a reference arm, with an A/A pair (the
-reference against itself) for the noise floor. Long studies append to a JSONL as they go and
-resume where they stopped (:func:`read_jsonl`, :func:`append_jsonl`).
-"""
+and plots. Arms run in one process, interleaved, and are read as ratios against a reference
+arm with an A/A pair for the noise floor; long studies append to a JSONL and resume."""
 
 from __future__ import annotations
 
@@ -31,8 +19,6 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 REPO = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO / "bench" / "results"
 DEFAULT_MODEL = "smollm2-135m-instruct"  # what `qfserve` serves with no --model
@@ -44,61 +30,52 @@ MiB = 2**20
 # -- command line --------------------------------------------------------------------------
 
 
-def parser(
-    description: str, *, reps: int | None = None, calibration: bool = False
-) -> argparse.ArgumentParser:
-    """The shared arguments; ``reps`` adds ``--reps`` with that default, ``calibration`` adds
-    ``--calibration``."""
-    p = argparse.ArgumentParser(description=description)
-    p.add_argument(
-        "--model",
-        default=None,
-        help=f"catalog name, GGUF file, mlx-lm folder or hub id (default: {DEFAULT_MODEL}; "
-        f"with --quick: {BUNDLED})",
-    )
+def parser(doc: str, *, reps: int | None = None, calibration: bool = False,
+           **sized: Any) -> argparse.ArgumentParser:  # fmt: skip
+    """The shared arguments (description: ``doc``'s first line); ``reps`` adds ``--reps`` with
+    that default, ``calibration`` adds ``--calibration``. Each ``name=(full, quick)`` adds
+    ``--name`` defaulting to ``full``, or ``quick`` with ``--quick`` (a list takes several
+    values; ``None``: the study decides); any other value is the default of both."""
+    p = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
+    p.add_argument("--model", default=None, help=f"catalog name, GGUF file, mlx-lm folder or "
+                   f"hub id (default: {DEFAULT_MODEL}; with --quick: {BUNDLED})")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="CI-sized smoke run (seconds)")
-    p.add_argument(
-        "--out", type=Path, default=None, help="results folder (default: bench/results/<model>)"
-    )
+    p.add_argument("--out", type=Path, default=None, help="results folder (default: bench/results/<model>)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     if reps is not None:
-        p.add_argument(
-            "--reps",
-            type=int,
-            default=None,
-            help=f"timed repetitions per arm (default: {reps}; quick: 2)",
-        )
-        p.set_defaults(default_reps=reps)
+        sized["reps"] = (reps, 2, "timed repetitions per arm")
     if calibration:
-        p.add_argument(
-            "--calibration",
-            choices=("auto", "registry", "fresh"),
-            default="auto",
-            help="calibrated filters: the registry's artifact if one exists (auto), only the "
-            "registry, or always calibrate afresh on held-in training text",
-        )
+        p.add_argument("--calibration", choices=("auto", "registry", "fresh"), default="auto",
+                       help="calibrated filters: the registry's artifact if one exists (auto), "
+                       "only the registry, or always calibrate afresh on held-in training text")  # fmt: skip
+    for name, spec in sized.items():
+        full, quick, *about = spec if isinstance(spec, tuple) else (spec, spec)
+        many = isinstance(quick, list)
+        if full is not None:
+            about.append(f"default {_shown(full)}; quick {_shown(quick)}")
+        p.add_argument(f"--{name.replace('_', '-')}", type=type(quick[0] if many else quick),
+                       nargs="+" if many else None, default=None, help="; ".join(about))  # fmt: skip
+    p.set_defaults(sized={k: v if isinstance(v, tuple) else (v, v) for k, v in sized.items()})
     return p
 
 
+def _shown(value: Any) -> str:
+    return " ".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
 def parse(p: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
-    """Parse and fill the defaults that depend on other arguments (model, out, reps)."""
+    """Parse and fill the defaults that depend on other arguments (model, out, sizes)."""
     args = p.parse_args(argv)
     if args.model is None:
         args.model = BUNDLED if args.quick else DEFAULT_MODEL
     if args.out is None:
         args.out = results_dir(args.model)
-    if hasattr(args, "reps"):
-        if args.reps is None:
-            args.reps = 2 if args.quick else args.default_reps
-        if args.reps < 1:
-            p.error(f"--reps must be >= 1, got {args.reps}")
+    for name, (full, quick, *_) in args.sized.items():
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
+    if hasattr(args, "reps") and args.reps < 1:
+        p.error(f"--reps must be >= 1, got {args.reps}")
     return args
-
-
-def add_data_arguments(p: argparse.ArgumentParser) -> None:
-    """``--length`` and ``--sequences``: the held-out windows a study measures on."""
-    p.add_argument("--length", type=int, default=None, help="tokens per held-out sequence")
-    p.add_argument("--sequences", type=int, default=None, help="held-out sequences per kind")
 
 
 def command_line(study: str, argv: Sequence[str] | None) -> str:
@@ -174,6 +151,11 @@ class Run:
 
         return RepeatPrompt.for_tokenizer(self.tokenizer)
 
+    @cached_property
+    def log(self) -> Progress:
+        """One line per step on stderr, with the elapsed time."""
+        return Progress(self.name)
+
     def describe(self) -> dict[str, Any]:
         """The model's identity and where the server's filters come from (speed studies)."""
         return {**self.identity, "filter_source": self.served[1]}
@@ -193,25 +175,27 @@ class Run:
             )
             self.calibration = {**self.calibration, "traffic_artifacts": learned}
 
-    def save(self, payload: dict[str, Any], *, section: str = "quality",
-             model: dict[str, Any] | None = None, calibration: Any = None,
-             echo: bool = True) -> dict[str, Any]:  # fmt: skip
+    def save(self, payload: dict[str, Any], *, model: dict[str, Any] | None = None,
+             calibration: Any = None, echo: bool = True) -> dict[str, Any]:  # fmt: skip
         """Write ``<out>/<name>.json`` (command line, quick flag, model identity, calibration,
         date, machine, runtime, then ``payload``), print the study's section of the results
         page (unless not ``echo``: a partial write) and return what was written."""
+        from bench.report import render_study
+        from bench.studies import study
+
+        section = study(self.name).section
+        if model is None:
+            model = self.identity if section == "quality" else self.describe()
         data = {"command": command_line(self.name, self.argv), "quick": self.args.quick,
-                "model": self.identity if model is None else model}  # fmt: skip
+                "model": model}  # fmt: skip
         if section == "quality":
             data["calibration"] = self.calibration if calibration is None else calibration
         path = write_results(self.name, {**data, **payload}, self.args.out, section=section,
                              started=self.started)  # fmt: skip
         written = json.loads(path.read_text())
-        if not echo:
-            return written
-        from bench.report import render_study
-
-        print("\n".join(render_study(self.name, written)).replace("](results/", "]("))
-        print(f"\nwrote {path}")
+        if echo:
+            print("\n".join(render_study(self.name, written)).replace("](results/", "]("))
+            print(f"\nwrote {path}")
         return written
 
 
@@ -317,6 +301,16 @@ def ratio_row(samples: dict[str, list[float]], arm: str, reference: str) -> dict
     """Median of per-repetition ratios ``arm / reference`` (pairs from the same round)."""
     ratios = [a / b for a, b in zip(samples[arm], samples[reference], strict=True)]
     return {"arm": arm, "reference": reference, **summary(ratios)}
+
+
+def summaries(samples: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    """:func:`summary` of every arm's samples."""
+    return {arm: summary(values) for arm, values in samples.items()}
+
+
+def ratios(samples: dict[str, list[float]], reference: str, arms: Any) -> list[dict[str, Any]]:
+    """:func:`ratio_row` of each of ``arms`` against ``reference``."""
+    return [ratio_row(samples, arm, reference) for arm in arms]
 
 
 @dataclass(frozen=True)
@@ -460,6 +454,15 @@ def append_jsonl(path: Path, record: dict[str, Any]) -> None:
         f.write(json.dumps(jsonable(record)) + "\n")
 
 
+def resume(path: Path, key: Callable[[dict[str, Any]], Any], *, fresh: bool = False,
+           keep: Callable[[dict[str, Any]], bool] = lambda r: True) -> dict[Any, dict]:  # fmt: skip
+    """The records of a study's log that ``keep`` accepts, by ``key``; with ``fresh`` (quick
+    runs) the log is deleted first."""
+    if fresh:
+        path.unlink(missing_ok=True)
+    return {key(r): r for r in read_jsonl(path, keep)}
+
+
 # -- progress and plots ---------------------------------------------------------------------
 
 
@@ -485,10 +488,6 @@ class Progress:
     def rounds(self, label: str) -> Callable[[int, int], None]:
         """A callback for :func:`interleave`."""
         return lambda done, total: self(f"{label}: round {done}/{total}")
-
-    @property
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.start
 
 
 COLORS = {
@@ -552,8 +551,3 @@ def errorbars(stats: Sequence[dict[str, float]]) -> tuple[list[float], list[list
     med = [s["median"] for s in stats]
     return med, [[m - s["q1"] for m, s in zip(med, stats, strict=True)],
                  [s["q3"] - m for m, s in zip(med, stats, strict=True)]]  # fmt: skip
-
-
-def finite(values: Any) -> np.ndarray:
-    """``values`` as a float array with ``None`` as NaN (for plotting partial grids)."""
-    return np.array([[np.nan if v is None else v for v in row] for row in values], dtype=float)

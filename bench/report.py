@@ -1,14 +1,9 @@
-"""Render ``bench/results/<model>/*.json`` into ``bench/RESULTS.md``, and the headline table of
+"""Render ``bench/results/<model>/*.json`` into ``bench/RESULTS.md`` and the headline table of
 ``README.md`` between its markers: every figure on either page comes from those files.
 
-The page opens with the goals on the default model (:mod:`bench.goals`); then each results
-folder (:data:`MODELS`: SmolLM2-135M-Instruct first, then its subfolders of refinements, then
-the bundled test model's results, labelled as such) gets a quality and a speed section. A
-section opens with its headline lines, then each registered study (:mod:`bench.studies`) whose
-JSON is there, rendered by its module's ``render``; a study that has not run is listed (not an
-error). The markdown building blocks the studies' renderers share are here too.
-
-Run: ``python -m bench.report`` (after the studies).
+The page opens with the goals (:mod:`bench.goals`); then each results folder of
+:data:`MODELS` gets a quality and a speed section: headlines, then each registered study's
+``render``. Run: ``python -m bench.report``.
 """
 
 from __future__ import annotations
@@ -26,132 +21,73 @@ from bench.studies import STUDIES
 PAGE = Path(__file__).resolve().parent / "RESULTS.md"
 README = PAGE.parents[1] / "README.md"
 
-# (folder under bench/results, section title, list the studies that have not run)
-MODELS = (
-    ("smollm2", "SmolLM2-135M-Instruct (the default model)", True),
-    (
-        "smollm2/refinements",
-        "SmolLM2-135M-Instruct: chunked and head-adaptive Q-Filters against plain (the "
-        "retrieval study's adaptive rows are the first version, which compared raw expected "
-        "logits across heads; the decode-step study's are the current one)",
-        False,
+SMOL = "SmolLM2-135M-Instruct"
+# Results folders under bench/results and their section titles; the first lists the studies
+# that have not run.
+MODELS = {
+    "smollm2": f"{SMOL} (the default model)",
+    "smollm2/refinements": (
+        f"{SMOL}: chunked and head-adaptive Q-Filters against plain (the retrieval study's "
+        "adaptive rows are the first version, which compared raw expected logits across heads; "
+        "the decode-step study's are the current one)"
     ),
-    (
-        "smollm2/refinements/adaptive",
-        "SmolLM2-135M-Instruct: head-adaptive budgets ranked by expected log attention weights",
-        False,
+    "smollm2/refinements/adaptive": (
+        f"{SMOL}: head-adaptive budgets ranked by expected log attention weights"
     ),
-    (
-        "smollm2/refinements/prompt",
-        "SmolLM2-135M-Instruct: chunked Q-Filters against plain, perplexity after a prompt "
-        "read in 512-token blocks",
-        False,
+    "smollm2/refinements/prompt": (
+        f"{SMOL}: chunked Q-Filters against plain, perplexity after a prompt read in 512-token "
+        "blocks"
     ),
-    (
-        "smollm2/selfcal",
-        "SmolLM2-135M-Instruct: self-calibrated Q-Filters (no artifact) against calibrated, "
-        "the key-SVD fallback and the query-aware references",
-        False,
+    "smollm2/selfcal": (
+        f"{SMOL}: self-calibrated Q-Filters (no artifact) against calibrated, the key-SVD "
+        "fallback and the query-aware references"
     ),
-    (
-        "smollm2/selfcal/lengths",
-        "SmolLM2-135M-Instruct: does the score predict attention at 1k-8k tokens (calibrated, "
-        "self-calibrated and traffic-learned Q-Filters, the fallback, SnapKV, K-norm, recency)",
-        False,
+    "smollm2/selfcal/lengths": (
+        f"{SMOL}: does the score predict attention at 1k-8k tokens (calibrated, self-calibrated "
+        "and traffic-learned Q-Filters, the fallback, SnapKV, K-norm, recency)"
     ),
-    (
-        "smollm2/traffic",
-        "SmolLM2-135M-Instruct: Q-Filters learned from traffic (the server's default without an "
-        "artifact) against calibrated, self-calibrated and the fallback",
-        False,
+    "smollm2/traffic": (
+        f"{SMOL}: Q-Filters learned from traffic (the server's default without an artifact) "
+        "against calibrated, self-calibrated and the fallback"
     ),
-    (
-        "smollm2/traffic/8k",
-        "SmolLM2-135M-Instruct: Q-Filters learned from traffic on 8k-token documents",
-        False,
+    "smollm2/traffic/8k": f"{SMOL}: Q-Filters learned from traffic on 8k-token documents",
+    "smollm2/query_aware": (
+        f"{SMOL}: the query-aware references (SnapKV, TOVA) beside calibrated, self-calibrated "
+        "and fallback Q-Filters"
     ),
-    (
-        "smollm2/query_aware",
-        "SmolLM2-135M-Instruct: the query-aware references (SnapKV, TOVA) beside calibrated, "
-        "self-calibrated and fallback Q-Filters",
-        False,
+    "smollm2/query_aware/8k": f"{SMOL}: the query-aware comparison on 8k-token documents",
+    "smollm2/query_aware/window8": (
+        f"{SMOL}: SnapKV with its default 32-token observation window and with an 8-token one "
+        "(the question alone)"
     ),
-    (
-        "smollm2/query_aware/8k",
-        "SmolLM2-135M-Instruct: the query-aware comparison on 8k-token documents",
-        False,
+    "smollm2/kvzip": (
+        f"{SMOL}: KVzip (context reconstruction) per head, across a layer's heads and with rows "
+        "shared across layers, beside Q-Filters, K-norm, SnapKV and streaming (kvzip_reuse and "
+        "kvzip_parity: bench/README.md)"
     ),
-    (
-        "smollm2/query_aware/window8",
-        "SmolLM2-135M-Instruct: SnapKV with its default 32-token observation window and with "
-        "an 8-token one (the question alone)",
-        False,
+    "smollm2/batching_16": (
+        f"{SMOL}: continuous batching up to 16 streams (256-token prompts), after the packed "
+        "batch's in-place joins and leaves, chunks of 8 by default"
     ),
-    (
-        "smollm2/kvzip",
-        "SmolLM2-135M-Instruct: KVzip (context reconstruction) per head, across a layer's heads "
-        "and with rows shared across layers, beside Q-Filters, K-norm, SnapKV and streaming "
-        "(kvzip_reuse and kvzip_parity: bench/README.md)",
-        False,
+    "smollm2/multiturn_repeats": f"{SMOL}: multi-turn reuse over repeated conversations",
+    "qfserve-tiny": (
+        "qfserve-tiny (the bundled 6-layer test model: what CI's smoke runs use; kept where it "
+        "still says something)"
     ),
-    (
-        "smollm2/batching_16",
-        "SmolLM2-135M-Instruct: continuous batching up to 16 streams (256-token prompts), after "
-        "the packed batch's in-place joins and leaves, chunks of 8 by default",
-        False,
-    ),
-    (
-        "smollm2/multiturn_repeats",
-        "SmolLM2-135M-Instruct: multi-turn reuse over repeated conversations",
-        False,
-    ),
-    (
-        "qfserve-tiny",
-        "qfserve-tiny (the bundled 6-layer test model: what CI's smoke runs use; kept where "
-        "it still says something)",
-        False,
-    ),
-)
+}
 
 
 # -- markdown building blocks -------------------------------------------------------------
 
-CHUNKS = (4, 8, 16)  # chunk sizes the studies may run (bench.quality.arms.Arm.chunk)
-
+CHUNKS = (4, 8, 16)  # chunk sizes the studies may run (bench.arms.Arm.chunk)
 ARM_ORDER = (
-    "qfilters/r0",
-    "qfilters/r25",
+    *(f"qfilters/r{r}" for r in (0, 25)),
     *(f"qfilters/r{r}/c{c}" for r in (0, 25) for c in CHUNKS),
-    "qfilters/r0/ada",
-    "qfilters/r25/ada",
-    "fallback/r0",
-    "fallback/r25",
-    "fallback-/r0",
-    "fallback-/r25",
-    "knorm/r0",
-    "knorm/r25",
+    *(f"qfilters/r{r}/ada" for r in (0, 25)),
+    *(f"{m}/r{r}" for m in ("fallback", "fallback-", "knorm") for r in (0, 25)),
     "streaming/r0",
 )
-
-ARM_NAMES = {
-    "full": "full cache",
-    "qfilters/r0": "Q-Filters calibrated, recent 0",
-    "qfilters/r25": "Q-Filters calibrated, recent b/4",
-    "fallback/r0": "key-SVD fallback, recent 0",
-    "fallback/r25": "key-SVD fallback, recent b/4",
-    "fallback-/r0": "key-SVD fallback sign-flipped (ablation), recent 0",
-    "fallback-/r25": "key-SVD fallback sign-flipped (ablation), recent b/4",
-    "knorm/r0": "K-norm, recent 0",
-    "knorm/r25": "K-norm, recent b/4",
-    "streaming/r0": "streaming (sinks + latest)",
-    **{
-        f"qfilters/r{r}/c{c}": f"Q-Filters calibrated, recent {'b/4' if r else 0}, chunks of {c}"
-        for r in (0, 25)
-        for c in CHUNKS
-    },
-    "qfilters/r0/ada": "Q-Filters calibrated, recent 0, adaptive budgets",
-    "qfilters/r25/ada": "Q-Filters calibrated, recent b/4, adaptive budgets",
-}
+ARM_NAMES = {"full": "full cache", "streaming/r0": "streaming (sinks + latest)"}
 
 METHOD_NAMES = {  # the other arms' methods (bench.quality.arms.Arm.name's first part)
     "qfilters": "Q-Filters calibrated",
@@ -214,7 +150,8 @@ def table(headers: list[str], rows: list[list[Any]]) -> list[str]:
     return out
 
 
-def quality_header(title: str, data: dict[str, Any]) -> list[str]:
+def quality_header(title: str, data: dict[str, Any], intro: str = "") -> list[str]:
+    """A quality study's heading: its run, model and filters, then ``intro``."""
     model = data["model"]
     cal = data.get("calibration") or {}
     lines = [
@@ -232,10 +169,11 @@ def quality_header(title: str, data: dict[str, Any]) -> list[str]:
         )
     if data.get("quick"):
         lines += ["", "**Quick (smoke-test) run: sizes too small to read anything into.**"]
-    return lines
+    return [*lines, "", intro, ""] if intro else lines
 
 
-def speed_header(title: str, data: dict[str, Any]) -> list[str]:
+def speed_header(title: str, data: dict[str, Any], intro: str = "") -> list[str]:
+    """A speed study's heading: its run and machine, then ``intro``."""
     m = data["machine"]
     notes = m.get("notes", "")
     lines = [
@@ -249,7 +187,7 @@ def speed_header(title: str, data: dict[str, Any]) -> list[str]:
         lines += ["", f"*Machine note: {notes}.*"]
     if data.get("quick"):
         lines += ["", "*Quick (CI-sized) run: not a measurement.*"]
-    return [*lines, ""]
+    return [*lines, "", intro, ""] if intro else [*lines, ""]
 
 
 def plots(data: dict[str, Any]) -> list[str]:
@@ -584,10 +522,10 @@ def render(results_dir: Path = RESULTS_DIR) -> str:
         f"Rendered by `python -m bench.report` on {time.strftime('%Y-%m-%d')} from "
         "`bench/results/<model>/*.json`; each section names the command and date of its run.",
         "",
-        *render_goals(results_dir / MODELS[0][0]),
+        *render_goals(results_dir / next(iter(MODELS))),
     ]
-    for folder, title, missing in MODELS:
-        lines += render_model(results_dir / folder, title, missing=missing)
+    for i, (folder, title) in enumerate(MODELS.items()):
+        lines += render_model(results_dir / folder, title, missing=i == 0)
     return "\n".join(lines).rstrip() + "\n"
 
 

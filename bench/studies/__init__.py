@@ -1,10 +1,7 @@
 """The registry of studies: each one a module here, named, with the question it answers.
 
-``python -m bench --list`` prints this table; ``python -m bench <name> [options]`` runs one
-(``bench.studies.<name>.main``), and ``python -m bench.report`` renders each study's JSON with
-its module's ``render``. A study module holds only its data preparation, its measurement and
-its section of the results page; everything else is :mod:`bench.harness`, :mod:`bench.arms`
-and :mod:`bench.data`. Importing this package imports no study (nor MLX).
+A study module holds only its data preparation, its measurement and its section of the page
+(``render``); importing this package imports no study (nor MLX).
 """
 
 from __future__ import annotations

@@ -1,32 +1,10 @@
-"""Study 2: does each scorer's score predict the attention a key will receive?
+"""Does each scorer's score predict the attention a key will receive?
 
-For every held-out sequence of ``L`` tokens we run the model once with a full cache, take
-each layer's post-RoPE queries (captured with :class:`qfserve.calibrations.capture.QueryCapture`) and
-stored keys, and compute the true softmax attention explicitly. A key's *received attention*
-is its weight averaged over the later queries (positions ``L/2 .. L-1``) and over the query
-heads of its GQA group. Over the keys at positions ``n_sink .. L/2 - 1`` (sinks are always
-kept, so they are left out) we take the Spearman correlation between that and each scorer's
-score, computed by the engine's own scorer classes:
-
-* ``qfilters``: calibrated filter projection (:class:`qfserve.engine.kv.scorers.QFilterScorer`);
-* ``self``: the filter the server computes from a prompt's own queries
-  (:func:`qfserve.engine.kv.selfcal.filters_from_moments`), here from the queries at positions
-  ``0 .. L/2 - 1`` only, so it never sees the queries whose attention is measured;
-* ``fallback+`` / ``fallback-``: the key-SVD direction frozen after the first 128 keys, as
-  the cache would, with both signs (:class:`qfserve.engine.kv.scorers.KeySVDScorer`);
-* ``traffic/<name>``: the filters of an artifact the server learned from traffic
-  (``--traffic-artifacts``, :mod:`bench traffic`);
-* ``snapkv`` / ``snapkv/w8``: SnapKV's prompt score (:class:`qfserve.engine.kv.query_aware.SnapKVScorer`,
-  a 32- or 8-token observation window), as if the first half were the prompt: the attention
-  its last queries pay the keys, pooled over neighbours;
-* ``knorm``: minus the key norm; ``recency``: the position (what streaming keeps).
-
-A correlation is per (sequence, layer, KV head); we report its mean over sequences per head,
-the mean over heads, and the share of heads where it is positive. With several
-``--lengths`` each length's sets are named ``<data>@<length>`` (fewer sequences at longer
-lengths: ``sequences * 1024 / length``, at least 2), and ``all`` pools every one.
-
-Run: ``python -m bench attention [--quick] [--lengths 1024 2048 4096 8192]``.
+Per held-out sequence, with a full cache: the true softmax attention each key at
+``n_sink .. L/2`` receives from the later queries (mean over queries and the GQA group),
+Spearman-correlated per (layer, KV head) with each scorer's score, computed by the engine's
+own scorers (the self filter from the first half's queries only; SnapKV as if the first half
+were the prompt). With several ``--lengths`` each set is ``<data>@<length>``.
 """
 
 from __future__ import annotations
@@ -41,7 +19,6 @@ from bench.arms import add_traffic_argument
 from bench.data import recall_windows, stdlib_windows
 from bench.harness import (
     COLORS,
-    add_data_arguments,
     color,
     open_run,
     parse,
@@ -175,14 +152,12 @@ def sequence_correlations(
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__.splitlines()[0], calibration=True)
-    add_data_arguments(p)
-    p.add_argument("--lengths", type=int, nargs="+", default=None,
-                   help="several sequence lengths in one run (instead of --length)")  # fmt: skip
+    p = parser(__doc__, calibration=True, length=(1024, 160, "tokens per sequence"),
+               sequences=(12, 1, "held-out sequences per kind"))  # fmt: skip
+    p.add_argument("--lengths", type=int, nargs="+", help="several lengths in one run")
     add_traffic_argument(p)
     args = parse(p, argv)
-    lengths = args.lengths or [args.length or (160 if args.quick else 1024)]
-    n_seq = args.sequences or (1 if args.quick else 12)
+    lengths, n_seq = args.lengths or [args.length], args.sequences
 
     study = open_run(STUDY, args, argv, calibrate=True)
     model, identity, filters, corpus = study.model, study.identity, study.filters, study.corpus

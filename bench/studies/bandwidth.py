@@ -1,19 +1,8 @@
-"""Study 10: the physical limit. Measured memory bandwidth against the bytes a decode step
-must read (weights + kept KV), as the share of bandwidth decode reaches.
+"""The physical limit: measured memory bandwidth against the bytes a decode step reads.
 
-Bandwidth, two ways, median of repetitions over buffers far larger than the CPU caches:
-``numpy.copyto`` (reads and writes: 2x the buffer per copy, the STREAM "copy" convention) and
-a read-only pass (``numpy.sum`` over float64 with four-way unrolled pairwise summation, one
-read of the buffer). The larger median is the reference.
-
-Decode: ms/step at the model's maximum context, a full cache (twice, A/A) against Q-Filters at
-budgets 256 and 512, interleaved. Bytes read per token = every weight once (the tied
-embedding is read whole by the output projection) + the kept keys and values of every layer.
-Our cache also rewrites its rows each step (the append's concatenate and the eviction's
-gather); that traffic is estimated in a separate column, not folded into the percentage.
-
-Run: ``python -m bench bandwidth [--quick] [--model M] [--reps 7]``.
-Writes ``bench/results/<model>/bandwidth.json`` and ``bandwidth.png``.
+Bandwidth is the larger median of a ``numpy.copyto`` (2x bytes) and a float64 sum (1x) over
+buffers far larger than the caches; decode at the maximum context reads every weight once
+plus the kept KV (our cache's own row copies are a separate column).
 """
 
 from __future__ import annotations
@@ -100,14 +89,11 @@ def plot(result, out) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__.splitlines()[0], reps=7)
-    p.add_argument("--buffer-mib", type=int, default=None, help="(default 512; quick 64)")
-    p.add_argument("--steps", type=int, default=None, help="decode steps per timing (32)")
+    p = parser(__doc__, reps=7, buffer_mib=(512, 64), steps=(32, 4, "decode steps per timing"))
     args = parse(p, argv)
-    reps = args.reps
-    steps = args.steps or (4 if args.quick else 32)
+    reps, steps = args.reps, args.steps
     progress = Progress("bandwidth")
-    bandwidth = measure_bandwidth(args.buffer_mib or (64 if args.quick else 512), reps, progress)
+    bandwidth = measure_bandwidth(args.buffer_mib, reps, progress)
 
     sm = open_run("bandwidth", args, argv)
     model = sm.loaded.model
@@ -169,7 +155,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "a percentage far below 100 says decode is overhead-bound, not bandwidth-bound",
     }
     result["plots"] = plot(result, args.out)
-    return sm.save(result, section="speed", model=sm.describe())
+    return sm.save(result)
 
 
 def render(d: dict[str, Any]) -> list[str]:

@@ -1,18 +1,8 @@
 """One decode step of a batch: our per-request caches against mlx-lm's batch cache.
 
-In process, no server: ``B`` requests' Q-Filters caches (each prefilled alone with its own
-prompt, then evicting at ``--budget``) stepped together through
-:class:`qfserve.engine.serving.batch.BatchCache`, against mlx-lm's ``BatchKVCache`` merged from plain
-caches holding the same number of rows. Per batch size: the model step's time (forward pass
-and cache work), and the cache updates alone (one ``update_and_fetch`` per layer). Arms are
-interleaved per round; ``ours_again`` is the A/A copy, and ``ours_chunked`` the same caches
-with chunk-level selection (``--chunk`` positions), so its ratio to ``ours`` is what chunks
-add to the batched step. What it isolates: the cost of keeping eviction per request inside a
-batch, apart from prefill scheduling and serving.
-
-Run: ``python -m bench batch-step [--quick] [--model M] [--batches 1 4 8 16]
-[--chunk 8]``.
-Writes ``bench/results/<model>/batch_step.json`` and ``batch_step.png``.
+``B`` prompts' Q-Filters caches in a :class:`~qfserve.engine.serving.batch.BatchCache` (also
+chunked) against mlx-lm's ``BatchKVCache`` of the same rows: the model step and the cache
+updates alone, interleaved (``ours_again`` = A/A).
 """
 
 from __future__ import annotations
@@ -26,7 +16,6 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 from bench.arms import make_caches, prefill
 from bench.data import prompt_tokens
 from bench.harness import (
-    Progress,
     interleave,
     log2_axis,
     open_run,
@@ -35,7 +24,7 @@ from bench.harness import (
     pyplot,
     ratio_row,
     save_plot,
-    summary,
+    summaries,
 )
 from bench.report import plots, speed_header, table
 from qfserve.engine.kv.attention import install_head_masks
@@ -70,19 +59,13 @@ def build(sm, B: int, prompt: int, budget: int, chunk: int):
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__.splitlines()[0], reps=7)
-    p.add_argument("--batches", type=int, nargs="+", default=None, help="(default 1 4 8 16)")
-    p.add_argument("--prompt", type=int, default=None, help="tokens per prompt (default 512)")
-    p.add_argument("--budget", type=int, default=None, help="(default 256)")
-    p.add_argument("--chunk", type=int, default=None, help="the chunked arm's (default 8)")
+    p = parser(__doc__, reps=7, batches=([1, 4, 8, 16], [1, 2]), prompt=(512, 48, "tokens per "
+               "prompt"), budget=(256, 16), chunk=(8, 4, "the chunked arm's"))  # fmt: skip
     args = parse(p, argv)
-    batches = args.batches or ([1, 2] if args.quick else [1, 4, 8, 16])
-    prompt = args.prompt or (48 if args.quick else 512)
-    budget = args.budget or (16 if args.quick else 256)
-    chunk = args.chunk or (4 if args.quick else 8)
+    batches, prompt, budget, chunk = args.batches, args.prompt, args.budget, args.chunk
     reps = args.reps
-    progress = Progress("batch_step")
     sm = open_run("batch_step", args, argv)
+    progress = sm.log
     model = sm.loaded.model
     install_head_masks(model)
     rows = []
@@ -123,7 +106,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rows.append(
             {
                 "batch": B,
-                "step_s": {a: summary(v) for a, v in runs.items()},
+                "step_s": summaries(runs),
                 "ratios": [
                     ratio_row(runs, "ours", "theirs"),
                     ratio_row(runs, "ours_again", "ours"),
@@ -161,7 +144,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     log2_axis(ax, batches)
     ax.legend(fontsize=8)
     result["plots"] = [save_plot(fig, args.out, "batch_step")]
-    return sm.save(result, section="speed", model=sm.describe())
+    return sm.save(result)
 
 
 def render(d: dict[str, Any]) -> list[str]:

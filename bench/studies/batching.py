@@ -1,22 +1,9 @@
 """Continuous batching: aggregate decode tokens/s and TTFT under 1-16 concurrent streams.
 
-Three servers on the same model folder, as subprocesses on 127.0.0.1 (OpenBLAS preloaded
-for all): qfserve batching (``--max-batch 16``), qfserve one request at a time
-(``--max-batch 1``, the serving loop before batching) and ``mlx_lm.server`` with its own
-batching. Each burst sends ``c`` streamed chat requests of one prompt length at once (for
-qfserve, methods and budgets mixed: Q-Filters 512, full, K-norm 256, streaming 256;
-temperature 0, EOS banned so each makes exactly ``max_tokens``; a unique prefix defeats
-mlx-lm's prompt cache). Per burst: aggregate decode tokens/s (completion tokens after each
-stream's first, over the span from the first stream's first token to the last stream's end,
-so prompts read in that span count against it), steady decode tokens/s (text chunks of all
-streams while every stream is decoding: from the last first token to the first last one),
-end-to-end tokens/s (all completion tokens over the burst's wall time, prefill included), and
-every stream's TTFT (p50, p99). Arms are interleaved per round; ratios are to qfserve
-one-at-a-time, and ``batched_b`` (the batching server again) is the A/A row.
-
-Run: ``python -m bench batching [--quick] [--model M] [--reps 1] [--streams 1 4 8 16]
-[--prompts 256 2048]``.
-Writes ``bench/results/<model>/batching.json`` and ``batching.png``.
+qfserve batching (``--max-batch 16``), qfserve one at a time (``--max-batch 1``) and
+``mlx_lm.server``, each sent bursts of ``c`` streamed requests (ours mixing methods and
+budgets; EOS banned). Aggregate tok/s spans the first first token to the last end; steady
+tok/s only the span where every stream decodes. Ratios to one-at-a-time; ``batched_b`` = A/A.
 """
 
 from __future__ import annotations
@@ -33,7 +20,6 @@ import httpx
 
 from bench.data import chat_content, eos_ban
 from bench.harness import (
-    Progress,
     StreamTiming,
     interleave,
     log2_axis,
@@ -44,6 +30,7 @@ from bench.harness import (
     ratio_row,
     save_plot,
     stream_chat,
+    summaries,
     summary,
 )
 from bench.report import plots, speed_header, table
@@ -104,16 +91,12 @@ def plot(result, out) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__.splitlines()[0], reps=1)
-    p.add_argument("--max-tokens", type=int, default=None, help="(default 64; quick 8)")
-    p.add_argument("--streams", type=int, nargs="+", default=None, help="(default 1 4 8 16)")
-    p.add_argument("--prompts", type=int, nargs="+", default=None, help="(default 256 2048)")
+    p = parser(__doc__, reps=1, max_tokens=(64, 8), streams=([1, 4, 8, 16], [1, 2, 4]),
+               prompts=([256, 2048], [32, 96]))  # fmt: skip
     args = parse(p, argv)
-    max_tokens = args.max_tokens or (8 if args.quick else 64)
-    counts = args.streams or ([1, 2, 4] if args.quick else [1, 4, 8, 16])
-    lengths = args.prompts or ([32, 96] if args.quick else [256, 2048])
-    progress = Progress("batching")
+    max_tokens, counts, lengths = args.max_tokens, args.streams, args.prompts
     sm = open_run("batching", args, argv)
+    progress = sm.log
     bias = eos_ban(sm)
     seq = itertools.count()
 
@@ -181,7 +164,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             },
         }
         result["plots"] = plot(result, args.out)
-        return sm.save(result, section="speed", model=sm.describe(), echo=complete)
+        return sm.save(result, echo=complete)
 
     rows = []
     with contextlib.ExitStack() as stack:
@@ -217,7 +200,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 if any(x is None for v in values.values() for x in v):  # no steady span
                     row[key] = {a: None if None in v else summary(v) for a, v in values.items()}
                     continue
-                row[key] = {a: summary(v) for a, v in values.items()}
+                row[key] = summaries(values)
                 row[f"{key}_ratios"] = [ratio_row(values, a, "serial") for a in ARMS[1:]]
             rows.append(row)
             write(rows, complete=False)

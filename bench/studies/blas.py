@@ -1,12 +1,7 @@
-"""The BLAS from PyPI against the system's: the same server, the same prompts, side by side.
+"""OpenBLAS from PyPI against the system's, side by side.
 
-Three ``qfserve`` servers on the same model, each preloading a different OpenBLAS through
-``QFSERVE_BLAS``: ``pip_a`` (the ``ngsolve-openblas`` wheel the install brings), ``system``
-(Debian's ``libopenblas0-pthread``) and ``pip_b`` (the wheel again: the A/A pair). Each round
-sends every arm one streamed chat request (greedy, EOS banned, a unique prefix) in turn; TTFT
-measures prefill, the tokens after it decode. Ratios are to ``system``, round by round.
-
-Run: ``python -m bench blas [--quick] [--reps 5] [--prompt 1024] [--max-tokens 64]``.
+Three servers (``QFSERVE_BLAS`` pip, system, pip again: the A/A pair) get the same streamed
+chat requests, interleaved; prefill and decode throughput as ratios to the system's.
 """
 
 from __future__ import annotations
@@ -22,14 +17,13 @@ import httpx
 
 from bench.data import chat_content, eos_ban
 from bench.harness import (
-    Progress,
     interleave,
     open_run,
     parse,
     parser,
     ratio_row,
     stream_chat,
-    summary,
+    summaries,
 )
 from bench.report import ratio_cell, speed_header, table
 from qfserve import testing
@@ -45,16 +39,13 @@ def missing() -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__.splitlines()[0], reps=5)
-    p.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 1024)")
-    p.add_argument("--max-tokens", type=int, default=None, help="(default 64; quick 8)")
+    p = parser(__doc__, reps=5, prompt=(1024, 128, "prompt tokens"), max_tokens=(64, 8))
     args = parse(p, argv)
     if why := missing():
         raise SystemExit(f"blas: {why}")
-    n_prompt = args.prompt or (128 if args.quick else 1024)
-    max_tokens = args.max_tokens or (8 if args.quick else 64)
+    n_prompt, max_tokens = args.prompt, args.max_tokens
     run = open_run("blas", args, argv)
-    progress = Progress("blas")
+    progress = run.log
     bias, seq = eos_ban(run), itertools.count()
     logs = Path(tempfile.mkdtemp(prefix="blas-"))
     libs = {arm: find_blas(source).path for arm, source in ARMS.items()}  # type: ignore[union-attr]
@@ -87,11 +78,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "settings": {"reps": args.reps, "prompt_tokens": n_prompt, "max_tokens": max_tokens,
                      "temperature": 0, "eos_banned": True, "libraries": libs,
                      "named_in_start_up_log": loaded_libs},
-        "prefill_tps": {k: summary(v) for k, v in prefill.items()},
-        "decode_tps": {k: summary(v) for k, v in decode.items()},
+        "prefill_tps": summaries(prefill),
+        "decode_tps": summaries(decode),
         "prefill_ratios": [ratio_row(prefill, a, "system") for a in ("pip_a", "pip_b")],
         "decode_ratios": [ratio_row(decode, a, "system") for a in ("pip_a", "pip_b")],
-    }, section="speed", model=run.describe())  # fmt: skip
+    })  # fmt: skip
 
 
 def render(d: dict[str, Any]) -> list[str]:

@@ -1,24 +1,9 @@
-"""Study 6: decode ms/step against context, eviction overhead, kept KV and memory.
+"""Decode ms/step against context, eviction overhead, kept KV and memory.
 
-Three parts, each with its arms interleaved in one process:
-
-1. **Context sweep**: at each context (``--contexts``, default 1,024 doubling to the model's
-   trained length), a full cache holding the context (twice: the A/A pair) against Q-Filters
-   at each budget (``--budgets``, default 128-1,024). Full caches are trimmed back one row
-   after every step so they stay at the context.
-2. **Eviction overhead at equal size**: our cache at budget B holding B rows and evicting one
-   per step, against mlx-lm's ``KVCache`` holding B rows (twice, A/A).
-3. **Memory**, measured while part 1 builds its arms, one arm at a time (memory is not a
-   timing): kept KV bytes, the bytes the cache arrays hold, MLX's peak memory above what was
-   live before the arm during its prefill (512-token chunks, as the server prefills) and its
-   first decode steps, and how much the process's RSS grew for the arm (after
-   ``mx.clear_cache()``; the allocator may keep freed pages, so RSS is an upper bound).
-
-Each arm is prefilled once, the way the server prefills, and then both measured for memory
-and timed; the A/A full arm is a copy of the first one's rows.
-
-Run: ``python -m bench decode [--quick] [--model M] [--reps 5] [--steps 16]``.
-Writes ``bench/results/<model>/decode.json`` and ``decode_ms.png``, ``decode_memory.png``.
+Three parts, arms interleaved: a full cache holding each context (twice, A/A) against
+Q-Filters at each budget; our cache at budget B evicting a row per step against mlx-lm's
+``KVCache`` of B rows; and, while the first part builds its arms, their kept bytes, MLX peak
+memory (prefill in 512-token chunks, then decode) and RSS growth.
 """
 
 from __future__ import annotations
@@ -32,27 +17,22 @@ from bench.arms import caches_for, decode_timer, kv_stats, prefill
 from bench.data import prompt_tokens
 from bench.harness import (
     MiB,
-    Progress,
     errorbars,
     interleave,
     log2_axis,
     open_run,
     parse,
     parser,
-    pyplot,
-    ratio_row,
+    ratios,
     save_plot,
-    summary,
+    subplots,
+    summaries,
 )
 from bench.report import ms, plots, ratio_cell, speed_header, table
 
-BUDGETS = (128, 256, 512, 1024)
 
-
-def contexts_for(max_context: int, quick: bool) -> list[int]:
+def contexts_for(max_context: int) -> list[int]:
     """1,024 doubling up to the model's trained length (which is always included)."""
-    if quick:
-        return [128, 256]
     out, c = [], 1024
     while c < max_context:
         out.append(c)
@@ -66,7 +46,7 @@ def rss_bytes() -> int:
     return int(psutil.Process().memory_info().rss)
 
 
-def copy_full(model, caches: list[Any]) -> list[Any]:
+def copy_full(model: Any, caches: list[Any]) -> list[Any]:
     """A fresh full cache holding the same rows (new arrays: nothing shared)."""
     out = make_prompt_cache(model)
     for dst, src in zip(out, caches, strict=True):
@@ -76,17 +56,16 @@ def copy_full(model, caches: list[Any]) -> list[Any]:
     return out
 
 
-def build_arm(sm, arm: str | int, tokens: list[int], steps: int) -> tuple[list[Any], dict]:
+def build_arm(sm: Any, arm: str | int, tokens: list[int], steps: int) -> tuple[list[Any], dict]:
     """Prefill one arm's caches as the server would; its memory figures on the way."""
-    model = sm.loaded.model
     mx.clear_cache()
     base, rss0 = mx.get_active_memory(), rss_bytes()
     mx.reset_peak_memory()
     caches = caches_for(sm, arm)
-    prefill(model, caches, tokens)
+    prefill(sm.model, caches, tokens)
     prefill_peak = mx.get_peak_memory() - base
     mx.reset_peak_memory()
-    decode_timer(model, caches, steps, hold=True)()  # also the arm's warm-up
+    decode_timer(sm.model, caches, steps, hold=True)()  # also the arm's warm-up
     decode_peak = mx.get_peak_memory() - base
     mx.clear_cache()
     return caches, {
@@ -97,129 +76,123 @@ def build_arm(sm, arm: str | int, tokens: list[int], steps: int) -> tuple[list[A
     }
 
 
-def sweep(sm, contexts, budgets, reps, steps, progress) -> tuple[list[dict], list[dict]]:
-    model = sm.loaded.model
+def sweep(sm: Any, contexts: list[int], budgets: list[int], steps: int) -> tuple[list, list]:
     rows, memory = [], []
     for context in contexts:
         tokens = prompt_tokens(sm, context)
         arms, caches = {}, {}
         for name, arm in [("full_a", "full"), *((f"b{b}", b) for b in budgets)]:
-            progress(f"context {context}: prefilling {name}")
+            sm.log(f"context {context}: prefilling {name}")
             caches[name], mem = build_arm(sm, arm, tokens, steps)
             memory.append({"context": context, "arm": "full" if arm == "full" else name, **mem})
-            arms[name] = decode_timer(model, caches[name], steps, hold=True)
+            arms[name] = decode_timer(sm.model, caches[name], steps, hold=True)
             if name == "full_a":
-                caches["full_b"] = copy_full(model, caches["full_a"])
-                arms["full_b"] = decode_timer(model, caches["full_b"], steps, hold=True)
-        samples = interleave(arms, reps, progress=progress.rounds(f"context {context}"))
+                caches["full_b"] = copy_full(sm.model, caches["full_a"])
+                arms["full_b"] = decode_timer(sm.model, caches["full_b"], steps, hold=True)
+        samples = interleave(arms, sm.args.reps, progress=sm.log.rounds(f"context {context}"))
         rows.append(
             {
                 "context": context,
                 "beyond_trained_context": context > sm.context_length,
-                "ms_per_step": {k: summary(v) for k, v in samples.items()},
-                "ratios": [ratio_row(samples, "full_b", "full_a")]
-                + [ratio_row(samples, f"b{b}", "full_a") for b in budgets],
+                "ms_per_step": summaries(samples),
+                "ratios": ratios(samples, "full_a", ["full_b", *(f"b{b}" for b in budgets)]),
                 # The first decode step takes a cache at its budget over it: from then on it evicts.
                 "evicting": {f"b{b}": context >= b for b in budgets},
             }
         )
-        del arms, caches
     return rows, memory
 
 
-def overhead(sm, budgets, reps, steps, progress) -> list[dict]:
-    model = sm.loaded.model
+def overhead(sm: Any, budgets: list[int], steps: int) -> list[dict]:
     rows = []
     for b in budgets:
-        progress(f"equal size {b}: prefilling")
+        sm.log(f"equal size {b}: prefilling")
         tokens = prompt_tokens(sm, 2 * b)
         arms = {}
         for name in ("kvcache_a", "kvcache_b"):
-            caches = make_prompt_cache(model)
-            prefill(model, caches, tokens[:b])
-            arms[name] = decode_timer(model, caches, steps, hold=True)
+            caches = make_prompt_cache(sm.model)
+            prefill(sm.model, caches, tokens[:b])
+            arms[name] = decode_timer(sm.model, caches, steps, hold=True)
         ours = caches_for(sm, b)
-        prefill(model, ours, tokens)  # 2B tokens: every decode step evicts one row
-        arms["ours"] = decode_timer(model, ours, steps, hold=False)
-        samples = interleave(arms, reps, progress=progress.rounds(f"equal size {b}"))
+        prefill(sm.model, ours, tokens)  # 2B tokens: every decode step evicts one row
+        arms["ours"] = decode_timer(sm.model, ours, steps, hold=False)
+        samples = interleave(arms, sm.args.reps, progress=sm.log.rounds(f"equal size {b}"))
         rows.append(
             {
                 "budget": b,
-                "ms_per_step": {k: summary(v) for k, v in samples.items()},
-                "ratios": [
-                    ratio_row(samples, "kvcache_b", "kvcache_a"),
-                    ratio_row(samples, "ours", "kvcache_a"),
-                ],
+                "ms_per_step": summaries(samples),
+                "ratios": ratios(samples, "kvcache_a", ["kvcache_b", "ours"]),
             }
         )
     return rows
 
 
-def plot(result, out) -> list[str]:
-    plt = pyplot()
+def plot(result: dict[str, Any], out: Any) -> list[str]:
     budgets = result["settings"]["budgets"]
     ctx = [r["context"] for r in result["sweep"]]
-    fig, ax = plt.subplots(figsize=(6.4, 4))
+    fig, ax = subplots(figsize=(6.4, 4))
     for arm, label in [("full_a", "full"), *((f"b{b}", f"Q-Filters budget {b}") for b in budgets)]:
         med, err = errorbars([r["ms_per_step"][arm] for r in result["sweep"]])
-        ax.errorbar(ctx, med, yerr=err, marker="o", capsize=3, label=label)
+        ax[0, 0].errorbar(ctx, med, yerr=err, marker="o", capsize=3, label=label)
     trained = result["settings"]["max_context"]
-    ax.axvline(trained, color="grey", ls=":", label=f"trained context {trained}")
-    ax.set(
+    ax[0, 0].axvline(trained, color="grey", ls=":", label=f"trained context {trained}")
+    ax[0, 0].set(
         xlabel="context (tokens)",
         ylabel="ms / decode step (median, IQR)",
         title="Decode step time vs context",
     )
-    log2_axis(ax, ctx)
-    ax.legend()
+    log2_axis(ax[0, 0], ctx)
+    ax[0, 0].legend()
     names = [save_plot(fig, out, "decode_ms")]
-
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    panels = [
-        ("kept_bytes", "Kept KV bytes (all layers)"),
-        ("peak_bytes", "MLX peak above weights (prefill or decode)"),
-        ("rss_growth_bytes", "Process RSS growth for the arm"),
-    ]
+    fig, axes = subplots(1, 3, figsize=(14, 4))
+    panels = {
+        "kept_bytes": "Kept KV bytes (all layers)",
+        "peak_bytes": "MLX peak above weights (prefill or decode)",
+        "rss_growth_bytes": "Process RSS growth for the arm",
+    }
     for arm in ("full", *(f"b{b}" for b in budgets)):
         rows = [r for r in result["memory"] if r["arm"] == arm]
-        x = [r["context"] for r in rows]
-        for a, (key, _) in zip(axes, panels, strict=True):
+        for a, key in zip(axes[0], panels, strict=True):
             y = [
-                max(r["prefill_peak_bytes"], r["decode_peak_bytes"]) if key == "peak_bytes"
+                max(r["prefill_peak_bytes"], r["decode_peak_bytes"])
+                if key == "peak_bytes"
                 else r[key]
                 for r in rows
-            ]  # fmt: skip
-            a.plot(x, [max(v, 0) / 2**20 for v in y], marker="o", label=arm)
-    for a, (_, title) in zip(axes, panels, strict=True):
+            ]
+            a.plot(
+                [r["context"] for r in rows], [max(v, 0) / MiB for v in y], marker="o", label=arm
+            )
+    for a, title in zip(axes[0], panels.values(), strict=True):
         a.set(xlabel="context (tokens)", ylabel="MiB", title=title)
         log2_axis(a, ctx)
         a.legend()
-    names.append(save_plot(fig, out, "decode_memory"))
-    return names
+    return [*names, save_plot(fig, out, "decode_memory")]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args_p = parser(__doc__.splitlines()[0], reps=5)
-    args_p.add_argument("--steps", type=int, default=None, help="decode steps per timing (16)")
-    args_p.add_argument("--contexts", type=int, nargs="+", default=None, help="context tokens")
-    args_p.add_argument("--budgets", type=int, nargs="+", default=None, help="Q-Filters budgets")
-    args = parse(args_p, argv)
-    reps = args.reps
-    steps = args.steps or (4 if args.quick else 16)
-    progress = Progress("decode")
+    p = parser(
+        __doc__,
+        reps=5,
+        steps=(16, 4, "decode steps per timing"),
+        contexts=(
+            None,
+            [128, 256],
+            "context tokens (default: 1,024 doubling to the trained length)",
+        ),
+        budgets=([128, 256, 512, 1024], [64, 128]),
+    )
+    args = parse(p, argv)
     sm = open_run("decode", args, argv)
-    contexts = args.contexts or contexts_for(sm.context_length, args.quick)
-    budgets = tuple(args.budgets or ((64, 128) if args.quick else BUDGETS))
-    progress(f"model {sm.loaded.name}, contexts {contexts}, budgets {budgets}, reps {reps}")
-    rows, memory = sweep(sm, contexts, budgets, reps, steps, progress)
+    contexts = args.contexts or contexts_for(sm.context_length)
+    sm.log(f"model {sm.loaded.name}, contexts {contexts}, budgets {args.budgets}, reps {args.reps}")
+    rows, memory = sweep(sm, contexts, args.budgets, args.steps)
     full = next(m for m in memory if m["arm"] == "full")
-
     result = {
         "settings": {
             "max_context": sm.identity["max_context"],
-            "reps": reps,
-            "steps": steps,
-            "budgets": list(budgets),
+            "reps": args.reps,
+            "steps": args.steps,
+            "budgets": args.budgets,
             "n_sink": 4,
             "recent": 0,
             "method": "qfilters",
@@ -227,38 +200,39 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         },
         "kv_bytes_per_token": full["kept_bytes"] / full["tokens_kept"],
         "sweep": rows,
-        "overhead": overhead(sm, budgets, reps, steps, progress),
+        "overhead": overhead(sm, args.budgets, args.steps),
         "memory": memory,
     }
     result["plots"] = plot(result, args.out)
-    return sm.save(result, section="speed", model=sm.describe())
+    return sm.save(result)
 
 
 def render(d: dict[str, Any]) -> list[str]:
-    """This study's section of ``bench/RESULTS.md``."""
     budgets = d["settings"]["budgets"]
-    lines = speed_header("Decode step time, eviction overhead and memory against context", d)
-    lines.append(
+    lines = speed_header(
+        "Decode step time, eviction overhead and memory against context",
+        d,
         f"ms per decode step, median [IQR] over {d['settings']['reps']} interleaved repetitions "
         f"of {d['settings']['steps']} steps; ratios are medians of paired per-round ratios to "
         "the first full arm (A/A = the second full arm: the noise floor). Q-Filters, "
         f"n_sink 4, recent 0, filters: {d['model']['filter_source']}. Contexts run one after "
         "another, so absolute ms across rows also track the machine's load at the time; "
-        "compare within a row."
+        "compare within a row.",
     )
-    lines.append("")
     rows = []
     for r in d["sweep"]:
         step, rr = r["ms_per_step"], {x["arm"]: x for x in r["ratios"]}
-        label = str(r["context"]) + (
-            " (beyond trained context)" if r["beyond_trained_context"] else ""
-        )
+        beyond = " (beyond trained context)" if r["beyond_trained_context"] else ""
         rows.append(
-            [label, ms(step["full_a"]), ratio_cell(rr["full_b"])]
-            + [
-                f"{step[f'b{b}']['median']:.2f} ({ratio_cell(rr[f'b{b}'])})"
-                + ("" if r["evicting"][f"b{b}"] else " no eviction yet")
-                for b in budgets
+            [
+                f"{r['context']}{beyond}",
+                ms(step["full_a"]),
+                ratio_cell(rr["full_b"]),
+                *(
+                    f"{step[f'b{b}']['median']:.2f} ({ratio_cell(rr[f'b{b}'])})"
+                    + ("" if r["evicting"][f"b{b}"] else " no eviction yet")
+                    for b in budgets
+                ),
             ]
         )
     lines += table(
@@ -283,24 +257,32 @@ def render(d: dict[str, Any]) -> list[str]:
             for o in d["overhead"]
         ],
     )
+    per_token = d.get("kv_bytes_per_token")
     lines += [
         "",
         "Memory, MiB: kept KV (keys + values, all layers), what the cache arrays hold "
         "(mlx-lm's `KVCache` preallocates in steps of 256; ours also holds scores), "
-        "MLX's peak above what was live before the arm during prefill (512-token chunks) and "
-        "during decode, and how much the process's RSS grew for the arm (an upper bound: the "
-        "allocator may keep freed pages)."
+        "MLX's peak above what was live before the arm during prefill (512-token chunks) "
+        "and during decode, and how much the process's RSS grew for the arm (an upper "
+        "bound: the allocator may keep freed pages)."
         + (
-            f" KV bytes per token of this model (full cache): {d['kv_bytes_per_token']:,.0f}."
-            if "kv_bytes_per_token" in d
-            else ""
+            ""
+            if per_token is None
+            else f" KV bytes per token of this model (full cache): {per_token:,.0f}."
         ),
         "",
     ]
     rss = all("rss_growth_bytes" in m for m in d["memory"])
     lines += table(
-        ["context", "arm", "kept KV", "cache arrays", "prefill peak", "decode peak"]
-        + (["RSS growth"] if rss else []),
+        [
+            "context",
+            "arm",
+            "kept KV",
+            "cache arrays",
+            "prefill peak",
+            "decode peak",
+            *(["RSS growth"] if rss else []),
+        ],
         [
             [
                 m["context"],
@@ -309,8 +291,8 @@ def render(d: dict[str, Any]) -> list[str]:
                 f"{m['cache_nbytes'] / MiB:.2f}",
                 f"{m['prefill_peak_bytes'] / MiB:.1f}",
                 f"{m['decode_peak_bytes'] / MiB:.2f}",
+                *([f"{m['rss_growth_bytes'] / MiB:.1f}"] if rss else []),
             ]
-            + ([f"{m['rss_growth_bytes'] / MiB:.1f}"] if rss else [])
             for m in d["memory"]
         ],
     )

@@ -1,20 +1,8 @@
-"""Study 1, geometry: are the model's queries anisotropic, and does the filter's sign hold?
+"""Are the model's queries anisotropic, and does the filter's sign hold?
 
-Q-Filters rests on two observations about each head's post-RoPE queries (paper §3): their
-cloud has drifted away from the origin along one direction (so the mean query projects
-positively on the filter), and that direction carries most of the energy. We sample held-out
-queries (evaluation-split stdlib windows and held-out generated documents) and measure, per
-query head:
-
-* ``mean_proj_rel``: the mean held-out query's projection on the calibrated filter of its KV
-  head, over the mean query norm; the head is sign-correct when it is positive, and
-  ``share_positive`` is the share of individual queries that project positively;
-* ``top_energy`` and ``drift_ratio`` of the held-out queries' own uncentred SVD, from
-  :func:`qfserve.calibrations.compute.layer_filters` (first component's energy share, and its
-  |mean projection| over the mean of the other components');
-* ``cos_to_calibrated``: cosine between that held-out filter and the calibrated one.
-
-Run: ``python -m bench geometry [--quick]``.
+Per query head on held-out queries: the mean projection on the calibrated filter over the
+mean query norm, the share of queries projecting positively, the top component's energy and
+drift ratio of their own uncentred SVD, and its cosine to the calibrated filter.
 """
 
 from __future__ import annotations
@@ -26,7 +14,6 @@ import numpy as np
 
 from bench.data import recall_windows, stdlib_windows
 from bench.harness import (
-    add_data_arguments,
     open_run,
     parse,
     parser,
@@ -68,12 +55,10 @@ def head_rows(queries: Sequence[np.ndarray], filters: np.ndarray) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__.splitlines()[0], calibration=True)
-    add_data_arguments(p)
+    p = parser(__doc__, calibration=True, length=(1024, 160, "tokens per held-out sequence"),
+               sequences=(12, 2, "held-out sequences per kind"))  # fmt: skip
     args = parse(p, argv)
-    length = args.length or (160 if args.quick else 1024)
-    n_seq = args.sequences or (2 if args.quick else 12)
-    samples = 200 if args.quick else 3000
+    length, n_seq, samples = args.length, args.sequences, 200 if args.quick else 3000
 
     study = open_run(STUDY, args, argv, calibrate=True)
     model, identity, filters, corpus = study.model, study.identity, study.filters, study.corpus

@@ -1,15 +1,8 @@
 """The fused eviction kernel on an NVIDIA GPU without MLX: parity, then timing against top-k.
 
-Compiles the same CUDA text MLX uses (``qfserve.kernels.sources``, which imports no MLX) with CuPy's
-NVRTC, runs it on PyTorch tensors, checks it bit for bit against a numpy stable-argsort
-reference, and times it against a plain ``torch.topk`` + sort + gather at 32 (b, h) groups,
-4,096 and 16,384 rows, budget 512, head_dim 128, float16. Arms are interleaved and reported
-as medians. Writes ``bench/results/kernel_cuda.json``.
-
-    python -m bench kernel-cuda                       # needs CUDA, torch and cupy
-    python -m bench kernel-cuda --cpu-reference-only  # self-check of the reference path
-
-Needs: ``torch`` with CUDA and ``cupy-cuda12x`` (or the wheel matching the driver).
+The CUDA text MLX uses, compiled with CuPy's NVRTC on PyTorch tensors, checked bit for bit
+against a numpy stable-argsort reference and timed against ``torch.topk`` + sort + gather.
+``--cpu-reference-only`` checks the reference path without a GPU.
 """
 
 from __future__ import annotations
@@ -25,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.harness import RESULTS_DIR, command_line, interleave, summary
+from bench.harness import RESULTS_DIR, command_line, interleave, summaries
 from qfserve.kernels.cpu_model import fused_evict_model
 from qfserve.kernels.sources import (
     APPLY,
@@ -204,7 +197,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "rows": L,
                 "parity_bitwise": parity,
                 "score_kernel_allclose": scores_close,
-                "microseconds": {name: summary(v) for name, v in samples.items()},
+                "microseconds": summaries(samples),
                 "speedup_vs_topk_median": {
                     name: statistics.median(b / a for a, b in zip(v, base, strict=True))
                     for name, v in samples.items()

@@ -1,17 +1,8 @@
 """KVzip's cost: a prompt prefilled and reconstructed, against a plain prefill, then decode.
 
-In process, no server. A ``--prompt``-token prompt (standard-library text) is prefilled in
-512-token chunks, as the server does. Arms, interleaved per round: ``qfilters`` (calibrated
-Q-Filters at ``--budget``, evicting as it reads: the cheap mode), ``kvzip`` (the prompt kept
-whole, then :mod:`qfserve.engine.kv.kvzip`'s reconstruction pass, 512 tokens a forward pass, and the
-eviction to ``--budget``), ``full`` (the plain prefill the goal is measured against) and
-``full_again`` (its A/A copy). Prefill ratios are to ``full``; the goal is kvzip within 2.5x.
-Then the decode step at budget: ``--steps`` steps of each evicting arm's caches after its
-prefill (ms/step, interleaved, ratio to ``qfilters``: the same O(budget) single-row step).
-Peak memory is MLX's, reset before each arm's prefill.
-
-Run: ``python -m bench kvzip-cost [--quick] [--reps 3] [--prompt 2048] [--budget 256]``.
-Writes ``bench/results/<model>/kvzip_cost.json`` and ``kvzip_cost.png``.
+In process, 512-token prefill chunks. Arms interleaved: ``full`` (the reference),
+``qfilters`` (evicting as it reads), ``kvzip`` (kept whole, then the reconstruction pass and
+the eviction) and ``full_again`` (A/A); then the decode step at budget, kvzip over qfilters.
 """
 
 from __future__ import annotations
@@ -25,7 +16,6 @@ from bench.arms import decode_timer, prefill
 from bench.data import prompt_tokens
 from bench.harness import (
     MiB,
-    Progress,
     interleave,
     open_run,
     parse,
@@ -33,7 +23,7 @@ from bench.harness import (
     pyplot,
     ratio_row,
     save_plot,
-    summary,
+    summaries,
 )
 from bench.report import ms, plots, ratio_cell, speed_header, table
 from qfserve.engine.kv.config import CacheConfig
@@ -44,16 +34,12 @@ ARMS = ("full", "qfilters", "kvzip", "full_again")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__.splitlines()[0], reps=3)
-    p.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 2048)")
-    p.add_argument("--budget", type=int, default=None, help="(default 256)")
-    p.add_argument("--steps", type=int, default=None, help="decode steps timed (default 32)")
+    p = parser(__doc__, reps=3, prompt=(2048, 200, "prompt tokens"), budget=(256, 32),
+               steps=(32, 4, "decode steps timed"))  # fmt: skip
     args = parse(p, argv)
-    n = args.prompt or (200 if args.quick else 2048)
-    budget = args.budget or (32 if args.quick else 256)
-    steps = args.steps or (4 if args.quick else 32)
-    progress = Progress("kvzip_cost")
+    n, budget, steps = args.prompt, args.budget, args.steps
     sm = open_run("kvzip_cost", args, argv)
+    progress = sm.log
     model = sm.loaded.model
     tokens = prompt_tokens(sm, n)
     repeat = sm.repeat
@@ -103,10 +89,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "decode_steps": steps,
             "kept_rows_after_prefill": kept,
         },  # fmt: skip
-        "prefill_s": {a: summary(v) for a, v in runs.items()},
+        "prefill_s": summaries(runs),
         "prefill_ratios": [ratio_row(runs, a, "full") for a in ARMS[1:]],
         "peak_memory_bytes": peaks,
-        "decode_ms": {a: summary(v) for a, v in steps_ms.items()},
+        "decode_ms": summaries(steps_ms),
         "decode_ratios": [ratio_row(steps_ms, "kvzip", "qfilters")],
     }
     plt = pyplot()
@@ -118,7 +104,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               color=["tab:blue", "darkgoldenrod"])  # fmt: skip
     ax[1].set(ylabel="ms per decode step (median)", title="decode at budget")
     result["plots"] = [save_plot(fig, args.out, "kvzip_cost")]
-    return sm.save(result, section="speed", model=sm.describe())
+    return sm.save(result)
 
 
 def render(d: dict[str, Any]) -> list[str]:

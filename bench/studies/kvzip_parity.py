@@ -1,23 +1,9 @@
 """KVzip against NVIDIA kvpress's ``KVzipPress`` on the same model and the same token ids.
 
-Documents are needle-in-prose chats (:func:`chat_docs`): a user turn holding standard-library
-prose with one sentence "The special magic number for <city> is <7 digits>." at a random
-depth, split as kvpress splits a request: the *context* (the chat template's opening and the
-prose) is compressed, then the *question* (the question, the template's assistant opening
-and "The special magic number for <city> is") is appended uncompressed and the answer decoded
-greedily. An arm is right when the first number it says is the needle's.
-
-Ours: :mod:`qfserve.engine.kv.kvzip` on the context (rows shared across layers, our default; across
-each layer's heads; per head), with no recent window, as kvpress keeps none; the question and answer then stay whole, as in kvpress.
-Theirs: ``bench/reference/kvpress_kvzip.py`` run by a Python that has torch, transformers and
-kvpress (``--kvpress-python``; they are no dependency of qfserve), on the same GGUF through
-transformers' ``gguf_file=``, fed the same ids. Reported per ratio: accuracy of each, and the
-overlap of the rows each keeps per (layer, KV head): the share of kvpress's kept context rows
-that ours keeps too, and the Jaccard index.
-
-Run: ``python -m bench kvzip-parity --kvpress-python /path/to/venv/bin/python
-[--docs 20] [--ratios 2 4 8]``; ``<out>/kvzip_parity/`` holds the documents, kvpress's raw
-records (resumed), ours, and the JSON and plot.
+Needle-in-prose chats split as kvpress splits them: the context compressed, then the question
+appended whole and the answer decoded greedily. kvpress runs in its own Python
+(``--kvpress-python``, ``bench/reference/kvpress_kvzip.py``); reported per ratio: accuracy and
+the overlap of the rows each keeps per (layer, KV head).
 """
 
 from __future__ import annotations
@@ -34,7 +20,16 @@ import numpy as np
 
 from bench.arms import Arm, feed_block
 from bench.data import stdlib_prose
-from bench.harness import open_run, parse, parser, progress, save_plot, subplots
+from bench.harness import (
+    append_jsonl,
+    open_run,
+    parse,
+    parser,
+    progress,
+    read_jsonl,
+    save_plot,
+    subplots,
+)
 from bench.report import fmt, plots, quality_header, table
 from bench.studies.niah import CITIES
 from bench.studies.retrieval import prefill_block
@@ -142,11 +137,9 @@ def run_kvpress(
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__.splitlines()[0], calibration=True)
+    p = parser(__doc__, calibration=True, docs=(20, 2), ratios=[2, 4, 8],
+               length=(1200, 1200, "context tokens per document"))  # fmt: skip
     p.add_argument("--kvpress-python", required=True, help="a Python with torch and kvpress")
-    p.add_argument("--docs", type=int, default=None, help="documents (default 20; quick 2)")
-    p.add_argument("--length", type=int, default=1200, help="context tokens per document")
-    p.add_argument("--ratios", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--layerwise", action="store_true", help="also run kvpress with layerwise=True")
     p.add_argument("--gguf", type=Path, default=None,
                    help="the GGUF kvpress loads (default: --model's, or the catalog model's)")  # fmt: skip
@@ -161,31 +154,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit(f"{STUDY} compares on a GGUF file; {gguf} is none")
     out = args.out / STUDY
     out.mkdir(parents=True, exist_ok=True)
-    docs = chat_docs(
-        study.tokenizer, args.docs or (2 if args.quick else 20), args.length, args.seed
-    )
+    docs = chat_docs(study.tokenizer, args.docs, args.length, args.seed)
     (out / "docs.json").write_text(json.dumps(docs))
     theirs: dict[str, dict[str, Any]] = {}
     for layerwise in (False, True) if args.layerwise else (False,):
         log = out / f"kvpress{'_layerwise' if layerwise else ''}.jsonl"
         run_kvpress(args.kvpress_python, gguf, out / "docs.json", log, args.ratios, layerwise)
         mode = "layerwise" if layerwise else "global"
-        for line in log.read_text().splitlines():
-            rec = json.loads(line)
+        for rec in read_jsonl(log):
             theirs.setdefault(rec["id"], {})[mode] = rec
     mine_log = out / "ours.jsonl"
-    mine = {}
-    if mine_log.exists():
-        for line in mine_log.read_text().splitlines():
-            rec = json.loads(line)
-            mine[rec["id"]] = rec["modes"]
+    mine = {rec["id"]: rec["modes"] for rec in read_jsonl(mine_log)}
     cells: dict[str, dict[str, list[Any]]] = {}
-    with progress(total=len(docs), desc="documents") as bar, mine_log.open("a") as f:
+    with progress(total=len(docs), desc="documents") as bar:
         for doc in docs:
             if doc["id"] not in mine:
                 mine[doc["id"]] = ours(study, doc, args.ratios)
-                f.write(json.dumps({"id": doc["id"], "modes": mine[doc["id"]]}) + "\n")
-                f.flush()
+                append_jsonl(mine_log, {"id": doc["id"], "modes": mine[doc["id"]]})
             ref = theirs[doc["id"]]
             cells.setdefault("full", {}).setdefault("-", []).append(
                 ref["global"]["full"]["correct"]

@@ -1,29 +1,14 @@
 """Five questions on one document in five later turns, through the server's own prompt cache.
 
-A document of English prose holds five sentences "The special magic number for <city> is
-<7 digits>." at different depths. Turn 0 sends the document and asks for a one-sentence
-summary; turns 1-5 each ask for one city's number ("Answer: The special magic number for
-<city> is"), every prompt continuing the previous one token for token (the answers included),
-as a chat client sends a conversation. Requests run through :class:`qfserve.engine.serving.worker.Worker`
-with its prompt cache on, so each turn continues the caches the previous turn left: what a
-later question can read is what was kept without knowing it. An answer is right when its
-first number is the city's.
-
-Arms: the full cache, and at each compression (budget = document tokens / ratio, recent window
-budget/4) Q-Filters, SnapKV, streaming and KVzip with rows shared across layers. KVzip
-answers turn 0 on its full cache and is compressed when kept (the server's default where
-memory allows); later turns read the compressed cache plus their own tokens.
-
-Records are appended to ``<out>/kvzip_reuse.jsonl`` per (document, arm, ratio), so a run
-resumes; ``<out>/kvzip_reuse.json`` and the plot are written at the end.
-
-Run: ``python -m bench kvzip-reuse [--quick] [--docs 6] [--length 1500]``.
+Turn 0 sends prose holding five "special magic number" facts and asks for a summary; each
+later turn asks for one fact, continuing the previous prompt token for token, through a
+:class:`~qfserve.engine.serving.worker.Worker` with reuse on: later questions read what was
+kept without knowing them. KVzip answers turn 0 on its full cache and is compressed when kept.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import re
 import time
@@ -33,7 +18,17 @@ import numpy as np
 
 from bench.arms import Arm
 from bench.data import stdlib_prose
-from bench.harness import color, open_run, parse, parser, progress, save_plot, subplots
+from bench.harness import (
+    append_jsonl,
+    color,
+    open_run,
+    parse,
+    parser,
+    progress,
+    resume,
+    save_plot,
+    subplots,
+)
 from bench.report import arm_label, fmt, plots, quality_header, table
 from bench.studies.niah import CITIES
 from qfserve.engine.serving.config import EngineConfig
@@ -124,32 +119,20 @@ async def _ask(worker: Worker, request: GenerationRequest) -> tuple[list[str], F
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__.splitlines()[0])
-    p.add_argument("--docs", type=int, default=None, help="documents (default 6; quick 1)")
-    p.add_argument("--length", type=int, default=None, help="document tokens (default 1500)")
-    p.add_argument("--ratios", type=int, nargs="+", default=None, help="(default 2 4 8)")
+    p = parser(__doc__, docs=(6, 1), length=(1500, 200, "document tokens"), ratios=([2, 4, 8], [4]))
     args = parse(p, argv)
-    n_docs = args.docs or (1 if args.quick else 6)
-    length = args.length or (200 if args.quick else 1500)
-    ratios = args.ratios or ([4] if args.quick else [2, 4, 8])
+    n_docs, length, ratios = args.docs, args.length, args.ratios
     study = open_run(STUDY, args, argv)
     loaded = study.loaded
-    args.out.mkdir(parents=True, exist_ok=True)
     log = args.out / f"{STUDY}.jsonl"
-    if args.quick and log.exists():
-        log.unlink()
-    done = {}
-    if log.exists():
-        for line in log.read_text().splitlines():
-            rec = json.loads(line)
-            done[(rec["doc"], rec["arm"], rec["ratio"])] = rec
+    done = resume(log, lambda r: (r["doc"], r["arm"], r["ratio"]), fresh=args.quick)
     todo = [
         (d, a, r)
         for d in range(n_docs)
         for a in ARMS
         for r in (["-"] if a.method == "full" else ratios)
     ]
-    with progress(total=len(todo), desc="conversations") as bar, log.open("a") as f:
+    with progress(total=len(todo), desc="conversations") as bar:
         for d, arm, ratio in todo:
             key = (d, arm.name, str(ratio))
             if key not in done:
@@ -168,8 +151,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                            "doc_tokens": tokens, **converse(worker, study.tokenizer, doc, arm, budget)}  # fmt: skip
                 finally:
                     worker.stop()
-                f.write(json.dumps(rec) + "\n")
-                f.flush()
+                append_jsonl(log, rec)
                 done[key] = rec
             bar.update(1)
     records = [done[(d, a.name, str(r))] for d, a, r in todo]
@@ -186,7 +168,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             ax[0, 0].axhline(by["-"], color="black", ls="--", label="full cache")
         else:
             ax[0, 0].plot(ratios, [by[str(r)] for r in ratios], marker="o",
-                          color=color(arm.method), label=arm.label)  # fmt: skip
+                          color=color(arm.method), label=arm_label(arm.name))  # fmt: skip
     ax[0, 0].set(xscale="log", xlabel="compression", ylabel="accuracy", ylim=(-0.05, 1.05))
     ax[0, 0].legend(fontsize=7)
     save_plot(fig, args.out, STUDY, f"{study.identity['path']}: questions in later turns")

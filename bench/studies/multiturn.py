@@ -1,27 +1,9 @@
 """Multi-turn chat: time to first token, KV bytes and RSS per turn, with and without reuse.
 
-Up to three servers on the same model folder, as subprocesses on 127.0.0.1 (OpenBLAS preloaded
-for all): qfserve with its prompt cache (the default), qfserve with ``--prompt-cache-size 0``
-(every turn prefilled again) and ``mlx_lm.server`` with its own prompt cache (full caches).
-Four arms hold the same conversation side by side, one turn each per round: Q-Filters
-(budget 512) with reuse, Q-Filters without, a full cache with reuse (qfserve), and mlx-lm's.
-Every turn adds the
-same new user text (about ``--turn-tokens`` tokens of English prose from the standard
-library's docstrings, :mod:`bench prose`) to that conversation's own history, with
-the model's own answers (greedy, at most ``--max-tokens``, ending where the model ends them,
-so the template renders each answer back as it was generated). Per turn and arm: TTFT,
-prompt tokens, the tokens a reused cache held (``cached_tokens``), KV bytes kept (qfserve's
-``kv_cache``) and the server's RSS after the turn.
-
-``--conversations K`` runs K conversations one after another on the same servers, each on
-other prose (starting at another paragraph), so a per-turn figure gets a spread; ``--arms``
-runs a subset (only the servers those arms need are started). The ratio of the last turn's
-TTFT to turn 2's is reported per conversation and as their median; ``turns`` and the plot
-show the first conversation, ``runs`` every one.
-
-Run: ``python -m bench multiturn [--quick] [--model M] [--turns 20] [--conversations K]
-[--arms qfilters_reuse ...]``.
-Writes ``bench/results/<model>/multiturn.json`` and ``multiturn.png``.
+Four arms hold the same conversation side by side, one turn each per round: Q-Filters with
+the prompt cache, Q-Filters without (``--prompt-cache-size 0``), a full cache with it, and
+``mlx_lm.server``; each turn adds prose and the model's own greedy answers. ``--conversations``
+repeats on other prose so the last-turn / turn-2 TTFT ratio gets a spread.
 """
 
 from __future__ import annotations
@@ -37,7 +19,6 @@ import httpx
 
 from bench.harness import (
     MiB,
-    Progress,
     Run,
     open_run,
     parse,
@@ -132,23 +113,22 @@ def plot(result, out) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__.splitlines()[0], reps=1)
-    p.add_argument("--turns", type=int, default=None, help="(default 20; quick 4)")
-    p.add_argument("--turn-tokens", type=int, default=None, help="(default 150; quick 40)")
-    p.add_argument("--max-tokens", type=int, default=None, help="(default 48; quick 8)")
-    p.add_argument("--budget", type=int, default=None, help="Q-Filters budget (default 512)")
-    p.add_argument("--conversations", type=int, default=1, help="repeats with other prose (1)")
+    p = parser(__doc__, reps=1, turns=(20, 4), turn_tokens=(150, 40), max_tokens=(48, 8),
+               budget=(512, 64, "Q-Filters budget"), conversations=(1, 1, "repeats with other "
+               "prose"))  # fmt: skip
     p.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS), help="(default all)")
     args = parse(p, argv)
     if args.conversations < 1:
         p.error("--conversations must be >= 1")
-    n_turns = args.turns or (4 if args.quick else 20)
-    turn_tokens = args.turn_tokens or (40 if args.quick else 150)
-    max_tokens = args.max_tokens or (8 if args.quick else 48)
-    budget = args.budget or (64 if args.quick else 512)
+    n_turns, turn_tokens, max_tokens, budget = (
+        args.turns,
+        args.turn_tokens,
+        args.max_tokens,
+        args.budget,
+    )
     arms = [a for a in ARMS if a in args.arms]
-    progress = Progress("multiturn")
     sm = open_run("multiturn", args, argv)
+    progress = sm.log
     conversations = user_turns(sm, n_turns, turn_tokens, args.conversations)
     extra: dict[str, dict[str, Any]] = {
         "qfilters_reuse": {"kv_method": "qfilters", "qfilters_budget": budget},
@@ -221,7 +201,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "last_over_second_ttft_by_conversation": by_conversation,
     }
     result["plots"] = plot(result, args.out)
-    return sm.save(result, section="speed", model=sm.describe())
+    return sm.save(result)
 
 
 def render(d: dict[str, Any]) -> list[str]:

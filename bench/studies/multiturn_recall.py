@@ -1,41 +1,15 @@
-"""A pass key given in turn 1 of a chat, asked again turns later, with and without reuse.
+"""A pass key given in turn 1, asked for turns later, per cache arm.
 
-Each conversation opens with "Remember this pass key: <5 digits>." and then, turn after turn,
-about ``--turn-tokens`` tokens of English prose (:mod:`bench prose`); at the turns in
-``--ask`` the user asks for the pass key, at the others for a one-line summary. The model
-answers greedily (at most ``--max-tokens``, ending where it ends) and each answer joins the
-history, as a chat client would send it. At an ask, two measures: whether the greedy answer
-contains the key, and the key's mean negative log-likelihood as the answer (teacher-forced on
-a copy of the caches, so it does not change the conversation). The second says how close an
-arm is where every arm, the full cache included, answers wrong.
-
-Arms: the full cache (the reference), and Q-Filters, K-norm (recent window budget/4) and
-streaming at each budget. A *reuse* arm holds the whole conversation in one set of caches,
-each turn feeding only the tokens its cache does not hold yet: turn N attends to the history
-as it was compressed turn by turn. That is what the server's prompt cache does
-(``tests/engine/test_reuse.py`` checks a reused turn against these same caches fed by hand);
-it runs here in process so the key's likelihood can be read. A turn whose prompt does not
-start with the tokens the caches hold (an answer that re-tokenises differently) is a counted
-miss and prefills the whole history afresh, as the server would. Its *fresh* sibling asks the
-same question on the same text without reuse: at each ask turn it prefills the reuse arm's
-transcript up to that turn in one go (the history compressed at once). Prompts are read in
-blocks of the server's default ``--prefill-chunk``.
-
-Each arm's conversation is appended to ``<out>/multiturn_recall.jsonl`` as soon as it ends,
-so an interrupted run resumes; ``<out>/multiturn_recall.json`` is written at the end.
-
-Cost: a reuse arm prefills each turn's new tokens once; a fresh arm prefills the history once
-per ask turn. At the default size (20 turns of 150 tokens, asks at 5, 10 and 20, budgets 256
-and 512, three methods) that is about 60k prompt tokens per conversation, roughly 40 minutes
-on one core here.
-
-Run: ``python -m bench multiturn-recall [--quick] [--turns 20] [--ask 5 10 20]``.
+Each user turn adds prose and asks either for the key or for a summary; greedy answers join
+the history. At an ask: whether the answer holds the key, and the key's NLL as the answer
+(teacher-forced on a copy of the caches). A *reuse* arm holds the whole chat in one set of
+caches (as the server's prompt cache does); its *fresh* sibling prefills the reuse arm's
+transcript afresh at each ask turn.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import random
 import time
 from typing import Any
@@ -46,7 +20,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from bench.arms import make_caches, prefill, token_nll
 from bench.data import prose_windows
-from bench.harness import Run, open_run, parse, parser, pyplot, save_plot
+from bench.harness import Run, append_jsonl, open_run, parse, parser, pyplot, resume, save_plot
 from bench.report import plots, quality_header, table
 from qfserve.engine.kv.config import CacheConfig
 from qfserve.engine.serving.config import DEFAULT_PREFILL_CHUNK
@@ -188,38 +162,24 @@ def plot(accuracy: dict, key_nll: dict, out: Any) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__.splitlines()[0])
-    p.add_argument("--turns", type=int, default=None, help="(default 20; quick 4)")
-    p.add_argument("--ask", type=int, nargs="+", default=None, help="(default 5 10 20)")
-    p.add_argument("--budgets", type=int, nargs="+", default=None, help="(default 256 512)")
-    p.add_argument("--methods", nargs="+", default=None, help="(default qfilters knorm streaming)")
-    p.add_argument("--conversations", type=int, default=None, help="(default 1)")
-    p.add_argument("--turn-tokens", type=int, default=None, help="(default 150; quick 40)")
-    p.add_argument("--max-tokens", type=int, default=None, help="(default 24; quick 8)")
+    methods = ["qfilters", "knorm", "streaming"]
+    p = parser(__doc__, turns=(20, 4), ask=([5, 10, 20], [2, 4]), budgets=([256, 512], [64]),
+               methods=(methods, methods), conversations=1, turn_tokens=(150, 40),
+               max_tokens=(24, 8))  # fmt: skip
     args = parse(p, argv)
-    quick = args.quick
-    n_turns = args.turns or (4 if quick else 20)
-    ask = sorted(set(args.ask or ([2, 4] if quick else [5, 10, 20])))
-    budgets = args.budgets or ([64] if quick else [256, 512])
-    methods = args.methods or ["qfilters", "knorm", "streaming"]
-    n_conv = args.conversations or 1
-    turn_tokens = args.turn_tokens or (40 if quick else 150)
-    max_tokens = args.max_tokens or (8 if quick else 24)
+    n_turns, ask, budgets, methods = args.turns, sorted(set(args.ask)), args.budgets, args.methods
+    n_conv, turn_tokens, max_tokens = args.conversations, args.turn_tokens, args.max_tokens
     started = time.perf_counter()
     sm = open_run(STUDY, args, argv)
     tok = sm.loaded.tokenizer
     table = arms(budgets, methods)
-    args.out.mkdir(parents=True, exist_ok=True)
     log = args.out / f"{STUDY}.jsonl"
     # Rows are read back only for the same design, sizes, seed (the keys and texts) and model.
     weights = sm.describe().get("weights_sha1")
     settings = [n_turns, ask, turn_tokens, max_tokens, SETTINGS_TAG, args.seed, weights]
-    done = {}
-    if log.exists():
-        for line in log.read_text().splitlines():
-            row = json.loads(line)
-            if row["settings"] == settings:
-                done[(row["conversation"], row["arm"])] = row
+    done = resume(
+        log, lambda r: (r["conversation"], r["arm"]), keep=lambda r: r["settings"] == settings
+    )
     rng = random.Random(args.seed)
     for c in range(n_conv):
         key = f"{rng.randrange(10_000, 100_000)}"
@@ -243,8 +203,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    "right": [key in by_turn[k]["answer"] for k in ask],
                    "key_nll": [by_turn[k]["key_nll"] for k in ask]}  # fmt: skip
             done[(c, name)] = row
-            with log.open("a") as f:
-                f.write(json.dumps(row) + "\n")
+            append_jsonl(log, row)
             print(f"conversation {c + 1}, {name}: right {row['right']}, key NLL "
                   f"{[round(x, 2) for x in row['key_nll']]} "
                   f"({time.perf_counter() - started:.0f}s)", flush=True)  # fmt: skip

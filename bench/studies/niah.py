@@ -1,26 +1,12 @@
-"""Study 6: needle in a haystack in English prose, depth x length, per arm and compression.
+"""A needle sentence in English prose, depth x length, per arm and compression.
 
-The haystack is English prose every machine has offline: paragraphs of the Python standard
-library's docstrings (:func:`bench prose.stdlib_prose`). The needle is one sentence,
-"The special magic number for <city> is <7 digits>.", placed between paragraphs at a
-controlled depth (0 = first, 1 = last before the question); the prompt ends with the question
-and "The special magic number for <city> is", and an arm is right when the first number of
-its greedy continuation is the needle's (exact match).
-
-Every arm keeps ``round(prompt tokens / ratio)`` rows, with a recent window of a quarter of
-the budget (the question must survive). As in the pass-key study, the prompt (but its last
-token) is prefilled once as one block with a full cache and handed to each arm's caches,
-which evict exactly as one block call would.
-
-Results are appended to ``<out>/niah.jsonl`` one document at a time, so an interrupted run
-resumes where it stopped; ``<out>/niah.json`` and the heatmaps are written at the end.
-
-Run: ``python -m bench niah [--quick] [--lengths ...] [--depths ...] [--ratios ...]``.
+The haystack is standard-library docstring prose; the needle "The special magic number for
+<city> is <7 digits>." sits at a controlled depth, and the prompt ends with the question. The
+prompt is prefilled once and handed to each arm's caches, as in the pass-key study.
 """
 
 from __future__ import annotations
 
-import json
 import random
 import re
 from typing import Any
@@ -29,7 +15,16 @@ import numpy as np
 
 from bench.arms import READS_QUERIES, Arm, add_arm_arguments, select_arms
 from bench.data import stdlib_prose
-from bench.harness import open_run, parse, parser, progress, save_plot, subplots
+from bench.harness import (
+    append_jsonl,
+    open_run,
+    parse,
+    parser,
+    progress,
+    resume,
+    save_plot,
+    subplots,
+)
 from bench.report import arm_label, arm_order, fmt, plots, quality_header, table
 from bench.studies.retrieval import answer_nll, budget_for, prefill_block, run_arm
 
@@ -144,16 +139,6 @@ def measure(
     return out
 
 
-def load_done(path: Any) -> dict[tuple[int, float, int], dict]:
-    done = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            if line.strip():
-                rec = json.loads(line)
-                done[(rec["length"], rec["target_depth"], rec["index"])] = rec
-    return done
-
-
 def aggregate(
     records: list[dict], lengths: list[int], depths: list[float], arms: list[Arm]
 ) -> dict:
@@ -213,7 +198,7 @@ def plot(
 
     heat(ax[0, 0], grid["full"]["-"], "full cache")
     for row, name in enumerate(names, start=1):
-        label = next(a.label for a in arms if a.name == name)
+        label = arm_label(name)
         for col, r in enumerate(ratios):
             if str(r) in grid.get(name, {}):
                 heat(ax[row, col], grid[name][str(r)], f"{label}\n{r}x")
@@ -221,47 +206,29 @@ def plot(
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__.splitlines()[0], calibration=True)
-    p.add_argument("--lengths", type=int, nargs="+", default=None, help="prompt tokens")
-    p.add_argument("--depths", type=float, nargs="+", default=None, help="needle depths, 0..1")
-    p.add_argument("--ratios", type=int, nargs="+", default=None, help="compression ratios")
-    p.add_argument("--per-cell", type=int, default=None, help="documents per depth x length")
+    p = parser(__doc__, calibration=True, lengths=([1024, 2048, 4096, 8192], [256], "prompt "
+               "tokens"), depths=([0.0, 0.25, 0.5, 0.75, 1.0], [0.0, 1.0], "needle depths, 0..1"),
+               ratios=([2, 4, 8, 16, 32], [4]), per_cell=(1, 1, "documents per depth x length"))  # fmt: skip
     add_arm_arguments(p)
     args = parse(p, argv)
     arms = select_arms(default_arms(), args)
-    lengths = args.lengths or ([256] if args.quick else [1024, 2048, 4096, 8192])
-    depths = args.depths or ([0.0, 1.0] if args.quick else [0.0, 0.25, 0.5, 0.75, 1.0])
-    ratios = args.ratios or ([4] if args.quick else [2, 4, 8, 16, 32])
-    per_cell = args.per_cell or 1
-
+    depths, ratios, per_cell = args.depths, args.ratios, args.per_cell
     study = open_run(STUDY, args, argv, calibrate=True)
-    if study.identity["max_context"]:
-        lengths = [n for n in lengths if n <= study.identity["max_context"]]
+    lengths = [n for n in args.lengths if n <= (study.identity["max_context"] or n)]
     paragraphs = stdlib_prose()
-    args.out.mkdir(parents=True, exist_ok=True)
     log = args.out / f"{STUDY}.jsonl"
-    done = load_done(log) if not args.quick else {}
-    if args.quick and log.exists():
-        log.unlink()
+    done = resume(log, lambda r: (r["length"], r["target_depth"], r["index"]), fresh=args.quick)
     todo = [(n, d, i) for n in lengths for d in depths for i in range(per_cell)]
-    with progress(total=len(todo), desc="documents") as bar, log.open("a") as f:
+    with progress(total=len(todo), desc="documents") as bar:
         for n, d, i in todo:
             if (n, d, i) not in done:
                 doc = make_doc(study.tokenizer, paragraphs, n, d, i)
-                rec = {
-                    "length": n,
-                    "target_depth": d,
-                    "index": i,
-                    "depth": doc["depth"],
-                    "tokens": doc["tokens"],
-                    "model": study.identity["path"],
-                    "arms": measure(
-                        study.model, study.tokenizer, doc, study.filters, ratios, arms, study.repeat
-                    ),
-                }
-                f.write(json.dumps(rec) + "\n")
-                f.flush()
-                done[(n, d, i)] = rec
+                outcomes = measure(study.model, study.tokenizer, doc, study.filters, ratios, arms,
+                                   study.repeat)  # fmt: skip
+                done[(n, d, i)] = {"length": n, "target_depth": d, "index": i,
+                                   "depth": doc["depth"], "tokens": doc["tokens"],
+                                   "model": study.identity["path"], "arms": outcomes}  # fmt: skip
+                append_jsonl(log, done[(n, d, i)])
             bar.update(1)
     records = [done[k] for k in todo]
     grid = aggregate(records, lengths, depths, arms)

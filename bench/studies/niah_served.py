@@ -1,17 +1,8 @@
 """The needle in prose through the server, with the settings a user who changes nothing gets.
 
-The documents of the ``niah`` study (a 7-digit number stated once in standard-library prose,
-asked for at the end, the needle at half depth), sent as token ids to ``/v1/completions``,
-greedy. Arms:
-
-- ``auto``: the default server, the request sends no eviction field (``--budget auto``);
-- ``full``: the same server, ``kv_method: full`` (the reference);
-- ``auto-small``: a server started with a small ``--max-kv-bytes`` (what a full cache of
-  2,048 tokens holds; quick: 300), the request again sending nothing: past it, it evicts.
-
-Each answer records what ``kv_cache`` reported (method, budget, ``budget_source``,
-evictions). Answers are appended to ``<out>/niah_served.jsonl`` as they come (an
-interrupted run resumes).
+The ``niah`` documents (needle at half depth) sent to ``/v1/completions``: ``auto`` (no
+eviction field), ``full`` (``kv_method: full``) and ``auto-small`` (a server whose
+``--max-kv-bytes`` holds 2,048 tokens of full cache), each answer with what ``kv_cache`` said.
 """
 
 from __future__ import annotations
@@ -58,12 +49,10 @@ def ask(url: str, doc: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__.splitlines()[0])
-    p.add_argument("--docs", type=int, default=None, help="documents per length (default 5)")
-    p.add_argument("--lengths", type=int, nargs="+", default=None, help="(default 1k-8k)")
+    p = parser(__doc__, docs=(5, 2, "documents per length"),
+               lengths=([1024, 2048, 4096, 8192], [256, 512]))  # fmt: skip
     args = parse(p, argv)
-    docs = args.docs or (2 if args.quick else 5)
-    lengths = args.lengths or ([256, 512] if args.quick else [1024, 2048, 4096, 8192])
+    docs, lengths = args.docs, args.lengths
     run = open_run(STUDY, args, argv)
     from qfserve.engine.serving.admission import kv_row_bytes
     from qfserve.engine.serving.config import EngineConfig

@@ -1,32 +1,13 @@
-"""Study 3: perplexity of streaming generation with eviction active, per budget and arm.
+"""Perplexity of streaming generation with eviction active, per budget and arm.
 
-Sequences of ``L`` tokens (default 4 x 2,048) are fed one token per step through each arm's
-real caches (:mod:`bench teacher`), teacher-forced, at budgets 256 / 512 / 1,024 by
-default (those with ``budget <= L/2``). Data sets: ``stdlib`` (evaluation-split standard
-library code windows), ``prose`` (running English prose: standard-library docstring
-paragraphs, :mod:`bench prose`) and ``recall`` (held-out generated recall
-documents). Perplexity is scored on the second half of each sequence, where every budget is
-full and evicting, so budgets are comparable. Arms: full cache, calibrated Q-Filters and
-K-norm with ``recent = budget/4`` (``--methods`` adds the key-SVD fallback in either
-orientation, ``--recent-fracs`` other windows; quick runs all of them at 0 and b/4), and
-streaming (sinks + latest rows, for which a recent window changes nothing).
-
-``gap closed vs streaming`` is ``(nll_streaming - nll_arm) / (nll_streaming - nll_full)`` on
-the pooled mean NLL at the same budget: 100% matches the full cache, 0% is no better than
-keeping the latest rows, negative is worse. It is left out (``None``) where streaming is not
-worse than the full cache by at least 0.002 nats/token: there is no gap to close. Every arm
-is checked to hold exactly ``budget`` rows per layer and KV head at the end and never more
-at any step.
-
-Each (data set, budget, arm) is appended to ``<out>/perplexity.jsonl`` as it finishes, so an
-interrupted run resumes where it stopped.
-
-Run: ``python -m bench perplexity [--quick] [--budgets ...] [--datasets ...]``.
+Sequences are fed one token per step through each arm's real caches, teacher-forced, and
+scored on their second half, where every budget is full and evicting. ``gap closed`` is
+``(nll_streaming - nll_arm) / (nll_streaming - nll_full)`` at the same budget (None where
+streaming is not measurably worse). ``--prompt`` reads the first half in 512-token blocks.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -34,7 +15,6 @@ from typing import Any
 import numpy as np
 
 from bench.arms import (
-    LABELS,
     Arm,
     add_arm_arguments,
     full_nll,
@@ -44,7 +24,18 @@ from bench.arms import (
     streaming_nll,
 )
 from bench.data import prose_windows, recall_windows, stdlib_windows
-from bench.harness import COLORS, open_run, parse, parser, progress, save_plot, subplots, summary
+from bench.harness import (
+    COLORS,
+    append_jsonl,
+    open_run,
+    parse,
+    parser,
+    progress,
+    resume,
+    save_plot,
+    subplots,
+    summary,
+)
 from bench.report import arm_label, arm_order, fmt, pct, plots, quality_header, spread_cell, table
 from qfserve.engine.serving.config import DEFAULT_PREFILL_CHUNK
 
@@ -112,13 +103,8 @@ def evaluate(
     full = full_nll(model, tokens)[:, window]
     out: dict[str, Any] = {"full": {"nll": full}, "budgets": {b: {} for b in budgets}}
     shape = list(tokens.shape)
-    done = {}
-    if log is not None and log.exists():
-        for line in log.read_text().splitlines():
-            rec = json.loads(line) if line.strip() else None
-            same = rec and rec["dataset"] == desc and rec["shape"] == shape
-            if same and rec.get("prompt_block") == block:
-                done[(rec["budget"], rec["arm"])] = rec
+    same = lambda r: (r["dataset"], r["shape"], r.get("prompt_block")) == (desc, shape, block)  # noqa: E731
+    done = {} if log is None else resume(log, lambda r: (r["budget"], r["arm"]), keep=same)
     evicting = [a for a in arms if a.method != "full"]
     todo = [(b, a) for b in budgets for a in evicting if (b, a.name) not in done]
     with progress(total=(L - 1) * len(todo), unit="tok", desc=desc) as bar:
@@ -126,20 +112,15 @@ def evaluate(
             for arm in evicting:
                 if (budget, arm.name) in done:
                     rec = done[(budget, arm.name)]
-                    out["budgets"][budget][arm.name] = {
-                        **rec["record"],
-                        "nll": np.asarray(rec["nll"], dtype=np.float32),
-                    }
+                    nll = np.asarray(rec["nll"], dtype=np.float32)
+                    out["budgets"][budget][arm.name] = {**rec["record"], "nll": nll}
                     continue
                 nll, record = run_arm(model, tokens, arm, budget, filters, bar, block)
                 out["budgets"][budget][arm.name] = {"nll": nll[:, window], **record}
                 if log is not None:
-                    with log.open("a") as f:
-                        f.write(json.dumps({
-                            "dataset": desc, "shape": shape, "budget": budget, "arm": arm.name,
-                            "prompt_block": block,
-                            "record": record, "nll": nll[:, window].tolist(),
-                        }) + "\n")  # fmt: skip
+                    append_jsonl(log, {"dataset": desc, "shape": shape, "budget": budget,
+                                       "arm": arm.name, "prompt_block": block, "record": record,
+                                       "nll": nll[:, window]})  # fmt: skip
     return out
 
 
@@ -206,8 +187,7 @@ def plot(results: dict[str, Any], identity: dict[str, Any], out_dir: Any) -> lis
             for i, name in enumerate(shown):
                 method = name.split("/")[0].rstrip("-")
                 ppl = [res["budgets"][b][name]["ppl"] for b in budgets]
-                variant = "/".join(name.split("/")[2:])
-                label = LABELS[method] + (f" ({variant})" if variant else "")
+                label = arm_label(name)
                 a.plot(budgets, ppl, styles[i % len(styles)], color=COLORS[method], label=label)
             a.set_xscale("log", base=2)
             a.set_yscale("log")
@@ -229,41 +209,20 @@ def plot(results: dict[str, Any], identity: dict[str, Any], out_dir: Any) -> lis
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__.splitlines()[0], calibration=True)
-    p.add_argument("--length", type=int, default=None, help="tokens per sequence")
-    p.add_argument("--sequences", type=int, default=None, help="sequences per data set")
-    p.add_argument("--budgets", type=int, nargs="+", default=None)
-    p.add_argument("--datasets", nargs="+", choices=("stdlib", "recall", "prose"), default=None)
-    p.add_argument(
-        "--recent-fracs",
-        type=float,
-        nargs="+",
-        default=None,
-        help="recent windows as fractions of the budget (default 0.25; quick: 0 and 0.25)",
-    )
-    p.add_argument(
-        "--methods",
-        nargs="+",
-        choices=METHODS,
-        default=None,
-        help="evicting arms beside streaming (default: qfilters and knorm; quick: all)",
-    )
-    p.add_argument(
-        "--prompt",
-        action="store_true",
-        help=f"read the first half as a prompt, in {PROMPT_BLOCK}-token blocks that evict at "
-        "once, then decode the second half (chunks and adaptive budgets act only on blocks)",
-    )
+    p = parser(__doc__, calibration=True, length=(2048, 96, "tokens per sequence"),
+               sequences=(4, 2, "sequences per data set"), budgets=([256, 512, 1024], [16, 32]),
+               datasets=(["stdlib", "prose"], ["stdlib", "prose"], "stdlib, recall or prose"),
+               recent_fracs=([0.25], [0.0, 0.25], "recent windows as fractions of the budget"),
+               methods=(list(DEFAULT_METHODS), list(METHODS), "evicting arms beside streaming "
+                        f"(of {', '.join(METHODS)})"))  # fmt: skip
+    p.add_argument("--prompt", action="store_true", help=f"read the first half as a prompt, in "
+                   f"{PROMPT_BLOCK}-token blocks that evict at once, then decode the second half")  # fmt: skip
     add_arm_arguments(p)
     args = parse(p, argv)
-    length = args.length or (96 if args.quick else 2048)
-    n_seq = args.sequences or (2 if args.quick else 4)
-    budgets = [b for b in (args.budgets or ((16, 32) if args.quick else (256, 512, 1024)))]
-    budgets = [b for b in budgets if b <= length // 2]
-    datasets = args.datasets or ["stdlib", "prose"]
+    length, n_seq = args.length, args.sequences
+    budgets = [b for b in args.budgets if b <= length // 2]
     if not budgets:
         raise ValueError(f"budgets must be <= length/2 = {length // 2}, got {args.budgets}")
-
     study = open_run(STUDY, args, argv, calibrate=True)
     model, identity, filters, corpus = study.model, study.identity, study.filters, study.corpus
     make = {
@@ -271,18 +230,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "recall": lambda: recall_windows(corpus, length, n_seq),
         "prose": lambda: prose_windows(study.tokenizer, length, n_seq),
     }
-    arms = [
-        a
-        for a in standard_arms(tuple(args.recent_fracs or ((0.0, 0.25) if args.quick else (0.25,))))
-        if a.method in ("full", "streaming")
-        or a.name.split("/")[0] in (args.methods or (METHODS if args.quick else DEFAULT_METHODS))
-    ]
+    arms = [a for a in standard_arms(tuple(args.recent_fracs))
+            if a.method in ("full", "streaming") or a.name.split("/")[0] in args.methods]  # fmt: skip
     arms = select_arms(arms, args)
     log = None if args.quick else args.out / f"{STUDY}.jsonl"
-    args.out.mkdir(parents=True, exist_ok=True)
     results, shapes = {}, {}
     block = PROMPT_BLOCK if args.prompt else None
-    for dataset in datasets:
+    for dataset in args.datasets:
         tokens = make[dataset]()
         shapes[dataset] = list(tokens.shape)
         raw = evaluate(model, tokens, arms, budgets, filters, dataset, log, block)

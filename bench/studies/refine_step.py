@@ -1,23 +1,8 @@
 """The decode step of chunked and head-adaptive Q-Filters against plain ones, same budget.
 
-In process, no server. At each budget ``B`` every arm's caches are prefilled (512-token
-chunks, as the server prefills) with the same ``2B`` tokens, so each decode step evicts one
-row per layer and head (checked: every timed call adds ``steps`` evictions per layer); then
-the arms' steps are timed interleaved, round after round. Arms: plain Q-Filters twice (the
-A/A pair, first and last in each round, so it brackets the others), chunks of ``--chunk``
-positions, adaptive budgets, and both; recent window ``B/4`` and n_sink 4, as the
-refinements' quality studies run them. The head-mask wrapper that adaptive budgets need is
-installed for every arm (a server that has served one adaptive request runs with it), and
-costs a plain cache one attribute look-up per layer.
-
-What it isolates: whether chunk ranks and ragged heads add work to the decode step. Chunked
-caches hold ``B`` rows per head like plain ones. Adaptive caches hold ``B x heads`` rows per
-layer, shared unevenly, stored padded to the longest head; attention then reads the padded
-width, so that arm's step pays for its padding too. The rows each arm stores (``stored_rows``,
-padding included) and keeps (``kept_rows``) are recorded beside its time.
-
-Run: ``python -m bench refine-step [--quick] [--model M] [--budgets 256 512]``.
-Writes ``bench/results/<model>/refine_step.json`` and ``refine_step.png``.
+Every arm is prefilled with ``2B`` tokens so each step evicts one row (checked); plain
+Q-Filters run twice, first and last in each round (A/A). Adaptive caches store padded to the
+longest head, so their step pays for the padding; the rows stored are recorded.
 """
 
 from __future__ import annotations
@@ -29,7 +14,6 @@ import mlx.core as mx
 from bench.arms import decode_timer, prefill
 from bench.data import prompt_tokens
 from bench.harness import (
-    Progress,
     errorbars,
     interleave,
     open_run,
@@ -38,7 +22,7 @@ from bench.harness import (
     pyplot,
     ratio_row,
     save_plot,
-    summary,
+    summaries,
 )
 from bench.report import plots, speed_header, table
 from qfserve.calibrations.model_info import model_fingerprint
@@ -93,18 +77,14 @@ def rows_held(caches: list[Any]) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__.splitlines()[0], reps=9)
-    p.add_argument("--budgets", type=int, nargs="+", default=None, help="(default 256 512)")
-    p.add_argument("--chunk", type=int, default=None, help="chunk size (default 8)")
-    p.add_argument("--steps", type=int, default=None, help="decode steps per timing (16)")
+    p = parser(__doc__, reps=9, budgets=([256, 512], [32, 64]), chunk=(8, 4, "chunk size"),
+               steps=(16, 4, "decode steps per timing"))  # fmt: skip
     args = parse(p, argv)
-    budgets = args.budgets or ([32, 64] if args.quick else [256, 512])
-    chunk = args.chunk if args.chunk is not None else (4 if args.quick else 8)
-    steps = args.steps if args.steps is not None else (4 if args.quick else 16)
+    budgets, chunk, steps = args.budgets, args.chunk, args.steps
     if chunk < 2 or steps < 1 or min(budgets) <= chunk:
         raise SystemExit("need --chunk >= 2, --steps >= 1 and every budget above the chunk")
-    progress = Progress("refine_step")
     sm = open_run("refine_step", args, argv)
+    progress = sm.log
     model = sm.loaded.model
     bm = sm
     filters, scale, source = resolve_calibration(
@@ -131,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rows.append(
             {
                 "budget": budget,
-                "ms_per_step": {k: summary(v) for k, v in samples.items()},
+                "ms_per_step": summaries(samples),
                 "rows": held,
                 "ratios": [ratio_row(samples, k, REFERENCE) for k in arms if k != REFERENCE],
             }
@@ -167,7 +147,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ax.set(title="decode step / plain Q-Filters (median, IQR)", ylabel="ratio")
     ax.legend(fontsize=8)
     result["plots"] = [save_plot(fig, args.out, "refine_step")]
-    return sm.save(result, section="speed", model=sm.describe())
+    return sm.save(result)
 
 
 def render(d: dict[str, Any]) -> list[str]:

@@ -1,38 +1,14 @@
-"""Study 4: pass-key retrieval against context length, compression and needle depth.
+"""Pass-key retrieval against context length, compression and needle depth.
 
-Held-out pass-key documents (:func:`training.data.passkey_eval_set`: evaluation seeds,
-evaluation-split filler) of 256 .. 2048 tokens, with the needle spread evenly over three
-depth bins (first, middle, last third of the prompt). Each prompt ends at "...The pass key
-is"; the model decodes greedily through :func:`mlx_lm.generate_step` with
-``prompt_cache=make_caches(...)`` and is right when the first number it writes is the key.
-
-An untrained or small model may retrieve nothing even with a full cache, which leaves
-accuracy at 0 for every arm; so each arm also reports ``answer_nll``, the teacher-forced
-negative log-likelihood (nats per token) of the true answer (" " + key digits) given what
-its cache kept: a graded signal that separates arms before accuracy can.
-
-Compression is ``prompt tokens / budget`` at 2x .. 32x, so every arm keeps the same number of
-rows (sinks and recent rows included): full cache, calibrated Q-Filters, key-SVD fallback
-and K-norm with ``recent`` 0 and budget/4, and streaming.
-
-mlx-lm prefills ``prompt[:-1]`` in one block (prompts here are < 2,048 tokens) and the block
-attends to all of itself before the cache evicts. That block's keys and values are the same
-for every arm, so we compute them once per document and hand them to each arm's fresh
-caches through ``update_and_fetch``, which evicts exactly as the block call would; the last
-prompt token and the answer then run through ``generate_step``. The first document is also
-run the direct way for every arm, and the two must agree token for token (recorded as
-``shared_prefill_check``).
-
-Each document's outcomes are appended to ``<out>/retrieval.jsonl`` as soon as they are
-measured, and a rerun with the same arms, ratios and filler skips those documents, so a long
-run that was stopped resumes where it was.
-
-Run: ``python -m bench retrieval [--quick] [--lengths 256 512 1024 2048]``.
+Held-out pass-key documents with the needle spread over three depth bins; each arm keeps
+``prompt tokens / ratio`` rows and decodes greedily (right when the first number is the key),
+and reports the answer's teacher-forced NLL as a graded signal. The prompt block is prefilled
+once and handed to each arm's caches; the first document is also run the direct way and the
+two must agree token for token.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from typing import Any
@@ -54,7 +30,18 @@ from bench.arms import (
     streaming_nll,
 )
 from bench.data import passkey_docs
-from bench.harness import color, open_run, parse, parser, progress, save_plot, subplots, summary
+from bench.harness import (
+    append_jsonl,
+    color,
+    open_run,
+    parse,
+    parser,
+    progress,
+    resume,
+    save_plot,
+    subplots,
+    summary,
+)
 from bench.report import arm_label, arm_order, fmt, plots, quality_header, table
 from qfserve.engine.kv.config import DEFAULT_N_SINK, CacheConfig
 from qfserve.engine.kv.factory import make_caches
@@ -212,7 +199,7 @@ def plot_metric(a: Any, res: dict[str, Any], arms: list[Arm], ratios: list[int],
             marker="o" if arm.recent_frac == 0 else "s",
             linestyle=":" if arm.sign < 0 else "-" if arm.recent_frac == 0 else "--",
             color=color(arm.method, arm.traffic),
-            label=arm.label,
+            label=arm_label(arm.name),
         )
     a.set_xscale("log", base=2)
     a.set_xticks(ratios, [f"{r}x" for r in ratios])
@@ -222,77 +209,44 @@ def plot_metric(a: Any, res: dict[str, Any], arms: list[Arm], ratios: list[int],
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__.splitlines()[0], calibration=True)
-    p.add_argument("--lengths", type=int, nargs="+", default=None, help="document tokens")
-    p.add_argument("--ratios", type=int, nargs="+", default=None, help="compression ratios")
-    p.add_argument("--per-bin", type=int, default=None, help="documents per depth bin")
+    p = parser(__doc__, calibration=True, lengths=([256, 512, 1024, 2048], [320], "document "
+               "tokens"), ratios=([2, 4, 8, 16, 32], [2, 8]), per_bin=(5, 1, "documents per depth "
+               "bin"), recent_fracs=([0.0, 0.25], [0.0, 0.25], "recent windows as fractions of "
+               "the budget"))  # fmt: skip
     p.add_argument("--filler", default="classic", choices=("classic", "prose", "code"))
-    p.add_argument(
-        "--recent-fracs",
-        type=float,
-        nargs="+",
-        default=[0.0, 0.25],
-        help="recent windows as fractions of the budget (default: 0 0.25)",
-    )
-    p.add_argument(
-        "--no-prefill-check",
-        action="store_true",
-        help="skip running the first document's arms the direct way (at 8k tokens it costs a "
-        "full prefill per arm and ratio)",
-    )
+    p.add_argument("--no-prefill-check", action="store_true", help="skip running the first "
+                   "document's arms the direct way (at 8k tokens a prefill per arm and ratio)")  # fmt: skip
     add_arm_arguments(p)
     add_traffic_argument(p)
     args = parse(p, argv)
-    lengths = args.lengths or ([320] if args.quick else [256, 512, 1024, 2048])
-    ratios = args.ratios or ([2, 8] if args.quick else [2, 4, 8, 16, 32])
-    per_bin = args.per_bin or (1 if args.quick else 5)
-
     study = open_run(STUDY, args, argv, calibrate=True)
-    identity, filters, corpus = study.identity, study.filters, study.corpus
-    if identity["max_context"]:
-        lengths = [n for n in lengths if n <= identity["max_context"]]
+    identity, filters, corpus, ratios = study.identity, study.filters, study.corpus, args.ratios
+    lengths = [n for n in args.lengths if n <= (identity["max_context"] or n)]
     arms = select_arms(standard_arms(tuple(args.recent_fracs)), args)
     configs = [(a, None) for a in arms if a.method == "full"]
     configs += [(a, r) for r in ratios for a in arms if a.method != "full"]
-
+    bins = len(BINS)
     docs = {
-        n: passkey_docs(corpus, n, per_bin, len(BINS), filler_kind=args.filler) for n in lengths
+        n: passkey_docs(corpus, n, args.per_bin, bins, filler_kind=args.filler) for n in lengths
     }
-    # Every document's outcomes go to a JSONL as they are measured; a rerun with the same
-    # arguments skips the documents already there (delete the file to start afresh).
+    # A rerun with the same arms, ratios, filler (and learned filters) skips the documents
+    # already in the log.
+    signature: dict[str, Any] = {"arms": [a.name for a in arms], "ratios": ratios,
+                                 "filler": args.filler}  # fmt: skip
+    learned = study.calibration.get("traffic_artifacts") or {}
+    if learned:
+        signature["learned"] = {k: v["sha1"] for k, v in sorted(learned.items())}
     log = args.out / f"{STUDY}.jsonl"
-    args.out.mkdir(parents=True, exist_ok=True)
-    if args.quick and log.exists():
-        log.unlink()
-    signature: dict[str, Any] = {
-        "arms": [a.name for a in arms], "ratios": ratios, "filler": args.filler}  # fmt: skip
-    if study.calibration.get("traffic_artifacts"):  # records hold for those filters only
-        signature["learned"] = {
-            k: v["sha1"] for k, v in sorted(study.calibration["traffic_artifacts"].items())
-        }
-    done: dict[tuple[int, int], dict[str, Any]] = {}
-    if log.exists():
-        for line in log.read_text().splitlines():
-            rec = json.loads(line) if line.strip() else None
-            if rec and rec["signature"] == signature:
-                done[(rec["length"], rec["index"])] = rec
-    with (
-        progress(total=sum(len(d) for d in docs.values()), desc="documents") as bar,
-        log.open("a") as f,
-    ):
+    done = resume(log, lambda r: (r["length"], r["index"]), fresh=args.quick,
+                  keep=lambda r: r["signature"] == signature)  # fmt: skip
+    with progress(total=sum(len(d) for d in docs.values()), desc="documents") as bar:
         for n in lengths:
             for i, doc in enumerate(docs[n]):
                 if (n, i) not in done:
-                    rec = measure_doc(
-                        study,
-                        doc,
-                        configs,
-                        filters,
-                        first=i == 0 and n == lengths[0] and not args.no_prefill_check,
-                    )
+                    first = i == 0 and n == lengths[0] and not args.no_prefill_check
+                    rec = measure_doc(study, doc, configs, filters, first=first)
                     rec.update(length=n, index=i, signature=signature)
-                    f.write(json.dumps(rec) + "\n")
-                    f.flush()
+                    append_jsonl(log, rec)
                     done[(n, i)] = rec
                 bar.update(1)
     # hits[length][arm name][ratio or "-"] = list of (correct, bin, nll)
@@ -382,7 +336,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "data": {
                 "generator": "training.data.passkey_eval_set (eval seeds, eval-split filler)",
                 "filler": args.filler,
-                "docs_per_depth_bin": per_bin,
+                "docs_per_depth_bin": args.per_bin,
                 "depth_bins": list(BINS),
                 "scoring": "first number in the greedy continuation equals the key",
             },

@@ -1,16 +1,8 @@
 """Self-calibration's prefill cost: a prompt's own Q-Filters against a plain prefill.
 
-In process, no server. A ``--prompt``-token prompt (default 4,096, standard-library text) is
-prefilled in 512-token chunks, as the server does, into Q-Filters caches at ``--budget``
-(default 512, recent 128), evicting as it goes. Arms, interleaved per round: ``calibrated``
-(the registry's filters, no query taps installed: what a calibrated model runs),
-``self`` (no filters: the query taps of :mod:`qfserve.engine.kv.selfcal` accumulate each head's Gram
-matrix until the first eviction, then the filter is computed), ``fallback`` (no filters,
-the key-SVD estimate) and ``calibrated_again`` (the A/A copy). Ratios are to
-``calibrated``. The goal: ``self`` within 1.10x.
-
-Run: ``python -m bench selfcal-prefill [--quick] [--model M] [--reps 3] [--prompt 4096]``.
-Writes ``bench/results/<model>/selfcal_prefill.json`` and ``selfcal_prefill.png``.
+A prompt prefilled in 512-token chunks into Q-Filters caches, interleaved: ``calibrated`` (no
+query taps), ``self`` (taps accumulate each head's Gram matrix until the first eviction),
+``fallback`` (key-SVD) and ``calibrated_again`` (A/A); ratios to ``calibrated``.
 """
 
 from __future__ import annotations
@@ -21,7 +13,6 @@ from typing import Any
 from bench.arms import prefill
 from bench.data import prompt_tokens
 from bench.harness import (
-    Progress,
     interleave,
     open_run,
     parse,
@@ -29,6 +20,7 @@ from bench.harness import (
     pyplot,
     ratio_row,
     save_plot,
+    summaries,
     summary,
 )
 from bench.report import plots, speed_header, table
@@ -40,14 +32,11 @@ ARMS = ("calibrated", "self", "fallback", "calibrated_again")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__.splitlines()[0], reps=3)
-    p.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 4096)")
-    p.add_argument("--budget", type=int, default=None, help="(default 512)")
+    p = parser(__doc__, reps=3, prompt=(4096, 256, "prompt tokens"), budget=(512, 32))
     args = parse(p, argv)
-    n = args.prompt or (256 if args.quick else 4096)
-    budget = args.budget or (32 if args.quick else 512)
-    progress = Progress("selfcal_prefill")
+    n, budget = args.prompt, args.budget
     sm = open_run("selfcal_prefill", args, argv)
+    progress = sm.log
     model = sm.loaded.model
     tokens = prompt_tokens(sm, n)
     config = CacheConfig(method="qfilters", budget=budget, recent=budget // 4)
@@ -82,7 +71,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "reps": args.reps,
             "filter_sources": sources,
         },
-        "prefill_s": {a: summary(v) for a, v in runs.items()},
+        "prefill_s": summaries(runs),
         "tokens_per_s": {a: n / summary(v)["median"] for a, v in runs.items()},
         "ratios": [ratio_row(runs, a, "calibrated") for a in ARMS[1:]],
     }
@@ -93,7 +82,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ax.set(ylabel="prefill seconds (median)", title=f"{n}-token prompt, budget {budget}")
     ax.tick_params(axis="x", labelsize=8)
     result["plots"] = [save_plot(fig, args.out, "selfcal_prefill")]
-    return sm.save(result, section="speed", model=sm.describe())
+    return sm.save(result)
 
 
 def render(d: dict[str, Any]) -> list[str]:

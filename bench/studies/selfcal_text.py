@@ -1,25 +1,9 @@
-"""Study 7: whose queries make a prompt-calibrated filter work on the pass key?
+"""Whose queries make a prompt-calibrated filter work on the pass key?
 
-A self-calibrated cache (:mod:`qfserve.engine.kv.selfcal`) computes its Q-Filters from the queries of
-the prompt it is about to compress. This study holds the recipe fixed (uncentred,
-sign-anchored, GQA-averaged top singular vector, :func:`qfserve.engine.kv.selfcal.filters_from_moments`)
-and changes only whose queries it reads, on the retrieval study's pass-key documents:
-
-* ``own``: the document's own prompt queries, through the server's ``self`` caches, fed the
-  prompt as one block as ``generate_step`` does for these lengths (the server reads prompts
-  in 512-token chunks, so it would freeze its filters on the first chunk's queries);
-* ``other``: the queries of a held-out standard-library window of the documents' nominal
-  length (about as many queries, at the same positions, from another text);
-* ``calibrated``: the registry's artifact (20 x 2,048 tokens of calibration text);
-
-with the full cache and streaming for reference. Each source runs with ``recent =
-budget/4`` at every compression. Per document and arm we record whether the greedy answer's
-first number is the key, and the share of the needle's digit rows each layer and KV head
-still holds after the prompt was compressed (a graded signal: which rows the filter kept),
-and per source its mean cosine to the calibrated filters. ``--fillers`` runs the synthetic
-filler (``classic``: a few sentences repeated) and natural text (``prose``, ``code``).
-
-Run: ``python -m bench selfcal-text [--quick] [--lengths 1024] [--fillers classic prose]``.
+The self-calibration recipe fed the document's own queries (``own``), those of an
+equal-length standard-library window (``other``), or the artifact (``calibrated``); per
+document and arm, whether the answer is the key and the share of the key's digit rows each
+layer and head still holds.
 """
 
 from __future__ import annotations
@@ -175,19 +159,11 @@ def plot(results: dict[str, Any], ratios: list[int], out: Any, title: str) -> st
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__.splitlines()[0], calibration=True)
-    p.add_argument("--lengths", type=int, nargs="+", default=None, help="(default 1024)")
-    p.add_argument("--ratios", type=int, nargs="+", default=None, help="(default 2 4 8)")
-    p.add_argument("--per-bin", type=int, default=None, help="documents per depth bin (2)")
-    p.add_argument(
-        "--fillers", nargs="+", choices=("classic", "prose", "code"), default=None,
-        help="(default classic prose)",
-    )  # fmt: skip
+    p = parser(__doc__, calibration=True, lengths=([1024], [320]), ratios=([2, 4, 8], [2, 4]),
+               per_bin=(2, 1, "documents per depth bin"), fillers=(["classic", "prose"],
+               ["classic"], "of classic, prose, code"))  # fmt: skip
     args = parse(p, argv)
-    lengths = args.lengths or ([320] if args.quick else [1024])
-    ratios = args.ratios or ([2, 4] if args.quick else [2, 4, 8])
-    per_bin = args.per_bin or (1 if args.quick else 2)
-    fillers = args.fillers or (["classic"] if args.quick else ["classic", "prose"])
+    lengths, ratios, per_bin, fillers = args.lengths, args.ratios, args.per_bin, args.fillers
 
     study = open_run(STUDY, args, argv, calibrate=True)
     results: dict[str, Any] = {}

@@ -1,22 +1,8 @@
-"""Study 8: what serving adds. A streamed chat request through ``qfserve`` over HTTP, through
-the engine's worker in process (queue, model thread, the batching scheduler, event loop, no
-HTTP), and as plain mlx-lm generation of the same prompt on the same caches (the floor).
+"""What serving adds: a streamed chat request over HTTP, through the worker, and in process.
 
-The server runs as a subprocess on an ephemeral 127.0.0.1 port, loading the same model
-folder; the client is ``httpx`` streaming ``/v1/chat/completions``. In process, the prompt
-goes through the engine's own ``encode_prompt``, ``make_caches`` and mlx-lm's
-``stream_generate`` (greedy, the same logit bias, the worker's prefill chunk); the worker arm
-submits the same :class:`~qfserve.engine.text.requests.GenerationRequest` to an in-process
-:class:`~qfserve.engine.serving.worker.Worker` sharing the loaded model. All ban the end-of-sequence tokens
-(``logit_bias``) so every request makes exactly ``max_tokens``. TTFT is the time to the first
-non-empty text; inter-token latency (ITL) is ``(end - first) / (completion_tokens - 1)``.
-Multi-turn reuse is off in the worker and HTTP arms (``qfilters_reuse: false``): every round
-sends the same prompt, which a kept cache would answer without a prefill.
-Arms interleaved per round: in-process, worker, HTTP, in-process, HTTP; the two copies of
-in-process and of HTTP are the A/A pairs.
-
-Run: ``python -m bench server-overhead [--quick] [--model M] [--reps 7]``.
-Writes ``bench/results/<model>/server_overhead.json`` and ``server_overhead.png``.
+The same prompt and caches as plain mlx-lm generation (the floor), through an in-process
+:class:`~qfserve.engine.serving.worker.Worker`, and through ``qfserve`` over loopback HTTP;
+EOS banned, reuse off, arms interleaved with A/A copies of in-process and HTTP.
 """
 
 from __future__ import annotations
@@ -32,7 +18,6 @@ from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from bench.arms import make_caches
 from bench.data import chat_content, eos_ban
 from bench.harness import (
-    Progress,
     StreamTiming,
     errorbars,
     interleave,
@@ -43,7 +28,7 @@ from bench.harness import (
     ratio_row,
     save_plot,
     stream_chat,
-    summary,
+    summaries,
 )
 from bench.report import ms, plots, ratio_cell, speed_header, table
 from qfserve import testing as servers
@@ -188,22 +173,12 @@ def plot(result, out) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__.splitlines()[0], reps=7)
-    p.add_argument(
-        "--prompts",
-        type=lambda v: tuple(int(x) for x in v.split(",")),
-        default=None,
-        help="prompt lengths, comma-separated (default 256,1000; quick 64)",
-    )
-    p.add_argument("--max-tokens", type=int, default=None, help="(default 64; quick 8)")
-    p.add_argument("--budget", type=int, default=None, help="Q-Filters budget (default 512)")
+    p = parser(__doc__, reps=7, prompts=([256, 1000], [64], "prompt tokens"), max_tokens=(64, 8),
+               budget=(512, 32, "Q-Filters budget"))  # fmt: skip
     args = parse(p, argv)
-    reps = args.reps
-    prompts = args.prompts or ((64,) if args.quick else (256, 1000))
-    max_tokens = args.max_tokens or (8 if args.quick else 64)
-    budget = args.budget or (32 if args.quick else 512)
-    progress = Progress("server_overhead")
+    reps, prompts, max_tokens, budget = args.reps, args.prompts, args.max_tokens, args.budget
     sm = open_run("server_overhead", args, argv)
+    progress = sm.log
     config = CacheConfig(method="qfilters", budget=budget)
     bias = eos_ban(sm)
     progress(f"starting qfserve on {sm.folder.name} and an in-process worker")
@@ -247,8 +222,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         "prompt_tokens_seen": {
                             k: sorted({t.prompt_tokens for t in v}) for k, v in runs.items()
                         },
-                        "ttft_s": {k: summary(v) for k, v in ttft.items()},
-                        "itl_s": {k: summary(v) for k, v in itl.items()},
+                        "ttft_s": summaries(ttft),
+                        "itl_s": summaries(itl),
                         "ttft_ratios": [ratio_row(ttft, a, b) for a, b in PAIRS],
                         "itl_ratios": [ratio_row(itl, a, b) for a, b in PAIRS],
                         "kv_cache_http": runs["http_a"][-1].kv_cache,
@@ -273,7 +248,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "rows": rows,
     }
     result["plots"] = plot(result, args.out)
-    return sm.save(result, section="speed", model=sm.describe())
+    return sm.save(result)
 
 
 def render(d: dict[str, Any]) -> list[str]:

@@ -1,18 +1,8 @@
-"""Study 5: how stable is the calibration across sample counts and calibration texts?
+"""How stable is the calibration across sample counts and calibration texts?
 
-Queries are captured once from each of two disjoint calibration texts, ``A`` and ``B``
-(halves of the training-split standard library, :mod:`bench calib`), with the
-paper's 3,000 positions per head. Filters are then computed from uniform subsamples of 100,
-300, 1,000 and 3,000 positions (a uniform subsample of a uniform sample is a uniform sample;
-``--repeats`` draws per count give the spread). We report, per KV head:
-
-* ``cos(A_n, A_3000)``: agreement with the largest calibration from the same text;
-* ``cos(A_n, B_n)``: agreement of two independent calibrations on disjoint texts;
-
-and the streaming perplexity (as in study 3) of held-out stdlib windows at budget 128 with
-each filter set, against the ``A_3000`` reference, with ``recent`` 0 and budget/4.
-
-Run: ``python -m bench stability [--quick]``.
+Queries captured once from two disjoint training-split texts (A, B); filters from uniform
+subsamples of 100-3,000 positions per head: cosine per KV head to A's largest and between A
+and B, and streaming perplexity at a small budget with each filter set.
 """
 
 from __future__ import annotations
@@ -33,7 +23,6 @@ from bench.arms import (
 )
 from bench.data import stdlib_windows
 from bench.harness import (
-    add_data_arguments,
     open_run,
     parse,
     parser,
@@ -77,18 +66,13 @@ def ppl_window(model: Any, tokens: np.ndarray, arm: Arm, budget: int, filters: A
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__.splitlines()[0], calibration=True)
-    p.add_argument("--counts", type=int, nargs="+", default=None, help="samples per head")
-    p.add_argument("--repeats", type=int, default=None, help="subsample draws per count")
-    p.add_argument("--budget", type=int, default=None)
-    add_data_arguments(p)
+    p = parser(__doc__, calibration=True, counts=([100, 300, 1000, 3000], [30, 100, 300],
+               "samples per head"), repeats=(3, 2, "subsample draws per count"), budget=(128, 16),
+               length=(512, 64, "tokens per sequence"), sequences=(4, 2))  # fmt: skip
     args = parse(p, argv)
     settings = QUICK_SETTINGS if args.quick else FULL_SETTINGS
-    counts = args.counts or ([30, 100, 300] if args.quick else [100, 300, 1000, 3000])
-    repeats = args.repeats or (2 if args.quick else 3)
-    budget = args.budget or (16 if args.quick else 128)
-    length = args.length or (64 if args.quick else 512)
-    n_seq = args.sequences or (2 if args.quick else 4)
+    counts, repeats, budget = args.counts, args.repeats, args.budget
+    length, n_seq = args.length, args.sequences
 
     study = open_run(STUDY, args, argv)  # it calibrates its own sets
     model, tokenizer, identity = study.model, study.tokenizer, study.identity

@@ -1,16 +1,8 @@
 """What constrained decoding costs per token: a JSON schema through llguidance vs free text.
 
-One chat prompt, greedy decoding, arms interleaved in one run: ``free`` (no constraint),
-``free_again`` (the same: the A/A row for the noise floor), ``schema`` (``response_format``
-json_schema as the server applies it: llguidance, :class:`qfserve.engine.text.structured.
-GrammarProcessor`) and, when outlines-core is installed, ``schema_outlines`` (the same schema
-through outlines-core's regex index, the other grammar library considered; its vocabulary is
-given the tokenizer's own token strings, which is enough to time it, not to serve with). Each repetition times the decode steps after the first token (prefill
-and the grammar's first mask excluded) up to ``--tokens`` or the end of the answer, and
-reports milliseconds per token; the schema arm also reports the time spent inside the
-processor (the matcher's mask and its application).
-
-Run: ``python -m bench structured [--quick] [--model smollm2-135m-instruct]``.
+One chat prompt, greedy, arms interleaved: ``free``, ``free_again`` (A/A), ``schema`` (as the
+server applies ``response_format``) and, when installed, ``schema_outlines``; decode steps
+after the first token, and the time inside the schema's processor.
 """
 
 from __future__ import annotations
@@ -19,17 +11,16 @@ import json
 import time
 from typing import Any
 
-from bench.harness import Progress, interleave, open_run, parse, parser, ratio_row, summary
+from bench.harness import interleave, open_run, parse, parser, ratio_row, summaries, summary
 from bench.report import ms, speed_header, table
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__.splitlines()[0], reps=9)
-    p.add_argument("--tokens", type=int, default=None, help="decode steps per repetition")
+    p = parser(__doc__, reps=9, tokens=(48, 8, "decode steps per repetition"))
     args = parse(p, argv)
-    reps, steps = args.reps, args.tokens or (8 if args.quick else 48)
-    progress = Progress("structured")
+    reps, steps = args.reps, args.tokens
     sm = open_run("structured", args, argv)
+    progress = sm.log
     tokenizer = sm.loaded.tokenizer
     schema = {
         "type": "object",
@@ -135,7 +126,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     if "schema_outlines" in samples:
         rows["schema_outlines/free"] = ratio_row(samples, "schema_outlines", "free")
-    stats = {arm: summary(values) for arm, values in samples.items()}
+    stats = summaries(samples)
     processors_ms = {k: summary(v[-reps:]) for k, v in inside.items()}
     processor = processors_ms["True"]
     return sm.save(
@@ -151,9 +142,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 for k, v in processors_ms.items()
             },
             "grammar_engine": "llguidance",
-        },
-        section="speed",
-        model=sm.describe(),
+        }
     )
 
 

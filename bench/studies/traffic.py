@@ -1,27 +1,9 @@
-"""Study 9: Q-Filters learned from traffic, as a server without an artifact learns them.
+"""Q-Filters learned from traffic, as a server without an artifact learns them.
 
-A server started on a model without a calibration artifact pools its prompts' post-RoPE
-queries (:mod:`qfserve.engine.filters.traffic`) and, once it has enough, writes a regular artifact and
-serves with it. This study runs that very code (:class:`qfserve.engine.filters.traffic.TrafficCalibration`
-on the model's query taps, flushed after every 512-token prefill chunk, as the worker does
-between scheduler steps) on held-out traffic until the artifact is written, and records how
-many prompts and tokens it took and how close each layer's learned filters are to the
-registry's calibrated ones (cosine per KV head, and the share with the same sign).
-
-Two kinds of traffic:
-
-* ``chat``: chat-templated requests (an instruction, then an evaluation-split
-  standard-library window or a docstring-prose window of 256, 512 or 1,024 tokens, in turn);
-* ``passkey``: the retrieval study's pass-key generator at 768 tokens (documents that are
-  not among the ones it measures), the traffic most like the documents it then compresses.
-
-The artifacts go to ``<out>/<traffic>/``; the retrieval and attention studies take them
-with ``--traffic-artifacts chat=PATH passkey=PATH`` as the ``traffic`` arms.
-
-The pool writes once it holds calibration's sample count from at least ``--min-prompts``
-prompts (the server's default, :data:`qfserve.engine.filters.traffic.DEFAULT_MIN_PROMPTS`).
-
-Run: ``python -m bench traffic [--quick] [--traffic chat passkey]``.
+The server's own pooling (:class:`~qfserve.engine.filters.traffic.TrafficCalibration`), fed
+held-out ``chat`` or ``passkey`` traffic in 512-token prefill chunks until it writes its
+artifact; how long it took and how close the learned filters are to the calibrated ones. The
+artifacts feed ``--traffic-artifacts`` of the retrieval and attention studies.
 """
 
 from __future__ import annotations
@@ -111,16 +93,12 @@ def compare(learned: np.ndarray, calibrated: np.ndarray) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__.splitlines()[0], calibration=True)
+    p = parser(__doc__, calibration=True, max_prompts=(64, 6, "traffic offered at most"),
+               min_prompts=(DEFAULT_MIN_PROMPTS, 3, "prompts pooled at least"))  # fmt: skip
     p.add_argument("--traffic", nargs="+", default=["chat", "passkey"],
                    choices=("chat", "passkey"))  # fmt: skip
-    p.add_argument("--max-prompts", type=int, default=None, help="traffic offered at most")
-    p.add_argument("--min-prompts", type=int, default=None,
-                   help=f"prompts pooled at least (default: the server's, {DEFAULT_MIN_PROMPTS})")  # fmt: skip
     args = parse(p, argv)
-    quick = args.quick
-    max_prompts = args.max_prompts or (6 if quick else 64)
-    min_prompts = args.min_prompts or (3 if quick else DEFAULT_MIN_PROMPTS)
+    quick, max_prompts, min_prompts = args.quick, args.max_prompts, args.min_prompts
     samples = 200 if quick else None  # None: calibration's default sample count
 
     study = open_run(STUDY, args, argv, calibrate=True)

@@ -1,13 +1,7 @@
-"""Study 7: time to first token with eviction against a full cache, at 1k / 2k / 4k prompts.
+"""Time to first token with eviction against a full cache.
 
-Each measurement is one request as the engine runs it: build the caches with ``make_caches``,
-then mlx-lm's ``generate_step`` (default ``prefill_step_size`` 2048) with
-``prompt_cache=caches`` until it yields the first (greedy) token. Arms interleaved: full
-(twice, the A/A pair) and Q-Filters at budgets 256 and 512. Prompts longer than the model's
-trained context are labelled: RoPE runs past it, so speed is measurable there.
-
-Run: ``python -m bench ttft [--quick] [--model M] [--reps 5] [--prompts ...] [--budgets ...]``.
-Writes ``bench/results/<model>/ttft.json`` and ``ttft.png``.
+One request as the engine runs it (``make_caches``, then ``generate_step`` to the first
+token), arms interleaved: full (twice, A/A) and Q-Filters at each budget.
 """
 
 from __future__ import annotations
@@ -22,7 +16,6 @@ from mlx_lm.sample_utils import make_sampler
 from bench.arms import caches_for, kv_stats
 from bench.data import prompt_tokens
 from bench.harness import (
-    Progress,
     command_line,
     errorbars,
     interleave,
@@ -34,12 +27,9 @@ from bench.harness import (
     pyplot,
     ratio_row,
     save_plot,
-    summary,
+    summaries,
 )
 from bench.report import ms, plots, ratio_cell, speed_header, table
-
-PROMPTS = (1024, 2048, 4096)
-BUDGETS = (256, 512)
 
 
 def ttft_timer(sm, arm, tokens: list[int], kept: dict):
@@ -120,15 +110,13 @@ def plot(result, out) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__.splitlines()[0], reps=5)
-    p.add_argument("--prompts", type=int, nargs="+", default=None, help="prompt tokens")
-    p.add_argument("--budgets", type=int, nargs="+", default=None, help="Q-Filters budgets")
+    p = parser(__doc__, reps=5, prompts=([1024, 2048, 4096], [64, 256], "prompt tokens"),
+               budgets=([256, 512], [32, 128], "Q-Filters budgets"))  # fmt: skip
     args = parse(p, argv)
     reps = args.reps
-    progress = Progress("ttft")
     sm = open_run("ttft", args, argv)
-    prompts = tuple(args.prompts or ((64, 256) if args.quick else PROMPTS))
-    budgets = tuple(args.budgets or ((32, 128) if args.quick else BUDGETS))
+    progress = sm.log
+    prompts, budgets = args.prompts, args.budgets
     progress(f"model {sm.loaded.name}, prompts {prompts}, budgets {budgets}, reps {reps}")
     rows = []
     for n in prompts:
@@ -143,7 +131,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             {
                 "prompt_tokens": n,
                 "beyond_trained_context": n > sm.context_length,
-                "ttft_s": {k: summary(v) for k, v in samples.items()},
+                "ttft_s": summaries(samples),
                 "ratios": [ratio_row(samples, "full_b", "full_a")]
                 + [ratio_row(samples, f"b{b}", "full_a") for b in budgets],
                 "kv_after_prefill": kept,
@@ -170,7 +158,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows += earlier_rows(args.out / "ttft.json", result, {r["prompt_tokens"] for r in rows})
     rows.sort(key=lambda r: r["prompt_tokens"])
     result["plots"] = plot(result, args.out)
-    return sm.save(result, section="speed", model=sm.describe())
+    return sm.save(result)
 
 
 def render(d: dict[str, Any]) -> list[str]:

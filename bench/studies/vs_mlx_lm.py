@@ -1,15 +1,7 @@
-"""Study 9: qfserve against mlx-lm's own server, same model folder, same prompts.
+"""qfserve against mlx-lm's own server, same model folder, same prompts.
 
-Both servers run as subprocesses on ephemeral 127.0.0.1 ports, both with OpenBLAS preloaded
-(qfserve does it for itself; ``mlx_lm.server`` gets the same ``LD_PRELOAD``). Every request
-is a streamed ``/v1/chat/completions`` call with temperature 0, the end-of-sequence tokens
-banned through ``logit_bias`` (so each makes exactly ``max_tokens``) and a unique prefix
-(``[<round>-<arm>]``) that keeps mlx-lm's prompt cache from reusing an earlier request.
-Arms interleaved per round: theirs (full cache), ours full, ours with Q-Filters, theirs again
-(the A/A pair). At a short and a long prompt: TTFT and decode tok/s, as ratios to theirs.
-
-Run: ``python -m bench vs-mlx-lm [--quick] [--model M] [--reps 3] [--prompts 256,8096]``.
-Writes ``bench/results/<model>/vs_mlx_lm.json`` and ``vs_mlx_lm.png``.
+Streamed chat requests, greedy, EOS banned, a unique prefix defeating mlx-lm's prompt cache;
+arms interleaved: theirs, ours full, ours with Q-Filters, theirs again (A/A).
 """
 
 from __future__ import annotations
@@ -22,7 +14,6 @@ import httpx
 
 from bench.data import chat_content, eos_ban
 from bench.harness import (
-    Progress,
     StreamTiming,
     errorbars,
     interleave,
@@ -33,7 +24,7 @@ from bench.harness import (
     ratio_row,
     save_plot,
     stream_chat,
-    summary,
+    summaries,
 )
 from bench.report import ms, plots, ratio_cell, speed_header, table
 from qfserve import testing as servers
@@ -68,25 +59,15 @@ def plot(result, out) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__.splitlines()[0], reps=3)
-    p.add_argument("--max-tokens", type=int, default=None, help="(default 64; quick 8)")
-    p.add_argument("--budget", type=int, default=None, help="Q-Filters budget (default 512)")
-    p.add_argument(
-        "--prompts",
-        type=lambda v: tuple(int(x) for x in v.split(",")),
-        default=None,
-        help="prompt lengths, comma-separated (default: 256 and the context - max_tokens - 32)",
-    )
+    p = parser(__doc__, reps=3, max_tokens=(64, 8), budget=(512, 32, "Q-Filters budget"),
+               prompts=(None, [64, 200], "prompt tokens (default: 256 and the context - "
+                        "max_tokens - 32)"))  # fmt: skip
     args = parse(p, argv)
-    reps = args.reps
-    max_tokens = args.max_tokens or (8 if args.quick else 64)
-    budget = args.budget or (32 if args.quick else 512)
-    progress = Progress("vs_mlx_lm")
+    reps, max_tokens, budget = args.reps, args.max_tokens, args.budget
     sm = open_run("vs_mlx_lm", args, argv)
+    progress = sm.log
     # Long: as close to the context as prompt + max_tokens (+ the nonce) allow.
-    lengths = args.prompts or (
-        (64, 200) if args.quick else (256, sm.context_length - max_tokens - 32)
-    )
+    lengths = args.prompts or [256, sm.context_length - max_tokens - 32]
     bias = eos_ban(sm)
     seq = itertools.count()
 
@@ -132,8 +113,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "completion_tokens": {
                         k: sorted({t.completion_tokens for t in v}) for k, v in runs.items()
                     },
-                    "ttft_s": {k: summary(v) for k, v in ttft.items()},
-                    "decode_tps": {k: summary(v) for k, v in tps.items()},
+                    "ttft_s": summaries(ttft),
+                    "decode_tps": summaries(tps),
                     "ttft_ratios": [ratio_row(ttft, a, "theirs_a") for a in ARMS[1:]],
                     "tps_ratios": [ratio_row(tps, a, "theirs_a") for a in ARMS[1:]],
                     "kv_cache_ours_qfilters": runs["ours_qfilters"][-1].kv_cache,
@@ -157,7 +138,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "rows": rows,
     }
     result["plots"] = plot(result, args.out)
-    return sm.save(result, section="speed", model=sm.describe())
+    return sm.save(result)
 
 
 def render(d: dict[str, Any]) -> list[str]:
