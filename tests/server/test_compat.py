@@ -5,14 +5,13 @@ answer, refused ones are a 400 naming them; ``null`` is the default for every op
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import httpx
 import jsonschema
 import pytest
 
-from qfserve.server.compat import CHAT_FATES, COMPLETION_FATES, EXTENSION_FATES, REQUIRED
+from qfserve.server.compat import CHAT_FATES, COMPLETION_FATES, REQUIRED
 from tests.server.conftest import MODEL_NAME
 
 API_DOC = Path(__file__).resolve().parents[2] / "docs" / "api.md"
@@ -177,15 +176,3 @@ def test_a_schema_the_grammar_engine_cannot_compile_is_a_400(server):
     resp = post(server, "chat", body)
     assert resp.status_code == 400
     assert resp.json()["error"]["param"] == "response_format"
-
-
-def test_the_documented_compatibility_table_is_the_fates_table():
-    text = API_DOC.read_text()
-    section = text[text.index("## OpenAI compatibility") :]
-    rows = re.findall(r"^\| `([^`]+)` \| (implemented|no-op|refused) \|", section, flags=re.M)
-    table = {
-        **CHAT_FATES,
-        **{f"{k} (completions)": v for k, v in COMPLETION_FATES.items() if k not in CHAT_FATES},
-        **EXTENSION_FATES,
-    }
-    assert dict(rows) == {k: fate for k, (fate, _) in table.items()}
