@@ -75,7 +75,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         with progress(total=len(todo), desc="answers") as bar:
             for arm, n, d in todo:
                 if (arm, n, d) not in done:
-                    doc = make_doc(run.tokenizer, paragraphs, n, 0.5, d)
+                    # The prompt and its answer within the context (8k: 8,176 tokens at most).
+                    doc = make_doc(
+                        run.tokenizer, paragraphs, min(n, run.context_length - 16), 0.5, d
+                    )
                     url = servers[arm == "auto-small"].url
                     rec = {"arm": arm, "length": n, "doc": d, "tokens": doc["tokens"],
                            **ask(url, doc, {"kv_method": "full"} if arm == "full" else {})}  # fmt: skip
