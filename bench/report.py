@@ -583,7 +583,37 @@ def readme_headlines(results_dir: Path = RESULTS_DIR) -> list[str]:
             f"{cost['settings']['prompt_tokens'] // 1024}k tokens (goal 2.5x, "
             f"{'met' if pre <= 2.5 else 'not met'}); decode step {step_text}",
         ])  # fmt: skip
+    rows += default_rows(results_dir / "smollm2")
     return table(["what", "result"], rows) if rows else []
+
+
+def default_rows(folder: Path) -> list[list[str]]:
+    """Rows for what a user who changes nothing gets: the needle through the server with
+    default settings, and the speed of the OpenBLAS the install brings."""
+    rows = []
+    served = _load(folder / "niah_served" / "niah_served.json")
+    if served:
+        acc, lengths = served["accuracy"], served["lengths"]
+
+        def cells(arm: str) -> str:
+            return _slashed([acc[arm].get(str(n), {}).get("accuracy") for n in lengths])
+
+        rows.append([
+            f"needle through the server with default settings, {lengths[0] // 1024}k-"
+            f"{lengths[-1] // 1024}k tokens ({served['docs']} documents each)",
+            f"`--budget auto` {cells('auto')} against the full cache's {cells('full')}; on a "
+            f"`--max-kv-bytes` of {served['small_tokens']:,} tokens {cells('auto-small')}",
+        ])  # fmt: skip
+    blas = _load(folder / "blas" / "blas.json")
+    if blas:
+        pre = {r["arm"]: r["median"] for r in blas["prefill_ratios"]}
+        dec = {r["arm"]: r["median"] for r in blas["decode_ratios"]}
+        rows.append([
+            "OpenBLAS from PyPI against the system's (prefill / decode throughput)",
+            f"{pre['pip_a']:.2f}x / {dec['pip_a']:.2f}x (A/A {pre['pip_b']:.2f}x / "
+            f"{dec['pip_b']:.2f}x)",
+        ])  # fmt: skip
+    return rows
 
 
 def write_readme(readme: Path = README, results_dir: Path = RESULTS_DIR) -> bool:
