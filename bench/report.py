@@ -70,6 +70,8 @@ MODELS = {
         "batch's in-place joins and leaves, chunks of 8 by default"
     ),
     "smollm2/multiturn_repeats": f"{SMOL}: multi-turn reuse over repeated conversations",
+    "smollm2/niah_served": f"{SMOL}: the needle through the server with default settings",
+    "smollm2/blas": f"{SMOL}: OpenBLAS from PyPI against the system's",
     "qfserve-tiny": (
         "qfserve-tiny (the bundled 6-layer test model: what CI's smoke runs use; kept where it "
         "still says something)"
