@@ -1,4 +1,5 @@
-"""Per-head attention masks for caches that store their heads ragged (adaptive budgets).
+"""The one hook on a model's attention: per-head masks for caches that store their heads
+ragged (adaptive budgets), caches that attend themselves, and blocked CPU attention.
 
 mlx-lm builds one mask per forward pass from the *first* layer's cache and hands it to every
 layer, so a mask that differs per layer and per head cannot travel through ``make_mask``.
@@ -9,6 +10,10 @@ cache exposes ``head_mask`` (``(B, H_kv, S)`` bool over the keys it just returne
 padding), the layer's mask becomes mlx-lm's (causal for a block) AND that one, repeated over
 each KV head's query heads. Caches without a ``head_mask`` pass through untouched, so the
 model runs unchanged for every other cache.
+
+Through the same function: a cache with an ``attend`` method computes the attention itself
+(the KVzip reconstruction pass reads its weights), and on the CPU a prompt block goes through
+:func:`qfserve.engine.kv.blocked.block_attention` (:func:`set_blocked` turns that off).
 """
 
 from __future__ import annotations
@@ -20,7 +25,20 @@ from typing import Any, cast
 import mlx.core as mx
 import mlx.nn as nn
 
+from qfserve.engine.kv import blocked
+
 _MARK = "_qfserve_head_masks"
+_BLOCKED = {"on": True}
+
+
+def set_blocked(on: bool) -> None:
+    """Send CPU prompt blocks through :func:`blocked.block_attention` (``on``, the default) or
+    through MLX's own ``scaled_dot_product_attention``."""
+    _BLOCKED["on"] = on
+
+
+def blocked_on() -> bool:
+    return _BLOCKED["on"]
 
 
 def combine_masks(mask: Any, head_mask: mx.array, queries: mx.array) -> mx.array:
@@ -50,7 +68,12 @@ def combine_masks(mask: Any, head_mask: mx.array, queries: mx.array) -> mx.array
 
 def _masked(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, **kwargs):  # type: ignore[no-untyped-def]
+        attend = getattr(cache, "attend", None)
+        if attend is not None:
+            return attend(queries, keys, values, scale, mask)
         head_mask = getattr(cache, "head_mask", None)
+        if _BLOCKED["on"] and blocked.applies(queries, mask, cache, kwargs.get("sinks")):
+            return blocked.block_attention(queries, keys, values, scale, key_mask=head_mask)
         if head_mask is not None:
             mask = combine_masks(mask, head_mask, queries)
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, **kwargs)

@@ -138,6 +138,11 @@ def make_caches(
     # Resolved once per request: "on" without a GPU backend (or over its budget bound) raises.
     use_kernel = config.evicts and kernels.resolve_kernel_mode(config.kernel, config.budget)
     caches = make_prompt_cache(model)
+    try:  # blocked CPU attention and the reconstruction pass go through the attention hook
+        install_head_masks(model)
+    except ValueError:
+        if config.method == "kvzip":
+            raise ConfigError("method", "kvzip needs mlx-lm's attention function") from None
     if filters is not None:
         if config.method not in ("qfilters", "kvzip"):
             raise ValueError(

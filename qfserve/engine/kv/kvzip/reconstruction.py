@@ -9,6 +9,7 @@ from typing import Any, cast
 import mlx.core as mx
 from mlx_lm.models.cache import create_attention_mask
 
+from qfserve.engine.kv import blocked
 from qfserve.engine.kv.kvzip.scorer import (
     DEFAULT_BLOCK,
     DEFAULT_CHUNK,
@@ -16,7 +17,6 @@ from qfserve.engine.kv.kvzip.scorer import (
     RepeatPrompt,
     evict,
 )
-from qfserve.engine.kv.selfcal import QueryTap
 
 
 class _ReconstructionView:
@@ -73,47 +73,54 @@ class _ReconstructionView:
         else:
             self.keys = mx.concatenate([self.keys, keys], axis=2)
             self.values = mx.concatenate([self.values, values], axis=2)
-        self._score(keys.shape[2])
         stored = self.cache
         return (
             mx.concatenate([stored.keys, self.keys], axis=2),
             mx.concatenate([stored.values, self.values], axis=2),
         )
 
-    def _score(self, N: int) -> None:
-        assert self.keys is not None
-        tap: QueryTap = self.cache.scorer.tap
-        queries = tap.take(N)
-        if queries is None:
-            raise RuntimeError("kvzip: the layer's query tap holds no reconstruction queries")
+    def attend(
+        self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any
+    ) -> mx.array:
+        """The layer's attention for a reconstruction block (through the model's attention
+        hook, :mod:`qfserve.engine.kv.attention`): the block's output, and from the same
+        exponentials each stored row's score.
+
+        The forward pass attends to every stored row; a score's softmax runs over the sinks,
+        the stored rows of the chunk and the reconstruction rows only (kvpress's), so its
+        denominator sums those columns of the tile's exponentials.
+        """
         sinks, lo, hi, start, end = self._span
-        stored, positions = self.cache.keys, self.cache.positions
-        B, Hq, _, D = queries.shape
-        H = stored.shape[1]
-        R = self.keys.shape[2]  # reconstruction rows, the N new ones last
-        keys = mx.concatenate([stored[:, :, :sinks], stored[:, :, lo:hi], self.keys], axis=2)
-        q = queries.astype(mx.float32).reshape(B, H, Hq // H, N, D)
-        logits = (q @ keys.astype(mx.float32)[:, :, None].swapaxes(-1, -2)) * tap.scale
-        # (B, H, G, N, sinks + hi - lo + R). A stored row of [lo, hi) outside the chunk's
-        # positions (heads keep different rows) is masked, as are later reconstruction rows.
-        span = positions[:, :, lo:hi]
-        ours = (span >= start) & (span < end)  # (B, H, hi - lo)
+        S0, S, N = self.cache.keys.shape[2], keys.shape[2], queries.shape[2]
+        span = self.cache.positions[:, :, lo:hi]
+        ours = (span >= start) & (span < end)  # (B, H, hi - lo): heads keep different rows
         if self.cache.valid is not None:
             ours = ours & self.cache.valid[:, :, lo:hi]
-        causal = mx.arange(R)[None, :] <= mx.arange(R - N, R)[:, None]  # (N, R)
-        visible = mx.concatenate(
-            [
-                mx.broadcast_to(mx.ones((1, 1, 1, 1, sinks), dtype=mx.bool_), (B, H, 1, N, sinks)),
-                mx.broadcast_to(ours[:, :, None, None, :], (B, H, 1, N, hi - lo)),
-                mx.broadcast_to(causal[None, None, None], (B, H, 1, N, R)),
-            ],
-            axis=-1,
+        weight = ours.astype(mx.float32)[:, :, None]  # (B, H, 1, hi - lo)
+        tiles: list[mx.array] = []
+
+        def observe(first: int, rows: int, parts: blocked.Parts, total: mx.array) -> None:
+            skip = max(0, S - N - first)  # the first tile's alignment rows are not queries
+            chunk = blocked.columns(parts, lo, hi)[:, :, :, skip:]  # (B, H, G, T, hi - lo)
+            kept = (
+                blocked.column_sum(parts, 0, sinks)[:, :, :, skip:]
+                + chunk @ weight[..., None]
+                + blocked.column_sum(parts, S0, S)[:, :, :, skip:]
+            )
+            # A row's weight is a column factor: the max over queries runs before it.
+            tiles.append((chunk * mx.reciprocal(kept)).max(axis=(2, 3)) * weight[:, :, 0])
+
+        out = blocked.block_attention(
+            queries, keys, values, scale, key_mask=self.head_mask, observe=observe
         )
-        weights = mx.softmax(mx.where(visible, logits, -mx.inf), axis=-1)
-        best = weights[..., sinks : sinks + hi - lo].max(axis=(2, 3))  # (B, H, hi - lo)
-        best = mx.where(ours, best, 0.0)
-        head = self.scores[:, :, lo:hi]
-        self.scores[:, :, lo:hi] = mx.maximum(head, best)
+        best = tiles[0]
+        for tile in tiles[1:]:
+            best = mx.maximum(best, tile)
+        self.scores[:, :, lo:hi] = mx.maximum(self.scores[:, :, lo:hi], best)
+        # Evaluated layer by layer: left lazy, every layer's tiles stay alive until the
+        # block's end through the scores' graph (gigabytes at a few thousand tokens).
+        mx.eval(out, self.scores)
+        return out
 
 
 class Reconstruction:

@@ -1,0 +1,99 @@
+"""Blocked CPU attention: equal to an explicit numpy softmax attention (grouped queries, keys
+beyond the block, padding masks, unaligned offsets), its exponential to numpy's, the weights
+it shows an observer to numpy's softmax, and a real model's logits to MLX's own attention."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from qfserve.engine.kv import attention, blocked
+from qfserve.engine.kv.config import CacheConfig
+from qfserve.engine.kv.factory import make_caches
+from tests.engine.test_attention import numpy_attention
+from tests.tiny import make_tiny_model
+
+
+def _inputs(rng, B, Hq, H, N, S, D=16):
+    q = rng.standard_normal((B, Hq, N, D)).astype(np.float32)
+    k = rng.standard_normal((B, H, S, D)).astype(np.float32)
+    v = rng.standard_normal((B, H, S, D)).astype(np.float32)
+    return q, k, v
+
+
+@pytest.mark.parametrize(
+    "N, S", [(32, 32), (33, 33), (70, 70), (40, 75), (100, 357), (1, 50), (64, 128)]
+)
+@pytest.mark.parametrize("masked", [False, True])
+def test_block_attention_equals_numpy(N, S, masked):
+    rng = np.random.default_rng(N * 1000 + S)
+    B, Hq, H = 2, 6, 2
+    q, k, v = _inputs(rng, B, Hq, H, N, S)
+    key_mask = rng.random((B, H, S)) > 0.4 if masked else np.ones((B, H, S), dtype=bool)
+    key_mask[..., S - N :] = True  # a block's own rows are real
+    got = blocked.block_attention(
+        mx.array(q), mx.array(k), mx.array(v), 0.3,
+        key_mask=mx.array(key_mask) if masked else None,
+    )  # fmt: skip
+    causal = np.arange(S - N, S)[:, None] >= np.arange(S)[None]
+    allowed = np.repeat(key_mask, Hq // H, axis=1)[:, :, None, :] & causal
+    np.testing.assert_allclose(
+        np.array(got), numpy_attention(q, k, v, 0.3, allowed), rtol=1e-4, atol=2e-5
+    )
+
+
+def test_the_exponential_is_as_accurate_as_mlx_and_zero_when_masked():
+    x = np.concatenate([np.linspace(-100.0, 0.0, 200_001), [-np.inf, -1e30]]).astype(np.float32)
+    got = np.array(blocked.shifted_exp(mx.array(x), mx.array(0.0)))
+    ref = np.exp(x.astype(np.float64))
+    normal = ref > 1.2e-38
+    error = np.abs(got[normal] - ref[normal]) / ref[normal]
+    mlx_error = np.abs(np.array(mx.exp(mx.array(x)))[normal] - ref[normal]) / ref[normal]
+    assert error.max() < 1.1 * mlx_error.max() < 5e-6
+    near = x[normal] > -1.0
+    assert error[near].max() < 3e-7
+    assert np.all(got[~normal] <= 1.2e-38) and got[-1] == 0.0 and got[-2] == 0.0
+
+
+def test_the_observer_sees_the_softmax_weights():
+    rng = np.random.default_rng(7)
+    B, Hq, H, N, S = 1, 4, 2, 45, 110
+    q, k, v = _inputs(rng, B, Hq, H, N, S)
+    weights = np.zeros((B, H, Hq // H, N, S))
+    first_query = S - N
+
+    def observe(first, rows, parts, total):
+        for col, e in parts:
+            w = np.array(e / total)
+            for r in range(rows):
+                if first + r >= first_query:
+                    row = first + r - first_query
+                    weights[:, :, :, row, col : col + w.shape[-1]] = w[..., r, :]
+
+    blocked.block_attention(mx.array(q), mx.array(k), mx.array(v), 0.25, observe=observe)
+    rep = Hq // H
+    logits = np.einsum("bhnd,bhsd->bhns", q.astype(np.float64), np.repeat(k, rep, axis=1)) * 0.25
+    causal = np.arange(S - N, S)[:, None] >= np.arange(S)[None]
+    logits = np.where(causal, logits, -np.inf)
+    ref = np.exp(logits - logits.max(-1, keepdims=True))
+    ref /= ref.sum(-1, keepdims=True)
+    np.testing.assert_allclose(weights.reshape(B, Hq, N, S), ref, atol=1e-6)
+    assert blocked.columns([(0, mx.zeros((1, 1, 1, 2, 5)))], 7, 9).shape[-1] == 0
+
+
+def test_a_model_reads_a_prompt_as_with_mlx_attention():
+    model = make_tiny_model()
+    tokens = mx.array(np.random.default_rng(3).integers(0, 200, size=(1, 150)))
+    logits = {}
+    try:
+        for on in (False, True):
+            attention.set_blocked(on)
+            caches = make_caches(model, CacheConfig(method="full"))
+            out = model(tokens[:, :90], cache=caches)
+            out = mx.concatenate([out, model(tokens[:, 90:], cache=caches)], axis=1)
+            logits[on] = np.array(out)
+    finally:
+        attention.set_blocked(True)
+    np.testing.assert_allclose(logits[True], logits[False], rtol=1e-4, atol=1e-4)
+    assert (logits[True].argmax(-1) == logits[False].argmax(-1)).all()
