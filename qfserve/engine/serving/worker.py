@@ -240,7 +240,10 @@ class Worker:
                 self._finish(job.record, "error")
 
     def _load(self) -> None:
+        from qfserve.engine.kv.attention import set_blocked
+
         config = self.config
+        set_blocked(config.attention == "blocked")
         self.loaded = served_as(self._loader(config.model), config.alias, config.ctx_size)
         self.calibration = ModelFilters(
             self.loaded,
