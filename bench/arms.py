@@ -9,6 +9,7 @@ evaluation split; :func:`streaming_nll` feeds an arm's real caches one token per
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import re
 import tempfile
@@ -465,6 +466,7 @@ def streaming_nll(
     prefill: int,
     block: int | None = None,
     on_step: Callable[[int], None] | None = None,
+    after_prefill: Callable[[], None] | None = None,
 ) -> tuple[np.ndarray, int]:
     """Next-token NLL ``(B, L-1)`` with ``caches`` fed one token per step after ``prefill``.
 
@@ -476,6 +478,7 @@ def streaming_nll(
             block may evict: block evictions are where chunked selection and adaptive
             budgets act); ``None``: one block.
         on_step: Called with the number of tokens fed after each step.
+        after_prefill: Called once the prefill tokens are in (KVzip's pass runs there).
     Returns:
         The NLL and the most rows any layer held at any step.
     Raises:
@@ -491,7 +494,14 @@ def streaming_nll(
     for s, e in spans:
         out.append(token_nll(model(x[:, s:e], cache=caches), x[:, s + 1 : e + 1]))
         mx.eval(out[-1])
-        max_rows = max(max_rows, *kept_rows(caches)) if budget is not None else e
+        if e == prefill and after_prefill is not None:
+            after_prefill()
+        if budget is None:
+            max_rows = e
+        else:  # layers that share the rows (kvzip, global) are bounded on average
+            held = kept_rows(caches)
+            shared = any(getattr(getattr(c, "scorer", None), "shared", False) for c in caches)
+            max_rows = max(max_rows, math.ceil(np.mean(held)) if shared else max(held))
         if budget is not None and max_rows > budget:
             raise RuntimeError(f"budget violated: a layer held {max_rows} rows > {budget}")
         if on_step is not None:

@@ -37,6 +37,7 @@ from bench.harness import (
     summary,
 )
 from bench.report import arm_label, arm_order, fmt, pct, plots, quality_header, spread_cell, table
+from qfserve.engine.kv.kvzip import RepeatPrompt, compress
 from qfserve.engine.serving.config import DEFAULT_PREFILL_CHUNK
 
 STUDY = "perplexity"
@@ -57,28 +58,47 @@ def run_arm(
     filters: np.ndarray,
     bar: Any = None,
     block: int | None = None,
+    repeat: RepeatPrompt | None = None,
 ) -> tuple[np.ndarray, dict[str, Any]]:
     """``(B, L-1)`` streaming NLL of one arm at one budget, and its budget record. With
-    ``block``, the first half goes in as a prompt in blocks of that size (``--prompt``)."""
-    caches = arm.caches(model, budget, filters)
+    ``block``, the first half goes in as a prompt in blocks of that size (``--prompt``); a
+    kvzip arm then compresses it with the reconstruction pass, one sequence at a time."""
     config = arm.config(budget)
     calib = config.calib_tokens if arm.method == "fallback" else None
-    nll, max_rows = streaming_nll(
-        model,
-        tokens,
-        caches,
-        budget=budget,
-        prefill=tokens.shape[1] // 2 if block else prefill_length(budget, calib),
-        block=block,
-        on_step=None if bar is None else bar.update,
-    )
+    prefill = tokens.shape[1] // 2 if block else prefill_length(budget, calib)
+    rows = [tokens]
+    if arm.method == "kvzip":
+        if not block or repeat is None:
+            raise ValueError("kvzip compresses a prompt: run its arms with --prompt")
+        rows = [tokens[b : b + 1] for b in range(tokens.shape[0])]  # the pass is per request
+    nlls, max_rows = [], 0
+    for seq in rows:
+        caches = arm.caches(model, budget, filters)
+        prompt = seq[0, :prefill].tolist()
+
+        def reconstruct(caches: list[Any] = caches, prompt: list[int] = prompt) -> None:
+            compress(model, caches, prompt, repeat)
+
+        nll, most = streaming_nll(
+            model,
+            seq,
+            caches,
+            budget=budget,
+            prefill=prefill,
+            block=block,
+            on_step=None if bar is None else bar.update,
+            after_prefill=reconstruct if arm.method == "kvzip" else None,
+        )
+        nlls.append(nll)
+        max_rows = max(max_rows, most)
+    nll = np.concatenate(nlls, axis=0)
     record = {
         "budget": budget,
         "recent": config.recent,
         "n_sink": config.n_sink,
         "rows_kept_at_end": budget,  # check_budget raised otherwise
         "max_rows_any_step": max_rows,
-        "filter_source": arm.source(caches),
+        "filter_source": arm.source(arm.caches(model, budget, filters)),
     }
     return nll, record
 
@@ -92,6 +112,7 @@ def evaluate(
     desc: str,
     log: Path | None = None,
     block: int | None = None,
+    repeat: RepeatPrompt | None = None,
 ) -> dict[str, Any]:
     """NLL windows and budget records of every (budget, arm) on one batch of sequences.
 
@@ -115,7 +136,7 @@ def evaluate(
                     nll = np.asarray(rec["nll"], dtype=np.float32)
                     out["budgets"][budget][arm.name] = {**rec["record"], "nll": nll}
                     continue
-                nll, record = run_arm(model, tokens, arm, budget, filters, bar, block)
+                nll, record = run_arm(model, tokens, arm, budget, filters, bar, block, repeat)
                 out["budgets"][budget][arm.name] = {"nll": nll[:, window], **record}
                 if log is not None:
                     append_jsonl(log, {"dataset": desc, "shape": shape, "budget": budget,
@@ -239,7 +260,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for dataset in args.datasets:
         tokens = make[dataset]()
         shapes[dataset] = list(tokens.shape)
-        raw = evaluate(model, tokens, arms, budgets, filters, dataset, log, block)
+        raw = evaluate(model, tokens, arms, budgets, filters, dataset, log, block, study.repeat)
         results[dataset] = summarise(raw)
 
     names = plot(results, identity, args.out)

@@ -77,7 +77,9 @@ CHECKS: dict[str, Callable[[dict[str, Any]], bool]] = {
     "refine-step": lambda d: all(_ratios(r["ratios"]) for r in d["rows"]),
     "kvzip-cost": lambda d: _ratios(d["prefill_ratios"]) and _ratios(d["decode_ratios"])
     and d["settings"]["kept_rows_after_prefill"]["kvzip"] <= d["settings"]["budget"],
-    "kernel-cuda": lambda d: True,
+    "kernel-cuda": lambda d: len(d["results"]) > 0
+    and all(all(r["parity_bitwise"].values()) and r["score_kernel_allclose"]
+            and _positive_medians(r["microseconds"]) for r in d["results"]),
     # Each server preloaded the library its arm names, and said so in its start-up log.
     "blas": lambda d: all(d["settings"]["named_in_start_up_log"].values())
     and d["settings"]["libraries"]["pip_a"] != d["settings"]["libraries"]["system"]
@@ -112,3 +114,19 @@ def test_the_command_line_lists_every_study_and_rejects_others() -> None:
     wrong = subprocess.run([sys.executable, "-m", "bench", "no-such-study"], capture_output=True,
                            text=True)  # fmt: skip
     assert wrong.returncode == 2 and "study must be one of" in wrong.stderr
+
+
+def test_perplexity_reads_a_prompt_compressed_by_kvzip(results: Any) -> None:
+    """``--prompt --kvzip``: the first half is reconstructed and compressed, one sequence at a
+    time, then the second half decodes within the budget (on average over layers when they
+    share the rows)."""
+    from bench.studies.perplexity import main
+
+    data = main(["--quick", "--prompt", "--kvzip", "--calibration", "fresh", "--out",
+                 str(results / "perplexity-kvzip"), "--datasets", "stdlib",
+                 "--only", "qfilters/r25", "kvzip/r25", "kvzip/r25/global"])  # fmt: skip
+    budgets = data["results"]["stdlib"]["budgets"]
+    assert {a for arms in budgets.values() for a in arms} >= {"kvzip/r25", "kvzip/r25/global"}
+    for b, arms in budgets.items():
+        for r in arms.values():
+            assert r["ppl"] > 1 and r["max_rows_any_step"] <= int(b)
