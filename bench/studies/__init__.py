@@ -67,6 +67,7 @@ STUDIES = {s.name: s for s in (
     Study("refine-step", "speed", "the decode step of chunked and head-adaptive caches"),
     Study("blas", "speed", "OpenBLAS from PyPI against the system's, side by side", True,
           "both the pip (ngsolve-openblas) and the system (libopenblas0-pthread) OpenBLAS"),
+    Study("profile", "speed", "a decode step and a prefill chunk, by kind of work"),
     Study("kvzip-cost", "speed", "KVzip's reconstruction pass against a plain prefill", True),
     Study("kernel-cuda", "speed", "the fused eviction kernel on an NVIDIA GPU: parity, timing",
           True, "an NVIDIA GPU with torch and cupy"),

@@ -1,7 +1,9 @@
 """Time to first token with eviction against a full cache.
 
 One request as the engine runs it (``make_caches``, then ``generate_step`` to the first
-token), arms interleaved: full (twice, A/A) and Q-Filters at each budget.
+token), arms interleaved: full (twice, A/A), Q-Filters at each budget, and the full cache on
+MLX's own attention (``full_mlx``, ``--attention mlx``) where every other arm runs the blocked
+CPU attention (:mod:`qfserve.engine.kv.blocked`).
 """
 
 from __future__ import annotations
@@ -30,22 +32,27 @@ from bench.harness import (
     summaries,
 )
 from bench.report import ms, plots, ratio_cell, speed_header, table
+from qfserve.engine.kv.attention import set_blocked
 
 
-def ttft_timer(sm, arm, tokens: list[int], kept: dict):
+def ttft_timer(sm, arm, tokens: list[int], kept: dict, blocked: bool = True):
     """A callable returning seconds to the first token of one fresh request."""
     prompt = mx.array(tokens)
     greedy = make_sampler(0.0)
 
     def run() -> float:
-        tic = time.perf_counter()
-        caches = caches_for(sm, arm)
-        gen = generate_step(
-            prompt, sm.loaded.model, max_tokens=1, sampler=greedy, prompt_cache=caches
-        )
-        next(gen)  # yields y.item(): the token is evaluated
-        seconds = time.perf_counter() - tic
-        gen.close()
+        set_blocked(blocked)
+        try:
+            tic = time.perf_counter()
+            caches = caches_for(sm, arm)
+            gen = generate_step(
+                prompt, sm.loaded.model, max_tokens=1, sampler=greedy, prompt_cache=caches
+            )
+            next(gen)  # yields y.item(): the token is evaluated
+            seconds = time.perf_counter() - tic
+            gen.close()
+        finally:
+            set_blocked(True)
         kept.update(kv_stats(caches))
         return seconds
 
@@ -126,6 +133,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for name, arm in [("full_a", "full"), ("full_b", "full"), *((f"b{b}", b) for b in budgets)]:
             kept[name] = {}
             arms[name] = ttft_timer(sm, arm, tokens, kept[name])
+        kept["full_mlx"] = {}
+        arms["full_mlx"] = ttft_timer(sm, "full", tokens, kept["full_mlx"], blocked=False)
         samples = interleave(arms, reps, progress=progress.rounds(f"prompt {n}"))
         rows.append(
             {
@@ -133,7 +142,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "beyond_trained_context": n > sm.context_length,
                 "ttft_s": summaries(samples),
                 "ratios": [ratio_row(samples, "full_b", "full_a")]
-                + [ratio_row(samples, f"b{b}", "full_a") for b in budgets],
+                + [ratio_row(samples, f"b{b}", "full_a") for b in budgets]
+                + [ratio_row(samples, "full_mlx", "full_a")],
                 "kv_after_prefill": kept,
             }
         )
@@ -150,6 +160,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "prefill_step_size": 2048,
             "sampler": "greedy",
             "timed": "make_caches + generate_step until the first token is yielded",
+            "attention": "blocked CPU attention; full_mlx: MLX's own",
         },
         "rows": rows,
     }
@@ -180,11 +191,16 @@ def render(d: dict[str, Any]) -> list[str]:
         rows.append(
             [label, ms(t["full_a"], 1e3, 1), ratio_cell(rr["full_b"])]
             + [f"{t[f'b{b}']['median'] * 1e3:.1f} ({ratio_cell(rr[f'b{b}'])})" for b in budgets]
+            + [
+                f"{t['full_mlx']['median'] * 1e3:.1f} ({ratio_cell(rr['full_mlx'])})"
+                if "full_mlx" in t
+                else "not run"
+            ]
             + [f"`{by['command']}`, {by['when']}"]
         )
     lines += table(
         ["prompt tokens", "full ms", "A/A", *(f"budget {b}: ms (ratio)" for b in budgets),
-         "measured by"],
+         "full, MLX's attention: ms (ratio)", "measured by"],
         rows,
     )  # fmt: skip
     return lines + [*plots(d), ""]

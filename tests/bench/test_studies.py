@@ -75,6 +75,10 @@ CHECKS: dict[str, Callable[[dict[str, Any]], bool]] = {
     "batch-step": lambda d: all(_ratios(r["ratios"]) for r in d["rows"]),
     "selfcal-prefill": lambda d: _ratios(d["ratios"]),
     "refine-step": lambda d: all(_ratios(r["ratios"]) for r in d["rows"]),
+    "profile": lambda d: all(_positive_medians(v["ms"]) and v["rows"] > 0
+                             for v in d["decode"].values())
+    and d["decode"]["qfilters"]["rows"] <= d["settings"]["budget"]
+    and _positive_medians(d["prefill_ms"]),
     "kvzip-cost": lambda d: _ratios(d["prefill_ratios"]) and _ratios(d["decode_ratios"])
     and d["settings"]["kept_rows_after_prefill"]["kvzip"] <= d["settings"]["budget"],
     "kernel-cuda": lambda d: len(d["results"]) > 0

@@ -1,0 +1,219 @@
+"""Where a decode step and a prefill chunk spend their time, by kind of work.
+
+MLX has no per-op profiler on its CPU backend, so each kind of work is timed on its own, on
+the shapes the real step has, and set beside the real step (arms interleaved, medians):
+
+- ``step``: the model's forward for one token on real caches, then the greedy token read back
+  (one host sync), as the engine decodes; split into ``build`` (Python building the lazy graph,
+  with any host syncs the caches make) and ``eval`` (MLX running it);
+- ``matmul``: every weight product of that step (each linear layer and the output projection
+  on one row), evaluated together: the floor the float32 weights set;
+- ``attention``: the step's 30 attention calls on the rows the caches hold;
+- ``cache``: the caches' update (append, and the eviction for Q-Filters) on every layer;
+- ``sample``: greedy sampling of the logits and reading the token back.
+
+A prefill chunk the same way: ``chunk`` (the forward of ``--chunk`` tokens after ``--offset``
+with a full cache), its ``matmul`` and its ``attention`` under the blocked CPU attention and
+under MLX's. What the parts do not explain is the per-op cost of the rest (norms, RoPE,
+activations, reshapes) and scheduling.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from bench.arms import prefill
+from bench.data import prompt_tokens
+from bench.harness import interleave, open_run, parse, parser, pyplot, save_plot, summaries
+from bench.report import plots, speed_header, table
+from qfserve.engine.kv import blocked
+from qfserve.engine.kv.config import CacheConfig
+from qfserve.engine.kv.factory import make_caches
+
+
+def _timed(fn: Callable[[], Any]) -> Callable[[], float]:
+    def run() -> float:
+        tic = time.perf_counter()
+        mx.eval(fn())
+        return time.perf_counter() - tic
+
+    return run
+
+
+def _linears(model: Any) -> list[tuple[int, int, Callable[[mx.array], mx.array]]]:
+    """(in, out, apply) of every weight product one token runs through."""
+    found = [(m.weight.shape[1], m.weight.shape[0], m) for _, m in model.named_modules()
+             if isinstance(m, nn.Linear | nn.QuantizedLinear)]  # fmt: skip
+    if not any(name == "lm_head" for name, _ in model.named_modules()):  # tied output
+        embed = model.model.embed_tokens
+        found.append((embed.weight.shape[1], embed.weight.shape[0], embed.as_linear))
+    return found
+
+
+def _shapes(model: Any) -> tuple[int, int, int, int, float]:
+    attn = model.model.layers[0].self_attn
+    n_heads, n_kv = attn.n_heads, attn.n_kv_heads
+    head_dim = attn.q_proj.weight.shape[0] // n_heads
+    return len(model.model.layers), n_heads, n_kv, head_dim, attn.scale
+
+
+def decode_arms(model: Any, tokens: list[int], config: CacheConfig, filters: Any) -> dict:
+    n_layers, n_heads, n_kv, head_dim, scale = _shapes(model)
+    caches = make_caches(model, config, filters=filters if config.evicts else None)
+    prefill(model, caches, tokens)
+    rows = caches[0].size()
+    split: dict[str, list[float]] = {"build": [], "eval": []}
+    token = mx.array([[tokens[-1]]])
+
+    def step() -> float:
+        tic = time.perf_counter()
+        logits = model(token, cache=caches)
+        built = time.perf_counter()
+        mx.argmax(logits[:, -1], axis=-1).item()
+        done = time.perf_counter()
+        split["build"].append(built - tic)
+        split["eval"].append(done - built)
+        return done - tic
+
+    linears = _linears(model)
+    inputs = {i: mx.random.normal((1, 1, i)) for i, _, _ in linears}
+    q = mx.random.normal((1, n_heads, 1, head_dim))
+    kv = [(mx.random.normal((1, n_kv, rows, head_dim)),) * 2 for _ in range(n_layers)]
+    new = mx.random.normal((1, n_kv, 1, head_dim))
+    logits = mx.random.normal((1, linears[-1][1]))
+    # The cache arm updates caches of its own, filled to the same rows with random ones.
+    spare = make_caches(model, config, filters=filters if config.evicts else None)
+    block = mx.random.normal((1, n_kv, len(tokens), head_dim))
+    for c in spare:
+        c.update_and_fetch(block, block)
+    mx.eval(inputs, q, kv, new, logits, [c.state for c in spare])
+
+    def sample() -> float:
+        tic = time.perf_counter()
+        mx.argmax(logits, axis=-1).item()
+        return time.perf_counter() - tic
+
+    arms = {
+        "step": step,
+        "matmul": _timed(lambda: [f(inputs[i]) for i, _, f in linears]),
+        "attention": _timed(
+            lambda: [
+                mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=None) for k, v in kv
+            ]
+        ),  # fmt: skip
+        "cache": _timed(lambda: [c.update_and_fetch(new, new) for c in spare]),
+        "sample": sample,
+    }
+    return {"arms": arms, "split": split, "rows": rows}
+
+
+def prefill_arms(model: Any, tokens: list[int], chunk: int) -> dict:
+    n_layers, n_heads, n_kv, head_dim, scale = _shapes(model)
+    offset = len(tokens) - chunk
+    ids = mx.array(tokens[offset:])[None]
+
+    def forward() -> float:
+        caches = make_caches(model, CacheConfig(method="full"))
+        prefill(model, caches, tokens[:offset])
+        tic = time.perf_counter()
+        model(ids, cache=caches)
+        mx.eval([c.state for c in caches])
+        return time.perf_counter() - tic
+
+    linears = _linears(model)[:-1]  # a prefill chunk's logits are not computed
+    inputs = {i: mx.random.normal((1, chunk, i)) for i, _, _ in linears}
+    q = mx.random.normal((1, n_heads, chunk, head_dim))
+    kv = [(mx.random.normal((1, n_kv, offset + chunk, head_dim)),) * 2 for _ in range(n_layers)]
+    mx.eval(inputs, q, kv)
+    return {
+        "chunk": forward,
+        "matmul": _timed(lambda: [f(inputs[i]) for i, _, f in linears]),
+        "attention_blocked": _timed(
+            lambda: [blocked.block_attention(q, k, v, scale) for k, v in kv]
+        ),
+        "attention_mlx": _timed(
+            lambda: [
+                mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal")
+                for k, v in kv
+            ]
+        ),  # fmt: skip
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = parser(__doc__, reps=5, context=(4096, 256, "tokens in the cache when decoding"),
+               budget=(512, 64), chunk=(512, 64, "prefill chunk tokens"))  # fmt: skip
+    args = parse(p, argv)
+    sm = open_run("profile", args, argv)
+    model = sm.loaded.model
+    tokens = prompt_tokens(sm, args.context)
+    decode = {}
+    configs = {
+        "full": CacheConfig(method="full"),
+        "qfilters": CacheConfig(method="qfilters", budget=args.budget, recent=args.budget // 4),
+    }
+    for name, config in configs.items():
+        d = decode_arms(model, tokens, config, sm.filters)
+        samples = interleave(d["arms"], args.reps, progress=sm.log.rounds(f"decode {name}"))
+        decode[name] = {"rows": d["rows"], "ms": summaries(
+            {k: [v * 1e3 for v in vs] for k, vs in {**samples, **d["split"]}.items()})}  # fmt: skip
+    samples = interleave(
+        prefill_arms(model, tokens, args.chunk), args.reps, progress=sm.log.rounds("prefill")
+    )
+    result = {
+        "settings": {
+            "context": args.context,
+            "budget": args.budget,
+            "chunk": args.chunk,
+            "reps": args.reps,
+        },  # fmt: skip
+        "decode": decode,
+        "prefill_ms": summaries({k: [v * 1e3 for v in vs] for k, vs in samples.items()}),
+    }
+    plt = pyplot()
+    fig, ax = plt.subplots(1, 2, figsize=(10, 3.6))
+    parts = ("matmul", "attention", "cache", "sample")
+    for i, (name, d) in enumerate(decode.items()):
+        ms = d["ms"]
+        ax[0].bar([f"{name}\nstep"], [ms["step"]["median"]], color="black")
+        bottom = 0.0
+        for part in parts:
+            ax[0].bar([f"{name}\nparts"], [ms[part]["median"]], bottom=bottom,
+                      label=part if i == 0 else None, color=f"C{parts.index(part)}")  # fmt: skip
+            bottom += ms[part]["median"]
+    ax[0].set(ylabel="ms (median)", title=f"decode step at {args.context} tokens")
+    ax[0].legend(fontsize=7)
+    pm = result["prefill_ms"]
+    ax[1].bar(list(pm), [pm[k]["median"] for k in pm], color=["black", "C0", "C1", "C1"])
+    ax[1].set(ylabel="ms (median)", title=f"prefill chunk of {args.chunk}")
+    ax[1].tick_params(axis="x", labelsize=7)
+    result["plots"] = [save_plot(fig, args.out, "profile")]
+    return sm.save(result)
+
+
+def render(d: dict[str, Any]) -> list[str]:
+    """This study's section of ``bench/RESULTS.md``."""
+    s = d["settings"]
+    lines = speed_header("Profile: a decode step and a prefill chunk, by kind of work", d)
+    lines += [f"Each part timed alone on the step's shapes, {s['reps']} interleaved rounds, "
+              "median ms [IQR]; `rest` is what the parts leave unexplained (norms, RoPE, "
+              "activations, per-op cost).", ""]  # fmt: skip
+    rows = []
+    for name, dec in d["decode"].items():
+        ms = dec["ms"]
+        parts = sum(ms[p]["median"] for p in ("matmul", "attention", "cache", "sample"))
+        rows.append([f"{name} ({dec['rows']} rows)"] + [
+            f"{ms[p]['median']:.1f}" for p in ("step", "build", "eval", "matmul", "attention",
+                                                "cache", "sample")]
+            + [f"{ms['step']['median'] - parts:.1f}"])  # fmt: skip
+    lines += table(["decode at " + str(s["context"]), "step", "build", "eval", "matmul",
+                    "attention", "cache", "sample", "rest"], rows)  # fmt: skip
+    pm = d["prefill_ms"]
+    lines += ["", f"Prefill chunk of {s['chunk']} tokens after {s['context'] - s['chunk']}: "
+              + ", ".join(f"{k} {v['median']:.0f} ms" for k, v in pm.items()) + "."]  # fmt: skip
+    return [*lines, *plots(d), ""]
