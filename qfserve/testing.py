@@ -1,4 +1,5 @@
-"""Server subprocesses on loopback: qfserve or ``mlx_lm.server`` on an ephemeral port.
+"""Server subprocesses on loopback: qfserve, ``mlx_lm.server`` or llama.cpp's server
+(``llama_cpp.server``, an optional extra) on an ephemeral port.
 
 One way to start, wait for and stop a server, shared by the test suites and the benchmarks
 (``bench/``, which imports this; nothing in ``qfserve`` imports ``bench``):
@@ -33,7 +34,21 @@ if TYPE_CHECKING:
 # The source checkout (this file is qfserve/testing.py): servers run from it, on its path.
 REPO = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"  # loopback only, always
-HEALTH = {"qfserve": "/health", "mlx_lm": "/v1/models"}
+HEALTH = {"qfserve": "/health", "mlx_lm": "/v1/models", "llama_cpp": "/v1/models"}
+# llama-cpp-python may live in another environment (it compiles llama.cpp from source).
+LLAMA_PYTHON = os.environ.get("QFSERVE_LLAMA_PYTHON") or sys.executable
+
+
+def gguf_of(ref: str | Path | None) -> Path:
+    """The GGUF file a ``--model`` value names: the file itself or a catalog model's."""
+    from qfserve.engine.models.catalog import CATALOG, DEFAULT_MODEL, gguf_path
+
+    if ref is not None and str(ref).endswith(".gguf"):
+        return Path(ref)
+    name = DEFAULT_MODEL if ref is None else str(ref)
+    if name not in CATALOG:
+        raise ValueError(f"llama.cpp serves GGUF files: {name!r} is neither one nor in the catalog")
+    return gguf_path(CATALOG[name])
 
 
 def free_port() -> int:
@@ -112,6 +127,10 @@ def stop_all(servers: Sequence[ServerProcess], timeout: float = 30.0) -> list[in
 
 
 def _command(kind: str, console_script: bool, log_level: str | None) -> list[str]:
+    if kind == "llama_cpp":  # its own defaults but the threads: every core, as ours
+        threads = str(os.cpu_count() or 1)
+        return [LLAMA_PYTHON, "-m", "llama_cpp.server", "--n_ctx", "0", "--n_threads", threads,
+                "--n_threads_batch", threads]  # fmt: skip
     if kind == "mlx_lm":
         if console_script:
             raise ValueError("console_script is for kind 'qfserve' only, got kind 'mlx_lm'")
@@ -136,7 +155,7 @@ def launch(
     """Start a server on :data:`HOST` and a free port without waiting for it.
 
     Args:
-        kind: ``"qfserve"`` or ``"mlx_lm"``.
+        kind: ``"qfserve"``, ``"mlx_lm"`` or ``"llama_cpp"``.
         model: ``--model`` (``None``: no ``--model``, the server's default model).
         flags: Further command-line flags, after the ones set here.
         log: File that receives the server's stdout and stderr (overwritten).
@@ -147,7 +166,7 @@ def launch(
             rather than ``python -m qfserve.server.cli`` (which it falls back to if missing).
     """
     if kind not in HEALTH:
-        raise ValueError(f"kind must be 'qfserve' or 'mlx_lm', got {kind!r}")
+        raise ValueError(f"kind must be one of {', '.join(HEALTH)}, got {kind!r}")
     port = free_port()
     model_flags = [] if model is None else ["--model", str(model)]
     command = _command(kind, console_script, log_level)

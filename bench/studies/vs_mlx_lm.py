@@ -1,7 +1,8 @@
 """qfserve against mlx-lm's own server, same model folder, same prompts.
 
 Streamed chat requests, greedy, EOS banned, a unique prefix defeating mlx-lm's prompt cache;
-arms interleaved: theirs, ours full, ours with Q-Filters, theirs again (A/A).
+arms interleaved: theirs, ours full, ours with Q-Filters, theirs again (A/A). The same
+comparison runs against llama.cpp's server on the GGUF file (:mod:`bench.studies.vs_llama_cpp`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from qfserve import testing as servers
 ARMS = ("theirs_a", "ours_full", "ours_qfilters", "theirs_b")
 
 
-def plot(result, out) -> list[str]:
+def plot(result, out, name: str = "vs_mlx_lm") -> list[str]:
     plt = pyplot()
     rows = result["rows"]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
@@ -55,27 +56,42 @@ def plot(result, out) -> list[str]:
     for ax in (a1, a2):
         ax.set_xticks(range(len(rows)), labels)
         ax.legend(fontsize=8)
-    return [save_plot(fig, out, "vs_mlx_lm")]
+    return [save_plot(fig, out, name)]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__, reps=3, max_tokens=(64, 8), budget=(512, 32, "Q-Filters budget"),
+    return compare("mlx_lm", "vs_mlx_lm", __doc__, argv)
+
+
+THEIRS = {
+    "mlx_lm": "python -m mlx_lm.server (defaults: full KVCache, prompt cache on; defeated by a "
+    "unique prompt prefix)",
+    "llama_cpp": "python -m llama_cpp.server on the GGUF file (llama-cpp-python, full cache, "
+    "float16 KV, 2 threads; n_ctx the model's)",
+}
+
+
+def compare(kind: str, key: str, doc: str | None, argv: list[str] | None) -> dict[str, Any]:
+    """Interleave ``kind``'s server (theirs) and qfserve on the same model and prompts."""
+    p = parser(doc, reps=3, max_tokens=(64, 8), budget=(512, 32, "Q-Filters budget"),
                prompts=(None, [64, 200], "prompt tokens (default: 256 and the context - "
                         "max_tokens - 32)"))  # fmt: skip
     args = parse(p, argv)
     reps, max_tokens, budget = args.reps, args.max_tokens, args.budget
-    sm = open_run("vs_mlx_lm", args, argv)
+    sm = open_run(key, args, argv)
     progress = sm.log
     # Long: as close to the context as prompt + max_tokens (+ the nonce) allow.
     lengths = args.prompts or [256, sm.context_length - max_tokens - 32]
     bias = eos_ban(sm)
     seq = itertools.count()
+    # mlx-lm serves the converted folder; llama.cpp the GGUF file, which qfserve then serves too.
+    model = sm.folder if kind == "mlx_lm" else servers.gguf_of(args.model)
 
     def arm(client, url: str, n_prompt: int, name: str, extra: dict):
         def run() -> StreamTiming:
             nonce = f"[{next(seq):04d}-{name[:6]}] "
             body = {
-                "model": sm.loaded.name if "ours" in name else str(sm.folder),
+                "model": served if "ours" in name else str(model),
                 "messages": [{"role": "user", "content": chat_content(sm, n_prompt, nonce)}],
                 "max_tokens": max_tokens,
                 "temperature": 0,
@@ -88,9 +104,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     rows = []
     with contextlib.ExitStack() as stack:
-        progress("starting mlx_lm.server and qfserve")
-        theirs, ours = stack.enter_context(servers.serve("mlx_lm", "qfserve", model=sm.folder))
+        progress(f"starting {kind} and qfserve")
+        theirs, ours = stack.enter_context(servers.serve(kind, "qfserve", model=model))
         client = stack.enter_context(httpx.Client())
+        served = client.get(ours + "/v1/models").json()["data"][0]["id"]
         progress(f"theirs {theirs}, ours {ours}; prompts {lengths}, {reps} reps")
         for n in lengths:
             arms = {
@@ -126,25 +143,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "max_tokens": max_tokens,
             "budget": budget,
             "n_sink": 4,
-            "recent": 0,
+            "recent": budget // 4,
             "temperature": 0,
             "eos_banned": True,
             "endpoint": "/v1/chat/completions (stream, include_usage)",
-            "theirs": "python -m mlx_lm.server (defaults: full KVCache, prompt cache on; "
-            "defeated by a unique prompt prefix)",
-            "both_openblas": True,
+            "theirs": THEIRS[kind],
+            "model_served": str(model),
             "host": servers.HOST,
         },
         "rows": rows,
     }
-    result["plots"] = plot(result, args.out)
+    result["plots"] = plot(result, args.out, key)
     return sm.save(result)
 
 
-def render(d: dict[str, Any]) -> list[str]:
+def render(d: dict[str, Any], title: str = "Against mlx-lm's own server") -> list[str]:
     """This study's section of ``bench/RESULTS.md``."""
     s = d["settings"]
-    lines = speed_header("Against mlx-lm's own server", d)
+    lines = speed_header(title, d)
     lines.append(
         f"Same model folder and prompts, streamed `/v1/chat/completions`, greedy, "
         f"{s['max_tokens']} tokens (EOS banned), {s['reps']} interleaved rounds; theirs: {s['theirs']}; "

@@ -65,6 +65,8 @@ CHECKS: dict[str, Callable[[dict[str, Any]], bool]] = {
                                      for r in d["rows"]),
     "vs-mlx-lm": lambda d: all(_positive_medians(r["decode_tps"]) and _ratios(r["tps_ratios"])
                                for r in d["rows"]),
+    "vs-llama-cpp": lambda d: all(_positive_medians(r["decode_tps"]) and _ratios(r["tps_ratios"])
+                                  for r in d["rows"]),
     "bandwidth": lambda d: d["bandwidth"]["copy_gbps"]["median"] > 0
     and all(0 < r["percent_of_bandwidth"] for r in d["decode"]),
     "structured": lambda d: d["ratios"]["schema/free"]["median"] > 0
