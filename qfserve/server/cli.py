@@ -6,7 +6,8 @@ in-flight ones finish for up to ``--drain-timeout`` seconds; those still running
 with an error (a stream: an ``error`` event and ``[DONE]``), and the process exits 0. A
 second signal stops at once. A model that is missing, cannot be fetched or cannot be served
 (a GGUF file qfserve does not read) exits 2 before the port is bound; one (or a calibration)
-that fails to load on the model thread exits 1.
+that fails to load on the model thread exits 1. Under ``mlx.launch`` every rank runs the same
+command: rank 0 serves, the others follow its steps (:mod:`qfserve.engine.serving.lockstep`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import sys
 from collections.abc import Sequence
 
 from qfserve.engine.models.blas import blas_summary, reexec_with_openblas
-from qfserve.server.serve import port_problem, serve
+from qfserve.server.serve import follow, port_problem, serve
 from qfserve.server.settings import EnvDefaults, make_parser, settings_from_args
 
 logger = logging.getLogger("qfserve")
@@ -46,7 +47,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = settings_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
-    problem = port_problem(settings.host, settings.port)
+    from qfserve.engine.serving.lockstep import launched_rank
+
+    # Under mlx.launch every rank runs this command; only rank 0 listens.
+    rank = launched_rank()
+    problem = None if rank else port_problem(settings.host, settings.port)
     if problem is not None:  # before anything slow: a clash fails in about a second
         print(
             f"qfserve: error: cannot listen on {settings.host}:{settings.port}: {problem}",
@@ -74,7 +79,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     logger.info("model: %s", source)
     alias = settings.alias or gguf_alias(settings.model)
-    return serve(dataclasses.replace(settings, model=source, alias=alias), settings.log_level)
+    settings = dataclasses.replace(settings, model=source, alias=alias)
+    if rank:
+        follow(settings)
+    return serve(settings, settings.log_level)
 
 
 if __name__ == "__main__":

@@ -82,6 +82,23 @@ def serve(settings, log_level: str) -> NoReturn:
     os._exit(server.exit_code)
 
 
+def follow(settings) -> NoReturn:
+    """A rank other than 0 under ``mlx.launch``: the model thread's loop, no HTTP, until rank 0
+    stops (exit 0) or the group is lost or the model fails to load (exit 1)."""
+    from qfserve.engine.serving.worker import Worker
+
+    worker = Worker(settings)
+    worker.start()
+    while worker.alive():
+        time.sleep(0.2)
+    if worker.status != "stopped":
+        logger.error("rank %s stops: %s", os.environ.get("MLX_RANK", "?"), worker.error)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if worker.status == "stopped" else 1)  # no teardown, as serve()
+
+
 class DrainingServer(uvicorn.Server):
     """uvicorn with a drain phase before its own shutdown, and an exit status.
 

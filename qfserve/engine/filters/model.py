@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Literal, get_args
 
-from qfserve.engine.kv.config import CacheConfig
+from qfserve.engine.kv.config import CacheConfig, ConfigError
 from qfserve.engine.models.loading import LoadedModel
 
 logger = logging.getLogger(__name__)
@@ -61,6 +61,7 @@ class ModelFilters:
         self.query_scale: Any = None
         self.source = "none"
         self._traffic: Any = None  # qfserve.engine.filters.traffic.TrafficCalibration while pooling
+        self.ranks = 1  # tensor-parallel ranks the model is split over (see shard)
         try:
             from qfserve.calibrations.model_info import model_fingerprint
             from qfserve.engine.filters.artifact import resolve_calibration
@@ -88,6 +89,13 @@ class ModelFilters:
         """A request's caches for ``config``, with these filters where its method uses them."""
         from qfserve.engine.kv.factory import make_caches
 
+        if self.ranks > 1 and config.evicts and config.budget_mode != "per_head":
+            raise ConfigError(
+                "budget_mode",
+                f"budget_mode {config.budget_mode!r} shares rows across KV heads, which are split "
+                f"over {self.ranks} ranks here (each holds only its own): send "
+                "qfilters_budget_mode 'per_head'",
+            )
         calibrated = config.method in ("qfilters", "kvzip")
         return make_caches(
             self.loaded.model,
@@ -96,6 +104,30 @@ class ModelFilters:
             query_scale=self.query_scale if config.method == "qfilters" else None,
             self_calibrate=self.source == "self",
         )
+
+    def shard(self, rank: int, size: int) -> None:
+        """Keep rank ``rank`` of ``size``'s slice of the filters: the contiguous KV heads
+        mlx-lm's ``shard`` leaves it (:mod:`qfserve.engine.models.sharding`). Nothing is pooled
+        from traffic or prompts: each rank would learn its heads from its own slice of the
+        queries, at its own time."""
+        from qfserve.engine.models.sharding import ShardingError
+
+        if self.self_calibration == "prompt":
+            raise ShardingError(
+                "self_calibration 'prompt' is not supported over several ranks: calibrate the "
+                "model (qfserve calibrate) or use 'off'"
+            )
+        if self._traffic is not None:
+            self._traffic.stop()
+            self._traffic = None
+            logger.warning("over %d ranks Q-Filters are not learned from traffic: calibrate "
+                           "the model (qfserve calibrate) for them", size)  # fmt: skip
+        for name in ("filters", "query_scale"):
+            full = getattr(self, name)
+            if full is not None:
+                per = full.shape[1] // size  # (L, H, D) or (L, H): heads on axis 1
+                setattr(self, name, full[:, rank * per : (rank + 1) * per])
+        self.ranks = size
 
     def learn(self) -> None:
         """Fold the sampled prompt queries in; once the artifact is written, switch to it.

@@ -2,7 +2,9 @@
 
 A :class:`Job` carries the request, its record and an asyncio queue of events; the worker
 thread posts to it with ``loop.call_soon_threadsafe`` and the handler awaits them. Either
-side may cancel it.
+side may cancel it. Under :mod:`qfserve.engine.serving.lockstep` a cancellation takes effect
+only when the model thread applies it at a step boundary, so every rank drops the request at
+the same step.
 """
 
 from __future__ import annotations
@@ -29,13 +31,20 @@ class Job:
     """One submitted request: the handler awaits :meth:`next_event` and may :meth:`cancel`."""
 
     def __init__(
-        self, request: GenerationRequest, record: RequestRecord, loop: asyncio.AbstractEventLoop
+        self,
+        request: GenerationRequest,
+        record: RequestRecord,
+        loop: asyncio.AbstractEventLoop | None,
+        *,
+        deferred: bool = False,
     ) -> None:
         self.request = request
         self.record = record
-        self._loop = loop
+        self._loop = loop  # None: nobody listens (a follower rank's copy of the request)
         self._events: asyncio.Queue[Event] = asyncio.Queue()
+        self._asked = threading.Event()
         self._cancel = threading.Event()
+        self._deferred = deferred  # cancel() only asks; apply_cancel() makes it so
         self.failure: Failed | None = None  # what a cancelled job tells its client, if anyone
         self._emitted = 0  # written by the worker thread only
         self._taken = 0  # written by the event loop only
@@ -55,8 +64,22 @@ class Job:
             failure: Sent to a client that is still listening (e.g. the server is shutting
                 down); ``None`` when the client itself went away.
         """
-        if failure is not None and not self._cancel.is_set():
+        if failure is not None and not self._asked.is_set():
             self.failure = failure
+        self._asked.set()
+        if not self._deferred:
+            self._cancel.set()
+
+    @property
+    def cancel_asked(self) -> bool:
+        """:meth:`cancel` was called (applied or not yet)."""
+        return self._asked.is_set()
+
+    def apply_cancel(self, failure: Failed | None = None) -> None:
+        """Make a cancellation take effect (the model thread, at a step boundary)."""
+        if failure is not None and not self._asked.is_set():
+            self.failure = failure
+        self._asked.set()
         self._cancel.set()
 
     def emit(self, event: Event) -> None:
@@ -64,6 +87,8 @@ class Job:
         reason is kept on the record for the admin endpoint."""
         if isinstance(event, Failed) and self.record is not None:
             self.record.error = f"{event.kind}: {event.message}"
+        if self._loop is None:
+            return
         # A closed loop (server shut down) means nobody is listening any more.
         with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(self._events.put_nowait, event)

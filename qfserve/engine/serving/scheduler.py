@@ -83,7 +83,8 @@ class Scheduler:
         loaded: The model and tokenizer.
         keeps: Turns that end normally and ask for reuse are handed back with their caches
             (a kvzip turn held whole is compressed first).
-        max_backlog: Events a client may leave untaken before it is cancelled.
+        max_backlog: Events a client may leave untaken before it is cancelled (``None``: not
+            checked here; under lockstep the leader's worker checks it between steps).
         prefill_chunk: Prompt tokens per prefill step.
     """
 
@@ -92,7 +93,7 @@ class Scheduler:
         loaded: LoadedModel,
         *,
         keeps: bool = False,
-        max_backlog: int,
+        max_backlog: int | None,
         prefill_chunk: int,
     ) -> None:
         if prefill_chunk < 1:
@@ -307,7 +308,7 @@ class Scheduler:
         logged = token_logprobs(self.loaded.tokenizer, lp, sp.top_logprobs) if sp.logprobs else ()
         if text or logged:
             seq.job.emit(Delta(text, logged))
-            if seq.job.backlog > self._max_backlog:
+            if self._max_backlog is not None and seq.job.backlog > self._max_backlog:
                 logger.warning("request %s: its client stopped reading; cancelled", seq.job.id)
                 seq.job.cancel(Failed("cancelled", "the client stopped reading the stream"))
                 raise _Leave("cancelled", seq.job.failure)

@@ -4,7 +4,8 @@ Handlers on the asyncio event loop call :meth:`Worker.submit` and await the job'
 the worker thread loads the model, admits queued requests while the batch has room
 (``max_batch``), builds each one's eviction caches with ``make_caches``, steps them together
 (:mod:`qfserve.engine.serving.scheduler`) and posts events back with ``loop.call_soon_threadsafe``. MLX is
-only ever evaluated on this thread.
+only ever evaluated on this thread. Launched over several ranks, every rank runs this loop in
+lockstep (:mod:`qfserve.engine.serving.lockstep`); only rank 0's takes HTTP requests.
 
 The worker also keeps a record per request (counts only, never prompt text or token ids)
 for the admin endpoint: the active ones and a bounded history of finished ones.
@@ -28,6 +29,7 @@ from qfserve.engine.models.loading import LoadedModel, load_model, served_as
 from qfserve.engine.serving.admission import hold_need, prepare
 from qfserve.engine.serving.config import EngineConfig
 from qfserve.engine.serving.jobs import Admission, Job, KeptTurn, WorkerUnavailable
+from qfserve.engine.serving.lockstep import Lockstep
 from qfserve.engine.serving.records import Ledger, RequestRecord, State
 from qfserve.engine.text.prompts import PromptError
 from qfserve.engine.text.requests import Failed, GenerationRequest, Started
@@ -78,6 +80,7 @@ class Worker:
         self.error: str | None = None
         self.loaded: LoadedModel | None = None
         self.started_at = int(time.time())
+        self.lockstep: Lockstep | None = None  # set at load when launched over several ranks
 
     # -- life cycle (event loop side) ----------------------------------------------------
 
@@ -177,7 +180,7 @@ class Worker:
         record = RequestRecord.opened(
             request_id or f"req-{next(self._ids)}", self.loaded.name, request.kind, request.cache
         )
-        job = Job(request, record, loop)
+        job = Job(request, record, loop, deferred=self.lockstep is not None)
         # Opened before it is queued: the worker may take it and close it at once.
         self.ledger.open(job)
         try:
@@ -198,6 +201,8 @@ class Worker:
         snap["prompt_cache"] = (
             {"enabled": self.config.prompt_cache_size > 0} if kept is None else kept.view
         )
+        if self.lockstep is not None:
+            snap["distributed"] = self.lockstep.view()
         return snap
 
     def active_kv_bytes(self) -> tuple[int, int]:
@@ -218,6 +223,8 @@ class Worker:
         self.status = "ready"
         try:
             while not self._stopping.is_set():
+                if self.lockstep is not None:
+                    self._sync(idle=not len(scheduler))
                 self._admit(wait=len(scheduler) == 0)
                 if len(scheduler):
                     for left in scheduler.step():
@@ -231,6 +238,8 @@ class Worker:
             logger.exception("generation worker died")
             raise
         finally:
+            if self.lockstep is not None and self.lockstep.leader and self._stopping.is_set():
+                self.lockstep.stop()  # the other ranks leave their loops too
             self.status = "stopped" if self._stopping.is_set() else "dead"
             scheduler.clear()
             self._next = None
@@ -251,6 +260,11 @@ class Worker:
             traffic_samples=config.traffic_samples,
             traffic_prompts=config.traffic_prompts,
         )
+        self.lockstep = Lockstep.join(
+            self.loaded, self.calibration, self.max_kv_bytes, on_lost=self._lost
+        )
+        if self.lockstep is not None:  # rank 0's limit, on every rank
+            self.ledger.max_kv_bytes = self.lockstep.max_kv_bytes
 
     def _make_scheduler(self) -> Any:
         from qfserve.engine.serving.scheduler import Scheduler
@@ -261,9 +275,11 @@ class Worker:
             from qfserve.engine.reuse.kept import KeptCaches
 
             folder = Path(config.prompt_cache_dir) if config.prompt_cache_dir else None
+            if folder is not None and self.lockstep is not None:  # each rank saves its heads
+                folder = folder / f"rank-{self.lockstep.rank}"
             self.prompt_cache = KeptCaches(
                 config.prompt_cache_size,
-                config.prompt_cache_bytes or self.max_kv_bytes,
+                (config.prompt_cache_bytes or self.max_kv_bytes) // self._ranks,
                 folder,
                 self.fingerprint,
                 self._caches_for,
@@ -279,7 +295,8 @@ class Worker:
         return Scheduler(
             self.loaded,
             keeps=self.prompt_cache is not None,
-            max_backlog=config.max_backlog,
+            # Under lockstep a slow reader is cancelled between steps, on every rank at once.
+            max_backlog=None if self.lockstep is not None else config.max_backlog,
             prefill_chunk=config.prefill_chunk,
         )
 
@@ -302,9 +319,8 @@ class Worker:
         scheduler = self._scheduler
         while len(scheduler) < self.max_batch:
             if self._next is None:
-                try:
-                    job = self._queue.get(timeout=0.2) if wait else self._queue.get_nowait()
-                except queue.Empty:
+                job = self._take(wait)
+                if job is None:
                     return
                 wait = False
                 self._next = self._start(job)
@@ -332,9 +348,46 @@ class Worker:
                 return
             self._next = None
             if self.prompt_cache is not None:  # kept caches give way to running requests
-                self.prompt_cache.shrink(self.max_kv_bytes - self.ledger.reserved())
+                self.prompt_cache.shrink(self._room())
             job.emit(Started(prompt_tokens=len(admission.prompt), max_tokens=admission.max_tokens))
             scheduler.add(admission)
+
+    def _take(self, wait: bool) -> Job | None:
+        """The next request to admit (``wait``: up to 0.2 s for one); under lockstep, the
+        next the last tick brought, every rank alike."""
+        if self.lockstep is not None:
+            return self.lockstep.take()
+        try:
+            return self._queue.get(timeout=0.2) if wait else self._queue.get_nowait()
+        except queue.Empty:
+            return None
+
+    def _sync(self, *, idle: bool) -> None:
+        """A step boundary under lockstep (rank 0 hands out what only it knows)."""
+        assert self.lockstep is not None
+        kept = self.prompt_cache.cache.nbytes if self.prompt_cache is not None else 0
+        held = (self.ledger.active_kv_bytes()[0], kept)
+        if self.lockstep.sync(self._queue, self.ledger, held, idle=idle,
+                              max_backlog=self.config.max_backlog):  # fmt: skip
+            self._stopping.set()
+
+    def _lost(self, message: str) -> None:
+        """Another rank died (from the liveness thread): this model thread may wait forever
+        on a collective, so the requests fail here, at once, and the worker is dead."""
+        self.status, self.error = "dead", message
+        logger.error("%s: failing every request", message)
+        for job in self.ledger.live():
+            job.emit(Failed("unavailable", f"the model is split over ranks and {message}"))
+            self._finish(job.record, "error")
+
+    @property
+    def _ranks(self) -> int:
+        return 1 if self.lockstep is None else self.lockstep.size
+
+    def _room(self) -> int:
+        """KV bytes this rank's kept caches may hold beside the running requests (the limit
+        counts the whole model's bytes; each rank holds its share of the heads)."""
+        return (self.max_kv_bytes - self.ledger.reserved()) // self._ranks
 
     def _start(self, job: Job) -> Admission | None:
         """Encode the prompt, build the caches and size their KV memory (``None``: the job
@@ -380,8 +433,9 @@ class Worker:
         if self.prompt_cache is None or not turn.request.reuse:
             return
         try:
-            room = self.max_kv_bytes - self.ledger.reserved()
-            self.prompt_cache.keep(self._cache_key(turn.request), turn.tokens, turn.caches, room)
+            self.prompt_cache.keep(
+                self._cache_key(turn.request), turn.tokens, turn.caches, self._room()
+            )
         except Exception as exc:  # noqa: BLE001 - a cache not kept must not stop the worker
             logger.warning("request %s: its cache was not kept: %s", request_id, exc)
 

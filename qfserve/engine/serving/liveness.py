@@ -1,0 +1,77 @@
+"""Rank 0 learns within a moment that another rank died, and the others that rank 0 did.
+
+Liveness does not ride on the collectives: once a peer is gone, the ring backend logs
+"Failing pending tasks" but its next collective may wait forever (seen with a follower killed
+while rank 0 waited for a tick). So each follower holds a plain TCP connection to rank 0; the
+kernel closes a dead process's sockets whatever killed it, and a connection that closes is a
+rank that died. Rank 0 then fails its requests and reports 503; a follower exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import select
+import socket
+import threading
+from collections.abc import Callable
+
+logger = logging.getLogger(__name__)
+
+
+def leader_host() -> str:
+    """Where followers reach rank 0: ``QFSERVE_LEADER_HOST``, else the first address of the
+    ring backend's host file (``MLX_HOSTFILE``, written by ``mlx.launch``), else loopback."""
+    if os.environ.get("QFSERVE_LEADER_HOST"):
+        return os.environ["QFSERVE_LEADER_HOST"]
+    try:
+        with open(os.environ["MLX_HOSTFILE"]) as f:
+            return str(json.load(f)[0][0]).rsplit(":", 1)[0]
+    except (KeyError, OSError, ValueError, IndexError, TypeError):
+        return "127.0.0.1"
+
+
+class Watch:
+    """Rank 0's side: a listening socket the ``followers`` connect to once each.
+
+    Args:
+        followers: How many ranks will connect (the group's size less one).
+        on_lost: Called once, from the watching thread, with a message naming the rank.
+    """
+
+    def __init__(self, followers: int, on_lost: Callable[[str], None]) -> None:
+        self._server = socket.create_server(("", 0))
+        self.port = int(self._server.getsockname()[1])
+        self._followers = followers
+        self._on_lost = on_lost
+        threading.Thread(target=self._watch, name="qfserve-liveness", daemon=True).start()
+
+    def _watch(self) -> None:
+        ranks: dict[socket.socket, int] = {}
+        while len(ranks) < self._followers:
+            conn, _ = self._server.accept()
+            ranks[conn] = int.from_bytes(conn.recv(4) or b"\0", "big")
+        self._server.close()
+        size = self._followers + 1
+        readable, _, _ = select.select(list(ranks), [], [])  # any data or EOF: it is gone
+        rank = ranks[readable[0]]
+        self._on_lost(f"rank {rank} of {size} stopped (its connection to rank 0 closed)")
+
+
+def follow_leader(port: int, rank: int) -> socket.socket:
+    """A follower's side: connect to rank 0 and exit this process when it goes away."""
+    conn = socket.create_connection((leader_host(), port), timeout=30)
+    conn.settimeout(None)
+    conn.sendall(rank.to_bytes(4, "big"))
+
+    def watch() -> None:
+        with contextlib.suppress(OSError):
+            conn.recv(1)
+        logger.error("rank %d stops: rank 0 went away", rank)
+        logging.shutdown()
+        os._exit(1)  # its model thread may wait on a collective that never completes
+
+    threading.Thread(target=watch, name="qfserve-liveness", daemon=True).start()
+    return conn
