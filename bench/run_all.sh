@@ -67,6 +67,8 @@ if [[ "$which" == speed || "$which" == all ]]; then
     run ttft
     run server-overhead
     run vs-mlx-lm
+    run vs-llama-cpp --prompts 256 2048 4096 8096 || echo "vs-llama-cpp needs llama-cpp-python[server]"
+    run distributed
     run batching
     # After the packed step's in-place joins and leaves: 256-token prompts, two rounds a row.
     run batching --prompts 256 --streams 1 8 16 --reps 2 \

@@ -11,6 +11,7 @@ Nothing here talks to any address but 127.0.0.1.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -179,6 +180,29 @@ def launch(
             stderr=subprocess.STDOUT,
         )
     return ServerProcess(kind, process, port, log, model)
+
+
+def launch_ranks(
+    size: int,
+    model: Path | str | None,
+    *flags: str,
+    logs: Path,
+    env: Mapping[str, str] | None = None,
+) -> list[ServerProcess]:
+    """Start ``size`` qfserve ranks on loopback as ``mlx.launch --backend ring`` would (the
+    same environment: ``MLX_RANK`` and a ring host file), without waiting for them.
+
+    Rank 0 (the first returned) serves HTTP; the others follow it. Logs go to
+    ``logs/rank<r>.log``; the host file is written there too.
+    """
+    hostfile = logs / "hosts.json"
+    hostfile.write_text(json.dumps([[f"{HOST}:{free_port()}"] for _ in range(size)]))
+    base = dict(os.environ if env is None else env)
+    return [
+        launch("qfserve", model, *flags, log=logs / f"rank{rank}.log",
+               env={**base, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)})
+        for rank in range(size)
+    ]  # fmt: skip
 
 
 def wait_ready(server: ServerProcess, timeout: float = 120.0) -> None:

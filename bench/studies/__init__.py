@@ -60,6 +60,7 @@ STUDIES = {s.name: s for s in (
     Study("vs-mlx-lm", "speed", "qfserve against mlx_lm.server on the same prompts"),
     Study("vs-llama-cpp", "speed", "qfserve against llama.cpp's server on the same GGUF", True,
           "llama-cpp-python[server] (QFSERVE_LLAMA_PYTHON names its Python)"),
+    Study("distributed", "speed", "one process against the model split over ranks (lockstep)"),
     Study("bandwidth", "speed", "memory bandwidth against the bytes a decode step reads"),
     Study("structured", "speed", "what a JSON-schema constraint costs per token"),
     Study("batching", "speed", "continuous batching: aggregate tok/s and TTFT per stream count"),

@@ -47,7 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = settings_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
-    from qfserve.engine.serving.lockstep import launched_rank
+    from qfserve.engine.serving.liveness import launched_rank
 
     # Under mlx.launch every rank runs this command; only rank 0 listens.
     rank = launched_rank()

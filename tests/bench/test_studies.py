@@ -67,6 +67,11 @@ CHECKS: dict[str, Callable[[dict[str, Any]], bool]] = {
                                for r in d["rows"]),
     "vs-llama-cpp": lambda d: all(_positive_medians(r["decode_tps"]) and _ratios(r["tps_ratios"])
                                   for r in d["rows"]),
+    "distributed": lambda d: all(_positive_medians(r["decode_tps"]) and _ratios(r["tps_ratios"])
+                                 and r["ranks_view"]["ranks"] == d["settings"]["ranks"]
+                                 # a rank holds 1/N of one process's rows' bytes
+                                 and r["kv_bytes_per_rank"]["ranks"][0] * d["settings"]["ranks"]
+                                 == r["kv_bytes_per_rank"]["one_a"][0] for r in d["rows"]),
     "bandwidth": lambda d: d["bandwidth"]["copy_gbps"]["median"] > 0
     and all(0 < r["percent_of_bandwidth"] for r in d["decode"]),
     "structured": lambda d: d["ratios"]["schema/free"]["median"] > 0

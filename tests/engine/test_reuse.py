@@ -109,7 +109,10 @@ def test_a_reused_evicted_cache_continues_like_the_same_caches_by_hand(worker, l
     assert first.kv_cache["evictions"] > 0 and second.cached_tokens > 0
     prompt1 = loaded.tokenizer.encode(opening)
     caches = make_caches(
-        loaded.model, config, filters=worker.filters, query_scale=worker.query_scale
+        loaded.model,
+        config,
+        filters=worker.calibration.filters,
+        query_scale=worker.calibration.query_scale,
     )
 
     def feed(tokens: list[int]) -> list[int]:

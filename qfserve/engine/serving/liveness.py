@@ -1,4 +1,5 @@
-"""Rank 0 learns within a moment that another rank died, and the others that rank 0 did.
+"""Which rank this process is (read from the launcher's environment, before MLX is imported),
+and liveness: rank 0 learns within a moment that another rank died, the others that it did.
 
 Liveness does not ride on the collectives: once a peer is gone, the ring backend logs
 "Failing pending tasks" but its next collective may wait forever (seen with a follower killed
@@ -19,6 +20,18 @@ import threading
 from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
+
+# Set by mlx.launch for the ring and JACCL backends, and by MPI's launchers.
+LAUNCH_VARIABLES = ("MLX_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+
+
+def launched_rank() -> int | None:
+    """This process's rank when a distributed launcher started it, else ``None`` (read from
+    the environment, without importing MLX's distributed backends)."""
+    for name in ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return None
 
 
 def leader_host() -> str:

@@ -38,7 +38,7 @@ import numpy as np
 from mlx_lm.generate import generation_stream
 
 from qfserve.engine.serving.jobs import Job
-from qfserve.engine.serving.liveness import Watch, follow_leader
+from qfserve.engine.serving.liveness import LAUNCH_VARIABLES, Watch, follow_leader
 from qfserve.engine.serving.records import RequestRecord
 from qfserve.engine.text.requests import Failed, GenerationRequest
 
@@ -49,26 +49,14 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Set by mlx.launch for the ring and JACCL backends, and by MPI's launchers.
-_LAUNCH_VARIABLES = ("MLX_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
-
 
 class PeerLost(RuntimeError):
     """Another rank stopped answering (its process died or its connection closed)."""
 
 
-def launched_rank() -> int | None:
-    """This process's rank when a distributed launcher started it, else ``None`` (read from
-    the environment, without importing MLX's distributed backends)."""
-    for name in ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
-        if os.environ.get(name, "").isdigit():
-            return int(os.environ[name])
-    return None
-
-
 def distributed_group() -> Any | None:
     """The ``mx.distributed`` group this process was launched in, or ``None`` alone."""
-    if not any(os.environ.get(name) for name in _LAUNCH_VARIABLES):
+    if not any(os.environ.get(name) for name in LAUNCH_VARIABLES):
         return None
     group = mx.distributed.init()
     return group if group.size() > 1 else None

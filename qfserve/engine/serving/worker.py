@@ -20,19 +20,21 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from qfserve.engine.filters.model import ModelFilters
 from qfserve.engine.kv.config import ConfigError
-from qfserve.engine.models.loading import LoadedModel, load_model, served_as
+from qfserve.engine.models.loading import LoadedModel, load_model
+from qfserve.engine.serving import startup
 from qfserve.engine.serving.admission import hold_need, prepare
 from qfserve.engine.serving.config import EngineConfig
 from qfserve.engine.serving.jobs import Admission, Job, KeptTurn, WorkerUnavailable
-from qfserve.engine.serving.lockstep import Lockstep
 from qfserve.engine.serving.records import Ledger, RequestRecord, State
 from qfserve.engine.text.prompts import PromptError
 from qfserve.engine.text.requests import Failed, GenerationRequest, Started
+
+if TYPE_CHECKING:
+    from qfserve.engine.serving.lockstep import Lockstep
 
 logger = logging.getLogger(__name__)
 
@@ -73,9 +75,7 @@ class Worker:
         self._stopping = threading.Event()
         self._draining = False
         self._thread = threading.Thread(target=self._main, name="qfserve-worker", daemon=True)
-        self._scheduler: Any = (
-            None  # qfserve.engine.serving.scheduler.Scheduler, built on the thread
-        )
+        self._scheduler: Any = None  # serving.scheduler.Scheduler, built on the thread
         self.status: Literal["loading", "ready", "failed", "dead", "stopped"] = "loading"
         self.error: str | None = None
         self.loaded: LoadedModel | None = None
@@ -145,14 +145,6 @@ class Worker:
     def fingerprint(self) -> str:
         """The model weights' fingerprint (``""`` before the model is loaded)."""
         return "" if self.calibration is None else self.calibration.fingerprint
-
-    @property
-    def filters(self) -> Any:
-        return None if self.calibration is None else self.calibration.filters
-
-    @property
-    def query_scale(self) -> Any:
-        return None if self.calibration is None else self.calibration.query_scale
 
     def submit(
         self,
@@ -249,56 +241,22 @@ class Worker:
                 self._finish(job.record, "error")
 
     def _load(self) -> None:
-        from qfserve.engine.kv.attention import set_blocked
-
-        config = self.config
-        set_blocked(config.attention == "blocked")
-        self.loaded = served_as(self._loader(config.model), config.alias, config.ctx_size)
-        self.calibration = ModelFilters(
-            self.loaded,
-            self_calibration=config.self_calibration,
-            traffic_samples=config.traffic_samples,
-            traffic_prompts=config.traffic_prompts,
-        )
-        self.lockstep = Lockstep.join(
-            self.loaded, self.calibration, self.max_kv_bytes, on_lost=self._lost
+        self.loaded, self.calibration, self.lockstep = startup.load(
+            self.config, self._loader, self.max_kv_bytes, on_lost=self._lost
         )
         if self.lockstep is not None:  # rank 0's limit, on every rank
             self.ledger.max_kv_bytes = self.lockstep.max_kv_bytes
 
     def _make_scheduler(self) -> Any:
-        from qfserve.engine.serving.scheduler import Scheduler
-
         assert self.loaded is not None
-        config = self.config
-        if config.prompt_cache_size:
-            from qfserve.engine.reuse.kept import KeptCaches
-
-            folder = Path(config.prompt_cache_dir) if config.prompt_cache_dir else None
-            if folder is not None and self.lockstep is not None:  # each rank saves its heads
-                folder = folder / f"rank-{self.lockstep.rank}"
-            self.prompt_cache = KeptCaches(
-                config.prompt_cache_size,
-                (config.prompt_cache_bytes or self.max_kv_bytes) // self._ranks,
-                folder,
-                self.fingerprint,
-                self._caches_for,
-            )
-        if self.max_batch > 1:
-            from qfserve.engine.kv.attention import install_head_masks
-
-            try:  # a batch masks its members' padding per head
-                install_head_masks(self.loaded.model)
-            except ValueError as exc:
-                logger.warning("requests run one at a time: %s", exc)
-                self.max_batch = 1
-        return Scheduler(
-            self.loaded,
-            keeps=self.prompt_cache is not None,
-            # Under lockstep a slow reader is cancelled between steps, on every rank at once.
-            max_backlog=None if self.lockstep is not None else config.max_backlog,
-            prefill_chunk=config.prefill_chunk,
+        self.prompt_cache = startup.make_kept(
+            self.config, self.fingerprint, self.max_kv_bytes, self.lockstep, self._caches_for
         )
+        scheduler, self.max_batch = startup.make_scheduler(
+            self.loaded, self.config, keeps=self.prompt_cache is not None,
+            lockstep=self.lockstep, max_batch=self.max_batch,
+        )  # fmt: skip
+        return scheduler
 
     def _fail_waiting(self, message: str) -> None:
         while True:
@@ -380,14 +338,11 @@ class Worker:
             job.emit(Failed("unavailable", f"the model is split over ranks and {message}"))
             self._finish(job.record, "error")
 
-    @property
-    def _ranks(self) -> int:
-        return 1 if self.lockstep is None else self.lockstep.size
-
     def _room(self) -> int:
         """KV bytes this rank's kept caches may hold beside the running requests (the limit
         counts the whole model's bytes; each rank holds its share of the heads)."""
-        return (self.max_kv_bytes - self.ledger.reserved()) // self._ranks
+        ranks = 1 if self.lockstep is None else self.lockstep.size
+        return (self.max_kv_bytes - self.ledger.reserved()) // ranks
 
     def _start(self, job: Job) -> Admission | None:
         """Encode the prompt, build the caches and size their KV memory (``None``: the job

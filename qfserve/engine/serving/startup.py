@@ -1,0 +1,95 @@
+"""What the model thread builds before it serves: the model (split over the ranks when it was
+launched over several), its filters, the kept caches and the scheduler. The worker calls these
+on its own thread, in this order; nothing here runs on the event loop."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from qfserve.engine.filters.model import ModelFilters
+from qfserve.engine.models.loading import LoadedModel, served_as
+from qfserve.engine.serving.config import EngineConfig
+
+if TYPE_CHECKING:
+    from qfserve.engine.reuse.kept import KeptCaches
+    from qfserve.engine.serving.lockstep import Lockstep
+    from qfserve.engine.serving.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+def load(
+    config: EngineConfig,
+    loader: Callable[[str | None], LoadedModel],
+    max_kv_bytes: int,
+    on_lost: Callable[[str], None],
+) -> tuple[LoadedModel, ModelFilters, Lockstep | None]:
+    """The served model, its filters and, launched over several ranks, its lockstep (the
+    model and filters then split over them; ``on_lost`` is told when a rank dies)."""
+    from qfserve.engine.kv.attention import set_blocked
+    from qfserve.engine.serving.lockstep import Lockstep
+
+    set_blocked(config.attention == "blocked")
+    loaded = served_as(loader(config.model), config.alias, config.ctx_size)
+    calibration = ModelFilters(
+        loaded,
+        self_calibration=config.self_calibration,
+        traffic_samples=config.traffic_samples,
+        traffic_prompts=config.traffic_prompts,
+    )
+    lockstep = Lockstep.join(loaded, calibration, max_kv_bytes, on_lost=on_lost)
+    return loaded, calibration, lockstep
+
+
+def make_kept(
+    config: EngineConfig,
+    fingerprint: str,
+    max_kv_bytes: int,
+    lockstep: Lockstep | None,
+    caches_for: Callable[[Any], list[Any]],
+) -> KeptCaches | None:
+    """The caches finished turns are kept in (``None``: reuse is off). Over several ranks
+    each keeps its own heads' rows, in a folder of its own, within its share of the bytes."""
+    if not config.prompt_cache_size:
+        return None
+    from qfserve.engine.reuse.kept import KeptCaches
+
+    folder = Path(config.prompt_cache_dir) if config.prompt_cache_dir else None
+    ranks = 1 if lockstep is None else lockstep.size
+    if folder is not None and lockstep is not None:
+        folder = folder / f"rank-{lockstep.rank}"
+    max_bytes = (config.prompt_cache_bytes or max_kv_bytes) // ranks
+    return KeptCaches(config.prompt_cache_size, max_bytes, folder, fingerprint, caches_for)
+
+
+def make_scheduler(
+    loaded: LoadedModel,
+    config: EngineConfig,
+    *,
+    keeps: bool,
+    lockstep: Lockstep | None,
+    max_batch: int,
+) -> tuple[Scheduler, int]:
+    """The scheduler, and the batch size it can run (1 where a batch cannot mask its
+    members' padding per head)."""
+    from qfserve.engine.serving.scheduler import Scheduler
+
+    if max_batch > 1:
+        from qfserve.engine.kv.attention import install_head_masks
+
+        try:
+            install_head_masks(loaded.model)
+        except ValueError as exc:
+            logger.warning("requests run one at a time: %s", exc)
+            max_batch = 1
+    scheduler = Scheduler(
+        loaded,
+        keeps=keeps,
+        # Under lockstep a slow reader is cancelled between steps, on every rank at once.
+        max_backlog=None if lockstep is not None else config.max_backlog,
+        prefill_chunk=config.prefill_chunk,
+    )
+    return scheduler, max_batch

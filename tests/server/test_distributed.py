@@ -1,0 +1,166 @@
+"""The bundled model split over two ranks (tensor parallelism over ``mx.distributed``'s ring
+backend on loopback, started with the environment ``mlx.launch`` sets) answers as one process:
+the same greedy text and, within float summation order, the same logprobs, for every arm,
+streamed and not, alone and in a mixed batch. A follower that dies makes rank 0 fail its
+requests and ``/health`` 503 within seconds; a model whose heads do not split is refused at
+start-up, naming the counts."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from qfserve import testing
+
+MODEL = "qfserve-tiny"  # 4 query / 2 KV heads, 640 MLP units: splits over 2 ranks
+PROMPTS = [
+    "Tell me about the pass key in the story of the red fox and the old mill.",
+    "Write three short sentences about Python lists and dictionaries.",
+]
+ARMS = {
+    "full": {"kv_method": "full"},
+    "qfilters": {"kv_method": "qfilters", "qfilters_budget": 16},
+    "knorm": {"kv_method": "knorm", "qfilters_budget": 16},
+    "kvzip": {"kv_method": "kvzip", "qfilters_budget": 16, "qfilters_budget_mode": "per_head"},
+}
+FLAGS = ("--max-batch", "4")
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory) -> Iterator[tuple[str, str, list[testing.ServerProcess]]]:
+    """(one process's URL, rank 0's URL, the ranks)."""
+    logs = tmp_path_factory.mktemp("distributed")
+    single = testing.launch("qfserve", MODEL, *FLAGS, log=logs / "single.log")
+    ranks = testing.launch_ranks(2, MODEL, *FLAGS, logs=logs)
+    try:
+        for server in (single, *ranks[:1]):
+            testing.wait_ready(server)
+        yield single.url, ranks[0].url, ranks
+    finally:
+        testing.stop_all([single, *ranks], 20)
+
+
+def chat(url: str, prompt: str, arm: str, **extra) -> dict:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": 24,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 2,
+        **ARMS[arm],
+        **extra,
+    }
+    response = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def assert_same(one: dict, two: dict) -> None:
+    a, b = one["choices"][0], two["choices"][0]
+    assert b["message"]["content"] == a["message"]["content"]
+    la, lb = a["logprobs"]["content"], b["logprobs"]["content"]
+    assert [t["token"] for t in lb] == [t["token"] for t in la]
+    for x, y in zip(la, lb, strict=True):  # the sharded sums add in another order
+        assert y["logprob"] == pytest.approx(x["logprob"], abs=2e-3)
+    assert two["kv_cache"]["tokens_kept"] == one["kv_cache"]["tokens_kept"]
+
+
+@pytest.mark.parametrize("arm", list(ARMS))
+def test_two_ranks_answer_as_one_process(servers, arm):
+    single, split, _ = servers
+    for prompt in PROMPTS:
+        assert_same(chat(single, prompt, arm), chat(split, prompt, arm))
+
+
+def test_streamed_text_is_the_same(servers):
+    single, split, _ = servers
+
+    def streamed(url: str) -> str:
+        from openai import OpenAI  # the SDK is the reference parser
+
+        sdk = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        stream = sdk.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": PROMPTS[0]}],
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            extra_body=ARMS["qfilters"],
+        )
+        return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+    assert streamed(split) == streamed(single)
+    assert streamed(split)  # not empty
+
+
+def test_a_mixed_batch_answers_each_as_alone(servers):
+    single, split, _ = servers
+    jobs = [(p, arm) for p in PROMPTS for arm in ("full", "qfilters", "knorm")]
+    alone = [chat(single, p, arm) for p, arm in jobs]
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        together = list(pool.map(lambda job: chat(split, *job), jobs))
+    for one, two in zip(alone, together, strict=True):
+        assert_same(one, two)
+
+
+def test_kv_bytes_are_shown_per_rank_and_in_total(servers):
+    _, split, _ = servers
+    chat(split, PROMPTS[1], "full", max_tokens=4)
+    view = httpx.get(split + "/admin/cache", timeout=10).json()["distributed"]
+    assert view["ranks"] == 2 and [r["rank"] for r in view["per_rank"]] == [0, 1]
+    kept = [r["kept_kv_bytes"] for r in view["per_rank"]]
+    assert kept[0] == kept[1] > 0  # each rank keeps its own half of the heads
+    assert view["total"]["kept_kv_bytes"] == sum(kept)
+
+
+@pytest.mark.parametrize("mode", ["adaptive", "global"])
+def test_rows_shared_across_heads_are_refused(servers, mode):
+    _, split, _ = servers
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "kv_method": "qfilters", "qfilters_budget": 8, "qfilters_budget_mode": mode}  # fmt: skip
+    response = httpx.post(split + "/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "qfilters_budget_mode" and "2 ranks" in error["message"]
+    assert httpx.get(split + "/health", timeout=10).status_code == 200
+
+
+def test_a_dead_follower_fails_requests_and_health_within_seconds(tmp_path):
+    ranks = testing.launch_ranks(2, MODEL, logs=tmp_path)
+    try:
+        testing.wait_ready(ranks[0])
+        url = ranks[0].url
+        body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPTS[0]}],
+                "max_tokens": 1500, "stream": True, "temperature": 0}  # fmt: skip
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            assert any(line.startswith("data: {") for line in lines)  # it is generating
+            killed = time.monotonic()
+            ranks[1].process.kill()
+            rest = list(lines)
+        assert time.monotonic() - killed < 10
+        errors = [line for line in rest if '"error"' in line]
+        assert errors and "rank 1 of 2 stopped" in errors[0]
+        assert rest[-1] == "data: [DONE]"
+        health = httpx.get(url + "/health", timeout=10)
+        assert health.status_code == 503 and "rank 1 of 2" in health.json()["error"]["message"]
+        again = httpx.post(url + "/v1/chat/completions", timeout=10,
+                           json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
+        assert again.status_code == 503
+    finally:
+        testing.stop_all(ranks, 10)
+
+
+def test_heads_that_do_not_split_are_refused_at_start(tmp_path):
+    ranks = testing.launch_ranks(3, MODEL, logs=tmp_path)
+    try:
+        codes = [r.process.wait(120) for r in ranks]
+    finally:
+        testing.stop_all(ranks, 5)
+    assert codes[0] == 1
+    assert "4 attention heads, which do not split evenly over 3 ranks" in ranks[0].logs()
