@@ -8,6 +8,7 @@ start-up, naming the counts."""
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import time
 from collections.abc import Iterator
 
@@ -47,7 +48,7 @@ def servers(tmp_path_factory) -> Iterator[tuple[str, str, list[testing.ServerPro
 def chat(url: str, prompt: str, arm: str, **extra) -> dict:
     body = {
         "model": MODEL,
-        "messages": [{"role": "user", "content": prompt}],
+        "messages": [{"role": "user", "content": prompt}],  # extra["messages"] replaces it
         "max_tokens": 24,
         "temperature": 0,
         "logprobs": True,
@@ -164,3 +165,32 @@ def test_heads_that_do_not_split_are_refused_at_start(tmp_path):
         testing.stop_all(ranks, 5)
     assert codes[0] == 1
     assert "4 attention heads, which do not split evenly over 3 ranks" in ranks[0].logs()
+
+
+def test_structured_output_and_reuse_work_as_on_one_process(servers):
+    """A JSON-schema answer, then a conversation's second turn continuing the first's kept
+    caches (``cached_tokens > 0``) on every rank."""
+    single, split, _ = servers
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+    one = chat(single, "Give me a number as JSON.", "qfilters", response_format=fmt)
+    two = chat(split, "Give me a number as JSON.", "qfilters", response_format=fmt)
+    assert_same(one, two)
+    assert isinstance(json.loads(two["choices"][0]["message"]["content"])["n"], int)
+
+    def conversation(url: str) -> list[dict]:
+        messages = [{"role": "user", "content": PROMPTS[0]}]
+        turns = []
+        for question in ("And the mill?", "Say it again."):
+            turns.append(chat(url, "", "qfilters", messages=messages, prompt_cache_key=url))
+            reply = turns[-1]["choices"][0]["message"]["content"]
+            messages = [*messages, {"role": "assistant", "content": reply},
+                        {"role": "user", "content": question}]  # fmt: skip
+        return turns
+
+    alone, together = conversation(single), conversation(split)
+    for one, two in zip(alone, together, strict=True):
+        assert_same(one, two)
+    cached = [t["usage"]["prompt_tokens_details"]["cached_tokens"] for t in together]
+    assert cached[1] > 0
+    assert cached == [t["usage"]["prompt_tokens_details"]["cached_tokens"] for t in alone]

@@ -99,6 +99,7 @@ class Lockstep:
     # Per rank, from the last tick: (KV bytes its running requests hold, its kept caches').
     rank_bytes: list[tuple[int, int]] = field(default_factory=list)
     link: Any = None  # a follower's liveness connection to rank 0 (held open)
+    stopped: bool = False  # the stop tick went out (rank 0) or came in
 
     @classmethod
     def join(
@@ -207,10 +208,12 @@ class Lockstep:
         *,
         idle: bool,
         max_backlog: int,
+        stopping: bool = False,
     ) -> bool:
         """A step boundary: rank 0 takes what arrived on ``requests`` (``idle``: waiting up
-        to 0.2 s for the first) and hands it, with the cancellations due, to every rank;
-        followers open their copies in ``ledger``. Returns whether rank 0 is stopping."""
+        to 0.2 s for the first) and hands it, with the cancellations due and whether it is
+        ``stopping``, to every rank; followers open their copies in ``ledger``. Returns
+        whether rank 0 is stopping: then every rank leaves its loop at this tick."""
         if self.leader:
             arrived: list[Job] = []
             with contextlib.suppress(queue.Empty):
@@ -219,7 +222,7 @@ class Lockstep:
                 while True:
                     arrived.append(requests.get_nowait())
             due = self.cancels_due(max_backlog)
-            tick = self.tick(Tick(tuple((j.id, j.request) for j in arrived), due), held)
+            tick = self.tick(Tick(tuple((j.id, j.request) for j in arrived), due, stopping), held)
         else:
             tick = self.tick(None, held)
             arrived = []
@@ -228,10 +231,15 @@ class Lockstep:
                 arrived.append(Job(request, record, None, deferred=True))
                 ledger.open(arrived[-1])
         self.apply(tick, arrived)
+        self.stopped = tick.stop
         return tick.stop
 
     def stop(self) -> None:
-        """Rank 0 is leaving its loop: the others leave theirs (a lost peer is no matter)."""
+        """Rank 0 is leaving its loop: the others leave theirs, unless a tick already told
+        them (a lost peer is no matter)."""
+        if self.stopped:
+            return
+        self.stopped = True
         with contextlib.suppress(PeerLost):
             self.tick(Tick(stop=True), (0, 0))
 

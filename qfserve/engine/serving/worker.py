@@ -215,8 +215,8 @@ class Worker:
         self.status = "ready"
         try:
             while not self._stopping.is_set():
-                if self.lockstep is not None:
-                    self._sync(idle=not len(scheduler))
+                if self.lockstep is not None and self._sync(idle=not len(scheduler)):
+                    break  # rank 0 stops: every rank leaves at this same tick
                 self._admit(wait=len(scheduler) == 0)
                 if len(scheduler):
                     for left in scheduler.step():
@@ -320,27 +320,27 @@ class Worker:
         except queue.Empty:
             return None
 
-    def _sync(self, *, idle: bool) -> None:
-        """A step boundary under lockstep (rank 0 hands out what only it knows)."""
+    def _sync(self, *, idle: bool) -> bool:
+        """A step boundary under lockstep; whether every rank stops here (the tick says)."""
         assert self.lockstep is not None
         kept = self.prompt_cache.cache.nbytes if self.prompt_cache is not None else 0
         held = (self.ledger.active_kv_bytes()[0], kept)
-        if self.lockstep.sync(self._queue, self.ledger, held, idle=idle,
-                              max_backlog=self.config.max_backlog):  # fmt: skip
+        stop = self.lockstep.sync(self._queue, self.ledger, held, idle=idle, max_backlog=self
+                                  .config.max_backlog, stopping=self._stopping.is_set())  # fmt: skip
+        if stop:
             self._stopping.set()
+        return stop
 
     def _lost(self, message: str) -> None:
         """Another rank died (from the liveness thread): this model thread may wait forever
         on a collective, so the requests fail here, at once, and the worker is dead."""
         self.status, self.error = "dead", message
         logger.error("%s: failing every request", message)
-        for job in self.ledger.live():
+        for job in self.ledger.live():  # their records close if the thread comes back
             job.emit(Failed("unavailable", f"the model is split over ranks and {message}"))
-            self._finish(job.record, "error")
 
     def _room(self) -> int:
-        """KV bytes this rank's kept caches may hold beside the running requests (the limit
-        counts the whole model's bytes; each rank holds its share of the heads)."""
+        """KV bytes this rank's kept caches may hold beside the running requests (its share)."""
         ranks = 1 if self.lockstep is None else self.lockstep.size
         return (self.max_kv_bytes - self.ledger.reserved()) // ranks
 
