@@ -188,19 +188,25 @@ def launch_ranks(
     *flags: str,
     logs: Path,
     env: Mapping[str, str] | None = None,
+    rank_env: Mapping[int, Mapping[str, str]] | None = None,
 ) -> list[ServerProcess]:
     """Start ``size`` qfserve ranks on loopback as ``mlx.launch --backend ring`` would (the
     same environment: ``MLX_RANK`` and a ring host file), without waiting for them.
 
     Rank 0 (the first returned) serves HTTP; the others follow it. Logs go to
-    ``logs/rank<r>.log``; the host file is written there too.
+    ``logs/rank<r>.log``; the host file is written there too. ``rank_env`` adds variables
+    to some ranks' environments. Each rank gets its share of this machine's cores for
+    OpenBLAS's threads (unless ``OPENBLAS_NUM_THREADS`` is set): ranks sharing a machine
+    with a thread per core each would spin against each other.
     """
     hostfile = logs / "hosts.json"
     hostfile.write_text(json.dumps([[f"{HOST}:{free_port()}"] for _ in range(size)]))
     base = dict(os.environ if env is None else env)
+    base.setdefault("OPENBLAS_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // size)))
     return [
         launch("qfserve", model, *flags, log=logs / f"rank{rank}.log",
-               env={**base, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)})
+               env={**base, **(rank_env or {}).get(rank, {}), "MLX_RANK": str(rank),
+                    "MLX_HOSTFILE": str(hostfile)})
         for rank in range(size)
     ]  # fmt: skip
 

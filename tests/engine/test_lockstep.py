@@ -1,18 +1,22 @@
 """Lockstep's host side, on one process: deferred cancellation, the tick rank 0 builds (a
 handler's cancel, a reader that fell behind) and what a follower does with it, the tick's
-round trip through the collectives (a one-rank group), and where followers find rank 0."""
+round trip through the collectives (a one-rank group), where followers find rank 0, what
+the ranks compare at start-up, and the liveness connections."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import threading
+import time
 
 import mlx.core as mx
 import pytest
 
 from qfserve.engine.kv.config import CacheConfig
 from qfserve.engine.serving.jobs import Job
-from qfserve.engine.serving.liveness import launched_rank, leader_host
+from qfserve.engine.serving.liveness import Watch, follow_leader, launched_rank, leader_host
 from qfserve.engine.serving.lockstep import Lockstep, Tick
 from qfserve.engine.serving.records import RequestRecord
 from qfserve.engine.text.requests import Failed, GenerationRequest, SamplingParams
@@ -113,3 +117,68 @@ def test_the_rank_comes_from_the_launchers_environment(monkeypatch, env, rank):
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     assert launched_rank() == rank
+
+
+def test_the_settings_compared_between_ranks_leave_out_rank_local_ones():
+    from qfserve.engine.serving.config import EngineConfig
+    from qfserve.engine.serving.startup import decision_settings
+
+    base = decision_settings(EngineConfig(model="a", max_queue=4, history=10))
+    assert base == decision_settings(EngineConfig(model="b", max_queue=9, history=3,
+                                                  max_kv_bytes=1 << 20))  # fmt: skip
+    assert base != decision_settings(EngineConfig(model="a", max_batch=3))
+    assert base != decision_settings(EngineConfig(model="a", prefill_chunk=64))
+
+
+def test_a_lone_rank_agrees_with_itself():
+    lockstep = Lockstep(mx.distributed.init())
+    lockstep.handshake("m", {"weights": "w", "settings": "s"}, 12345)
+    assert lockstep.max_kv_bytes == 12345
+    assert lockstep.same_everywhere("anything")
+
+
+def _connect(port: int, rank: int) -> socket.socket:
+    conn = socket.create_connection(("127.0.0.1", port))
+    conn.sendall(rank.to_bytes(4, "big"))
+    return conn
+
+
+def test_rank_0_hears_of_a_follower_whose_connection_closes():
+    lost: list[str] = []
+    watch = Watch(2, lost.append)
+    one, two = _connect(watch.port, 1), _connect(watch.port, 2)
+    time.sleep(0.2)
+    assert lost == []
+    two.close()  # what the kernel does for a killed process
+    deadline = time.monotonic() + 5
+    while not lost and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert lost == ["rank 2 of 3 stopped (its connection to rank 0 closed)"]
+    one.close()
+
+
+def test_a_follower_that_never_connects_is_reported_and_close_is_quiet():
+    lost: list[str] = []
+    Watch(1, lost.append, timeout=0.3)
+    time.sleep(1.0)
+    assert lost and "never connected" in lost[0]
+    quiet: list[str] = []
+    watch = Watch(1, quiet.append)
+    conn = _connect(watch.port, 1)
+    time.sleep(0.2)
+    watch.close()  # rank 0 gives up: its followers see the end, rank 0 is not told
+    assert conn.recv(1) == b""
+    time.sleep(0.2)
+    assert quiet == []
+
+
+def test_a_follower_told_to_stop_does_not_exit_when_rank_0_goes():
+    server = socket.create_server(("127.0.0.1", 0))
+    stopping = threading.Event()
+    stopping.set()
+    link = follow_leader(server.getsockname()[1], 1, stopping)
+    conn, _ = server.accept()
+    conn.close()  # rank 0 exits after its stop tick; os._exit(1) here would end the tests
+    time.sleep(0.3)
+    link.close()
+    server.close()

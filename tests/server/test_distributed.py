@@ -200,3 +200,16 @@ def test_structured_output_and_reuse_work_as_on_one_process(servers):
     cached = [t["usage"]["prompt_tokens_details"]["cached_tokens"] for t in together]
     assert cached[1] > 0
     assert cached == [t["usage"]["prompt_tokens_details"]["cached_tokens"] for t in alone]
+
+
+def test_ranks_with_other_settings_refuse_to_start_together(tmp_path):
+    """Every decision must come out the same on every rank: a follower started with another
+    batch size (here through its environment) stops the whole group at start-up."""
+    ranks = testing.launch_ranks(2, MODEL, logs=tmp_path, rank_env={1: {"QFSERVE_MAX_BATCH": "3"}})
+    try:
+        codes = [r.process.wait(120) for r in ranks]
+    finally:
+        testing.stop_all(ranks, 5)
+    assert codes == [1, 1]
+    assert "rank 1 differs from rank 0 in: settings" in ranks[1].logs()
+    assert "rank(s) 1 loaded another model, other filters or other settings" in ranks[0].logs()

@@ -52,29 +52,51 @@ class Watch:
     Args:
         followers: How many ranks will connect (the group's size less one).
         on_lost: Called once, from the watching thread, with a message naming the rank.
+        timeout: Seconds the followers have to connect (after the handshake) before rank 0
+            gives up on them.
     """
 
-    def __init__(self, followers: int, on_lost: Callable[[str], None]) -> None:
+    def __init__(
+        self, followers: int, on_lost: Callable[[str], None], timeout: float = 60.0
+    ) -> None:
         self._server = socket.create_server(("", 0))
+        self._server.settimeout(timeout)
         self.port = int(self._server.getsockname()[1])
         self._followers = followers
         self._on_lost = on_lost
+        self._ranks: dict[socket.socket, int] = {}
+        self._closing = False
         threading.Thread(target=self._watch, name="qfserve-liveness", daemon=True).start()
 
     def _watch(self) -> None:
-        ranks: dict[socket.socket, int] = {}
-        while len(ranks) < self._followers:
-            conn, _ = self._server.accept()
-            ranks[conn] = int.from_bytes(conn.recv(4) or b"\0", "big")
-        self._server.close()
         size = self._followers + 1
-        readable, _, _ = select.select(list(ranks), [], [])  # any data or EOF: it is gone
-        rank = ranks[readable[0]]
-        self._on_lost(f"rank {rank} of {size} stopped (its connection to rank 0 closed)")
+        try:
+            while len(self._ranks) < self._followers:
+                conn, _ = self._server.accept()
+                conn.settimeout(None)
+                self._ranks[conn] = int.from_bytes(conn.recv(4) or b"\0", "big")
+        except OSError as exc:  # a timeout: some follower never connected
+            self._on_lost(f"{self._followers - len(self._ranks)} of {size} ranks never "
+                          f"connected to rank 0 ({exc})")  # fmt: skip
+            return
+        finally:
+            self._server.close()
+        readable, _, _ = select.select(list(self._ranks), [], [])  # data or EOF: it is gone
+        if not self._closing:
+            rank = self._ranks[readable[0]]
+            self._on_lost(f"rank {rank} of {size} stopped (its connection to rank 0 closed)")
+
+    def close(self) -> None:
+        """Close every follower's connection (they exit): rank 0 cannot go on."""
+        self._closing = True
+        for conn in list(self._ranks):
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
 
 
-def follow_leader(port: int, rank: int) -> socket.socket:
-    """A follower's side: connect to rank 0 and exit this process when it goes away."""
+def follow_leader(port: int, rank: int, stopping: threading.Event) -> socket.socket:
+    """A follower's side: connect to rank 0 and exit this process when it goes away (unless
+    ``stopping`` is set: rank 0 stopped cleanly and this rank's loop ends by itself)."""
     conn = socket.create_connection((leader_host(), port), timeout=30)
     conn.settimeout(None)
     conn.sendall(rank.to_bytes(4, "big"))
@@ -82,6 +104,8 @@ def follow_leader(port: int, rank: int) -> socket.socket:
     def watch() -> None:
         with contextlib.suppress(OSError):
             conn.recv(1)
+        if stopping.is_set():
+            return
         logger.error("rank %d stops: rank 0 went away", rank)
         logging.shutdown()
         os._exit(1)  # its model thread may wait on a collective that never completes

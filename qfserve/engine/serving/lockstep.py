@@ -23,11 +23,13 @@ Ticks are pickled: the ranks trust each other, as ``mx.distributed`` itself does
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import pickle
 import queue
 import random
+import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -67,8 +69,7 @@ class Handshake:
     """What rank 0 tells the others once, after every rank has loaded the model."""
 
     model: str
-    fingerprint: str
-    max_kv_bytes: int
+    agreed: dict[str, str]  # what must be equal on every rank: weights, filters, settings
     seed: int
     port: int  # where rank 0 listens for the followers' liveness connections
 
@@ -93,13 +94,15 @@ class Lockstep:
 
     group: Any
     model: str = ""  # the served name, on every rank's records
-    max_kv_bytes: int = 0  # rank 0's limit, agreed at the handshake
+    max_kv_bytes: int = 0  # the smallest of the ranks' limits, agreed at the handshake
     inbox: deque[Job] = field(default_factory=deque)  # arrived, not yet taken by admission
     known: dict[str, Job] = field(default_factory=dict)  # arrived and not finished
     # Per rank, from the last tick: (KV bytes its running requests hold, its kept caches').
     rank_bytes: list[tuple[int, int]] = field(default_factory=list)
     link: Any = None  # a follower's liveness connection to rank 0 (held open)
+    watch: Watch | None = None  # rank 0's watch over the followers' connections
     stopped: bool = False  # the stop tick went out (rank 0) or came in
+    stopping: threading.Event = field(default_factory=threading.Event)  # set with stopped
 
     @classmethod
     def join(
@@ -108,24 +111,30 @@ class Lockstep:
         calibration: ModelFilters,
         max_kv_bytes: int,
         on_lost: Callable[[str], None],
+        settings: str = "",
     ) -> Lockstep | None:
         """Split the model and its filters over the launched group and agree with rank 0
         (``None``: this process runs alone). Every rank calls this at load; on rank 0,
-        ``on_lost`` is told (once, from another thread) when a follower dies."""
+        ``on_lost`` is told (once, from another thread) when a follower dies. ``settings``
+        are the engine settings every decision reads: they must be equal on every rank."""
         group = distributed_group()
         if group is None:
             return None
         from qfserve.engine.models.sharding import shard
 
+        filters = calibration.filters
+        digest = (
+            "none" if filters is None else hashlib.sha1(np.array(filters).tobytes()).hexdigest()
+        )
+        agreed = {"weights": calibration.fingerprint, "settings": settings,
+                  "filters": f"{calibration.source} {digest}"}  # fmt: skip
         # The filters were resolved (and checked) against the whole model: split them too.
         calibration.shard(group.rank(), group.size())
         shard(loaded, group)
         self = cls(group, loaded.name)
-        port = Watch(self.size - 1, on_lost).port if self.leader else 0
-        agreed = self.handshake(loaded.name, calibration.fingerprint, max_kv_bytes, port)
-        if not self.leader:
-            self.link = follow_leader(agreed.port, self.rank)
-        self.max_kv_bytes = agreed.max_kv_bytes
+        watch = Watch(self.size - 1, on_lost) if self.leader else None
+        self.handshake(loaded.name, agreed, max_kv_bytes, watch.port if watch else 0)
+        self.watch = watch
         logger.info("rank %d of %d: %s split over the group", self.rank, self.size, loaded.name)
         return self
 
@@ -142,23 +151,39 @@ class Lockstep:
         return self.rank == 0
 
     def handshake(
-        self, model: str, fingerprint: str, max_kv_bytes: int, port: int = 0
-    ) -> Handshake:
-        """Agree on the model and on what may differ between machines (rank 0's memory
-        limit, random seed and liveness port); raises ``RuntimeError`` when the ranks loaded
-        other models."""
-        mine = Handshake(model, fingerprint, max_kv_bytes, random.getrandbits(62), port)
-        data = self._share(pickle.dumps(mine), (0, 0))
+        self, model: str, agreed: dict[str, str], max_kv_bytes: int, port: int = 0
+    ) -> None:
+        """Agree with rank 0 on the model, its filters and the settings (``agreed``: every
+        rank refuses to start, together, when one differs), take the smallest memory limit of
+        any rank and rank 0's random seed, and (followers) connect to rank 0's ``port``."""
+        mine = Handshake(model, agreed, random.getrandbits(62), port)
+        data = self._share(pickle.dumps(mine), (max_kv_bytes, 0))
         assert data is not None  # rank 0 always sends one
-        agreed: Handshake = pickle.loads(data)
-        if (agreed.model, agreed.fingerprint) != (model, fingerprint):
+        theirs: Handshake = pickle.loads(data)
+        self.max_kv_bytes = min(limit for limit, _ in self.rank_bytes)
+        differ = [k for k in agreed if theirs.agreed.get(k) != agreed[k]]
+        if theirs.model != model:
+            differ.insert(0, f"model ({model}, rank 0: {theirs.model})")
+        if differ:
+            logger.error("rank %d differs from rank 0 in: %s", self.rank, ", ".join(differ))
+        else:
+            if not self.leader:
+                self.link = follow_leader(theirs.port, self.rank, self.stopping)
+        self._share(None, (int(bool(differ)), 0))  # every rank learns who differs
+        bad = [rank for rank, (flag, _) in enumerate(self.rank_bytes) if flag]
+        if bad:
             raise RuntimeError(
-                f"rank {self.rank} loaded {model} (weights {fingerprint[:12]}) but rank 0 "
-                f"loaded {agreed.model} (weights {agreed.fingerprint[:12]}): start every rank "
-                "on the same model"
+                f"rank(s) {', '.join(map(str, bad))} loaded another model, other filters or "
+                "other settings than rank 0 (their logs say which): start every rank on the same "
+                "model and flags"
             )
-        mx.random.seed(agreed.seed)
-        return agreed
+        mx.random.seed(theirs.seed)
+
+    def same_everywhere(self, text: str) -> bool:
+        """Whether ``text`` is the same on every rank (every rank learns the answer)."""
+        mine = int.from_bytes(hashlib.sha1(text.encode()).digest()[:7], "big")
+        self._share(None, (mine, 0))
+        return len({digest for digest, _ in self.rank_bytes}) == 1
 
     def tick(self, tick: Tick | None, held: tuple[int, int]) -> Tick:
         """Rank 0 hands ``tick`` to every rank; the others receive it (``tick`` ``None``).
@@ -206,20 +231,23 @@ class Lockstep:
         ledger: Ledger,
         held: tuple[int, int],
         *,
+        room: int,
         idle: bool,
         max_backlog: int,
         stopping: bool = False,
     ) -> bool:
-        """A step boundary: rank 0 takes what arrived on ``requests`` (``idle``: waiting up
-        to 0.2 s for the first) and hands it, with the cancellations due and whether it is
+        """A step boundary: rank 0 takes what arrived on ``requests``, as many as admission
+        has ``room`` for beside the ones waiting (the rest stay queued, where ``max_queue``
+        bounds them), ``idle``: waiting up to 0.2 s for the first, and hands them, with the cancellations due and whether it is
         ``stopping``, to every rank; followers open their copies in ``ledger``. Returns
         whether rank 0 is stopping: then every rank leaves its loop at this tick."""
         if self.leader:
             arrived: list[Job] = []
+            take = room - len(self.inbox)
             with contextlib.suppress(queue.Empty):
-                if idle:
+                if idle and take > 0:
                     arrived.append(requests.get(timeout=0.2))
-                while True:
+                while len(arrived) < take:
                     arrived.append(requests.get_nowait())
             due = self.cancels_due(max_backlog)
             tick = self.tick(Tick(tuple((j.id, j.request) for j in arrived), due, stopping), held)
@@ -231,15 +259,22 @@ class Lockstep:
                 arrived.append(Job(request, record, None, deferred=True))
                 ledger.open(arrived[-1])
         self.apply(tick, arrived)
-        self.stopped = tick.stop
+        if tick.stop:
+            self.stopping.set()  # rank 0 will close its connection: not a death
+            self.stopped = True
         return tick.stop
 
-    def stop(self) -> None:
-        """Rank 0 is leaving its loop: the others leave theirs, unless a tick already told
-        them (a lost peer is no matter)."""
+    def leave(self, *, clean: bool) -> None:
+        """Rank 0 is leaving its loop: a ``clean`` stop tells the others with a tick (unless
+        one already did); a model thread that died of its own error closes their
+        connections instead, so they exit rather than wait on a collective that never comes."""
         if self.stopped:
             return
         self.stopped = True
+        if not clean:
+            if self.watch is not None:
+                self.watch.close()
+            return
         with contextlib.suppress(PeerLost):
             self.tick(Tick(stop=True), (0, 0))
 

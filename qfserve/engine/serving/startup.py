@@ -4,6 +4,7 @@ on its own thread, in this order; nothing here runs on the event loop."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -40,8 +41,21 @@ def load(
         traffic_samples=config.traffic_samples,
         traffic_prompts=config.traffic_prompts,
     )
-    lockstep = Lockstep.join(loaded, calibration, max_kv_bytes, on_lost=on_lost)
+    lockstep = Lockstep.join(
+        loaded, calibration, max_kv_bytes, on_lost=on_lost, settings=decision_settings(config)
+    )
     return loaded, calibration, lockstep
+
+
+# Read by rank 0 alone (the queue, the admin history, slow readers) or agreed on their own
+# (the memory limit), or where a rank's files live: they may differ between ranks.
+_RANK_LOCAL = ("model", "max_kv_bytes", "prompt_cache_dir", "max_queue", "history", "max_backlog")
+
+
+def decision_settings(config: EngineConfig) -> str:
+    """The engine settings every rank's decisions read, as text to compare between ranks."""
+    fields = dataclasses.fields(EngineConfig)
+    return repr([(f.name, getattr(config, f.name)) for f in fields if f.name not in _RANK_LOCAL])
 
 
 def make_kept(
@@ -59,10 +73,16 @@ def make_kept(
 
     folder = Path(config.prompt_cache_dir) if config.prompt_cache_dir else None
     ranks = 1 if lockstep is None else lockstep.size
-    if folder is not None and lockstep is not None:
-        folder = folder / f"rank-{lockstep.rank}"
+    if folder is not None and lockstep is not None:  # its heads' rows, for this many ranks
+        folder = folder / f"rank-{lockstep.rank}-of-{lockstep.size}"
     max_bytes = (config.prompt_cache_bytes or max_kv_bytes) // ranks
-    return KeptCaches(config.prompt_cache_size, max_bytes, folder, fingerprint, caches_for)
+    kept = KeptCaches(config.prompt_cache_size, max_bytes, folder, fingerprint, caches_for)
+    loaded = repr(sorted((repr(key), tokens) for key, tokens in kept.cache.stored()))
+    if lockstep is not None and not lockstep.same_everywhere(loaded):
+        # A file one rank could not read (or save) would make it miss where others hit.
+        logger.warning("the ranks loaded different saved prompt caches: none is used")
+        kept.shrink(0)
+    return kept
 
 
 def make_scheduler(

@@ -212,7 +212,8 @@ class Worker:
             logger.error("could not load the model: %s", self.error)
             self._fail_waiting("the model failed to load")
             return
-        self.status = "ready"
+        if self.status == "loading":  # not dead already (a rank lost at start-up)
+            self.status = "ready"
         try:
             while not self._stopping.is_set():
                 if self.lockstep is not None and self._sync(idle=not len(scheduler)):
@@ -230,8 +231,8 @@ class Worker:
             logger.exception("generation worker died")
             raise
         finally:
-            if self.lockstep is not None and self.lockstep.leader and self._stopping.is_set():
-                self.lockstep.stop()  # the other ranks leave their loops too
+            if self.lockstep is not None and self.lockstep.leader:  # the others leave too
+                self.lockstep.leave(clean=self._stopping.is_set())
             self.status = "stopped" if self._stopping.is_set() else "dead"
             scheduler.clear()
             self._next = None
@@ -325,7 +326,8 @@ class Worker:
         assert self.lockstep is not None
         kept = self.prompt_cache.cache.nbytes if self.prompt_cache is not None else 0
         held = (self.ledger.active_kv_bytes()[0], kept)
-        stop = self.lockstep.sync(self._queue, self.ledger, held, idle=idle, max_backlog=self
+        room = self.max_batch - len(self._scheduler) - (self._next is not None)
+        stop = self.lockstep.sync(self._queue, self.ledger, held, room=room, idle=idle, max_backlog=self
                                   .config.max_backlog, stopping=self._stopping.is_set())  # fmt: skip
         if stop:
             self._stopping.set()
