@@ -16,7 +16,7 @@ import pytest
 
 from qfserve.engine.kv.config import CacheConfig
 from qfserve.engine.serving.jobs import Job
-from qfserve.engine.serving.liveness import Watch, follow_leader, launched_rank, leader_host
+from qfserve.engine.serving.liveness import Link, Watch, launched_rank, leader_host
 from qfserve.engine.serving.lockstep import Lockstep, Tick
 from qfserve.engine.serving.records import RequestRecord
 from qfserve.engine.text.requests import Failed, GenerationRequest, SamplingParams
@@ -147,6 +147,8 @@ def test_rank_0_hears_of_a_follower_whose_connection_closes():
     lost: list[str] = []
     watch = Watch(2, lost.append)
     one, two = _connect(watch.port, 1), _connect(watch.port, 2)
+    watch.ring()  # the bell before a tick: one byte to each follower
+    assert one.recv(1) == two.recv(1) == b"\1"
     time.sleep(0.2)
     assert lost == []
     two.close()  # what the kernel does for a killed process
@@ -176,8 +178,11 @@ def test_a_follower_told_to_stop_does_not_exit_when_rank_0_goes():
     server = socket.create_server(("127.0.0.1", 0))
     stopping = threading.Event()
     stopping.set()
-    link = follow_leader(server.getsockname()[1], 1, stopping)
+    link = Link(server.getsockname()[1], 1, stopping)
     conn, _ = server.accept()
+    conn.sendall(b"\1\1")  # two bells: two ticks may follow
+    link.wait()
+    link.wait()
     conn.close()  # rank 0 exits after its stop tick; os._exit(1) here would end the tests
     time.sleep(0.3)
     link.close()

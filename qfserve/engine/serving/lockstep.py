@@ -40,7 +40,7 @@ import numpy as np
 from mlx_lm.generate import generation_stream
 
 from qfserve.engine.serving.jobs import Job
-from qfserve.engine.serving.liveness import LAUNCH_VARIABLES, Watch, follow_leader
+from qfserve.engine.serving.liveness import LAUNCH_VARIABLES, Link, Watch
 from qfserve.engine.serving.records import RequestRecord
 from qfserve.engine.text.requests import Failed, GenerationRequest
 
@@ -99,7 +99,7 @@ class Lockstep:
     known: dict[str, Job] = field(default_factory=dict)  # arrived and not finished
     # Per rank, from the last tick: (KV bytes its running requests hold, its kept caches').
     rank_bytes: list[tuple[int, int]] = field(default_factory=list)
-    link: Any = None  # a follower's liveness connection to rank 0 (held open)
+    link: Link | None = None  # a follower's liveness connection to rank 0
     watch: Watch | None = None  # rank 0's watch over the followers' connections
     stopped: bool = False  # the stop tick went out (rank 0) or came in
     stopping: threading.Event = field(default_factory=threading.Event)  # set with stopped
@@ -168,7 +168,7 @@ class Lockstep:
             logger.error("rank %d differs from rank 0 in: %s", self.rank, ", ".join(differ))
         else:
             if not self.leader:
-                self.link = follow_leader(theirs.port, self.rank, self.stopping)
+                self.link = Link(theirs.port, self.rank, self.stopping)
         self._share(None, (int(bool(differ)), 0))  # every rank learns who differs
         bad = [rank for rank, (flag, _) in enumerate(self.rank_bytes) if flag]
         if bad:
@@ -178,6 +178,11 @@ class Lockstep:
                 "model and flags"
             )
         mx.random.seed(theirs.seed)
+
+    def ring(self) -> None:
+        """Rank 0: wake the followers for the tick it is about to send."""
+        if self.watch is not None:
+            self.watch.ring()
 
     def same_everywhere(self, text: str) -> bool:
         """Whether ``text`` is the same on every rank (every rank learns the answer)."""
@@ -250,8 +255,11 @@ class Lockstep:
                 while len(arrived) < take:
                     arrived.append(requests.get_nowait())
             due = self.cancels_due(max_backlog)
+            self.ring()
             tick = self.tick(Tick(tuple((j.id, j.request) for j in arrived), due, stopping), held)
         else:
+            if self.link is not None:
+                self.link.wait()  # asleep, not spinning in the collective
             tick = self.tick(None, held)
             arrived = []
             for job_id, request in tick.arrivals:  # a follower's copy: nobody listens to it
@@ -276,6 +284,7 @@ class Lockstep:
                 self.watch.close()
             return
         with contextlib.suppress(PeerLost):
+            self.ring()
             self.tick(Tick(stop=True), (0, 0))
 
     def cancels_due(self, max_backlog: int) -> tuple[tuple[str, Failed | None], ...]:
