@@ -213,3 +213,16 @@ def test_ranks_with_other_settings_refuse_to_start_together(tmp_path):
     assert codes == [1, 1]
     assert "rank 1 differs from rank 0 in: settings" in ranks[1].logs()
     assert "rank(s) 1 loaded another model, other filters or other settings" in ranks[0].logs()
+
+
+@pytest.mark.parametrize(("flags", "says"), [
+    (("--budget-mode", "adaptive"), "--budget-mode adaptive shares rows across KV heads"),
+    (("--kv-method", "kvzip"), "--kv-method kvzip shares rows across layers and heads"),
+])  # fmt: skip
+def test_server_defaults_that_share_rows_across_heads_are_refused_at_start(tmp_path, flags, says):
+    ranks = testing.launch_ranks(2, MODEL, *flags, logs=tmp_path)
+    try:
+        codes = [r.process.wait(120) for r in ranks]
+    finally:
+        testing.stop_all(ranks, 5)
+    assert codes[0] == 1 and says in ranks[0].logs()

@@ -44,7 +44,27 @@ def load(
     lockstep = Lockstep.join(
         loaded, calibration, max_kv_bytes, on_lost=on_lost, settings=decision_settings(config)
     )
+    if lockstep is not None:
+        check_split_defaults(config, lockstep.size)
     return loaded, calibration, lockstep
+
+
+def check_split_defaults(config: EngineConfig, ranks: int) -> None:
+    """Refuse, at start-up, server defaults that share rows across KV heads: over several
+    ranks each holds only its own heads, so every request that sent nothing would fail."""
+    from qfserve.engine.models.sharding import ShardingError
+
+    if config.budget_mode != "per_head":
+        raise ShardingError(
+            f"--budget-mode {config.budget_mode} shares rows across KV heads, which are split "
+            f"over {ranks} ranks: serve with --budget-mode per_head"
+        )
+    if config.kv_method == "kvzip":
+        raise ShardingError(
+            f"--kv-method kvzip shares rows across layers and heads by default, which are split "
+            f"over {ranks} ranks: serve another default method (requests may still send kvzip "
+            "with qfilters_budget_mode 'per_head')"
+        )
 
 
 # Read by rank 0 alone (the queue, the admin history, slow readers) or agreed on their own
