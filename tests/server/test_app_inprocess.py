@@ -152,6 +152,22 @@ def test_a_dying_worker_fails_waiting_requests_fast():
     assert call(build_app(worker=worker), "GET", "/health").status_code == 503
 
 
+def test_a_rank_lost_after_a_failed_load_leaves_the_worker_failed():
+    """Over several ranks every rank may refuse to start at once; the followers' exits then
+    reach rank 0 as lost ranks, which must not turn its failed load into a dead worker (a
+    server that stays up answering 503) instead of one that exits."""
+
+    def refuse(ref):
+        raise ValueError("refused")
+
+    worker = Worker(EngineConfig(), loader=refuse)
+    worker.start()
+    worker._thread.join(10)
+    assert worker.status == "failed"
+    worker._lost("rank 1 of 2 stopped")
+    assert worker.status == "failed" and "refused" in (worker.error or "")
+
+
 def test_missing_bundled_model_fails_with_a_clear_message(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(loading, "DEFAULT_MODEL_DIR", tmp_path / "absent")
     with pytest.raises(ModelNotFoundError, match="bundled model qfserve-tiny is missing"):

@@ -45,7 +45,12 @@ def load(
         loaded, calibration, max_kv_bytes, on_lost=on_lost, settings=decision_settings(config)
     )
     if lockstep is not None:
-        check_split_defaults(config, lockstep.size)
+        try:
+            check_split_defaults(config, lockstep.size)
+        except Exception:
+            if lockstep.watch is not None:  # every rank refuses: none of them is lost
+                lockstep.watch.close()
+            raise
     return loaded, calibration, lockstep
 
 

@@ -335,7 +335,10 @@ class Worker:
 
     def _lost(self, message: str) -> None:
         """Another rank died (from the liveness thread): this model thread may wait forever
-        on a collective, so the requests fail here, at once, and the worker is dead."""
+        on a collective, so the requests fail here, at once, and the worker is dead (unless
+        it already failed to load, or stopped: then the server exits as it would alone)."""
+        if self.status in ("failed", "stopped"):
+            return
         self.status, self.error = "dead", message
         logger.error("%s: failing every request", message)
         for job in self.ledger.live():  # their records close if the thread comes back
