@@ -182,6 +182,16 @@ def launch(
     return ServerProcess(kind, process, port, log, model)
 
 
+def rank_threads(size: int) -> int:
+    """OpenBLAS threads each of ``size`` ranks on this machine gets from :func:`launch_ranks`.
+
+    A process compared with the ranks should run with as many: another thread count blocks
+    the float sums differently, and a last-bit difference can flip a near-tie between two
+    rows' eviction scores, which is not a difference the split made.
+    """
+    return max(1, (os.cpu_count() or 1) // size)
+
+
 def launch_ranks(
     size: int,
     model: Path | str | None,
@@ -202,7 +212,7 @@ def launch_ranks(
     hostfile = logs / "hosts.json"
     hostfile.write_text(json.dumps([[f"{HOST}:{free_port()}"] for _ in range(size)]))
     base = dict(os.environ if env is None else env)
-    base.setdefault("OPENBLAS_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // size)))
+    base.setdefault("OPENBLAS_NUM_THREADS", str(rank_threads(size)))
     return [
         launch("qfserve", model, *flags, log=logs / f"rank{rank}.log",
                env={**base, **(rank_env or {}).get(rank, {}), "MLX_RANK": str(rank),

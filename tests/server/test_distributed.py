@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import time
 from collections.abc import Iterator
 
@@ -35,7 +36,8 @@ FLAGS = ("--max-batch", "4")
 def servers(tmp_path_factory) -> Iterator[tuple[str, str, list[testing.ServerProcess]]]:
     """(one process's URL, rank 0's URL, the ranks)."""
     logs = tmp_path_factory.mktemp("distributed")
-    single = testing.launch("qfserve", MODEL, *FLAGS, log=logs / "single.log")
+    threads = {"OPENBLAS_NUM_THREADS": str(testing.rank_threads(2)), **os.environ}
+    single = testing.launch("qfserve", MODEL, *FLAGS, log=logs / "single.log", env=threads)
     ranks = testing.launch_ranks(2, MODEL, *FLAGS, logs=logs)
     try:
         for server in (single, *ranks[:1]):
