@@ -29,7 +29,7 @@ from qfserve.engine.serving import startup
 from qfserve.engine.serving.admission import hold_need, prepare
 from qfserve.engine.serving.config import EngineConfig
 from qfserve.engine.serving.jobs import Admission, Job, KeptTurn, WorkerUnavailable
-from qfserve.engine.serving.records import Ledger, RequestRecord, State
+from qfserve.engine.serving.records import Ledger, RequestRecord
 from qfserve.engine.text.prompts import PromptError
 from qfserve.engine.text.requests import Failed, GenerationRequest, Started
 
@@ -221,7 +221,7 @@ class Worker:
                 self._admit(wait=len(scheduler) == 0)
                 if len(scheduler):
                     for left in scheduler.step():
-                        self._finish(left.record, left.state)
+                        self.ledger.close(left.record, left.state)
                         if left.turn is not None:
                             self._keep(left.record.id, left.turn)
                 if self.calibration is not None and self.calibration.learning:
@@ -239,7 +239,7 @@ class Worker:
             self._fail_waiting("the generation worker stopped")
             for job in self.ledger.live():  # admitted, or taken off the queue meanwhile
                 job.emit(Failed("unavailable", "the generation worker stopped"))
-                self._finish(job.record, "error")
+                self.ledger.close(job.record, "error")
 
     def _load(self) -> None:
         self.loaded, self.calibration, self.lockstep = startup.load(
@@ -249,10 +249,11 @@ class Worker:
             self.ledger.max_kv_bytes = self.lockstep.max_kv_bytes
 
     def _make_scheduler(self) -> Any:
-        assert self.loaded is not None
-        self.prompt_cache = startup.make_kept(
-            self.config, self.fingerprint, self.max_kv_bytes, self.lockstep, self._caches_for
-        )
+        assert self.loaded is not None and self.calibration is not None
+        self.prompt_cache = startup.make_kept(  # saved turns are read back into fresh caches
+            self.config, self.fingerprint, self.max_kv_bytes, self.lockstep,
+            self.calibration.caches_for,
+        )  # fmt: skip
         scheduler, self.max_batch = startup.make_scheduler(
             self.loaded, self.config, keeps=self.prompt_cache is not None,
             lockstep=self.lockstep, max_batch=self.max_batch,
@@ -266,10 +267,7 @@ class Worker:
             except queue.Empty:
                 return
             job.emit(Failed("unavailable", message))
-            self._finish(job.record, "error")
-
-    def _finish(self, record: RequestRecord, state: State) -> None:
-        self.ledger.close(record, state)
+            self.ledger.close(job.record, "error")
 
     def _admit(self, *, wait: bool) -> None:
         """Move queued requests into the batch while it has room and their KV memory fits
@@ -290,7 +288,7 @@ class Worker:
             if job.cancelled:
                 self._next = None
                 job.emit(job.failure or Failed("cancelled", "the request was cancelled"))
-                self._finish(job.record, "cancelled")
+                self.ledger.close(job.record, "cancelled")
                 continue
             full = None
             if self.prompt_cache is not None and job.request.reuse:
@@ -327,8 +325,10 @@ class Worker:
         kept = self.prompt_cache.cache.nbytes if self.prompt_cache is not None else 0
         held = (self.ledger.active_kv_bytes()[0], kept)
         room = self.max_batch - len(self._scheduler) - (self._next is not None)
-        stop = self.lockstep.sync(self._queue, self.ledger, held, room=room, idle=idle, max_backlog=self
-                                  .config.max_backlog, stopping=self._stopping.is_set())  # fmt: skip
+        stop = self.lockstep.sync(
+            self._queue, self.ledger, held, room=room, idle=idle,
+            max_backlog=self.config.max_backlog, stopping=self._stopping.is_set(),
+        )  # fmt: skip
         if stop:
             self._stopping.set()
         return stop
@@ -355,7 +355,7 @@ class Worker:
         if job.cancelled:
             if job.failure is not None:
                 job.emit(job.failure)
-            self._finish(job.record, "cancelled")
+            self.ledger.close(job.record, "cancelled")
             return None
         assert self.loaded is not None and self.calibration is not None
         reuse = self.prompt_cache is not None and job.request.reuse
@@ -371,12 +371,12 @@ class Worker:
             )
         except (PromptError, ConfigError) as exc:  # ConfigError: settings this model cannot honour
             job.emit(Failed("invalid_request", str(exc), exc.param))
-            self._finish(job.record, "error")
+            self.ledger.close(job.record, "error")
             return None
         except Exception as exc:  # noqa: BLE001 - one request failing must not stop the worker
             logger.exception("request %s failed", job.id)
             job.emit(Failed("internal", f"generation failed: {type(exc).__name__}: {exc}"))
-            self._finish(job.record, "error")
+            self.ledger.close(job.record, "error")
             return None
 
     def _cache_key(self, request: GenerationRequest) -> tuple[Any, ...]:
@@ -398,8 +398,3 @@ class Worker:
             )
         except Exception as exc:  # noqa: BLE001 - a cache not kept must not stop the worker
             logger.warning("request %s: its cache was not kept: %s", request_id, exc)
-
-    def _caches_for(self, config: Any) -> list[Any]:
-        """Fresh caches for ``config`` (saved turns are read back into them)."""
-        assert self.calibration is not None
-        return self.calibration.caches_for(config)
