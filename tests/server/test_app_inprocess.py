@@ -7,6 +7,7 @@ import asyncio
 import json
 import threading
 import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -112,7 +113,14 @@ def test_a_dying_worker_fails_waiting_requests_fast():
         model=None, tokenizer=None, name="fake", model_id="fake", source="fake", context_length=64
     )
     worker = Worker(EngineConfig(max_queue=4), loader=lambda ref: fake)
-    worker._load = lambda: (setattr(worker, "loaded", fake), setattr(worker, "status", "ready"))
+    # a loaded model without weights, and filters the test never reaches (reuse is off)
+    worker._load = lambda: (
+        setattr(worker, "loaded", fake),
+        setattr(
+            worker, "calibration", SimpleNamespace(caches_for=None, learning=False, fingerprint="")
+        ),
+        setattr(worker, "status", "ready"),
+    )
     release = threading.Event()
 
     def crash(job):
