@@ -11,6 +11,10 @@ the recent window protected, and the kept keys against the full cache's at their
 from __future__ import annotations
 
 import copy
+import json
+import os
+import subprocess
+import sys
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -18,6 +22,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
+from qfserve import testing
 from qfserve.engine.kv.config import CacheConfig, ConfigError
 from qfserve.engine.kv.factory import make_caches
 from qfserve.engine.kv.kvzip import PREV_TAIL, RepeatPrompt, compress, generated_tier, needs_pass
@@ -274,3 +279,37 @@ def test_a_later_turn_reconstructs_only_what_no_pass_scored(tiny):
                 assert score == pytest.approx(old[p])
             else:
                 assert score >= 0
+
+
+RANK_SCRIPT = """
+import json
+from types import SimpleNamespace
+
+import mlx.core as mx
+
+from qfserve.engine.kv.kvzip.reconstruction import first_unscored
+
+group = mx.distributed.init(strict=True, backend="ring")
+# Each rank holds its own head's rows: scored (>= 0) rows 0-1, then rows no pass has
+# scored; rank 0 has evicted position 5 of those, rank 1 kept it.
+positions = [[0, 1, 6, 7]] if group.rank() == 0 else [[0, 1, 5, 7]]
+cache = SimpleNamespace(token_scores=mx.array([[1.0, 1.0, -1.0, -1.0]]), valid=None,
+                        positions=mx.array(positions))
+print(json.dumps([first_unscored([cache], 8), first_unscored([cache], 8, group)]))
+"""
+
+
+def test_ranks_start_a_reconstruction_pass_at_the_same_position(tmp_path):
+    """Split over ranks, each holds only its heads' rows, so the first row no pass has
+    scored may differ between them; the pass must start at the first over all of them, or
+    the ranks would feed different tokens through one split model."""
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps([[f"{testing.HOST}:{testing.free_port()}"] for _ in range(2)]))
+    ranks = [
+        subprocess.Popen([sys.executable, "-c", RANK_SCRIPT], stdout=subprocess.PIPE,
+                         env={**os.environ, "MLX_RANK": str(r), "MLX_HOSTFILE": str(hosts)})
+        for r in range(2)
+    ]  # fmt: skip
+    outs = [json.loads(r.communicate(timeout=60)[0]) for r in ranks]
+    assert [local for local, _ in outs] == [6, 5]  # what each rank sees alone
+    assert [agreed for _, agreed in outs] == [5, 5]

@@ -186,22 +186,40 @@ def test_structured_output_and_reuse_work_as_on_one_process(servers):
     assert_same(one, two)
     assert isinstance(json.loads(two["choices"][0]["message"]["content"])["n"], int)
 
-    def conversation(url: str) -> list[dict]:
-        messages = [{"role": "user", "content": PROMPTS[0]}]
-        turns = []
-        for question in ("And the mill?", "Say it again."):
-            turns.append(chat(url, "", "qfilters", messages=messages, prompt_cache_key=url))
-            reply = turns[-1]["choices"][0]["message"]["content"]
-            messages = [*messages, {"role": "assistant", "content": reply},
-                        {"role": "user", "content": question}]  # fmt: skip
-        return turns
+    assert_same_conversations(conversation(single, "qfilters"), conversation(split, "qfilters"))
 
-    alone, together = conversation(single), conversation(split)
+
+def conversation(url: str, arm: str, **extra) -> list[dict]:
+    """Three turns of one conversation, each continuing the previous turn's kept caches."""
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    turns = []
+    key = f"{url}/{arm}/{sorted(extra.items())}"
+    for question in ("And the mill?", "Say it again.", ""):
+        turns.append(chat(url, "", arm, messages=messages, prompt_cache_key=key, **extra))
+        reply = turns[-1]["choices"][0]["message"]["content"]
+        messages = [*messages, {"role": "assistant", "content": reply},
+                    {"role": "user", "content": question or PROMPTS[1]}]  # fmt: skip
+    return turns
+
+
+def assert_same_conversations(alone: list[dict], together: list[dict]) -> None:
     for one, two in zip(alone, together, strict=True):
         assert_same(one, two)
     cached = [t["usage"]["prompt_tokens_details"]["cached_tokens"] for t in together]
-    assert cached[1] > 0
+    assert all(c > 0 for c in cached[1:])
     assert cached == [t["usage"]["prompt_tokens_details"]["cached_tokens"] for t in alone]
+
+
+@pytest.mark.parametrize("extra", [{}, {"qfilters_n_sink": 0}], ids=["sinks", "no-sinks"])
+def test_a_kvzip_conversation_answers_as_one_process(servers, extra):
+    """KVzip per head over kept turns: each turn's new rows (the previous answer's, evicted
+    head by head while it was generated, and the new prompt's) are scored by a reconstruction
+    pass that starts at the first row no pass has scored; every rank must start it at the same
+    position, though each holds other heads' rows, or the ranks feed different tokens."""
+    single, split, _ = servers
+    alone, together = conversation(single, "kvzip", **extra), conversation(split, "kvzip", **extra)
+    assert_same_conversations(alone, together)
+    assert together[-1]["kv_cache"]["evictions"] > 0
 
 
 def test_ranks_with_other_settings_refuse_to_start_together(tmp_path):

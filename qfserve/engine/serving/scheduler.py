@@ -95,6 +95,7 @@ class Scheduler:
         keeps: bool = False,
         max_backlog: int | None,
         prefill_chunk: int,
+        group: Any = None,
     ) -> None:
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
@@ -108,6 +109,7 @@ class Scheduler:
         self._decoding: dict[int, Sequence] = {}
         self._uids = 0
         self._repeat: kvzip.RepeatPrompt | None = None  # built for the first kvzip request
+        self._group = group  # the ranks the model is split over: kvzip's passes agree on it
 
     def _empty_batch(self) -> GenerationBatch:
         return GenerationBatch.empty(self.loaded.model, make_sampler(0.0))
@@ -189,13 +191,14 @@ class Scheduler:
                     # The whole prompt would not fit the memory it may hold: compress what
                     # is read so far, then read on.
                     seq.reconstruction = kvzip.Reconstruction(
-                        self.loaded.model, seq.caches, seq.prompt[: seq.read], self.repeat
-                    )
+                        self.loaded.model, seq.caches, seq.prompt[: seq.read], self.repeat,
+                        group=self._group,
+                    )  # fmt: skip
             if todo > 0:
                 return n
             if kvzip.needs_pass(seq.caches):
                 run = seq.reconstruction = kvzip.Reconstruction(
-                    self.loaded.model, seq.caches, seq.prompt[:-1], self.repeat
+                    self.loaded.model, seq.caches, seq.prompt[:-1], self.repeat, group=self._group
                 )
                 n += run.step(limit - n)
                 if not run.done:
@@ -339,7 +342,7 @@ class Scheduler:
         kvzip.hold(seq.caches, False)
         if kvzip.needs_pass(seq.caches):
             tokens = [*seq.prompt, *seq.generated][: seq.caches[0].offset]
-            kvzip.compress(self.loaded.model, seq.caches, tokens, self.repeat)
+            kvzip.compress(self.loaded.model, seq.caches, tokens, self.repeat, group=self._group)
 
     # -- leaving -------------------------------------------------------------------------
 

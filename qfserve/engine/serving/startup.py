@@ -136,5 +136,6 @@ def make_scheduler(
         # Under lockstep a slow reader is cancelled between steps, on every rank at once.
         max_backlog=None if lockstep is not None else config.max_backlog,
         prefill_chunk=config.prefill_chunk,
+        group=None if lockstep is None else lockstep.group,
     )
     return scheduler, max_batch

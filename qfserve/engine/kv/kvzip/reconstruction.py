@@ -138,6 +138,9 @@ class Reconstruction:
         tokens: The tokens the caches hold, in order (``offset`` of them).
         repeat: The tokenizer's :class:`RepeatPrompt`.
         chunk: Context tokens reconstructed at once.
+        group: The ``mx.distributed`` group the model is split over, if any: every rank
+            must start the pass at the same position to feed the same tokens, though each
+            holds (and has evicted) only its own heads' rows.
     """
 
     def __init__(
@@ -148,6 +151,7 @@ class Reconstruction:
         repeat: RepeatPrompt,
         *,
         chunk: int = DEFAULT_CHUNK,
+        group: Any = None,
     ) -> None:
         if chunk < 1:
             raise ValueError(f"chunk must be >= 1, got {chunk}")
@@ -160,7 +164,7 @@ class Reconstruction:
             cache.prepare_compress()
         self.model = model
         self.caches = scored
-        self.first = _first_unscored(scored, len(tokens))
+        self.first = first_unscored(scored, len(tokens), group)
         self._plan = repeat.chunks(tokens, chunk, self.first) if scored else []
         self._views = [_ReconstructionView(c, self.first) for c in scored]
         self._fed = 0  # ids of the current chunk fed so far
@@ -201,16 +205,19 @@ class Reconstruction:
         return fed
 
 
-def _first_unscored(caches: list[Any], n: int) -> int:
+def first_unscored(caches: list[Any], n: int, group: Any = None) -> int:
     """The first position whose row no pass has scored yet (a prompt block's or a generated
-    row's provisional score is below zero, :func:`generated_tier`); ``n`` if none."""
-    firsts = []
+    row's provisional score is below zero, :func:`generated_tier`); ``n`` if none. Over a
+    ``group`` of ranks, the first over all of them."""
+    first = mx.array(n)
     for cache in caches:
         pending = cache.token_scores < 0
         if cache.valid is not None:
             pending = pending & cache.valid
-        firsts.append(mx.where(pending, cache.positions, n).min())
-    return min(int(cast(int, f.item())) for f in firsts) if firsts else n
+        first = mx.minimum(first, mx.where(pending, cache.positions, n).min())
+    if group is not None and group.size() > 1:
+        first = mx.distributed.all_min(first, group=group)
+    return int(cast(int, first.item()))
 
 
 def compress(
@@ -221,6 +228,7 @@ def compress(
     *,
     chunk: int = DEFAULT_CHUNK,
     block: int = DEFAULT_BLOCK,
+    group: Any = None,
 ) -> None:
     """Run the whole reconstruction pass on ``caches`` and evict each to its budget.
 
@@ -231,7 +239,8 @@ def compress(
         repeat: The tokenizer's :class:`RepeatPrompt`.
         chunk: Context tokens reconstructed at once.
         block: Reconstruction tokens per forward pass.
+        group: The ranks the model is split over, if any (:class:`Reconstruction`).
     """
-    run = Reconstruction(model, caches, tokens, repeat, chunk=chunk)
+    run = Reconstruction(model, caches, tokens, repeat, chunk=chunk, group=group)
     while not run.done:
         run.step(block)
