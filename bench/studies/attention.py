@@ -17,17 +17,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from bench.arms import add_traffic_argument
 from bench.data import recall_windows, stdlib_windows
-from bench.harness import (
-    COLORS,
-    color,
-    open_run,
-    parse,
-    parser,
-    progress,
-    save_plot,
-    subplots,
-    summary,
-)
+from bench.harness import color, open_run, parse, parser, progress, save_plot, subplots, summary
 from bench.report import fmt, pct, plots, quality_header, spread_cell, table
 from qfserve.calibrations.capture import QueryCapture
 from qfserve.calibrations.model_info import attention_modules
@@ -80,9 +70,9 @@ def received_attention(queries: np.ndarray, keys: np.ndarray, scale: float) -> n
     return weights.mean(axis=1).reshape(kv, group, L).mean(axis=1)
 
 
-def self_filters(queries: np.ndarray, n_kv_heads: int) -> mx.array:
+def self_filters(queries: mx.array, n_kv_heads: int) -> mx.array:
     """The self-calibrated ``(KV, D)`` filters of one layer from its queries ``(H, N, D)``."""
-    q = mx.array(queries.astype(np.float32))
+    q = queries.astype(mx.float32)
     return filters_from_moments(q.swapaxes(-1, -2) @ q, q.sum(axis=1), n_kv_heads)
 
 
@@ -97,23 +87,13 @@ def snapkv_scores(queries: np.ndarray, keys: mx.array, scale: float, window: int
 
 
 def scores_for(
-    keys: mx.array,
-    queries: np.ndarray,
-    scale: float,
-    layer_filters: np.ndarray,
-    layer_self: mx.array,
-    learned: dict[str, np.ndarray],
+    keys: mx.array, queries: np.ndarray, scale: float, filters: dict[str, np.ndarray]
 ) -> dict[str, np.ndarray]:
-    """Every scorer's ``(KV, L)`` scores for one layer's keys ``(1, KV, L, D)``
-    (``learned``: this layer's filters of each traffic artifact)."""
-    out = {
-        "qfilters": QFilterScorer(mx.array(layer_filters)).score(keys, 0),
-        "self": QFilterScorer(layer_self).score(keys, 0),
-        "knorm": KNormScorer().score(keys, 0),
-        "recency": RecencyScorer().score(keys, 0),
-    }
-    for name, layer_learned in learned.items():
-        out[f"traffic/{name}"] = QFilterScorer(mx.array(layer_learned)).score(keys, 0)
+    """Every scorer's ``(KV, L)`` scores for one layer's keys ``(1, KV, L, D)``: a Q-Filter
+    scorer per entry of ``filters`` (this layer's), then the filter-free ones."""
+    out = {name: QFilterScorer(mx.array(f)).score(keys, 0) for name, f in filters.items()}
+    out["knorm"] = KNormScorer().score(keys, 0)
+    out["recency"] = RecencyScorer().score(keys, 0)
     for name, window in SNAPKV_WINDOWS.items():
         out[name] = snapkv_scores(queries, keys, scale, window)
     for sign, name in ((1, "fallback+"), (-1, "fallback-")):
@@ -134,21 +114,35 @@ def sequence_correlations(
         samples = capture.samples()
     attns = attention_modules(model)
     keys_of = np.arange(DEFAULT_N_SINK, L // 2)
-    learned = getattr(filters, "learned", {})
-    out = np.zeros((len(scorers), len(attns), filters.shape[1]))
+    n_kv = filters.shape[1]
+    out = np.zeros((len(scorers), len(attns), n_kv))
     for layer, (attn, sample, c) in enumerate(zip(attns, samples, cache, strict=True)):
         queries = sample.queries[:, np.argsort(sample.positions)]  # (H, L, D)
         keys = c.keys[:, :, :L].astype(mx.float32)  # (1, KV, L, D)
         scale = float(attn.scale)
         received = received_attention(queries, np.array(keys[0]), scale)
-        own = self_filters(queries[:, : L // 2], filters.shape[1])
-        scores = scores_for(
-            keys, queries, scale, filters[layer], own, {k: v[layer] for k, v in learned.items()}
-        )
+        own = self_filters(mx.array(queries[:, : L // 2]), n_kv)  # the first half's queries
+        by_filter = {"qfilters": filters[layer], "self": own,
+                     **{f"traffic/{k}": v[layer] for k, v in filters.learned.items()}}  # fmt: skip
+        scores = scores_for(keys, queries, scale, by_filter)
         for s, name in enumerate(scorers):
-            for k in range(filters.shape[1]):
+            for k in range(n_kv):
                 out[s, layer, k] = spearman(scores[name][k, keys_of], received[k, keys_of])
     return out
+
+
+def head_stats(rho: np.ndarray) -> dict[str, Any]:
+    """One scorer's figures from its ``(S, n_layers, n_kv)`` correlations: over heads (each
+    the mean over sequences), and the share of (sequence, head) cells positive."""
+    head_mean = np.nanmean(rho, axis=0)
+    per_head = head_mean.ravel()
+    return {
+        "mean_rho": float(np.nanmean(per_head)),
+        "share_heads_positive": float(np.mean(per_head > 0)),
+        "share_cells_positive": float(np.mean(rho > 0)),
+        "per_head_spread": summary(per_head.tolist()),
+        "per_head": head_mean.tolist(),  # [layer][kv_head]
+    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -168,61 +162,39 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         tag = "" if len(lengths) == 1 else f"@{length}"
         datasets[f"stdlib{tag}"] = stdlib_windows(corpus, length, n)
         datasets[f"recall{tag}"] = recall_windows(corpus, length, n)
-    rho: dict[str, np.ndarray] = {}
+    rho: dict[str, np.ndarray] = {}  # (S, n_scorers, n_layers, n_kv) per data set
     with progress(total=sum(len(v) for v in datasets.values()), desc="sequences") as bar:
         for name, seqs in datasets.items():
             per_seq = []
             for tokens in seqs:
                 per_seq.append(sequence_correlations(model, tokens, filters, scorers))
                 bar.update(1)
-            rho[name] = np.stack(per_seq)  # (S, n_scorers, n_layers, n_kv)
+            rho[name] = np.stack(per_seq)
     if len(lengths) > 1:
-        for length in lengths:
-            rho[f"all@{length}"] = np.concatenate(
-                [rho[f"stdlib@{length}"], rho[f"recall@{length}"]]
-            )
+        for n in lengths:
+            rho[f"all@{n}"] = np.concatenate([rho[f"stdlib@{n}"], rho[f"recall@{n}"]])
     rho["all"] = np.concatenate([v for k, v in rho.items() if not k.startswith("all")])
+    results = {name: {scorer: head_stats(r[:, s]) for s, scorer in enumerate(scorers)}
+               for name, r in rho.items()}  # fmt: skip
 
-    results: dict[str, Any] = {}
-    for name, r in rho.items():
-        head_mean = np.nanmean(r, axis=0)  # (n_scorers, n_layers, n_kv)
-        results[name] = {}
-        for s, scorer in enumerate(scorers):
-            per_head = head_mean[s].ravel()
-            results[name][scorer] = {
-                "mean_rho": float(np.nanmean(per_head)),
-                "share_heads_positive": float(np.mean(per_head > 0)),
-                "share_cells_positive": float(np.mean(r[:, s] > 0)),
-                "per_head_spread": summary(per_head.tolist()),
-                "per_head": head_mean[s].tolist(),  # [layer][kv_head]
-            }
-
-    n_layers, n_kv = filters.shape[:2]
     fig, ax = subplots(1, 2, figsize=(11, 3.8))
-    a = ax[0, 0]
+    pooled = results["all"]
     for s, scorer in enumerate(scorers):
-        per_head = np.nanmean(rho["all"], axis=0)[s].ravel()
+        per_head = np.ravel(pooled[scorer]["per_head"])
         jitter = np.linspace(-0.15, 0.15, len(per_head))
-        c = color(*scorer.split("/")[:2]) if "/" in scorer else COLORS[scorer]
-        a.scatter(s + jitter, per_head, s=12, color=c, alpha=0.8)
-        a.hlines(np.nanmean(per_head), s - 0.3, s + 0.3, color="black")
-    a.axhline(0, color="grey", lw=0.5)
-    a.set_xticks(range(len(scorers)), scorers, rotation=30, fontsize=7)
-    a.set_ylabel("Spearman rho (per KV head, mean over sequences)")
+        ax[0, 0].scatter(s + jitter, per_head, s=12, color=color(*scorer.split("/")), alpha=0.8)
+        ax[0, 0].hlines(pooled[scorer]["mean_rho"], s - 0.3, s + 0.3, color="black")
+    ax[0, 0].axhline(0, color="grey", lw=0.5)
+    ax[0, 0].set_xticks(range(len(scorers)), scorers, rotation=30, fontsize=7)
+    ax[0, 0].set_ylabel("Spearman rho (per KV head, mean over sequences)")
+    n_layers, n_kv = filters.shape[:2]
     a = ax[0, 1]
-    im = a.imshow(np.nanmean(rho["all"], axis=0)[0], cmap="RdBu", vmin=-1, vmax=1, aspect="auto")
-    a.set_xlabel("KV head")
-    a.set_ylabel("layer")
-    a.set_xticks(range(n_kv))
-    a.set_yticks(range(n_layers))
+    im = a.imshow(pooled[scorers[0]]["per_head"], cmap="RdBu", vmin=-1, vmax=1, aspect="auto")
+    a.set(xlabel="KV head", ylabel="layer", xticks=range(n_kv), yticks=range(n_layers))
     a.set_title("calibrated Q-Filters, rho per head", fontsize=9)
     fig.colorbar(im, ax=a)
-    save_plot(
-        fig,
-        args.out,
-        STUDY,
-        f"{identity['path']} {identity['checkpoint']}: does the score predict attention?",
-    )
+    title = f"{identity['path']} {identity['checkpoint']}: does the score predict attention?"
+    save_plot(fig, args.out, STUDY, title)
 
     return study.save(
         {
@@ -263,25 +235,15 @@ def render(data: dict[str, Any]) -> list[str]:
         lines += ["Mean ρ over KV heads (share of heads with ρ > 0), by sequence length:", ""]
         lines += table(["scorer", *[f"{n} tokens" for n in lengths], "all sequences pooled"], rows)
         lines += ["", "By data and length:", ""]
-    rows = []
-    for dataset, res in data["results"].items():
-        for scorer, r in res.items():
-            rows.append(
-                [dataset, scorer, fmt(r["mean_rho"]), pct(r["share_heads_positive"]),
-                 spread_cell(r["per_head_spread"])]
-            )  # fmt: skip
+    rows = [[dataset, scorer, fmt(r["mean_rho"]), pct(r["share_heads_positive"]),
+             spread_cell(r["per_head_spread"])]
+            for dataset, res in data["results"].items() for scorer, r in res.items()]  # fmt: skip
     lines += table(["data", "scorer", "mean ρ", "heads ρ > 0", "per-head [q1–q3]"], rows)
     res = data["results"].get("all")
     if res:
-        scorers = list(res)
-        n_layers = len(res[scorers[0]]["per_head"])
+        per_layer = zip(*(r["per_head"] for r in res.values()), strict=True)
+        rows = [[layer, *(" / ".join(f"{v:+.2f}" for v in heads) for heads in by_scorer)]
+                for layer, by_scorer in enumerate(per_layer)]  # fmt: skip
         lines += ["", "Per layer (all data; each cell: ρ of KV head 0 / 1 / ...):", ""]
-        lines += table(
-            ["layer", *scorers],
-            [
-                [layer]
-                + [" / ".join(f"{v:+.2f}" for v in res[sc]["per_head"][layer]) for sc in scorers]
-                for layer in range(n_layers)
-            ],
-        )
+        lines += table(["layer", *res], rows)
     return lines + plots(data)

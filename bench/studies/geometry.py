@@ -13,15 +13,7 @@ from typing import Any
 import numpy as np
 
 from bench.data import recall_windows, stdlib_windows
-from bench.harness import (
-    open_run,
-    parse,
-    parser,
-    progress,
-    save_plot,
-    subplots,
-    summary,
-)
+from bench.harness import open_run, parse, parser, progress, save_plot, subplots, summary
 from bench.report import fmt, pct, plots, quality_header, spread_cell, table
 from qfserve.calibrations.capture import capture_queries
 from qfserve.calibrations.compute import layer_filters
@@ -37,20 +29,13 @@ def head_rows(queries: Sequence[np.ndarray], filters: np.ndarray) -> list[dict]:
         group = q.shape[0] // n_kv
         for h in range(q.shape[0]):
             f = filters[layer, h // group]
-            own, summary = layer_filters(q[h : h + 1], 1)
+            own, stats = layer_filters(q[h : h + 1], 1)
             proj = q[h] @ f  # (N,)
-            rows.append(
-                {
-                    "layer": layer,
-                    "head": h,
-                    "kv_head": h // group,
-                    "mean_proj_rel": float(proj.mean() / np.linalg.norm(q[h], axis=-1).mean()),
-                    "share_positive": float((proj > 0).mean()),
-                    "top_energy": summary["top_energy"],
-                    "drift_ratio": summary["drift_ratio"],
-                    "cos_to_calibrated": float(own[0] @ f),
-                }
-            )
+            rel = proj.mean() / np.linalg.norm(q[h], axis=-1).mean()
+            rows.append({"layer": layer, "head": h, "kv_head": h // group,
+                         "mean_proj_rel": float(rel), "share_positive": float((proj > 0).mean()),
+                         "top_energy": stats["top_energy"], "drift_ratio": stats["drift_ratio"],
+                         "cos_to_calibrated": float(own[0] @ f)})  # fmt: skip
     return rows
 
 
@@ -71,15 +56,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = head_rows([s.queries for s in found], filters)
 
     positive = [r["mean_proj_rel"] > 0 for r in rows]
-    overall = {
-        "heads": len(rows),
-        "share_heads_positive": float(np.mean(positive)),
-        "share_queries_positive": summary([r["share_positive"] for r in rows]),
-        "mean_proj_rel": summary([r["mean_proj_rel"] for r in rows]),
-        "top_energy": summary([r["top_energy"] for r in rows]),
-        "drift_ratio": summary([r["drift_ratio"] for r in rows]),
-        "cos_to_calibrated": summary([r["cos_to_calibrated"] for r in rows]),
-    }
+    overall = {"heads": len(rows), "share_heads_positive": float(np.mean(positive)),
+               "share_queries_positive": summary([r["share_positive"] for r in rows])}  # fmt: skip
+    for key in ("mean_proj_rel", "top_energy", "drift_ratio", "cos_to_calibrated"):
+        overall[key] = summary([r[key] for r in rows])
     print(
         f"\nheads with positive mean projection on the calibrated filter: "
         f"{sum(positive)}/{len(rows)}; median top energy {overall['top_energy']['median']:.3f}; "
@@ -102,12 +82,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if key == "drift_ratio":
             a.set_yscale("log")
         a.axhline(0, color="black", lw=0.5)
-    save_plot(
-        fig,
-        args.out,
-        STUDY,
-        f"{identity['path']} {identity['checkpoint']}: query geometry per head (held-out)",
-    )
+    title = f"{identity['path']} {identity['checkpoint']}: query geometry per head (held-out)"
+    save_plot(fig, args.out, STUDY, title)
 
     return study.save(
         {
@@ -129,58 +105,30 @@ def render(data: dict[str, Any]) -> list[str]:
     """This study's section of ``bench/RESULTS.md``."""
     s = data["summary"]
     lines = quality_header("Geometry: are the queries anisotropic?", data)
+    spreads = (
+        ("share of held-out queries with q·f > 0", "share_queries_positive", 3),
+        ("mean projection / mean ‖q‖", "mean_proj_rel", 3),
+        ("top-component energy (own uncentred SVD)", "top_energy", 3),
+        ("drift ratio: \\|mean proj. on v1\\| / mean \\|mean proj. on v_i>1\\|", "drift_ratio", 1),
+        ("cosine(held-out top vector, calibrated filter)", "cos_to_calibrated", 3),
+    )
+    heads = f"{s['share_heads_positive'] * s['heads']:.0f} / {s['heads']}"
+    rows = [["heads whose mean query projects positively on the filter", heads]]
+    rows += [[label, spread_cell(s[key], digits)] for label, key, digits in spreads]
     lines += [
         "",
         f"Held-out queries ({data['data']['tokens']:,} tokens, {data['data']['samples_per_head']}"
         " sampled per head) against the calibrated filter of their KV head. Spread is the "
         "median [q1–q3] over query heads.",
         "",
-        *table(
-            ["measure", "median [q1–q3] over heads"],
-            [
-                [
-                    "heads whose mean query projects positively on the filter",
-                    f"{s['share_heads_positive'] * s['heads']:.0f} / {s['heads']}",
-                ],
-                [
-                    "share of held-out queries with q·f > 0",
-                    spread_cell(s["share_queries_positive"]),
-                ],
-                ["mean projection / mean ‖q‖", spread_cell(s["mean_proj_rel"])],
-                ["top-component energy (own uncentred SVD)", spread_cell(s["top_energy"])],
-                [
-                    "drift ratio: \\|mean proj. on v1\\| / mean \\|mean proj. on v_i>1\\|",
-                    spread_cell(s["drift_ratio"], 1),
-                ],
-                [
-                    "cosine(held-out top vector, calibrated filter)",
-                    spread_cell(s["cos_to_calibrated"]),
-                ],
-            ],
-        ),  # fmt: skip
+        *table(["measure", "median [q1–q3] over heads"], rows),
     ]
     anisotropy = data.get("calibration", {}).get("anisotropy")
     if anisotropy:
-        lines += [
-            "",
-            "On the calibration queries themselves (`qfserve.calibrations.compute`'s per-layer summary):",
-            "",
-            *table(
-                [
-                    "layer",
-                    "heads positive on their KV filter",
-                    "top energy (mean)",
-                    "drift ratio (median)",
-                ],
-                [
-                    [
-                        a["layer"],
-                        pct(a["positive_share"]),
-                        fmt(a["top_energy"]),
-                        fmt(a["drift_ratio"], 1),
-                    ]
-                    for a in anisotropy
-                ],
-            ),  # fmt: skip
-        ]
+        headers = ["layer", "heads positive on their KV filter", "top energy (mean)",
+                   "drift ratio (median)"]  # fmt: skip
+        rows = [[a["layer"], pct(a["positive_share"]), fmt(a["top_energy"]),
+                 fmt(a["drift_ratio"], 1)] for a in anisotropy]  # fmt: skip
+        lines += ["", "On the calibration queries themselves (`qfserve.calibrations.compute`'s "
+                  "per-layer summary):", "", *table(headers, rows)]  # fmt: skip
     return lines + plots(data)

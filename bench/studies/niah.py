@@ -8,14 +8,14 @@ prompt is prefilled once and handed to each arm's caches, as in the pass-key stu
 from __future__ import annotations
 
 import random
-import re
 from typing import Any
 
 import numpy as np
 
-from bench.arms import READS_QUERIES, Arm, add_arm_arguments, select_arms
+from bench.arms import Arm, add_arm_arguments, select_arms
 from bench.data import stdlib_prose
 from bench.harness import (
+    Run,
     append_jsonl,
     open_run,
     parse,
@@ -26,7 +26,7 @@ from bench.harness import (
     subplots,
 )
 from bench.report import arm_label, arm_order, fmt, plots, quality_header, table
-from bench.studies.retrieval import answer_nll, budget_for, prefill_block, run_arm
+from bench.studies.retrieval import answer_nll, budget_for, first_number_is, run_arm, shared_block
 
 STUDY = "niah"
 CITIES = (
@@ -39,14 +39,8 @@ INTRO = "Read the text below. A special magic number is hidden in it; remember i
 def default_arms() -> list[Arm]:
     """Full cache, then every method with a recent window of budget/4 (and the fallback's
     sign ablation)."""
-    return [
-        Arm("full"),
-        Arm("qfilters", 0.25),
-        Arm("knorm", 0.25),
-        Arm("streaming", 0.0),
-        Arm("fallback", 0.25),
-        Arm("fallback", 0.25, sign=-1),
-    ]
+    return [Arm("full"), Arm("qfilters", 0.25), Arm("knorm", 0.25), Arm("streaming", 0.0),
+            Arm("fallback", 0.25), Arm("fallback", 0.25, sign=-1)]  # fmt: skip
 
 
 def make_doc(
@@ -93,49 +87,27 @@ def make_doc(
         prompt, where = build(room)
     if len(prompt) > length:
         raise ValueError(f"length {length} is too short for the needle and question")
-    return {
-        "prompt": prompt,
-        "number": number,
-        "answer": tokenizer.encode(" " + number)[-len(tokenizer.encode(number)) :],
-        "depth": where,
-        "tokens": len(prompt),
-    }
+    answer = tokenizer.encode(" " + number)[-len(tokenizer.encode(number)) :]
+    return {"prompt": prompt, "number": number, "answer": answer, "depth": where,
+            "tokens": len(prompt)}  # fmt: skip
 
 
-def measure(
-    model: Any,
-    tokenizer: Any,
-    doc: dict[str, Any],
-    filters: Any,
-    ratios: list[int],
-    arms: list[Arm],
-    repeat: Any = None,
-) -> dict:
-    """Every arm at every ratio on one document: correct and answer NLL (``repeat``: the
-    tokenizer's reconstruction prompts, for kvzip arms)."""
-    prompt = doc["prompt"]
-    block = prefill_block(
-        model,
-        prompt,
-        queries=any(arm.method in READS_QUERIES for arm in arms),
-        kvzip=repeat if any(arm.method == "kvzip" for arm in arms) else None,
-    )
-    max_tokens = len(doc["answer"]) + 2
+def measure(study: Run, doc: dict[str, Any], ratios: list[int], arms: list[Arm]) -> dict:
+    """Every arm at every ratio on one document: correct and answer NLL."""
+    prompt, answer = doc["prompt"], doc["answer"]
+    block = shared_block(study, prompt, arms)
     out: dict[str, dict[str, Any]] = {}
     for arm in arms:
         for ratio in [None] if arm.method == "full" else ratios:
             budget = None if ratio is None else budget_for(len(prompt), ratio, arm)
             if ratio is not None and budget is None:
                 continue
-            tokens, source = run_arm(model, prompt, block, arm, budget, filters, max_tokens)
-            found = re.search(r"\d+", tokenizer.decode(tokens))
-            nll = answer_nll(model, prompt, doc["answer"], block, arm, budget, filters)
-            out.setdefault(arm.name, {})["-" if ratio is None else str(ratio)] = {
-                "correct": bool(found and found.group() == doc["number"]),
-                "answer_nll": nll,
-                "budget": budget,
-                "filter_source": source,
-            }
+            tokens, source = run_arm(study, prompt, block, arm, budget, len(answer) + 2)
+            correct = first_number_is(study.tokenizer.decode(tokens), doc["number"])
+            nll = answer_nll(study, prompt, answer, block, arm, budget)
+            cell = {"correct": correct, "answer_nll": nll, "budget": budget,
+                    "filter_source": source}  # fmt: skip
+            out.setdefault(arm.name, {})["-" if ratio is None else str(ratio)] = cell
     return out
 
 
@@ -143,65 +115,44 @@ def aggregate(
     records: list[dict], lengths: list[int], depths: list[float], arms: list[Arm]
 ) -> dict:
     """``grid[arm][ratio]`` = accuracy matrix ``[depth][length]`` (None where not run)."""
+
+    def accuracy(name: str, key: str, n: int, d: float) -> float | None:
+        hits = [r["arms"][name][key]["correct"] for r in records if r["length"] == n
+                and r["target_depth"] == d and key in r["arms"].get(name, {})]  # fmt: skip
+        return float(np.mean(hits)) if hits else None
+
     grid: dict[str, dict[str, list[list[float | None]]]] = {}
     for arm in arms:
-        for key in (
-            ["-"]
-            if arm.method == "full"
-            else sorted({k for r in records for k in r["arms"].get(arm.name, {})}, key=int)
-        ):
-            cells: list[list[float | None]] = []
-            for d in depths:
-                row: list[float | None] = []
-                for n in lengths:
-                    hits = [
-                        r["arms"][arm.name][key]["correct"]
-                        for r in records
-                        if r["length"] == n
-                        and r["target_depth"] == d
-                        and key in r["arms"].get(arm.name, {})
-                    ]
-                    row.append(float(np.mean(hits)) if hits else None)
-                cells.append(row)
+        keys = {k for r in records for k in r["arms"].get(arm.name, {})}
+        for key in ["-"] if arm.method == "full" else sorted(keys, key=int):
+            cells = [[accuracy(arm.name, key, n, d) for n in lengths] for d in depths]
             grid.setdefault(arm.name, {})[key] = cells
     return grid
 
 
-def plot(
-    grid: dict,
-    lengths: list[int],
-    depths: list[float],
-    ratios: list[int],
-    arms: list[Arm],
-    out_dir: Any,
-    title: str,
-) -> None:
+def plot(grid: dict, lengths: list[int], depths: list[float], ratios: list[int],
+         arms: list[Arm], out_dir: Any, title: str) -> None:  # fmt: skip
+    """A heat map of accuracy (depth x length) per arm and ratio, the full cache first."""
     names = [a.name for a in arms if a.method != "full"]
-    fig, ax = subplots(
-        len(names) + 1, len(ratios), figsize=(2.1 * len(ratios), 1.9 * (len(names) + 1))
-    )
-    for col in range(len(ratios)):
-        for row in range(len(names) + 1):
-            ax[row, col].axis("off")
+    fig, ax = subplots(len(names) + 1, len(ratios),
+                       figsize=(2.1 * len(ratios), 1.9 * (len(names) + 1)))  # fmt: skip
+    for a in ax.flat:
+        a.axis("off")
 
     def heat(a: Any, cells: list[list[float | None]], label: str) -> None:
         a.axis("on")
         data = np.array([[np.nan if v is None else v for v in row] for row in cells])
         a.imshow(data, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
-        a.set_xticks(
-            range(len(lengths)),
-            [f"{n // 1024}k" if n >= 1024 else str(n) for n in lengths],
-            fontsize=6,
-        )
+        ticks = [f"{n // 1024}k" if n >= 1024 else str(n) for n in lengths]
+        a.set_xticks(range(len(lengths)), ticks, fontsize=6)
         a.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths], fontsize=6)
         a.set_title(label, fontsize=7)
 
     heat(ax[0, 0], grid["full"]["-"], "full cache")
     for row, name in enumerate(names, start=1):
-        label = arm_label(name)
         for col, r in enumerate(ratios):
             if str(r) in grid.get(name, {}):
-                heat(ax[row, col], grid[name][str(r)], f"{label}\n{r}x")
+                heat(ax[row, col], grid[name][str(r)], f"{arm_label(name)}\n{r}x")
     save_plot(fig, out_dir, STUDY, title)
 
 
@@ -223,36 +174,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for n, d, i in todo:
             if (n, d, i) not in done:
                 doc = make_doc(study.tokenizer, paragraphs, n, d, i)
-                outcomes = measure(study.model, study.tokenizer, doc, study.filters, ratios, arms,
-                                   study.repeat)  # fmt: skip
                 done[(n, d, i)] = {"length": n, "target_depth": d, "index": i,
                                    "depth": doc["depth"], "tokens": doc["tokens"],
-                                   "model": study.identity["path"], "arms": outcomes}  # fmt: skip
+                                   "model": study.identity["path"],
+                                   "arms": measure(study, doc, ratios, arms)}  # fmt: skip
                 append_jsonl(log, done[(n, d, i)])
             bar.update(1)
     records = [done[k] for k in todo]
     grid = aggregate(records, lengths, depths, arms)
-    plot(
-        grid, lengths, depths, ratios, arms, args.out, f"{study.identity['path']}: needle in prose"
-    )
-    return study.save(
-        {
-            "data": {
-                "haystack": "paragraphs of Python standard-library docstrings (bench prose)",
-                "needle": "The special magic number for <city> is <7 digits>.",
-                "scoring": "first number of the greedy continuation equals the needle's",
-                "docs_per_cell": per_cell,
-            },
-            "lengths": lengths,
-            "depths": depths,
-            "ratios": ratios,
-            "arms": [a.name for a in arms],
-            "budget_rule": "budget = round(prompt tokens / ratio), recent = budget/4",
-            "grid": grid,
-            "records": records,
-            "plots": [f"{STUDY}.png"],
-        }
-    )
+    title = f"{study.identity['path']}: needle in prose"
+    plot(grid, lengths, depths, ratios, arms, args.out, title)
+    data = {"haystack": "paragraphs of Python standard-library docstrings (bench prose)",
+            "needle": "The special magic number for <city> is <7 digits>.",
+            "scoring": "first number of the greedy continuation equals the needle's",
+            "docs_per_cell": per_cell}  # fmt: skip
+    return study.save({"data": data, "lengths": lengths, "depths": depths, "ratios": ratios,
+                       "arms": [a.name for a in arms],
+                       "budget_rule": "budget = round(prompt tokens / ratio), recent = budget/4",
+                       "grid": grid, "records": records, "plots": [f"{STUDY}.png"]})  # fmt: skip
 
 
 def render(data: dict[str, Any]) -> list[str]:
@@ -270,13 +209,9 @@ def render(data: dict[str, Any]) -> list[str]:
     ]
     rows = []
     for name in arm_order(data["grid"]):
-        by_ratio = data["grid"].get(name)
-        if not by_ratio:
-            continue
-        row = [arm_label(name)]
-        for key in ["-", *map(str, ratios)]:
-            vals = [v for line in by_ratio.get(key) or [] for v in line if v is not None]
-            row.append(fmt(sum(vals) / len(vals), 2) if vals else "")
-        rows.append(row)
+        if by_ratio := data["grid"].get(name):
+            cells = [[v for line in by_ratio.get(k) or [] for v in line if v is not None]
+                     for k in ["-", *map(str, ratios)]]  # fmt: skip
+            rows.append([arm_label(name), *(fmt(sum(v) / len(v), 2) if v else "" for v in cells)])
     lines += table(["arm", "no eviction", *[f"{r}×" for r in ratios]], rows)
     return lines + plots(data)

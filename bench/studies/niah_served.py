@@ -7,7 +7,6 @@ eviction field), ``full`` (``kv_method: full``) and ``auto-small`` (a server who
 
 from __future__ import annotations
 
-import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -21,12 +20,13 @@ from bench.harness import (
     parse,
     parser,
     progress,
-    read_jsonl,
+    resume,
     save_plot,
     subplots,
 )
 from bench.report import plots, quality_header, table
 from bench.studies.niah import make_doc
+from bench.studies.retrieval import first_number_is
 from qfserve import testing
 
 STUDY = "niah_served"
@@ -42,9 +42,8 @@ def ask(url: str, doc: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
     resp = httpx.post(f"{url}/v1/completions", json=request, timeout=3600)
     resp.raise_for_status()
     out = resp.json()
-    found = re.search(r"\d+", out["choices"][0]["text"])
     kv = out["kv_cache"]
-    return {"correct": bool(found and found.group() == doc["number"]),
+    return {"correct": first_number_is(out["choices"][0]["text"], doc["number"]),
             **{k: kv[k] for k in ("method", "budget", "budget_source", "evictions")}}  # fmt: skip
 
 
@@ -60,9 +59,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     row = kv_row_bytes(run.model, run.loaded.config, EngineConfig().cache_defaults())
     small = row * (300 if args.quick else SMALL_TOKENS)
     log = args.out / f"{STUDY}.jsonl"
-    if args.quick:
-        log.unlink(missing_ok=True)
-    done = {(r["arm"], r["length"], r["doc"]): r for r in read_jsonl(log)}
+    done = resume(log, lambda r: (r["arm"], r["length"], r["doc"]), fresh=args.quick)
     paragraphs = list(stdlib_prose())
     logs = Path(tempfile.mkdtemp(prefix="niah-served-"))
     servers = [
@@ -71,14 +68,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       log=logs / "small.log", timeout=300),
     ]  # fmt: skip
     todo = [(a, n, d) for n in lengths for d in range(docs) for a in ARMS]
+    room = run.context_length - 16  # the prompt and its answer fit (8k: 8,176 tokens at most)
     try:
         with progress(total=len(todo), desc="answers") as bar:
             for arm, n, d in todo:
                 if (arm, n, d) not in done:
-                    # The prompt and its answer within the context (8k: 8,176 tokens at most).
-                    doc = make_doc(
-                        run.tokenizer, paragraphs, min(n, run.context_length - 16), 0.5, d
-                    )
+                    doc = make_doc(run.tokenizer, paragraphs, min(n, room), 0.5, d)
                     url = servers[arm == "auto-small"].url
                     rec = {"arm": arm, "length": n, "doc": d, "tokens": doc["tokens"],
                            **ask(url, doc, {"kv_method": "full"} if arm == "full" else {})}  # fmt: skip

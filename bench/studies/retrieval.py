@@ -31,6 +31,7 @@ from bench.arms import (
 )
 from bench.data import passkey_docs
 from bench.harness import (
+    Run,
     append_jsonl,
     color,
     open_run,
@@ -70,14 +71,14 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
 
 def decode(model: Any, prompt: list[int], caches: list[Any], max_tokens: int) -> list[int]:
     """Greedy tokens from ``generate_step`` with ``prompt_cache=caches``."""
-    out = []
-    for (token, _), _n in zip(
-        generate_step(mx.array(prompt), model, prompt_cache=caches, max_tokens=max_tokens),
-        range(max_tokens),
-        strict=False,
-    ):
-        out.append(int(token))
-    return out
+    steps = generate_step(mx.array(prompt), model, prompt_cache=caches, max_tokens=max_tokens)
+    return [int(token) for token, _ in steps]
+
+
+def first_number_is(text: str, key: str) -> bool:
+    """Whether the first number in ``text`` is ``key``: how the needle studies score."""
+    found = re.search(r"\d+", text)
+    return bool(found and found.group() == key)
 
 
 def prefill_block(
@@ -104,64 +105,48 @@ def prefill_block(
     return kv
 
 
+def shared_block(study: Run, prompt: list[int], arms: Any) -> list[tuple[mx.array, ...]]:
+    """:func:`prefill_block` with what ``arms`` read: the block's queries, kvzip's scores."""
+    methods = {arm.method for arm in arms}
+    return prefill_block(study.model, prompt, queries=bool(methods & set(READS_QUERIES)),
+                         kvzip=study.repeat if "kvzip" in methods else None)  # fmt: skip
+
+
 def run_arm(
-    model: Any,
-    prompt: list[int],
-    block: list[tuple[mx.array, ...]] | None,
-    arm: Arm,
-    budget: int | None,
-    filters: np.ndarray,
-    max_tokens: int,
+    study: Run, prompt: list[int], block: Any, arm: Arm, budget: int | None, max_tokens: int
 ) -> tuple[list[int], str]:
     """Generated tokens of one arm and where its filters came from (``block=None``:
     prefilled the direct way)."""
-    caches = arm.caches(model, budget, filters)
+    caches = arm.caches(study.model, budget, study.filters)
     if block is None:
-        tokens = decode(model, prompt, caches, max_tokens)
+        tokens = decode(study.model, prompt, caches, max_tokens)
     else:
         feed_block(caches, block)
-        tokens = decode(model, prompt[-1:], caches, max_tokens)
+        tokens = decode(study.model, prompt[-1:], caches, max_tokens)
     check_budget(caches, budget, len(prompt) - 1 + len(tokens))
     return tokens, arm.source(caches)
 
 
 def answer_nll(
-    model: Any,
-    prompt: list[int],
-    answer: list[int],
-    block: list[tuple[mx.array, ...]],
-    arm: Arm,
-    budget: int | None,
-    filters: np.ndarray,
+    study: Run, prompt: list[int], answer: list[int], block: Any, arm: Arm, budget: int | None
 ) -> float:
     """Mean NLL per answer token, teacher-forced one token per step after the prompt."""
-    caches = arm.caches(model, budget, filters)
+    caches = arm.caches(study.model, budget, study.filters)
     feed_block(caches, block)
     tokens = np.array([[prompt[-1], *answer]])
     # budget=None: the rows are checked against the whole document just below.
-    nll, _ = streaming_nll(model, tokens, caches, budget=None, prefill=1)
+    nll, _ = streaming_nll(study.model, tokens, caches, budget=None, prefill=1)
     check_budget(caches, budget, len(prompt) - 1 + len(answer))
     return float(nll.mean())
 
 
 def measure_doc(
-    study: Any,
-    doc: dict[str, Any],
-    configs: list[tuple[Arm, int | None]],
-    filters: Any,
-    *,
-    first: bool,
+    study: Run, doc: dict[str, Any], configs: list[tuple[Arm, int | None]], *, first: bool
 ) -> dict[str, Any]:
     """Every arm at every ratio on one document (``first``: also check the shared prefill
     against a direct ``generate_step``)."""
-    model, prompt = study.model, doc["prompt"]
-    max_tokens = doc["key_tokens"] + 2
-    block = prefill_block(
-        model,
-        prompt,
-        queries=any(arm.method in READS_QUERIES for arm, _ in configs),
-        kvzip=study.repeat if any(arm.method == "kvzip" for arm, _ in configs) else None,
-    )
+    prompt, max_tokens = doc["prompt"], doc["key_tokens"] + 2
+    block = shared_block(study, prompt, [arm for arm, _ in configs])
     cells: list[list[Any]] = []
     sources: dict[str, str] = {}
     check: dict[str, Any] = {"arms": 0, "identical": 0, "mismatches": []}
@@ -169,18 +154,49 @@ def measure_doc(
         budget = None if ratio is None else budget_for(len(prompt), ratio, arm)
         if ratio is not None and budget is None:
             continue
-        tokens, sources[arm.name] = run_arm(model, prompt, block, arm, budget, filters, max_tokens)
-        nll = answer_nll(model, prompt, doc["answer"], block, arm, budget, filters)
+        tokens, sources[arm.name] = run_arm(study, prompt, block, arm, budget, max_tokens)
+        nll = answer_nll(study, prompt, doc["answer"], block, arm, budget)
         if first and arm.method != "kvzip":  # kvzip's pass runs on the shared block only
-            direct, _ = run_arm(model, prompt, None, arm, budget, filters, max_tokens)
+            direct, _ = run_arm(study, prompt, None, arm, budget, max_tokens)
             check["arms"] += 1
             check["identical"] += direct == tokens
             if direct != tokens:
                 check["mismatches"].append(f"{arm.name}@{ratio}x")
-        found = re.search(r"\d+", study.tokenizer.decode(tokens))
-        correct = bool(found and found.group() == doc["key"])
+        correct = first_number_is(study.tokenizer.decode(tokens), doc["key"])
         cells.append([arm.name, "-" if ratio is None else str(ratio), correct, nll, budget])
     return {"bin": doc["bin"], "cells": cells, "sources": sources, "check": check}
+
+
+def cell_stats(outcomes: list[tuple[bool, int, float]]) -> dict[str, Any]:
+    """One arm at one ratio from its documents' ``(correct, depth bin, answer NLL)``."""
+    correct, bins, nll = zip(*outcomes, strict=True)
+    k, n = sum(correct), len(correct)
+    by_bin = [[c for c, bb in zip(correct, bins, strict=True) if bb == b] for b in range(len(BINS))]
+    by_depth = {
+        label: float(np.mean(v)) if v else None for label, v in zip(BINS, by_bin, strict=True)
+    }
+    return {"accuracy": k / n, "n": n, "ci95": wilson(k, n), "answer_nll": summary(nll),
+            "answer_nll_mean": float(np.mean(nll)), "by_depth": by_depth}  # fmt: skip
+
+
+def ratio_row(name: str, results: Any, metric: str, keys: list[str], digits: int) -> list[str]:
+    """An arm's row of a table by ratio: per key, ``metric`` averaged over ``results`` (one
+    per length; '' where it did not run)."""
+    row = [arm_label(name)]
+    for k in keys:
+        vals = [r["arms"][name][k][metric] for r in results if k in r["arms"].get(name, {})]
+        row.append(fmt(sum(vals) / len(vals), digits) if vals else "")
+    return row
+
+
+def depth_means(results: dict[str, Any], name: str, bins: Any = BINS) -> list[float | None]:
+    """An arm's accuracy per needle-depth bin, mean over lengths and compressions."""
+    cells = [c for res in results.values() for c in res["arms"].get(name, {}).values()]
+    means = []
+    for b in bins:
+        vals = [c["by_depth"][b] for c in cells if c["by_depth"].get(b) is not None]
+        means.append(sum(vals) / len(vals) if vals else None)
+    return means
 
 
 def plot_metric(a: Any, res: dict[str, Any], arms: list[Arm], ratios: list[int], key: str) -> None:
@@ -193,14 +209,9 @@ def plot_metric(a: Any, res: dict[str, Any], arms: list[Arm], ratios: list[int],
         xs = [r for r in ratios if str(r) in cells]
         if arm.method == "full" or not xs:
             continue
-        a.plot(
-            xs,
-            [cells[str(r)][key] for r in xs],
-            marker="o" if arm.recent_frac == 0 else "s",
-            linestyle=":" if arm.sign < 0 else "-" if arm.recent_frac == 0 else "--",
-            color=color(arm.method, arm.traffic),
-            label=arm_label(arm.name),
-        )
+        a.plot(xs, [cells[str(r)][key] for r in xs], marker="o" if arm.recent_frac == 0 else "s",
+               linestyle=":" if arm.sign < 0 else "-" if arm.recent_frac == 0 else "--",
+               color=color(arm.method, arm.traffic), label=arm_label(arm.name))  # fmt: skip
     a.set_xscale("log", base=2)
     a.set_xticks(ratios, [f"{r}x" for r in ratios])
     a.set_xlabel("compression (prompt / budget)")
@@ -220,15 +231,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     add_traffic_argument(p)
     args = parse(p, argv)
     study = open_run(STUDY, args, argv, calibrate=True)
-    identity, filters, corpus, ratios = study.identity, study.filters, study.corpus, args.ratios
+    identity, corpus, ratios = study.identity, study.corpus, args.ratios
     lengths = [n for n in args.lengths if n <= (identity["max_context"] or n)]
     arms = select_arms(standard_arms(tuple(args.recent_fracs)), args)
     configs = [(a, None) for a in arms if a.method == "full"]
     configs += [(a, r) for r in ratios for a in arms if a.method != "full"]
-    bins = len(BINS)
-    docs = {
-        n: passkey_docs(corpus, n, args.per_bin, bins, filler_kind=args.filler) for n in lengths
-    }
+    docs = {n: passkey_docs(corpus, n, args.per_bin, len(BINS), filler_kind=args.filler)
+            for n in lengths}  # fmt: skip
     # A rerun with the same arms, ratios, filler (and learned filters) skips the documents
     # already in the log.
     signature: dict[str, Any] = {"arms": [a.name for a in arms], "ratios": ratios,
@@ -244,7 +253,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for i, doc in enumerate(docs[n]):
                 if (n, i) not in done:
                     first = i == 0 and n == lengths[0] and not args.no_prefill_check
-                    rec = measure_doc(study, doc, configs, filters, first=first)
+                    rec = measure_doc(study, doc, configs, first=first)
                     rec.update(length=n, index=i, signature=signature)
                     append_jsonl(log, rec)
                     done[(n, i)] = rec
@@ -263,42 +272,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 budgets[n].setdefault(key, []).append(budget)
         for name, source in rec.get("sources", {}).items():  # older records have none
             sources.setdefault(name, set()).add(source)
-        for k in ("arms", "identical"):
-            check[k] += rec.get("check", {}).get(k, 0)
-        check["mismatches"] += rec.get("check", {}).get("mismatches", [])
-
-    results: dict[str, Any] = {}
-    for n in lengths:
-        results[str(n)] = {
-            "docs": len(docs[n]),
-            "mean_prompt_tokens": float(np.mean([len(d["prompt"]) for d in docs[n]])),
-            "depths": [round(d["depth"], 3) for d in docs[n]],
-            "budget_by_ratio": {k: sorted(set(v)) for k, v in budgets[n].items()},
-            "arms": {},
-        }
-        for name, by_ratio in hits[n].items():
-            cells = {}
-            for key, outcomes in by_ratio.items():
-                k = sum(c for c, _, _ in outcomes)
-                cells[key] = {
-                    "accuracy": k / len(outcomes),
-                    "n": len(outcomes),
-                    "ci95": wilson(k, len(outcomes)),
-                    "answer_nll": summary([x for _, _, x in outcomes]),
-                    "answer_nll_mean": float(np.mean([x for _, _, x in outcomes])),
-                    "by_depth": {
-                        BINS[b]: float(np.mean([c for c, bb, _ in outcomes if bb == b]))
-                        if any(bb == b for _, bb, _ in outcomes)
-                        else None
-                        for b in range(len(BINS))
-                    },
-                }
-            results[str(n)]["arms"][name] = cells
-
-    print(
-        f"shared-prefill check: {check['identical']}/{check['arms']} arms identical to direct "
-        f"generate_step"
-    )
+        for k, v in rec.get("check", {}).items():  # counts add up, mismatches join
+            check[k] += v
+    results = {str(n): {"docs": len(docs[n]),
+                        "mean_prompt_tokens": float(np.mean([len(d["prompt"]) for d in docs[n]])),
+                        "depths": [round(d["depth"], 3) for d in docs[n]],
+                        "budget_by_ratio": {k: sorted(set(v)) for k, v in budgets[n].items()},
+                        "arms": {name: {k: cell_stats(o) for k, o in by_ratio.items()}
+                                 for name, by_ratio in hits[n].items()}}
+               for n in lengths}  # fmt: skip
+    print(f"shared-prefill check: {check['identical']}/{check['arms']} arms identical to direct "
+          "generate_step")  # fmt: skip
 
     fig, ax = subplots(2, len(lengths), figsize=(3.6 * len(lengths), 6.4), sharey="row")
     for col, n in enumerate(lengths):
@@ -308,50 +292,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ax[0, 0].set_ylabel("pass-key accuracy")
     ax[1, 0].set_ylabel("answer NLL (nats/token)")
     ax[0, 0].legend(fontsize=6)
-    save_plot(
-        fig, args.out, STUDY, f"{identity['path']} {identity['checkpoint']}: pass-key retrieval"
-    )
+    title = f"{identity['path']} {identity['checkpoint']}: pass-key retrieval"
+    save_plot(fig, args.out, STUDY, title)
     fig, ax = subplots(1, 1, figsize=(7, 3.4))
-    a = ax[0, 0]
     names = [arm.name for arm in arms]
-    width = 0.8 / len(BINS)
+    x, width = np.arange(len(names)), 0.8 / len(BINS)
+    means = [[m or 0.0 for m in depth_means(results, name)] for name in names]
     for b, label in enumerate(BINS):
-        means = []
-        for name in names:
-            vals = [
-                c["by_depth"][label]
-                for n in lengths
-                for c in results[str(n)]["arms"].get(name, {}).values()
-                if c["by_depth"][label] is not None
-            ]
-            means.append(float(np.mean(vals)) if vals else 0.0)
-        a.bar(np.arange(len(names)) + b * width, means, width, label=f"needle in {label}")
-    a.set_xticks(np.arange(len(names)) + width, names, rotation=30, fontsize=7)
-    a.set_ylabel("accuracy (mean over lengths, ratios)")
-    a.legend(fontsize=7)
+        ax[0, 0].bar(x + b * width, [m[b] for m in means], width, label=f"needle in {label}")
+    ax[0, 0].set_xticks(x + width, names, rotation=30, fontsize=7)
+    ax[0, 0].set_ylabel("accuracy (mean over lengths, ratios)")
+    ax[0, 0].legend(fontsize=7)
     save_plot(fig, args.out, f"{STUDY}_depth", "pass-key accuracy by needle depth")
 
-    return study.save(
-        {
-            "data": {
-                "generator": "training.data.passkey_eval_set (eval seeds, eval-split filler)",
-                "filler": args.filler,
-                "docs_per_depth_bin": args.per_bin,
-                "depth_bins": list(BINS),
-                "scoring": "first number in the greedy continuation equals the key",
-            },
-            "lengths": lengths,
-            "ratios": ratios,
-            "arms": [a.name for a in arms],
-            "budget_rule": "budget = round(prompt tokens / ratio); every arm the same; skipped "
-            "when it leaves no evictable row (n_sink + recent >= budget)",
-            "shared_prefill_check": check,
-            "prefill_check_skipped": args.no_prefill_check,
-            "filter_sources": {name: sorted(v) for name, v in sources.items()},
-            "results": results,
-            "plots": [f"{STUDY}.png", f"{STUDY}_depth.png"],
-        }
-    )
+    data = {"generator": "training.data.passkey_eval_set (eval seeds, eval-split filler)",
+            "filler": args.filler, "docs_per_depth_bin": args.per_bin, "depth_bins": list(BINS),
+            "scoring": "first number in the greedy continuation equals the key"}  # fmt: skip
+    rule = ("budget = round(prompt tokens / ratio); every arm the same; skipped when it leaves "
+            "no evictable row (n_sink + recent >= budget)")  # fmt: skip
+    return study.save({"data": data, "lengths": lengths, "ratios": ratios,
+                       "arms": [a.name for a in arms], "budget_rule": rule,
+                       "shared_prefill_check": check,
+                       "prefill_check_skipped": args.no_prefill_check,
+                       "filter_sources": {name: sorted(v) for name, v in sources.items()},
+                       "results": results,
+                       "plots": [f"{STUDY}.png", f"{STUDY}_depth.png"]})  # fmt: skip
 
 
 def render(data: dict[str, Any]) -> list[str]:
@@ -374,52 +339,27 @@ def render(data: dict[str, Any]) -> list[str]:
         f"compression, the same for every arm. Shared-prefill check: {check['identical']}/"
         f"{check['arms']} arms generated the same tokens as a direct `generate_step`.",
     ]
-    ratios = data["ratios"]
-    names = arm_order(n for r in data["results"].values() for n in r["arms"])
-    for n, res in data["results"].items():
+    ratios, results = data["ratios"], data["results"]
+    names = arm_order(n for r in results.values() for n in r["arms"])
+    keys, headers = ["-", *map(str, ratios)], ["arm", "no eviction", *[f"{r}×" for r in ratios]]
+    for n, res in results.items():
         lines += ["", f"**{n}-token documents** ({res['docs']} docs, mean prompt "
                   f"{res['mean_prompt_tokens']:.0f} tokens)", ""]  # fmt: skip
-        rows = []
-        for name in names:
-            cells = res["arms"].get(name)
-            if not cells:
-                continue
-            row = [arm_label(name), fmt(cells["-"]["accuracy"], 2) if "-" in cells else ""]
-            row += [fmt(cells[str(r)]["accuracy"], 2) if str(r) in cells else "" for r in ratios]
-            rows.append(row)
-        lines += table(["arm", "no eviction", *[f"{r}×" for r in ratios]], rows)
-    if any("answer_nll_mean" in c for r in data["results"].values()
-           for cells in r["arms"].values() for c in cells.values()):  # fmt: skip
-        rows = []
-        for name in names:
-            row = [arm_label(name)]
-            for k in ["-", *map(str, ratios)]:
-                vals = [
-                    r["arms"][name][k]["answer_nll_mean"]
-                    for r in data["results"].values()
-                    if k in r["arms"].get(name, {})
-                ]
-                row.append(fmt(sum(vals) / len(vals)) if vals else "")
-            rows.append(row)
-        lines += [
-            "",
-            "Answer NLL (nats per answer token, teacher-forced through each arm's cache; lower "
-            "is better; mean over documents and lengths) — graded where accuracy is at the "
-            "floor:",
-            "",
+        rows = [
+            ratio_row(name, [res], "accuracy", keys, 2) for name in names if res["arms"].get(name)
         ]
-        lines += table(["arm", "no eviction", *[f"{r}×" for r in ratios]], rows)
+        lines += table(headers, rows)
+    if any("answer_nll_mean" in c for r in results.values()
+           for cells in r["arms"].values() for c in cells.values()):  # fmt: skip
+        rows = [ratio_row(name, results.values(), "answer_nll_mean", keys, 3) for name in names]
+        lines += ["", "Answer NLL (nats per answer token, teacher-forced through each arm's cache; "
+                  "lower is better; mean over documents and lengths) — graded where accuracy is at "
+                  "the floor:", "", *table(headers, rows)]  # fmt: skip
     bins = data["data"]["depth_bins"]
-    rows = []
-    for name in names:
-        cells = [c for res in data["results"].values() for c in res["arms"].get(name, {}).values()]
-        if not cells:
-            continue
-        row = [arm_label(name)]
-        for b in bins:
-            vals = [c["by_depth"][b] for c in cells if c["by_depth"].get(b) is not None]
-            row.append(fmt(sum(vals) / len(vals), 2) if vals else "")
-        rows.append(row)
+    ran = [name for name in names if any(r["arms"].get(name) for r in results.values())]
+    means = {name: depth_means(results, name, bins) for name in ran}
+    rows = [[arm_label(name), *("" if m is None else fmt(m, 2) for m in by_bin)]
+            for name, by_bin in means.items()]  # fmt: skip
     lines += ["", "By needle depth (mean over lengths and compressions):", ""]
     lines += table(["arm", *[f"needle in {b}" for b in bins]], rows)
     return lines + plots(data)

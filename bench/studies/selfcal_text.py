@@ -8,7 +8,6 @@ layer and head still holds.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import mlx.core as mx
@@ -16,11 +15,11 @@ import numpy as np
 
 from bench.arms import Arm, feed_block
 from bench.data import passkey_docs, stdlib_windows
-from bench.harness import color, open_run, parse, parser, progress, save_plot, subplots
+from bench.harness import Run, color, open_run, parse, parser, progress, save_plot, subplots
 from bench.report import plots, quality_header, table
-from bench.studies.retrieval import BINS, budget_for, decode, prefill_block
+from bench.studies.attention import self_filters
+from bench.studies.retrieval import BINS, budget_for, decode, first_number_is, prefill_block
 from qfserve.engine.kv.cache import EvictionCache
-from qfserve.engine.kv.selfcal import filters_from_moments
 
 STUDY = "selfcal_text"
 SOURCES = ("calibrated", "own", "other")
@@ -28,11 +27,7 @@ SOURCES = ("calibrated", "own", "other")
 
 def block_filters(block: list[tuple[mx.array, ...]]) -> mx.array:
     """``(n_layers, n_kv_heads, D)`` filters from a prefill block's rotated queries."""
-    out = []
-    for keys, _, queries in block:
-        q = queries[0].astype(mx.float32)  # (H_q, N, D)
-        out.append(filters_from_moments(q.swapaxes(-1, -2) @ q, q.sum(axis=1), keys.shape[1]))
-    return mx.stack(out)
+    return mx.stack([self_filters(queries[0], keys.shape[1]) for keys, _, queries in block])
 
 
 def needle_rows(prompt: list[int], answer: list[int]) -> list[int]:
@@ -66,7 +61,7 @@ def arm_for(name: str) -> Arm:
     return Arm("self" if name == "own" else "qfilters", 0.25)
 
 
-def measure_doc(study: Any, doc: dict[str, Any], other: mx.array, ratios: list[int]) -> dict:
+def measure_doc(study: Run, doc: dict[str, Any], other: mx.array, ratios: list[int]) -> dict:
     """Every source and reference at every ratio on one document."""
     model, prompt = study.model, doc["prompt"]
     block = prefill_block(model, prompt, queries=True)
@@ -79,13 +74,8 @@ def measure_doc(study: Any, doc: dict[str, Any], other: mx.array, ratios: list[i
         feed_block(caches, block)  # only `own`'s caches take the queries
         kept = share_kept(caches, block, rows) if budget is not None else 1.0
         text = study.tokenizer.decode(decode(model, prompt[-1:], caches, doc["key_tokens"] + 2))
-        found = re.search(r"\d+", text)
-        return {
-            "correct": bool(found and found.group() == doc["key"]),
-            "needle_rows_kept": kept,
-            "budget": budget,
-            "source": arm.source(caches),
-        }
+        return {"correct": first_number_is(text, doc["key"]), "needle_rows_kept": kept,
+                "budget": budget, "source": arm.source(caches)}  # fmt: skip
 
     cells: dict[str, dict[str, Any]] = {"full": {"-": outcome("full", None)}}
     for ratio in ratios:
@@ -94,34 +84,23 @@ def measure_doc(study: Any, doc: dict[str, Any], other: mx.array, ratios: list[i
             if budget is not None:
                 cells.setdefault(name, {})[str(ratio)] = outcome(name, budget)
     cal = np.asarray(study.filters)
-    own = np.array(block_filters(block))
-    return {
-        "bin": doc["bin"],
-        "depth": doc["depth"],
-        "needle_rows": len(rows),
-        "cells": cells,
-        "cosine_to_calibrated": {
-            "own": float((own * cal).sum(-1).mean()),
-            "other": float((np.array(other) * cal).sum(-1).mean()),
-        },
-    }
+    cosine = {"own": float((np.array(block_filters(block)) * cal).sum(-1).mean()),
+              "other": float((np.array(other) * cal).sum(-1).mean())}  # fmt: skip
+    return {"bin": doc["bin"], "depth": doc["depth"], "needle_rows": len(rows), "cells": cells,
+            "cosine_to_calibrated": cosine}  # fmt: skip
 
 
 def aggregate(records: list[dict[str, Any]]) -> dict[str, Any]:
     """Per arm and ratio: accuracy and mean needle rows kept, over the records."""
     out: dict[str, dict[str, dict[str, float]]] = {}
     for name in ("full", *SOURCES, "streaming"):
-        keys = sorted(
-            {k for r in records for k in r["cells"].get(name, {})},
-            key=lambda k: -1 if k == "-" else int(k),
-        )
-        for key in keys:
+        keys = {k for r in records for k in r["cells"].get(name, {})}
+        for key in sorted(keys, key=lambda k: -1 if k == "-" else int(k)):
             cells = [r["cells"][name][key] for r in records if key in r["cells"].get(name, {})]
             out.setdefault(name, {})[key] = {
                 "accuracy": float(np.mean([c["correct"] for c in cells])),
                 "needle_rows_kept": float(np.mean([c["needle_rows_kept"] for c in cells])),
-                "docs": len(cells),
-            }
+                "docs": len(cells)}  # fmt: skip
     return out
 
 
@@ -137,12 +116,12 @@ METHOD_OF = {"calibrated": "qfilters", "own": "self", "other": "fallback", "stre
 
 
 def plot(results: dict[str, Any], ratios: list[int], out: Any, title: str) -> str:
+    """Accuracy and needle rows kept against compression, a column per filler."""
+    metrics = (("accuracy", "pass-key accuracy"), ("needle_rows_kept", "needle rows kept"))
     fig, ax = subplots(2, len(results), sharey="row")
     for j, (filler, res) in enumerate(results.items()):
-        for i, (metric, label) in enumerate(
-            (("accuracy", "pass-key accuracy"), ("needle_rows_kept", "needle rows kept"))
-        ):
-            a = ax[i][j]
+        for i, (metric, label) in enumerate(metrics):
+            a = ax[i, j]
             for name in (*SOURCES, "streaming"):
                 cells = res["arms"].get(name, {})
                 xs = [r for r in ratios if str(r) in cells]
@@ -152,10 +131,9 @@ def plot(results: dict[str, Any], ratios: list[int], out: Any, title: str) -> st
             a.set_xticks(ratios, [f"{r}x" for r in ratios])
             a.set_ylim(-0.05, 1.05)
             a.set_title(f"{filler} filler: {label}", fontsize=9)
-        ax[0][j].axhline(res["arms"]["full"]["-"]["accuracy"], color="black", ls="--", lw=1)
-    ax[0][0].legend(fontsize=7)
-    save_plot(fig, out, STUDY, title)
-    return f"{STUDY}.png"
+        ax[0, j].axhline(res["arms"]["full"]["-"]["accuracy"], color="black", ls="--", lw=1)
+    ax[0, 0].legend(fontsize=7)
+    return save_plot(fig, out, STUDY, title)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -176,32 +154,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 for doc in passkey_docs(study.corpus, n, per_bin, len(BINS), filler_kind=filler):
                     records.append({"length": n, **measure_doc(study, doc, other, ratios)})
                     bar.update(1)
-            results[filler] = {
-                "arms": aggregate(records),
-                "cosine_to_calibrated": {
-                    k: float(np.mean([r["cosine_to_calibrated"][k] for r in records]))
-                    for k in ("own", "other")
-                },
-                "records": records,
-            }
-    name = study.identity["path"]
-    return study.save(
-        {
-            "data": {
-                "documents": "retrieval's held-out pass-key documents, spread over depth thirds",
-                "other_text": "an equal-length evaluation-split standard-library window",
-                "scoring": "first number of the greedy answer equals the key",
-                "needle_rows_kept": "share of the key's digit rows each layer and KV head "
-                "holds after the prompt, mean over layers and heads",
-            },
-            "lengths": lengths,
-            "ratios": ratios,
-            "fillers": fillers,
-            "budget_rule": "budget = round(prompt tokens / ratio), recent = budget/4",
-            "results": results,
-            "plots": [plot(results, ratios, study.args.out, f"{name}: whose queries calibrate")],
-        }
-    )
+            cosine = {k: float(np.mean([r["cosine_to_calibrated"][k] for r in records]))
+                      for k in ("own", "other")}  # fmt: skip
+            results[filler] = {"arms": aggregate(records), "cosine_to_calibrated": cosine,
+                               "records": records}  # fmt: skip
+    data = {"documents": "retrieval's held-out pass-key documents, spread over depth thirds",
+            "other_text": "an equal-length evaluation-split standard-library window",
+            "scoring": "first number of the greedy answer equals the key",
+            "needle_rows_kept": "share of the key's digit rows each layer and KV head holds "
+            "after the prompt, mean over layers and heads"}  # fmt: skip
+    title = f"{study.identity['path']}: whose queries calibrate"
+    return study.save({"data": data, "lengths": lengths, "ratios": ratios, "fillers": fillers,
+                       "budget_rule": "budget = round(prompt tokens / ratio), recent = budget/4",
+                       "results": results,
+                       "plots": [plot(results, ratios, args.out, title)]})  # fmt: skip
 
 
 def render(data: dict[str, Any]) -> list[str]:
@@ -212,19 +178,15 @@ def render(data: dict[str, Any]) -> list[str]:
         "",
         f"The self-calibration recipe fed different queries, on {d['documents']} "
         f"({', '.join(map(str, data['lengths']))} tokens): `own` is the document's own prompt "
-        f"(the server's `self` caches, fed the prompt as one block), `other` {d['other_text']}, `calibrated` the registry's "
-        f"artifact; {data['budget_rule']} (streaming: none). Each cell: accuracy ({d['scoring']}) "
-        f"/ {d['needle_rows_kept']}.",
+        f"(the server's `self` caches, fed the prompt as one block), `other` {d['other_text']}, "
+        f"`calibrated` the registry's artifact; {data['budget_rule']} (streaming: none). Each "
+        f"cell: accuracy ({d['scoring']}) / {d['needle_rows_kept']}.",
     ]
     for filler, res in data["results"].items():
         cos = res["cosine_to_calibrated"]
         full = res["arms"]["full"]["-"]["accuracy"]
-        lines += [
-            "",
-            f"**{filler} filler** (full cache {full:.2f}; mean cosine to the calibrated filters: "
-            f"own {cos['own']:.3f}, other {cos['other']:.3f}):",
-            "",
-        ]
+        lines += ["", f"**{filler} filler** (full cache {full:.2f}; mean cosine to the calibrated "
+                  f"filters: own {cos['own']:.3f}, other {cos['other']:.3f}):", ""]  # fmt: skip
         rows = [[name, *cell_texts(cells, ratios)] for name, cells in res["arms"].items()
                 if name != "full"]  # fmt: skip
         lines += table(["filters", *[f"{r}×" for r in ratios]], rows)

@@ -22,28 +22,19 @@ from bench.arms import (
     streaming_nll,
 )
 from bench.data import stdlib_windows
-from bench.harness import (
-    open_run,
-    parse,
-    parser,
-    progress,
-    save_plot,
-    subplots,
-    summary,
-)
+from bench.harness import open_run, parse, parser, progress, save_plot, subplots, summary
 from bench.report import fmt, plots, quality_header, spread_cell, table
 from qfserve.calibrations.compute import compute_filters
 
 STUDY = "stability"
+FRACS = (0.0, 0.25)  # recent windows as shares of the budget: "r0" and "r25"
 
 
 def subsample(queries: list[np.ndarray], n: int, rng: np.random.Generator) -> list[np.ndarray]:
-    """``n`` of each layer's sampled positions, uniformly without replacement."""
-    out = []
-    for q in queries:  # (H, N, D); all heads of a layer share the positions, as in capture
-        idx = rng.choice(q.shape[1], size=min(n, q.shape[1]), replace=False)
-        out.append(q[:, np.sort(idx)])
-    return out
+    """``n`` of each layer's sampled positions, uniformly without replacement (all heads of a
+    layer share the positions, as in capture)."""
+    return [q[:, np.sort(rng.choice(q.shape[1], size=min(n, q.shape[1]), replace=False))]
+            for q in queries]  # fmt: skip
 
 
 def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -75,65 +66,46 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     length, n_seq = args.length, args.sequences
 
     study = open_run(STUDY, args, argv)  # it calibrates its own sets
-    model, tokenizer, identity = study.model, study.tokenizer, study.identity
-    texts = {}
-    for text in ("A", "B"):
-        queries, info = capture(model, tokenizer, identity, text=text, settings=settings)
-        texts[text] = (queries, info)
-    n_kv = identity["n_kv_heads"]
+    model, identity = study.model, study.identity
+    texts = {t: capture(model, study.tokenizer, identity, text=t, settings=settings)
+             for t in ("A", "B")}  # fmt: skip
     rng = np.random.default_rng(args.seed)
-    # filters[text][n] = list over repeats of (n_layers, n_kv, D)
-    filters: dict[str, dict[int, list[np.ndarray]]] = {"A": {}, "B": {}}
-    for text, (queries, _) in texts.items():
-        for n in counts:
-            draws = 1 if n >= queries[0].shape[1] else repeats
-            filters[text][n] = [
-                compute_filters(subsample(queries, n, rng), n_kv)[0] for _ in range(draws)
-            ]
+
+    def draws(queries: list[np.ndarray], n: int) -> list[np.ndarray]:
+        """Filter sets ``(n_layers, n_kv, D)`` from ``repeats`` subsamples of ``n`` positions
+        (one when ``n`` takes them all)."""
+        times = 1 if n >= queries[0].shape[1] else repeats
+        return [compute_filters(subsample(queries, n, rng), identity["n_kv_heads"])[0]
+                for _ in range(times)]  # fmt: skip
+
+    filters = {t: {n: draws(queries, n) for n in counts} for t, (queries, _) in texts.items()}
     ref = filters["A"][counts[-1]][0]
 
-    rows: list[dict[str, Any]] = []
-    for n in counts:
-        same = np.concatenate([cosines(f, ref).ravel() for f in filters["A"][n]])
-        cross = np.concatenate(
-            [
-                cosines(fa, fb).ravel()
-                for fa, fb in zip(filters["A"][n], filters["B"][n], strict=False)
-            ]
-        )
-        rows.append(
-            {
-                "samples_per_head": n,
-                "draws": len(filters["A"][n]),
-                "cos_A_n_vs_A_ref": summary(same.tolist()),
-                "cos_A_n_vs_B_n": summary(cross.tolist()),
-            }
-        )
+    def spread(pairs: Any) -> dict[str, float]:
+        return summary(np.concatenate([cosines(a, b).ravel() for a, b in pairs]).tolist())
+
+    rows = [{"samples_per_head": n, "draws": len(filters["A"][n]),
+             "cos_A_n_vs_A_ref": spread((f, ref) for f in filters["A"][n]),
+             "cos_A_n_vs_B_n": spread(zip(filters["A"][n], filters["B"][n], strict=False))}
+            for n in counts]  # fmt: skip
 
     tokens = stdlib_windows(study.corpus, length, n_seq)
     sets = {f"{t}_{n}": filters[t][n][0] for n in counts for t in ("A", "B")}
-    runs = [(name, frac) for frac in (0.0, 0.25) for name in sets]
-    ppl: dict[str, dict[str, float]] = {"r0": {}, "r25": {}}
-    with progress(total=len(runs) + 3, desc=f"perplexity at budget {budget}") as bar:
-        for name, frac in runs:
-            key = f"r{int(frac * 100)}"
-            ppl[key][name] = ppl_window(model, tokens, Arm("qfilters", frac), budget, sets[name])
-            bar.update(1)
-        ppl["full"] = {"full": ppl_window(model, tokens, Arm("full"), budget, None)}
-        bar.update(1)
-        for frac in (0.0, 0.25):
-            ppl[f"r{int(frac * 100)}"]["fallback"] = ppl_window(
-                model, tokens, Arm("fallback", frac), budget, None
-            )
-            bar.update(1)
+    runs = [(f"r{round(frac * 100)}", name, Arm("qfilters", frac), sets[name])
+            for frac in FRACS for name in sets]  # fmt: skip
+    runs += [("full", "full", Arm("full"), None)]
+    runs += [(f"r{round(frac * 100)}", "fallback", Arm("fallback", frac), None) for frac in FRACS]
+    ppl: dict[str, dict[str, float]] = {"r0": {}, "r25": {}, "full": {}}
+    bar = progress(iterable=runs, desc=f"perplexity at budget {budget}")
+    for key, name, arm, arm_filters in bar:
+        ppl[key][name] = ppl_window(model, tokens, arm, budget, arm_filters)
     ref_name = f"A_{counts[-1]}"
     for row in rows:
         n = row["samples_per_head"]
         for key in ("r0", "r25"):
-            base = ppl[key][ref_name]
             for t in ("A", "B"):
                 row[f"ppl_{t}_{key}"] = ppl[key][f"{t}_{n}"]
-                row[f"ppl_change_{t}_{key}"] = ppl[key][f"{t}_{n}"] / base - 1
+                row[f"ppl_change_{t}_{key}"] = ppl[key][f"{t}_{n}"] / ppl[key][ref_name] - 1
 
     print(
         f"context: full {ppl['full']['full']:.3f}; fallback r0 {ppl['r0']['fallback']:.3f}, "
@@ -165,30 +137,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     a.set_xlabel("calibration samples per head")
     a.set_ylabel(f"perplexity at budget {budget}")
     a.legend(fontsize=6)
-    save_plot(
-        fig, args.out, STUDY, f"{identity['path']} {identity['checkpoint']}: calibration stability"
-    )
+    title = f"{identity['path']} {identity['checkpoint']}: calibration stability"
+    save_plot(fig, args.out, STUDY, title)
 
-    return study.save(
-        {
-            "reference": ref_name,
-            "budget": budget,
-            "data": {
-                "perplexity": f"{n_seq} evaluation-split stdlib windows of {length} tokens, "
-                "second half scored"
-            },
-            "counts": counts,
-            "repeats": repeats,
-            "rows": rows,
-            "cos_A_ref_vs_B_ref_per_head": cosines(ref, filters["B"][counts[-1]][0]),
-            "ppl": ppl,
-            "plots": [f"{STUDY}.png"],
-        },
-        calibration={
-            t: {"text": info["description"], "tokens": info["tokens"]}
-            for t, (_, info) in texts.items()
-        },
-    )
+    scored = f"{n_seq} evaluation-split stdlib windows of {length} tokens, second half scored"
+    payload = {"reference": ref_name, "budget": budget, "data": {"perplexity": scored},
+               "counts": counts, "repeats": repeats, "rows": rows,
+               "cos_A_ref_vs_B_ref_per_head": cosines(ref, filters["B"][counts[-1]][0]),
+               "ppl": ppl, "plots": [f"{STUDY}.png"]}  # fmt: skip
+    calibration = {t: {"text": info["description"], "tokens": info["tokens"]}
+                   for t, (_, info) in texts.items()}  # fmt: skip
+    return study.save(payload, calibration=calibration)
 
 
 def render(data: dict[str, Any]) -> list[str]:
@@ -202,19 +161,17 @@ def render(data: dict[str, Any]) -> list[str]:
         f"at budget {data['budget']} on {data['data']['perplexity']}.",
         "",
     ]
-    rows = []
-    for r in data["rows"]:
-        rows.append(
-            [r["samples_per_head"], spread_cell(r["cos_A_n_vs_A_ref"]), fmt(r["cos_A_n_vs_A_ref"]["min"]),
-             spread_cell(r["cos_A_n_vs_B_n"]), fmt(r["cos_A_n_vs_B_n"]["min"]),
-             f"{100 * r['ppl_change_A_r0']:+.2f}% / {100 * r['ppl_change_B_r0']:+.2f}%",
-             f"{100 * r['ppl_change_A_r25']:+.2f}% / {100 * r['ppl_change_B_r25']:+.2f}%"]
-        )  # fmt: skip
-    lines += table(
-        ["samples/head", "cos(A_n, ref)", "min", "cos(A_n, B_n)", "min",
-         "Δppl A / B, recent 0", "Δppl A / B, recent b/4"],
-        rows,
-    )  # fmt: skip
+
+    def cells(r: dict[str, Any]) -> list[Any]:
+        cos = [cell for k in ("cos_A_n_vs_A_ref", "cos_A_n_vs_B_n")
+               for cell in (spread_cell(r[k]), fmt(r[k]["min"]))]  # fmt: skip
+        ppl = [f"{100 * r[f'ppl_change_A_{k}']:+.2f}% / {100 * r[f'ppl_change_B_{k}']:+.2f}%"
+               for k in ("r0", "r25")]  # fmt: skip
+        return [r["samples_per_head"], *cos, *ppl]
+
+    lines += table(["samples/head", "cos(A_n, ref)", "min", "cos(A_n, B_n)", "min",
+                    "Δppl A / B, recent 0", "Δppl A / B, recent b/4"],
+                   [cells(r) for r in data["rows"]])  # fmt: skip
     ppl = data["ppl"]
     lines += [
         "",
