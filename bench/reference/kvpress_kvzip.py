@@ -1,22 +1,21 @@
 """Reference arm of the KVzip parity study: NVIDIA kvpress's KVzipPress on a GGUF model.
 
-Runs kvpress 0.5.5 (transformers + CPU torch, float32) on pre-tokenized needle documents,
-records the decoded answer, accuracy, prefill+compression time and the context positions
-KVzipPress keeps visible per layer and per KV head, so the project's own KVzip eviction can
-be compared against it position by position.
+Runs kvpress (transformers + CPU torch, float32) on pre-tokenized needle documents and records
+the answer, its correctness, the prefill+compression time and the context positions KVzipPress
+keeps visible per layer and KV head, so our KVzip can be compared with it position by position.
 
-Standalone: imports only torch/transformers/kvpress/numpy/stdlib, never the project's packages.
-Run it under the dedicated venv /work/kvref-venv, verified with torch 2.13.0+cpu, transformers
-5.2.0 (kvpress 0.5.5 requires <5.3), kvpress 0.5.5, gguf 0.19.0, numpy 2.4.6, on 2 CPU threads:
+Standalone: it imports torch, transformers, kvpress and numpy, never the project. Verified with
+torch 2.13.0+cpu, transformers 5.2.0 (kvpress 0.5.5 requires <5.3), kvpress 0.5.5, gguf 0.19.0
+and numpy 2.4.6 on 2 CPU threads, in the venv /work/kvref-venv:
 
     /work/kvref-venv/bin/python bench/reference/kvpress_kvzip.py \
         --gguf /root/.cache/qfserve/downloads/SmolLM2-135M-Instruct.Q4_1.gguf \
         --docs docs.json --out results.jsonl [--ratios 2 4 8] [--press kvzip] [--layerwise]
 
 docs.json: [{"id": str, "context_ids": [int], "question_ids": [int], "answer": "1234567",
-"max_new_tokens": int}]. The context is compressed; the question is appended afterwards,
-uncompressed. Output: one JSON line per doc (all ratios inside); doc ids already in --out for
-the same mode and press are skipped, so an interrupted run resumes.
+"max_new_tokens": int}]. The context is compressed, the question appended uncompressed. Output:
+one JSON line per doc (all ratios inside); docs already in --out for the same mode and press are
+skipped, so an interrupted run resumes.
 """
 
 from __future__ import annotations
@@ -80,11 +79,9 @@ def _chat_prefix_text(tokenizer: Any) -> str:
     if tokenizer.chat_template is None:
         return ""
     dummy, sep = "dummy context", "\n" + "#" * len("dummy context")
+    messages = [{"role": "user", "content": dummy + sep}]
     text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": dummy + sep}],
-        add_generation_prompt=True,
-        tokenize=False,
-        enable_thinking=False,
+        messages, add_generation_prompt=True, tokenize=False, enable_thinking=False
     )
     return text.split(sep)[0].split(dummy)[0]
 
@@ -103,14 +100,9 @@ def load(gguf: Path) -> tuple[PreTrainedModel, Any]:
 
 @torch.inference_mode()
 def greedy(
-    model: PreTrainedModel,
-    tokenizer: Any,
-    cache: DynamicCache,
-    ctx_len: int,
-    q_ids: list[int],
-    n: int,
+    model: PreTrainedModel, tok: Any, cache: DynamicCache, ctx_len: int, q_ids: list[int], n: int
 ) -> str:
-    """Greedy decode after the (compressed) context, mirroring KVPressTextGenerationPipeline.generate_answer."""
+    """Greedy decoding after the (compressed) context, as kvpress's pipeline's generate_answer."""
     pos = torch.arange(ctx_len, ctx_len + len(q_ids)).unsqueeze(0)
     out = model(
         input_ids=torch.tensor([q_ids]), past_key_values=cache, position_ids=pos, logits_to_keep=1
@@ -124,18 +116,16 @@ def greedy(
         ids.append(out.logits[0, -1].argmax())
         if ids[-1].item() in stop:
             break
-    return str(tokenizer.decode(torch.stack(ids), skip_special_tokens=True))
+    return str(tok.decode(torch.stack(ids), skip_special_tokens=True))
 
 
 def kept_positions(model: PreTrainedModel, ctx_len: int) -> list[list[list[int]]]:
-    """Context positions still visible to the question, as [layer][kv_head] -> sorted ints.
+    """Context positions still visible to the question, [layer][kv_head] -> sorted ints.
 
-    kvpress does not shorten the cache: KVzipPress.compress_post stores, per attention module,
-    masked_key_indices = (batch, kv_head, position) of the pruned entries, and the patched
-    attention function overwrites those keys with a fake key whose attention weight underflows
-    to 0 during decoding. Those indices are exactly kvpress's selection (sinks forced in, global
-    or per-layer bottom-k of the reconstruction scores), so kept = all context positions minus
-    them; nothing is re-derived from scores.
+    kvpress does not shorten the cache: KVzipPress.compress_post stores per attention module the
+    pruned entries' masked_key_indices (batch, kv_head, position), whose keys the patched
+    attention replaces by one whose weight underflows to 0. They are exactly kvpress's selection,
+    so kept = every context position but them; nothing is re-derived from scores.
     """
     n_heads = model.config.num_key_value_heads
     kept: list[list[list[int]]] = []
@@ -154,38 +144,29 @@ def first_number(text: str) -> str | None:
     return m.group(0) if m else None
 
 
-def run_doc(
-    model: PreTrainedModel, tok: Any, doc: dict, ratios: list[float], args: argparse.Namespace
-) -> dict:
+def run_doc(model: PreTrainedModel, tok: Any, doc: dict, args: argparse.Namespace) -> dict:
     ctx = torch.tensor([doc["context_ids"]])
     ctx_len, n_new, answer = ctx.shape[1], int(doc["max_new_tokens"]), str(doc["answer"])
-    mode = "layerwise" if args.layerwise else "global"
     row: dict[str, Any] = {"id": doc["id"], "context_len": ctx_len, "press": args.press}
-    row.update(mode=mode, ratios={})
+    row.update(mode="layerwise" if args.layerwise else "global", ratios={})
 
     def arm(press: ReferenceKVzipPress | None) -> dict[str, Any]:
         cache = DynamicCache()
+        pressed = contextlib.nullcontext() if press is None else press(model)
         t0 = time.perf_counter()
-        with (
-            torch.inference_mode(),
-            press(model) if press is not None else contextlib.nullcontext(),
-        ):
+        with torch.inference_mode(), pressed:
             model.model(input_ids=ctx, past_key_values=cache)  # no lm head, as kvpress's pipeline
-        seconds = time.perf_counter() - t0
+        prefill_s = round(time.perf_counter() - t0, 3)
         # Read the selection before decoding: the next prefill (q_len == k_len) clears it.
         kept = kept_positions(model, ctx_len) if press is not None else None
         text = greedy(model, tok, cache, ctx_len, doc["question_ids"], n_new)
-        res = {
-            "text": text,
-            "correct": first_number(text) == answer,
-            "prefill_s": round(seconds, 3),
-        }
+        res = {"text": text, "correct": first_number(text) == answer, "prefill_s": prefill_s}
         return res if kept is None else {**res, "kept": kept}
 
     row["full"] = arm(None)  # also clears any masked_key_indices left by a previous doc
     defaults = KVzipPress()
     row["kvzip"] = {"n_sink": defaults.n_sink, "chunk_size": defaults.chunk_size}
-    for r in ratios:
+    for r in args.ratios:
         press = ReferenceKVzipPress(
             compression_ratio=1.0 - 1.0 / r,
             layerwise=args.layerwise,
@@ -208,9 +189,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--ratios", type=float, nargs="+", default=[2, 4, 8], help="keep 1/ratio")
     ap.add_argument("--press", choices=["kvzip", "kvzip+"], default="kvzip", help="+: KVzip+ norm")
-    ap.add_argument(
-        "--layerwise", action="store_true", help="same ratio per layer (default: global)"
-    )
+    ap.add_argument("--layerwise", action="store_true", help="one ratio per layer, not global")
     args = ap.parse_args()
 
     torch.set_num_threads(2)
@@ -222,10 +201,9 @@ def main() -> None:
     kvzip_press.AutoTokenizer = _GivenTokenizer  # type: ignore[assignment]
 
     docs = json.loads(args.docs.read_text())
-    rows: list[dict] = []
-    if args.out.exists():
-        rows = [json.loads(line) for line in args.out.read_text().splitlines() if line.strip()]
+    lines = args.out.read_text().splitlines() if args.out.exists() else []
     # Resume per (mode, press), so one --out file can hold several configurations.
+    rows = [json.loads(line) for line in lines if line.strip()]
     mode = "layerwise" if args.layerwise else "global"
     rows = [r for r in rows if (r["mode"], r["press"]) == (mode, args.press)]
     done = {r["id"] for r in rows}
@@ -233,7 +211,7 @@ def main() -> None:
         for doc in docs:
             if doc["id"] in done:
                 continue
-            row = run_doc(model, tok, doc, args.ratios, args)
+            row = run_doc(model, tok, doc, args)
             f.write(json.dumps(row) + "\n")
             f.flush()
             rows.append(row)

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 
 from bench.data import chat_content, eos_ban
 from bench.harness import (
@@ -27,24 +26,24 @@ from bench.harness import (
     parse,
     parser,
     pyplot,
-    ratio_row,
+    ratios,
     save_plot,
     stream_chat,
     summaries,
     summary,
 )
 from bench.report import plots, speed_header, table
-from qfserve import testing as servers
+from bench.studies.multiturn import start_servers
 
 ARMS = ("serial", "batched_a", "theirs", "batched_b")
-METRICS = (
-    "tokens_per_s",
-    "steady_tokens_per_s",
-    "e2e_tokens_per_s",
-    "ttft_p50_s",
-    "ttft_p99_s",
-    "wall_s",
-)
+COLUMNS = {  # what each burst measures, and its column in the table
+    "tokens_per_s": "decode tok/s",
+    "steady_tokens_per_s": "steady tok/s",
+    "e2e_tokens_per_s": "e2e tok/s",
+    "ttft_p50_s": "TTFT p50 s",
+    "ttft_p99_s": "TTFT p99 s",
+}
+METRICS = (*COLUMNS, "wall_s")
 MIXES = (  # what qfserve's streams ask for, in turn
     {"kv_method": "qfilters", "qfilters_budget": 512},
     {"kv_method": "full"},
@@ -63,29 +62,20 @@ def steady_rate(streams: list[tuple[float, StreamTiming]]) -> float | None:
     return sum(sum(lo < t <= hi for t in ts) for ts in times) / (hi - lo)
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    k = (len(ordered) - 1) * q / 100
-    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
-
-
-def plot(result, out) -> list[str]:
-    plt = pyplot()
+def plot(result: dict[str, Any], out: Any) -> list[str]:
     rows = result["rows"]
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
-    streams = sorted({r["streams"] for r in rows})
+    fig, (a1, a2) = pyplot().subplots(1, 2, figsize=(10, 3.8))
     for n in sorted({r["prompt_tokens"] for r in rows}):
         mine = [r for r in rows if r["prompt_tokens"] == n]
+        x = [r["streams"] for r in mine]
         for arm in ARMS:
-            x = [r["streams"] for r in mine]
             label = f"{arm}, prompt {n}"
             a1.plot(x, [r["tokens_per_s"][arm]["median"] for r in mine], "o-", label=label)
             a2.plot(x, [r["ttft_p99_s"][arm]["median"] for r in mine], "o-", label=label)
     a1.set(title="aggregate decode tokens/s", xlabel="concurrent streams")
     a2.set(title="TTFT p99 (s)", xlabel="concurrent streams", yscale="log")
     for ax in (a1, a2):
-        log2_axis(ax, streams)
+        log2_axis(ax, sorted({r["streams"] for r in rows}))
         ax.legend(fontsize=8)
     return [save_plot(fig, out, "batching")]
 
@@ -96,7 +86,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse(p, argv)
     max_tokens, counts, lengths = args.max_tokens, args.streams, args.prompts
     sm = open_run("batching", args, argv)
-    progress = sm.log
     bias = eos_ban(sm)
     seq = itertools.count()
 
@@ -129,8 +118,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "tokens_per_s": sum(t.completion_tokens - 1 for _, t in streams) / (last - first),
                 "steady_tokens_per_s": steady_rate(streams),
                 "e2e_tokens_per_s": sum(t.completion_tokens for _, t in streams) / wall,
-                "ttft_p50_s": percentile(ttfts, 50),
-                "ttft_p99_s": percentile(ttfts, 99),
+                "ttft_p50_s": float(np.percentile(ttfts, 50)),
+                "ttft_p99_s": float(np.percentile(ttfts, 99)),
             }
 
         return run
@@ -143,20 +132,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     def write(rows: list[dict], complete: bool) -> dict[str, Any]:
         """The results so far: written after every row, so a stopped run keeps its rows."""
+        settings = {
+            "reps": args.reps, "max_tokens": max_tokens, "streams": counts, "prompts": lengths,
+            "mixes_ours": list(MIXES), "temperature": 0, "eos_banned": True,
+            "serial": "qfserve --max-batch 1", "batched": "qfserve --max-batch 16",
+            "theirs": "python -m mlx_lm.server (its defaults: batched decoding, full KVCache)",
+        }  # fmt: skip
         result = {
             "complete": complete,
-            "settings": {
-                "reps": args.reps,
-                "max_tokens": max_tokens,
-                "streams": counts,
-                "prompts": lengths,
-                "mixes_ours": list(MIXES),
-                "temperature": 0,
-                "eos_banned": True,
-                "serial": "qfserve --max-batch 1",
-                "batched": "qfserve --max-batch 16",
-                "theirs": "python -m mlx_lm.server (its defaults: batched decoding, full KVCache)",
-            },
+            "settings": settings,
             "rows": rows,
             "speedup_over_one_stream": {n: speedup(rows, n) for n in lengths},
             "steady_speedup_over_one_stream": {
@@ -168,31 +152,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     rows = []
     with contextlib.ExitStack() as stack:
-        progress("starting qfserve (--max-batch 1 and 16) and mlx_lm.server")
-        logs = Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        procs = {
-            "serial": servers.launch(
-                "qfserve", sm.folder, "--max-batch", "1", "--max-queue", "64",
-                log=logs / "serial.log", log_level="warning",
-            ),
-            "batched": servers.launch(
-                "qfserve", sm.folder, "--max-batch", "16", "--max-queue", "64",
-                log=logs / "batched.log", log_level="warning",
-            ),
-            "theirs": servers.launch("mlx_lm", sm.folder, log=logs / "theirs.log"),
-        }  # fmt: skip
-        stack.callback(servers.stop_all, list(procs.values()), 10)
-        for proc in procs.values():
-            servers.wait_ready(proc, 180)
-        limits = httpx.Limits(max_connections=64)
-        client = stack.enter_context(httpx.Client(limits=limits))
+        sm.log("starting qfserve (--max-batch 1 and 16) and mlx_lm.server")
+        procs = start_servers(stack, sm.folder, {
+            "serial": ("qfserve", "--max-batch", "1", "--max-queue", "64"),
+            "batched": ("qfserve", "--max-batch", "16", "--max-queue", "64"),
+            "theirs": ("mlx_lm",),
+        })  # fmt: skip
+        client = stack.enter_context(httpx.Client(limits=httpx.Limits(max_connections=64)))
         urls = {"serial": procs["serial"].url, "batched_a": procs["batched"].url,
                 "theirs": procs["theirs"].url, "batched_b": procs["batched"].url}  # fmt: skip
         for n, c in itertools.product(lengths, counts):
             arms = {a: burst(client, urls[a], a, n, c) for a in ARMS}
             label = f"prompt {n}, {c} streams"
             runs = interleave(  # one warm-up round, before the first burst only
-                arms, args.reps, warmup=int(not rows), progress=progress.rounds(label)
+                arms, args.reps, warmup=int(not rows), progress=sm.log.rounds(label)
             )
             row: dict = {"prompt_tokens": n, "streams": c}
             for key in METRICS:
@@ -201,10 +174,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     row[key] = {a: None if None in v else summary(v) for a, v in values.items()}
                     continue
                 row[key] = summaries(values)
-                row[f"{key}_ratios"] = [ratio_row(values, a, "serial") for a in ARMS[1:]]
+                row[f"{key}_ratios"] = ratios(values, "serial", ARMS[1:])
             rows.append(row)
             write(rows, complete=False)
-            progress(f"{label}: " + ", ".join(
+            sm.log(f"{label}: " + ", ".join(
                 f"{a} {row['tokens_per_s'][a]['median']:.1f} tok/s" for a in ARMS))  # fmt: skip
 
     return write(rows, complete=True)
@@ -214,40 +187,21 @@ def render(d: dict[str, Any]) -> list[str]:
     """This study's section of ``bench/RESULTS.md``."""
     s = d["settings"]
     lines = speed_header("Continuous batching: concurrent streams", d)
-    lines.append(
+    lines += [
         f"Streamed chat requests of one prompt length sent at once, greedy, {s['max_tokens']} "
         f"tokens (EOS banned); ours mix methods and budgets. Arms: {s['serial']} (serial), "
         f"{s['batched']} (batched_a, and batched_b as the A/A copy), {s['theirs']} (theirs). "
         "Decode tokens/s is aggregate: tokens after each stream's first, over the span from "
         "the first first token to the last stream's end; steady tokens/s counts only the "
-        "span in which every stream is decoding (from the last first token to the first end)."
-    )
-    lines.append("")
-    rows = []
-    for r in d["rows"]:
-        for a in r["tokens_per_s"]:
-            rows.append(
-                [
-                    r["prompt_tokens"],
-                    r["streams"],
-                    a,
-                    f"{r['tokens_per_s'][a]['median']:.2f}",
-                    _steady(r, a),
-                    f"{r['e2e_tokens_per_s'][a]['median']:.2f}",
-                    f"{r['ttft_p50_s'][a]['median']:.2f}",
-                    f"{r['ttft_p99_s'][a]['median']:.2f}",
-                ]
-            )
-    headers = [
-        "prompt",
-        "streams",
-        "arm",
-        "decode tok/s",
-        "steady tok/s",
-        "e2e tok/s",
-        "TTFT p50 s",
+        "span in which every stream is decoding (from the last first token to the first end).",
+        "",
     ]
-    lines += table([*headers, "TTFT p99 s"], rows)
+    rows = [
+        [r["prompt_tokens"], r["streams"], a, *(_median(r, key, a) for key in COLUMNS)]
+        for r in d["rows"]
+        for a in r["tokens_per_s"]
+    ]
+    lines += table(["prompt", "streams", "arm", *COLUMNS.values()], rows)
     for key, what in (
         ("speedup_over_one_stream", "decode"),
         ("steady_speedup_over_one_stream", "steady decode"),
@@ -259,6 +213,8 @@ def render(d: dict[str, Any]) -> list[str]:
     return lines + [*plots(d), ""]
 
 
-def _steady(row: dict[str, Any], arm: str) -> str:
-    cell = (row.get("steady_tokens_per_s") or {}).get(arm)  # older results have none
-    return "" if cell is None else f"{cell['median']:.2f}"
+def _median(row: dict[str, Any], key: str, arm: str) -> str:
+    """A cell: the median of ``key`` for ``arm`` ('' where there is none: no steady span, or
+    older results without the steady rate)."""
+    stats = (row.get(key) or {}).get(arm)
+    return "" if stats is None else f"{stats['median']:.2f}"

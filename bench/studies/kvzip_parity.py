@@ -12,6 +12,8 @@ import json
 import random
 import re
 import subprocess
+from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,40 +22,60 @@ import numpy as np
 
 from bench.arms import Arm, feed_block
 from bench.data import stdlib_prose
-from bench.harness import (
-    append_jsonl,
-    open_run,
-    parse,
-    parser,
-    progress,
-    read_jsonl,
-    save_plot,
-    subplots,
-)
+from bench.harness import append_jsonl, open_run, parse, parser, read_jsonl, save_plot, subplots
 from bench.report import fmt, plots, quality_header, table
 from bench.studies.niah import CITIES
 from bench.studies.retrieval import prefill_block
 
 STUDY = "kvzip_parity"
 REFERENCE = Path(__file__).resolve().parents[1] / "reference" / "kvpress_kvzip.py"
-MODES = {
-    "global": "ours, rows shared across layers (the default)",
-    "adaptive": "ours, across a layer's heads",
-    "per_head": "ours, per head",
-}
+# Our allocations: rows shared across layers (the default), across a layer's heads, per head.
+MODES = ("global", "adaptive", "per_head")
+SCORING = "first number of the greedy answer equals the needle's"
+
+
+# -- shared with kvzip_reuse ---------------------------------------------------------------
+
+
+def prose(tokenizer: Any, rng: random.Random, length: int) -> list[str]:
+    """Consecutive :func:`~bench.data.stdlib_prose` paragraphs from a random one on, about
+    ``length`` tokens together."""
+    paragraphs = stdlib_prose()
+    chosen, start = [], rng.randrange(len(paragraphs))
+    while len(tokenizer.encode("\n\n".join(chosen))) < length:
+        chosen.append(paragraphs[(start + len(chosen)) % len(paragraphs)])
+    return chosen
+
+
+def first_number_is(text: str, number: str) -> bool:
+    """Whether the first number in ``text`` (a greedy answer) is ``number``."""
+    found = re.search(r"\d+", text)
+    return bool(found and found.group() == number)
+
+
+def plot_accuracy(accuracy: dict[str, dict[str, float]], ratios: list, out: Path, name: str,
+                  title: str, style: Callable[[str], dict] = lambda arm: {"label": arm}) -> str:  # fmt: skip
+    """Each arm's accuracy against the compression ratio (``style``: its line's keywords),
+    the full cache's as a line across."""
+    fig, ax = subplots(1, 1)
+    for arm, by in accuracy.items():
+        if arm == "full":
+            ax[0, 0].axhline(by["-"], color="black", ls="--", label="full cache")
+        else:
+            ax[0, 0].plot(ratios, [by[str(r)] for r in ratios], marker="o", **style(arm))
+    ax[0, 0].set(xscale="log", xlabel="compression", ylabel="accuracy", ylim=(-0.05, 1.05))
+    ax[0, 0].legend(fontsize=7)
+    return save_plot(fig, out, name, title)
 
 
 def chat_docs(tokenizer: Any, n: int, length: int, seed: int = 0) -> list[dict[str, Any]]:
     """``n`` chat documents of about ``length`` context tokens (see the module doc)."""
-    paragraphs = stdlib_prose()
     docs = []
     for i in range(n):
         rng = random.Random(f"parity-{seed}-{length}-{i}")
         city, number = rng.choice(CITIES), str(rng.randrange(1_000_000, 10_000_000))
+        chosen = prose(tokenizer, rng, length)
         needle = f"The special magic number for {city} is {number}."
-        chosen, start = [], rng.randrange(len(paragraphs))
-        while len(tokenizer.encode("\n\n".join(chosen))) < length:
-            chosen.append(paragraphs[(start + len(chosen)) % len(paragraphs)])
         chosen.insert(rng.randrange(len(chosen) + 1), needle)
         question = f"\n\nWhat is the special magic number for {city}?"
         text = tokenizer.apply_chat_template(
@@ -80,12 +102,11 @@ def ours(study: Any, doc: dict[str, Any], ratios: list[int]) -> dict[str, dict[s
     kept whole. The pass runs once per document (its scores do not depend on the budget)."""
     model, context = study.model, doc["context_ids"]
     block = prefill_block(model, [*context, 0], kvzip=study.repeat)
-    out: dict[str, dict[str, Any]] = {}
+    out: dict[str, dict[str, Any]] = {mode: {} for mode in MODES}
     for mode in MODES:
+        arm = Arm("kvzip", 0.0, adaptive=mode == "adaptive", shared=mode == "global")
         for ratio in ratios:
-            budget = round(len(context) / ratio)
-            arm = Arm("kvzip", 0.0, adaptive=mode == "adaptive", shared=mode == "global")
-            caches = arm.caches(model, budget, study.filters)
+            caches = arm.caches(model, round(len(context) / ratio), study.filters)
             feed_block(caches, block)
             kept = [_kept(c) for c in caches]
             for c in caches:  # as kvpress: what follows the context is not compressed
@@ -95,11 +116,8 @@ def ours(study: Any, doc: dict[str, Any], ratios: list[int]) -> dict[str, dict[s
                 y = mx.argmax(model(y, cache=caches)[:, -1], axis=-1)[None]
                 tokens.append(int(y.item()))
             text = study.tokenizer.decode(tokens)
-            out.setdefault(mode, {})[str(ratio)] = {
-                "text": text,
-                "correct": _correct(text, doc["answer"]),
-                "kept": kept,
-            }
+            out[mode][str(ratio)] = {"text": text, "correct": first_number_is(text, doc["answer"]),
+                                     "kept": kept}  # fmt: skip
     return out
 
 
@@ -108,11 +126,6 @@ def _kept(cache: Any) -> list[list[int]]:
     positions = np.array(cache.positions[0])
     valid = np.ones(positions.shape, bool) if cache.valid is None else np.array(cache.valid[0])
     return [sorted(positions[h][valid[h]].tolist()) for h in range(positions.shape[0])]
-
-
-def _correct(text: str, answer: str) -> bool:
-    found = re.search(r"\d+", text)
-    return bool(found and found.group() == answer)
 
 
 def overlap(a: list[list[list[int]]], b: list[list[list[int]]]) -> dict[str, float]:
@@ -124,16 +137,6 @@ def overlap(a: list[list[list[int]]], b: list[list[list[int]]]) -> dict[str, flo
             recall.append(len(sa & sb) / max(len(sb), 1))
             jaccard.append(len(sa & sb) / max(len(sa | sb), 1))
     return {"recall_of_kvpress": float(np.mean(recall)), "jaccard": float(np.mean(jaccard))}
-
-
-def run_kvpress(
-    python: str, gguf: Path, docs: Path, out: Path, ratios: list[int], layerwise: bool
-) -> None:
-    cmd = [python, str(REFERENCE), "--gguf", str(gguf), "--docs", str(docs), "--out", str(out),
-           "--ratios", *map(str, ratios)]  # fmt: skip
-    if layerwise:
-        cmd.append("--layerwise")
-    subprocess.run(cmd, check=True)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -155,42 +158,36 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out = args.out / STUDY
     out.mkdir(parents=True, exist_ok=True)
     docs = chat_docs(study.tokenizer, args.docs, args.length, args.seed)
-    (out / "docs.json").write_text(json.dumps(docs))
-    theirs: dict[str, dict[str, Any]] = {}
-    for layerwise in (False, True) if args.layerwise else (False,):
+    docs_file = out / "docs.json"
+    docs_file.write_text(json.dumps(docs))
+    theirs: dict[str, dict[str, Any]] = defaultdict(dict)  # doc id -> kvpress mode -> record
+    for mode in ("global", "layerwise") if args.layerwise else ("global",):
+        layerwise = ["--layerwise"] if mode == "layerwise" else []
         log = out / f"kvpress{'_layerwise' if layerwise else ''}.jsonl"
-        run_kvpress(args.kvpress_python, gguf, out / "docs.json", log, args.ratios, layerwise)
-        mode = "layerwise" if layerwise else "global"
+        cmd = [args.kvpress_python, str(REFERENCE), "--gguf", str(gguf), "--docs", str(docs_file),
+               "--out", str(log), "--ratios", *map(str, args.ratios), *layerwise]  # fmt: skip
+        subprocess.run(cmd, check=True)
         for rec in read_jsonl(log):
-            theirs.setdefault(rec["id"], {})[mode] = rec
+            theirs[rec["id"]][mode] = rec
     mine_log = out / "ours.jsonl"
     mine = {rec["id"]: rec["modes"] for rec in read_jsonl(mine_log)}
-    cells: dict[str, dict[str, list[Any]]] = {}
-    with progress(total=len(docs), desc="documents") as bar:
-        for doc in docs:
-            if doc["id"] not in mine:
-                mine[doc["id"]] = ours(study, doc, args.ratios)
-                append_jsonl(mine_log, {"id": doc["id"], "modes": mine[doc["id"]]})
-            ref = theirs[doc["id"]]
-            cells.setdefault("full", {}).setdefault("-", []).append(
-                ref["global"]["full"]["correct"]
-            )
-            for ratio in args.ratios:
-                r = str(ratio)
-                for mode_name, rec in ref.items():
-                    cell = rec["ratios"][r]
-                    cells.setdefault(f"kvpress/{mode_name}", {}).setdefault(r, []).append(
-                        cell["correct"]
-                    )
-                for mode in MODES:
-                    cell = mine[doc["id"]][mode][r]
-                    cells.setdefault(f"ours/{mode}", {}).setdefault(r, []).append(cell["correct"])
-                    for mode_name, rec in ref.items():
-                        key = f"overlap/{mode}~{mode_name}"
-                        cells.setdefault(key, {}).setdefault(r, []).append(
-                            overlap(cell["kept"], rec["ratios"][r]["kept"])
-                        )
-            bar.update(1)
+    cells: dict[str, dict[str, list[Any]]] = defaultdict(lambda: defaultdict(list))
+    for i, doc in enumerate(docs, 1):
+        if doc["id"] not in mine:
+            mine[doc["id"]] = ours(study, doc, args.ratios)
+            append_jsonl(mine_log, {"id": doc["id"], "modes": mine[doc["id"]]})
+            study.log(f"document {i}/{len(docs)}")
+        ref = theirs[doc["id"]]
+        cells["full"]["-"].append(ref["global"]["full"]["correct"])
+        for r in map(str, args.ratios):
+            for name, rec in ref.items():
+                cells[f"kvpress/{name}"][r].append(rec["ratios"][r]["correct"])
+            for mode in MODES:
+                cell = mine[doc["id"]][mode][r]
+                cells[f"ours/{mode}"][r].append(cell["correct"])
+                for name, rec in ref.items():
+                    pair = cells[f"overlap/{mode}~{name}"][r]
+                    pair.append(overlap(cell["kept"], rec["ratios"][r]["kept"]))
     accuracy = {arm: {r: float(np.mean(v)) for r, v in by.items()}
                 for arm, by in cells.items() if not arm.startswith("overlap")}  # fmt: skip
     overlaps = {
@@ -198,27 +195,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for arm, by in cells.items()
         if arm.startswith("overlap")
     }
-    fig, ax = subplots(1, 1)
-    for arm, by in accuracy.items():
-        if arm == "full":
-            ax[0, 0].axhline(by["-"], color="black", ls="--", label="full cache")
-            continue
-        ax[0, 0].plot(args.ratios, [by[str(r)] for r in args.ratios], marker="o", label=arm)
-    ax[0, 0].set(xscale="log", xlabel="compression", ylabel="accuracy", ylim=(-0.05, 1.05))
-    ax[0, 0].legend(fontsize=7)
-    save_plot(fig, args.out, STUDY, f"{study.identity['path']}: KVzip, ours and kvpress's")
+    title = f"{study.identity['path']}: KVzip, ours and kvpress's"
     return study.save(
         {
-            "data": {
-                "documents": len(docs),
-                "context_tokens": args.length,
-                "scoring": "first number of the greedy answer equals the needle's",
-            },  # fmt: skip
+            "data": {"documents": len(docs), "context_tokens": args.length, "scoring": SCORING},
             "ratios": args.ratios,
             "accuracy": accuracy,
             "overlap": overlaps,
             "kvpress": {"script": str(REFERENCE.relative_to(REFERENCE.parents[2]))},
-            "plots": [f"{STUDY}.png"],
+            "plots": [plot_accuracy(accuracy, args.ratios, args.out, STUDY, title)],
         }
     )
 

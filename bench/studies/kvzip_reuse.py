@@ -10,26 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import random
-import re
 import time
+from collections import defaultdict
 from typing import Any
 
 import numpy as np
 
 from bench.arms import Arm
-from bench.data import stdlib_prose
-from bench.harness import (
-    append_jsonl,
-    color,
-    open_run,
-    parse,
-    parser,
-    progress,
-    resume,
-    save_plot,
-    subplots,
-)
+from bench.harness import append_jsonl, color, open_run, parse, parser, progress, resume
 from bench.report import arm_label, fmt, plots, quality_header, table
+from bench.studies.kvzip_parity import first_number_is, plot_accuracy, prose
 from bench.studies.niah import CITIES
 from qfserve.engine.serving.config import EngineConfig
 from qfserve.engine.serving.worker import Worker
@@ -37,23 +27,14 @@ from qfserve.engine.text.requests import Delta, Failed, Finished, GenerationRequ
 
 STUDY = "kvzip_reuse"
 FACTS = 5
-ARMS = (
-    Arm("full"),
-    Arm("qfilters", 0.25),
-    Arm("snapkv", 0.25),
-    Arm("streaming", 0.0),
-    Arm("kvzip", 0.25, shared=True),
-)
+ARMS = (Arm("full"), Arm("qfilters", 0.25), Arm("snapkv", 0.25), Arm("streaming", 0.0),
+        Arm("kvzip", 0.25, shared=True))  # fmt: skip
 
 
 def make_doc(tokenizer: Any, length: int, index: int) -> dict[str, Any]:
     """About ``length`` tokens of prose with :data:`FACTS` facts at spread depths."""
     rng = random.Random(f"reuse-{length}-{index}")
-    paragraphs = stdlib_prose()
-    start = rng.randrange(len(paragraphs))
-    chosen: list[str] = []
-    while len(tokenizer.encode("\n\n".join(chosen))) < length:
-        chosen.append(paragraphs[(start + len(chosen)) % len(paragraphs)])
+    chosen = prose(tokenizer, rng, length)
     cities = rng.sample(CITIES, FACTS)
     facts = [(c, str(rng.randrange(1_000_000, 10_000_000))) for c in cities]
     for k, (city, number) in reversed(list(enumerate(facts))):
@@ -86,21 +67,16 @@ def converse(
     tic = time.perf_counter()
     for text, max_tokens, expected in turns(doc):
         prompt = [*prompt, *tokenizer.encode(text, add_special_tokens=False)]
-        request = GenerationRequest(
-            kind="completion",
-            prompt=tuple(prompt),
-            sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=True),
-            cache=config,
-            reuse=True,
-        )
+        sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=True)
+        request = GenerationRequest(kind="completion", prompt=tuple(prompt), sampling=sampling,
+                                    cache=config, reuse=True)  # fmt: skip
         pieces, final = asyncio.run(_ask(worker, request))
         ids = [vocab[piece] for piece in pieces]
         prompt = [*prompt, *ids]
         out["cached"].append(final.cached_tokens)
         out["kept"].append(final.kv_cache.get("tokens_kept"))
         if expected is not None:
-            found = re.search(r"\d+", tokenizer.decode(ids))
-            out["correct"].append(bool(found and found.group() == expected))
+            out["correct"].append(first_number_is(tokenizer.decode(ids), expected))
     out["seconds"] = round(time.perf_counter() - tic, 2)
     return out
 
@@ -121,72 +97,54 @@ async def _ask(worker: Worker, request: GenerationRequest) -> tuple[list[str], F
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = parser(__doc__, docs=(6, 1), length=(1500, 200, "document tokens"), ratios=([2, 4, 8], [4]))
     args = parse(p, argv)
-    n_docs, length, ratios = args.docs, args.length, args.ratios
+    ratios = args.ratios
     study = open_run(STUDY, args, argv)
-    loaded = study.loaded
+    tokenizer, loaded = study.tokenizer, study.loaded
     log = args.out / f"{STUDY}.jsonl"
     done = resume(log, lambda r: (r["doc"], r["arm"], r["ratio"]), fresh=args.quick)
-    todo = [
-        (d, a, r)
-        for d in range(n_docs)
-        for a in ARMS
-        for r in (["-"] if a.method == "full" else ratios)
-    ]
+    todo = [(d, arm, str(r)) for d in range(args.docs) for arm in ARMS
+            for r in (["-"] if arm.method == "full" else ratios)]  # fmt: skip
     with progress(total=len(todo), desc="conversations") as bar:
         for d, arm, ratio in todo:
-            key = (d, arm.name, str(ratio))
-            if key not in done:
-                doc = make_doc(study.tokenizer, length, d)
-                tokens = len(study.tokenizer.encode(doc["text"]))
+            if (d, arm.name, ratio) not in done:
+                doc = make_doc(tokenizer, args.length, d)
+                tokens = len(tokenizer.encode(doc["text"]))
                 budget = None if ratio == "-" else round(tokens / int(ratio))
-                worker = Worker(
-                    EngineConfig(model=loaded.name, prompt_cache_size=4),
-                    loader=lambda _ref: loaded,
-                )
+                worker = Worker(EngineConfig(model=loaded.name, prompt_cache_size=4),
+                                loader=lambda _ref: loaded)  # fmt: skip
                 worker.start()
                 while worker.status == "loading":
                     time.sleep(0.05)
                 try:
-                    rec = {"doc": d, "arm": arm.name, "ratio": str(ratio), "budget": budget,
-                           "doc_tokens": tokens, **converse(worker, study.tokenizer, doc, arm, budget)}  # fmt: skip
+                    rec = {"doc": d, "arm": arm.name, "ratio": ratio, "budget": budget,
+                           "doc_tokens": tokens, **converse(worker, tokenizer, doc, arm, budget)}  # fmt: skip
                 finally:
                     worker.stop()
                 append_jsonl(log, rec)
-                done[key] = rec
+                done[(d, arm.name, ratio)] = rec
             bar.update(1)
-    records = [done[(d, a.name, str(r))] for d, a, r in todo]
-    accuracy: dict[str, dict[str, float]] = {}
+    records = [done[(d, arm.name, ratio)] for d, arm, ratio in todo]
+    correct: dict[str, dict[str, list[bool]]] = defaultdict(lambda: defaultdict(list))
     for rec in records:
-        accuracy.setdefault(rec["arm"], {}).setdefault(rec["ratio"], [])  # type: ignore[arg-type]
-        accuracy[rec["arm"]][rec["ratio"]].extend(rec["correct"])  # type: ignore[attr-defined]
-    accuracy = {a: {r: float(np.mean(v)) for r, v in by.items()} for a, by in accuracy.items()}
-    reused = all(all(c > 0 for c in rec["cached"][1:]) for rec in records)
-    fig, ax = subplots(1, 1)
-    for arm in ARMS:
-        by = accuracy.get(arm.name, {})
-        if arm.method == "full":
-            ax[0, 0].axhline(by["-"], color="black", ls="--", label="full cache")
-        else:
-            ax[0, 0].plot(ratios, [by[str(r)] for r in ratios], marker="o",
-                          color=color(arm.method), label=arm_label(arm.name))  # fmt: skip
-    ax[0, 0].set(xscale="log", xlabel="compression", ylabel="accuracy", ylim=(-0.05, 1.05))
-    ax[0, 0].legend(fontsize=7)
-    save_plot(fig, args.out, STUDY, f"{study.identity['path']}: questions in later turns")
+        correct[rec["arm"]][rec["ratio"]].extend(rec["correct"])
+    accuracy = {a: {r: float(np.mean(v)) for r, v in by.items()} for a, by in correct.items()}
+
+    def style(arm: str) -> dict[str, str]:
+        return {"color": color(arm.partition("/")[0]), "label": arm_label(arm)}
+
+    title = f"{study.identity['path']}: questions in later turns"
+    about = {"documents": args.docs, "document_tokens": args.length, "facts": FACTS,
+             "scoring": "first number of the greedy answer equals the city's"}  # fmt: skip
     return study.save(
         {
-            "data": {
-                "documents": n_docs,
-                "document_tokens": length,
-                "facts": FACTS,
-                "scoring": "first number of the greedy answer equals the city's",
-            },  # fmt: skip
+            "data": about,
             "ratios": ratios,
             "arms": [a.name for a in ARMS],
             "budget_rule": "budget = round(document tokens / ratio), recent = budget/4",
-            "every_later_turn_reused": reused,
+            "every_later_turn_reused": all(all(c > 0 for c in r["cached"][1:]) for r in records),
             "accuracy": accuracy,
             "records": records,
-            "plots": [f"{STUDY}.png"],
+            "plots": [plot_accuracy(accuracy, ratios, args.out, STUDY, title, style)],
         }
     )
 

@@ -17,20 +17,31 @@ from typing import Any
 
 import httpx
 
-from bench.harness import (
-    MiB,
-    Run,
-    open_run,
-    parse,
-    parser,
-    pyplot,
-    save_plot,
-    summary,
-)
+from bench.data import prose_windows
+from bench.harness import MiB, Run, open_run, parse, parser, pyplot, save_plot, summary
 from bench.report import plots, speed_header, table
 from qfserve import testing as servers
 
 ARMS = ("qfilters_reuse", "qfilters_fresh", "full_reuse", "theirs")
+SERVING = {"qfilters_reuse": "reuse", "qfilters_fresh": "fresh", "full_reuse": "reuse",
+           "theirs": "theirs"}  # fmt: skip
+LAUNCHES = {"reuse": ("qfserve",), "fresh": ("qfserve", "--prompt-cache-size", "0"),
+            "theirs": ("mlx_lm",)}  # fmt: skip
+
+
+def start_servers(stack: contextlib.ExitStack, folder: Path,
+                  launches: dict[str, tuple[str, ...]]) -> dict[str, servers.ServerProcess]:  # fmt: skip
+    """Each named server (``(kind, *flags)``, qfserve logging warnings only) on ``folder``,
+    ready; ``stack`` stops them all as it closes. Also used by :mod:`bench.studies.batching`."""
+    logs = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+    procs: dict[str, servers.ServerProcess] = {}
+    stack.callback(lambda: servers.stop_all(list(procs.values()), 10))
+    for name, (kind, *flags) in launches.items():
+        quiet = {"log_level": "warning"} if kind == "qfserve" else {}
+        procs[name] = servers.launch(kind, folder, *flags, log=logs / f"{name}.log", **quiet)
+    for proc in procs.values():
+        servers.wait_ready(proc, 180)
+    return procs
 
 
 def rss_bytes(pid: int) -> int:
@@ -43,9 +54,7 @@ def rss_bytes(pid: int) -> int:
 def user_turns(sm: Run, turns: int, n_tokens: int, conversations: int = 1) -> list[list[str]]:
     """Per conversation, ``turns`` user messages of about ``n_tokens`` tokens each of
     consecutive prose; the conversations start at evenly spaced paragraphs."""
-    from bench.data import prose_windows
-
-    tok = sm.loaded.tokenizer
+    tok = sm.tokenizer
     return [
         [
             f"Turn {k + 1}. Read on: " + tok.decode(ids[k * n_tokens : (k + 1) * n_tokens].tolist())
@@ -59,9 +68,7 @@ def chat_turn(client: httpx.Client, url: str, body: dict[str, Any]) -> dict[str,
     """One streamed turn: TTFT on the client, the answer, and the final usage and kv_cache."""
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     tic = time.perf_counter()
-    ttft: float | None = None
-    text, kv = "", None
-    usage: dict[str, Any] = {}
+    ttft, text, usage, kv = None, "", {}, None
     with client.stream("POST", url + "/v1/chat/completions", json=body, timeout=900) as r:
         if r.status_code != 200:
             r.read()
@@ -77,13 +84,12 @@ def chat_turn(client: httpx.Client, url: str, body: dict[str, Any]) -> dict[str,
                 text += piece
             usage = event.get("usage") or usage
             kv = event.get("kv_cache") or kv
-    details = usage.get("prompt_tokens_details") or {}
     return {
         "ttft_s": ttft if ttft is not None else time.perf_counter() - tic,
         "answer": text,
         "prompt_tokens": usage.get("prompt_tokens"),
         "completion_tokens": usage.get("completion_tokens"),
-        "cached_tokens": details.get("cached_tokens"),
+        "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
         "kept_bytes": None if kv is None else kv["kept_bytes"],
     }
 
@@ -93,17 +99,15 @@ def ttft_ratio(turns: list[dict[str, Any]]) -> float | None:
     return None if len(turns) < 2 else turns[-1]["ttft_s"] / turns[1]["ttft_s"]
 
 
-def plot(result, out) -> list[str]:
-    plt = pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
-    for arm in result["turns"]:
-        turns = result["turns"][arm]
+def plot(result: dict[str, Any], out: Path) -> list[str]:
+    fig, axes = pyplot().subplots(1, 3, figsize=(14, 3.8))
+    for arm, turns in result["turns"].items():
         x = [t["turn"] for t in turns]
         axes[0].plot(x, [t["ttft_s"] for t in turns], "o-", label=arm)
         kept = [t["kept_bytes"] for t in turns]
-        if all(k is not None for k in kept):
-            axes[1].plot(x, [k / 2**20 for k in kept], "o-", label=arm)
-        axes[2].plot(x, [t["rss_bytes"] / 2**20 for t in turns], "o-", label=arm)
+        if None not in kept:
+            axes[1].plot(x, [k / MiB for k in kept], "o-", label=arm)
+        axes[2].plot(x, [t["rss_bytes"] / MiB for t in turns], "o-", label=arm)
     axes[0].set(title="TTFT (s)", xlabel="turn", yscale="log")
     axes[1].set(title="KV MiB kept (qfserve)", xlabel="turn")
     axes[2].set(title="server RSS MiB", xlabel="turn")
@@ -120,78 +124,42 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse(p, argv)
     if args.conversations < 1:
         p.error("--conversations must be >= 1")
-    n_turns, turn_tokens, max_tokens, budget = (
-        args.turns,
-        args.turn_tokens,
-        args.max_tokens,
-        args.budget,
-    )
     arms = [a for a in ARMS if a in args.arms]
     sm = open_run("multiturn", args, argv)
-    progress = sm.log
-    conversations = user_turns(sm, n_turns, turn_tokens, args.conversations)
-    extra: dict[str, dict[str, Any]] = {
-        "qfilters_reuse": {"kv_method": "qfilters", "qfilters_budget": budget},
-        "qfilters_fresh": {"kv_method": "qfilters", "qfilters_budget": budget},
-        "full_reuse": {"kv_method": "full"},
-        "theirs": {},
-    }
-    serving = {"qfilters_reuse": "reuse", "qfilters_fresh": "fresh", "full_reuse": "reuse",
-               "theirs": "theirs"}  # fmt: skip
-    launches = {
-        "reuse": ("qfserve",),
-        "fresh": ("qfserve", "--prompt-cache-size", "0"),
-        "theirs": ("mlx_lm",),
-    }
+    conversations = user_turns(sm, args.turns, args.turn_tokens, args.conversations)
+    qfilters = {"kv_method": "qfilters", "qfilters_budget": args.budget}
+    extra = {"qfilters_reuse": qfilters, "qfilters_fresh": qfilters,
+             "full_reuse": {"kv_method": "full"}, "theirs": {}}  # fmt: skip
     runs: list[dict[str, list[dict[str, Any]]]] = []
     with contextlib.ExitStack() as stack:
-        needed = sorted({serving[a] for a in arms})
-        progress(f"starting servers: {', '.join(needed)}")
-        logs = Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        procs = {}
-        for name in needed:
-            kind, *flags = launches[name]
-            quiet = {"log_level": "warning"} if kind == "qfserve" else {}
-            procs[name] = servers.launch(kind, sm.folder, *flags, log=logs / f"{name}.log", **quiet)
-            stack.callback(servers.stop_all, [procs[name]], 10)
-        for proc in procs.values():
-            servers.wait_ready(proc, 180)
+        needed = sorted({SERVING[a] for a in arms})
+        sm.log(f"starting servers: {', '.join(needed)}")
+        procs = start_servers(stack, sm.folder, {name: LAUNCHES[name] for name in needed})
         client = stack.enter_context(httpx.Client())
         for c, users in enumerate(conversations):
             history: dict[str, list[dict[str, str]]] = {a: [] for a in arms}
             turns: dict[str, list[dict[str, Any]]] = {a: [] for a in arms}
             for k, user in enumerate(users, start=1):
                 for arm in arms:
-                    proc = procs[serving[arm]]
+                    proc = procs[SERVING[arm]]
                     history[arm].append({"role": "user", "content": user})
-                    body = {
-                        "model": sm.loaded.name if arm != "theirs" else str(sm.folder),
-                        "messages": history[arm],
-                        "max_tokens": max_tokens,
-                        "temperature": 0,
-                        **extra[arm],
-                    }
+                    body = {"model": str(sm.folder) if arm == "theirs" else sm.loaded.name,
+                            "messages": history[arm], "max_tokens": args.max_tokens,
+                            "temperature": 0, **extra[arm]}  # fmt: skip
                     t = chat_turn(client, proc.url, body)
                     history[arm].append({"role": "assistant", "content": t.pop("answer")})
-                    t.update(turn=k, rss_bytes=rss_bytes(proc.pid))
-                    turns[arm].append(t)
-                progress(f"conversation {c + 1}/{len(conversations)}, turn {k}/{n_turns}: "
-                         + ", ".join(f"{a} {turns[a][-1]['ttft_s']:.2f}s" for a in arms))  # fmt: skip
+                    turns[arm].append({**t, "turn": k, "rss_bytes": rss_bytes(proc.pid)})
+                sm.log(f"conversation {c + 1}/{len(conversations)}, turn {k}/{args.turns}: "
+                       + ", ".join(f"{a} {turns[a][-1]['ttft_s']:.2f}s" for a in arms))  # fmt: skip
             runs.append(turns)
-
     by_conversation = {a: [ttft_ratio(run[a]) for run in runs] for a in arms}
+    settings = {"turns": args.turns, "turn_tokens": args.turn_tokens, "max_tokens": args.max_tokens,
+                "budget": args.budget, "temperature": 0, "conversations": len(runs),
+                "arms": {a: {"server": SERVING[a], **extra[a]} for a in arms},
+                "theirs": "python -m mlx_lm.server (its prompt cache on, full KVCache)"}  # fmt: skip
     result = {
         "study": "multiturn",
-        "settings": {
-            "turns": n_turns,
-            "turn_tokens": turn_tokens,
-            "max_tokens": max_tokens,
-            "budget": budget,
-            "temperature": 0,
-            "conversations": len(runs),
-            "arms": {a: {"server": serving[a], **extra[a]} for a in arms},
-            "theirs": "python -m mlx_lm.server (its prompt cache on, full KVCache)",
-        },
+        "settings": settings,
         "turns": runs[0],  # the first conversation
         "runs": runs,
         # Median over conversations (the first one's alone when there is one).
@@ -208,29 +176,21 @@ def render(d: dict[str, Any]) -> list[str]:
     """This study's section of ``bench/RESULTS.md``."""
     s = d["settings"]
     lines = speed_header("Multi-turn chat: reuse of compressed caches", d)
-    lines.append(
+    lines += [
         f"{s['turns']} turns of about {s['turn_tokens']} new prose tokens each, greedy answers "
-        f"of at most {s['max_tokens']} tokens; Q-Filters at budget {s['budget']}."
-    )
-    lines.append("")
+        f"of at most {s['max_tokens']} tokens; Q-Filters at budget {s['budget']}.",
+        "",
+    ]
     arms = list(d["turns"])
     picks = sorted({1, 2, len(d["turns"][arms[0]]) // 2, len(d["turns"][arms[0]])})
     rows = []
     for a in arms:
         for t in d["turns"][a]:
             if t["turn"] in picks:
-                kept = t["kept_bytes"]
-                rows.append(
-                    [
-                        t["turn"],
-                        a,
-                        t["prompt_tokens"],
-                        t["cached_tokens"] if t["cached_tokens"] is not None else "—",
-                        f"{t['ttft_s']:.2f}",
-                        "—" if kept is None else f"{kept / MiB:.1f}",
-                        f"{t['rss_bytes'] / MiB:.0f}",
-                    ]
-                )
+                cached, kept = t["cached_tokens"], t["kept_bytes"]
+                rows.append([t["turn"], a, t["prompt_tokens"], "—" if cached is None else cached,
+                             f"{t['ttft_s']:.2f}", "—" if kept is None else f"{kept / MiB:.1f}",
+                             f"{t['rss_bytes'] / MiB:.0f}"])  # fmt: skip
     lines += table(["turn", "arm", "prompt", "cached", "TTFT s", "KV MiB", "RSS MiB"], rows)
     by_conversation = d.get("last_over_second_ttft_by_conversation", {})
     n = s.get("conversations", 1)

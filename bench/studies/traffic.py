@@ -21,7 +21,6 @@ from bench.harness import open_run, parse, parser, save_plot, subplots
 from bench.report import fmt, pct, plots, quality_header, table
 from bench.studies.stability import cosines
 from qfserve.calibrations.artifact import read_calibration
-from qfserve.calibrations.model_info import attention_shape
 from qfserve.engine.filters.traffic import DEFAULT_MIN_PROMPTS, TrafficCalibration
 from qfserve.engine.kv.selfcal import install_query_taps, remove_query_taps
 
@@ -61,9 +60,9 @@ def passkey_traffic(study: Any, n: int, length: int) -> list[list[int]]:
     return [d["prompt"] for d in docs][:n]
 
 
-def serve(model: Any, prompts: list[list[int]], pool: TrafficCalibration) -> dict[str, Any]:
+def serve(model: Any, prompts: list[list[int]], pool: TrafficCalibration) -> tuple[Path, dict]:
     """Prefill ``prompts`` in the server's chunks, flushing ``pool`` after each, until it
-    writes its artifact; what it took."""
+    writes its artifact; its path and what it took."""
     started, fed = time.perf_counter(), 0
     for n, prompt in enumerate(prompts, 1):
         cache = make_prompt_cache(model)
@@ -73,8 +72,8 @@ def serve(model: Any, prompts: list[list[int]], pool: TrafficCalibration) -> dic
             fed += len(prompt[start : start + CHUNK])
             path = pool.flush()
             if path is not None:
-                return {"path": path, "prompts": n, "tokens": fed,
-                        "seconds": time.perf_counter() - started}  # fmt: skip
+                return path, {"prompts": n, "tokens": fed,
+                              "seconds": round(time.perf_counter() - started, 1)}  # fmt: skip
     raise RuntimeError(
         f"{len(prompts)} prompts ({fed} tokens) were not enough to write an artifact "
         f"({pool.prompts} prompts counted, {pool.tokens_seen} tokens pooled per layer)"
@@ -98,55 +97,34 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--traffic", nargs="+", default=["chat", "passkey"],
                    choices=("chat", "passkey"))  # fmt: skip
     args = parse(p, argv)
-    quick, max_prompts, min_prompts = args.quick, args.max_prompts, args.min_prompts
-    samples = 200 if quick else None  # None: calibration's default sample count
-
+    quick, max_prompts = args.quick, args.max_prompts
     study = open_run(STUDY, args, argv, calibrate=True)
     model, identity, calibrated = study.model, study.identity, np.asarray(study.filters)
-    _, n_kv, _ = attention_shape(model)
     makers = {
         "chat": lambda: chat_traffic(study, max_prompts, (128,) if quick else (256, 512, 1024)),
         "passkey": lambda: passkey_traffic(study, max_prompts, 320 if quick else 768),
     }
+    samples = {"samples_per_head": 200} if quick else {}  # else calibration's default
     results: dict[str, Any] = {}
     for kind in args.traffic:
         prompts = makers[kind]()
-        taps = install_query_taps(model)
         pool = TrafficCalibration(
-            taps, n_kv_heads=n_kv, model_id=identity["model_id"],
-            fingerprint=identity["fingerprint"], out_dir=Path(args.out) / kind,
-            min_prompts=min_prompts,
-            **({} if samples is None else {"samples_per_head": samples}),
+            install_query_taps(model), n_kv_heads=identity["n_kv_heads"],
+            model_id=identity["model_id"], fingerprint=identity["fingerprint"],
+            out_dir=args.out / kind, min_prompts=args.min_prompts, **samples,
         )  # fmt: skip
         try:
-            took = serve(model, prompts, pool)
+            path, took = serve(model, prompts, pool)
         finally:
             remove_query_taps(model)
-        learned = read_calibration(took["path"])
+        learned = read_calibration(path)
         results[kind] = {
-            "prompts": took["prompts"],
-            "tokens": took["tokens"],
-            "seconds": round(took["seconds"], 1),
-            "artifact": str(Path(took["path"]).relative_to(Path(args.out))),
+            **took,
+            "artifact": str(path.relative_to(args.out)),
             "artifact_text": learned.metadata.get("text"),
             "samples_per_head": learned.metadata.get("samples_per_head"),
             **compare(learned.filters, calibrated),
         }
-
-    fig, ax = subplots(1, len(results), figsize=(4.2 * len(results), 3.6), squeeze=False)
-    for col, (kind, r) in enumerate(results.items()):
-        a = ax[0, col]
-        cos = np.asarray(r["cosine"])
-        for k in range(cos.shape[1]):
-            a.plot(range(cos.shape[0]), cos[:, k], marker="o", ms=3, label=f"KV head {k}")
-        a.axhline(0, color="grey", lw=0.5)
-        a.set_ylim(-1.05, 1.05)
-        a.set_xlabel("layer")
-        a.set_title(f"{kind}: {r['prompts']} prompts, {r['tokens']} tokens", fontsize=9)
-    ax[0, 0].set_ylabel("cosine to the calibrated filter")
-    ax[0, 0].legend(fontsize=7)
-    save_plot(fig, args.out, STUDY, f"{identity['checkpoint']}: filters learned from traffic")
-
     return study.save(
         {
             "data": {
@@ -154,12 +132,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "stdlib window or a stdlib docstring-prose window of 256/512/1024 tokens in turn",
                 "passkey": "retrieval's pass-key generator at 768 tokens (evaluation seeds)",
                 "prefill_chunk": CHUNK,
-                "min_prompts": min_prompts,
+                "min_prompts": args.min_prompts,
             },
             "results": results,
-            "plots": [f"{STUDY}.png"],
+            "plots": [plot(results, args.out, identity["checkpoint"])],
         }
     )
+
+
+def plot(results: dict[str, Any], out: Path, checkpoint: str) -> str:
+    """Per traffic kind, each KV head's cosine to the calibrated filter along the layers."""
+    fig, ax = subplots(1, len(results), figsize=(4.2 * len(results), 3.6))
+    for a, (kind, r) in zip(ax[0], results.items(), strict=True):
+        cos = np.asarray(r["cosine"])
+        for k in range(cos.shape[1]):
+            a.plot(range(cos.shape[0]), cos[:, k], marker="o", ms=3, label=f"KV head {k}")
+        a.axhline(0, color="grey", lw=0.5)
+        a.set(ylim=(-1.05, 1.05), xlabel="layer")
+        a.set_title(f"{kind}: {r['prompts']} prompts, {r['tokens']} tokens", fontsize=9)
+    ax[0, 0].set_ylabel("cosine to the calibrated filter")
+    ax[0, 0].legend(fontsize=7)
+    return save_plot(fig, out, STUDY, f"{checkpoint}: filters learned from traffic")
 
 
 def render(data: dict[str, Any]) -> list[str]:
@@ -177,9 +170,6 @@ def render(data: dict[str, Any]) -> list[str]:
     rows = [[kind, r["prompts"], r["tokens"], r["seconds"], fmt(r["cosine_mean"]),
              fmt(r["cosine_min"]), pct(r["same_sign_share"]), r["artifact"]]
             for kind, r in data["results"].items()]  # fmt: skip
-    lines += table(
-        ["traffic", "prompts", "tokens", "s", "mean cosine", "min cosine", "same sign",
-         "artifact"],
-        rows,
-    )  # fmt: skip
+    headers = ["traffic", "prompts", "tokens", "s", "mean cosine", "min cosine", "same sign"]
+    lines += table([*headers, "artifact"], rows)
     return lines + plots(data)
