@@ -7,7 +7,6 @@ chat requests, interleaved; prefill and decode throughput as ratios to the syste
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
 import tempfile
 from pathlib import Path
@@ -15,17 +14,9 @@ from typing import Any
 
 import httpx
 
-from bench.data import chat_content, eos_ban
-from bench.harness import (
-    interleave,
-    open_run,
-    parse,
-    parser,
-    ratio_row,
-    stream_chat,
-    summaries,
-)
+from bench.harness import interleave, open_run, parse, parser, ratios, summaries
 from bench.report import ratio_cell, speed_header, table
+from bench.studies.vs_mlx_lm import chat_arm, per_arm
 from qfserve import testing
 from qfserve.engine.models.blas import find_blas
 
@@ -43,45 +34,33 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse(p, argv)
     if why := missing():
         raise SystemExit(f"blas: {why}")
-    n_prompt, max_tokens = args.prompt, args.max_tokens
     run = open_run("blas", args, argv)
-    progress = run.log
-    bias, seq = eos_ban(run), itertools.count()
     logs = Path(tempfile.mkdtemp(prefix="blas-"))
     libs = {arm: find_blas(source).path for arm, source in ARMS.items()}  # type: ignore[union-attr]
     with contextlib.ExitStack() as stack:
-        servers = {}
+        urls = {}
         for arm, source in ARMS.items():
             env = {**os.environ, "QFSERVE_BLAS": source}
             env.pop("LD_PRELOAD", None)  # each server preloads its own
             server = testing.start("qfserve", run.folder, log=logs / f"{arm}.log", env=env,
                                    timeout=300)  # fmt: skip
             stack.callback(server.stop, 15)
-            servers[arm] = server.url
+            urls[arm] = server.url
         client = stack.enter_context(httpx.Client())
-
-        def arm(name: str):
-            def one():
-                content = chat_content(run, n_prompt, f"[{next(seq):04d}-{name}] ")
-                body = {"model": run.loaded.name, "max_tokens": max_tokens, "temperature": 0,
-                        "logit_bias": bias, "messages": [{"role": "user", "content": content}]}  # fmt: skip
-                return stream_chat(client, servers[name], body)
-
-            return one
-
-        timings = interleave({name: arm(name) for name in ARMS}, args.reps,
-                             progress=progress.rounds("rounds"))  # fmt: skip
+        body = {"model": run.loaded.name, "max_tokens": args.max_tokens}
+        arms = {arm: chat_arm(run, client, url, args.prompt, **body) for arm, url in urls.items()}
+        timings = interleave(arms, args.reps, progress=run.log.rounds("rounds"))
     prefill = {k: [t.prompt_tokens / t.ttft for t in v] for k, v in timings.items()}
-    decode = {k: [t.decode_tps for t in v] for k, v in timings.items()}
-    loaded_libs = {arm: (logs / f"{arm}.log").read_text().count(libs[arm]) > 0 for arm in ARMS}
+    decode = per_arm(timings, "decode_tps")
+    named = {arm: libs[arm] in (logs / f"{arm}.log").read_text() for arm in ARMS}
     return run.save({
-        "settings": {"reps": args.reps, "prompt_tokens": n_prompt, "max_tokens": max_tokens,
-                     "temperature": 0, "eos_banned": True, "libraries": libs,
-                     "named_in_start_up_log": loaded_libs},
+        "settings": {"reps": args.reps, "prompt_tokens": args.prompt,
+                     "max_tokens": args.max_tokens, "temperature": 0, "eos_banned": True,
+                     "libraries": libs, "named_in_start_up_log": named},
         "prefill_tps": summaries(prefill),
         "decode_tps": summaries(decode),
-        "prefill_ratios": [ratio_row(prefill, a, "system") for a in ("pip_a", "pip_b")],
-        "decode_ratios": [ratio_row(decode, a, "system") for a in ("pip_a", "pip_b")],
+        "prefill_ratios": ratios(prefill, "system", ("pip_a", "pip_b")),
+        "decode_ratios": ratios(decode, "system", ("pip_a", "pip_b")),
     })  # fmt: skip
 
 
@@ -94,7 +73,7 @@ def render(d: dict[str, Any]) -> list[str]:
               "faster); `pip_b` is the wheel again (A/A).", ""]  # fmt: skip
     pre = {r["arm"]: r for r in d["prefill_ratios"]}
     dec = {r["arm"]: r for r in d["decode_ratios"]}
-    rows = [[arm, f"{d['prefill_tps'][arm]['median']:.0f}", ratio_cell(pre[arm]) if arm in pre
-             else "1", f"{d['decode_tps'][arm]['median']:.1f}",
-             ratio_cell(dec[arm]) if arm in dec else "1"] for arm in ARMS]  # fmt: skip
+    rows = [[arm, f"{d['prefill_tps'][arm]['median']:.0f}", ratio_cell(pre[arm]) if arm in pre else "1",
+             f"{d['decode_tps'][arm]['median']:.1f}", ratio_cell(dec[arm]) if arm in dec else "1"]
+            for arm in ARMS]  # fmt: skip
     return lines + table(["arm", "prefill tok/s", "ratio", "decode tok/s", "ratio"], rows)

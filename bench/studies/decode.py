@@ -23,6 +23,7 @@ from bench.harness import (
     open_run,
     parse,
     parser,
+    pyplot,
     ratios,
     save_plot,
     subplots,
@@ -90,16 +91,14 @@ def sweep(sm: Any, contexts: list[int], budgets: list[int], steps: int) -> tuple
                 caches["full_b"] = copy_full(sm.model, caches["full_a"])
                 arms["full_b"] = decode_timer(sm.model, caches["full_b"], steps, hold=True)
         samples = interleave(arms, sm.args.reps, progress=sm.log.rounds(f"context {context}"))
-        rows.append(
-            {
-                "context": context,
-                "beyond_trained_context": context > sm.context_length,
-                "ms_per_step": summaries(samples),
-                "ratios": ratios(samples, "full_a", ["full_b", *(f"b{b}" for b in budgets)]),
-                # The first decode step takes a cache at its budget over it: from then on it evicts.
-                "evicting": {f"b{b}": context >= b for b in budgets},
-            }
-        )
+        rows.append({
+            "context": context,
+            "beyond_trained_context": context > sm.context_length,
+            "ms_per_step": summaries(samples),
+            "ratios": ratios(samples, "full_a", ["full_b", *(f"b{b}" for b in budgets)]),
+            # The first decode step takes a cache at its budget over it: from then on it evicts.
+            "evicting": {f"b{b}": context >= b for b in budgets},
+        })  # fmt: skip
     return rows, memory
 
 
@@ -117,52 +116,36 @@ def overhead(sm: Any, budgets: list[int], steps: int) -> list[dict]:
         prefill(sm.model, ours, tokens)  # 2B tokens: every decode step evicts one row
         arms["ours"] = decode_timer(sm.model, ours, steps, hold=False)
         samples = interleave(arms, sm.args.reps, progress=sm.log.rounds(f"equal size {b}"))
-        rows.append(
-            {
-                "budget": b,
-                "ms_per_step": summaries(samples),
-                "ratios": ratios(samples, "kvcache_a", ["kvcache_b", "ours"]),
-            }
-        )
+        rows.append({"budget": b, "ms_per_step": summaries(samples),
+                     "ratios": ratios(samples, "kvcache_a", ["kvcache_b", "ours"])})  # fmt: skip
     return rows
 
 
 def plot(result: dict[str, Any], out: Any) -> list[str]:
     budgets = result["settings"]["budgets"]
     ctx = [r["context"] for r in result["sweep"]]
-    fig, ax = subplots(figsize=(6.4, 4))
+    fig, ax = pyplot().subplots(figsize=(6.4, 4))
     for arm, label in [("full_a", "full"), *((f"b{b}", f"Q-Filters budget {b}") for b in budgets)]:
         med, err = errorbars([r["ms_per_step"][arm] for r in result["sweep"]])
-        ax[0, 0].errorbar(ctx, med, yerr=err, marker="o", capsize=3, label=label)
+        ax.errorbar(ctx, med, yerr=err, marker="o", capsize=3, label=label)
     trained = result["settings"]["max_context"]
-    ax[0, 0].axvline(trained, color="grey", ls=":", label=f"trained context {trained}")
-    ax[0, 0].set(
-        xlabel="context (tokens)",
-        ylabel="ms / decode step (median, IQR)",
-        title="Decode step time vs context",
-    )
-    log2_axis(ax[0, 0], ctx)
-    ax[0, 0].legend()
+    ax.axvline(trained, color="grey", ls=":", label=f"trained context {trained}")
+    ax.set(xlabel="context (tokens)", ylabel="ms / decode step (median, IQR)",
+           title="Decode step time vs context")  # fmt: skip
+    log2_axis(ax, ctx)
+    ax.legend()
     names = [save_plot(fig, out, "decode_ms")]
     fig, axes = subplots(1, 3, figsize=(14, 4))
-    panels = {
-        "kept_bytes": "Kept KV bytes (all layers)",
-        "peak_bytes": "MLX peak above weights (prefill or decode)",
-        "rss_growth_bytes": "Process RSS growth for the arm",
+    panels = {  # title: the memory rows' fields it plots (the larger one)
+        "Kept KV bytes (all layers)": ["kept_bytes"],
+        "MLX peak above weights (prefill or decode)": ["prefill_peak_bytes", "decode_peak_bytes"],
+        "Process RSS growth for the arm": ["rss_growth_bytes"],
     }
-    for arm in ("full", *(f"b{b}" for b in budgets)):
-        rows = [r for r in result["memory"] if r["arm"] == arm]
-        for a, key in zip(axes[0], panels, strict=True):
-            y = [
-                max(r["prefill_peak_bytes"], r["decode_peak_bytes"])
-                if key == "peak_bytes"
-                else r[key]
-                for r in rows
-            ]
-            a.plot(
-                [r["context"] for r in rows], [max(v, 0) / MiB for v in y], marker="o", label=arm
-            )
-    for a, title in zip(axes[0], panels.values(), strict=True):
+    for a, (title, keys) in zip(axes[0], panels.items(), strict=True):
+        for arm in ("full", *(f"b{b}" for b in budgets)):
+            rows = [m for m in result["memory"] if m["arm"] == arm]
+            a.plot([m["context"] for m in rows], [max(0, *(m[k] for k in keys)) / MiB for m in rows],
+                   marker="o", label=arm)  # fmt: skip
         a.set(xlabel="context (tokens)", ylabel="MiB", title=title)
         log2_axis(a, ctx)
         a.legend()
@@ -170,17 +153,10 @@ def plot(result: dict[str, Any], out: Any) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(
-        __doc__,
-        reps=5,
-        steps=(16, 4, "decode steps per timing"),
-        contexts=(
-            None,
-            [128, 256],
-            "context tokens (default: 1,024 doubling to the trained length)",
-        ),
-        budgets=([128, 256, 512, 1024], [64, 128]),
-    )
+    p = parser(__doc__, reps=5, steps=(16, 4, "decode steps per timing"),
+               contexts=(None, [128, 256], "context tokens (default: 1,024 doubling to the "
+                         "trained length)"),
+               budgets=([128, 256, 512, 1024], [64, 128]))  # fmt: skip
     args = parse(p, argv)
     sm = open_run("decode", args, argv)
     contexts = args.contexts or contexts_for(sm.context_length)
@@ -188,26 +164,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows, memory = sweep(sm, contexts, args.budgets, args.steps)
     full = next(m for m in memory if m["arm"] == "full")
     result = {
-        "settings": {
-            "max_context": sm.identity["max_context"],
-            "reps": args.reps,
-            "steps": args.steps,
-            "budgets": args.budgets,
-            "n_sink": 4,
-            "recent": 0,
-            "method": "qfilters",
-            "prefill_chunk": 512,
-        },
+        "settings": {"max_context": sm.identity["max_context"], "reps": args.reps,
+                     "steps": args.steps, "budgets": args.budgets, "n_sink": 4, "recent": 0,
+                     "method": "qfilters", "prefill_chunk": 512},
         "kv_bytes_per_token": full["kept_bytes"] / full["tokens_kept"],
         "sweep": rows,
         "overhead": overhead(sm, args.budgets, args.steps),
         "memory": memory,
-    }
+    }  # fmt: skip
     result["plots"] = plot(result, args.out)
     return sm.save(result)
 
 
 def render(d: dict[str, Any]) -> list[str]:
+    """This study's section of ``bench/RESULTS.md``."""
     budgets = d["settings"]["budgets"]
     lines = speed_header(
         "Decode step time, eviction overhead and memory against context",
@@ -223,41 +193,22 @@ def render(d: dict[str, Any]) -> list[str]:
     for r in d["sweep"]:
         step, rr = r["ms_per_step"], {x["arm"]: x for x in r["ratios"]}
         beyond = " (beyond trained context)" if r["beyond_trained_context"] else ""
-        rows.append(
-            [
-                f"{r['context']}{beyond}",
-                ms(step["full_a"]),
-                ratio_cell(rr["full_b"]),
-                *(
-                    f"{step[f'b{b}']['median']:.2f} ({ratio_cell(rr[f'b{b}'])})"
-                    + ("" if r["evicting"][f"b{b}"] else " no eviction yet")
-                    for b in budgets
-                ),
-            ]
-        )
-    lines += table(
-        ["context", "full ms", "A/A", *(f"budget {b}: ms (ratio to full)" for b in budgets)], rows
-    )
+        rows.append([f"{r['context']}{beyond}", ms(step["full_a"]), ratio_cell(rr["full_b"]),
+                     *(f"{step[f'b{b}']['median']:.2f} ({ratio_cell(rr[f'b{b}'])})"
+                       + ("" if r["evicting"][f"b{b}"] else " no eviction yet")
+                       for b in budgets)])  # fmt: skip
+    budget_cols = [f"budget {b}: ms (ratio to full)" for b in budgets]
+    lines += table(["context", "full ms", "A/A", *budget_cols], rows)
     lines += [
         "",
         "Eviction overhead at equal size: our cache at budget B holding B rows (one "
         "evicted per step) against mlx-lm's `KVCache` holding B rows.",
         "",
     ]
-    lines += table(
-        ["B", "KVCache ms", "ours ms", "A/A", "ours / KVCache"],
-        [
-            [
-                o["budget"],
-                ms(o["ms_per_step"]["kvcache_a"]),
-                ms(o["ms_per_step"]["ours"]),
-                ratio_cell(o["ratios"][0]),
-                ratio_cell(o["ratios"][1]),
-            ]
-            for o in d["overhead"]
-        ],
-    )
-    per_token = d.get("kv_bytes_per_token")
+    rows = [[o["budget"], ms(o["ms_per_step"]["kvcache_a"]), ms(o["ms_per_step"]["ours"]),
+             ratio_cell(o["ratios"][0]), ratio_cell(o["ratios"][1])] for o in d["overhead"]]  # fmt: skip
+    lines += table(["B", "KVCache ms", "ours ms", "A/A", "ours / KVCache"], rows)
+    per_token = d.get("kv_bytes_per_token")  # older results have neither it nor RSS growth
     lines += [
         "",
         "Memory, MiB: kept KV (keys + values, all layers), what the cache arrays hold "
@@ -265,35 +216,13 @@ def render(d: dict[str, Any]) -> list[str]:
         "MLX's peak above what was live before the arm during prefill (512-token chunks) "
         "and during decode, and how much the process's RSS grew for the arm (an upper "
         "bound: the allocator may keep freed pages)."
-        + (
-            ""
-            if per_token is None
-            else f" KV bytes per token of this model (full cache): {per_token:,.0f}."
-        ),
+        + ("" if per_token is None else f" KV bytes per token of this model (full cache): {per_token:,.0f}."),
         "",
-    ]
+    ]  # fmt: skip
     rss = all("rss_growth_bytes" in m for m in d["memory"])
-    lines += table(
-        [
-            "context",
-            "arm",
-            "kept KV",
-            "cache arrays",
-            "prefill peak",
-            "decode peak",
-            *(["RSS growth"] if rss else []),
-        ],
-        [
-            [
-                m["context"],
-                m["arm"],
-                f"{m['kept_bytes'] / MiB:.2f}",
-                f"{m['cache_nbytes'] / MiB:.2f}",
-                f"{m['prefill_peak_bytes'] / MiB:.1f}",
-                f"{m['decode_peak_bytes'] / MiB:.2f}",
-                *([f"{m['rss_growth_bytes'] / MiB:.1f}"] if rss else []),
-            ]
-            for m in d["memory"]
-        ],
-    )
+    rows = [[m["context"], m["arm"], f"{m['kept_bytes'] / MiB:.2f}", f"{m['cache_nbytes'] / MiB:.2f}",
+             f"{m['prefill_peak_bytes'] / MiB:.1f}", f"{m['decode_peak_bytes'] / MiB:.2f}",
+             *([f"{m['rss_growth_bytes'] / MiB:.1f}"] if rss else [])] for m in d["memory"]]  # fmt: skip
+    headers = ["context", "arm", "kept KV", "cache arrays", "prefill peak", "decode peak"]
+    lines += table([*headers, *(["RSS growth"] if rss else [])], rows)
     return lines + [*plots(d), ""]

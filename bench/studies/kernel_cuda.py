@@ -33,6 +33,7 @@ from qfserve.kernels.sources import (
 
 GROUPS, BUDGET, HEAD_DIM, N_SINK, RECENT = 32, 512, 128, 4, 64
 ROWS = (4096, 16384)
+KERNELS = [(SCORE, "float16", "float16"), (APPLY, "float16", "float16")]
 
 
 def argsort_keep(scores: np.ndarray, budget: int, n_sink: int, recent: int) -> np.ndarray:
@@ -64,7 +65,7 @@ def cpu_self_check() -> None:
         take = np.arange(G)[:, None]
         if not (np.array_equal(k, keys[take, want]) and np.array_equal(s, scores[take, want])):
             sys.exit(f"self-check failed: kernel model != argsort reference ({kind} scores)")
-    source = cuda_module_source([(SCORE, "float16", "float16"), (APPLY, "float16", "float16")])
+    source = cuda_module_source(KERNELS)
     print(f"CPU self-check passed: model == reference; CUDA module text {len(source)} chars")
 
 
@@ -105,10 +106,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch, cupy = require_cuda()
     dev = torch.device("cuda")
 
-    module = cupy.RawModule(
-        code=cuda_module_source([(SCORE, "float16", "float16"), (APPLY, "float16", "float16")]),
-        options=("--std=c++17",),
-    )
+    module = cupy.RawModule(code=cuda_module_source(KERNELS), options=("--std=c++17",))
     apply_fn = module.get_function(cuda_kernel_name(APPLY, "float16", "float16"))
     score_fn = module.get_function(cuda_kernel_name(SCORE, "float16"))
 
@@ -123,11 +121,13 @@ def main(argv: list[str] | None = None) -> dict:
         apply_fn((GROUPS,), (DEFAULT_THREADS,), tuple(cupy.asarray(b) for b in bufs))
         return out_k, out_v, out_s
 
+    def threshold(scores, L):
+        ranked = ranked_torch(torch, scores, N_SINK, RECENT)
+        return torch.kthvalue(ranked, L - BUDGET + 1, dim=-1).values.contiguous()
+
     def kernel_path(keys, values, scores, L):
         # As in MLX: the threshold from a selection primitive, then one apply launch.
-        ranked = ranked_torch(torch, scores, N_SINK, RECENT)
-        thresh = torch.kthvalue(ranked, L - BUDGET + 1, dim=-1).values.contiguous()
-        return kernel_apply(keys, values, scores, thresh, L)
+        return kernel_apply(keys, values, scores, threshold(scores, L), L)
 
     def topk_path(keys, values, scores, L):
         ranked = ranked_torch(torch, scores, N_SINK, RECENT)
@@ -166,24 +166,14 @@ def main(argv: list[str] | None = None) -> dict:
             got = kernel_path(keys, values, s, L)
             torch.cuda.synchronize()
             s_np = s.cpu().numpy()
-            want = argsort_keep(s_np, BUDGET, N_SINK, RECENT)
-            take = np.arange(GROUPS)[:, None]
-            parity[kind] = bool(
-                np.array_equal(
-                    got[0].cpu().numpy().view(np.uint16),
-                    keys.cpu().numpy()[take, want].view(np.uint16),
-                )
-                and np.array_equal(
-                    got[1].cpu().numpy().view(np.uint16),
-                    values.cpu().numpy()[take, want].view(np.uint16),
-                )
-                and np.array_equal(
-                    got[2].cpu().numpy().view(np.uint32), s_np[take, want].view(np.uint32)
-                )
-            )
+            kept = np.arange(GROUPS)[:, None], argsort_keep(s_np, BUDGET, N_SINK, RECENT)
+            # Bit for bit: keys and values as float16 bits, scores as float32 bits.
+            expected = [(keys.cpu().numpy()[kept], np.uint16),
+                        (values.cpu().numpy()[kept], np.uint16), (s_np[kept], np.uint32)]  # fmt: skip
+            parity[kind] = all(np.array_equal(g.cpu().numpy().view(bits), w.view(bits))
+                               for g, (w, bits) in zip(got, expected, strict=True))  # fmt: skip
 
-        ranked = ranked_torch(torch, scores, N_SINK, RECENT)
-        thresh = torch.kthvalue(ranked, L - BUDGET + 1, dim=-1).values.contiguous()
+        thresh = threshold(scores, L)
         arms = {
             "topk_sort_gather": partial(timed, topk_path, keys, values, scores, L),
             "kernel_threshold_and_apply": partial(timed, kernel_path, keys, values, scores, L),
@@ -192,46 +182,33 @@ def main(argv: list[str] | None = None) -> dict:
         }
         samples = interleave(arms, reps=args.reps, warmup=5)
         base = samples["topk_sort_gather"]
-        results.append(
-            {
-                "rows": L,
-                "parity_bitwise": parity,
-                "score_kernel_allclose": scores_close,
-                "microseconds": summaries(samples),
-                "speedup_vs_topk_median": {
-                    name: statistics.median(b / a for a, b in zip(v, base, strict=True))
-                    for name, v in samples.items()
-                },
-            }
-        )
+        results.append({
+            "rows": L,
+            "parity_bitwise": parity,
+            "score_kernel_allclose": scores_close,
+            "microseconds": summaries(samples),
+            "speedup_vs_topk_median": {
+                name: statistics.median(b / a for a, b in zip(v, base, strict=True))
+                for name, v in samples.items()
+            },
+        })  # fmt: skip
         print(json.dumps(results[-1]["microseconds"], indent=1))
         print(f"L={L} parity={parity} scores_close={scores_close}")
 
     payload = {
         "benchmark": "kernel_cuda",
+        "section": "speed",
+        "quick": args.quick,
+        "command": command_line("kernel_cuda", argv),
         "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": {
-            "platform": platform.platform(),
-            "gpu": torch.cuda.get_device_name(),
-            "torch": torch.__version__,
-            "cupy": cupy.__version__,
-        },
-        "config": {
-            "groups": GROUPS,
-            "budget": BUDGET,
-            "head_dim": HEAD_DIM,
-            "n_sink": N_SINK,
-            "recent": RECENT,
-            "dtype": "float16",
-            "threads": DEFAULT_THREADS,
-            "max_budget": MAX_BUDGET,
-            "reps": args.reps,
-            "timing": "CUDA events around each call, arms interleaved; A/A pair = topk twice",
-        },
+        "machine": {"platform": platform.platform(), "gpu": torch.cuda.get_device_name(),
+                    "torch": torch.__version__, "cupy": cupy.__version__},
+        "config": {"groups": GROUPS, "budget": BUDGET, "head_dim": HEAD_DIM, "n_sink": N_SINK,
+                   "recent": RECENT, "dtype": "float16", "threads": DEFAULT_THREADS,
+                   "max_budget": MAX_BUDGET, "reps": args.reps,
+                   "timing": "CUDA events around each call, arms interleaved; A/A pair = topk twice"},
         "results": results,
-    }
-    payload = {"benchmark": "kernel_cuda", "section": "speed", "quick": args.quick,
-               "command": command_line("kernel_cuda", argv), **payload}  # fmt: skip
+    }  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "kernel_cuda.json").write_text(json.dumps(payload, indent=1))
     print(f"wrote {args.out / 'kernel_cuda.json'}")

@@ -1,21 +1,21 @@
 """Where a decode step and a prefill chunk spend their time, by kind of work.
 
 MLX has no per-op profiler on its CPU backend, so each kind of work is timed on its own, on
-the shapes the real step has, and set beside the real step (arms interleaved, medians):
+the real step's shapes, and set beside the real step (arms interleaved, medians):
 
 - ``step``: the model's forward for one token on real caches, then the greedy token read back
   (one host sync), as the engine decodes; split into ``build`` (Python building the lazy graph,
   with any host syncs the caches make) and ``eval`` (MLX running it);
 - ``matmul``: every weight product of that step (each linear layer and the output projection
   on one row), evaluated together: the floor the float32 weights set;
-- ``attention``: the step's 30 attention calls on the rows the caches hold;
+- ``attention``: the step's attention calls on the rows the caches hold;
 - ``cache``: the caches' update (append, and the eviction for Q-Filters) on every layer;
 - ``sample``: greedy sampling of the logits and reading the token back.
 
-A prefill chunk the same way: ``chunk`` (the forward of ``--chunk`` tokens after ``--offset``
-with a full cache), its ``matmul`` and its ``attention`` under the blocked CPU attention and
-under MLX's. What the parts do not explain is the per-op cost of the rest (norms, RoPE,
-activations, reshapes) and scheduling.
+A prefill chunk the same way: ``chunk`` (the forward of the last ``--chunk`` tokens of
+``--context`` with a full cache), its ``matmul`` and its ``attention`` under the blocked CPU
+attention and under MLX's. What the parts leave unexplained is the per-op cost of the rest
+(norms, RoPE, activations, reshapes) and scheduling.
 """
 
 from __future__ import annotations
@@ -31,12 +31,16 @@ from bench.arms import prefill
 from bench.data import prompt_tokens
 from bench.harness import interleave, open_run, parse, parser, pyplot, save_plot, summaries
 from bench.report import plots, speed_header, table
-from qfserve.engine.kv import blocked
+from qfserve.engine.kv.blocked import block_attention
 from qfserve.engine.kv.config import CacheConfig
 from qfserve.engine.kv.factory import make_caches
 
+PARTS = ("matmul", "attention", "cache", "sample")  # a decode step's work, each timed alone
 
-def _timed(fn: Callable[[], Any]) -> Callable[[], float]:
+
+def timed(fn: Callable[[], Any]) -> Callable[[], float]:
+    """A callable returning the seconds one evaluation of ``fn()`` takes."""
+
     def run() -> float:
         tic = time.perf_counter()
         mx.eval(fn())
@@ -64,7 +68,8 @@ def _shapes(model: Any) -> tuple[int, int, int, int, float]:
 
 def decode_arms(model: Any, tokens: list[int], config: CacheConfig, filters: Any) -> dict:
     n_layers, n_heads, n_kv, head_dim, scale = _shapes(model)
-    caches = make_caches(model, config, filters=filters if config.evicts else None)
+    filters = filters if config.evicts else None
+    caches = make_caches(model, config, filters=filters)
     prefill(model, caches, tokens)
     rows = caches[0].size()
     split: dict[str, list[float]] = {"build": [], "eval": []}
@@ -87,7 +92,7 @@ def decode_arms(model: Any, tokens: list[int], config: CacheConfig, filters: Any
     new = mx.random.normal((1, n_kv, 1, head_dim))
     logits = mx.random.normal((1, linears[-1][1]))
     # The cache arm updates caches of its own, filled to the same rows with random ones.
-    spare = make_caches(model, config, filters=filters if config.evicts else None)
+    spare = make_caches(model, config, filters=filters)
     block = mx.random.normal((1, n_kv, len(tokens), head_dim))
     for c in spare:
         c.update_and_fetch(block, block)
@@ -98,15 +103,12 @@ def decode_arms(model: Any, tokens: list[int], config: CacheConfig, filters: Any
         mx.argmax(logits, axis=-1).item()
         return time.perf_counter() - tic
 
+    sdpa = mx.fast.scaled_dot_product_attention
     arms = {
         "step": step,
-        "matmul": _timed(lambda: [f(inputs[i]) for i, _, f in linears]),
-        "attention": _timed(
-            lambda: [
-                mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=None) for k, v in kv
-            ]
-        ),  # fmt: skip
-        "cache": _timed(lambda: [c.update_and_fetch(new, new) for c in spare]),
+        "matmul": timed(lambda: [f(inputs[i]) for i, _, f in linears]),
+        "attention": timed(lambda: [sdpa(q, k, v, scale=scale, mask=None) for k, v in kv]),
+        "cache": timed(lambda: [c.update_and_fetch(new, new) for c in spare]),
         "sample": sample,
     }
     return {"arms": arms, "split": split, "rows": rows}
@@ -130,19 +132,18 @@ def prefill_arms(model: Any, tokens: list[int], chunk: int) -> dict:
     q = mx.random.normal((1, n_heads, chunk, head_dim))
     kv = [(mx.random.normal((1, n_kv, offset + chunk, head_dim)),) * 2 for _ in range(n_layers)]
     mx.eval(inputs, q, kv)
+    sdpa = mx.fast.scaled_dot_product_attention
     return {
         "chunk": forward,
-        "matmul": _timed(lambda: [f(inputs[i]) for i, _, f in linears]),
-        "attention_blocked": _timed(
-            lambda: [blocked.block_attention(q, k, v, scale) for k, v in kv]
-        ),
-        "attention_mlx": _timed(
-            lambda: [
-                mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal")
-                for k, v in kv
-            ]
-        ),  # fmt: skip
+        "matmul": timed(lambda: [f(inputs[i]) for i, _, f in linears]),
+        "attention_blocked": timed(lambda: [block_attention(q, k, v, scale) for k, v in kv]),
+        "attention_mlx": timed(lambda: [sdpa(q, k, v, scale=scale, mask="causal") for k, v in kv]),
     }
+
+
+def in_ms(samples: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    """:func:`~bench.harness.summaries` of seconds, in milliseconds."""
+    return summaries({k: [v * 1e3 for v in vs] for k, vs in samples.items()})
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -150,50 +151,46 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                budget=(512, 64), chunk=(512, 64, "prefill chunk tokens"))  # fmt: skip
     args = parse(p, argv)
     sm = open_run("profile", args, argv)
-    model = sm.loaded.model
     tokens = prompt_tokens(sm, args.context)
-    decode = {}
     configs = {
         "full": CacheConfig(method="full"),
         "qfilters": CacheConfig(method="qfilters", budget=args.budget, recent=args.budget // 4),
     }
+    decode = {}
     for name, config in configs.items():
-        d = decode_arms(model, tokens, config, sm.filters)
+        d = decode_arms(sm.model, tokens, config, sm.filters)
         samples = interleave(d["arms"], args.reps, progress=sm.log.rounds(f"decode {name}"))
-        decode[name] = {"rows": d["rows"], "ms": summaries(
-            {k: [v * 1e3 for v in vs] for k, vs in {**samples, **d["split"]}.items()})}  # fmt: skip
-    samples = interleave(
-        prefill_arms(model, tokens, args.chunk), args.reps, progress=sm.log.rounds("prefill")
-    )
+        decode[name] = {"rows": d["rows"], "ms": in_ms({**samples, **d["split"]})}
+    arms = prefill_arms(sm.model, tokens, args.chunk)
+    samples = interleave(arms, args.reps, progress=sm.log.rounds("prefill"))
     result = {
-        "settings": {
-            "context": args.context,
-            "budget": args.budget,
-            "chunk": args.chunk,
-            "reps": args.reps,
-        },  # fmt: skip
+        "settings": {"context": args.context, "budget": args.budget, "chunk": args.chunk,
+                     "reps": args.reps},
         "decode": decode,
-        "prefill_ms": summaries({k: [v * 1e3 for v in vs] for k, vs in samples.items()}),
-    }
-    plt = pyplot()
-    fig, ax = plt.subplots(1, 2, figsize=(10, 3.6))
-    parts = ("matmul", "attention", "cache", "sample")
-    for i, (name, d) in enumerate(decode.items()):
-        ms = d["ms"]
-        ax[0].bar([f"{name}\nstep"], [ms["step"]["median"]], color="black")
+        "prefill_ms": in_ms(samples),
+    }  # fmt: skip
+    result["plots"] = [plot(result, args.out)]
+    return sm.save(result)
+
+
+def plot(result: dict[str, Any], out: Any) -> str:
+    s = result["settings"]
+    fig, ax = pyplot().subplots(1, 2, figsize=(10, 3.6))
+    for i, (name, d) in enumerate(result["decode"].items()):
+        median = {k: v["median"] for k, v in d["ms"].items()}
+        ax[0].bar([f"{name}\nstep"], [median["step"]], color="black")
         bottom = 0.0
-        for part in parts:
-            ax[0].bar([f"{name}\nparts"], [ms[part]["median"]], bottom=bottom,
-                      label=part if i == 0 else None, color=f"C{parts.index(part)}")  # fmt: skip
-            bottom += ms[part]["median"]
-    ax[0].set(ylabel="ms (median)", title=f"decode step at {args.context} tokens")
+        for j, part in enumerate(PARTS):
+            ax[0].bar([f"{name}\nparts"], [median[part]], bottom=bottom,
+                      label=part if i == 0 else None, color=f"C{j}")  # fmt: skip
+            bottom += median[part]
+    ax[0].set(ylabel="ms (median)", title=f"decode step at {s['context']} tokens")
     ax[0].legend(fontsize=7)
     pm = result["prefill_ms"]
     ax[1].bar(list(pm), [pm[k]["median"] for k in pm], color=["black", "C0", "C1", "C1"])
-    ax[1].set(ylabel="ms (median)", title=f"prefill chunk of {args.chunk}")
+    ax[1].set(ylabel="ms (median)", title=f"prefill chunk of {s['chunk']}")
     ax[1].tick_params(axis="x", labelsize=7)
-    result["plots"] = [save_plot(fig, args.out, "profile")]
-    return sm.save(result)
+    return save_plot(fig, out, "profile")
 
 
 def render(d: dict[str, Any]) -> list[str]:
@@ -203,17 +200,15 @@ def render(d: dict[str, Any]) -> list[str]:
     lines += [f"Each part timed alone on the step's shapes, {s['reps']} interleaved rounds, "
               "median ms [IQR]; `rest` is what the parts leave unexplained (norms, RoPE, "
               "activations, per-op cost).", ""]  # fmt: skip
+    columns = ("step", "build", "eval", *PARTS)
     rows = []
     for name, dec in d["decode"].items():
-        ms = dec["ms"]
-        parts = sum(ms[p]["median"] for p in ("matmul", "attention", "cache", "sample"))
-        rows.append([f"{name} ({dec['rows']} rows)"] + [
-            f"{ms[p]['median']:.1f}" for p in ("step", "build", "eval", "matmul", "attention",
-                                                "cache", "sample")]
-            + [f"{ms['step']['median'] - parts:.1f}"])  # fmt: skip
-    lines += table(["decode at " + str(s["context"]), "step", "build", "eval", "matmul",
-                    "attention", "cache", "sample", "rest"], rows)  # fmt: skip
-    pm = d["prefill_ms"]
-    lines += ["", f"Prefill chunk of {s['chunk']} tokens after {s['context'] - s['chunk']}: "
-              + ", ".join(f"{k} {v['median']:.0f} ms" for k, v in pm.items()) + "."]  # fmt: skip
+        median = {k: v["median"] for k, v in dec["ms"].items()}
+        rest = median["step"] - sum(median[p] for p in PARTS)
+        cells = [f"{median[c]:.1f}" for c in columns]
+        rows.append([f"{name} ({dec['rows']} rows)", *cells, f"{rest:.1f}"])
+    lines += table([f"decode at {s['context']}", *columns, "rest"], rows)
+    chunk = ", ".join(f"{k} {v['median']:.0f} ms" for k, v in d["prefill_ms"].items())
+    after = s["context"] - s["chunk"]
+    lines += ["", f"Prefill chunk of {s['chunk']} tokens after {after}: {chunk}."]
     return [*lines, *plots(d), ""]

@@ -8,6 +8,7 @@ CPU attention (:mod:`qfserve.engine.kv.blocked`).
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -27,7 +28,7 @@ from bench.harness import (
     parse,
     parser,
     pyplot,
-    ratio_row,
+    ratios,
     save_plot,
     summaries,
 )
@@ -35,7 +36,7 @@ from bench.report import ms, plots, ratio_cell, speed_header, table
 from qfserve.engine.kv.attention import set_blocked
 
 
-def ttft_timer(sm, arm, tokens: list[int], kept: dict, blocked: bool = True):
+def ttft_timer(sm, arm, tokens: list[int], kept: dict, blocked: bool):
     """A callable returning seconds to the first token of one fresh request."""
     prompt = mx.array(tokens)
     greedy = make_sampler(0.0)
@@ -45,9 +46,7 @@ def ttft_timer(sm, arm, tokens: list[int], kept: dict, blocked: bool = True):
         try:
             tic = time.perf_counter()
             caches = caches_for(sm, arm)
-            gen = generate_step(
-                prompt, sm.loaded.model, max_tokens=1, sampler=greedy, prompt_cache=caches
-            )
+            gen = generate_step(prompt, sm.model, max_tokens=1, sampler=greedy, prompt_cache=caches)
             next(gen)  # yields y.item(): the token is evaluated
             seconds = time.perf_counter() - tic
             gen.close()
@@ -68,8 +67,6 @@ def earlier_rows(path, result: dict, measured: set[int]) -> list[dict]:
     """Rows of other prompt lengths from an earlier run on the same weights with the same
     settings, kept beside this run's (a long prompt can be added without rerunning the
     short ones); each row says which command measured it."""
-    import json
-
     if result["quick"] or not path.is_file():
         return []
     now = machine()
@@ -90,27 +87,16 @@ def earlier_rows(path, result: dict, measured: set[int]) -> list[dict]:
 
 
 def plot(result, out) -> list[str]:
-    plt = pyplot()
     rows = result["rows"]
     x = [r["prompt_tokens"] for r in rows]
-    fig, ax = plt.subplots(figsize=(6.4, 4))
+    fig, ax = pyplot().subplots(figsize=(6.4, 4))
     for arm in ("full_a", *(f"b{b}" for b in result["settings"]["budgets"])):
         med, err = errorbars([r["ttft_s"][arm] for r in rows])
-        ax.errorbar(
-            x,
-            [m * 1e3 for m in med],
-            yerr=[[e * 1e3 for e in side] for side in err],
-            marker="o",
-            capsize=3,
-            label="full" if arm == "full_a" else f"Q-Filters {arm}",
-        )
+        ax.errorbar(x, [m * 1e3 for m in med], yerr=[[e * 1e3 for e in side] for side in err],
+                    marker="o", capsize=3, label="full" if arm == "full_a" else f"Q-Filters {arm}")  # fmt: skip
     trained = result["model"]["max_context"]
     ax.axvline(trained, color="grey", ls=":", label=f"trained context {trained}")
-    ax.set(
-        xlabel="prompt tokens",
-        ylabel="TTFT ms (median, IQR)",
-        title="Time to first token",
-    )
+    ax.set(xlabel="prompt tokens", ylabel="TTFT ms (median, IQR)", title="Time to first token")
     log2_axis(ax, x, logy=True)
     ax.legend()
     return [save_plot(fig, out, "ttft")]
@@ -120,50 +106,33 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = parser(__doc__, reps=5, prompts=([1024, 2048, 4096], [64, 256], "prompt tokens"),
                budgets=([256, 512], [32, 128], "Q-Filters budgets"))  # fmt: skip
     args = parse(p, argv)
-    reps = args.reps
     sm = open_run("ttft", args, argv)
-    progress = sm.log
-    prompts, budgets = args.prompts, args.budgets
-    progress(f"model {sm.loaded.name}, prompts {prompts}, budgets {budgets}, reps {reps}")
+    sm.log(f"model {sm.loaded.name}, prompts {args.prompts}, budgets {args.budgets}, "
+           f"reps {args.reps}")  # fmt: skip
+    # (arm, cache, blocked attention): full twice (A/A), each budget, full on MLX's attention
+    specs = [("full_a", "full", True), ("full_b", "full", True),
+             *((f"b{b}", b, True) for b in args.budgets), ("full_mlx", "full", False)]  # fmt: skip
     rows = []
-    for n in prompts:
+    for n in args.prompts:
         tokens = prompt_tokens(sm, n)
-        kept: dict[str, dict] = {}
-        arms = {}
-        for name, arm in [("full_a", "full"), ("full_b", "full"), *((f"b{b}", b) for b in budgets)]:
-            kept[name] = {}
-            arms[name] = ttft_timer(sm, arm, tokens, kept[name])
-        kept["full_mlx"] = {}
-        arms["full_mlx"] = ttft_timer(sm, "full", tokens, kept["full_mlx"], blocked=False)
-        samples = interleave(arms, reps, progress=progress.rounds(f"prompt {n}"))
-        rows.append(
-            {
-                "prompt_tokens": n,
-                "beyond_trained_context": n > sm.context_length,
-                "ttft_s": summaries(samples),
-                "ratios": [ratio_row(samples, "full_b", "full_a")]
-                + [ratio_row(samples, f"b{b}", "full_a") for b in budgets]
-                + [ratio_row(samples, "full_mlx", "full_a")],
-                "kv_after_prefill": kept,
-            }
-        )
+        kept: dict[str, dict] = {name: {} for name, _, _ in specs}
+        arms = {name: ttft_timer(sm, arm, tokens, kept[name], blocked)
+                for name, arm, blocked in specs}  # fmt: skip
+        samples = interleave(arms, args.reps, progress=sm.log.rounds(f"prompt {n}"))
+        rows.append({"prompt_tokens": n, "beyond_trained_context": n > sm.context_length,
+                     "ttft_s": summaries(samples),
+                     "ratios": ratios(samples, "full_a", [a for a in arms if a != "full_a"]),
+                     "kv_after_prefill": kept})  # fmt: skip
     result = {
         "command": command_line("ttft", argv),  # earlier_rows compares these with older runs
         "quick": args.quick,
         "model": sm.describe(),
-        "settings": {
-            "reps": reps,
-            "budgets": list(budgets),
-            "method": "qfilters",
-            "n_sink": 4,
-            "recent": 0,
-            "prefill_step_size": 2048,
-            "sampler": "greedy",
-            "timed": "make_caches + generate_step until the first token is yielded",
-            "attention": "blocked CPU attention; full_mlx: MLX's own",
-        },
+        "settings": {"reps": args.reps, "budgets": list(args.budgets), "method": "qfilters",
+                     "n_sink": 4, "recent": 0, "prefill_step_size": 2048, "sampler": "greedy",
+                     "timed": "make_caches + generate_step until the first token is yielded",
+                     "attention": "blocked CPU attention; full_mlx: MLX's own"},
         "rows": rows,
-    }
+    }  # fmt: skip
     for row in rows:
         row["measured_by"] = {"command": result["command"], "when": time.strftime("%Y-%m-%d")}
     rows += earlier_rows(args.out / "ttft.json", result, {r["prompt_tokens"] for r in rows})
@@ -174,30 +143,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def render(d: dict[str, Any]) -> list[str]:
     """This study's section of ``bench/RESULTS.md``."""
-    budgets = d["settings"]["budgets"]
+    s, budgets = d["settings"], d["settings"]["budgets"]
     lines = speed_header("Time to first token, eviction vs full", d)
-    lines.append(
-        f"Timed: {d['settings']['timed']} (prefill step {d['settings']['prefill_step_size']}). "
-        f"ms, median [IQR] over {d['settings']['reps']} interleaved repetitions; ratios to full."
-    )
-    lines.append("")
+    lines += [
+        f"Timed: {s['timed']} (prefill step {s['prefill_step_size']}). "
+        f"ms, median [IQR] over {s['reps']} interleaved repetitions; ratios to full.",
+        "",
+    ]
+
+    def cell(t: dict[str, Any], rr: dict[str, Any], arm: str) -> str:
+        return f"{t[arm]['median'] * 1e3:.1f} ({ratio_cell(rr[arm])})"
+
     rows = []
     for r in d["rows"]:
         t, rr = r["ttft_s"], {x["arm"]: x for x in r["ratios"]}
-        label = str(r["prompt_tokens"]) + (
-            " (beyond trained context)" if r["beyond_trained_context"] else ""
-        )
+        beyond = " (beyond trained context)" if r["beyond_trained_context"] else ""
         by = r.get("measured_by", {"command": d["command"], "when": d["when"][:10]})
-        rows.append(
-            [label, ms(t["full_a"], 1e3, 1), ratio_cell(rr["full_b"])]
-            + [f"{t[f'b{b}']['median'] * 1e3:.1f} ({ratio_cell(rr[f'b{b}'])})" for b in budgets]
-            + [
-                f"{t['full_mlx']['median'] * 1e3:.1f} ({ratio_cell(rr['full_mlx'])})"
-                if "full_mlx" in t
-                else "not run"
-            ]
-            + [f"`{by['command']}`, {by['when']}"]
-        )
+        rows.append([f"{r['prompt_tokens']}{beyond}", ms(t["full_a"], 1e3, 1), ratio_cell(rr["full_b"]),
+                     *(cell(t, rr, f"b{b}") for b in budgets),
+                     cell(t, rr, "full_mlx") if "full_mlx" in t else "not run",  # an older run's
+                     f"`{by['command']}`, {by['when']}"])  # fmt: skip
     lines += table(
         ["prompt tokens", "full ms", "A/A", *(f"budget {b}: ms (ratio)" for b in budgets),
          "full, MLX's attention: ms (ratio)", "measured by"],
