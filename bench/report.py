@@ -65,6 +65,10 @@ MODELS = {
         "shared across layers, beside Q-Filters, K-norm, SnapKV and streaming (kvzip_reuse and "
         "kvzip_parity: bench/README.md)"
     ),
+    "smollm2/kvzip/passkey": (
+        f"{SMOL}: the pass key at 1k-4k tokens with KVzip per head and across a layer's heads, "
+        "beside Q-Filters, K-norm, SnapKV and streaming (6 documents a length)"
+    ),
     "smollm2/batching_16": (
         f"{SMOL}: continuous batching up to 16 streams (256-token prompts), after the packed "
         "batch's in-place joins and leaves, chunks of 8 by default"
