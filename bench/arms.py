@@ -480,7 +480,8 @@ def streaming_nll(
         on_step: Called with the number of tokens fed after each step.
         after_prefill: Called once the prefill tokens are in (KVzip's pass runs there).
     Returns:
-        The NLL and the most rows any layer held at any step.
+        The NLL and the most rows any layer held at any step (with ``after_prefill``, at
+        any step from the end of the prefill on).
     Raises:
         RuntimeError: a layer ever held more than ``budget`` rows, or fewer at the end.
     """
@@ -498,6 +499,8 @@ def streaming_nll(
             after_prefill()
         if budget is None:
             max_rows = e
+        elif after_prefill is not None and e < prefill:
+            pass  # kvzip keeps the whole prompt until its pass: the bound holds from there on
         else:  # layers that share the rows (kvzip, global) are bounded on average
             held = kept_rows(caches)
             shared = any(getattr(getattr(c, "scorer", None), "shared", False) for c in caches)

@@ -262,6 +262,38 @@ def test_a_prompt_read_in_blocks_predicts_as_one_pass_and_keeps_the_budget() -> 
         assert all(c.evictions > 0 for c in caches)
 
 
+def test_a_kvzip_prompt_read_in_blocks_is_held_whole_until_its_pass() -> None:
+    """``--prompt --kvzip`` with a prompt longer than a block: kvzip keeps every prompt row
+    until the reconstruction pass (no budget check refuses the blocks before it), and from
+    the pass on every step holds the budget."""
+    from functools import partial
+
+    import numpy as np
+
+    from bench.arms import Arm, kept_rows, streaming_nll
+    from qfserve.engine.kv.kvzip import RepeatPrompt, compress
+    from tests.tiny import make_tiny_model
+
+    model = make_tiny_model(seed=1)
+    tokens = np.random.default_rng(0).integers(0, 500, size=(1, 64))
+    repeat = RepeatPrompt(first=(7, 8, 9), next=(10, 11), suffix=(12,))
+    filters = np.random.default_rng(1).standard_normal((2, 2, 32)).astype(np.float32)
+    filters /= np.linalg.norm(filters, axis=-1, keepdims=True)  # ranks the generated rows
+    caches = Arm("kvzip", 0.25).caches(model, 12, filters)
+    fed, seen = [0], []
+
+    def count(n: int) -> None:
+        fed[0] += n
+        seen.append((fed[0], max(kept_rows(caches))))
+
+    after = partial(compress, model, caches, tokens[0, :32].tolist(), repeat)
+    _, max_rows = streaming_nll(model, tokens, caches, budget=12, prefill=32, block=16,
+                                on_step=count, after_prefill=after)  # fmt: skip
+    assert seen[0] == (16, 16)  # the first block, kept whole
+    assert seen[1] == (32, 12)  # the pass ran at the prompt's end and evicted to the budget
+    assert max_rows == 12 and all(rows == 12 for _, rows in seen[1:]) and fed[0] == 63
+
+
 def test_snapkv_window_arms_set_their_scorers_window(results: Path, tiny_model: Path) -> None:
     from bench.arms import Arm
     from bench.studies.retrieval import main
