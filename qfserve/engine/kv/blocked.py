@@ -32,8 +32,10 @@ import mlx.core as mx
 
 TILE = 32  # query rows per tile (also the alignment of the key split); 32-64 measured best
 _LOG2E = 1.4426950408889634
-# 2**f on [0, 1): polynomial coefficients of exp(f ln 2), relative error ~2e-7.
-_POLY = (1.8775767e-3, 8.9893397e-3, 5.5826318e-2, 2.4015361e-1, 6.9315308e-1, 1.0)
+# 2**f on [-1/2, 1/2]: a minimax-weighted fit of exp(f ln 2), relative error 1.9e-7.
+_POLY = (1.3264727e-3, 9.6715130e-3, 5.5507336e-2, 2.4022242e-1, 6.9314700e-1, 1.0)
+# Adding then subtracting 1.5 * 2**23 rounds a float32 of magnitude < 2**22 to an integer.
+_ROUND = 12582912.0
 
 # (first key column, exponentials (B, H, G, T, width)) for each part of a tile's keys.
 Parts = list[tuple[int, mx.array]]
@@ -42,9 +44,13 @@ Observer = Callable[[int, int, Parts, mx.array], None]
 
 def _shifted_exp(logits: mx.array, top: mx.array) -> mx.array:
     """``exp(logits - top)`` for ``logits <= top``: 2**n by its exponent bits, 2**f by a
-    polynomial; exactly 0 below float32's normal range (masked logits are ``-inf``)."""
+    polynomial; exactly 0 below float32's normal range (masked logits are ``-inf``).
+
+    ``n`` is rounded by :data:`_ROUND`'s additions, not ``mx.floor``: MLX's compiler does
+    not fuse ``floor``, and the extra array pass it costs made the whole exponential 1.6x
+    slower (2.6 against 1.6 ns an element on x86-64)."""
     t = mx.maximum((logits - top) * _LOG2E, -127.0)
-    n = mx.floor(t)
+    n = (t + _ROUND) - _ROUND
     f = t - n
     p = mx.array(_POLY[0], dtype=mx.float32)
     for c in _POLY[1:]:
