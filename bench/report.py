@@ -69,6 +69,10 @@ MODELS = {
         f"{SMOL}: the pass key at 1k-4k tokens with KVzip per head and across a layer's heads, "
         "beside Q-Filters, K-norm, SnapKV and streaming (6 documents a length)"
     ),
+    "smollm2/kvzip/perplexity": (
+        f"{SMOL}: perplexity of the second half after the first half is read as a prompt and "
+        "compressed by kvzip across a layer's heads, beside Q-Filters, K-norm and streaming"
+    ),
     "smollm2/batching_16": (
         f"{SMOL}: continuous batching up to 16 streams (256-token prompts), after the packed "
         "batch's in-place joins and leaves, chunks of 8 by default"
