@@ -24,7 +24,7 @@ def worker_for(loaded: LoadedModel, **options: Any) -> Worker:
 @contextmanager
 def serving(worker: Worker, timeout: float = 60) -> Iterator[Worker]:
     """Start ``worker``, wait until it is ready (its load failing fails the test), stop it
-    on exit."""
+    on exit, waiting up to ``timeout`` for the step in flight (a kvzip pass, a save)."""
     worker.start()
     deadline = time.monotonic() + timeout
     while not worker.ready:
@@ -33,7 +33,7 @@ def serving(worker: Worker, timeout: float = 60) -> Iterator[Worker]:
     try:
         yield worker
     finally:
-        worker.stop()
+        worker.stop(timeout=timeout)
 
 
 async def final_event(job: Job) -> Event:

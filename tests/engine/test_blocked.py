@@ -1,6 +1,6 @@
 """Blocked CPU attention: equal to an explicit numpy softmax attention (grouped queries, keys
-beyond the block, padding masks, unaligned offsets), its exponential to numpy's, the weights
-it shows an observer to numpy's softmax, and a real model's logits to MLX's own attention."""
+beyond the block, padding masks, unaligned offsets), the weights it shows an observer to
+numpy's softmax, and a real model's logits to MLX's own attention."""
 
 from __future__ import annotations
 
@@ -43,33 +43,17 @@ def test_block_attention_equals_numpy(N, S, masked):
     )
 
 
-def test_the_exponential_is_as_accurate_as_mlx_and_zero_when_masked():
-    x = np.concatenate([np.linspace(-100.0, 0.0, 200_001), [-np.inf, -1e30]]).astype(np.float32)
-    got = np.array(blocked.shifted_exp(mx.array(x), mx.array(0.0)))
-    ref = np.exp(x.astype(np.float64))
-    normal = ref > 1.2e-38
-    error = np.abs(got[normal] - ref[normal]) / ref[normal]
-    mlx_error = np.abs(np.array(mx.exp(mx.array(x)))[normal] - ref[normal]) / ref[normal]
-    assert error.max() < 1.1 * mlx_error.max() < 5e-6
-    near = x[normal] > -1.0
-    assert error[near].max() < 3e-7
-    assert np.all(got[~normal] <= 1.2e-38) and got[-1] == 0.0 and got[-2] == 0.0
-
-
 def test_the_observer_sees_the_softmax_weights():
     rng = np.random.default_rng(7)
-    B, Hq, H, N, S = 1, 4, 2, 45, 110
+    B, Hq, H, N, S = 2, 4, 2, 145, 210
     q, k, v = _inputs(rng, B, Hq, H, N, S)
     weights = np.zeros((B, H, Hq // H, N, S))
     first_query = S - N
 
-    def observe(first, rows, parts, total):
-        for col, e in parts:
-            w = np.array(e / total)
-            for r in range(rows):
-                if first + r >= first_query:
-                    row = first + r - first_query
-                    weights[:, :, :, row, col : col + w.shape[-1]] = w[..., r, :]
+    def observe(b, h, first, e, total):
+        rows = e.shape[1]
+        w = e / total
+        weights[b, h, :, first - first_query : first - first_query + rows, : e.shape[-1]] = w
 
     blocked.block_attention(mx.array(q), mx.array(k), mx.array(v), 0.25, observe=observe)
     rep = Hq // H
@@ -79,7 +63,6 @@ def test_the_observer_sees_the_softmax_weights():
     ref = np.exp(logits - logits.max(-1, keepdims=True))
     ref /= ref.sum(-1, keepdims=True)
     np.testing.assert_allclose(weights.reshape(B, Hq, N, S), ref, atol=1e-6)
-    assert blocked.columns([(0, mx.zeros((1, 1, 1, 2, 5)))], 7, 9).shape[-1] == 0
 
 
 def test_a_model_reads_a_prompt_as_with_mlx_attention():

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import create_attention_mask
 
 from qfserve.engine.kv import blocked
@@ -91,34 +92,26 @@ class _ReconstructionView:
         denominator sums those columns of the tile's exponentials.
         """
         sinks, lo, hi, start, end = self._span
-        S0, S, N = self.cache.keys.shape[2], keys.shape[2], queries.shape[2]
+        S0 = self.cache.keys.shape[2]
         span = self.cache.positions[:, :, lo:hi]
         ours = (span >= start) & (span < end)  # (B, H, hi - lo): heads keep different rows
         if self.cache.valid is not None:
             ours = ours & self.cache.valid[:, :, lo:hi]
-        weight = ours.astype(mx.float32)[:, :, None]  # (B, H, 1, hi - lo)
-        tiles: list[mx.array] = []
+        weight = np.asarray(ours.astype(mx.float32))  # (B, H, hi - lo)
+        best = np.zeros(weight.shape, dtype=np.float32)
 
-        def observe(first: int, rows: int, parts: blocked.Parts, total: mx.array) -> None:
-            skip = max(0, S - N - first)  # the first tile's alignment rows are not queries
-            chunk = blocked.columns(parts, lo, hi)[:, :, :, skip:]  # (B, H, G, T, hi - lo)
-            kept = (
-                blocked.column_sum(parts, 0, sinks)[:, :, :, skip:]
-                + chunk @ weight[..., None]
-                + blocked.column_sum(parts, S0, S)[:, :, :, skip:]
-            )
+        def observe(b: int, h: int, first: int, e: np.ndarray, total: np.ndarray) -> None:
+            w = weight[b, h]
+            chunk = e[:, :, lo:hi]  # (G, rows, hi - lo)
+            kept = e[:, :, :sinks].sum(-1) + chunk @ w + e[:, :, S0:].sum(-1)
             # A row's weight is a column factor: the max over queries runs before it.
-            tiles.append((chunk * mx.reciprocal(kept)).max(axis=(2, 3)) * weight[:, :, 0])
+            score = (chunk * np.reciprocal(kept)[..., None]).max(axis=(0, 1)) * w
+            np.maximum(best[b, h], score, out=best[b, h])
 
         out = blocked.block_attention(
             queries, keys, values, scale, key_mask=self.head_mask, observe=observe
         )
-        best = tiles[0]
-        for tile in tiles[1:]:
-            best = mx.maximum(best, tile)
-        self.scores[:, :, lo:hi] = mx.maximum(self.scores[:, :, lo:hi], best)
-        # Evaluated layer by layer: left lazy, every layer's tiles stay alive until the
-        # block's end through the scores' graph (gigabytes at a few thousand tokens).
+        self.scores[:, :, lo:hi] = mx.maximum(self.scores[:, :, lo:hi], mx.array(best))
         mx.eval(out, self.scores)
         return out
 
