@@ -75,6 +75,49 @@ def select_victim(
     return mx.argmax(mx.where(tied, order, -1), axis=-1, keepdims=True)  # uint32
 
 
+def _write_and_select(
+    keys: mx.array,
+    values: mx.array,
+    scores: mx.array,
+    order: mx.array,
+    free: mx.array,
+    row: tuple[mx.array, mx.array, mx.array],
+    position: mx.array,
+    first_recent: mx.array,
+    n_sink: int | mx.array,
+    held: mx.array | None = None,
+    ranked: bool = True,
+) -> tuple[mx.array, ...]:
+    """A decode step at budget: the new ``row`` (its keys ``(B, H, 1, D)``, values and score
+    ``(B, H, 1)``) and its ``position`` (an int32 scalar or ``(B, 1, 1)``) go into the
+    ``free`` slot, then the next victim is chosen (:func:`select_victim`, with
+    ``first_recent``, ``n_sink`` and ``held`` as there).
+
+    ``ranked``: ``scores`` hold ranks (NaN already mapped to -inf, as the cache stores them);
+    otherwise raw scores, mapped for the selection only (as a packed batch stores them).
+
+    Returns:
+        The new ``keys``, ``values``, ``scores``, ``order`` and free slot ``(B, H, 1)``.
+    """
+    new_keys, new_values, score = row
+    inf = float("inf")
+    slot = free[..., None]  # (B, H, 1, 1)
+    keys = mx.put_along_axis(keys, slot, new_keys, axis=2)
+    values = mx.put_along_axis(values, slot, new_values, axis=2)
+    if ranked:
+        score = mx.nan_to_num(score, nan=-inf, posinf=inf, neginf=-inf)
+    scores = mx.put_along_axis(scores, free, score, axis=2)
+    order = mx.put_along_axis(order, free, mx.broadcast_to(position, free.shape), axis=2)
+    rank = scores if ranked else mx.nan_to_num(scores, nan=-inf, posinf=inf, neginf=-inf)
+    return keys, values, scores, order, select_victim(rank, order, n_sink, first_recent, held)
+
+
+# Compiled: the step's dozen small ops cost MLX's per-op dispatch each (as much as the rest
+# of a layer's cache update on x86-64); compiled they are one call. The shapes are fixed once
+# a cache is full, so it traces once per budget (and batch size).
+write_and_select = mx.compile(_write_and_select)
+
+
 def chunk_scores(
     scores: mx.array, positions: mx.array, chunk: int, valid: mx.array | None = None
 ) -> mx.array:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from qfserve.engine.kv.evict import gather_rows, select_victim
+from qfserve.engine.kv.evict import gather_rows, select_victim, write_and_select
 from qfserve.engine.kv.scorers import Scorer
 
 _INF = float("inf")
@@ -56,24 +56,33 @@ class SlotLayout(CacheFields):
         assert self.scores is not None and self.order is not None and self.free is not None
         position = self.offset
         self.offset += 1
-        dynamic = self.scorer.dynamic  # every row re-scored (TOVA)
-        raw = None if dynamic else self.scorer.score(keys, position)  # (B, H, 1)
-        slot = self.free[..., None]  # (B, H, 1, 1)
-        self.keys = mx.put_along_axis(self.keys, slot, keys, axis=2)
-        self.values = mx.put_along_axis(self.values, slot, values, axis=2)
-        if raw is None:
+        if self.scorer.dynamic:  # every row re-scored (TOVA)
+            slot = self.free[..., None]  # (B, H, 1, 1)
+            self.keys = mx.put_along_axis(self.keys, slot, keys, axis=2)
+            self.values = mx.put_along_axis(self.values, slot, values, axis=2)
             ranked = self.scorer.rescore(self.keys, 1)
             self.scores = mx.nan_to_num(ranked, nan=-_INF, posinf=_INF, neginf=-_INF)
+            self.order = mx.put_along_axis(
+                self.order, self.free, mx.array(position, dtype=mx.int32), axis=2
+            )
+            self.free = self._victim()
         else:
-            score = mx.nan_to_num(raw, nan=-_INF, posinf=_INF, neginf=-_INF)
-            self.scores = mx.put_along_axis(self.scores, self.free, score, axis=2)
-        self.order = mx.put_along_axis(
-            self.order, self.free, mx.array(position, dtype=mx.int32), axis=2
-        )
-        if self.token_scores is not None and raw is not None:
-            self.token_scores = mx.put_along_axis(self.token_scores, self.free, raw, axis=2)
-            self.positions = self.order
-        self.free = self._victim()
+            raw = self.scorer.score(keys, position)  # (B, H, 1)
+            if self.token_scores is not None:
+                self.token_scores = mx.put_along_axis(self.token_scores, self.free, raw, axis=2)
+            self.keys, self.values, self.scores, self.order, self.free = write_and_select(
+                self.keys,
+                self.values,
+                self.scores,
+                self.order,
+                self.free,
+                (keys, values, raw),
+                mx.array(position, dtype=mx.int32),
+                mx.array(self.offset - self.recent, dtype=mx.int32),
+                self.n_sink,
+            )
+            if self.token_scores is not None:
+                self.positions = self.order
         self.evictions += 1
         return self.keys, self.values
 

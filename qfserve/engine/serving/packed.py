@@ -19,10 +19,9 @@ carry their shape and size but no data, so its statistics stay current, its rows
 held twice, and any attempt to compute with it fails loudly. :meth:`PackedBatch.release`
 writes the real rows back (copies: a member leaving keeps nothing of the batch's buffers).
 
-Chunked members (``chunk > 1``) decode as they do alone: stored rows rank by their chunk's
-mean, a decoded row by its own score. The batch keeps their per-token scores beside the ranks
-and their true positions in ``order``; when one reaches its budget, its stored rows are ranked
-by chunk once (:func:`qfserve.engine.kv.evict.chunk_scores`, as the cache does alone at that step).
+Chunked members (``chunk > 1``) decode as they do alone: per-token scores beside the ranks,
+true positions in ``order``, stored rows ranked by chunk once at the budget
+(:func:`qfserve.engine.kv.evict.chunk_scores`), a decoded row by its own score.
 
 What can be packed: eviction caches with heads not ragged and a scorer with a batched form;
 mlx-lm's ``KVCache`` (and our ``FullKVCache``). A batch with anything else steps each member
@@ -37,7 +36,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from qfserve.engine.kv.cache import EvictionCache, FullKVCache
-from qfserve.engine.kv.evict import chunk_scores, select_victim
+from qfserve.engine.kv.evict import chunk_scores, select_victim, write_and_select
 from qfserve.engine.kv.scorers import ScoreForm
 from qfserve.engine.serving.lent import Lent
 
@@ -215,10 +214,48 @@ class PackedBatch:
         C = self.keys.shape[2]
         positions = mx.array(self.offsets, dtype=mx.int32)[:, None, None]  # (B, 1, 1)
         held = [int(min(h + 1, c)) for h, c in zip(self.held, self.caps, strict=True)]
+        score = self._score(keys, positions)
+        held_now = mx.array(held, dtype=mx.int32)[:, None, None]
+        evict = [h == c for h, c in zip(held, self.caps, strict=True)]
+        if all(evict) and self.token_scores is None:  # the steady state: one compiled call
+            state = (self.keys, self.values, self.scores, self.order, self.free)
+            row, first_recent = (keys, values, score), positions + 1 - self.recent
+            self.keys, self.values, self.scores, self.order, self.free = write_and_select(
+                *state, row, positions, first_recent, self.n_sink, held_now, ranked=False
+            )
+        else:
+            self._write_and_grow(keys, values, score, positions, held, held_now, evict)
+        for i, m in enumerate(self.members):
+            m.offset += 1
+            self.offsets[i] += 1
+            if evict[i]:
+                m.evictions += 1
+            if held[i] != self.held[i]:
+                self.held[i] = held[i]
+                self._lend(i)
+        # Attention reads the slots some member holds, not the room grown ahead of them (a
+        # growing member reserves whole steps of slots: reading them all would double the
+        # width of a batch whose caches just passed a step).
+        width = max(held)
+        mask = None if all(h == width for h in held) else mx.arange(width) < held_now
+        if width == C:
+            return self.keys, self.values, mask
+        return self.keys[:, :, :width], self.values[:, :, :width], mask
+
+    def _write_and_grow(
+        self,
+        keys: mx.array,
+        values: mx.array,
+        score: mx.array,
+        positions: mx.array,
+        held: list[int],
+        held_now: mx.array,
+        evict: list[bool],
+    ) -> None:
+        """The step's writes and next free slots while some member grows or is chunked."""
         slot = self.free[..., None]  # (B, H, 1, 1)
         self.keys = mx.put_along_axis(self.keys, slot, keys, axis=2)
         self.values = mx.put_along_axis(self.values, slot, values, axis=2)
-        score = self._score(keys, positions)
         self.scores = mx.put_along_axis(self.scores, self.free, score, axis=2)
         self.order = mx.put_along_axis(
             self.order, self.free, mx.broadcast_to(positions, self.free.shape), axis=2
@@ -234,9 +271,6 @@ class PackedBatch:
                         self.order[i : i + 1, :, :n],
                         self.chunks[i],
                     )
-        held_now = mx.array(held, dtype=mx.int32)[:, None, None]
-        slots = mx.arange(C, dtype=mx.int32)
-        evict = [h == c for h, c in zip(held, self.caps, strict=True)]
         if any(evict):
             # Each row's own sinks, recent window and held slots; NaN ranks lowest.
             ranked = mx.nan_to_num(self.scores, nan=-_INF, posinf=_INF, neginf=-_INF)
@@ -247,22 +281,6 @@ class PackedBatch:
                                                            victim, grow)  # fmt: skip
         else:
             self.free = mx.broadcast_to(held_now.astype(mx.uint32), self.free.shape)
-        for i, m in enumerate(self.members):
-            m.offset += 1
-            self.offsets[i] += 1
-            if evict[i]:
-                m.evictions += 1
-            if held[i] != self.held[i]:
-                self.held[i] = held[i]
-                self._lend(i)
-        # Attention reads the slots some member holds, not the room grown ahead of them (a
-        # growing member reserves whole steps of slots: reading them all would double the
-        # width of a batch whose caches just passed a step).
-        width = max(held)
-        mask = None if all(h == width for h in held) else slots[:width] < held_now
-        if width == C:
-            return self.keys, self.values, mask
-        return self.keys[:, :, :width], self.values[:, :, :width], mask
 
     # -- lending and giving back ---------------------------------------------------------
 
