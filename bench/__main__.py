@@ -1,8 +1,7 @@
 """``python -m bench <study> [options]`` runs one registered study; ``--list`` names them all.
 
 MLX's CPU matmul needs OpenBLAS preloaded (~30x faster here), so the process re-executes once
-with it before any study imports MLX; quality studies pin numpy's OpenBLAS to one thread.
-"""
+with it before any study imports MLX; quality studies pin numpy's OpenBLAS to one thread."""
 
 from __future__ import annotations
 

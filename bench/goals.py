@@ -3,21 +3,75 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 Row = tuple[str, str, str]  # goal, measured, verdict
+Judge = Callable[[Path], tuple[str, "bool | str"]]  # measured, met (or a verdict of its own)
+
+# Each goal as the page states it, in the page's order; its judge is the function of that name.
+STATEMENTS = {
+    "retrieval": "Pass-key retrieval at 4k-8k: Q-Filters ≥ 95% / 90% / 80% at 8× / 16× / 32×, above K-norm and streaming at every compression",
+    "niah": "Needle in prose (paper: 99% at 32× on 8B models): Q-Filters at 8×-32×",
+    "attention": "Score vs attention: mean Spearman ≥ +0.6, above K-norm and recency",
+    "perplexity": "Perplexity at budgets 256-1,024 with a recent window: Q-Filters closes ≥ 50% of the streaming-to-full gap (paper: up to 65% less perplexity drop than StreamingLLM)",
+    "decode": "Decode at 8k: budget 512 ≥ 2× faster per step than the full cache; peak memory flat in context with eviction",
+    "vs_mlx_lm": "Against mlx_lm.server: parity with the full cache; ≥ 2× decode tokens/s at 8k",
+    "batching": "Continuous batching: ≥ 3× aggregate decode tokens/s at 8 streams over one stream",
+    "multiturn": "Multi-turn reuse (budget 512): TTFT at the last turn within 1.3× of turn 2's; KV bytes flat once the budget fills",
+    "self_calibration": "Self-calibrated Q-Filters (no artifact): pass key at 8× within 5 points of the calibrated filters and well above the key-SVD fallback",
+    "traffic_calibration": "Without an artifact, by default: Q-Filters learned from chat traffic, pass key at 8× within 5 points of the calibrated filters and well above the key-SVD fallback",
+    "self_calibration_cost": "Self-calibration's prefill cost on a 4k prompt ≤ 1.10× a plain prefill",
+}
+GOALS: list[Callable[[Path], Row]] = []
 
 
-def _load(folder: Path, name: str) -> dict[str, Any] | None:
-    path = folder / f"{name}.json"
+class NotRun(Exception):
+    """What a goal reads has not run; the message says what is missing."""
+
+
+def load(path: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def _verdict(ok: bool) -> str:
-    return "**met**" if ok else "**not met**"
+def has_results(folder: Path) -> bool:
+    return folder.is_dir() and any(folder.glob("*.json"))
+
+
+def by_arm(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {r["arm"]: r for r in rows}
+
+
+def grid_mean(niah: dict[str, Any], arm: str, key: str) -> float | None:
+    """The needle study's exact match of ``arm`` at ``key`` (a ratio or ``-``) over its grid."""
+    vals = [v for row in niah["grid"].get(arm, {}).get(key) or [] for v in row if v is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+def _need(folder: Path, name: str) -> dict[str, Any]:
+    data = load(folder / f"{name}.json")
+    if not data:
+        raise NotRun("not run yet")
+    return data
+
+
+def _goal(judge: Judge) -> Callable[[Path], Row]:
+    """Register ``judge`` as the goal of its name: a row of its statement, measure and verdict."""
+
+    @functools.wraps(judge)
+    def row(folder: Path) -> Row:
+        try:
+            measured, ok = judge(folder)
+        except NotRun as e:
+            return STATEMENTS[judge.__name__], str(e), "not run"
+        verdict = ok if isinstance(ok, str) else "**met**" if ok else "**not met**"
+        return STATEMENTS[judge.__name__], measured, verdict
+
+    GOALS.append(row)
+    return row
 
 
 def _accuracy(data: dict[str, Any], lengths: list[str], arm: str, ratio: int) -> float | None:
@@ -31,101 +85,72 @@ def _accuracy(data: dict[str, Any], lengths: list[str], arm: str, ratio: int) ->
     return hits / n if n else None
 
 
-def retrieval(folder: Path) -> Row:
-    goal = (
-        "Pass-key retrieval at 4k-8k: Q-Filters ≥ 95% / 90% / 80% at 8× / 16× / 32×, above "
-        "K-norm and streaming at every compression"
-    )
-    data = _load(folder, "retrieval")
+@_goal
+def retrieval(folder: Path) -> tuple[str, bool]:
+    data = load(folder / "retrieval.json")
     lengths = [n for n in ("4096", "8192") if data and n in data["results"]]
     if not data or not lengths:
-        return goal, "not run at 4k-8k yet", "not run"
-    targets = {8: 0.95, 16: 0.90, 32: 0.80}
-    parts, ok = [], True
+        raise NotRun("not run at 4k-8k yet")
+    targets, parts, ok = {8: 0.95, 16: 0.90, 32: 0.80}, [], True
     for ratio in data["ratios"]:
-        q = _accuracy(data, lengths, "qfilters/r25", ratio)
-        k = _accuracy(data, lengths, "knorm/r25", ratio)
-        s = _accuracy(data, lengths, "streaming/r0", ratio)
+        q, k, s = (
+            _accuracy(data, lengths, a, ratio)
+            for a in ("qfilters/r25", "knorm/r25", "streaming/r0")
+        )
         if q is None or k is None or s is None:
             continue
-        above = q > k and q > s
-        ok &= above and q >= targets.get(ratio, 0.0)
+        ok &= q > k and q > s and q >= targets.get(ratio, 0.0)
         parts.append(f"{ratio}×: {q:.2f} (K-norm {k:.2f}, streaming {s:.2f})")
-    return goal, "Q-Filters " + "; ".join(parts), _verdict(ok)
+    return "Q-Filters " + "; ".join(parts), ok
 
 
-def niah(folder: Path) -> Row:
-    goal = "Needle in prose (paper: 99% at 32× on 8B models): Q-Filters at 8×-32×"
-    data = _load(folder, "niah")
-    if not data:
-        return goal, "not run yet", "not run"
-
-    def mean(arm: str, key: str) -> float | None:
-        vals = [v for row in data["grid"].get(arm, {}).get(key) or [] for v in row if v is not None]
-        return sum(vals) / len(vals) if vals else None
-
-    full = mean("full", "-")
+@_goal
+def niah(folder: Path) -> tuple[str, str]:
+    data = _need(folder, "niah")
+    full = grid_mean(data, "full", "-")
     parts = [f"full cache {full:.2f}" if full is not None else "full cache not run"]
     for ratio in (8, 16, 32):
-        q = mean("qfilters/r25", str(ratio))
-        if q is not None:
+        if (q := grid_mean(data, "qfilters/r25", str(ratio))) is not None:
             parts.append(f"{ratio}×: {q:.2f}")
     lengths = ", ".join(f"{n // 1024}k" for n in data["lengths"])
-    return goal, f"exact match over {lengths}: " + "; ".join(parts), "reported (no target)"
+    return f"exact match over {lengths}: " + "; ".join(parts), "reported (no target)"
 
 
-def attention(folder: Path) -> Row:
-    goal = "Score vs attention: mean Spearman ≥ +0.6, above K-norm and recency"
-    data = _load(folder, "attention")
-    if not data:
-        return goal, "not run yet", "not run"
-    pooled = data["results"]["all"]
-    rho = {name: pooled[name]["mean_rho"] for name in pooled}
+@_goal
+def attention(folder: Path) -> tuple[str, bool]:
+    rho = {n: v["mean_rho"] for n, v in _need(folder, "attention")["results"]["all"].items()}
     q = rho["qfilters"]
-    ok = q >= 0.6 and q > rho["knorm"] and q > rho["recency"]
     others = ", ".join(f"{n} {v:+.2f}" for n, v in rho.items() if n != "qfilters")
-    return goal, f"Q-Filters {q:+.2f} ({others})", _verdict(ok)
+    return f"Q-Filters {q:+.2f} ({others})", q >= 0.6 and q > rho["knorm"] and q > rho["recency"]
 
 
-def perplexity(folder: Path) -> Row:
-    goal = (
-        "Perplexity at budgets 256-1,024 with a recent window: Q-Filters closes ≥ 50% of the "
-        "streaming-to-full gap (paper: up to 65% less perplexity drop than StreamingLLM)"
-    )
-    data = _load(folder, "perplexity")
-    if not data:
-        return goal, "not run yet", "not run"
+@_goal
+def perplexity(folder: Path) -> tuple[str, bool]:
     parts, ok = [], True
-    for dataset, res in data["results"].items():
+    for dataset, res in _need(folder, "perplexity")["results"].items():
         for budget, arms in res["budgets"].items():
             if int(budget) < 256 or "qfilters/r25" not in arms:
                 continue
             gap = arms["qfilters/r25"].get("gap_closed_vs_streaming")
-            if gap is None:
-                parts.append(f"{dataset} {budget}: no gap to close")
-                continue
-            ok &= gap >= 0.5
-            parts.append(f"{dataset} {budget}: {gap:.0%}")
+            ok &= gap is None or gap >= 0.5
+            parts.append(
+                f"{dataset} {budget}: " + ("no gap to close" if gap is None else f"{gap:.0%}")
+            )
     if not parts:
-        return goal, "no budget ≥ 256 in the run", "not run"
-    return goal, "gap closed: " + "; ".join(parts), _verdict(ok)
+        raise NotRun("no budget ≥ 256 in the run")
+    return "gap closed: " + "; ".join(parts), ok
 
 
-def decode(folder: Path) -> Row:
-    goal = (
-        "Decode at 8k: budget 512 ≥ 2× faster per step than the full cache; peak memory "
-        "flat in context with eviction"
-    )
-    data = _load(folder, "decode")
-    if not data:
-        return goal, "not run yet", "not run"
+@_goal
+def decode(folder: Path) -> tuple[str, bool]:
+    data = _need(folder, "decode")
     top = max(data["sweep"], key=lambda r: r["context"])
-    ratios = {r["arm"]: r for r in top["ratios"]}
+    ratios = by_arm(top["ratios"])
     if "b512" not in ratios:
-        return goal, "budget 512 not in the run", "not run"
+        raise NotRun("budget 512 not in the run")
     speedup = 1 / ratios["b512"]["median"]
 
-    def growth_of(arm: str) -> float:
+    def growth(arm: str) -> float:
         peaks = [
             max(m["prefill_peak_bytes"], m["decode_peak_bytes"])
             for m in data["memory"]
@@ -133,86 +158,78 @@ def decode(folder: Path) -> Row:
         ]
         return max(peaks) / min(peaks)
 
-    growth, full_growth = growth_of("b512"), growth_of("full")
-    ok = speedup >= 2 and growth < 1.5
     return (
-        goal,
         f"at {top['context']}: {speedup:.2f}× (A/A {ratios['full_b']['median']:.3f}); "
-        f"budget-512 peak memory grows {growth:.2f}× from {data['sweep'][0]['context']} to "
-        f"{top['context']} tokens (full cache {full_growth:.2f}×)",
-        _verdict(ok),
+        f"budget-512 peak memory grows {growth('b512'):.2f}× from {data['sweep'][0]['context']} "
+        f"to {top['context']} tokens (full cache {growth('full'):.2f}×)",
+        speedup >= 2 and growth("b512") < 1.5,
     )
 
 
-def vs_mlx_lm(folder: Path) -> Row:
-    goal = "Against mlx_lm.server: parity with the full cache; ≥ 2× decode tokens/s at 8k"
-    data = _load(folder, "vs_mlx_lm")
-    if not data:
-        return goal, "not run yet", "not run"
-    top = max(data["rows"], key=lambda r: r["prompt_tokens"])
+@_goal
+def vs_mlx_lm(folder: Path) -> tuple[str, bool]:
+    top = max(_need(folder, "vs_mlx_lm")["rows"], key=lambda r: r["prompt_tokens"])
     tps = {r["arm"]: r["median"] for r in top["tps_ratios"]}
     ttft = {r["arm"]: r["median"] for r in top["ttft_ratios"]}
-    ok = top["prompt_tokens"] >= 8000 and tps["ours_qfilters"] >= 2
     return (
-        goal,
         f"at {top['prompt_tokens']} prompt tokens: full TTFT {ttft['ours_full']:.2f}×, "
         f"tokens/s {tps['ours_full']:.2f}×; Q-Filters tokens/s {tps['ours_qfilters']:.2f}× "
         f"(A/A {tps['theirs_b']:.2f}×)",
-        _verdict(ok),
+        top["prompt_tokens"] >= 8000 and tps["ours_qfilters"] >= 2,
     )
 
 
-def batching(folder: Path) -> Row:
-    goal = "Continuous batching: ≥ 3× aggregate decode tokens/s at 8 streams over one stream"
-    runs = [(label, _load(where, "batching")) for label, where in
-            (("", folder), ("latest run (batching_16): ", folder / "batching_16"))]  # fmt: skip
-    runs = [(label, data) for label, data in runs if data]
+@_goal
+def batching(folder: Path) -> tuple[str, bool]:
+    runs = [
+        (label, data)
+        for label, sub in (("", ""), ("latest run (batching_16): ", "batching_16"))
+        if (data := load(folder / sub / "batching.json"))
+    ]
     if not runs:
-        return goal, "not run yet", "not run"
+        raise NotRun("not run yet")
     parts, ok = [], True
     for label, data in runs:  # the verdict is the last (latest) run's
         ok = bool(data["rows"])
+        steady = data.get("steady_speedup_over_one_stream") or {}
         for n, speedups in sorted(
             data["speedup_over_one_stream"].items(), key=lambda kv: int(kv[0])
         ):
             if not speedups or "8" not in speedups:
                 ok = False
                 continue
-            rows = {r["streams"]: r for r in data["rows"] if r["prompt_tokens"] == int(n)}
-            theirs = rows[8]["tokens_per_s"]["theirs"]["median"]
-            mine = rows[8]["tokens_per_s"]["batched_a"]["median"]
-            steady = ((data.get("steady_speedup_over_one_stream") or {}).get(n) or {}).get("8")
-            also = "" if steady is None else f"; while all 8 decode: {steady:.2f}×"
-            parts.append(f"{label}prompt {n}: {speedups['8']:.2f}×{also} (mlx_lm.server / ours "
-                         f"at 8: {theirs / mine:.2f}×)")  # fmt: skip
+            at8 = {r["streams"]: r for r in data["rows"] if r["prompt_tokens"] == int(n)}[8]
+            tps, all8 = at8["tokens_per_s"], (steady.get(n) or {}).get("8")
+            also = "" if all8 is None else f"; while all 8 decode: {all8:.2f}×"
+            parts.append(
+                f"{label}prompt {n}: {speedups['8']:.2f}×{also} (mlx_lm.server / ours "
+                f"at 8: {tps['theirs']['median'] / tps['batched_a']['median']:.2f}×)"
+            )
             ok &= speedups["8"] >= 3
             label = ""
-    return goal, "; ".join(parts) or "no 8-stream row", _verdict(ok)
+    return "; ".join(parts) or "no 8-stream row", ok
 
 
-def multiturn(folder: Path) -> Row:
-    goal = (
-        "Multi-turn reuse (budget 512): TTFT at the last turn within 1.3× of turn 2's; "
-        "KV bytes flat once the budget fills"
-    )
-    data = _load(folder, "multiturn")
-    if not data:
-        return goal, "not run yet", "not run"
+_MULTITURN_SETTINGS = ("turns", "turn_tokens", "max_tokens", "budget", "temperature")
+
+
+@_goal
+def multiturn(folder: Path) -> tuple[str, bool]:
+    data = _need(folder, "multiturn")
     turns, ratios = data["turns"], data["last_over_second_ttft"]
     if "qfilters_reuse" not in turns:
-        return goal, "the run has no qfilters_reuse arm", "not run"
+        raise NotRun("the run has no qfilters_reuse arm")
     ratio = ratios.get("qfilters_reuse")
     kept = [t["kept_bytes"] for t in turns["qfilters_reuse"]]
     flat = len(kept) >= 3 and kept[-1] == kept[-2]
     if ratio is None or len(kept) < 2:
-        return goal, "fewer than two turns", "not run"
+        raise NotRun("fewer than two turns")
     fresh = ratios.get("qfilters_fresh")
     without = "" if fresh is None else f" ({fresh:.2f}× without)"
     measured = f"turn {len(kept)} / turn 2 TTFT: {ratio:.2f}× with reuse{without}"
-    # Repeated conversations (bench multiturn --conversations K, run into the
-    # multiturn_repeats subfolder) give the ratio a spread; their median is the figure judged
-    # when they were run with this run's settings on the same weights.
-    repeats = _load(folder / "multiturn_repeats", "multiturn")
+    # Repeated conversations (multiturn --conversations K, into multiturn_repeats/) give the
+    # ratio a spread; their median is judged when run with these settings on the same weights.
+    repeats = load(folder / "multiturn_repeats" / "multiturn.json")
     if repeats is not None:
         same = (
             not repeats.get("quick")
@@ -230,108 +247,65 @@ def multiturn(folder: Path) -> Row:
                 f"{len(each)} conversations ({min(each):.2f}–{max(each):.2f}); {first:.2f}× in "
                 f"the study's own run{without}"
             )
-    full = [t["kept_bytes"] for t in turns.get("full_reuse", ())]
-    growth = (
-        f"; full cache {full[1] / 2**20:.1f} → {full[-1] / 2**20:.1f} MiB" if len(full) > 1 else ""
-    )
-    ok = ratio <= 1.3 and flat
+    full = [t["kept_bytes"] / 2**20 for t in turns.get("full_reuse", ())]
+    growth = f"; full cache {full[1]:.1f} → {full[-1]:.1f} MiB" if len(full) > 1 else ""
     return (
-        goal,
         f"{measured}; KV {kept[-1] / 2**20:.1f} MiB at the end "
         f"({'flat' if flat else 'not flat'}{growth})",
-        _verdict(ok),
+        ratio <= 1.3 and flat,
     )
 
 
-_MULTITURN_SETTINGS = ("turns", "turn_tokens", "max_tokens", "budget", "temperature")
-
-
-def _at_8x_against_calibrated(
-    goal: str, data: dict[str, Any] | None, arm: str, who: str, also: tuple[str, str] | None = None
-) -> Row:
-    """A filter source's pass key at 8x, pooled over the run's lengths, against calibrated
-    and the fallback: within 5 points of the first and well above the second (``also``: an
-    arm and its description, reported beside them)."""
-    if not data:
-        return goal, "not run yet", "not run"
+def _at_8x(
+    data: dict[str, Any], arm: str, who: str, also: tuple[str, str] | None = None
+) -> tuple[str, bool | str]:
+    """A filter source's pass key at 8x, pooled over the run's lengths: within 5 points of the
+    calibrated filters and well above the fallback (``also``: an arm and its name, shown too)."""
     lengths = sorted(data["results"], key=int)
     mine, theirs, fallback = (
         _accuracy(data, lengths, a, 8) for a in (arm, "qfilters/r25", "fallback/r25")
     )
     if mine is None or theirs is None or fallback is None:
-        return goal, "an arm is missing at 8×", "not run"
+        raise NotRun("an arm is missing at 8×")
     docs = sum(data["results"][n]["docs"] for n in lengths)
     measured = (
         f"{', '.join(lengths)} tokens ({docs} documents): {who} {mine:.2f}, calibrated "
         f"{theirs:.2f}, fallback {fallback:.2f}"
     )
-    other = None if also is None else _accuracy(data, lengths, also[0], 8)
-    if other is not None and also is not None:
+    if also is not None and (other := _accuracy(data, lengths, also[0], 8)) is not None:
         measured += f"; {also[1]} {other:.2f}"
     close, above = mine >= theirs - 0.05, mine > fallback + 0.1
     if close and not above:  # say which half failed: the fallback may be as good here
-        return goal, measured, "**not met** (within 5 points of calibrated, not above the fallback)"
-    return goal, measured, _verdict(close and above)
+        return measured, "**not met** (within 5 points of calibrated, not above the fallback)"
+    return measured, close and above
 
 
-def self_calibration(folder: Path) -> Row:
-    goal = (
-        "Self-calibrated Q-Filters (no artifact): pass key at 8× within 5 points of the "
-        "calibrated filters and well above the key-SVD fallback"
-    )
-    return _at_8x_against_calibrated(
-        goal, _load(folder / "selfcal", "retrieval"), "self/r25", "self"
-    )
+@_goal
+def self_calibration(folder: Path) -> tuple[str, bool | str]:
+    return _at_8x(_need(folder / "selfcal", "retrieval"), "self/r25", "self")
 
 
-def traffic_calibration(folder: Path) -> Row:
-    goal = (
-        "Without an artifact, by default: Q-Filters learned from chat traffic, pass key at 8× "
-        "within 5 points of the calibrated filters and well above the key-SVD fallback"
-    )
-    return _at_8x_against_calibrated(
-        goal,
-        _load(folder / "traffic", "retrieval"),
+@_goal
+def traffic_calibration(folder: Path) -> tuple[str, bool | str]:
+    return _at_8x(
+        _need(folder / "traffic", "retrieval"),
         "traffic/r25/chat",
         "learned from chat traffic",
         ("traffic/r25/passkey", "learned from pass-key documents alone"),
     )
 
 
-def self_calibration_cost(folder: Path) -> Row:
-    goal = "Self-calibration's prefill cost on a 4k prompt ≤ 1.10× a plain prefill"
-    data = _load(folder, "selfcal_prefill")
-    if not data:
-        return goal, "not run yet", "not run"
-    ratios = {r["arm"]: r for r in data["ratios"]}
-    own, aa = ratios["self"], ratios["calibrated_again"]
-    measured = (
-        f"{data['settings']['prompt_tokens']} tokens: {own['median']:.3f}× "
-        f"(A/A {aa['median']:.3f}×)"
-    )
-    return goal, measured, _verdict(own["median"] <= 1.10)
-
-
-GOALS: tuple[Callable[[Path], Row], ...] = (
-    retrieval,
-    niah,
-    attention,
-    perplexity,
-    decode,
-    vs_mlx_lm,
-    batching,
-    multiturn,
-    self_calibration,
-    traffic_calibration,
-    self_calibration_cost,
-)
+@_goal
+def self_calibration_cost(folder: Path) -> tuple[str, bool]:
+    data = _need(folder, "selfcal_prefill")
+    own, aa = (by_arm(data["ratios"])[a]["median"] for a in ("self", "calibrated_again"))
+    return f"{data['settings']['prompt_tokens']} tokens: {own:.3f}× (A/A {aa:.3f}×)", own <= 1.10
 
 
 def render_goals(folder: Path) -> list[str]:
-    """``### Goals`` as a markdown table (empty when the folder has no results)."""
-    if not folder.is_dir() or not any(folder.glob("*.json")):
+    """``## Goals`` as a markdown table (empty when the folder has no results)."""
+    if not has_results(folder):
         return []
-    rows = [goal(folder) for goal in GOALS]
     return [
         "## Goals on the default model, against what was measured",
         "",
@@ -339,6 +313,6 @@ def render_goals(folder: Path) -> list[str]:
         "",
         "| goal | measured | verdict |",
         "|---|---|---|",
-        *(f"| {g} | {m} | {v} |" for g, m, v in rows),
+        *(f"| {g} | {m} | {v} |" for g, m, v in (goal(folder) for goal in GOALS)),
         "",
     ]

@@ -1,22 +1,17 @@
-"""Render ``bench/results/<model>/*.json`` into ``bench/RESULTS.md`` and the headline table of
-``README.md`` between its markers: every figure on either page comes from those files.
-
-The page opens with the goals (:mod:`bench.goals`); then each results folder of
-:data:`MODELS` gets a quality and a speed section: headlines, then each registered study's
-``render``. Run: ``python -m bench.report``.
-"""
+"""Render ``bench/results/<model>/*.json`` into ``bench/RESULTS.md`` and the README's headline
+table (``python -m bench.report``): the goals, then per folder of :data:`MODELS` a quality and
+a speed section, each its headlines and then every registered study's ``render``."""
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.goals import render_goals
+from bench.goals import by_arm, grid_mean, has_results, load, render_goals
 from bench.harness import RESULTS_DIR, MiB
-from bench.studies import STUDIES
+from bench.studies import STUDIES, study
 
 PAGE = Path(__file__).resolve().parent / "RESULTS.md"
 README = PAGE.parents[1] / "README.md"
@@ -26,64 +21,24 @@ SMOL = "SmolLM2-135M-Instruct"
 # that have not run.
 MODELS = {
     "smollm2": f"{SMOL} (the default model)",
-    "smollm2/refinements": (
-        f"{SMOL}: chunked and head-adaptive Q-Filters against plain (the retrieval study's "
-        "adaptive rows are the first version, which compared raw expected logits across heads; "
-        "the decode-step study's are the current one)"
-    ),
-    "smollm2/refinements/adaptive": (
-        f"{SMOL}: head-adaptive budgets ranked by expected log attention weights"
-    ),
-    "smollm2/refinements/prompt": (
-        f"{SMOL}: chunked Q-Filters against plain, perplexity after a prompt read in 512-token "
-        "blocks"
-    ),
-    "smollm2/selfcal": (
-        f"{SMOL}: self-calibrated Q-Filters (no artifact) against calibrated, the key-SVD "
-        "fallback and the query-aware references"
-    ),
-    "smollm2/selfcal/lengths": (
-        f"{SMOL}: does the score predict attention at 1k-8k tokens (calibrated, self-calibrated "
-        "and traffic-learned Q-Filters, the fallback, SnapKV, K-norm, recency)"
-    ),
-    "smollm2/traffic": (
-        f"{SMOL}: Q-Filters learned from traffic (the server's default without an artifact) "
-        "against calibrated, self-calibrated and the fallback"
-    ),
+    "smollm2/refinements": f"{SMOL}: chunked and head-adaptive Q-Filters against plain (the retrieval study's adaptive rows are the first version, which compared raw expected logits across heads; the decode-step study's are the current one)",
+    "smollm2/refinements/adaptive": f"{SMOL}: head-adaptive budgets ranked by expected log attention weights",
+    "smollm2/refinements/prompt": f"{SMOL}: chunked Q-Filters against plain, perplexity after a prompt read in 512-token blocks",
+    "smollm2/selfcal": f"{SMOL}: self-calibrated Q-Filters (no artifact) against calibrated, the key-SVD fallback and the query-aware references",
+    "smollm2/selfcal/lengths": f"{SMOL}: does the score predict attention at 1k-8k tokens (calibrated, self-calibrated and traffic-learned Q-Filters, the fallback, SnapKV, K-norm, recency)",
+    "smollm2/traffic": f"{SMOL}: Q-Filters learned from traffic (the server's default without an artifact) against calibrated, self-calibrated and the fallback",
     "smollm2/traffic/8k": f"{SMOL}: Q-Filters learned from traffic on 8k-token documents",
-    "smollm2/query_aware": (
-        f"{SMOL}: the query-aware references (SnapKV, TOVA) beside calibrated, self-calibrated "
-        "and fallback Q-Filters"
-    ),
+    "smollm2/query_aware": f"{SMOL}: the query-aware references (SnapKV, TOVA) beside calibrated, self-calibrated and fallback Q-Filters",
     "smollm2/query_aware/8k": f"{SMOL}: the query-aware comparison on 8k-token documents",
-    "smollm2/query_aware/window8": (
-        f"{SMOL}: SnapKV with its default 32-token observation window and with an 8-token one "
-        "(the question alone)"
-    ),
-    "smollm2/kvzip": (
-        f"{SMOL}: KVzip (context reconstruction) per head, across a layer's heads and with rows "
-        "shared across layers, beside Q-Filters, K-norm, SnapKV and streaming (kvzip_reuse and "
-        "kvzip_parity: bench/README.md)"
-    ),
-    "smollm2/kvzip/passkey": (
-        f"{SMOL}: the pass key at 1k-4k tokens with KVzip per head and across a layer's heads, "
-        "beside Q-Filters, K-norm, SnapKV and streaming (6 documents a length)"
-    ),
-    "smollm2/kvzip/perplexity": (
-        f"{SMOL}: perplexity of the second half after the first half is read as a prompt and "
-        "compressed by kvzip across a layer's heads, beside Q-Filters, K-norm and streaming"
-    ),
-    "smollm2/batching_16": (
-        f"{SMOL}: continuous batching up to 16 streams (256-token prompts), after the packed "
-        "batch's in-place joins and leaves, chunks of 8 by default"
-    ),
+    "smollm2/query_aware/window8": f"{SMOL}: SnapKV with its default 32-token observation window and with an 8-token one (the question alone)",
+    "smollm2/kvzip": f"{SMOL}: KVzip (context reconstruction) per head, across a layer's heads and with rows shared across layers, beside Q-Filters, K-norm, SnapKV and streaming (kvzip_reuse and kvzip_parity: bench/README.md)",
+    "smollm2/kvzip/passkey": f"{SMOL}: the pass key at 1k-4k tokens with KVzip per head and across a layer's heads, beside Q-Filters, K-norm, SnapKV and streaming (6 documents a length)",
+    "smollm2/kvzip/perplexity": f"{SMOL}: perplexity of the second half after the first half is read as a prompt and compressed by kvzip across a layer's heads, beside Q-Filters, K-norm and streaming",
+    "smollm2/batching_16": f"{SMOL}: continuous batching up to 16 streams (256-token prompts), after the packed batch's in-place joins and leaves, chunks of 8 by default",
     "smollm2/multiturn_repeats": f"{SMOL}: multi-turn reuse over repeated conversations",
     "smollm2/niah_served": f"{SMOL}: the needle through the server with default settings",
     "smollm2/blas": f"{SMOL}: OpenBLAS from PyPI against the system's",
-    "qfserve-tiny": (
-        "qfserve-tiny (the bundled 6-layer test model: what CI's smoke runs use; kept where it "
-        "still says something)"
-    ),
+    "qfserve-tiny": "qfserve-tiny (the bundled 6-layer test model: what CI's smoke runs use; kept where it still says something)",
 }
 
 
@@ -99,7 +54,7 @@ ARM_ORDER = (
 )
 ARM_NAMES = {"full": "full cache", "streaming/r0": "streaming (sinks + latest)"}
 
-METHOD_NAMES = {  # the other arms' methods (bench.quality.arms.Arm.name's first part)
+METHOD_NAMES = {  # the other arms' methods (the first part of bench.arms.Arm.name)
     "qfilters": "Q-Filters calibrated",
     "self": "Q-Filters self-calibrated (the prompt's own queries)",
     "traffic": "Q-Filters learned from traffic",
@@ -117,20 +72,15 @@ def arm_label(name: str) -> str:
     if name in ARM_NAMES:
         return ARM_NAMES[name]
     method, _, rest = name.partition("/")
-    parts = rest.split("/") if rest else []
     label = METHOD_NAMES.get(method, method)
-    for part in parts:
-        if part.startswith("r") and part[1:].isdigit():
-            share = int(part[1:])
-            label += ", recent " + (
-                "b/4" if share == 25 else "0" if share == 0 else f"{share}% of b"
-            )
-        elif part.startswith("c") and part[1:].isdigit():
-            label += f", chunks of {part[1:]}"
+    for part in rest.split("/") if rest else []:
+        kind, n = part[:1], part[1:]
+        if kind == "r" and n.isdigit():
+            label += ", recent " + {25: "b/4", 0: "0"}.get(int(n), f"{int(n)}% of b")
+        elif kind in ("c", "w") and n.isdigit():
+            label += f", chunks of {n}" if kind == "c" else f", {n}-token window"
         elif part == "ada":
             label += ", adaptive budgets"
-        elif part.startswith("w") and part[1:].isdigit():
-            label += f", {part[1:]}-token window"
         elif method == "traffic":
             label = label.replace("from traffic", f"from {part} traffic")
         else:
@@ -139,8 +89,7 @@ def arm_label(name: str) -> str:
 
 
 def arm_order(present: Any) -> list[str]:
-    """``present`` arm names in reading order: the full cache, the standard arms, then the
-    rest as they came."""
+    """``present`` arm names in reading order: full, the standard arms, the rest as they came."""
     present = list(dict.fromkeys(present))
     known = [n for n in ("full", *ARM_ORDER) if n in present]
     return known + [n for n in present if n not in known]
@@ -156,27 +105,29 @@ def pct(x: Any) -> str:
 
 def table(headers: list[str], rows: list[list[Any]]) -> list[str]:
     out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return out
+    return out + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+
+
+def _heading(title: str, data: dict[str, Any], run: str) -> list[str]:
+    """A study's title, then its command, date and runtime followed by ``run``."""
+    when = f"`{data['command']}` — {data['when']}, {data.get('runtime_s', '?')} s"
+    return [f"### {title}", "", when + run]
 
 
 def quality_header(title: str, data: dict[str, Any], intro: str = "") -> list[str]:
     """A quality study's heading: its run, model and filters, then ``intro``."""
-    model = data["model"]
-    cal = data.get("calibration") or {}
-    lines = [
-        f"### {title}",
-        "",
-        f"`{data['command']}` — {data['when']}, {data.get('runtime_s', '?')} s. Model "
-        f"`{model['path']}` at **{model['checkpoint']}** (weights sha1 "
-        f"`{model['weights_sha1']}`).",
-    ]
+    model, cal = data["model"], data.get("calibration") or {}
+    run = (
+        f". Model `{model['path']}` at **{model['checkpoint']}** (weights sha1 "
+        f"`{model['weights_sha1']}`)."
+    )
     if cal.get("source"):
-        lines[-1] += (
+        run += (
             f" Filters: {cal['source']} calibration, {cal.get('samples_per_head')} samples per "
             f"head on {cal.get('text')}; disjoint from the evaluation text: "
             f"{cal.get('disjoint_from_eval')}."
         )
+    lines = _heading(title, data, run)
     if data.get("quick"):
         lines += ["", "**Quick (smoke-test) run: sizes too small to read anything into.**"]
     return [*lines, "", intro, ""] if intro else lines
@@ -185,16 +136,14 @@ def quality_header(title: str, data: dict[str, Any], intro: str = "") -> list[st
 def speed_header(title: str, data: dict[str, Any], intro: str = "") -> list[str]:
     """A speed study's heading: its run and machine, then ``intro``."""
     m = data["machine"]
-    notes = m.get("notes", "")
-    lines = [
-        f"### {title}",
-        "",
-        f"`{data['command']}` — {data['when']}, {data.get('runtime_s', '?')} s; "
-        f"{m['processor']}, {m.get('cpu_count', '?')} cores, {m['device']}, MLX {m['mlx']}, "
+    lines = _heading(
+        title,
+        data,
+        f"; {m['processor']}, {m.get('cpu_count', '?')} cores, {m['device']}, MLX {m['mlx']}, "
         f"load average {m.get('load_average', '?')}. {m['blas']}.",
-    ]
-    if notes:
-        lines += ["", f"*Machine note: {notes}.*"]
+    )
+    if m.get("notes"):
+        lines += ["", f"*Machine note: {m['notes']}.*"]
     if data.get("quick"):
         lines += ["", "*Quick (CI-sized) run: not a measurement.*"]
     return [*lines, "", intro, ""] if intro else [*lines, ""]
@@ -220,44 +169,48 @@ def ratio_cell(row: dict[str, Any]) -> str:
 # -- section headlines -------------------------------------------------------------------
 
 QUALITY_HEADLINES = ("geometry", "attention", "perplexity", "retrieval", "stability", "niah")
+QUALITY_INTRO = (
+    "Held-out data only: evaluation-split standard-library files and generated documents from the "
+    "training package's evaluation seeds; calibration on training-split files. Budgets are matched "
+    "in rows (sinks and recent rows included) and every arm is checked to keep exactly that many. "
+    "Quality figures are deterministic for given data, so there is no timing noise to interleave "
+    "against: all arms of a study see the same sequences in one run, and the spreads shown are "
+    "over sequences, heads or calibration draws."
+)
+SPEED_INTRO = (
+    "Speed studies (`python -m bench --list`). Each row compares arms run in the same process, "
+    "interleaved, with an A/A row for the noise floor; ratios are medians of per-round ratios "
+    "with their interquartile range."
+)
+
+
+def _pooled(results: dict[str, Any], arm: str, key: str) -> float | None:
+    """The retrieval study's mean of ``key`` for ``arm`` over lengths and compressions."""
+    vals = [c[key] for v in results.values() for c in v["arms"].get(arm, {}).values() if key in c]
+    return sum(vals) / len(vals) if vals else None
 
 
 def quality_headlines(results_dir: Path) -> list[str]:
     """The section's opening lines: model checkpoint(s) and the headline numbers."""
-    data = {}
-    for name in QUALITY_HEADLINES:
-        path = results_dir / f"{name}.json"
-        if path.is_file():
-            data[name] = json.loads(path.read_text())
+    data = {n: d for n in QUALITY_HEADLINES if (d := load(results_dir / f"{n}.json")) is not None}
     if not data:
         return []
-    # Weights decide whether studies are comparable; the checkpoint label of an older
-    # results file may differ for the same weights.
+    # Weights decide whether studies are comparable; an older file's checkpoint label may differ.
     models = {(d["model"]["path"], d["model"]["weights_sha1"]) for d in data.values()}
-    lines = [
-        "Held-out data only: evaluation-split standard-library files and generated documents "
-        "from the training package's evaluation seeds; calibration on training-split files. "
-        "Budgets are matched in rows (sinks and recent rows included) and every arm is checked "
-        "to keep exactly that many. Quality figures are deterministic for given data, so there is "
-        "no timing noise to interleave against: all arms of a study see the same sequences in "
-        "one run, and the spreads shown are over sequences, heads or calibration draws.",
-        "",
-    ]
+    lines = [QUALITY_INTRO, ""]
     if len(models) > 1:
         lines += [f"**Warning: the studies ran on different weights: {sorted(models)}.**", ""]
     else:
-        (path, sha), *_ = models
+        ((path, sha),) = models
         # The newest study's label (older results files may lack the model's name).
         checkpoint = max(data.values(), key=lambda d: d.get("when", ""))["model"]["checkpoint"]
         lines += [
-            f"All studies: `{path}` at **{checkpoint}**, weights sha1 `{sha}`. "
-            "The numbers describe these weights only: after changing them, rerun the same "
-            "commands.",
+            f"All studies: `{path}` at **{checkpoint}**, weights sha1 `{sha}`. The numbers "
+            "describe these weights only: after changing them, rerun the same commands.",
             "",
         ]
     lines += ["Headlines (all from the tables below):", ""]
-    if "geometry" in data:
-        s = data["geometry"]["summary"]
+    if s := data.get("geometry", {}).get("summary"):
         lines.append(
             f"- Geometry: {s['share_heads_positive'] * s['heads']:.0f}/{s['heads']} query heads "
             f"have a positive mean held-out projection on their filter; median top-component "
@@ -265,59 +218,43 @@ def quality_headlines(results_dir: Path) -> list[str]:
             f"{s['drift_ratio']['median']:.0f}×."
         )
     if "attention" in data:
-        r = data["attention"]["results"]["all"]
         lines.append(
             "- Score vs attention (mean Spearman ρ over KV heads, share of heads positive): "
             + "; ".join(
-                f"{k} {v['mean_rho']:+.2f} ({pct(v['share_heads_positive'])})" for k, v in r.items()
+                f"{k} {v['mean_rho']:+.2f} ({pct(v['share_heads_positive'])})"
+                for k, v in data["attention"]["results"]["all"].items()
             )
             + "."
         )
-    if "perplexity" in data:
-        res = data["perplexity"]["results"]
-        for dataset, d in res.items():
-            budgets = list(d["budgets"])
-            b = "128" if "128" in budgets else budgets[0]
-            arms = d["budgets"][b]
-            lines.append(
-                f"- Perplexity ({dataset}, budget {b}; full {d['full']['ppl']:.2f}): "
-                + ", ".join(
-                    f"{n} {arms[n]['ppl']:.2f}"
-                    + (
-                        f" (gap closed {pct(arms[n]['gap_closed_vs_streaming'])})"
-                        if n != "streaming/r0"
-                        else ""
-                    )
-                    for n in arm_order(arms)
-                    if n != "full"
-                )
-                + "."
+    for dataset, d in data.get("perplexity", {}).get("results", {}).items():
+        b = "128" if "128" in d["budgets"] else next(iter(d["budgets"]))
+        arms = d["budgets"][b]
+        cells = [
+            f"{n} {arms[n]['ppl']:.2f}"
+            + (
+                ""
+                if n == "streaming/r0"
+                else f" (gap closed {pct(arms[n]['gap_closed_vs_streaming'])})"
             )
+            for n in arm_order(arms)
+            if n != "full"
+        ]
+        full = d["full"]["ppl"]
+        lines.append(f"- Perplexity ({dataset}, budget {b}; full {full:.2f}): {', '.join(cells)}.")
     if "retrieval" in data:
         res = data["retrieval"]["results"]
         full = [v["arms"]["full"]["-"]["accuracy"] for v in res.values() if "full" in v["arms"]]
         names = arm_order(n for v in res.values() for n in v["arms"])
-        acc = {}
-        for name in [n for n in names if n != "full"]:
-            vals = [c["accuracy"] for v in res.values() for c in v["arms"].get(name, {}).values()]
-            if vals:
-                acc[name] = sum(vals) / len(vals)
+        acc = {
+            n: a for n in names if n != "full" and (a := _pooled(res, n, "accuracy")) is not None
+        }
+        nll = {n: a for n in names if (a := _pooled(res, n, "answer_nll_mean")) is not None}
         lines.append(
             f"- Pass-key accuracy, mean over lengths and compressions (full cache "
             f"{sum(full) / max(1, len(full)):.2f}): "
             + ", ".join(f"{k} {v:.2f}" for k, v in acc.items())
             + "."
         )
-        nll = {}
-        for name in names:
-            vals = [
-                c["answer_nll_mean"]
-                for v in res.values()
-                for c in v["arms"].get(name, {}).values()
-                if "answer_nll_mean" in c
-            ]
-            if vals:
-                nll[name] = sum(vals) / len(vals)
         if nll:
             lines.append(
                 "- Pass-key answer NLL (nats/token, mean over lengths and compressions; lower is "
@@ -337,10 +274,6 @@ def quality_headlines(results_dir: Path) -> list[str]:
     return lines
 
 
-def _find(rows: list[dict[str, Any]], arm: str) -> dict[str, Any]:
-    return next(r for r in rows if r["arm"] == arm)
-
-
 def _worse(row: dict[str, Any], aa: dict[str, Any]) -> bool:
     return row["q1"] > max(aa["q3"], 1.0)
 
@@ -348,125 +281,108 @@ def _worse(row: dict[str, Any], aa: dict[str, Any]) -> bool:
 def where_eviction_loses(results: dict[str, dict[str, Any]]) -> list[str]:
     """Time ratios of an eviction arm that sit above the noise floor, study by study."""
     out = []
-    if "decode" in results:
-        d = results["decode"]
+    if d := results.get("decode"):
         for r in d["sweep"]:
-            aa = _find(r["ratios"], "full_b")
+            aa = by_arm(r["ratios"])["full_b"]
             out += [
                 f"decode at {r['context']}, {x['arm']} {ratio_cell(x)}"
                 for x in r["ratios"][1:]
                 if _worse(x, aa)
             ]
-        for o in d["overhead"]:
-            if _worse(o["ratios"][1], o["ratios"][0]):
-                out.append(f"equal-size decode at B={o['budget']} {ratio_cell(o['ratios'][1])}")
-        for m in d["memory"]:
-            full = next(
-                f for f in d["memory"] if f["context"] == m["context"] and f["arm"] == "full"
-            )
-            if m["arm"] != "full" and m["decode_peak_bytes"] > full["decode_peak_bytes"]:
-                out.append(
-                    f"decode peak memory at {m['context']}, {m['arm']} "
-                    f"{m['decode_peak_bytes'] / MiB:.1f} vs full "
-                    f"{full['decode_peak_bytes'] / MiB:.1f} MiB"
-                )
-    if "ttft" in results:
-        for r in results["ttft"]["rows"]:
-            out += [
-                f"TTFT at {r['prompt_tokens']}, {x['arm']} {ratio_cell(x)}"
-                for x in r["ratios"][1:]
-                if _worse(x, r["ratios"][0])
-            ]
+        out += [
+            f"equal-size decode at B={o['budget']} {ratio_cell(o['ratios'][1])}"
+            for o in d["overhead"]
+            if _worse(o["ratios"][1], o["ratios"][0])
+        ]
+        full = {m["context"]: m["decode_peak_bytes"] for m in d["memory"] if m["arm"] == "full"}
+        out += [
+            f"decode peak memory at {m['context']}, {m['arm']} "
+            f"{m['decode_peak_bytes'] / MiB:.1f} vs full {full[m['context']] / MiB:.1f} MiB"
+            for m in d["memory"]
+            if m["arm"] != "full" and m["decode_peak_bytes"] > full[m["context"]]
+        ]
+    for r in results.get("ttft", {}).get("rows", []):
+        out += [
+            f"TTFT at {r['prompt_tokens']}, {x['arm']} {ratio_cell(x)}"
+            for x in r["ratios"][1:]
+            if _worse(x, r["ratios"][0])
+        ]
     return out
 
 
 def speed_headlines(results: dict[str, dict[str, Any]]) -> list[str]:
     """The ratios worth quoting, each beside its A/A noise floor (paired medians [IQR])."""
     out = []
-    if "decode" in results:
-        d = results["decode"]
+    if d := results.get("decode"):
         top = max(
             (r for r in d["sweep"] if not r["beyond_trained_context"]), key=lambda r: r["context"]
         )
+        ratios = by_arm(top["ratios"])
         parts = ", ".join(
-            f"budget {b}: {ratio_cell(_find(top['ratios'], f'b{b}'))}"
-            for b in d["settings"]["budgets"]
+            f"budget {b}: {ratio_cell(ratios[f'b{b}'])}" for b in d["settings"]["budgets"]
         )
         out.append(
             f"- Decode step at the trained maximum context ({top['context']}), "
-            f"eviction / full: {parts}; A/A {ratio_cell(_find(top['ratios'], 'full_b'))}."
+            f"eviction / full: {parts}; A/A {ratio_cell(ratios['full_b'])}."
         )
-        for o in d["overhead"]:
-            out.append(
-                f"- Eviction overhead at equal size B={o['budget']} (ours / `KVCache`): "
-                f"{ratio_cell(o['ratios'][1])}; A/A {ratio_cell(o['ratios'][0])}."
-            )
+        out += [
+            f"- Eviction overhead at equal size B={o['budget']} (ours / `KVCache`): "
+            f"{ratio_cell(o['ratios'][1])}; A/A {ratio_cell(o['ratios'][0])}."
+            for o in d["overhead"]
+        ]
         full = max((m for m in d["memory"] if m["arm"] == "full"), key=lambda m: m["context"])
-        kept = {m["arm"]: m for m in d["memory"] if m["context"] == full["context"]}
+        kept = [m for m in d["memory"] if m["context"] == full["context"] and m["arm"] != "full"]
         out.append(
             f"- Kept KV at context {full['context']}: full {full['kept_bytes'] / MiB:.2f} MiB; "
             + ", ".join(
-                f"{a} {m['kept_bytes'] / MiB:.2f} MiB "
+                f"{m['arm']} {m['kept_bytes'] / MiB:.2f} MiB "
                 f"({full['kept_bytes'] / m['kept_bytes']:.0f}x less)"
-                for a, m in kept.items()
-                if a != "full"
+                for m in by_arm(kept).values()
             )
             + "."
         )
-    if "ttft" in results:
-        for r in results["ttft"]["rows"]:
-            parts = ", ".join(f"{x['arm']}: {ratio_cell(x)}" for x in r["ratios"][1:])
-            out.append(
-                f"- TTFT at {r['prompt_tokens']} prompt tokens"
-                + (" (beyond trained context)" if r["beyond_trained_context"] else "")
-                + f", eviction / full: {parts}; A/A {ratio_cell(r['ratios'][0])}."
-            )
-    if "server_overhead" in results:
-        for r in results["server_overhead"]["rows"]:
-            t = {(x["arm"], x["reference"]): x for x in r["ttft_ratios"]}
-            i = {(x["arm"], x["reference"]): x for x in r["itl_ratios"]}
-            k, w = ("http_a", "in_process_a"), ("worker", "in_process_a")
-            aa, bb = ("in_process_b", "in_process_a"), ("http_b", "http_a")
-            out.append(
-                f"- Serving overhead at a {r['prompt_tokens']}-token prompt, HTTP / in-process: "
-                f"TTFT {ratio_cell(t[k])}, inter-token latency {ratio_cell(i[k])} (worker / in-process: "
-                f"{ratio_cell(t[w])}, {ratio_cell(i[w])}); A/A in-process {ratio_cell(t[aa])} / {ratio_cell(i[aa])}, "
-                f"HTTP {ratio_cell(t[bb])} / {ratio_cell(i[bb])}."
-            )
-    if "vs_mlx_lm" in results:
-        for r in results["vs_mlx_lm"]["rows"]:
-            tr = {x["arm"]: x for x in r["ttft_ratios"]}
-            sr = {x["arm"]: x for x in r["tps_ratios"]}
-            out.append(
-                f"- vs `mlx_lm.server` at a {r['prompt_tokens']}-token prompt: ours full "
-                f"TTFT {ratio_cell(tr['ours_full'])}, tok/s {ratio_cell(sr['ours_full'])}; ours with "
-                f"Q-Filters TTFT {ratio_cell(tr['ours_qfilters'])}, tok/s {ratio_cell(sr['ours_qfilters'])}; "
-                f"A/A TTFT {ratio_cell(tr['theirs_b'])}, tok/s {ratio_cell(sr['theirs_b'])}."
-            )
-    if "bandwidth" in results:
-        d = results["bandwidth"]
+    for r in results.get("ttft", {}).get("rows", []):
+        parts = ", ".join(f"{x['arm']}: {ratio_cell(x)}" for x in r["ratios"][1:])
+        out.append(
+            f"- TTFT at {r['prompt_tokens']} prompt tokens"
+            + (" (beyond trained context)" if r["beyond_trained_context"] else "")
+            + f", eviction / full: {parts}; A/A {ratio_cell(r['ratios'][0])}."
+        )
+    for r in results.get("server_overhead", {}).get("rows", []):
+        t = {(x["arm"], x["reference"]): ratio_cell(x) for x in r["ttft_ratios"]}
+        i = {(x["arm"], x["reference"]): ratio_cell(x) for x in r["itl_ratios"]}
+        k, w = ("http_a", "in_process_a"), ("worker", "in_process_a")
+        aa, bb = ("in_process_b", "in_process_a"), ("http_b", "http_a")
+        out.append(
+            f"- Serving overhead at a {r['prompt_tokens']}-token prompt, HTTP / in-process: "
+            f"TTFT {t[k]}, inter-token latency {i[k]} (worker / in-process: {t[w]}, {i[w]}); "
+            f"A/A in-process {t[aa]} / {i[aa]}, HTTP {t[bb]} / {i[bb]}."
+        )
+    for r in results.get("vs_mlx_lm", {}).get("rows", []):
+        t = {x["arm"]: ratio_cell(x) for x in r["ttft_ratios"]}
+        s = {x["arm"]: ratio_cell(x) for x in r["tps_ratios"]}
+        out.append(
+            f"- vs `mlx_lm.server` at a {r['prompt_tokens']}-token prompt: ours full TTFT "
+            f"{t['ours_full']}, tok/s {s['ours_full']}; ours with Q-Filters TTFT "
+            f"{t['ours_qfilters']}, tok/s {s['ours_qfilters']}; A/A TTFT {t['theirs_b']}, "
+            f"tok/s {s['theirs_b']}."
+        )
+    if d := results.get("bandwidth"):
         parts = ", ".join(f"{r['arm']} {r['percent_of_bandwidth']:.1f}%" for r in d["decode"])
         out.append(
             f"- Share of measured bandwidth ({d['bandwidth']['reference_gbps']:.1f} GB/s) "
             f"reached in decode at context {d['settings']['context']}: {parts}."
         )
-    losses = where_eviction_loses(results)
-    if losses:
+    if losses := where_eviction_loses(results):
         out.append(
             "- Where eviction loses (its ratio's lower quartile above both 1 and the A/A upper "
             "quartile): " + "; ".join(losses) + "."
         )
-    return (
-        [
-            "**Headline ratios measured** (below 1 is faster for time ratios, above 1 is faster "
-            "for tok/s ratios):",
-            "",
-            *out,
-            "",
-        ]
-        if out
-        else []
+    head = (
+        "**Headline ratios measured** (below 1 is faster for time ratios, above 1 is faster "
+        "for tok/s ratios):"
     )
+    return [head, "", *out, ""] if out else []
 
 
 # -- the page ----------------------------------------------------------------------------
@@ -474,35 +390,22 @@ def speed_headlines(results: dict[str, dict[str, Any]]) -> list[str]:
 
 def render_study(name: str, data: dict[str, Any]) -> list[str]:
     """One study's section of the page, by its module's ``render`` (none: no lines)."""
-    from bench.studies import study
-
     render = getattr(study(name).module(), "render", None)
     return [] if render is None else render(data)
-
-
-def _results(folder: Path, section: str) -> dict[str, dict[str, Any]]:
-    """The JSON of every registered study of ``section`` found in ``folder``, by name."""
-    names = [s.key for s in STUDIES.values() if s.section == section]
-    return {n: json.loads((folder / f"{n}.json").read_text()) for n in names
-            if (folder / f"{n}.json").exists()}  # fmt: skip
 
 
 def render_section(folder: Path, section: str, title: str, *, missing: bool) -> list[str]:
     """A model's ``quality`` or ``speed`` section: headlines, then every registered study of
     it in the registry's order (``missing``: a line for each that has not run here)."""
-    results = _results(folder, section)
+    studies = [s for s in STUDIES.values() if s.section == section]
+    results = {s.key: d for s in studies if (d := load(folder / f"{s.key}.json")) is not None}
     if section == "quality":
         lines = [f"## {title}", "", *quality_headlines(folder), ""]
     elif results or missing:
-        lines = [f"## {title}", "", "Speed studies (`python -m bench --list`). Each row compares "
-                 "arms run in the same process, interleaved, with an A/A row for the noise "
-                 "floor; ratios are medians of per-round ratios with their interquartile range.",
-                 "", *speed_headlines(results)]  # fmt: skip
+        lines = [f"## {title}", "", SPEED_INTRO, "", *speed_headlines(results)]
     else:
         return []
-    for s in STUDIES.values():
-        if s.section != section:
-            continue
+    for s in studies:
         if s.key in results:
             lines += [
                 *render_study(s.name, results[s.key]),
@@ -515,10 +418,10 @@ def render_section(folder: Path, section: str, title: str, *, missing: bool) -> 
 
 def render_model(folder: Path, title: str, *, missing: bool) -> list[str]:
     """A results folder's quality and speed sections, plots linked into the folder."""
-    if not folder.is_dir() or not any(folder.glob("*.json")):
+    if not has_results(folder):
         return []
-    lines = [*render_section(folder, "quality", f"{title}: quality", missing=missing),
-             *render_section(folder, "speed", f"{title}: speed and memory", missing=missing)]  # fmt: skip
+    lines = render_section(folder, "quality", f"{title}: quality", missing=missing)
+    lines += render_section(folder, "speed", f"{title}: speed and memory", missing=missing)
     relative = folder.relative_to(PAGE.parent) if folder.is_relative_to(PAGE.parent) else folder
     # Renderers link plots as results/<file>; point them at this folder.
     return [line.replace("](results/", f"]({relative}/") for line in lines]
@@ -544,101 +447,95 @@ def render(results_dir: Path = RESULTS_DIR) -> str:
 BEGIN, END = "<!-- bench.report: headline results -->", "<!-- end of bench.report's table -->"
 
 
-def _load(path: Path) -> dict[str, Any] | None:
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
 def _slashed(values: list[float | None]) -> str:
     return " / ".join("–" if v is None else f"{v:.2f}" for v in values)
 
 
+def _times(ratios: list[int]) -> str:
+    return " / ".join(f"{r}x" for r in ratios)
+
+
+def _span(lengths: list[int]) -> str:
+    return f"{lengths[0] // 1024}k-{lengths[-1] // 1024}k tokens"
+
+
 def readme_headlines(results_dir: Path = RESULTS_DIR) -> list[str]:
-    """The README's results table: KVzip on the needle in prose, against kvpress, its price."""
-    folder = results_dir / "smollm2" / "kvzip"
-    rows = []
-    niah = _load(folder / "niah.json")
-    if niah:
-
-        def mean(arm: str, key: str) -> float | None:
-            vals = [v for row in niah["grid"].get(arm, {}).get(key) or [] for v in row
-                    if v is not None]  # fmt: skip
-            return sum(vals) / len(vals) if vals else None
-
+    """The README's results table: KVzip on the needle in prose, against kvpress and its price;
+    then what a user who changes nothing gets: the needle through the server with default
+    settings and the speed of the OpenBLAS the install brings."""
+    folder, rows = results_dir / "smollm2", []
+    if niah := load(folder / "kvzip" / "niah.json"):
         ratios, lengths = niah["ratios"], niah["lengths"]
         docs = len(lengths) * len(niah["depths"]) * niah["data"]["docs_per_cell"]
-        rows.append([
-            f"needle in prose, {lengths[0] // 1024}k-{lengths[-1] // 1024}k tokens ({docs} "
-            f"documents), at {' / '.join(f'{r}x' for r in ratios)}",
-            f"KVzip (`kv_method: kvzip`) {_slashed([mean('kvzip/r25/global', str(r)) for r in ratios])}"
-            f" against the full cache's {mean('full', '-'):.2f}; calibrated Q-Filters "
-            f"{_slashed([mean('qfilters/r25', str(r)) for r in ratios])}",
-        ])  # fmt: skip
-    parity = _load(folder / "kvzip_parity.json")
-    if parity:
+        kvzip, qf = (
+            _slashed([grid_mean(niah, a, str(r)) for r in ratios])
+            for a in ("kvzip/r25/global", "qfilters/r25")
+        )
+        what = f"needle in prose, {_span(lengths)} ({docs} documents), at {_times(ratios)}"
+        result = (
+            f"KVzip (`kv_method: kvzip`) {kvzip} against the full cache's "
+            f"{grid_mean(niah, 'full', '-'):.2f}; calibrated Q-Filters {qf}"
+        )
+        rows.append([what, result])
+    if parity := load(folder / "kvzip" / "kvzip_parity.json"):
         acc, ratios = parity["accuracy"], parity["ratios"]
-        rows.append([
-            f"KVzip against NVIDIA kvpress's `KVzipPress`, {parity['data']['documents']} chat "
-            f"documents, {' / '.join(f'{r}x' for r in ratios)}",
-            f"ours {_slashed([acc['ours/global'][str(r)] for r in ratios])}, kvpress "
-            f"{_slashed([acc['kvpress/global'][str(r)] for r in ratios])}",
-        ])  # fmt: skip
-    cost = _load(folder / "kvzip_cost.json")
-    if cost:
-        pre = {r["arm"]: r["median"] for r in cost["prefill_ratios"]}["kvzip"]
-        step = {r["arm"]: r for r in cost["decode_ratios"]}["kvzip"]
+        ours, theirs = (
+            _slashed([acc[a][str(r)] for r in ratios]) for a in ("ours/global", "kvpress/global")
+        )
+        docs = parity["data"]["documents"]
+        what = (
+            f"KVzip against NVIDIA kvpress's `KVzipPress`, {docs} chat documents, {_times(ratios)}"
+        )
+        rows.append([what, f"ours {ours}, kvpress {theirs}"])
+    if cost := load(folder / "kvzip" / "kvzip_cost.json"):
+        pre = {r["arm"]: r["median"] for r in cost["prefill_ratios"]}
+        step = by_arm(cost["decode_ratios"])["kvzip"]
         step_text = "unchanged" if step["q1"] <= 1 <= step["q3"] else f"{step['median']:.2f}x"
-        mlx = {r["arm"]: r["median"] for r in cost["prefill_ratios"]}.get("full_mlx")
-        rows.append([
-            "KVzip's price",
-            f"prefill plus the reconstruction pass {pre:.2f}x a plain prefill at "
+        result = (
+            f"prefill plus the reconstruction pass {pre['kvzip']:.2f}x a plain prefill at "
             f"{cost['settings']['prompt_tokens'] // 1024}k tokens (goal 2.5x, "
-            f"{'met' if pre <= 2.5 else 'not met'}); decode step {step_text}"
-            + ("" if mlx is None else f"; both on the blocked CPU attention, which makes the "
-               f"plain prefill {mlx:.2f}x faster than MLX's own"),
-        ])  # fmt: skip
-    rows += default_rows(results_dir / "smollm2")
+            f"{'met' if pre['kvzip'] <= 2.5 else 'not met'}); decode step {step_text}"
+        )
+        if (mlx := pre.get("full_mlx")) is not None:
+            result += (
+                f"; both on the blocked CPU attention, which makes the plain prefill {mlx:.2f}x "
+                "faster than MLX's own"
+            )
+        rows.append(["KVzip's price", result])
+    if served := load(folder / "niah_served" / "niah_served.json"):
+        acc, lengths = served["accuracy"], served["lengths"]
+        auto, full, small = (
+            _slashed([acc[a].get(str(n), {}).get("accuracy") for n in lengths])
+            for a in ("auto", "full", "auto-small")
+        )
+        what = (
+            f"needle through the server with default settings, {_span(lengths)} "
+            f"({served['docs']} documents each)"
+        )
+        result = (
+            f"`--budget auto` {auto} against the full cache's {full}; on a `--max-kv-bytes` of "
+            f"{served['small_tokens']:,} tokens {small}"
+        )
+        rows.append([what, result])
+    if blas := load(folder / "blas" / "blas.json"):
+        (pa, pb), (da, db) = (
+            [by_arm(blas[k])[a]["median"] for a in ("pip_a", "pip_b")]
+            for k in ("prefill_ratios", "decode_ratios")
+        )
+        what = "OpenBLAS from PyPI against the system's (prefill / decode throughput)"
+        rows.append([what, f"{pa:.2f}x / {da:.2f}x (A/A {pb:.2f}x / {db:.2f}x)"])
     return table(["what", "result"], rows) if rows else []
 
 
-def default_rows(folder: Path) -> list[list[str]]:
-    """Rows for what a user who changes nothing gets: the needle through the server with
-    default settings, and the speed of the OpenBLAS the install brings."""
-    rows = []
-    served = _load(folder / "niah_served" / "niah_served.json")
-    if served:
-        acc, lengths = served["accuracy"], served["lengths"]
-
-        def cells(arm: str) -> str:
-            return _slashed([acc[arm].get(str(n), {}).get("accuracy") for n in lengths])
-
-        rows.append([
-            f"needle through the server with default settings, {lengths[0] // 1024}k-"
-            f"{lengths[-1] // 1024}k tokens ({served['docs']} documents each)",
-            f"`--budget auto` {cells('auto')} against the full cache's {cells('full')}; on a "
-            f"`--max-kv-bytes` of {served['small_tokens']:,} tokens {cells('auto-small')}",
-        ])  # fmt: skip
-    blas = _load(folder / "blas" / "blas.json")
-    if blas:
-        pre = {r["arm"]: r["median"] for r in blas["prefill_ratios"]}
-        dec = {r["arm"]: r["median"] for r in blas["decode_ratios"]}
-        rows.append([
-            "OpenBLAS from PyPI against the system's (prefill / decode throughput)",
-            f"{pre['pip_a']:.2f}x / {dec['pip_a']:.2f}x (A/A {pre['pip_b']:.2f}x / "
-            f"{dec['pip_b']:.2f}x)",
-        ])  # fmt: skip
-    return rows
-
-
 def write_readme(readme: Path = README, results_dir: Path = RESULTS_DIR) -> bool:
-    """Replace the README's lines between :data:`BEGIN` and :data:`END` with
-    :func:`readme_headlines`; returns whether the README has the markers."""
+    """Put :func:`readme_headlines` between the README's :data:`BEGIN` and :data:`END`;
+    returns whether it has them."""
     text = readme.read_text()
     found = re.search(f"{re.escape(BEGIN)}\n.*?{re.escape(END)}", text, flags=re.S)
-    if not found:
-        return False
-    block = "\n".join([BEGIN, *readme_headlines(results_dir), END])
-    readme.write_text(text[: found.start()] + block + text[found.end() :])
-    return True
+    if found:
+        block = "\n".join([BEGIN, *readme_headlines(results_dir), END])
+        readme.write_text(text[: found.start()] + block + text[found.end() :])
+    return bool(found)
 
 
 def main() -> None:

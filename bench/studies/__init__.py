@@ -1,8 +1,5 @@
-"""The registry of studies: each one a module here, named, with the question it answers.
-
-A study module holds only its data preparation, its measurement and its section of the page
-(``render``); importing this package imports no study (nor MLX).
-"""
+"""The registry of studies: each a module here with its data, its measurement and its section of
+the page (``render``); importing this package imports no study (nor MLX)."""
 
 from __future__ import annotations
 
@@ -13,26 +10,16 @@ from types import ModuleType
 
 @dataclass(frozen=True)
 class Study:
-    """One registered study.
+    """One registered study; the smoke test skips it, saying so, when it ``needs`` more."""
 
-    Args:
-        name: Its command-line name (``kvzip-parity``); the JSON is ``<name with _>.json``.
-        section: ``quality`` (held-out accuracy and likelihood) or ``speed`` (time, memory).
-        question: What it answers, in one line.
-        subfolder: ``bench/run_all.sh`` runs it into a subfolder of the model's results, so the
-            main section does not list it as missing.
-        needs: What it needs beyond the package (the smoke test skips it, saying so).
-    """
-
-    name: str
-    section: str
-    question: str
-    subfolder: bool = False
-    needs: str = ""
+    name: str  # on the command line; its module and its JSON file are named ``key``
+    section: str  # ``quality`` (held-out accuracy, likelihood) or ``speed`` (time, memory)
+    question: str  # what it answers, in one line
+    subfolder: bool = False  # run_all.sh runs it into a subfolder: not listed as missing
+    needs: str = ""  # what it needs beyond the package
 
     @property
     def key(self) -> str:
-        """Its module's and its JSON file's name."""
         return self.name.replace("-", "_")
 
     def module(self) -> ModuleType:
