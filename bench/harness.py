@@ -551,3 +551,21 @@ def errorbars(stats: Sequence[dict[str, float]]) -> tuple[list[float], list[list
     med = [s["median"] for s in stats]
     return med, [[m - s["q1"] for m, s in zip(med, stats, strict=True)],
                  [s["q3"] - m for m, s in zip(med, stats, strict=True)]]  # fmt: skip
+
+
+# -- resumable loops --
+
+
+def measured(
+    log: Path | None, done: dict[Any, dict], todo: Sequence[Any], measure: Callable, desc: str
+) -> list[dict[str, Any]]:
+    """The record of each key of ``todo``: read back (``done``, from :func:`resume`) or
+    ``measure(*key)``, appended to ``log`` at once (if any) so that a stopped run resumes."""
+    with progress(total=len(todo), desc=desc) as bar:
+        for key in todo:
+            if key not in done:
+                done[key] = measure(*key)
+                if log is not None:
+                    append_jsonl(log, done[key])
+            bar.update(1)
+    return [done[key] for key in todo]

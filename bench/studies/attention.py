@@ -1,10 +1,7 @@
 """Does each scorer's score predict the attention a key will receive?
 
-Per held-out sequence, with a full cache: the true softmax attention each key at
-``n_sink .. L/2`` receives from the later queries (mean over queries and the GQA group),
-Spearman-correlated per (layer, KV head) with each scorer's score, computed by the engine's
-own scorers (the self filter from the first half's queries only; SnapKV as if the first half
-were the prompt). With several ``--lengths`` each set is ``<data>@<length>``.
+Spearman's rho per (layer, KV head) between the attention keys ``n_sink .. L/2`` get from later
+queries (full cache) and each engine scorer's score; several ``--lengths``: ``<data>@<length>``.
 """
 
 from __future__ import annotations
@@ -27,8 +24,7 @@ from qfserve.engine.kv.scorers import KeySVDScorer, KNormScorer, QFilterScorer, 
 from qfserve.engine.kv.selfcal import QueryTap, filters_from_moments
 
 STUDY = "attention"
-SCORERS = ("qfilters", "self", "fallback+", "fallback-", "knorm", "snapkv", "snapkv/w8",
-           "recency")  # fmt: skip
+SCORERS = ("qfilters", "self", "fallback+", "fallback-", "knorm", "snapkv", "snapkv/w8", "recency")
 SNAPKV_WINDOWS = {"snapkv": 32, "snapkv/w8": 8}
 
 
@@ -49,14 +45,8 @@ def spearman(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def received_attention(queries: np.ndarray, keys: np.ndarray, scale: float) -> np.ndarray:
-    """Mean attention each key gets from the later half of the queries, per KV head.
-
-    Args:
-        queries: ``(H, L, D)`` post-RoPE queries in position order.
-        keys: ``(KV, L, D)`` post-RoPE keys.
-    Returns:
-        ``(KV, L)`` attention averaged over queries ``L/2 .. L-1`` and the group's heads.
-    """
+    """``(KV, L)`` attention each key gets from queries ``L/2 .. L-1`` and the group's heads
+    (post-RoPE ``queries`` ``(H, L, D)`` in position order, ``keys`` ``(KV, L, D)``)."""
     H, L, _ = queries.shape
     kv = keys.shape[0]
     group = H // kv
@@ -104,7 +94,7 @@ def scores_for(
 
 
 def sequence_correlations(
-    model: Any, tokens: np.ndarray, filters: np.ndarray, scorers: tuple[str, ...]
+    model: Any, tokens: np.ndarray, filters: Any, scorers: tuple[str, ...]
 ) -> np.ndarray:
     """``(n_scorers, n_layers, n_kv)`` Spearman correlations on one sequence."""
     L = len(tokens)
@@ -162,20 +152,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         tag = "" if len(lengths) == 1 else f"@{length}"
         datasets[f"stdlib{tag}"] = stdlib_windows(corpus, length, n)
         datasets[f"recall{tag}"] = recall_windows(corpus, length, n)
-    rho: dict[str, np.ndarray] = {}  # (S, n_scorers, n_layers, n_kv) per data set
-    with progress(total=sum(len(v) for v in datasets.values()), desc="sequences") as bar:
-        for name, seqs in datasets.items():
-            per_seq = []
-            for tokens in seqs:
-                per_seq.append(sequence_correlations(model, tokens, filters, scorers))
-                bar.update(1)
-            rho[name] = np.stack(per_seq)
+    rho = {
+        name: np.stack(
+            [
+                sequence_correlations(model, t, filters, scorers)
+                for t in progress(iterable=seqs, desc=name)
+            ]
+        )
+        for name, seqs in datasets.items()
+    }  # (S, n_scorers, n_layers, n_kv) per data set
     if len(lengths) > 1:
         for n in lengths:
             rho[f"all@{n}"] = np.concatenate([rho[f"stdlib@{n}"], rho[f"recall@{n}"]])
     rho["all"] = np.concatenate([v for k, v in rho.items() if not k.startswith("all")])
-    results = {name: {scorer: head_stats(r[:, s]) for s, scorer in enumerate(scorers)}
-               for name, r in rho.items()}  # fmt: skip
+    results = {
+        name: {scorer: head_stats(r[:, s]) for s, scorer in enumerate(scorers)}
+        for name, r in rho.items()
+    }
 
     fig, ax = subplots(1, 2, figsize=(11, 3.8))
     pooled = results["all"]
@@ -188,62 +181,54 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ax[0, 0].set_xticks(range(len(scorers)), scorers, rotation=30, fontsize=7)
     ax[0, 0].set_ylabel("Spearman rho (per KV head, mean over sequences)")
     n_layers, n_kv = filters.shape[:2]
-    a = ax[0, 1]
-    im = a.imshow(pooled[scorers[0]]["per_head"], cmap="RdBu", vmin=-1, vmax=1, aspect="auto")
-    a.set(xlabel="KV head", ylabel="layer", xticks=range(n_kv), yticks=range(n_layers))
-    a.set_title("calibrated Q-Filters, rho per head", fontsize=9)
-    fig.colorbar(im, ax=a)
-    title = f"{identity['path']} {identity['checkpoint']}: does the score predict attention?"
-    save_plot(fig, args.out, STUDY, title)
+    im = ax[0, 1].imshow(
+        pooled[scorers[0]]["per_head"], cmap="RdBu", vmin=-1, vmax=1, aspect="auto"
+    )
+    ax[0, 1].set(xlabel="KV head", ylabel="layer", xticks=range(n_kv), yticks=range(n_layers))
+    ax[0, 1].set_title("calibrated Q-Filters, rho per head", fontsize=9)
+    fig.colorbar(im, ax=ax[0, 1])
+    save_plot(fig, args.out, STUDY, f"{identity['path']} {identity['checkpoint']}: does the "
+              "score predict attention?")  # fmt: skip
 
+    data = {"length": lengths[0] if len(lengths) == 1 else lengths,
+            "sequences": {k: len(v) for k, v in datasets.items()},
+            "keys": f"positions {DEFAULT_N_SINK} .. L/2-1",
+            "queries": "positions L/2 .. L-1, all query heads of the KV group",
+            "fallback_calib_tokens": DEFAULT_CALIB_TOKENS, "snapkv_windows": SNAPKV_WINDOWS}  # fmt: skip
     return study.save(
-        {
-            "data": {
-                "length": lengths[0] if len(lengths) == 1 else lengths,
-                "sequences": {k: len(v) for k, v in datasets.items()},
-                "keys": f"positions {DEFAULT_N_SINK} .. L/2-1",
-                "queries": "positions L/2 .. L-1, all query heads of the KV group",
-                "fallback_calib_tokens": DEFAULT_CALIB_TOKENS,
-                "snapkv_windows": SNAPKV_WINDOWS,
-            },
-            "scorers": list(scorers),
-            "results": results,
-            "plots": [f"{STUDY}.png"],
-        }
+        {"data": data, "scorers": list(scorers), "results": results, "plots": [f"{STUDY}.png"]}
     )
 
 
 def render(data: dict[str, Any]) -> list[str]:
     """This study's section of ``bench/RESULTS.md``."""
-    lines = quality_header("Does the score predict attention?", data)
-    d = data["data"]
+    d, results = data["data"], data["results"]
     lengths = d["length"] if isinstance(d["length"], list) else [d["length"]]
-    lines += [
-        "",
+    intro = (
         f"Spearman correlation, per KV head, between each score and the attention a key "
         f"receives from later queries (keys {d['keys']}; queries {d['queries']}), "
         f"{', '.join(map(str, lengths))}-token held-out sequences {d['sequences']}. Mean over "
-        "heads, the share of heads where it is positive, and the spread of per-head values.",
-        "",
-    ]
+        "heads, the share of heads where it is positive, and the spread of per-head values."
+    )
+    lines = quality_header("Does the score predict attention?", data, intro)
     if len(lengths) > 1:  # one row per scorer, a column per length (both kinds of data)
-        res = data["results"]
         keys = [f"all@{n}" for n in lengths] + ["all"]
-        rows = [[scorer, *(f"{fmt(res[k][scorer]['mean_rho'], 2)} "
-                           f"({pct(res[k][scorer]['share_heads_positive'])})" for k in keys)]
-                for scorer in res["all"]]  # fmt: skip
-        lines += ["Mean ρ over KV heads (share of heads with ρ > 0), by sequence length:", ""]
-        lines += table(["scorer", *[f"{n} tokens" for n in lengths], "all sequences pooled"], rows)
-        lines += ["", "By data and length:", ""]
+        rows = [[scorer, *(f"{fmt(results[k][scorer]['mean_rho'], 2)} "
+                           f"({pct(results[k][scorer]['share_heads_positive'])})" for k in keys)]
+                for scorer in results["all"]]  # fmt: skip
+        lines += ["Mean ρ over KV heads (share of heads with ρ > 0), by sequence length:", "",
+                  *table(["scorer", *[f"{n} tokens" for n in lengths], "all sequences pooled"], rows),
+                  "", "By data and length:", ""]  # fmt: skip
     rows = [[dataset, scorer, fmt(r["mean_rho"]), pct(r["share_heads_positive"]),
              spread_cell(r["per_head_spread"])]
-            for dataset, res in data["results"].items() for scorer, r in res.items()]  # fmt: skip
+            for dataset, res in results.items() for scorer, r in res.items()]  # fmt: skip
     lines += table(["data", "scorer", "mean ρ", "heads ρ > 0", "per-head [q1–q3]"], rows)
-    res = data["results"].get("all")
-    if res:
+    if res := results.get("all"):
         per_layer = zip(*(r["per_head"] for r in res.values()), strict=True)
-        rows = [[layer, *(" / ".join(f"{v:+.2f}" for v in heads) for heads in by_scorer)]
-                for layer, by_scorer in enumerate(per_layer)]  # fmt: skip
+        rows = [
+            [layer, *(" / ".join(f"{v:+.2f}" for v in heads) for heads in by_scorer)]
+            for layer, by_scorer in enumerate(per_layer)
+        ]
         lines += ["", "Per layer (all data; each cell: ρ of KV head 0 / 1 / ...):", ""]
         lines += table(["layer", *res], rows)
     return lines + plots(data)

@@ -1,8 +1,7 @@
 """Are the model's queries anisotropic, and does the filter's sign hold?
 
-Per query head on held-out queries: the mean projection on the calibrated filter over the
-mean query norm, the share of queries projecting positively, the top component's energy and
-drift ratio of their own uncentred SVD, and its cosine to the calibrated filter.
+Per query head, on held-out queries: projection on the calibrated filter, and own-SVD energy,
+drift and cosine to it.
 """
 
 from __future__ import annotations
@@ -19,6 +18,12 @@ from qfserve.calibrations.capture import capture_queries
 from qfserve.calibrations.compute import layer_filters
 
 STUDY = "geometry"
+PANELS = {
+    "mean_proj_rel": "mean query projection on filter / mean |q|",
+    "share_positive": "share of held-out queries with q.f > 0",
+    "top_energy": "top-component energy share",
+    "drift_ratio": "|mean proj v1| / mean |mean proj v_i>1| (log)",
+}
 
 
 def head_rows(queries: Sequence[np.ndarray], filters: np.ndarray) -> list[dict]:
@@ -55,56 +60,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
     rows = head_rows([s.queries for s in found], filters)
 
-    positive = [r["mean_proj_rel"] > 0 for r in rows]
-    overall = {"heads": len(rows), "share_heads_positive": float(np.mean(positive)),
+    overall = {"heads": len(rows), "share_heads_positive": float(np.mean([r["mean_proj_rel"] > 0 for r in rows])),
                "share_queries_positive": summary([r["share_positive"] for r in rows])}  # fmt: skip
     for key in ("mean_proj_rel", "top_energy", "drift_ratio", "cos_to_calibrated"):
         overall[key] = summary([r[key] for r in rows])
-    print(
-        f"\nheads with positive mean projection on the calibrated filter: "
-        f"{sum(positive)}/{len(rows)}; median top energy {overall['top_energy']['median']:.3f}; "
-        f"median drift ratio {overall['drift_ratio']['median']:.1f}x"
-    )
 
     fig, ax = subplots(2, 2, figsize=(10, 6.4))
-    x = np.arange(len(rows))
-    labels = [f"L{r['layer']}h{r['head']}" for r in rows]
-    for a, key, title in (
-        (ax[0, 0], "mean_proj_rel", "mean query projection on filter / mean |q|"),
-        (ax[0, 1], "share_positive", "share of held-out queries with q.f > 0"),
-        (ax[1, 0], "top_energy", "top-component energy share"),
-        (ax[1, 1], "drift_ratio", "|mean proj v1| / mean |mean proj v_i>1| (log)"),
-    ):
+    x, labels = np.arange(len(rows)), [f"L{r['layer']}h{r['head']}" for r in rows]
+    for a, (key, title) in zip(ax.flat, PANELS.items(), strict=True):
         values = [r[key] for r in rows]
         a.bar(x, values, color=["tab:blue" if v > 0 else "tab:red" for v in values])
         a.set_title(title, fontsize=9)
         a.set_xticks(x, labels, rotation=90, fontsize=6)
-        if key == "drift_ratio":
-            a.set_yscale("log")
+        a.set_yscale("log" if key == "drift_ratio" else "linear")
         a.axhline(0, color="black", lw=0.5)
-    title = f"{identity['path']} {identity['checkpoint']}: query geometry per head (held-out)"
-    save_plot(fig, args.out, STUDY, title)
-
-    return study.save(
-        {
-            "data": {
-                "kinds": ["stdlib eval split windows", "held-out generated kv/fact/passkey"],
-                "sequences": len(sequences),
-                "tokens": total,
-                "length": length,
-                "samples_per_head": int(found[0].queries.shape[1]),
-            },
-            "summary": overall,
-            "heads": rows,
-            "plots": [f"{STUDY}.png"],
-        }
-    )
+    save_plot(fig, args.out, STUDY, f"{identity['path']} {identity['checkpoint']}: query "
+              "geometry per head (held-out)")  # fmt: skip
+    data = {"kinds": ["stdlib eval split windows", "held-out generated kv/fact/passkey"],
+            "sequences": len(sequences), "tokens": total, "length": length,
+            "samples_per_head": int(found[0].queries.shape[1])}  # fmt: skip
+    return study.save({"data": data, "summary": overall, "heads": rows, "plots": [f"{STUDY}.png"]})
 
 
 def render(data: dict[str, Any]) -> list[str]:
     """This study's section of ``bench/RESULTS.md``."""
-    s = data["summary"]
-    lines = quality_header("Geometry: are the queries anisotropic?", data)
+    s, d = data["summary"], data["data"]
     spreads = (
         ("share of held-out queries with q·f > 0", "share_queries_positive", 3),
         ("mean projection / mean ‖q‖", "mean_proj_rel", 3),
@@ -115,20 +95,20 @@ def render(data: dict[str, Any]) -> list[str]:
     heads = f"{s['share_heads_positive'] * s['heads']:.0f} / {s['heads']}"
     rows = [["heads whose mean query projects positively on the filter", heads]]
     rows += [[label, spread_cell(s[key], digits)] for label, key, digits in spreads]
-    lines += [
-        "",
-        f"Held-out queries ({data['data']['tokens']:,} tokens, {data['data']['samples_per_head']}"
-        " sampled per head) against the calibrated filter of their KV head. Spread is the "
-        "median [q1–q3] over query heads.",
-        "",
-        *table(["measure", "median [q1–q3] over heads"], rows),
-    ]
-    anisotropy = data.get("calibration", {}).get("anisotropy")
-    if anisotropy:
+    intro = (
+        f"Held-out queries ({d['tokens']:,} tokens, {d['samples_per_head']} sampled per "
+        "head) against the calibrated filter of their KV head. Spread is the median "
+        "[q1–q3] over query heads."
+    )
+    lines = quality_header("Geometry: are the queries anisotropic?", data, intro)
+    lines += table(["measure", "median [q1–q3] over heads"], rows)
+    if anisotropy := data.get("calibration", {}).get("anisotropy"):
         headers = ["layer", "heads positive on their KV filter", "top energy (mean)",
                    "drift ratio (median)"]  # fmt: skip
-        rows = [[a["layer"], pct(a["positive_share"]), fmt(a["top_energy"]),
-                 fmt(a["drift_ratio"], 1)] for a in anisotropy]  # fmt: skip
+        rows = [
+            [a["layer"], pct(a["positive_share"]), fmt(a["top_energy"]), fmt(a["drift_ratio"], 1)]
+            for a in anisotropy
+        ]
         lines += ["", "On the calibration queries themselves (`qfserve.calibrations.compute`'s "
                   "per-layer summary):", "", *table(headers, rows)]  # fmt: skip
     return lines + plots(data)

@@ -1,19 +1,15 @@
 """KVzip against NVIDIA kvpress's ``KVzipPress`` on the same model and the same token ids.
 
-Needle-in-prose chats split as kvpress splits them: the context compressed, then the question
-appended whole and the answer decoded greedily. kvpress runs in its own Python
-(``--kvpress-python``, ``bench/reference/kvpress_kvzip.py``); reported per ratio: accuracy and
-the overlap of the rows each keeps per (layer, KV head).
+kvpress runs in its own Python (``--kvpress-python``, ``bench/reference/kvpress_kvzip.py``);
+per ratio: accuracy and the overlap of the rows each keeps per (layer, KV head).
 """
 
 from __future__ import annotations
 
 import json
 import random
-import re
 import subprocess
 from collections import defaultdict
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,19 +18,16 @@ import numpy as np
 
 from bench.arms import Arm, feed_block
 from bench.data import stdlib_prose
-from bench.harness import append_jsonl, open_run, parse, parser, read_jsonl, save_plot, subplots
-from bench.report import fmt, plots, quality_header, table
+from bench.harness import measured, open_run, parse, parser, read_jsonl, resume
+from bench.report import fmt, plots, quality_header
 from bench.studies.niah import CITIES
-from bench.studies.retrieval import prefill_block
+from bench.studies.retrieval import accuracy_plot, first_number_is, prefill_block, ratio_table
 
 STUDY = "kvzip_parity"
 REFERENCE = Path(__file__).resolve().parents[1] / "reference" / "kvpress_kvzip.py"
 # Our allocations: rows shared across layers (the default), across a layer's heads, per head.
 MODES = ("global", "adaptive", "per_head")
 SCORING = "first number of the greedy answer equals the needle's"
-
-
-# -- shared with kvzip_reuse ---------------------------------------------------------------
 
 
 def prose(tokenizer: Any, rng: random.Random, length: int) -> list[str]:
@@ -47,27 +40,6 @@ def prose(tokenizer: Any, rng: random.Random, length: int) -> list[str]:
     return chosen
 
 
-def first_number_is(text: str, number: str) -> bool:
-    """Whether the first number in ``text`` (a greedy answer) is ``number``."""
-    found = re.search(r"\d+", text)
-    return bool(found and found.group() == number)
-
-
-def plot_accuracy(accuracy: dict[str, dict[str, float]], ratios: list, out: Path, name: str,
-                  title: str, style: Callable[[str], dict] = lambda arm: {"label": arm}) -> str:  # fmt: skip
-    """Each arm's accuracy against the compression ratio (``style``: its line's keywords),
-    the full cache's as a line across."""
-    fig, ax = subplots(1, 1)
-    for arm, by in accuracy.items():
-        if arm == "full":
-            ax[0, 0].axhline(by["-"], color="black", ls="--", label="full cache")
-        else:
-            ax[0, 0].plot(ratios, [by[str(r)] for r in ratios], marker="o", **style(arm))
-    ax[0, 0].set(xscale="log", xlabel="compression", ylabel="accuracy", ylim=(-0.05, 1.05))
-    ax[0, 0].legend(fontsize=7)
-    return save_plot(fig, out, name, title)
-
-
 def chat_docs(tokenizer: Any, n: int, length: int, seed: int = 0) -> list[dict[str, Any]]:
     """``n`` chat documents of about ``length`` context tokens (see the module doc)."""
     docs = []
@@ -75,8 +47,9 @@ def chat_docs(tokenizer: Any, n: int, length: int, seed: int = 0) -> list[dict[s
         rng = random.Random(f"parity-{seed}-{length}-{i}")
         city, number = rng.choice(CITIES), str(rng.randrange(1_000_000, 10_000_000))
         chosen = prose(tokenizer, rng, length)
-        needle = f"The special magic number for {city} is {number}."
-        chosen.insert(rng.randrange(len(chosen) + 1), needle)
+        chosen.insert(
+            rng.randrange(len(chosen) + 1), f"The special magic number for {city} is {number}."
+        )
         question = f"\n\nWhat is the special magic number for {city}?"
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": "\n\n".join(chosen) + question}],
@@ -85,21 +58,17 @@ def chat_docs(tokenizer: Any, n: int, length: int, seed: int = 0) -> list[dict[s
         )
         cut = text.rindex(question)
         primer = f"The special magic number for {city} is"
-        docs.append(
-            {
-                "id": f"{length}-{i}",
-                "context_ids": tokenizer.encode(text[:cut], add_special_tokens=False),
-                "question_ids": tokenizer.encode(text[cut:] + primer, add_special_tokens=False),
-                "answer": number,
-                "max_new_tokens": len(tokenizer.encode(" " + number)) + 3,
-            }
-        )
+        docs.append({"id": f"{length}-{i}",
+                     "context_ids": tokenizer.encode(text[:cut], add_special_tokens=False),
+                     "question_ids": tokenizer.encode(text[cut:] + primer, add_special_tokens=False),
+                     "answer": number,
+                     "max_new_tokens": len(tokenizer.encode(" " + number)) + 3})  # fmt: skip
     return docs
 
 
 def ours(study: Any, doc: dict[str, Any], ratios: list[int]) -> dict[str, dict[str, Any]]:
     """Our KVzip on the context at each ratio and allocation, then the question and answer
-    kept whole. The pass runs once per document (its scores do not depend on the budget)."""
+    kept whole; the pass runs once per document (its scores do not depend on the budget)."""
     model, context = study.model, doc["context_ids"]
     block = prefill_block(model, [*context, 0], kvzip=study.repeat)
     out: dict[str, dict[str, Any]] = {mode: {} for mode in MODES}
@@ -130,13 +99,12 @@ def _kept(cache: Any) -> list[list[int]]:
 
 def overlap(a: list[list[list[int]]], b: list[list[list[int]]]) -> dict[str, float]:
     """Mean over (layer, head) of |a & b| / |b| (recall of ``b``'s rows) and the Jaccard."""
-    recall, jaccard = [], []
-    for la, lb in zip(a, b, strict=True):
-        for ha, hb in zip(la, lb, strict=True):
-            sa, sb = set(ha), set(hb)
-            recall.append(len(sa & sb) / max(len(sb), 1))
-            jaccard.append(len(sa & sb) / max(len(sa | sb), 1))
-    return {"recall_of_kvpress": float(np.mean(recall)), "jaccard": float(np.mean(jaccard))}
+    pairs = [(set(ha), set(hb)) for la, lb in zip(a, b, strict=True)
+             for ha, hb in zip(la, lb, strict=True)]  # fmt: skip
+    return {
+        "recall_of_kvpress": float(np.mean([len(a & b) / max(len(b), 1) for a, b in pairs])),
+        "jaccard": float(np.mean([len(a & b) / max(len(a | b), 1) for a, b in pairs])),
+    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -158,70 +126,58 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out = args.out / STUDY
     out.mkdir(parents=True, exist_ok=True)
     docs = chat_docs(study.tokenizer, args.docs, args.length, args.seed)
-    docs_file = out / "docs.json"
-    docs_file.write_text(json.dumps(docs))
+    (out / "docs.json").write_text(json.dumps(docs))
     theirs: dict[str, dict[str, Any]] = defaultdict(dict)  # doc id -> kvpress mode -> record
     for mode in ("global", "layerwise") if args.layerwise else ("global",):
         layerwise = ["--layerwise"] if mode == "layerwise" else []
         log = out / f"kvpress{'_layerwise' if layerwise else ''}.jsonl"
-        cmd = [args.kvpress_python, str(REFERENCE), "--gguf", str(gguf), "--docs", str(docs_file),
-               "--out", str(log), "--ratios", *map(str, args.ratios), *layerwise]  # fmt: skip
-        subprocess.run(cmd, check=True)
+        subprocess.run([args.kvpress_python, str(REFERENCE), "--gguf", str(gguf), "--docs",
+                        str(out / "docs.json"), "--out", str(log), "--ratios",
+                        *map(str, args.ratios), *layerwise], check=True)  # fmt: skip
         for rec in read_jsonl(log):
             theirs[rec["id"]][mode] = rec
-    mine_log = out / "ours.jsonl"
-    mine = {rec["id"]: rec["modes"] for rec in read_jsonl(mine_log)}
+    by_id = {doc["id"]: doc for doc in docs}
+    mine = measured(out / "ours.jsonl", resume(out / "ours.jsonl", lambda r: (r["id"],)),
+                    [(i,) for i in by_id], lambda i: {"id": i, "modes": ours(study, by_id[i], args.ratios)},
+                    "documents")  # fmt: skip
     cells: dict[str, dict[str, list[Any]]] = defaultdict(lambda: defaultdict(list))
-    for i, doc in enumerate(docs, 1):
-        if doc["id"] not in mine:
-            mine[doc["id"]] = ours(study, doc, args.ratios)
-            append_jsonl(mine_log, {"id": doc["id"], "modes": mine[doc["id"]]})
-            study.log(f"document {i}/{len(docs)}")
+    for doc, rec in zip(docs, mine, strict=True):
         ref = theirs[doc["id"]]
         cells["full"]["-"].append(ref["global"]["full"]["correct"])
         for r in map(str, args.ratios):
-            for name, rec in ref.items():
-                cells[f"kvpress/{name}"][r].append(rec["ratios"][r]["correct"])
+            for name, kvpress in ref.items():
+                cells[f"kvpress/{name}"][r].append(kvpress["ratios"][r]["correct"])
             for mode in MODES:
-                cell = mine[doc["id"]][mode][r]
+                cell = rec["modes"][mode][r]
                 cells[f"ours/{mode}"][r].append(cell["correct"])
-                for name, rec in ref.items():
+                for name, kvpress in ref.items():
                     pair = cells[f"overlap/{mode}~{name}"][r]
-                    pair.append(overlap(cell["kept"], rec["ratios"][r]["kept"]))
+                    pair.append(overlap(cell["kept"], kvpress["ratios"][r]["kept"]))
     accuracy = {arm: {r: float(np.mean(v)) for r, v in by.items()}
                 for arm, by in cells.items() if not arm.startswith("overlap")}  # fmt: skip
-    overlaps = {
-        arm: {r: {k: float(np.mean([o[k] for o in v])) for k in v[0]} for r, v in by.items()}
-        for arm, by in cells.items()
-        if arm.startswith("overlap")
-    }
+    overlaps = {arm: {r: {k: float(np.mean([o[k] for o in v])) for k in v[0]} for r, v in by.items()}
+                for arm, by in cells.items() if arm.startswith("overlap")}  # fmt: skip
     title = f"{study.identity['path']}: KVzip, ours and kvpress's"
-    return study.save(
-        {
-            "data": {"documents": len(docs), "context_tokens": args.length, "scoring": SCORING},
-            "ratios": args.ratios,
-            "accuracy": accuracy,
-            "overlap": overlaps,
-            "kvpress": {"script": str(REFERENCE.relative_to(REFERENCE.parents[2]))},
-            "plots": [plot_accuracy(accuracy, args.ratios, args.out, STUDY, title)],
-        }
-    )
+    return study.save({"data": {"documents": len(docs), "context_tokens": args.length,
+                                "scoring": SCORING},
+                       "ratios": args.ratios, "accuracy": accuracy, "overlap": overlaps,
+                       "kvpress": {"script": str(REFERENCE.relative_to(REFERENCE.parents[2]))},
+                       "plots": [accuracy_plot(accuracy, args.ratios, args.out, STUDY, title)]})  # fmt: skip
 
 
 def render(d: dict[str, Any]) -> list[str]:
     """This study's section of ``bench/RESULTS.md``."""
     ratios, data = d["ratios"], d["data"]
-    lines = quality_header("KVzip against kvpress's KVzipPress", d)
-    lines += ["", f"{data['documents']} needle-in-chat documents of about "
-              f"{data['context_tokens']:,} context tokens, compressed, then the question kept "
-              f"whole; {data['scoring']}. Accuracy:", ""]  # fmt: skip
-    cell = lambda by, r: fmt(by.get(str(r), by.get("-")), 2)  # noqa: E731
-    lines += table(["arm", *[f"{r}×" for r in ratios]],
-                   [[arm, *(cell(by, r) for r in ratios)] for arm, by in d["accuracy"].items()])  # fmt: skip
-    lines += ["", "Rows kept per (layer, KV head): share of kvpress's kept context rows ours keeps "
-              "too / Jaccard index:", ""]  # fmt: skip
-    lines += table(["pair", *[f"{r}×" for r in ratios]], [
-        [pair.removeprefix("overlap/"), *(f"{by[str(r)]['recall_of_kvpress']:.2f} / "
-                                          f"{by[str(r)]['jaccard']:.2f}" for r in ratios)]
-        for pair, by in d["overlap"].items()])  # fmt: skip
-    return lines + plots(d)
+    intro = (
+        f"{data['documents']} needle-in-chat documents of about {data['context_tokens']:,} "
+        f"context tokens, compressed, then the question kept whole; {data['scoring']}. "
+        "Accuracy:"
+    )
+    pairs = {k.removeprefix("overlap/"): by for k, by in d["overlap"].items()}
+    return [*quality_header("KVzip against kvpress's KVzipPress", d, intro),
+            *ratio_table("arm", ratios, d["accuracy"],
+                         lambda by, r: fmt(by.get(str(r), by.get("-")), 2)),
+            "", "Rows kept per (layer, KV head): share of kvpress's kept context rows ours keeps "
+            "too / Jaccard index:", "",
+            *ratio_table("pair", ratios, pairs, lambda by, r: f"{by[str(r)]['recall_of_kvpress']:.2f}"
+                         f" / {by[str(r)]['jaccard']:.2f}"), *plots(d)]  # fmt: skip

@@ -1,9 +1,7 @@
 """Five questions on one document in five later turns, through the server's own prompt cache.
 
-Turn 0 sends prose holding five "special magic number" facts and asks for a summary; each
-later turn asks for one fact, continuing the previous prompt token for token, through a
-:class:`~qfserve.engine.serving.worker.Worker` with reuse on: later questions read what was
-kept without knowing them. KVzip answers turn 0 on its full cache and is compressed when kept.
+Each later turn asks for one fact, continuing the previous prompt through a ``Worker`` with
+reuse on: later questions read what was kept without knowing them.
 """
 
 from __future__ import annotations
@@ -11,24 +9,24 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections import defaultdict
 from typing import Any
 
 import numpy as np
 
 from bench.arms import Arm
-from bench.harness import append_jsonl, color, open_run, parse, parser, progress, resume
-from bench.report import arm_label, fmt, plots, quality_header, table
-from bench.studies.kvzip_parity import first_number_is, plot_accuracy, prose
+from bench.harness import color, measured, open_run, parse, parser, resume
+from bench.report import arm_label, fmt, plots, quality_header
+from bench.studies.kvzip_parity import prose
 from bench.studies.niah import CITIES
+from bench.studies.retrieval import accuracy_plot, first_number_is, ratio_table
 from qfserve.engine.serving.config import EngineConfig
 from qfserve.engine.serving.worker import Worker
 from qfserve.engine.text.requests import Delta, Failed, Finished, GenerationRequest, SamplingParams
 
 STUDY = "kvzip_reuse"
 FACTS = 5
-ARMS = (Arm("full"), Arm("qfilters", 0.25), Arm("snapkv", 0.25), Arm("streaming", 0.0),
-        Arm("kvzip", 0.25, shared=True))  # fmt: skip
+ARMS = {a.name: a for a in (Arm("full"), Arm("qfilters", 0.25), Arm("snapkv", 0.25),
+                            Arm("streaming", 0.0), Arm("kvzip", 0.25, shared=True))}  # fmt: skip
 
 
 def make_doc(tokenizer: Any, length: int, index: int) -> dict[str, Any]:
@@ -59,7 +57,6 @@ def converse(
     worker: Worker, tokenizer: Any, doc: dict[str, Any], arm: Arm, budget: int | None
 ) -> dict[str, Any]:
     """One conversation on a fresh prompt cache: each turn's correctness and cached tokens."""
-    config = arm.config(budget)
     # Generated ids from their text pieces (what a client sends back is the text).
     vocab = {tokenizer.decode([i]): i for i in range(len(tokenizer.vocab))}
     prompt: list[int] = []
@@ -69,7 +66,7 @@ def converse(
         prompt = [*prompt, *tokenizer.encode(text, add_special_tokens=False)]
         sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=True)
         request = GenerationRequest(kind="completion", prompt=tuple(prompt), sampling=sampling,
-                                    cache=config, reuse=True)  # fmt: skip
+                                    cache=arm.config(budget), reuse=True)  # fmt: skip
         pieces, final = asyncio.run(_ask(worker, request))
         ids = [vocab[piece] for piece in pieces]
         prompt = [*prompt, *ids]
@@ -100,64 +97,57 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ratios = args.ratios
     study = open_run(STUDY, args, argv)
     tokenizer, loaded = study.tokenizer, study.loaded
+
+    def measure(d: int, name: str, ratio: str) -> dict[str, Any]:
+        doc = make_doc(tokenizer, args.length, d)
+        tokens = len(tokenizer.encode(doc["text"]))
+        budget = None if ratio == "-" else round(tokens / int(ratio))
+        worker = Worker(
+            EngineConfig(model=loaded.name, prompt_cache_size=4), loader=lambda _ref: loaded
+        )
+        worker.start()
+        while worker.status == "loading":
+            time.sleep(0.05)
+        try:
+            return {"doc": d, "arm": name, "ratio": ratio, "budget": budget, "doc_tokens": tokens,
+                    **converse(worker, tokenizer, doc, ARMS[name], budget)}  # fmt: skip
+        finally:
+            worker.stop()
+
     log = args.out / f"{STUDY}.jsonl"
     done = resume(log, lambda r: (r["doc"], r["arm"], r["ratio"]), fresh=args.quick)
-    todo = [(d, arm, str(r)) for d in range(args.docs) for arm in ARMS
+    todo = [(d, name, str(r)) for d in range(args.docs) for name, arm in ARMS.items()
             for r in (["-"] if arm.method == "full" else ratios)]  # fmt: skip
-    with progress(total=len(todo), desc="conversations") as bar:
-        for d, arm, ratio in todo:
-            if (d, arm.name, ratio) not in done:
-                doc = make_doc(tokenizer, args.length, d)
-                tokens = len(tokenizer.encode(doc["text"]))
-                budget = None if ratio == "-" else round(tokens / int(ratio))
-                worker = Worker(EngineConfig(model=loaded.name, prompt_cache_size=4),
-                                loader=lambda _ref: loaded)  # fmt: skip
-                worker.start()
-                while worker.status == "loading":
-                    time.sleep(0.05)
-                try:
-                    rec = {"doc": d, "arm": arm.name, "ratio": ratio, "budget": budget,
-                           "doc_tokens": tokens, **converse(worker, tokenizer, doc, arm, budget)}  # fmt: skip
-                finally:
-                    worker.stop()
-                append_jsonl(log, rec)
-                done[(d, arm.name, ratio)] = rec
-            bar.update(1)
-    records = [done[(d, arm.name, ratio)] for d, arm, ratio in todo]
-    correct: dict[str, dict[str, list[bool]]] = defaultdict(lambda: defaultdict(list))
+    records = measured(log, done, todo, measure, "conversations")
+    correct: dict[str, dict[str, list[bool]]] = {}
     for rec in records:
-        correct[rec["arm"]][rec["ratio"]].extend(rec["correct"])
+        correct.setdefault(rec["arm"], {}).setdefault(rec["ratio"], []).extend(rec["correct"])
     accuracy = {a: {r: float(np.mean(v)) for r, v in by.items()} for a, by in correct.items()}
-
-    def style(arm: str) -> dict[str, str]:
-        return {"color": color(arm.partition("/")[0]), "label": arm_label(arm)}
-
+    style = lambda arm: {"color": color(arm.partition("/")[0]), "label": arm_label(arm)}  # noqa: E731
     title = f"{study.identity['path']}: questions in later turns"
-    about = {"documents": args.docs, "document_tokens": args.length, "facts": FACTS,
-             "scoring": "first number of the greedy answer equals the city's"}  # fmt: skip
-    return study.save(
-        {
-            "data": about,
-            "ratios": ratios,
-            "arms": [a.name for a in ARMS],
-            "budget_rule": "budget = round(document tokens / ratio), recent = budget/4",
-            "every_later_turn_reused": all(all(c > 0 for c in r["cached"][1:]) for r in records),
-            "accuracy": accuracy,
-            "records": records,
-            "plots": [plot_accuracy(accuracy, ratios, args.out, STUDY, title, style)],
-        }
-    )
+    return study.save({"data": {"documents": args.docs, "document_tokens": args.length,
+                                "facts": FACTS,
+                                "scoring": "first number of the greedy answer equals the city's"},
+                       "ratios": ratios, "arms": list(ARMS),
+                       "budget_rule": "budget = round(document tokens / ratio), recent = budget/4",
+                       "every_later_turn_reused": all(all(c > 0 for c in r["cached"][1:])
+                                                      for r in records),
+                       "accuracy": accuracy, "records": records,
+                       "plots": [accuracy_plot(accuracy, ratios, args.out, STUDY, title, style)]})  # fmt: skip
 
 
 def render(d: dict[str, Any]) -> list[str]:
     """This study's section of ``bench/RESULTS.md``."""
-    ratios, data = d["ratios"], d["data"]
-    lines = quality_header("KVzip through the prompt cache: facts asked turns later", d)
-    lines += ["", f"{data['documents']} documents of about {data['document_tokens']:,} tokens "
-              f"holding {data['facts']} facts, each asked in a later turn; {data['scoring']}; "
-              f"{d['budget_rule']}. Every later turn reused its cache: "
-              f"{d['every_later_turn_reused']}. Accuracy:", ""]  # fmt: skip
-    lines += table(["arm", *[f"{r}×" for r in ratios]], [
-        [arm_label(a), *(fmt(by.get(str(r), by.get("-")), 2) for r in ratios)]
-        for a, by in d["accuracy"].items()])  # fmt: skip
-    return lines + plots(d)
+    data = d["data"]
+    intro = (
+        f"{data['documents']} documents of about {data['document_tokens']:,} tokens "
+        f"holding {data['facts']} facts, each asked in a later turn; {data['scoring']}; "
+        f"{d['budget_rule']}. Every later turn reused its cache: "
+        f"{d['every_later_turn_reused']}. Accuracy:"
+    )
+    rows = {arm_label(a): by for a, by in d["accuracy"].items()}
+    return [
+        *quality_header("KVzip through the prompt cache: facts asked turns later", d, intro),
+        *ratio_table("arm", d["ratios"], rows, lambda by, r: fmt(by.get(str(r), by.get("-")), 2)),
+        *plots(d),
+    ]

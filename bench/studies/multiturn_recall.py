@@ -1,16 +1,14 @@
 """A pass key given in turn 1, asked for turns later, per cache arm.
 
-Each user turn adds prose and asks either for the key or for a summary; greedy answers join
-the history. At an ask: whether the answer holds the key, and the key's NLL as the answer
-(teacher-forced on a copy of the caches). A *reuse* arm holds the whole chat in one set of
-caches (as the server's prompt cache does); its *fresh* sibling prefills the reuse arm's
-transcript afresh at each ask turn.
+A *reuse* arm holds the whole chat in one set of caches (as the prompt cache does); its *fresh*
+sibling prefills the reuse arm's transcript afresh at each ask turn.
 """
 
 from __future__ import annotations
 
 import copy
 import random
+from functools import cache
 from typing import Any
 
 import mlx.core as mx
@@ -19,7 +17,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from bench.arms import make_caches, prefill, token_nll
 from bench.data import prose_windows
-from bench.harness import Run, append_jsonl, open_run, parse, parser, resume, save_plot, subplots
+from bench.harness import Run, measured, open_run, parse, parser, resume, save_plot, subplots
 from bench.report import plots, quality_header, table
 from qfserve.engine.kv.config import CacheConfig
 from qfserve.engine.serving.config import DEFAULT_PREFILL_CHUNK
@@ -66,32 +64,25 @@ class Chat:
         self.held: list[int] = []
         self.misses = 0
 
-    def _reset(self) -> None:
-        filters = self.sm.filters if self.config.method == "qfilters" else None
-        self.caches = make_caches(self.sm.model, self.config, filters=filters)
-        self.held = []
-
-    def turn(self, prompt: list[int], key: list[int] | None, max_tokens: int) -> dict[str, Any]:
-        """Feed what the caches lack of ``prompt``, score ``key`` if asked, then answer."""
-        reused = 0
-        if self.held and prompt[: len(self.held)] == self.held:
-            reused = len(self.held)
-        elif self.held:
-            self.misses += 1
-        if not reused:
-            self._reset()
+    def turn(self, messages: list[dict], key: list[int] | None, max_tokens: int) -> dict:
+        """The server's prompt for ``messages``: feed what the caches lack of it, score
+        ``key`` if asked, then answer."""
         model, tok = self.sm.model, self.sm.tokenizer
+        request = GenerationRequest(kind="chat", messages=tuple(messages),
+                                    sampling=SamplingParams(temperature=0.0), cache=CacheConfig())  # fmt: skip
+        prompt = encode_prompt(self.sm.loaded, request)[0]
+        reused = len(self.held) if self.held and prompt[: len(self.held)] == self.held else 0
+        self.misses += bool(self.held) and not reused
+        if not reused:
+            filters = self.sm.filters if self.config.method == "qfilters" else None
+            self.caches = make_caches(model, self.config, filters=filters)
         prefill(model, self.caches, prompt[reused:-1], chunk=DEFAULT_PREFILL_CHUNK)
         key_nll = None
         if key is not None:  # on a copy: the conversation goes on from the unscored caches
-            scored = copy.deepcopy(self.caches)
-            logits = model(mx.array([[prompt[-1], *key[:-1]]]), cache=scored)
+            logits = model(mx.array([[prompt[-1], *key[:-1]]]), cache=copy.deepcopy(self.caches))
             key_nll = float(token_nll(logits, mx.array([key])).mean())
-        greedy = make_sampler(0.0)
-        generated = stream_generate(
-            model, tok, prompt[-1:], max_tokens=max_tokens, sampler=greedy, prompt_cache=self.caches
-        )
-        tokens = [g.token for g in generated]
+        tokens = [g.token for g in stream_generate(model, tok, prompt[-1:], max_tokens=max_tokens,
+                                                   sampler=make_sampler(0.0), prompt_cache=self.caches)]  # fmt: skip
         # stream_generate feeds each token it returns, the last (EOS included) too.
         self.held = [*prompt, *tokens]
         eos = set(tok.eos_token_ids)
@@ -101,36 +92,12 @@ class Chat:
                 "completion_tokens": len(tokens), "tokens_kept": max(kept), "key_nll": key_nll}  # fmt: skip
 
 
-def chat_prompt(sm: Run, history: list[dict[str, str]]) -> list[int]:
-    """The prompt the server would build for these messages."""
-    request = GenerationRequest(kind="chat", messages=tuple(history),
-                                sampling=SamplingParams(temperature=0.0), cache=CacheConfig())  # fmt: skip
-    return encode_prompt(sm.loaded, request)[0]
-
-
-def converse(sm, config, users, key, ask, max_tokens) -> tuple[list[dict[str, Any]], int]:
-    """The whole conversation in one set of caches; per turn its record, and the misses."""
-    chat, history, turns = Chat(sm, config), [], []
-    for k, user in enumerate(users, 1):
-        history.append({"role": "user", "content": user})
-        turn = chat.turn(chat_prompt(sm, history), key if k in ask else None, max_tokens)
-        history.append({"role": "assistant", "content": turn["answer"]})
-        turns.append({"turn": k, **turn})
-    return turns, chat.misses
-
-
-def ask_fresh(sm, config, users, transcript, key, ask, max_tokens) -> list[dict[str, Any]]:
-    """At each ask turn, the reuse arm's transcript up to it, prefilled afresh."""
-    turns = []
-    for k in ask:
-        history: list[dict[str, str]] = []
-        for user, said in zip(users[: k - 1], transcript[: k - 1], strict=True):
-            history += [{"role": "user", "content": user},
-                        {"role": "assistant", "content": said["answer"]}]  # fmt: skip
-        history.append({"role": "user", "content": users[k - 1]})
-        turn = Chat(sm, config).turn(chat_prompt(sm, history), key, max_tokens)
-        turns.append({"turn": k, **turn})
-    return turns
+def history(users: list[str], answers: list[str], k: int) -> list[dict[str, str]]:
+    """The messages up to user turn ``k`` (1-based), with ``answers`` to the earlier ones."""
+    out = []
+    for user, said in zip(users[: k - 1], answers, strict=False):
+        out += [{"role": "user", "content": user}, {"role": "assistant", "content": said}]
+    return [*out, {"role": "user", "content": users[k - 1]}]
 
 
 def plot(accuracy: dict, key_nll: dict, out: Any) -> list[str]:
@@ -138,8 +105,10 @@ def plot(accuracy: dict, key_nll: dict, out: Any) -> list[str]:
     asks = sorted(next(iter(accuracy.values())))
     width = 0.8 / len(asks)
     fig, axes = subplots(1, 2, figsize=(max(10, 1.2 * len(names)), 4))
-    for ax, values, title in ((axes[0, 0], accuracy, "pass key from turn 1: accuracy"),
-                              (axes[0, 1], key_nll, "the key's NLL as the answer (nats/token)")):  # fmt: skip
+    for ax, values, title in (
+        (axes[0, 0], accuracy, "pass key from turn 1: accuracy"),
+        (axes[0, 1], key_nll, "the key's NLL as the answer (nats/token)"),
+    ):
         for i, k in enumerate(asks):
             x = [j + (i - (len(asks) - 1) / 2) * width for j in range(len(names))]
             ax.bar(x, [values[n][k] for n in names], width, label=f"asked at turn {k}")
@@ -160,6 +129,38 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     sm = open_run(STUDY, args, argv)
     tok = sm.tokenizer
     configs = arms(args.budgets, args.methods)
+    rng = random.Random(args.seed)
+    keys = [f"{rng.randrange(10_000, 100_000)}" for _ in range(n_conv)]
+
+    @cache
+    def users(c: int) -> list[str]:
+        return user_messages(tok, keys[c], args.turns, set(ask), args.turn_tokens, 997 * c)
+
+    def measure(c: int, name: str) -> dict[str, Any]:
+        (config, reuse), key = configs[name], list(tok.encode(keys[c], add_special_tokens=False))
+        chat, answers, turns = Chat(sm, config), [], []
+        if reuse:  # the whole conversation in one set of caches
+            for k in range(1, args.turns + 1):
+                turn = chat.turn(
+                    history(users(c), answers, k), key if k in ask else None, max_tokens
+                )
+                answers.append(turn["answer"])
+                turns.append({"turn": k, **turn})
+        else:  # at each ask turn, the reuse arm's transcript up to it, prefilled afresh
+            sibling = done[(c, name.replace("/fresh", "/reuse"))]
+            if sibling["key"] != keys[c]:
+                raise RuntimeError(f"{name}: the logged reuse arm asked another key")
+            answers = [t["answer"] for t in sibling["turns"]]
+            turns = [
+                {"turn": k, **Chat(sm, config).turn(history(users(c), answers, k), key, max_tokens)}
+                for k in ask
+            ]
+        by_turn = {t["turn"]: t for t in turns}
+        return {"conversation": c, "arm": name, "key": keys[c], "settings": design,
+                "turns": turns, "misses": chat.misses,
+                "right": [keys[c] in by_turn[k]["answer"] for k in ask],
+                "key_nll": [by_turn[k]["key_nll"] for k in ask]}  # fmt: skip
+
     log = args.out / f"{STUDY}.jsonl"
     # Rows are read back only for the same design, sizes, seed (the keys and texts) and model.
     design = [args.turns, ask, args.turn_tokens, max_tokens, SETTINGS_TAG, args.seed,
@@ -167,37 +168,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     done = resume(
         log, lambda r: (r["conversation"], r["arm"]), keep=lambda r: r["settings"] == design
     )
-    rng = random.Random(args.seed)
-    for c in range(n_conv):
-        key = f"{rng.randrange(10_000, 100_000)}"
-        key_ids = list(tok.encode(key, add_special_tokens=False))
-        users = user_messages(tok, key, args.turns, set(ask), args.turn_tokens, 997 * c)
-        for name, (config, reuse) in configs.items():
-            if (c, name) in done:
-                continue
-            misses = 0
-            if reuse:
-                turns, misses = converse(sm, config, users, key_ids, ask, max_tokens)
-            else:
-                sibling = done[(c, name.replace("/fresh", "/reuse"))]
-                if sibling["key"] != key:
-                    raise RuntimeError(f"{name}: the logged reuse arm asked another key")
-                turns = ask_fresh(sm, config, users, sibling["turns"], key_ids, ask, max_tokens)
-            by_turn = {t["turn"]: t for t in turns}
-            row = {"conversation": c, "arm": name, "key": key, "settings": design,
-                   "turns": turns, "misses": misses,
-                   "right": [key in by_turn[k]["answer"] for k in ask],
-                   "key_nll": [by_turn[k]["key_nll"] for k in ask]}  # fmt: skip
-            done[(c, name)] = row
-            append_jsonl(log, row)
-            sm.log(f"conversation {c + 1}, {name}: right {row['right']}, key NLL "
-                   f"{[round(x, 2) for x in row['key_nll']]}")  # fmt: skip
-    by_arm = {name: [done[(c, name)] for c in range(n_conv)] for name in configs}
+    rows = measured(log, done, [(c, n) for c in range(n_conv) for n in configs], measure, "arms")
+    by_arm = {name: [r for r in rows if r["arm"] == name] for name in configs}
 
     def per_ask(field: str) -> dict[str, dict[int, float]]:
         """``field``'s mean over the conversations at each ask turn, per arm."""
-        return {name: {k: sum(r[field][i] for r in rows) / n_conv for i, k in enumerate(ask)}
-                for name, rows in by_arm.items()}  # fmt: skip
+        return {
+            name: {k: sum(r[field][i] for r in rs) / n_conv for i, k in enumerate(ask)}
+            for name, rs in by_arm.items()
+        }
 
     accuracy, key_nll = per_ask("right"), per_ask("key_nll")
     settings = {"turns": args.turns, "ask": ask, "turn_tokens": args.turn_tokens,
@@ -205,38 +184,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "methods": args.methods, "recent": "budget/4 (streaming: 0)",
                 "fresh": "the reuse arm's transcript, prefilled whole at each ask turn",
                 "prefill_chunk": DEFAULT_PREFILL_CHUNK, "temperature": 0}  # fmt: skip
-    results = {
-        "settings": settings,
-        "accuracy": accuracy,
-        "key_nll": key_nll,
-        # Turns that continued the caches, and turns that could not (a reply that does not
-        # tokenise back the same: that turn prefilled the whole history instead).
-        "reuse_hits": {
-            name: sum(t["cached_tokens"] > 0 for r in rows for t in r["turns"])
-            for name, rows in by_arm.items()
-        },
-        "reuse_misses": {name: sum(r["misses"] for r in rows) for name, rows in by_arm.items()},
-        "plots": plot(accuracy, key_nll, args.out),
-        "rows": [done[(c, name)] for c in range(n_conv) for name in configs],
+    # Turns that continued the caches, and turns that could not (a reply that does not
+    # tokenise back the same: that turn prefilled the whole history instead).
+    hits = {
+        n: sum(t["cached_tokens"] > 0 for r in rs for t in r["turns"]) for n, rs in by_arm.items()
     }
-    return sm.save(results, model=sm.describe())
+    return sm.save({"settings": settings, "accuracy": accuracy, "key_nll": key_nll,
+                    "reuse_hits": hits,
+                    "reuse_misses": {n: sum(r["misses"] for r in rs) for n, rs in by_arm.items()},
+                    "plots": plot(accuracy, key_nll, args.out), "rows": rows},
+                   model=sm.describe())  # fmt: skip
 
 
 def render(data: dict[str, Any]) -> list[str]:
     """This study's section of ``bench/RESULTS.md``."""
-    lines = quality_header("A pass key from turn 1, asked turns later", data)
     st, ask = data["settings"], data["settings"]["ask"]
-    lines += [
-        "",
-        f"{st['conversations']} conversation(s) of {st['turns']} turns ({st['turn_tokens']} prose "
-        f"tokens each, greedy answers of up to {st['max_tokens']} tokens); the key asked at turns "
-        f"{', '.join(map(str, ask))}; recent {st['recent']}. Reuse: one set of caches for the "
-        f"whole chat; fresh: {st['fresh']}. Each cell: accuracy / the key's mean NLL as the "
-        "answer (nats per token, teacher-forced).",
-        "",
-    ]
+    intro = (
+        f"{st['conversations']} conversation(s) of {st['turns']} turns ({st['turn_tokens']} "
+        f"prose tokens each, greedy answers of up to {st['max_tokens']} tokens); the key asked "
+        f"at turns {', '.join(map(str, ask))}; recent {st['recent']}. Reuse: one set of caches "
+        f"for the whole chat; fresh: {st['fresh']}. Each cell: accuracy / the key's mean NLL "
+        "as the answer (nats per token, teacher-forced)."
+    )
     rows = [[name, *[f"{data['accuracy'][name][str(k)]:.2f} / {data['key_nll'][name][str(k)]:.2f}"
                      for k in ask], data["reuse_hits"][name], data["reuse_misses"][name]]
             for name in data["accuracy"]]  # fmt: skip
-    lines += table(["arm", *[f"turn {k}" for k in ask], "turns reused", "misses"], rows)
-    return lines + plots(data)
+    return [*quality_header("A pass key from turn 1, asked turns later", data, intro),
+            *table(["arm", *[f"turn {k}" for k in ask], "turns reused", "misses"], rows), *plots(data)]  # fmt: skip

@@ -1,8 +1,7 @@
 """A needle sentence in English prose, depth x length, per arm and compression.
 
-The haystack is standard-library docstring prose; the needle "The special magic number for
-<city> is <7 digits>." sits at a controlled depth, and the prompt ends with the question. The
-prompt is prefilled once and handed to each arm's caches, as in the pass-key study.
+Standard-library docstring prose with "The special magic number for <city> is <7 digits>." at
+a set depth, the question at the end; one prefill for every arm, as in the pass-key study.
 """
 
 from __future__ import annotations
@@ -14,19 +13,9 @@ import numpy as np
 
 from bench.arms import Arm, add_arm_arguments, select_arms
 from bench.data import stdlib_prose
-from bench.harness import (
-    Run,
-    append_jsonl,
-    open_run,
-    parse,
-    parser,
-    progress,
-    resume,
-    save_plot,
-    subplots,
-)
+from bench.harness import measured, open_run, parse, parser, resume, save_plot, subplots
 from bench.report import arm_label, arm_order, fmt, plots, quality_header, table
-from bench.studies.retrieval import answer_nll, budget_for, first_number_is, run_arm, shared_block
+from bench.studies.retrieval import RULE, answers, by_arm
 
 STUDY = "niah"
 CITIES = (
@@ -34,13 +23,9 @@ CITIES = (
     "Cusco", "Dakar", "Tbilisi", "Malmo", "Recife", "Gdansk", "Kyoto", "Tunis", "Austin",
 )  # fmt: skip
 INTRO = "Read the text below. A special magic number is hidden in it; remember it.\n\n"
-
-
-def default_arms() -> list[Arm]:
-    """Full cache, then every method with a recent window of budget/4 (and the fallback's
-    sign ablation)."""
-    return [Arm("full"), Arm("qfilters", 0.25), Arm("knorm", 0.25), Arm("streaming", 0.0),
-            Arm("fallback", 0.25), Arm("fallback", 0.25, sign=-1)]  # fmt: skip
+# Full cache, then every method with a recent window of budget/4 (and the fallback's ablation).
+ARMS = (Arm("full"), Arm("qfilters", 0.25), Arm("knorm", 0.25), Arm("streaming", 0.0),
+        Arm("fallback", 0.25), Arm("fallback", 0.25, sign=-1))  # fmt: skip
 
 
 def make_doc(
@@ -62,9 +47,8 @@ def make_doc(
         chosen: list[str] = []
         sizes: list[int] = []
         while not chosen or sum(sizes) < room:
-            para = paragraphs[(start + len(chosen)) % len(paragraphs)]
-            chosen.append(para)
-            sizes.append(len(tokenizer.encode(para + "\n\n")))
+            chosen.append(paragraphs[(start + len(chosen)) % len(paragraphs)])
+            sizes.append(len(tokenizer.encode(chosen[-1] + "\n\n")))
         # Cut the last paragraph at a word so the haystack fits (it still ends a sentence).
         words = chosen[-1].split()
         while sum(sizes) > max(room, 1) and len(words) > 1:
@@ -78,8 +62,8 @@ def make_doc(
         prompt = tokenizer.encode(INTRO + "\n\n".join(parts) + question)
         return prompt, float(cumulative[slot] / max(cumulative[-1], 1))
 
-    # The whole text's tokens are not the sum of its paragraphs' (merges across the joins):
-    # shrink the room by the overshoot until the prompt fits, never past the model's context.
+    # Joined paragraphs tokenise differently from their sum: shrink the room by the overshoot
+    # until the prompt fits, never past the model's context.
     room = length - reserve
     prompt, where = build(room)
     while len(prompt) > length and room > 1:
@@ -92,28 +76,7 @@ def make_doc(
             "tokens": len(prompt)}  # fmt: skip
 
 
-def measure(study: Run, doc: dict[str, Any], ratios: list[int], arms: list[Arm]) -> dict:
-    """Every arm at every ratio on one document: correct and answer NLL."""
-    prompt, answer = doc["prompt"], doc["answer"]
-    block = shared_block(study, prompt, arms)
-    out: dict[str, dict[str, Any]] = {}
-    for arm in arms:
-        for ratio in [None] if arm.method == "full" else ratios:
-            budget = None if ratio is None else budget_for(len(prompt), ratio, arm)
-            if ratio is not None and budget is None:
-                continue
-            tokens, source = run_arm(study, prompt, block, arm, budget, len(answer) + 2)
-            correct = first_number_is(study.tokenizer.decode(tokens), doc["number"])
-            nll = answer_nll(study, prompt, answer, block, arm, budget)
-            cell = {"correct": correct, "answer_nll": nll, "budget": budget,
-                    "filter_source": source}  # fmt: skip
-            out.setdefault(arm.name, {})["-" if ratio is None else str(ratio)] = cell
-    return out
-
-
-def aggregate(
-    records: list[dict], lengths: list[int], depths: list[float], arms: list[Arm]
-) -> dict:
+def grid_of(records: list[dict], names: list[str], lengths: list[int], depths: list[float]) -> dict:
     """``grid[arm][ratio]`` = accuracy matrix ``[depth][length]`` (None where not run)."""
 
     def accuracy(name: str, key: str, n: int, d: float) -> float | None:
@@ -122,38 +85,36 @@ def aggregate(
         return float(np.mean(hits)) if hits else None
 
     grid: dict[str, dict[str, list[list[float | None]]]] = {}
-    for arm in arms:
-        keys = {k for r in records for k in r["arms"].get(arm.name, {})}
-        for key in ["-"] if arm.method == "full" else sorted(keys, key=int):
-            cells = [[accuracy(arm.name, key, n, d) for n in lengths] for d in depths]
-            grid.setdefault(arm.name, {})[key] = cells
+    for name in names:
+        keys = {k for r in records for k in r["arms"].get(name, {})}
+        for key in sorted(keys, key=lambda k: -1 if k == "-" else int(k)):
+            cells = [[accuracy(name, key, n, d) for n in lengths] for d in depths]
+            grid.setdefault(name, {})[key] = cells
     return grid
 
 
-def plot(grid: dict, lengths: list[int], depths: list[float], ratios: list[int],
-         arms: list[Arm], out_dir: Any, title: str) -> None:  # fmt: skip
+def plot(
+    grid: dict, lengths: list[int], depths: list[float], ratios: list[int], out: Any, title: str
+) -> None:
     """A heat map of accuracy (depth x length) per arm and ratio, the full cache first."""
-    names = [a.name for a in arms if a.method != "full"]
-    fig, ax = subplots(len(names) + 1, len(ratios),
-                       figsize=(2.1 * len(ratios), 1.9 * (len(names) + 1)))  # fmt: skip
+    names = [name for name in grid if name != "full"]
+    fig, ax = subplots(
+        len(names) + 1, len(ratios), figsize=(2.1 * len(ratios), 1.9 * (len(names) + 1))
+    )
     for a in ax.flat:
         a.axis("off")
-
-    def heat(a: Any, cells: list[list[float | None]], label: str) -> None:
+    panels = [(ax[0, 0], grid["full"]["-"], "full cache")]
+    panels += [(ax[row, col], grid[name][str(r)], f"{arm_label(name)}\n{r}x")
+               for row, name in enumerate(names, start=1) for col, r in enumerate(ratios)
+               if str(r) in grid[name]]  # fmt: skip
+    for a, cells, label in panels:
         a.axis("on")
-        data = np.array([[np.nan if v is None else v for v in row] for row in cells])
-        a.imshow(data, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        a.imshow(np.array(cells, dtype=float), vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
         ticks = [f"{n // 1024}k" if n >= 1024 else str(n) for n in lengths]
         a.set_xticks(range(len(lengths)), ticks, fontsize=6)
         a.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths], fontsize=6)
         a.set_title(label, fontsize=7)
-
-    heat(ax[0, 0], grid["full"]["-"], "full cache")
-    for row, name in enumerate(names, start=1):
-        for col, r in enumerate(ratios):
-            if str(r) in grid.get(name, {}):
-                heat(ax[row, col], grid[name][str(r)], f"{arm_label(name)}\n{r}x")
-    save_plot(fig, out_dir, STUDY, title)
+    save_plot(fig, out, STUDY, title)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -162,56 +123,52 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                ratios=([2, 4, 8, 16, 32], [4]), per_cell=(1, 1, "documents per depth x length"))  # fmt: skip
     add_arm_arguments(p)
     args = parse(p, argv)
-    arms = select_arms(default_arms(), args)
+    arms = select_arms(list(ARMS), args)
     depths, ratios, per_cell = args.depths, args.ratios, args.per_cell
     study = open_run(STUDY, args, argv, calibrate=True)
     lengths = [n for n in args.lengths if n <= (study.identity["max_context"] or n)]
-    paragraphs = stdlib_prose()
+    paragraphs = list(stdlib_prose())
+
+    def measure(n: int, d: float, i: int) -> dict[str, Any]:
+        doc = make_doc(study.tokenizer, paragraphs, n, d, i)
+        cells: dict[str, dict[str, Any]] = {}
+        for arm, _, key, budget, _, source, right, nll in answers(
+            study, {**doc, "key": doc["number"]}, by_arm(arms, ratios), len(doc["answer"]) + 2
+        ):
+            cells.setdefault(arm.name, {})[key] = {"correct": right, "answer_nll": nll,
+                                                   "budget": budget, "filter_source": source}  # fmt: skip
+        return {"length": n, "target_depth": d, "index": i, "depth": doc["depth"],
+                "tokens": doc["tokens"], "model": study.identity["path"], "arms": cells}  # fmt: skip
+
     log = args.out / f"{STUDY}.jsonl"
     done = resume(log, lambda r: (r["length"], r["target_depth"], r["index"]), fresh=args.quick)
     todo = [(n, d, i) for n in lengths for d in depths for i in range(per_cell)]
-    with progress(total=len(todo), desc="documents") as bar:
-        for n, d, i in todo:
-            if (n, d, i) not in done:
-                doc = make_doc(study.tokenizer, paragraphs, n, d, i)
-                done[(n, d, i)] = {"length": n, "target_depth": d, "index": i,
-                                   "depth": doc["depth"], "tokens": doc["tokens"],
-                                   "model": study.identity["path"],
-                                   "arms": measure(study, doc, ratios, arms)}  # fmt: skip
-                append_jsonl(log, done[(n, d, i)])
-            bar.update(1)
-    records = [done[k] for k in todo]
-    grid = aggregate(records, lengths, depths, arms)
-    title = f"{study.identity['path']}: needle in prose"
-    plot(grid, lengths, depths, ratios, arms, args.out, title)
-    data = {"haystack": "paragraphs of Python standard-library docstrings (bench prose)",
-            "needle": "The special magic number for <city> is <7 digits>.",
-            "scoring": "first number of the greedy continuation equals the needle's",
-            "docs_per_cell": per_cell}  # fmt: skip
+    records = measured(log, done, todo, measure, "documents")
+    grid = grid_of(records, [a.name for a in arms], lengths, depths)
+    plot(grid, lengths, depths, ratios, args.out, f"{study.identity['path']}: needle in prose")
+    data = {
+        "haystack": "paragraphs of Python standard-library docstrings (bench prose)",
+        "needle": "The special magic number for <city> is <7 digits>.",
+        "scoring": "first number of the greedy continuation equals the needle's",
+        "docs_per_cell": per_cell,
+    }
     return study.save({"data": data, "lengths": lengths, "depths": depths, "ratios": ratios,
-                       "arms": [a.name for a in arms],
-                       "budget_rule": "budget = round(prompt tokens / ratio), recent = budget/4",
-                       "grid": grid, "records": records, "plots": [f"{STUDY}.png"]})  # fmt: skip
+                       "arms": [a.name for a in arms], "budget_rule": RULE, "grid": grid,
+                       "records": records, "plots": [f"{STUDY}.png"]})  # fmt: skip
 
 
 def render(data: dict[str, Any]) -> list[str]:
     """This study's section of ``bench/RESULTS.md``."""
-    lines = quality_header("Needle in a haystack, in prose", data)
-    d = data["data"]
-    lengths, depths, ratios = data["lengths"], data["depths"], data["ratios"]
-    lines += [
-        "",
-        f'Haystack: {d["haystack"]}; needle: "{d["needle"]}", asked at the end; '
-        f"{d['scoring']}. {d['docs_per_cell']} document(s) per depth x length "
-        f"({', '.join(map(str, lengths))} tokens; depths {', '.join(f'{x:.0%}' for x in depths)}); "
-        f"{data['budget_rule']}. Exact match, mean over the grid:",
-        "",
-    ]
+    d, lengths, depths, ratios = data["data"], data["lengths"], data["depths"], data["ratios"]
+    intro = (f'Haystack: {d["haystack"]}; needle: "{d["needle"]}", asked at the end; '
+             f"{d['scoring']}. {d['docs_per_cell']} document(s) per depth x length "
+             f"({', '.join(map(str, lengths))} tokens; depths {', '.join(f'{x:.0%}' for x in depths)}); "
+             f"{data['budget_rule']}. Exact match, mean over the grid:")  # fmt: skip
     rows = []
     for name in arm_order(data["grid"]):
         if by_ratio := data["grid"].get(name):
             cells = [[v for line in by_ratio.get(k) or [] for v in line if v is not None]
                      for k in ["-", *map(str, ratios)]]  # fmt: skip
             rows.append([arm_label(name), *(fmt(sum(v) / len(v), 2) if v else "" for v in cells)])
-    lines += table(["arm", "no eviction", *[f"{r}×" for r in ratios]], rows)
-    return lines + plots(data)
+    return [*quality_header("Needle in a haystack, in prose", data, intro),
+            *table(["arm", "no eviction", *[f"{r}×" for r in ratios]], rows), *plots(data)]  # fmt: skip

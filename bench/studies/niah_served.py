@@ -1,8 +1,6 @@
 """The needle in prose through the server, with the settings a user who changes nothing gets.
 
-The ``niah`` documents (needle at half depth) sent to ``/v1/completions``: ``auto`` (no
-eviction field), ``full`` (``kv_method: full``) and ``auto-small`` (a server whose
-``--max-kv-bytes`` holds 2,048 tokens of full cache), each answer with what ``kv_cache`` said.
+``auto`` (no eviction field), ``full`` and ``auto-small`` (``--max-kv-bytes`` of 2,048 tokens).
 """
 
 from __future__ import annotations
@@ -14,23 +12,15 @@ from typing import Any
 import httpx
 
 from bench.data import stdlib_prose
-from bench.harness import (
-    append_jsonl,
-    open_run,
-    parse,
-    parser,
-    progress,
-    resume,
-    save_plot,
-    subplots,
-)
+from bench.harness import measured, open_run, parse, parser, resume
 from bench.report import plots, quality_header, table
 from bench.studies.niah import make_doc
-from bench.studies.retrieval import first_number_is
+from bench.studies.retrieval import accuracy_plot, first_number_is
 from qfserve import testing
 
 STUDY = "niah_served"
 ARMS = ("auto", "full", "auto-small")
+COLOURS = {"auto": "tab:blue", "full": "black", "auto-small": "tab:red"}
 SMALL_TOKENS = 2048  # the small server's --max-kv-bytes holds a full cache this long
 
 
@@ -47,11 +37,24 @@ def ask(url: str, doc: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
             **{k: kv[k] for k in ("method", "budget", "budget_source", "evictions")}}  # fmt: skip
 
 
+def summarize(records: list[dict[str, Any]], lengths: list[int]) -> dict[str, dict[str, Any]]:
+    """Per arm and length: accuracy, what ran (``method@budget`` where it evicted)."""
+    out: dict[str, dict[str, Any]] = {arm: {} for arm in ARMS}
+    for arm in ARMS:
+        for n in lengths:
+            if hits := [r for r in records if r["arm"] == arm and r["length"] == n]:
+                ran = sorted({f"{r['method']}@{r['budget']}" if r["evictions"] else r["method"]
+                              for r in hits})  # fmt: skip
+                out[arm][str(n)] = {"accuracy": sum(r["correct"] for r in hits) / len(hits),
+                                    "n": len(hits), "ran": ran}  # fmt: skip
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__, docs=(5, 2, "documents per length"),
-               lengths=([1024, 2048, 4096, 8192], [256, 512]))  # fmt: skip
+    p = parser(
+        __doc__, docs=(5, 2, "documents per length"), lengths=([1024, 2048, 4096, 8192], [256, 512])
+    )
     args = parse(p, argv)
-    docs, lengths = args.docs, args.lengths
     run = open_run(STUDY, args, argv)
     from qfserve.engine.serving.admission import kv_row_bytes
     from qfserve.engine.serving.config import EngineConfig
@@ -64,62 +67,41 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     logs = Path(tempfile.mkdtemp(prefix="niah-served-"))
     servers = [
         testing.start("qfserve", run.folder, log=logs / "default.log", timeout=300),
-        testing.start("qfserve", run.folder, "--max-kv-bytes", str(small),
-                      log=logs / "small.log", timeout=300),
-    ]  # fmt: skip
-    todo = [(a, n, d) for n in lengths for d in range(docs) for a in ARMS]
+        testing.start(
+            "qfserve", run.folder, "--max-kv-bytes", str(small), log=logs / "small.log", timeout=300
+        ),
+    ]
     room = run.context_length - 16  # the prompt and its answer fit (8k: 8,176 tokens at most)
+
+    def measure(arm: str, n: int, d: int) -> dict[str, Any]:
+        doc = make_doc(run.tokenizer, paragraphs, min(n, room), 0.5, d)
+        body = {"kv_method": "full"} if arm == "full" else {}
+        return {"arm": arm, "length": n, "doc": d, "tokens": doc["tokens"],
+                **ask(servers[arm == "auto-small"].url, doc, body)}  # fmt: skip
+
+    todo = [(a, n, d) for n in args.lengths for d in range(args.docs) for a in ARMS]
     try:
-        with progress(total=len(todo), desc="answers") as bar:
-            for arm, n, d in todo:
-                if (arm, n, d) not in done:
-                    doc = make_doc(run.tokenizer, paragraphs, min(n, room), 0.5, d)
-                    url = servers[arm == "auto-small"].url
-                    rec = {"arm": arm, "length": n, "doc": d, "tokens": doc["tokens"],
-                           **ask(url, doc, {"kv_method": "full"} if arm == "full" else {})}  # fmt: skip
-                    append_jsonl(log, rec)
-                    done[(arm, n, d)] = rec
-                bar.update(1)
+        records = measured(log, done, todo, measure, "answers")
     finally:
         testing.stop_all(servers, 15)
-    records = [done[k] for k in todo]
-    accuracy = summarize(records, lengths)
-    fig, ax = subplots()
-    for arm, colour in zip(ARMS, ("tab:blue", "black", "tab:red"), strict=True):
-        xs = [n for n in lengths if str(n) in accuracy[arm]]
-        ax[0, 0].plot(xs, [accuracy[arm][str(n)]["accuracy"] for n in xs], marker="o",
-                      color=colour, label=arm)  # fmt: skip
-    ax[0, 0].set(xscale="log", xlabel="prompt tokens", ylabel="accuracy", ylim=(-0.05, 1.05))
-    ax[0, 0].legend(fontsize=7)
-    save_plot(fig, args.out, STUDY, f"{run.identity['path']}: the needle with default settings")
-    return run.save({"docs": docs, "lengths": lengths, "small_kv_bytes": small,
+    accuracy = summarize(records, args.lengths)
+    series = {arm: {n: v["accuracy"] for n, v in by.items()} for arm, by in accuracy.items()}
+    title = f"{run.identity['path']}: the needle with default settings"
+    style = lambda arm: {"color": COLOURS[arm], "label": arm}  # noqa: E731
+    plot = accuracy_plot(series, args.lengths, args.out, STUDY, title, style, "", "prompt tokens")
+    return run.save({"docs": args.docs, "lengths": args.lengths, "small_kv_bytes": small,
                      "small_tokens": small // row, "accuracy": accuracy, "records": records,
-                     "plots": [f"{STUDY}.png"]})  # fmt: skip
-
-
-def summarize(records: list[dict[str, Any]], lengths: list[int]) -> dict[str, dict[str, Any]]:
-    """Per arm and length: accuracy, what ran (``method@budget`` where it evicted)."""
-    out: dict[str, dict[str, Any]] = {arm: {} for arm in ARMS}
-    for arm in ARMS:
-        for n in lengths:
-            hits = [r for r in records if r["arm"] == arm and r["length"] == n]
-            if hits:
-                ran = sorted({f"{r['method']}@{r['budget']}" if r["evictions"] else r["method"]
-                              for r in hits})  # fmt: skip
-                out[arm][str(n)] = {"accuracy": sum(r["correct"] for r in hits) / len(hits),
-                                    "n": len(hits), "ran": ran}  # fmt: skip
-    return out
+                     "plots": [plot]})  # fmt: skip
 
 
 def render(d: dict[str, Any]) -> list[str]:
     """This study's section of ``bench/RESULTS.md``."""
-    lines = quality_header("The needle through the server with default settings", d)
-    lines += ["", f"{d['docs']} documents per length, the needle at half depth; greedy. `auto`: "
-              "no eviction field (`--budget auto`); `full`: `kv_method: full`; `auto-small`: "
-              f"the same request on a server whose `--max-kv-bytes` holds {d['small_tokens']:,} "
-              "tokens of full cache. Accuracy (what ran):", ""]  # fmt: skip
-    lines += table(["arm", *[f"{n:,}" for n in d["lengths"]]], [
-        [arm, *(f"{by[str(n)]['accuracy']:.2f} ({', '.join(by[str(n)]['ran'])})"
-                if str(n) in by else "-" for n in d["lengths"])]
-        for arm, by in d["accuracy"].items()])  # fmt: skip
-    return lines + plots(d)
+    intro = (f"{d['docs']} documents per length, the needle at half depth; greedy. `auto`: "
+             "no eviction field (`--budget auto`); `full`: `kv_method: full`; `auto-small`: "
+             f"the same request on a server whose `--max-kv-bytes` holds {d['small_tokens']:,} "
+             "tokens of full cache. Accuracy (what ran):")  # fmt: skip
+    rows = [[arm, *(f"{by[str(n)]['accuracy']:.2f} ({', '.join(by[str(n)]['ran'])})"
+                    if str(n) in by else "-" for n in d["lengths"])]
+            for arm, by in d["accuracy"].items()]  # fmt: skip
+    return [*quality_header("The needle through the server with default settings", d, intro),
+            *table(["arm", *[f"{n:,}" for n in d["lengths"]]], rows), *plots(d)]  # fmt: skip

@@ -1,16 +1,15 @@
 """Pass-key retrieval against context length, compression and needle depth.
 
-Held-out pass-key documents with the needle spread over three depth bins; each arm keeps
-``prompt tokens / ratio`` rows and decodes greedily (right when the first number is the key),
-and reports the answer's teacher-forced NLL as a graded signal. The prompt block is prefilled
-once and handed to each arm's caches; the first document is also run the direct way and the
-two must agree token for token.
+Greedy accuracy and teacher-forced answer NLL per arm and ratio; one shared prefill, checked on
+the first document against a direct ``generate_step``.
 """
 
 from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -32,12 +31,11 @@ from bench.arms import (
 from bench.data import passkey_docs
 from bench.harness import (
     Run,
-    append_jsonl,
     color,
+    measured,
     open_run,
     parse,
     parser,
-    progress,
     resume,
     save_plot,
     subplots,
@@ -51,12 +49,27 @@ from qfserve.engine.kv.selfcal import install_query_taps
 
 STUDY = "retrieval"
 BINS = ("first third", "middle third", "last third")
+RULE = "budget = round(prompt tokens / ratio), recent = budget/4"
 
 
 def budget_for(prompt_len: int, ratio: int, arm: Arm) -> int | None:
     """``round(prompt_len / ratio)``, or None when it leaves no evictable row."""
     budget = round(prompt_len / ratio)
     return budget if budget > DEFAULT_N_SINK + arm.recent(budget) else None
+
+
+def cells(configs: list[tuple[Arm, int | None]], prompt_len: int) -> Iterator[tuple]:
+    """``(arm, ratio, its key, budget)`` of each ``(arm, ratio)`` that leaves an evictable row
+    (ratio ``None``: no eviction, key ``-``)."""
+    for arm, ratio in configs:
+        budget = None if ratio is None else budget_for(prompt_len, ratio, arm)
+        if ratio is None or budget is not None:
+            yield arm, ratio, "-" if ratio is None else str(ratio), budget
+
+
+def by_arm(arms: list[Arm], ratios: list[int]) -> list[tuple[Arm, int | None]]:
+    """Each arm at each ratio, the full cache once."""
+    return [(a, r) for a in arms for r in ([None] if a.method == "full" else ratios)]
 
 
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -84,10 +97,9 @@ def first_number_is(text: str, key: str) -> bool:
 def prefill_block(
     model: Any, prompt: list[int], *, queries: bool = False, kvzip: RepeatPrompt | None = None
 ) -> list[tuple[mx.array, ...]]:
-    """Keys and values every layer stores for ``prompt[:-1]`` (one block, full cache), with
-    ``queries`` the block's rotated queries (for self-calibrated arms), and with ``kvzip``
-    the queries and the reconstruction pass's scores of every row (they do not depend on
-    the budget, so the pass runs once per document for every kvzip arm and ratio)."""
+    """Each layer's keys and values for ``prompt[:-1]`` (one block, full cache), then with
+    ``queries`` its rotated queries and with ``kvzip`` the reconstruction pass's row scores
+    (budget-free: the pass runs once per document for every kvzip arm and ratio)."""
     n = len(prompt) - 1
     taps = install_query_taps(model) if queries or kvzip is not None else None
     if kvzip is not None:  # a budget above the block: the pass scores rows, evicts none
@@ -115,8 +127,8 @@ def shared_block(study: Run, prompt: list[int], arms: Any) -> list[tuple[mx.arra
 def run_arm(
     study: Run, prompt: list[int], block: Any, arm: Arm, budget: int | None, max_tokens: int
 ) -> tuple[list[int], str]:
-    """Generated tokens of one arm and where its filters came from (``block=None``:
-    prefilled the direct way)."""
+    """Generated tokens of one arm and its filters' source (``block=None``: prefilled the
+    direct way)."""
     caches = arm.caches(study.model, budget, study.filters)
     if block is None:
         tokens = decode(study.model, prompt, caches, max_tokens)
@@ -140,48 +152,73 @@ def answer_nll(
     return float(nll.mean())
 
 
+def answers(
+    study: Run, doc: dict[str, Any], configs: list[tuple[Arm, int | None]], max_tokens: int
+) -> Iterator[tuple]:
+    """Each arm at each ratio on one prompt prefilled once: ``(arm, ratio, key, budget, tokens,
+    filter source, right, answer NLL)``, right when the first number is ``doc["key"]``."""
+    prompt = doc["prompt"]
+    block = shared_block(study, prompt, [arm for arm, _ in configs])
+    for arm, ratio, key, budget in cells(configs, len(prompt)):
+        tokens, source = run_arm(study, prompt, block, arm, budget, max_tokens)
+        right = first_number_is(study.tokenizer.decode(tokens), doc["key"])
+        nll = answer_nll(study, prompt, doc["answer"], block, arm, budget)
+        yield arm, ratio, key, budget, tokens, source, right, nll
+
+
 def measure_doc(
     study: Run, doc: dict[str, Any], configs: list[tuple[Arm, int | None]], *, first: bool
 ) -> dict[str, Any]:
     """Every arm at every ratio on one document (``first``: also check the shared prefill
     against a direct ``generate_step``)."""
-    prompt, max_tokens = doc["prompt"], doc["key_tokens"] + 2
-    block = shared_block(study, prompt, [arm for arm, _ in configs])
-    cells: list[list[Any]] = []
-    sources: dict[str, str] = {}
     check: dict[str, Any] = {"arms": 0, "identical": 0, "mismatches": []}
-    for arm, ratio in configs:
-        budget = None if ratio is None else budget_for(len(prompt), ratio, arm)
-        if ratio is not None and budget is None:
-            continue
-        tokens, sources[arm.name] = run_arm(study, prompt, block, arm, budget, max_tokens)
-        nll = answer_nll(study, prompt, doc["answer"], block, arm, budget)
+    out: dict[str, Any] = {"bin": doc["bin"], "cells": [], "sources": {}, "check": check}
+    max_tokens = doc["key_tokens"] + 2
+    for arm, ratio, key, budget, tokens, source, right, nll in answers(
+        study, doc, configs, max_tokens
+    ):
         if first and arm.method != "kvzip":  # kvzip's pass runs on the shared block only
-            direct, _ = run_arm(study, prompt, None, arm, budget, max_tokens)
+            direct, _ = run_arm(study, doc["prompt"], None, arm, budget, max_tokens)
             check["arms"] += 1
             check["identical"] += direct == tokens
             if direct != tokens:
                 check["mismatches"].append(f"{arm.name}@{ratio}x")
-        correct = first_number_is(study.tokenizer.decode(tokens), doc["key"])
-        cells.append([arm.name, "-" if ratio is None else str(ratio), correct, nll, budget])
-    return {"bin": doc["bin"], "cells": cells, "sources": sources, "check": check}
+        out["sources"][arm.name] = source
+        out["cells"].append([arm.name, key, right, nll, budget])
+    return out
 
 
 def cell_stats(outcomes: list[tuple[bool, int, float]]) -> dict[str, Any]:
     """One arm at one ratio from its documents' ``(correct, depth bin, answer NLL)``."""
     correct, bins, nll = zip(*outcomes, strict=True)
     k, n = sum(correct), len(correct)
-    by_bin = [[c for c, bb in zip(correct, bins, strict=True) if bb == b] for b in range(len(BINS))]
-    by_depth = {
-        label: float(np.mean(v)) if v else None for label, v in zip(BINS, by_bin, strict=True)
-    }
+    by_depth = [
+        [c for c, bb in zip(correct, bins, strict=True) if bb == b] for b in range(len(BINS))
+    ]
     return {"accuracy": k / n, "n": n, "ci95": wilson(k, n), "answer_nll": summary(nll),
-            "answer_nll_mean": float(np.mean(nll)), "by_depth": by_depth}  # fmt: skip
+            "answer_nll_mean": float(np.mean(nll)),
+            "by_depth": {label: float(np.mean(v)) if v else None
+                         for label, v in zip(BINS, by_depth, strict=True)}}  # fmt: skip
+
+
+def length_results(docs: list[dict[str, Any]], records: list[dict[str, Any]]) -> dict[str, Any]:
+    """One length's figures from its documents and their records."""
+    hits: dict[str, dict[str, list]] = {}  # arm name -> ratio or "-" -> (correct, bin, nll)
+    budgets: dict[str, list[int]] = {}
+    for rec in records:
+        for name, key, correct, nll, budget in rec["cells"]:
+            hits.setdefault(name, {}).setdefault(key, []).append((correct, rec["bin"], nll))
+            if budget is not None:
+                budgets.setdefault(key, []).append(budget)
+    return {"docs": len(docs), "mean_prompt_tokens": float(np.mean([len(d["prompt"]) for d in docs])),
+            "depths": [round(d["depth"], 3) for d in docs],
+            "budget_by_ratio": {k: sorted(set(v)) for k, v in budgets.items()},
+            "arms": {name: {k: cell_stats(o) for k, o in by_ratio.items()}
+                     for name, by_ratio in hits.items()}}  # fmt: skip
 
 
 def ratio_row(name: str, results: Any, metric: str, keys: list[str], digits: int) -> list[str]:
-    """An arm's row of a table by ratio: per key, ``metric`` averaged over ``results`` (one
-    per length; '' where it did not run)."""
+    """An arm's row by ratio: ``metric`` averaged over ``results`` (one per length)."""
     row = [arm_label(name)]
     for k in keys:
         vals = [r["arms"][name][k][metric] for r in results if k in r["arms"].get(name, {})]
@@ -199,24 +236,70 @@ def depth_means(results: dict[str, Any], name: str, bins: Any = BINS) -> list[fl
     return means
 
 
-def plot_metric(a: Any, res: dict[str, Any], arms: list[Arm], ratios: list[int], key: str) -> None:
-    """One panel: ``key`` against compression per arm, the full cache as a dashed line."""
-    full = res["arms"].get("full", {}).get("-")
-    if full is not None:
-        a.axhline(full[key], color="black", ls="--", label="full")
-    for arm in arms:
-        cells = res["arms"].get(arm.name, {})
-        xs = [r for r in ratios if str(r) in cells]
-        if arm.method == "full" or not xs:
-            continue
-        a.plot(xs, [cells[str(r)][key] for r in xs], marker="o" if arm.recent_frac == 0 else "s",
-               linestyle=":" if arm.sign < 0 else "-" if arm.recent_frac == 0 else "--",
-               color=color(arm.method, arm.traffic), label=arm_label(arm.name))  # fmt: skip
+def ratio_table(first: str, ratios: list[int], rows: dict[str, Any], cell: Any) -> list[str]:
+    """A table with a row per entry of ``rows`` and a column per ratio: ``cell(value, ratio)``."""
+    return table([first, *[f"{r}×" for r in ratios]],
+                 [[name, *(cell(by, r) for r in ratios)] for name, by in rows.items()])  # fmt: skip
+
+
+def ratio_panel(a: Any, series: dict[str, dict[str, float]], xs: list[int],
+                style: Callable[[str], dict] = lambda name: {"label": name}, unit: str = "x") -> None:  # fmt: skip
+    """Each series' values against ``xs`` (keys ``str(x)``, log-2 axis); one without eviction
+    (key ``-``) as a dashed line across."""
+    for name, by in series.items():
+        kw = {"marker": "o", **style(name)}
+        if "-" in by:
+            a.axhline(by["-"], color="black", ls="--", label=kw["label"])
+        elif shown := [x for x in xs if str(x) in by]:
+            a.plot(shown, [by[str(x)] for x in shown], **kw)
     a.set_xscale("log", base=2)
-    a.set_xticks(ratios, [f"{r}x" for r in ratios])
-    a.set_xlabel("compression (prompt / budget)")
-    if key == "accuracy":
-        a.set_ylim(-0.05, 1.05)
+    a.set_xticks(xs, [f"{x}{unit}" for x in xs])
+
+
+def accuracy_plot(series: dict[str, dict[str, float]], xs: list[int], out: Path, name: str,
+                  title: str, style: Callable[[str], dict] = lambda n: {"label": n},
+                  unit: str = "x", xlabel: str = "compression") -> str:  # fmt: skip
+    """One panel of :func:`ratio_panel` for accuracies, saved as ``<out>/<name>.png``."""
+    fig, ax = subplots()
+    ratio_panel(ax[0, 0], series, xs, style, unit)
+    ax[0, 0].set(xlabel=xlabel, ylabel="accuracy", ylim=(-0.05, 1.05))
+    ax[0, 0].legend(fontsize=7)
+    return save_plot(fig, out, name, title)
+
+
+def arm_style(arm: Arm) -> dict[str, Any]:
+    """An arm's line: its method's colour, squares and dashes with a recent window."""
+    return {"marker": "o" if arm.recent_frac == 0 else "s", "color": color(arm.method, arm.traffic),
+            "linestyle": ":" if arm.sign < 0 else "-" if arm.recent_frac == 0 else "--",
+            "label": arm_label(arm.name)}  # fmt: skip
+
+
+def plot(
+    results: dict[str, Any], arms: list[Arm], ratios: list[int], out: Path, title: str
+) -> None:
+    """Accuracy and answer NLL against compression a column per length; accuracy by depth."""
+    styles = {a.name: arm_style(a) for a in arms}
+    fig, ax = subplots(2, len(results), figsize=(3.6 * len(results), 6.4), sharey="row")
+    for col, (n, res) in enumerate(results.items()):
+        for row, key in enumerate(("accuracy", "answer_nll_mean")):
+            series = {name: {k: c[key] for k, c in by.items()} for name, by in res["arms"].items()}
+            ratio_panel(ax[row, col], series, ratios, styles.__getitem__)
+            ax[row, col].set_xlabel("compression (prompt / budget)")
+        ax[0, col].set_ylim(-0.05, 1.05)
+        ax[0, col].set_title(f"{n}-token documents", fontsize=9)
+    ax[0, 0].set_ylabel("pass-key accuracy")
+    ax[1, 0].set_ylabel("answer NLL (nats/token)")
+    ax[0, 0].legend(fontsize=6)
+    save_plot(fig, out, STUDY, title)
+    fig, ax = subplots(1, 1, figsize=(7, 3.4))
+    x, width = np.arange(len(arms)), 0.8 / len(BINS)
+    means = [[m or 0.0 for m in depth_means(results, arm.name)] for arm in arms]
+    for b, label in enumerate(BINS):
+        ax[0, 0].bar(x + b * width, [m[b] for m in means], width, label=f"needle in {label}")
+    ax[0, 0].set_xticks(x + width, [a.name for a in arms], rotation=30, fontsize=7)
+    ax[0, 0].set_ylabel("accuracy (mean over lengths, ratios)")
+    ax[0, 0].legend(fontsize=7)
+    save_plot(fig, out, f"{STUDY}_depth", "pass-key accuracy by needle depth")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -231,80 +314,41 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     add_traffic_argument(p)
     args = parse(p, argv)
     study = open_run(STUDY, args, argv, calibrate=True)
-    identity, corpus, ratios = study.identity, study.corpus, args.ratios
+    identity, ratios = study.identity, args.ratios
     lengths = [n for n in args.lengths if n <= (identity["max_context"] or n)]
     arms = select_arms(standard_arms(tuple(args.recent_fracs)), args)
     configs = [(a, None) for a in arms if a.method == "full"]
     configs += [(a, r) for r in ratios for a in arms if a.method != "full"]
-    docs = {n: passkey_docs(corpus, n, args.per_bin, len(BINS), filler_kind=args.filler)
+    docs = {n: passkey_docs(study.corpus, n, args.per_bin, len(BINS), filler_kind=args.filler)
             for n in lengths}  # fmt: skip
-    # A rerun with the same arms, ratios, filler (and learned filters) skips the documents
-    # already in the log.
+    # Logged documents are read back for the same arms, ratios, filler and learned filters.
     signature: dict[str, Any] = {"arms": [a.name for a in arms], "ratios": ratios,
                                  "filler": args.filler}  # fmt: skip
-    learned = study.calibration.get("traffic_artifacts") or {}
-    if learned:
+    if learned := study.calibration.get("traffic_artifacts"):
         signature["learned"] = {k: v["sha1"] for k, v in sorted(learned.items())}
     log = args.out / f"{STUDY}.jsonl"
     done = resume(log, lambda r: (r["length"], r["index"]), fresh=args.quick,
                   keep=lambda r: r["signature"] == signature)  # fmt: skip
-    with progress(total=sum(len(d) for d in docs.values()), desc="documents") as bar:
-        for n in lengths:
-            for i, doc in enumerate(docs[n]):
-                if (n, i) not in done:
-                    first = i == 0 and n == lengths[0] and not args.no_prefill_check
-                    rec = measure_doc(study, doc, configs, first=first)
-                    rec.update(length=n, index=i, signature=signature)
-                    append_jsonl(log, rec)
-                    done[(n, i)] = rec
-                bar.update(1)
-    # hits[length][arm name][ratio or "-"] = list of (correct, bin, nll)
-    hits: dict[int, dict[str, dict[str, list]]] = {n: {} for n in lengths}
-    budgets: dict[int, dict[str, list[int]]] = {n: {} for n in lengths}
+
+    def measure(n: int, i: int) -> dict[str, Any]:
+        first = i == 0 and n == lengths[0] and not args.no_prefill_check
+        rec = measure_doc(study, docs[n][i], configs, first=first)
+        return {**rec, "length": n, "index": i, "signature": signature}
+
+    todo = [(n, i) for n in lengths for i in range(len(docs[n]))]
+    records = measured(log, done, todo, measure, "documents")
     check: dict[str, Any] = {"arms": 0, "identical": 0, "mismatches": []}
     sources: dict[str, set[str]] = {}  # arm -> filter sources its caches reported
-    for (n, i), rec in sorted(done.items()):
-        if n not in hits or i >= len(docs[n]):
-            continue
-        for name, key, correct, nll, budget in rec["cells"]:
-            hits[n].setdefault(name, {}).setdefault(key, []).append((correct, rec["bin"], nll))
-            if budget is not None:
-                budgets[n].setdefault(key, []).append(budget)
+    for rec in records:
         for name, source in rec.get("sources", {}).items():  # older records have none
             sources.setdefault(name, set()).add(source)
         for k, v in rec.get("check", {}).items():  # counts add up, mismatches join
             check[k] += v
-    results = {str(n): {"docs": len(docs[n]),
-                        "mean_prompt_tokens": float(np.mean([len(d["prompt"]) for d in docs[n]])),
-                        "depths": [round(d["depth"], 3) for d in docs[n]],
-                        "budget_by_ratio": {k: sorted(set(v)) for k, v in budgets[n].items()},
-                        "arms": {name: {k: cell_stats(o) for k, o in by_ratio.items()}
-                                 for name, by_ratio in hits[n].items()}}
-               for n in lengths}  # fmt: skip
-    print(f"shared-prefill check: {check['identical']}/{check['arms']} arms identical to direct "
-          "generate_step")  # fmt: skip
-
-    fig, ax = subplots(2, len(lengths), figsize=(3.6 * len(lengths), 6.4), sharey="row")
-    for col, n in enumerate(lengths):
-        plot_metric(ax[0, col], results[str(n)], arms, ratios, "accuracy")
-        plot_metric(ax[1, col], results[str(n)], arms, ratios, "answer_nll_mean")
-        ax[0, col].set_title(f"{n}-token documents", fontsize=9)
-    ax[0, 0].set_ylabel("pass-key accuracy")
-    ax[1, 0].set_ylabel("answer NLL (nats/token)")
-    ax[0, 0].legend(fontsize=6)
-    title = f"{identity['path']} {identity['checkpoint']}: pass-key retrieval"
-    save_plot(fig, args.out, STUDY, title)
-    fig, ax = subplots(1, 1, figsize=(7, 3.4))
-    names = [arm.name for arm in arms]
-    x, width = np.arange(len(names)), 0.8 / len(BINS)
-    means = [[m or 0.0 for m in depth_means(results, name)] for name in names]
-    for b, label in enumerate(BINS):
-        ax[0, 0].bar(x + b * width, [m[b] for m in means], width, label=f"needle in {label}")
-    ax[0, 0].set_xticks(x + width, names, rotation=30, fontsize=7)
-    ax[0, 0].set_ylabel("accuracy (mean over lengths, ratios)")
-    ax[0, 0].legend(fontsize=7)
-    save_plot(fig, args.out, f"{STUDY}_depth", "pass-key accuracy by needle depth")
-
+    results = {
+        str(n): length_results(docs[n], [r for r in records if r["length"] == n]) for n in lengths
+    }
+    plot(results, arms, ratios, args.out, f"{identity['path']} {identity['checkpoint']}: "
+         "pass-key retrieval")  # fmt: skip
     data = {"generator": "training.data.passkey_eval_set (eval seeds, eval-split filler)",
             "filler": args.filler, "docs_per_depth_bin": args.per_bin, "depth_bins": list(BINS),
             "scoring": "first number in the greedy continuation equals the key"}  # fmt: skip
@@ -322,44 +366,32 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def render(data: dict[str, Any]) -> list[str]:
     """This study's section of ``bench/RESULTS.md``."""
     lines = quality_header("Pass-key retrieval", data)
-    check = data["shared_prefill_check"]
-    full_acc = [r["arms"]["full"]["-"]["accuracy"] for r in data["results"].values()
-                if "full" in r["arms"]]  # fmt: skip
+    check, d, ratios, results = data["shared_prefill_check"], data["data"], data["ratios"], data["results"]  # fmt: skip
+    full_acc = [r["arms"]["full"]["-"]["accuracy"] for r in results.values() if "full" in r["arms"]]
     if full_acc and max(full_acc) == 0:
-        lines += [
-            "",
-            "**The model does not retrieve the key even with a full cache, so accuracy cannot "
-            "separate the arms at this checkpoint; read the answer NLL below instead.**",
-        ]
-    lines += [
-        "",
-        f"Greedy pass-key accuracy on held-out documents ({data['data']['generator']}, "
-        f"{data['data']['filler']} filler), {data['data']['docs_per_depth_bin']} per needle "
-        f"depth bin ({', '.join(data['data']['depth_bins'])}). Budget = prompt tokens / "
-        f"compression, the same for every arm. Shared-prefill check: {check['identical']}/"
-        f"{check['arms']} arms generated the same tokens as a direct `generate_step`.",
-    ]
-    ratios, results = data["ratios"], data["results"]
+        lines += ["", "**The model does not retrieve the key even with a full cache, so accuracy "
+                  "cannot separate the arms at this checkpoint; read the answer NLL below "
+                  "instead.**"]  # fmt: skip
+    lines += ["", f"Greedy pass-key accuracy on held-out documents ({d['generator']}, "
+              f"{d['filler']} filler), {d['docs_per_depth_bin']} per needle depth bin "
+              f"({', '.join(d['depth_bins'])}). Budget = prompt tokens / compression, the same "
+              f"for every arm. Shared-prefill check: {check['identical']}/{check['arms']} arms "
+              "generated the same tokens as a direct `generate_step`."]  # fmt: skip
     names = arm_order(n for r in results.values() for n in r["arms"])
     keys, headers = ["-", *map(str, ratios)], ["arm", "no eviction", *[f"{r}×" for r in ratios]]
     for n, res in results.items():
         lines += ["", f"**{n}-token documents** ({res['docs']} docs, mean prompt "
                   f"{res['mean_prompt_tokens']:.0f} tokens)", ""]  # fmt: skip
-        rows = [
-            ratio_row(name, [res], "accuracy", keys, 2) for name in names if res["arms"].get(name)
-        ]
-        lines += table(headers, rows)
+        lines += table(headers, [ratio_row(name, [res], "accuracy", keys, 2)
+                                 for name in names if res["arms"].get(name)])  # fmt: skip
     if any("answer_nll_mean" in c for r in results.values()
            for cells in r["arms"].values() for c in cells.values()):  # fmt: skip
         rows = [ratio_row(name, results.values(), "answer_nll_mean", keys, 3) for name in names]
         lines += ["", "Answer NLL (nats per answer token, teacher-forced through each arm's cache; "
                   "lower is better; mean over documents and lengths) — graded where accuracy is at "
                   "the floor:", "", *table(headers, rows)]  # fmt: skip
-    bins = data["data"]["depth_bins"]
-    ran = [name for name in names if any(r["arms"].get(name) for r in results.values())]
-    means = {name: depth_means(results, name, bins) for name in ran}
-    rows = [[arm_label(name), *("" if m is None else fmt(m, 2) for m in by_bin)]
-            for name, by_bin in means.items()]  # fmt: skip
+    bins = d["depth_bins"]
+    rows = [[arm_label(name), *("" if m is None else fmt(m, 2) for m in depth_means(results, name, bins))]
+            for name in names if any(r["arms"].get(name) for r in results.values())]  # fmt: skip
     lines += ["", "By needle depth (mean over lengths and compressions):", ""]
-    lines += table(["arm", *[f"needle in {b}" for b in bins]], rows)
-    return lines + plots(data)
+    return lines + table(["arm", *[f"needle in {b}" for b in bins]], rows) + plots(data)

@@ -1,9 +1,7 @@
 """Whose queries make a prompt-calibrated filter work on the pass key?
 
-The self-calibration recipe fed the document's own queries (``own``), those of an
-equal-length standard-library window (``other``), or the artifact (``calibrated``); per
-document and arm, whether the answer is the key and the share of the key's digit rows each
-layer and head still holds.
+The document's own queries (``own``), another text's (``other``) or the artifact's
+(``calibrated``): accuracy and the share of the key's rows kept.
 """
 
 from __future__ import annotations
@@ -16,13 +14,18 @@ import numpy as np
 from bench.arms import Arm, feed_block
 from bench.data import passkey_docs, stdlib_windows
 from bench.harness import Run, color, open_run, parse, parser, progress, save_plot, subplots
-from bench.report import plots, quality_header, table
+from bench.report import plots, quality_header
+from bench.studies import retrieval as rt
 from bench.studies.attention import self_filters
-from bench.studies.retrieval import BINS, budget_for, decode, first_number_is, prefill_block
 from qfserve.engine.kv.cache import EvictionCache
 
 STUDY = "selfcal_text"
-SOURCES = ("calibrated", "own", "other")
+NAMES = ("full", "calibrated", "own", "other", "streaming")
+# The cache each source or reference runs with (a recent window of budget/4).
+ARMS = {"full": Arm("full", 0.0), "streaming": Arm("streaming", 0.0),
+        "calibrated": Arm("qfilters", 0.25), "own": Arm("self", 0.25),
+        "other": Arm("qfilters", 0.25)}  # fmt: skip
+METHOD_OF = {"calibrated": "qfilters", "own": "self", "other": "fallback", "streaming": "streaming"}
 
 
 def block_filters(block: list[tuple[mx.array, ...]]) -> mx.array:
@@ -54,34 +57,25 @@ def share_kept(caches: list[Any], block: list[tuple[mx.array, ...]], rows: list[
     return float(np.mean(shares))
 
 
-def arm_for(name: str) -> Arm:
-    """The cache each source or reference runs with (a recent window of budget/4)."""
-    if name in ("full", "streaming"):
-        return Arm(name, 0.0)
-    return Arm("self" if name == "own" else "qfilters", 0.25)
-
-
 def measure_doc(study: Run, doc: dict[str, Any], other: mx.array, ratios: list[int]) -> dict:
     """Every source and reference at every ratio on one document."""
     model, prompt = study.model, doc["prompt"]
-    block = prefill_block(model, prompt, queries=True)
+    block = rt.prefill_block(model, prompt, queries=True)
     filters = {"calibrated": mx.array(np.asarray(study.filters)), "other": other}
     rows = needle_rows(prompt, doc["answer"])
 
     def outcome(name: str, budget: int | None) -> dict[str, Any]:
-        arm = arm_for(name)
-        caches = arm.caches(model, budget, filters.get(name))
+        caches = ARMS[name].caches(model, budget, filters.get(name))
         feed_block(caches, block)  # only `own`'s caches take the queries
         kept = share_kept(caches, block, rows) if budget is not None else 1.0
-        text = study.tokenizer.decode(decode(model, prompt[-1:], caches, doc["key_tokens"] + 2))
-        return {"correct": first_number_is(text, doc["key"]), "needle_rows_kept": kept,
-                "budget": budget, "source": arm.source(caches)}  # fmt: skip
+        text = study.tokenizer.decode(rt.decode(model, prompt[-1:], caches, doc["key_tokens"] + 2))
+        return {"correct": rt.first_number_is(text, doc["key"]), "needle_rows_kept": kept,
+                "budget": budget, "source": ARMS[name].source(caches)}  # fmt: skip
 
     cells: dict[str, dict[str, Any]] = {"full": {"-": outcome("full", None)}}
     for ratio in ratios:
-        for name in (*SOURCES, "streaming"):
-            budget = budget_for(len(prompt), ratio, arm_for(name))
-            if budget is not None:
+        for name in NAMES[1:]:
+            if (budget := rt.budget_for(len(prompt), ratio, ARMS[name])) is not None:
                 cells.setdefault(name, {})[str(ratio)] = outcome(name, budget)
     cal = np.asarray(study.filters)
     cosine = {"own": float((np.array(block_filters(block)) * cal).sum(-1).mean()),
@@ -93,45 +87,30 @@ def measure_doc(study: Run, doc: dict[str, Any], other: mx.array, ratios: list[i
 def aggregate(records: list[dict[str, Any]]) -> dict[str, Any]:
     """Per arm and ratio: accuracy and mean needle rows kept, over the records."""
     out: dict[str, dict[str, dict[str, float]]] = {}
-    for name in ("full", *SOURCES, "streaming"):
+    for name in NAMES:
         keys = {k for r in records for k in r["cells"].get(name, {})}
         for key in sorted(keys, key=lambda k: -1 if k == "-" else int(k)):
             cells = [r["cells"][name][key] for r in records if key in r["cells"].get(name, {})]
             out.setdefault(name, {})[key] = {
                 "accuracy": float(np.mean([c["correct"] for c in cells])),
                 "needle_rows_kept": float(np.mean([c["needle_rows_kept"] for c in cells])),
-                "docs": len(cells)}  # fmt: skip
+                "docs": len(cells),
+            }
     return out
-
-
-def cell_texts(cells: dict[str, dict[str, float]], ratios: list[int]) -> list[str]:
-    """``accuracy / needle rows kept`` per ratio, in the order of ``ratios`` ('' if not run)."""
-    return [
-        f"{c['accuracy']:.2f} / {c['needle_rows_kept']:.2f}" if (c := cells.get(str(r))) else ""
-        for r in ratios
-    ]
-
-
-METHOD_OF = {"calibrated": "qfilters", "own": "self", "other": "fallback", "streaming": "streaming"}
 
 
 def plot(results: dict[str, Any], ratios: list[int], out: Any, title: str) -> str:
     """Accuracy and needle rows kept against compression, a column per filler."""
-    metrics = (("accuracy", "pass-key accuracy"), ("needle_rows_kept", "needle rows kept"))
     fig, ax = subplots(2, len(results), sharey="row")
+    style = lambda name: {"color": color(METHOD_OF.get(name, "full")), "label": name}  # noqa: E731
     for j, (filler, res) in enumerate(results.items()):
-        for i, (metric, label) in enumerate(metrics):
-            a = ax[i, j]
-            for name in (*SOURCES, "streaming"):
-                cells = res["arms"].get(name, {})
-                xs = [r for r in ratios if str(r) in cells]
-                a.plot(xs, [cells[str(r)][metric] for r in xs], "o-",
-                       color=color(METHOD_OF[name]), label=name)  # fmt: skip
-            a.set_xscale("log", base=2)
-            a.set_xticks(ratios, [f"{r}x" for r in ratios])
-            a.set_ylim(-0.05, 1.05)
-            a.set_title(f"{filler} filler: {label}", fontsize=9)
-        ax[0, j].axhline(res["arms"]["full"]["-"]["accuracy"], color="black", ls="--", lw=1)
+        for i, (metric, label) in enumerate(
+            (("accuracy", "pass-key accuracy"), ("needle_rows_kept", "needle rows kept"))
+        ):
+            series = {n: {k: c[metric] for k, c in by.items()} for n, by in res["arms"].items()}
+            rt.ratio_panel(ax[i, j], series if i == 0 else {**series, "full": {}}, ratios, style)
+            ax[i, j].set_ylim(-0.05, 1.05)
+            ax[i, j].set_title(f"{filler} filler: {label}", fontsize=9)
     ax[0, 0].legend(fontsize=7)
     return save_plot(fig, out, STUDY, title)
 
@@ -142,16 +121,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                ["classic"], "of classic, prose, code"))  # fmt: skip
     args = parse(p, argv)
     lengths, ratios, per_bin, fillers = args.lengths, args.ratios, args.per_bin, args.fillers
-
     study = open_run(STUDY, args, argv, calibrate=True)
     results: dict[str, Any] = {}
-    with progress(total=len(fillers) * len(lengths) * per_bin * len(BINS), desc="docs") as bar:
+    with progress(total=len(fillers) * len(lengths) * per_bin * len(rt.BINS), desc="docs") as bar:
         for filler in fillers:
             records = []
             for n in lengths:
                 window = [int(t) for t in stdlib_windows(study.corpus, n, 1)[0]]
-                other = block_filters(prefill_block(study.model, [*window, 0], queries=True))
-                for doc in passkey_docs(study.corpus, n, per_bin, len(BINS), filler_kind=filler):
+                other = block_filters(rt.prefill_block(study.model, [*window, 0], queries=True))
+                for doc in passkey_docs(study.corpus, n, per_bin, len(rt.BINS), filler_kind=filler):
                     records.append({"length": n, **measure_doc(study, doc, other, ratios)})
                     bar.update(1)
             cosine = {k: float(np.mean([r["cosine_to_calibrated"][k] for r in records]))
@@ -165,29 +143,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "after the prompt, mean over layers and heads"}  # fmt: skip
     title = f"{study.identity['path']}: whose queries calibrate"
     return study.save({"data": data, "lengths": lengths, "ratios": ratios, "fillers": fillers,
-                       "budget_rule": "budget = round(prompt tokens / ratio), recent = budget/4",
-                       "results": results,
+                       "budget_rule": rt.RULE, "results": results,
                        "plots": [plot(results, ratios, args.out, title)]})  # fmt: skip
 
 
 def render(data: dict[str, Any]) -> list[str]:
     """This study's section of ``bench/RESULTS.md``."""
-    lines = quality_header("Whose queries calibrate a prompt's filters?", data)
     d, ratios = data["data"], data["ratios"]
-    lines += [
-        "",
-        f"The self-calibration recipe fed different queries, on {d['documents']} "
-        f"({', '.join(map(str, data['lengths']))} tokens): `own` is the document's own prompt "
-        f"(the server's `self` caches, fed the prompt as one block), `other` {d['other_text']}, "
-        f"`calibrated` the registry's artifact; {data['budget_rule']} (streaming: none). Each "
-        f"cell: accuracy ({d['scoring']}) / {d['needle_rows_kept']}.",
-    ]
+    lines = quality_header("Whose queries calibrate a prompt's filters?", data)
+    lines += ["", f"The self-calibration recipe fed different queries, on {d['documents']} "
+              f"({', '.join(map(str, data['lengths']))} tokens): `own` is the document's own "
+              f"prompt (the server's `self` caches, fed the prompt as one block), `other` "
+              f"{d['other_text']}, `calibrated` the registry's artifact; {data['budget_rule']} "
+              f"(streaming: none). Each cell: accuracy ({d['scoring']}) / "
+              f"{d['needle_rows_kept']}."]  # fmt: skip
     for filler, res in data["results"].items():
-        cos = res["cosine_to_calibrated"]
-        full = res["arms"]["full"]["-"]["accuracy"]
+        cos, full = res["cosine_to_calibrated"], res["arms"]["full"]["-"]["accuracy"]
         lines += ["", f"**{filler} filler** (full cache {full:.2f}; mean cosine to the calibrated "
                   f"filters: own {cos['own']:.3f}, other {cos['other']:.3f}):", ""]  # fmt: skip
-        rows = [[name, *cell_texts(cells, ratios)] for name, cells in res["arms"].items()
-                if name != "full"]  # fmt: skip
-        lines += table(["filters", *[f"{r}×" for r in ratios]], rows)
+        arms = {name: cells for name, cells in res["arms"].items() if name != "full"}
+        lines += rt.ratio_table("filters", ratios, arms, lambda cells, r: f"{c['accuracy']:.2f} / "
+                                f"{c['needle_rows_kept']:.2f}" if (c := cells.get(str(r))) else "")  # fmt: skip
     return lines + plots(data)

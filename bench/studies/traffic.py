@@ -1,9 +1,7 @@
 """Q-Filters learned from traffic, as a server without an artifact learns them.
 
-The server's own pooling (:class:`~qfserve.engine.filters.traffic.TrafficCalibration`), fed
-held-out ``chat`` or ``passkey`` traffic in 512-token prefill chunks until it writes its
-artifact; how long it took and how close the learned filters are to the calibrated ones. The
-artifacts feed ``--traffic-artifacts`` of the retrieval and attention studies.
+The server's pooling fed held-out ``chat`` or ``passkey`` traffic until it writes its artifact
+(for ``--traffic-artifacts``); the learned filters against the calibrated ones.
 """
 
 from __future__ import annotations
@@ -80,22 +78,10 @@ def serve(model: Any, prompts: list[list[int]], pool: TrafficCalibration) -> tup
     )
 
 
-def compare(learned: np.ndarray, calibrated: np.ndarray) -> dict[str, Any]:
-    """Cosine of each ``(layer, kv head)`` learned filter to the calibrated one."""
-    cos = cosines(learned, calibrated)
-    return {
-        "cosine_mean": float(cos.mean()),
-        "cosine_min": float(cos.min()),
-        "same_sign_share": float((cos > 0).mean()),
-        "cosine": cos.tolist(),  # [layer][kv head]
-    }
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = parser(__doc__, calibration=True, max_prompts=(64, 6, "traffic offered at most"),
                min_prompts=(DEFAULT_MIN_PROMPTS, 3, "prompts pooled at least"))  # fmt: skip
-    p.add_argument("--traffic", nargs="+", default=["chat", "passkey"],
-                   choices=("chat", "passkey"))  # fmt: skip
+    p.add_argument("--traffic", nargs="+", default=["chat", "passkey"], choices=("chat", "passkey"))
     args = parse(p, argv)
     quick, max_prompts = args.quick, args.max_prompts
     study = open_run(STUDY, args, argv, calibrate=True)
@@ -118,26 +104,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         finally:
             remove_query_taps(model)
         learned = read_calibration(path)
-        results[kind] = {
-            **took,
-            "artifact": str(path.relative_to(args.out)),
-            "artifact_text": learned.metadata.get("text"),
-            "samples_per_head": learned.metadata.get("samples_per_head"),
-            **compare(learned.filters, calibrated),
-        }
-    return study.save(
-        {
-            "data": {
-                "chat": "chat-templated requests: an instruction, then an evaluation-split "
-                "stdlib window or a stdlib docstring-prose window of 256/512/1024 tokens in turn",
-                "passkey": "retrieval's pass-key generator at 768 tokens (evaluation seeds)",
-                "prefill_chunk": CHUNK,
-                "min_prompts": args.min_prompts,
-            },
-            "results": results,
-            "plots": [plot(results, args.out, identity["checkpoint"])],
-        }
-    )
+        cos = cosines(learned.filters, calibrated)  # [layer][kv head], to the calibrated filter
+        results[kind] = {**took, "artifact": str(path.relative_to(args.out)),
+                         "artifact_text": learned.metadata.get("text"),
+                         "samples_per_head": learned.metadata.get("samples_per_head"),
+                         "cosine_mean": float(cos.mean()), "cosine_min": float(cos.min()),
+                         "same_sign_share": float((cos > 0).mean()), "cosine": cos.tolist()}  # fmt: skip
+    data = {"chat": "chat-templated requests: an instruction, then an evaluation-split stdlib "
+            "window or a stdlib docstring-prose window of 256/512/1024 tokens in turn",
+            "passkey": "retrieval's pass-key generator at 768 tokens (evaluation seeds)",
+            "prefill_chunk": CHUNK, "min_prompts": args.min_prompts}  # fmt: skip
+    plot_name = plot(results, args.out, identity["checkpoint"])
+    return study.save({"data": data, "results": results, "plots": [plot_name]})
 
 
 def plot(results: dict[str, Any], out: Path, checkpoint: str) -> str:
@@ -157,19 +135,14 @@ def plot(results: dict[str, Any], out: Path, checkpoint: str) -> str:
 
 def render(data: dict[str, Any]) -> list[str]:
     """This study's section of ``bench/RESULTS.md``."""
-    lines = quality_header("Q-Filters learned from traffic", data)
     d = data["data"]
-    lines += [
-        "",
-        "The server's own pooling (`qfserve.engine.filters.traffic`) fed held-out traffic in "
-        f"{d['prefill_chunk']}-token prefill chunks until it wrote its artifact; the learned "
-        "filters against the registry's calibrated ones (cosine per layer and KV head). "
-        f"`chat`: {d['chat']}; `passkey`: {d['passkey']}.",
-        "",
-    ]
+    intro = ("The server's own pooling (`qfserve.engine.filters.traffic`) fed held-out traffic in "
+             f"{d['prefill_chunk']}-token prefill chunks until it wrote its artifact; the learned "
+             "filters against the registry's calibrated ones (cosine per layer and KV head). "
+             f"`chat`: {d['chat']}; `passkey`: {d['passkey']}.")  # fmt: skip
     rows = [[kind, r["prompts"], r["tokens"], r["seconds"], fmt(r["cosine_mean"]),
              fmt(r["cosine_min"]), pct(r["same_sign_share"]), r["artifact"]]
             for kind, r in data["results"].items()]  # fmt: skip
     headers = ["traffic", "prompts", "tokens", "s", "mean cosine", "min cosine", "same sign"]
-    lines += table([*headers, "artifact"], rows)
-    return lines + plots(data)
+    lines = quality_header("Q-Filters learned from traffic", data, intro)
+    return lines + table([*headers, "artifact"], rows) + plots(data)
