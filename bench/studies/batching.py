@@ -166,9 +166,13 @@ def render(d: dict[str, Any]) -> list[str]:
         "span in which every stream is decoding (from the last first token to the first end).",
         "",
     ]
-    # '' where there is no median: no steady span, or older results without the steady rate
-    rows = [[r["prompt_tokens"], r["streams"], a,
-             *("" if (x := (r.get(k) or {}).get(a)) is None else f"{x['median']:.2f}" for k in COLUMNS)]
+
+    def median(row: dict[str, Any], key: str, arm: str) -> str:
+        """'' where there is none: no steady span, or older results without the steady rate."""
+        stats = (row.get(key) or {}).get(arm)
+        return "" if stats is None else f"{stats['median']:.2f}"
+
+    rows = [[r["prompt_tokens"], r["streams"], a, *(median(r, k, a) for k in COLUMNS)]
             for r in d["rows"] for a in r["tokens_per_s"]]  # fmt: skip
     lines += table(["prompt", "streams", "arm", *COLUMNS.values()], rows)
     for key, what in (
