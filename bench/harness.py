@@ -569,3 +569,80 @@ def measured(
                     append_jsonl(log, done[key])
             bar.update(1)
     return [done[key] for key in todo]
+
+
+# -- speed studies --
+
+
+def start(name: str, argv: Sequence[str] | None, doc: str, **sized: Any) -> Run:
+    """:func:`open_run` on the arguments of a :func:`parser` (``doc``, ``sized``) in ``argv``."""
+    return open_run(name, parse(parser(doc, **sized), argv), argv)
+
+
+def compare_arms(
+    run: Run, arms: dict[str, Callable[[], float]], label: str, reference: str
+) -> tuple[dict[str, list[float]], dict[str, dict[str, float]], list[dict[str, Any]]]:
+    """Interleave ``arms`` for ``--reps`` rounds: the samples, their :func:`summaries` and
+    every other arm's :func:`ratio_row` against ``reference``."""
+    samples = interleave(arms, run.args.reps, progress=run.log.rounds(label))
+    others = [a for a in samples if a != reference]
+    return samples, summaries(samples), ratios(samples, reference, others)
+
+
+def rss_bytes(pid: int | None = None) -> int:
+    """Resident memory of process ``pid`` (this one by default)."""
+    import psutil
+
+    return int(psutil.Process(pid).memory_info().rss)
+
+
+def scaled_errorbars(
+    stats: Sequence[dict[str, float]], scale: float = 1.0
+) -> tuple[list[float], list[list[float]]]:
+    """:func:`errorbars` times ``scale``."""
+    med, err = errorbars(stats)
+    return [m * scale for m in med], [[e * scale for e in side] for side in err]
+
+
+def context_plot(
+    out: Path,
+    name: str,
+    x: Sequence[int],
+    series: dict[str, list[dict[str, float]]],
+    trained: int,
+    scale: float = 1.0,
+    logy: bool = False,
+    **labels: str,
+) -> str:
+    """Each series' medians (times ``scale``) with their IQR against the context lengths ``x``
+    on a log-2 axis, the model's ``trained`` context marked; ``labels``: the axes'."""
+    fig, [[ax]] = subplots(figsize=(6.4, 4))
+    for label, stats in series.items():
+        med, err = scaled_errorbars(stats, scale)
+        ax.errorbar(x, med, yerr=err, marker="o", capsize=3, label=label)
+    ax.axvline(trained, color="grey", ls=":", label=f"trained context {trained}")
+    ax.set(**labels)
+    log2_axis(ax, x, logy=logy)
+    ax.legend()
+    return save_plot(fig, out, name)
+
+
+def grouped_bars(
+    ax: Any,
+    groups: list[str],
+    stats: list[dict[str, dict[str, float]]],
+    title: str,
+    scale: float = 1.0,
+    style: Callable[[str], dict[str, Any]] = lambda arm: {},
+) -> None:
+    """Per group (an x tick), one bar per arm of ``stats[group]``: its median (times
+    ``scale``) with its IQR; ``style(arm)``: the bar's matplotlib options."""
+    arms = list(stats[0])
+    width = 0.8 / len(arms)
+    for i, arm in enumerate(arms):
+        med, err = scaled_errorbars([s[arm] for s in stats], scale)
+        x = [j + (i - (len(arms) - 1) / 2) * width for j in range(len(groups))]
+        ax.bar(x, med, width, yerr=err, capsize=3, label=arm, **style(arm))
+    ax.set_xticks(range(len(groups)), groups)
+    ax.set(title=f"{title} (median, IQR)")
+    ax.legend(fontsize=8)

@@ -1,9 +1,6 @@
-"""One decode step of a batch: our per-request caches against mlx-lm's batch cache.
-
-``B`` prompts' Q-Filters caches in a :class:`~qfserve.engine.serving.batch.BatchCache` (also
-chunked) against mlx-lm's ``BatchKVCache`` of the same rows: the model step and the cache
-updates alone, interleaved (``ours_again`` = A/A).
-"""
+"""One decode step of a batch: ``B`` prompts' Q-Filters caches in a
+:class:`~qfserve.engine.serving.batch.BatchCache` (also chunked) against mlx-lm's
+``BatchKVCache`` of the same rows; the model step and the cache updates alone, interleaved."""
 
 from __future__ import annotations
 
@@ -14,46 +11,36 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from bench.arms import make_caches, prefill
 from bench.data import prompt_tokens
-from bench.harness import (
-    interleave,
-    log2_axis,
-    open_run,
-    parse,
-    parser,
-    pyplot,
-    ratio_row,
-    save_plot,
-    summaries,
-)
+from bench.harness import interleave, log2_axis, ratio_row, save_plot, start, subplots, summaries
 from bench.report import plots, speed_header, table
 from bench.studies.profile import timed
 from qfserve.engine.kv.attention import install_head_masks
 from qfserve.engine.kv.config import CacheConfig
 from qfserve.engine.serving.batch import BatchCache
 
+PLOTTED = ("ours", "theirs", "ours_updates", "theirs_updates")
 
-def build(sm, B: int, prompt: int, budget: int, chunk: int):
-    """(our per-layer batch caches, the same chunked, mlx-lm's) for ``B`` requests with
-    different prompts."""
-    configs = [CacheConfig(method="qfilters", budget=budget, recent=budget // 4, chunk=c)
-               for c in (1, chunk)]  # fmt: skip
-    ours, chunked, theirs = [], [], []
-    base = prompt_tokens(sm, prompt * B)
+
+def build(sm, B: int, prompt: int, budget: int, chunk: int) -> tuple[list, ...]:
+    """Per layer: our batch caches of ``B`` different prompts, the same chunked, mlx-lm's."""
+    base, requests = prompt_tokens(sm, prompt * B), []
     for b in range(B):
-        tokens = mx.array([base[b * prompt : (b + 1) * prompt]])
-        for mine, config in zip((ours, chunked), configs, strict=True):
-            caches = make_caches(sm.model, config, filters=sm.filters)
-            prefill(sm.model, caches, tokens[0].tolist())
-            mine.append(caches)
+        tokens = base[b * prompt : (b + 1) * prompt]
+        configs = [
+            CacheConfig(method="qfilters", budget=budget, recent=budget // 4, chunk=c)
+            for c in (1, chunk)
+        ]
+        ours = [make_caches(sm.model, config, filters=sm.filters) for config in configs]
+        for caches in ours:
+            prefill(sm.model, caches, tokens)
         plain = [KVCache() for _ in sm.model.layers]
-        sm.model(tokens[:, -budget:], cache=plain)
+        sm.model(mx.array([tokens[-budget:]]), cache=plain)
         mx.eval([c.state for c in plain])
-        theirs.append(plain)
+        requests.append((*ours, plain))
     layers = range(len(sm.model.layers))
-    return (
-        [BatchCache([ours[b][i] for b in range(B)]) for i in layers],
-        [BatchCache([chunked[b][i] for b in range(B)]) for i in layers],
-        [BatchKVCache.merge([theirs[b][i] for b in range(B)]) for i in layers],
+    kinds = (BatchCache, BatchCache, BatchKVCache.merge)
+    return tuple(
+        [make([r[k][i] for r in requests]) for i in layers] for k, make in enumerate(kinds)
     )
 
 
@@ -76,16 +63,15 @@ def measure(sm, B: int) -> dict[str, Any]:
             "ours_again": step(ours), "ours_updates": updates(ours),
             "theirs_updates": updates(theirs)}  # fmt: skip
     runs = interleave(arms, a.reps, progress=sm.log.rounds(f"batch {B}"))
-    return {"batch": B, "step_s": summaries(runs),
-            "ratios": [ratio_row(runs, "ours", "theirs"), ratio_row(runs, "ours_again", "ours"),
-                       ratio_row(runs, "ours_chunked", "ours")]}  # fmt: skip
+    pairs = (("ours", "theirs"), ("ours_again", "ours"), ("ours_chunked", "ours"))
+    return {"batch": B, "step_s": summaries(runs), "ratios": [ratio_row(runs, *p) for p in pairs]}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__, reps=7, batches=([1, 4, 8, 16], [1, 2]), prompt=(512, 48, "tokens per "
-               "prompt"), budget=(256, 16), chunk=(8, 4, "the chunked arm's"))  # fmt: skip
-    args = parse(p, argv)
-    sm = open_run("batch_step", args, argv)
+    sm = start("batch_step", argv, __doc__, reps=7, batches=([1, 4, 8, 16], [1, 2]),
+               prompt=(512, 48, "tokens per prompt"), budget=(256, 16),
+               chunk=(8, 4, "the chunked arm's"))  # fmt: skip
+    args = sm.args
     install_head_masks(sm.model)
     rows = [measure(sm, B) for B in args.batches]
     if args.batches[0] == 1:
@@ -103,8 +89,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                      "theirs": "mlx-lm BatchKVCache.merge of KVCaches with budget rows"},
         "rows": rows,
     }  # fmt: skip
-    fig, ax = pyplot().subplots(figsize=(6, 3.8))
-    for a in ("ours", "theirs", "ours_updates", "theirs_updates"):
+    fig, [[ax]] = subplots(figsize=(6, 3.8))
+    for a in PLOTTED:
         ax.plot(args.batches, [r["step_s"][a]["median"] * 1e3 for r in rows], "o-", label=a)
     ax.set(title="one decode step (ms, median)", xlabel="batch size")
     log2_axis(ax, args.batches)
@@ -114,22 +100,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def render(d: dict[str, Any]) -> list[str]:
-    """This study's section of ``bench/RESULTS.md``."""
     s = d["settings"]
-    lines = speed_header("One decode step of a batch: per-request caches against mlx-lm's", d)
-    lines += [
+    intro = (
         f"In process: {s['ours']} against {s['theirs']}; prompts of {s['prompt']} tokens, "
         f"budget {s['budget']}, {s['reps']} interleaved rounds (`ours_again` = A/A). "
-        f"`ours_chunked`: {s['ours_chunked']}.",
-        "",
-    ]
-    arms = ("ours", "theirs", "ours_updates", "theirs_updates")
+        f"`ours_chunked`: {s['ours_chunked']}."
+    )
     rows = []
     for r in d["rows"]:
         scale = r.get("tokens_per_s_over_batch_1", {})  # only when batch 1 ran
-        rows.append([r["batch"], *(f"{r['step_s'][a]['median'] * 1e3:.1f}" for a in arms),
+        rows.append([r["batch"], *(f"{r['step_s'][a]['median'] * 1e3:.1f}" for a in PLOTTED),
                      *(f"{x['median']:.2f}" for x in r["ratios"]),
                      *(f"{scale[a]:.2f}×" if a in scale else "—" for a in ("ours", "theirs"))])  # fmt: skip
     headers = ["batch", "ours ms", "theirs ms", "ours updates ms", "theirs updates ms"]
     headers += ["ours/theirs", "A/A", "chunked/ours", "ours tok/s ×", "theirs tok/s ×"]
-    return lines + table(headers, rows) + [*plots(d), ""]
+    title = "One decode step of a batch: per-request caches against mlx-lm's"
+    return speed_header(title, d, intro) + table(headers, rows) + [*plots(d), ""]

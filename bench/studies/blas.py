@@ -1,8 +1,5 @@
-"""OpenBLAS from PyPI against the system's, side by side.
-
-Three servers (``QFSERVE_BLAS`` pip, system, pip again: the A/A pair) get the same streamed
-chat requests, interleaved; prefill and decode throughput as ratios to the system's.
-"""
+"""OpenBLAS from PyPI against the system's: three servers (``QFSERVE_BLAS`` pip, system, pip
+again: the A/A pair) get the same streamed chat requests, interleaved; throughput ratios."""
 
 from __future__ import annotations
 
@@ -30,25 +27,23 @@ def missing() -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__, reps=5, prompt=(1024, 128, "prompt tokens"), max_tokens=(64, 8))
-    args = parse(p, argv)
+    args = parse(
+        parser(__doc__, reps=5, prompt=(1024, 128, "prompt tokens"), max_tokens=(64, 8)), argv
+    )
     if why := missing():
         raise SystemExit(f"blas: {why}")
     run = open_run("blas", args, argv)
     logs = Path(tempfile.mkdtemp(prefix="blas-"))
     libs = {arm: find_blas(source).path for arm, source in ARMS.items()}  # type: ignore[union-attr]
-    with contextlib.ExitStack() as stack:
-        urls = {}
+    with contextlib.ExitStack() as stack, httpx.Client() as client:
+        arms = {}
         for arm, source in ARMS.items():
-            env = {**os.environ, "QFSERVE_BLAS": source}
-            env.pop("LD_PRELOAD", None)  # each server preloads its own
-            server = testing.start("qfserve", run.folder, log=logs / f"{arm}.log", env=env,
-                                   timeout=300)  # fmt: skip
+            env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}  # each its own
+            server = testing.start("qfserve", run.folder, log=logs / f"{arm}.log",
+                                   env={**env, "QFSERVE_BLAS": source}, timeout=300)  # fmt: skip
             stack.callback(server.stop, 15)
-            urls[arm] = server.url
-        client = stack.enter_context(httpx.Client())
-        body = {"model": run.loaded.name, "max_tokens": args.max_tokens}
-        arms = {arm: chat_arm(run, client, url, args.prompt, **body) for arm, url in urls.items()}
+            arms[arm] = chat_arm(run, client, server.url, args.prompt, model=run.loaded.name,
+                                 max_tokens=args.max_tokens)  # fmt: skip
         timings = interleave(arms, args.reps, progress=run.log.rounds("rounds"))
     prefill = {k: [t.prompt_tokens / t.ttft for t in v] for k, v in timings.items()}
     decode = per_arm(timings, "decode_tps")
@@ -65,15 +60,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def render(d: dict[str, Any]) -> list[str]:
-    """This study's section of ``bench/RESULTS.md``."""
     s = d["settings"]
     lines = speed_header("OpenBLAS from PyPI against the system's", d)
     lines += [f"Streamed chat, {s['prompt_tokens']:,}-token prompts, {s['max_tokens']} tokens, "
               f"greedy, {s['reps']} interleaved rounds. Throughput ratios to `system` (above 1: "
               "faster); `pip_b` is the wheel again (A/A).", ""]  # fmt: skip
-    pre = {r["arm"]: r for r in d["prefill_ratios"]}
-    dec = {r["arm"]: r for r in d["decode_ratios"]}
-    rows = [[arm, f"{d['prefill_tps'][arm]['median']:.0f}", ratio_cell(pre[arm]) if arm in pre else "1",
-             f"{d['decode_tps'][arm]['median']:.1f}", ratio_cell(dec[arm]) if arm in dec else "1"]
-            for arm in ARMS]  # fmt: skip
+    pre, dec = (
+        {r["arm"]: ratio_cell(r) for r in d[k]} for k in ("prefill_ratios", "decode_ratios")
+    )
+    rows = [[arm, f"{d['prefill_tps'][arm]['median']:.0f}", pre.get(arm, "1"),
+             f"{d['decode_tps'][arm]['median']:.1f}", dec.get(arm, "1")] for arm in ARMS]  # fmt: skip
     return lines + table(["arm", "prefill tok/s", "ratio", "decode tok/s", "ratio"], rows)

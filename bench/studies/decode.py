@@ -1,10 +1,6 @@
-"""Decode ms/step against context, eviction overhead, kept KV and memory.
-
-Three parts, arms interleaved: a full cache holding each context (twice, A/A) against
-Q-Filters at each budget; our cache at budget B evicting a row per step against mlx-lm's
-``KVCache`` of B rows; and, while the first part builds its arms, their kept bytes, MLX peak
-memory (prefill in 512-token chunks, then decode) and RSS growth.
-"""
+"""Decode ms/step against context: a full cache (twice, A/A) against Q-Filters at each budget;
+our cache at budget B evicting a row per step against mlx-lm's ``KVCache`` of B rows; and each
+arm's kept bytes, MLX peak memory (prefill in 512-token chunks, then decode) and RSS growth."""
 
 from __future__ import annotations
 
@@ -13,38 +9,11 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from bench import harness
 from bench.arms import caches_for, decode_timer, kv_stats, prefill
 from bench.data import prompt_tokens
-from bench.harness import (
-    MiB,
-    errorbars,
-    interleave,
-    log2_axis,
-    open_run,
-    parse,
-    parser,
-    pyplot,
-    ratios,
-    save_plot,
-    subplots,
-    summaries,
-)
+from bench.harness import MiB
 from bench.report import ms, plots, ratio_cell, speed_header, table
-
-
-def contexts_for(max_context: int) -> list[int]:
-    """1,024 doubling up to the model's trained length (which is always included)."""
-    out, c = [], 1024
-    while c < max_context:
-        out.append(c)
-        c *= 2
-    return [*out, max_context]
-
-
-def rss_bytes() -> int:
-    import psutil
-
-    return int(psutil.Process().memory_info().rss)
 
 
 def copy_full(model: Any, caches: list[Any]) -> list[Any]:
@@ -60,7 +29,7 @@ def copy_full(model: Any, caches: list[Any]) -> list[Any]:
 def build_arm(sm: Any, arm: str | int, tokens: list[int], steps: int) -> tuple[list[Any], dict]:
     """Prefill one arm's caches as the server would; its memory figures on the way."""
     mx.clear_cache()
-    base, rss0 = mx.get_active_memory(), rss_bytes()
+    base, rss0 = mx.get_active_memory(), harness.rss_bytes()
     mx.reset_peak_memory()
     caches = caches_for(sm, arm)
     prefill(sm.model, caches, tokens)
@@ -69,36 +38,30 @@ def build_arm(sm: Any, arm: str | int, tokens: list[int], steps: int) -> tuple[l
     decode_timer(sm.model, caches, steps, hold=True)()  # also the arm's warm-up
     decode_peak = mx.get_peak_memory() - base
     mx.clear_cache()
-    return caches, {
-        **kv_stats(caches),
-        "prefill_peak_bytes": prefill_peak,
-        "decode_peak_bytes": decode_peak,
-        "rss_growth_bytes": rss_bytes() - rss0,
-    }
+    rss = harness.rss_bytes() - rss0
+    return caches, {**kv_stats(caches), "prefill_peak_bytes": prefill_peak,
+                    "decode_peak_bytes": decode_peak, "rss_growth_bytes": rss}  # fmt: skip
 
 
 def sweep(sm: Any, contexts: list[int], budgets: list[int], steps: int) -> tuple[list, list]:
     rows, memory = [], []
     for context in contexts:
         tokens = prompt_tokens(sm, context)
-        arms, caches = {}, {}
+        arms = {}
         for name, arm in [("full_a", "full"), *((f"b{b}", b) for b in budgets)]:
             sm.log(f"context {context}: prefilling {name}")
-            caches[name], mem = build_arm(sm, arm, tokens, steps)
+            caches, mem = build_arm(sm, arm, tokens, steps)
             memory.append({"context": context, "arm": "full" if arm == "full" else name, **mem})
-            arms[name] = decode_timer(sm.model, caches[name], steps, hold=True)
-            if name == "full_a":
-                caches["full_b"] = copy_full(sm.model, caches["full_a"])
-                arms["full_b"] = decode_timer(sm.model, caches["full_b"], steps, hold=True)
-        samples = interleave(arms, sm.args.reps, progress=sm.log.rounds(f"context {context}"))
-        rows.append({
-            "context": context,
-            "beyond_trained_context": context > sm.context_length,
-            "ms_per_step": summaries(samples),
-            "ratios": ratios(samples, "full_a", ["full_b", *(f"b{b}" for b in budgets)]),
-            # The first decode step takes a cache at its budget over it: from then on it evicts.
-            "evicting": {f"b{b}": context >= b for b in budgets},
-        })  # fmt: skip
+            arms[name] = decode_timer(sm.model, caches, steps, hold=True)
+            if arm == "full":
+                arms["full_b"] = decode_timer(
+                    sm.model, copy_full(sm.model, caches), steps, hold=True
+                )
+        _, stats, ratios = harness.compare_arms(sm, arms, f"context {context}", "full_a")
+        # The first decode step takes a cache at its budget over it: from then on it evicts.
+        rows.append({"context": context, "beyond_trained_context": context > sm.context_length,
+                     "ms_per_step": stats, "ratios": ratios,
+                     "evicting": {f"b{b}": context >= b for b in budgets}})  # fmt: skip
     return rows, memory
 
 
@@ -108,34 +71,24 @@ def overhead(sm: Any, budgets: list[int], steps: int) -> list[dict]:
         sm.log(f"equal size {b}: prefilling")
         tokens = prompt_tokens(sm, 2 * b)
         arms = {}
-        for name in ("kvcache_a", "kvcache_b"):
-            caches = make_prompt_cache(sm.model)
-            prefill(sm.model, caches, tokens[:b])
-            arms[name] = decode_timer(sm.model, caches, steps, hold=True)
-        ours = caches_for(sm, b)
-        prefill(sm.model, ours, tokens)  # 2B tokens: every decode step evicts one row
-        arms["ours"] = decode_timer(sm.model, ours, steps, hold=False)
-        samples = interleave(arms, sm.args.reps, progress=sm.log.rounds(f"equal size {b}"))
-        rows.append({"budget": b, "ms_per_step": summaries(samples),
-                     "ratios": ratios(samples, "kvcache_a", ["kvcache_b", "ours"])})  # fmt: skip
+        for name in ("kvcache_a", "kvcache_b", "ours"):
+            ours = name == "ours"  # 2B tokens: every decode step evicts one row
+            caches = caches_for(sm, b) if ours else make_prompt_cache(sm.model)
+            prefill(sm.model, caches, tokens if ours else tokens[:b])
+            arms[name] = decode_timer(sm.model, caches, steps, hold=not ours)
+        _, stats, ratios = harness.compare_arms(sm, arms, f"equal size {b}", "kvcache_a")
+        rows.append({"budget": b, "ms_per_step": stats, "ratios": ratios})
     return rows
 
 
 def plot(result: dict[str, Any], out: Any) -> list[str]:
-    budgets = result["settings"]["budgets"]
-    ctx = [r["context"] for r in result["sweep"]]
-    fig, ax = pyplot().subplots(figsize=(6.4, 4))
-    for arm, label in [("full_a", "full"), *((f"b{b}", f"Q-Filters budget {b}") for b in budgets)]:
-        med, err = errorbars([r["ms_per_step"][arm] for r in result["sweep"]])
-        ax.errorbar(ctx, med, yerr=err, marker="o", capsize=3, label=label)
-    trained = result["settings"]["max_context"]
-    ax.axvline(trained, color="grey", ls=":", label=f"trained context {trained}")
-    ax.set(xlabel="context (tokens)", ylabel="ms / decode step (median, IQR)",
-           title="Decode step time vs context")  # fmt: skip
-    log2_axis(ax, ctx)
-    ax.legend()
-    names = [save_plot(fig, out, "decode_ms")]
-    fig, axes = subplots(1, 3, figsize=(14, 4))
+    budgets, ctx = result["settings"]["budgets"], [r["context"] for r in result["sweep"]]
+    labels = {"full_a": "full", **{f"b{b}": f"Q-Filters budget {b}" for b in budgets}}
+    series = {v: [r["ms_per_step"][k] for r in result["sweep"]] for k, v in labels.items()}
+    names = [harness.context_plot(out, "decode_ms", ctx, series, result["settings"]["max_context"],
+                                  xlabel="context (tokens)", title="Decode step time vs context",
+                                  ylabel="ms / decode step (median, IQR)")]  # fmt: skip
+    fig, axes = harness.subplots(1, 3, figsize=(14, 4))
     panels = {  # title: the memory rows' fields it plots (the larger one)
         "Kept KV bytes (all layers)": ["kept_bytes"],
         "MLX peak above weights (prefill or decode)": ["prefill_peak_bytes", "decode_peak_bytes"],
@@ -147,19 +100,19 @@ def plot(result: dict[str, Any], out: Any) -> list[str]:
             a.plot([m["context"] for m in rows], [max(0, *(m[k] for k in keys)) / MiB for m in rows],
                    marker="o", label=arm)  # fmt: skip
         a.set(xlabel="context (tokens)", ylabel="MiB", title=title)
-        log2_axis(a, ctx)
+        harness.log2_axis(a, ctx)
         a.legend()
-    return [*names, save_plot(fig, out, "decode_memory")]
+    return [*names, harness.save_plot(fig, out, "decode_memory")]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__, reps=5, steps=(16, 4, "decode steps per timing"),
-               contexts=(None, [128, 256], "context tokens (default: 1,024 doubling to the "
-                         "trained length)"),
-               budgets=([128, 256, 512, 1024], [64, 128]))  # fmt: skip
-    args = parse(p, argv)
-    sm = open_run("decode", args, argv)
-    contexts = args.contexts or contexts_for(sm.context_length)
+    sm = harness.start("decode", argv, __doc__, reps=5, steps=(16, 4, "decode steps per timing"),
+                       contexts=(None, [128, 256], "context tokens (default: 1,024 doubling to "
+                                 "the trained length)"),
+                       budgets=([128, 256, 512, 1024], [64, 128]))  # fmt: skip
+    args = sm.args
+    top = sm.context_length  # 1,024 doubling below the trained length, then that length
+    contexts = args.contexts or [*(c for c in (1024 << k for k in range(32)) if c < top), top]
     sm.log(f"model {sm.loaded.name}, contexts {contexts}, budgets {args.budgets}, reps {args.reps}")
     rows, memory = sweep(sm, contexts, args.budgets, args.steps)
     full = next(m for m in memory if m["arm"] == "full")
@@ -177,13 +130,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def render(d: dict[str, Any]) -> list[str]:
-    """This study's section of ``bench/RESULTS.md``."""
-    budgets = d["settings"]["budgets"]
+    s, budgets = d["settings"], d["settings"]["budgets"]
     lines = speed_header(
         "Decode step time, eviction overhead and memory against context",
         d,
-        f"ms per decode step, median [IQR] over {d['settings']['reps']} interleaved repetitions "
-        f"of {d['settings']['steps']} steps; ratios are medians of paired per-round ratios to "
+        f"ms per decode step, median [IQR] over {s['reps']} interleaved repetitions "
+        f"of {s['steps']} steps; ratios are medians of paired per-round ratios to "
         "the first full arm (A/A = the second full arm: the noise floor). Q-Filters, "
         f"n_sink 4, recent 0, filters: {d['model']['filter_source']}. Contexts run one after "
         "another, so absolute ms across rows also track the machine's load at the time; "

@@ -1,12 +1,6 @@
-"""One process against the same model split over N ranks (tensor parallelism, the ring
-backend on loopback): time to first token, decode tokens/s and the KV bytes one rank holds.
-
-Streamed chat requests, greedy, EOS banned, unique prompts, Q-Filters at ``--budget``; arms
-interleaved: one process, N ranks, one process again (A/A). On one machine the ranks share
-its cores, so this measures what the lockstep and the collectives cost, not a speed-up: the
-point of several ranks is a model larger than one machine. The ranks need heads and MLP units
-that divide by N (SmolLM2-135M: 3 KV heads, so 3 ranks; the bundled model: 2).
-"""
+"""One process against the same model split over N ranks (tensor parallelism, ring backend on
+loopback): TTFT, decode tok/s and the KV bytes one rank holds. The ranks share this machine's
+cores, so this is the lockstep's cost, not a speed-up; heads and MLP units must divide by N."""
 
 from __future__ import annotations
 
@@ -17,21 +11,17 @@ from typing import Any
 
 import httpx
 
-from bench.harness import MiB, interleave, open_run, parse, parser
+from bench.harness import MiB, interleave, start
 from bench.report import plots, speed_header, table
 from bench.studies.vs_mlx_lm import SPEED_HEADERS, chat_arm, speed_plot, speed_rows, speeds
 from qfserve import testing as servers
 
-ARMS = ("one_a", "ranks", "one_b")
-
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__, reps=2, max_tokens=(32, 8), budget=(512, 32, "Q-Filters budget"),
-               ranks=(3, 2, "ranks of the split arm"),
+    sm = start("distributed", argv, __doc__, reps=2, max_tokens=(32, 8),
+               budget=(512, 32, "Q-Filters budget"), ranks=(3, 2, "ranks of the split arm"),
                prompts=([2048, 8096], [64], "prompt tokens"))  # fmt: skip
-    args = parse(p, argv)
-    sm = open_run("distributed", args, argv)
-    rows = []
+    args, rows = sm.args, []
     with contextlib.ExitStack() as stack:
         logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="distributed-")))
         sm.log(f"starting one process and {args.ranks} ranks")
@@ -49,37 +39,35 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             arms = {"one_a": alone, "ranks": chat_arm(sm, client, ranks[0].url, n, **body),
                     "one_b": alone}  # fmt: skip
             runs = interleave(arms, args.reps, progress=sm.log.rounds(f"prompt {n}"))
-            rows.append({
-                "prompt_tokens": n,
-                **speeds(runs, "one_a"),
-                # What one request's caches hold on one rank: rank 0's (the ranks hold equal
-                # shares of the heads), and the whole model's in one process.
-                "kv_bytes_per_rank": {k: sorted({(t.kv_cache or {}).get("kept_bytes", 0) for t in v})
-                                      for k, v in runs.items()},
-                "ranks_view": client.get(ranks[0].url + "/admin/cache").json().get("distributed"),
-            })  # fmt: skip
+            # One request's bytes on one rank (rank 0's: the ranks hold equal shares of the
+            # heads), and the whole model's in one process.
+            held = {
+                k: sorted({(t.kv_cache or {}).get("kept_bytes", 0) for t in v})
+                for k, v in runs.items()
+            }
+            view = client.get(ranks[0].url + "/admin/cache").json().get("distributed")
+            rows.append({"prompt_tokens": n, **speeds(runs, "one_a"), "kv_bytes_per_rank": held,
+                         "ranks_view": view})  # fmt: skip
     result = {
         "settings": {"reps": args.reps, "ranks": args.ranks, "max_tokens": args.max_tokens,
                      "budget": args.budget, "backend": "ring on loopback",
                      "endpoint": "/v1/chat/completions (stream, include_usage)"},
         "rows": rows,
     }  # fmt: skip
-    result["plots"] = speed_plot(result, args.out, "distributed", ARMS)
+    result["plots"] = speed_plot(result, args.out, "distributed")
     return sm.save(result)
 
 
 def render(d: dict[str, Any]) -> list[str]:
-    """This study's section of ``bench/RESULTS.md``."""
     s = d["settings"]
-    lines = speed_header(f"One process against {s['ranks']} ranks", d)
-    lines += [
+    intro = (
         f"Tensor parallelism over {s['ranks']} ranks ({s['backend']}) against one process, "
         f"streamed chat, greedy, {s['max_tokens']} tokens, Q-Filters at budget {s['budget']}, "
         f"{s['reps']} interleaved rounds; ratios to `one_a` (`one_b` = A/A). The ranks share this "
-        "machine's cores: this is the lockstep's overhead, not a speed-up.",
-        "",
-    ]
+        "machine's cores: this is the lockstep's overhead, not a speed-up."
+    )
     kv = [" / ".join(f"{b / MiB:.2f}" for b in r["kv_bytes_per_rank"][a])
           for r in d["rows"] for a in r["ttft_s"]]  # fmt: skip
     rows = [[*row, held] for row, held in zip(speed_rows(d, tps_digits=1), kv, strict=True)]
-    return lines + table([*SPEED_HEADERS, "KV MiB one rank holds"], rows) + [*plots(d), ""]
+    return (speed_header(f"One process against {s['ranks']} ranks", d, intro)
+            + table([*SPEED_HEADERS, "KV MiB one rank holds"], rows) + [*plots(d), ""])  # fmt: skip

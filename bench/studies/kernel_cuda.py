@@ -1,9 +1,7 @@
 """The fused eviction kernel on an NVIDIA GPU without MLX: parity, then timing against top-k.
 
-The CUDA text MLX uses, compiled with CuPy's NVRTC on PyTorch tensors, checked bit for bit
-against a numpy stable-argsort reference and timed against ``torch.topk`` + sort + gather.
-``--cpu-reference-only`` checks the reference path without a GPU.
-"""
+MLX's CUDA text compiled by CuPy on PyTorch tensors, checked bit for bit against a numpy
+stable argsort and timed against ``torch.topk`` + sort + gather."""
 
 from __future__ import annotations
 
@@ -37,13 +35,8 @@ KERNELS = [(SCORE, "float16", "float16"), (APPLY, "float16", "float16")]
 
 
 def argsort_keep(scores: np.ndarray, budget: int, n_sink: int, recent: int) -> np.ndarray:
-    """Reference rows per group: stable argsort of the ranked scores, ties to the lower row.
-
-    Args:
-        scores: ``(G, L)`` float32.
-    Returns:
-        ``(G, budget)`` ascending row indices.
-    """
+    """``(G, budget)`` ascending rows kept per group of ``(G, L)`` float32 ``scores``: stable
+    argsort of the ranked scores, ties to the lower row."""
     L = scores.shape[-1]
     rows = np.arange(L)
     ranked = np.where(np.isnan(scores), -np.inf, scores.astype(np.float64))
@@ -92,20 +85,18 @@ def ranked_torch(torch, scores, n_sink: int, recent: int):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cpu-reference-only", action="store_true", help="no GPU: self-check")
-    parser.add_argument("--quick", action="store_true", help="3 repetitions (a smoke run)")
-    parser.add_argument("--reps", type=int, default=None, help="timed repetitions per arm (50)")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results folder")
-    args = parser.parse_args(argv)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cpu-reference-only", action="store_true", help="no GPU: self-check")
+    p.add_argument("--quick", action="store_true", help="3 repetitions (a smoke run)")
+    p.add_argument("--reps", type=int, default=None, help="timed repetitions per arm (50)")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR, help="results folder")
+    args = p.parse_args(argv)
     args.reps = args.reps or (3 if args.quick else 50)
-
     cpu_self_check()
     if args.cpu_reference_only:
         return {"cpu_reference_only": "passed"}
     torch, cupy = require_cuda()
     dev = torch.device("cuda")
-
     module = cupy.RawModule(code=cuda_module_source(KERNELS), options=("--std=c++17",))
     apply_fn = module.get_function(cuda_kernel_name(APPLY, "float16", "float16"))
     score_fn = module.get_function(cuda_kernel_name(SCORE, "float16"))
@@ -125,8 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
         ranked = ranked_torch(torch, scores, N_SINK, RECENT)
         return torch.kthvalue(ranked, L - BUDGET + 1, dim=-1).values.contiguous()
 
-    def kernel_path(keys, values, scores, L):
-        # As in MLX: the threshold from a selection primitive, then one apply launch.
+    def kernel_path(keys, values, scores, L):  # as in MLX: a selection primitive, then apply
         return kernel_apply(keys, values, scores, threshold(scores, L), L)
 
     def topk_path(keys, values, scores, L):
@@ -170,8 +160,10 @@ def main(argv: list[str] | None = None) -> dict:
             # Bit for bit: keys and values as float16 bits, scores as float32 bits.
             expected = [(keys.cpu().numpy()[kept], np.uint16),
                         (values.cpu().numpy()[kept], np.uint16), (s_np[kept], np.uint32)]  # fmt: skip
-            parity[kind] = all(np.array_equal(g.cpu().numpy().view(bits), w.view(bits))
-                               for g, (w, bits) in zip(got, expected, strict=True))  # fmt: skip
+            parity[kind] = all(
+                np.array_equal(g.cpu().numpy().view(bits), w.view(bits))
+                for g, (w, bits) in zip(got, expected, strict=True)
+            )
 
         thresh = threshold(scores, L)
         arms = {

@@ -1,10 +1,5 @@
-"""Multi-turn chat: time to first token, KV bytes and RSS per turn, with and without reuse.
-
-Four arms hold the same conversation side by side, one turn each per round: Q-Filters with
-the prompt cache, Q-Filters without (``--prompt-cache-size 0``), a full cache with it, and
-``mlx_lm.server``; each turn adds prose and the model's own greedy answers. ``--conversations``
-repeats on other prose so the last-turn / turn-2 TTFT ratio gets a spread.
-"""
+"""Multi-turn chat: time to first token, KV bytes and RSS per turn, with and without reuse
+(Q-Filters with and without the prompt cache, a full cache, ``mlx_lm.server``)."""
 
 from __future__ import annotations
 
@@ -18,7 +13,7 @@ from typing import Any
 import httpx
 
 from bench.data import prose_windows
-from bench.harness import MiB, Run, open_run, parse, parser, pyplot, save_plot, summary
+from bench.harness import MiB, open_run, parse, parser, rss_bytes, save_plot, subplots, summary
 from bench.report import plots, speed_header, table
 from qfserve import testing as servers
 
@@ -29,10 +24,11 @@ LAUNCHES = {"reuse": ("qfserve",), "fresh": ("qfserve", "--prompt-cache-size", "
             "theirs": ("mlx_lm",)}  # fmt: skip
 
 
-def start_servers(stack: contextlib.ExitStack, folder: Path,
-                  launches: dict[str, tuple[str, ...]]) -> dict[str, servers.ServerProcess]:  # fmt: skip
+def start_servers(
+    stack: contextlib.ExitStack, folder: Path, launches: dict[str, tuple[str, ...]]
+) -> dict[str, servers.ServerProcess]:
     """Each named server (``(kind, *flags)``, qfserve logging warnings only) on ``folder``,
-    ready; ``stack`` stops them all as it closes. Also used by :mod:`bench.studies.batching`."""
+    ready; ``stack`` stops them all as it closes."""
     logs = Path(stack.enter_context(tempfile.TemporaryDirectory()))
     procs: dict[str, servers.ServerProcess] = {}
     stack.callback(lambda: servers.stop_all(list(procs.values()), 10))
@@ -42,26 +38,6 @@ def start_servers(stack: contextlib.ExitStack, folder: Path,
     for proc in procs.values():
         servers.wait_ready(proc, 180)
     return procs
-
-
-def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
-def user_turns(sm: Run, turns: int, n_tokens: int, conversations: int = 1) -> list[list[str]]:
-    """Per conversation, ``turns`` user messages of about ``n_tokens`` tokens each of
-    consecutive prose; the conversations start at evenly spaced paragraphs."""
-    tok = sm.tokenizer
-    return [
-        [
-            f"Turn {k + 1}. Read on: " + tok.decode(ids[k * n_tokens : (k + 1) * n_tokens].tolist())
-            for k in range(turns)
-        ]
-        for ids in prose_windows(tok, n_tokens * turns, conversations)
-    ]
 
 
 def chat_turn(client: httpx.Client, url: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -82,36 +58,23 @@ def chat_turn(client: httpx.Client, url: str, body: dict[str, Any]) -> dict[str,
                 if piece and ttft is None:
                     ttft = time.perf_counter() - tic
                 text += piece
-            usage = event.get("usage") or usage
-            kv = event.get("kv_cache") or kv
-    return {
-        "ttft_s": ttft if ttft is not None else time.perf_counter() - tic,
-        "answer": text,
-        "prompt_tokens": usage.get("prompt_tokens"),
-        "completion_tokens": usage.get("completion_tokens"),
-        "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
-        "kept_bytes": None if kv is None else kv["kept_bytes"],
-    }
-
-
-def ttft_ratio(turns: list[dict[str, Any]]) -> float | None:
-    """TTFT at the last turn over turn 2's (turn 1 has nothing to reuse)."""
-    return None if len(turns) < 2 else turns[-1]["ttft_s"] / turns[1]["ttft_s"]
+            usage, kv = event.get("usage") or usage, event.get("kv_cache") or kv
+    return {"ttft_s": ttft if ttft is not None else time.perf_counter() - tic, "answer": text,
+            "prompt_tokens": usage.get("prompt_tokens"),
+            "completion_tokens": usage.get("completion_tokens"),
+            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
+            "kept_bytes": None if kv is None else kv["kept_bytes"]}  # fmt: skip
 
 
 def plot(result: dict[str, Any], out: Path) -> list[str]:
-    fig, axes = pyplot().subplots(1, 3, figsize=(14, 3.8))
-    for arm, turns in result["turns"].items():
-        x = [t["turn"] for t in turns]
-        axes[0].plot(x, [t["ttft_s"] for t in turns], "o-", label=arm)
-        kept = [t["kept_bytes"] for t in turns]
-        if None not in kept:
-            axes[1].plot(x, [k / MiB for k in kept], "o-", label=arm)
-        axes[2].plot(x, [t["rss_bytes"] / MiB for t in turns], "o-", label=arm)
-    axes[0].set(title="TTFT (s)", xlabel="turn", yscale="log")
-    axes[1].set(title="KV MiB kept (qfserve)", xlabel="turn")
-    axes[2].set(title="server RSS MiB", xlabel="turn")
-    for ax in axes:
+    fig, axes = subplots(1, 3, figsize=(14, 3.8))
+    panels = {"ttft_s": ("TTFT (s)", 1, "log"), "kept_bytes": ("KV MiB kept (qfserve)", MiB, "linear"),
+              "rss_bytes": ("server RSS MiB", MiB, "linear")}  # fmt: skip
+    for ax, (key, (title, scale, yscale)) in zip(axes[0], panels.items(), strict=True):
+        for arm, turns in result["turns"].items():
+            if None not in (values := [t[key] for t in turns]):  # mlx_lm reports no KV
+                ax.plot([t["turn"] for t in turns], [v / scale for v in values], "o-", label=arm)
+        ax.set(title=title, xlabel="turn", yscale=yscale)
         ax.legend(fontsize=8)
     return [save_plot(fig, out, "multiturn")]
 
@@ -126,7 +89,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         p.error("--conversations must be >= 1")
     arms = [a for a in ARMS if a in args.arms]
     sm = open_run("multiturn", args, argv)
-    conversations = user_turns(sm, args.turns, args.turn_tokens, args.conversations)
+    tok, n_tokens = sm.tokenizer, args.turn_tokens  # consecutive prose, evenly spaced starts
+    conversations = [[f"Turn {k + 1}. Read on: "
+                      + tok.decode(ids[k * n_tokens : (k + 1) * n_tokens].tolist())
+                      for k in range(args.turns)]
+                     for ids in prose_windows(tok, n_tokens * args.turns, args.conversations)]  # fmt: skip
     qfilters = {"kv_method": "qfilters", "qfilters_budget": args.budget}
     extra = {"qfilters_reuse": qfilters, "qfilters_fresh": qfilters,
              "full_reuse": {"kv_method": "full"}, "theirs": {}}  # fmt: skip
@@ -149,10 +116,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     t = chat_turn(client, proc.url, body)
                     history[arm].append({"role": "assistant", "content": t.pop("answer")})
                     turns[arm].append({**t, "turn": k, "rss_bytes": rss_bytes(proc.pid)})
-                sm.log(f"conversation {c + 1}/{len(conversations)}, turn {k}/{args.turns}: "
-                       + ", ".join(f"{a} {turns[a][-1]['ttft_s']:.2f}s" for a in arms))  # fmt: skip
+                sm.log(
+                    f"conversation {c + 1}/{len(conversations)}, turn {k}/{args.turns}: "
+                    + ", ".join(f"{a} {turns[a][-1]['ttft_s']:.2f}s" for a in arms)
+                )
             runs.append(turns)
-    by_conversation = {a: [ttft_ratio(run[a]) for run in runs] for a in arms}
+    # TTFT at the last turn over turn 2's (turn 1 has nothing to reuse)
+    by_conversation = {
+        a: [None if len(run[a]) < 2 else run[a][-1]["ttft_s"] / run[a][1]["ttft_s"] for run in runs]
+        for a in arms
+    }
     settings = {"turns": args.turns, "turn_tokens": args.turn_tokens, "max_tokens": args.max_tokens,
                 "budget": args.budget, "temperature": 0, "conversations": len(runs),
                 "arms": {a: {"server": SERVING[a], **extra[a]} for a in arms},
@@ -173,14 +146,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def render(d: dict[str, Any]) -> list[str]:
-    """This study's section of ``bench/RESULTS.md``."""
     s = d["settings"]
-    lines = speed_header("Multi-turn chat: reuse of compressed caches", d)
-    lines += [
-        f"{s['turns']} turns of about {s['turn_tokens']} new prose tokens each, greedy answers "
-        f"of at most {s['max_tokens']} tokens; Q-Filters at budget {s['budget']}.",
-        "",
-    ]
+    lines = speed_header("Multi-turn chat: reuse of compressed caches", d,
+                         f"{s['turns']} turns of about {s['turn_tokens']} new prose tokens each, "
+                         f"greedy answers of at most {s['max_tokens']} tokens; Q-Filters at "
+                         f"budget {s['budget']}.")  # fmt: skip
     arms = list(d["turns"])
     picks = sorted({1, 2, len(d["turns"][arms[0]]) // 2, len(d["turns"][arms[0]])})
     rows = []

@@ -1,21 +1,7 @@
 """Where a decode step and a prefill chunk spend their time, by kind of work.
 
-MLX has no per-op profiler on its CPU backend, so each kind of work is timed on its own, on
-the real step's shapes, and set beside the real step (arms interleaved, medians):
-
-- ``step``: the model's forward for one token on real caches, then the greedy token read back
-  (one host sync), as the engine decodes; split into ``build`` (Python building the lazy graph,
-  with any host syncs the caches make) and ``eval`` (MLX running it);
-- ``matmul``: every weight product of that step (each linear layer and the output projection
-  on one row), evaluated together: the floor the float32 weights set;
-- ``attention``: the step's attention calls on the rows the caches hold;
-- ``cache``: the caches' update (append, and the eviction for Q-Filters) on every layer;
-- ``sample``: greedy sampling of the logits and reading the token back.
-
-A prefill chunk the same way: ``chunk`` (the forward of the last ``--chunk`` tokens of
-``--context`` with a full cache), its ``matmul`` and its ``attention`` under the blocked CPU
-attention and under MLX's. What the parts leave unexplained is the per-op cost of the rest
-(norms, RoPE, activations, reshapes) and scheduling.
+MLX has no per-op profiler on its CPU backend, so each kind of work (matmuls, attention, cache
+updates, sampling) is timed alone on the real step's shapes, interleaved with the real step.
 """
 
 from __future__ import annotations
@@ -29,13 +15,14 @@ import mlx.nn as nn
 
 from bench.arms import prefill
 from bench.data import prompt_tokens
-from bench.harness import interleave, open_run, parse, parser, pyplot, save_plot, summaries
+from bench.harness import interleave, save_plot, start, subplots, summaries
 from bench.report import plots, speed_header, table
 from qfserve.engine.kv.blocked import block_attention
 from qfserve.engine.kv.config import CacheConfig
 from qfserve.engine.kv.factory import make_caches
 
 PARTS = ("matmul", "attention", "cache", "sample")  # a decode step's work, each timed alone
+sdpa = mx.fast.scaled_dot_product_attention
 
 
 def timed(fn: Callable[[], Any]) -> Callable[[], float]:
@@ -50,20 +37,19 @@ def timed(fn: Callable[[], Any]) -> Callable[[], float]:
 
 
 def _linears(model: Any) -> list[tuple[int, int, Callable[[mx.array], mx.array]]]:
-    """(in, out, apply) of every weight product one token runs through."""
-    found = [(m.weight.shape[1], m.weight.shape[0], m) for _, m in model.named_modules()
+    """(in, out, apply) of every weight product one token runs through, the output last."""
+    found = [(*m.weight.shape[::-1], m) for _, m in model.named_modules()
              if isinstance(m, nn.Linear | nn.QuantizedLinear)]  # fmt: skip
     if not any(name == "lm_head" for name, _ in model.named_modules()):  # tied output
         embed = model.model.embed_tokens
-        found.append((embed.weight.shape[1], embed.weight.shape[0], embed.as_linear))
+        found.append((*embed.weight.shape[::-1], embed.as_linear))
     return found
 
 
 def _shapes(model: Any) -> tuple[int, int, int, int, float]:
     attn = model.model.layers[0].self_attn
-    n_heads, n_kv = attn.n_heads, attn.n_kv_heads
-    head_dim = attn.q_proj.weight.shape[0] // n_heads
-    return len(model.model.layers), n_heads, n_kv, head_dim, attn.scale
+    head_dim = attn.q_proj.weight.shape[0] // attn.n_heads
+    return len(model.model.layers), attn.n_heads, attn.n_kv_heads, head_dim, attn.scale
 
 
 def decode_arms(model: Any, tokens: list[int], config: CacheConfig, filters: Any) -> dict:
@@ -98,18 +84,12 @@ def decode_arms(model: Any, tokens: list[int], config: CacheConfig, filters: Any
         c.update_and_fetch(block, block)
     mx.eval(inputs, q, kv, new, logits, [c.state for c in spare])
 
-    def sample() -> float:
-        tic = time.perf_counter()
-        mx.argmax(logits, axis=-1).item()
-        return time.perf_counter() - tic
-
-    sdpa = mx.fast.scaled_dot_product_attention
     arms = {
         "step": step,
         "matmul": timed(lambda: [f(inputs[i]) for i, _, f in linears]),
         "attention": timed(lambda: [sdpa(q, k, v, scale=scale, mask=None) for k, v in kv]),
         "cache": timed(lambda: [c.update_and_fetch(new, new) for c in spare]),
-        "sample": sample,
+        "sample": timed(lambda: mx.argmax(logits, axis=-1).item()),  # read back: a host sync
     }
     return {"arms": arms, "split": split, "rows": rows}
 
@@ -117,13 +97,12 @@ def decode_arms(model: Any, tokens: list[int], config: CacheConfig, filters: Any
 def prefill_arms(model: Any, tokens: list[int], chunk: int) -> dict:
     n_layers, n_heads, n_kv, head_dim, scale = _shapes(model)
     offset = len(tokens) - chunk
-    ids = mx.array(tokens[offset:])[None]
 
     def forward() -> float:
         caches = make_caches(model, CacheConfig(method="full"))
         prefill(model, caches, tokens[:offset])
         tic = time.perf_counter()
-        model(ids, cache=caches)
+        model(mx.array(tokens[offset:])[None], cache=caches)
         mx.eval([c.state for c in caches])
         return time.perf_counter() - tic
 
@@ -132,7 +111,6 @@ def prefill_arms(model: Any, tokens: list[int], chunk: int) -> dict:
     q = mx.random.normal((1, n_heads, chunk, head_dim))
     kv = [(mx.random.normal((1, n_kv, offset + chunk, head_dim)),) * 2 for _ in range(n_layers)]
     mx.eval(inputs, q, kv)
-    sdpa = mx.fast.scaled_dot_product_attention
     return {
         "chunk": forward,
         "matmul": timed(lambda: [f(inputs[i]) for i, _, f in linears]),
@@ -147,11 +125,10 @@ def in_ms(samples: dict[str, list[float]]) -> dict[str, dict[str, float]]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__, reps=5, context=(4096, 256, "tokens in the cache when decoding"),
-               budget=(512, 64), chunk=(512, 64, "prefill chunk tokens"))  # fmt: skip
-    args = parse(p, argv)
-    sm = open_run("profile", args, argv)
-    tokens = prompt_tokens(sm, args.context)
+    sm = start("profile", argv, __doc__, reps=5, budget=(512, 64),
+               context=(4096, 256, "tokens in the cache when decoding"),
+               chunk=(512, 64, "prefill chunk tokens"))  # fmt: skip
+    args, tokens = sm.args, prompt_tokens(sm, sm.args.context)
     configs = {
         "full": CacheConfig(method="full"),
         "qfilters": CacheConfig(method="qfilters", budget=args.budget, recent=args.budget // 4),
@@ -162,39 +139,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         samples = interleave(d["arms"], args.reps, progress=sm.log.rounds(f"decode {name}"))
         decode[name] = {"rows": d["rows"], "ms": in_ms({**samples, **d["split"]})}
     arms = prefill_arms(sm.model, tokens, args.chunk)
-    samples = interleave(arms, args.reps, progress=sm.log.rounds("prefill"))
-    result = {
-        "settings": {"context": args.context, "budget": args.budget, "chunk": args.chunk,
-                     "reps": args.reps},
-        "decode": decode,
-        "prefill_ms": in_ms(samples),
-    }  # fmt: skip
-    result["plots"] = [plot(result, args.out)]
-    return sm.save(result)
-
-
-def plot(result: dict[str, Any], out: Any) -> str:
-    s = result["settings"]
-    fig, ax = pyplot().subplots(1, 2, figsize=(10, 3.6))
-    for i, (name, d) in enumerate(result["decode"].items()):
+    prefill_ms = in_ms(interleave(arms, args.reps, progress=sm.log.rounds("prefill")))
+    fig, axes = subplots(1, 2, figsize=(10, 3.6))
+    for i, (name, d) in enumerate(decode.items()):
         median = {k: v["median"] for k, v in d["ms"].items()}
-        ax[0].bar([f"{name}\nstep"], [median["step"]], color="black")
+        axes[0, 0].bar([f"{name}\nstep"], [median["step"]], color="black")
         bottom = 0.0
         for j, part in enumerate(PARTS):
-            ax[0].bar([f"{name}\nparts"], [median[part]], bottom=bottom,
-                      label=part if i == 0 else None, color=f"C{j}")  # fmt: skip
+            axes[0, 0].bar([f"{name}\nparts"], [median[part]], bottom=bottom,
+                           label=part if i == 0 else None, color=f"C{j}")  # fmt: skip
             bottom += median[part]
-    ax[0].set(ylabel="ms (median)", title=f"decode step at {s['context']} tokens")
-    ax[0].legend(fontsize=7)
-    pm = result["prefill_ms"]
-    ax[1].bar(list(pm), [pm[k]["median"] for k in pm], color=["black", "C0", "C1", "C1"])
-    ax[1].set(ylabel="ms (median)", title=f"prefill chunk of {s['chunk']}")
-    ax[1].tick_params(axis="x", labelsize=7)
-    return save_plot(fig, out, "profile")
+    axes[0, 0].set(ylabel="ms (median)", title=f"decode step at {args.context} tokens")
+    axes[0, 0].legend(fontsize=7)
+    axes[0, 1].bar(list(prefill_ms), [v["median"] for v in prefill_ms.values()],
+                   color=["black", "C0", "C1", "C1"])  # fmt: skip
+    axes[0, 1].set(ylabel="ms (median)", title=f"prefill chunk of {args.chunk}")
+    axes[0, 1].tick_params(axis="x", labelsize=7)
+    return sm.save({"settings": {"context": args.context, "budget": args.budget,
+                                 "chunk": args.chunk, "reps": args.reps},
+                    "decode": decode, "prefill_ms": prefill_ms,
+                    "plots": [save_plot(fig, args.out, "profile")]})  # fmt: skip
 
 
 def render(d: dict[str, Any]) -> list[str]:
-    """This study's section of ``bench/RESULTS.md``."""
     s = d["settings"]
     lines = speed_header("Profile: a decode step and a prefill chunk, by kind of work", d)
     lines += [f"Each part timed alone on the step's shapes, {s['reps']} interleaved rounds, "
@@ -205,10 +172,13 @@ def render(d: dict[str, Any]) -> list[str]:
     for name, dec in d["decode"].items():
         median = {k: v["median"] for k, v in dec["ms"].items()}
         rest = median["step"] - sum(median[p] for p in PARTS)
-        cells = [f"{median[c]:.1f}" for c in columns]
-        rows.append([f"{name} ({dec['rows']} rows)", *cells, f"{rest:.1f}"])
+        rows.append(
+            [f"{name} ({dec['rows']} rows)", *(f"{median[c]:.1f}" for c in columns), f"{rest:.1f}"]
+        )
     lines += table([f"decode at {s['context']}", *columns, "rest"], rows)
     chunk = ", ".join(f"{k} {v['median']:.0f} ms" for k, v in d["prefill_ms"].items())
-    after = s["context"] - s["chunk"]
-    lines += ["", f"Prefill chunk of {s['chunk']} tokens after {after}: {chunk}."]
+    lines += [
+        "",
+        f"Prefill chunk of {s['chunk']} tokens after {s['context'] - s['chunk']}: {chunk}.",
+    ]
     return [*lines, *plots(d), ""]

@@ -1,9 +1,5 @@
-"""What serving adds: a streamed chat request over HTTP, through the worker, and in process.
-
-The same prompt and caches as plain mlx-lm generation (the floor), through an in-process
-:class:`~qfserve.engine.serving.worker.Worker`, and through ``qfserve`` over loopback HTTP;
-EOS banned, reuse off, arms interleaved with A/A copies of in-process and HTTP.
-"""
+"""What serving adds: a streamed chat request in process (plain mlx-lm generation, the
+floor), through the engine's in-process ``Worker``, and through ``qfserve`` over loopback HTTP."""
 
 from __future__ import annotations
 
@@ -16,22 +12,11 @@ import httpx
 from mlx_lm import stream_generate
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
+from bench import harness
 from bench.arms import make_caches
 from bench.data import chat_content, eos_ban
-from bench.harness import (
-    StreamTiming,
-    interleave,
-    open_run,
-    parse,
-    parser,
-    ratio_row,
-    save_plot,
-    stream_chat,
-    subplots,
-    summaries,
-)
 from bench.report import ms, plots, ratio_cell, speed_header, table
-from bench.studies.vs_mlx_lm import bars, distinct, per_arm
+from bench.studies.vs_mlx_lm import distinct, per_arm
 from qfserve import testing as servers
 from qfserve.engine.kv.config import CacheConfig
 from qfserve.engine.serving.config import DEFAULT_PREFILL_CHUNK, EngineConfig
@@ -39,24 +24,22 @@ from qfserve.engine.serving.worker import Worker
 from qfserve.engine.text.prompts import encode_prompt
 from qfserve.engine.text.requests import Delta, Failed, Finished, GenerationRequest, SamplingParams
 
-ARMS = ("in_process_a", "worker", "http_a", "in_process_b", "http_b")
 # (arm, reference): the A/A pairs, then what the worker, HTTP and both add
 PAIRS = (("in_process_b", "in_process_a"), ("http_b", "http_a"), ("worker", "in_process_a"),
          ("http_a", "worker"), ("http_a", "in_process_a"))  # fmt: skip
+PANELS = (("ttft_s", "TTFT ms"), ("itl_s", "inter-token latency ms"))  # the plot's: key, title
 
 
-def make_request(content: str, max_tokens: int, config: CacheConfig, bias: dict):
-    logit_bias = tuple((int(k), v) for k, v in bias.items())
-    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, logit_bias=logit_bias)
-    # Reuse off: every round sends the same prompt, and a kept cache would answer it.
-    return GenerationRequest(kind="chat", sampling=sampling, cache=config, reuse=False,
-                             messages=({"role": "user", "content": content},))  # fmt: skip
+def style(arm: str) -> dict[str, Any]:
+    """A bar's colour by what it goes through, the A/A copies paler."""
+    color = {"in_": "C0", "wor": "C2", "htt": "C1"}[arm[:3]]
+    return {"color": color, "alpha": 0.6 if arm.endswith("_b") else 1.0}
 
 
 def in_process(sm, request: GenerationRequest):
     """A callable generating like the worker does, timed the way the HTTP client is."""
 
-    def run() -> StreamTiming:
+    def run() -> harness.StreamTiming:
         tic = time.perf_counter()
         prompt, n = encode_prompt(sm.loaded, request)
         caches = make_caches(sm.model, request.cache, filters=sm.filters)
@@ -68,10 +51,11 @@ def in_process(sm, request: GenerationRequest):
                                    prefill_step_size=DEFAULT_PREFILL_CHUNK):  # fmt: skip
             if gen.text:
                 chunks += 1
-                if ttft is None:
-                    ttft = time.perf_counter() - tic
+                ttft = ttft or time.perf_counter() - tic
         total = time.perf_counter() - tic
-        return StreamTiming(ttft or total, total, gen.generation_tokens, len(prompt), chunks)
+        return harness.StreamTiming(
+            ttft or total, total, gen.generation_tokens, len(prompt), chunks
+        )
 
     return run
 
@@ -79,7 +63,7 @@ def in_process(sm, request: GenerationRequest):
 def through_worker(worker: Worker, loop: asyncio.AbstractEventLoop, request: GenerationRequest):
     """A callable submitting ``request`` to the in-process worker and timing its events."""
 
-    async def one() -> StreamTiming:
+    async def one() -> harness.StreamTiming:
         tic = time.perf_counter()
         job = worker.submit(request, loop)
         ttft, chunks = None, 0
@@ -87,12 +71,11 @@ def through_worker(worker: Worker, loop: asyncio.AbstractEventLoop, request: Gen
             event = await job.next_event()
             if isinstance(event, Delta) and event.text:
                 chunks += 1
-                if ttft is None:
-                    ttft = time.perf_counter() - tic
+                ttft = ttft or time.perf_counter() - tic
             elif isinstance(event, Finished):
                 total = time.perf_counter() - tic
-                return StreamTiming(ttft or total, total, event.completion_tokens,
-                                    event.prompt_tokens, chunks, event.kv_cache)  # fmt: skip
+                return harness.StreamTiming(ttft or total, total, event.completion_tokens,
+                                            event.prompt_tokens, chunks, event.kv_cache)  # fmt: skip
             elif isinstance(event, Failed):
                 raise RuntimeError(f"worker: {event.kind}: {event.message}")
 
@@ -110,55 +93,47 @@ def start_worker(sm) -> Worker:
     return worker
 
 
-def plot(result, out) -> list[str]:
-    fig, axes = subplots(1, 2, figsize=(10, 3.8))
-    colors = {"in_": "C0", "wor": "C2", "htt": "C1"}
-
-    def style(arm: str) -> dict[str, Any]:  # the A/A copies paler
-        return {"color": colors[arm[:3]], "alpha": 0.6 if arm.endswith("_b") else 1.0}
-
-    for ax, key, title in ((axes[0, 0], "ttft_s", "TTFT ms"),
-                           (axes[0, 1], "itl_s", "inter-token latency ms")):  # fmt: skip
-        bars(ax, result["rows"], key, ARMS, title, 1e3, style)
-    fig.suptitle(f"HTTP vs worker vs in-process, {result['settings']['max_tokens']} tokens")
-    return [save_plot(fig, out, "server_overhead")]
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__, reps=7, prompts=([256, 1000], [64], "prompt tokens"), max_tokens=(64, 8),
-               budget=(512, 32, "Q-Filters budget"))  # fmt: skip
-    args = parse(p, argv)
-    sm = open_run("server_overhead", args, argv)
-    config = CacheConfig(method="qfilters", budget=args.budget)
+    sm = harness.start("server_overhead", argv, __doc__, reps=7, max_tokens=(64, 8),
+                       prompts=([256, 1000], [64], "prompt tokens"),
+                       budget=(512, 32, "Q-Filters budget"))  # fmt: skip
+    args = sm.args
     bias = eos_ban(sm)
+    sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0.0,
+                              logit_bias=tuple((int(k), v) for k, v in bias.items()))  # fmt: skip
     sm.log(f"starting qfserve on {sm.folder.name} and an in-process worker")
-    worker = start_worker(sm)
-    loop = asyncio.new_event_loop()
+    worker, loop = start_worker(sm), asyncio.new_event_loop()
     rows = []
     try:
         with servers.serve("qfserve", model=sm.folder) as (url,), httpx.Client() as client:
-            sm.log(f"serving at {url}; {args.reps} reps, prompts {args.prompts}, "
-                   f"{args.max_tokens} tokens")  # fmt: skip
+            sm.log(
+                f"serving at {url}; {args.reps} reps, prompts {args.prompts}, "
+                f"{args.max_tokens} tokens"
+            )
             for n in args.prompts:
-                content = chat_content(sm, n)
-                request = make_request(content, args.max_tokens, config, bias)
-                body = {"model": sm.loaded.name, "messages": [{"role": "user", "content": content}],
-                        "max_tokens": args.max_tokens, "temperature": 0, "logit_bias": bias,
+                messages = [{"role": "user", "content": chat_content(sm, n)}]
+                # Reuse off: every round sends the same prompt, and a kept cache would answer it.
+                request = GenerationRequest(
+                    kind="chat", sampling=sampling, reuse=False, messages=tuple(messages),
+                    cache=CacheConfig(method="qfilters", budget=args.budget))  # fmt: skip
+                body = {"model": sm.loaded.name, "messages": messages, "logit_bias": bias,
+                        "max_tokens": args.max_tokens, "temperature": 0,
                         "kv_method": "qfilters", "qfilters_budget": args.budget,
                         "qfilters_reuse": False}  # fmt: skip
-                local, remote = in_process(sm, request), partial(stream_chat, client, url, body)
+                local = in_process(sm, request)
+                remote = partial(harness.stream_chat, client, url, body)
                 arms = {"in_process_a": local, "worker": through_worker(worker, loop, request),
                         "http_a": remote, "in_process_b": local, "http_b": remote}  # fmt: skip
-                runs = interleave(arms, args.reps, progress=sm.log.rounds(f"prompt {n}"))
+                runs = harness.interleave(arms, args.reps, progress=sm.log.rounds(f"prompt {n}"))
                 ttft, itl = per_arm(runs, "ttft"), per_arm(runs, "itl")
                 rows.append({
                     "prompt_tokens": runs["in_process_a"][0].prompt_tokens,
                     "completion_tokens": distinct(runs, "completion_tokens"),
                     "prompt_tokens_seen": distinct(runs, "prompt_tokens"),
-                    "ttft_s": summaries(ttft),
-                    "itl_s": summaries(itl),
-                    "ttft_ratios": [ratio_row(ttft, a, b) for a, b in PAIRS],
-                    "itl_ratios": [ratio_row(itl, a, b) for a, b in PAIRS],
+                    "ttft_s": harness.summaries(ttft),
+                    "itl_s": harness.summaries(itl),
+                    "ttft_ratios": [harness.ratio_row(ttft, a, b) for a, b in PAIRS],
+                    "itl_ratios": [harness.ratio_row(itl, a, b) for a, b in PAIRS],
                     "kv_cache_http": runs["http_a"][-1].kv_cache,
                 })  # fmt: skip
     finally:
@@ -171,26 +146,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                      "host": servers.HOST},
         "rows": rows,
     }  # fmt: skip
-    result["plots"] = plot(result, args.out)
+    fig, axes = harness.subplots(1, 2, figsize=(10, 3.8))
+    groups = [f"prompt {r['prompt_tokens']}" for r in rows]
+    for ax, (key, title) in zip(axes[0], PANELS, strict=True):
+        harness.grouped_bars(ax, groups, [r[key] for r in rows], title, 1e3, style)
+    fig.suptitle(f"HTTP vs worker vs in-process, {args.max_tokens} tokens")
+    result["plots"] = [harness.save_plot(fig, args.out, "server_overhead")]
     return sm.save(result)
 
 
 def render(d: dict[str, Any]) -> list[str]:
-    """This study's section of ``bench/RESULTS.md``."""
     s = d["settings"]
-    lines = speed_header("Server overhead: streamed HTTP vs the worker vs in-process", d)
-    lines += [
+    intro = (
         f"{s['max_tokens']} tokens generated (EOS banned), Q-Filters budget {s['budget']}, "
         f"greedy; {s['reps']} interleaved rounds. `in_process`: encode + `make_caches` + "
         "`stream_generate` in the bench process; `worker`: the engine's `Worker` (queue, model "
         "thread, event loop) in process; `http`: `qfserve` over loopback. TTFT = first non-empty "
-        "text; ITL = (end − first) / (tokens − 1).",
-        "",
-    ]
+        "text; ITL = (end − first) / (tokens − 1)."
+    )
+    lines = speed_header("Server overhead: streamed HTTP vs the worker vs in-process", d, intro)
     for r in d["rows"]:
         times = [[k, ms(r["ttft_s"][k], 1e3, 1), ms(r["itl_s"][k], 1e3, 2)] for k in r["ttft_s"]]
-        pairs = [[f"{t['arm']} / {t['reference']}", ratio_cell(t), ratio_cell(i)]
-                 for t, i in zip(r["ttft_ratios"], r["itl_ratios"], strict=True)]  # fmt: skip
+        pairs = [
+            [f"{t['arm']} / {t['reference']}", ratio_cell(t), ratio_cell(i)]
+            for t, i in zip(r["ttft_ratios"], r["itl_ratios"], strict=True)
+        ]
         lines += [f"Prompt {r['prompt_tokens']} tokens:", ""]
         lines += [*table(["arm", "TTFT ms", "ITL ms"], times), ""]
         lines += [*table(["ratio", "TTFT", "ITL"], pairs), ""]

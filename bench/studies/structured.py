@@ -1,9 +1,5 @@
-"""What constrained decoding costs per token: a JSON schema through llguidance vs free text.
-
-One chat prompt, greedy, arms interleaved: ``free``, ``free_again`` (A/A), ``schema`` (as the
-server applies ``response_format``) and, when installed, ``schema_outlines``; decode steps
-after the first token, and the time inside the schema's processor.
-"""
+"""What constrained decoding costs per token: a JSON schema through llguidance vs free text
+(and through outlines-core where it is installed)."""
 
 from __future__ import annotations
 
@@ -13,10 +9,11 @@ import time
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
-from bench.harness import interleave, open_run, parse, parser, ratio_row, summaries, summary
+from bench.harness import interleave, ratio_row, start, summaries, summary
 from bench.report import ms, speed_header, table
 from qfserve.engine.text.structured import GrammarProcessor, JSONConstraint
 
@@ -29,11 +26,12 @@ SCHEMA = {
     },
     "required": ["title", "summary", "tags"],
 }
+RATIOS = {"schema/free": "schema", "free_again/free (A/A)": "free_again",
+          "schema_outlines/free": "schema_outlines"}  # fmt: skip
 
 
 def outlines_processor(tokenizer: Any) -> Any:
     """:data:`SCHEMA` as an mlx-lm logits processor built on outlines-core's index."""
-    import numpy as np
     import outlines_core as oc
     from outlines_core.json_schema import build_regex_from_schema
 
@@ -43,13 +41,11 @@ def outlines_processor(tokenizer: Any) -> Any:
         if i != eos:
             vocab.setdefault(text, []).append(i)
     index = oc.Index(build_regex_from_schema(json.dumps(SCHEMA)), oc.Vocabulary(eos, vocab))
-    guide = oc.Guide(index)
-    seen = [0]
+    guide, seen = oc.Guide(index), [0]
 
     def process(tokens: Any, logits: Any) -> Any:
-        if seen[0]:
-            for token in tokens.tolist()[seen[0] :]:
-                guide.advance(token)
+        for token in tokens.tolist()[seen[0] :] if seen[0] else ():
+            guide.advance(token)
         seen[0] = tokens.size
         allowed = np.zeros(logits.shape[-1], dtype=np.bool_)
         allowed[guide.get_tokens()] = True
@@ -59,56 +55,43 @@ def outlines_processor(tokenizer: Any) -> Any:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__, reps=9, tokens=(48, 8, "decode steps per repetition"))
-    args = parse(p, argv)
-    sm = open_run("structured", args, argv)
+    sm = start("structured", argv, __doc__, reps=9, tokens=(48, 8, "decode steps per repetition"))
+    args = sm.args
     messages = [{"role": "user", "content": "Describe the Python language as JSON."}]
-    prompt = list(sm.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    prompt = mx.array(sm.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
     inside: dict[str, list[float]] = {}  # library: ms per token in its processor, each run
+    grammars = {"llguidance": lambda: GrammarProcessor(sm.tokenizer, JSONConstraint(json.dumps(SCHEMA))),
+                "outlines-core": lambda: outlines_processor(sm.tokenizer)}  # fmt: skip
 
     def run(library: str | None) -> float:
         """ms per decode step after the first token, constrained by ``library``'s processor."""
-        processors: list[Any] = []
-        spent = [0.0]
-        if library is not None:
-            grammar = (
-                GrammarProcessor(sm.tokenizer, JSONConstraint(json.dumps(SCHEMA)))
-                if library == "llguidance"
-                else outlines_processor(sm.tokenizer)
-            )
+        grammar, spent = grammars[library]() if library else None, [0.0]
 
-            def timed(tokens: Any, logits: Any) -> Any:
-                mx.eval(tokens, logits)  # the model's step is not the processor's time
-                t = time.perf_counter()
-                out = grammar(tokens, logits)
-                mx.eval(out)
-                spent[0] += time.perf_counter() - t
-                return out
+        def timed(tokens: Any, logits: Any) -> Any:
+            mx.eval(tokens, logits)  # the model's step is not the processor's time
+            t = time.perf_counter()
+            out = grammar(tokens, logits)
+            mx.eval(out)
+            spent[0] += time.perf_counter() - t
+            return out
 
-            processors.append(timed)
-        steps = generate_step(mx.array(prompt), sm.model, max_tokens=args.tokens,
-                              sampler=make_sampler(0.0), logits_processors=processors)  # fmt: skip
+        steps = generate_step(prompt, sm.model, max_tokens=args.tokens, sampler=make_sampler(0.0),
+                              logits_processors=[timed] if grammar else [])  # fmt: skip
         next(steps)  # the prefill and first token: not a decode step
-        start = time.perf_counter()
-        spent[0] = 0.0
+        tic, spent[0] = time.perf_counter(), 0.0
         n = sum(1 for _ in steps)
-        assert n > 0, "need --tokens >= 2"
-        per_token = (time.perf_counter() - start) / n * 1000
-        if library is not None:
+        if n < 1:
+            raise SystemExit("structured: need --tokens >= 2")
+        if library:
             inside.setdefault(library, []).append(spent[0] / n * 1000)
-        return per_token
+        return (time.perf_counter() - tic) / n * 1000
 
     arms = {"free": lambda: run(None), "free_again": lambda: run(None),
             "schema": lambda: run("llguidance")}  # fmt: skip
     if importlib.util.find_spec("outlines_core") is not None:
         arms["schema_outlines"] = lambda: run("outlines-core")
     samples = interleave(arms, args.reps, progress=sm.log.rounds("arms"))
-    ratios = {
-        "schema/free": ratio_row(samples, "schema", "free"),
-        "free_again/free (A/A)": ratio_row(samples, "free_again", "free"),
-    }
-    if "schema_outlines" in samples:
-        ratios["schema_outlines/free"] = ratio_row(samples, "schema_outlines", "free")
+    ratios = {k: ratio_row(samples, a, "free") for k, a in RATIOS.items() if a in samples}
     by_library = {lib: summary(v[-args.reps :]) for lib, v in inside.items()}  # no warm-up
     return sm.save({"steps": args.tokens, "reps": args.reps, "schema": SCHEMA,
                     "ms_per_token": summaries(samples), "ratios": ratios,
@@ -118,7 +101,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def render(d: dict[str, Any]) -> list[str]:
-    """This study's section of ``bench/RESULTS.md``."""
     r, aa = d["ratios"]["schema/free"], d["ratios"]["free_again/free (A/A)"]
     outlines = d["ratios"].get("schema_outlines/free")  # where outlines-core was installed
     inside = d["processor_ms_per_token_by_library"].items()

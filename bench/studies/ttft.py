@@ -1,10 +1,5 @@
-"""Time to first token with eviction against a full cache.
-
-One request as the engine runs it (``make_caches``, then ``generate_step`` to the first
-token), arms interleaved: full (twice, A/A), Q-Filters at each budget, and the full cache on
-MLX's own attention (``full_mlx``, ``--attention mlx``) where every other arm runs the blocked
-CPU attention (:mod:`qfserve.engine.kv.blocked`).
-"""
+"""Time to first token with eviction against a full cache, as the engine runs a request
+(``make_caches``, then ``generate_step``); ``full_mlx``: the full cache on MLX's attention."""
 
 from __future__ import annotations
 
@@ -16,37 +11,27 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
+from bench import harness
 from bench.arms import caches_for, kv_stats
 from bench.data import prompt_tokens
-from bench.harness import (
-    command_line,
-    errorbars,
-    interleave,
-    log2_axis,
-    machine,
-    open_run,
-    parse,
-    parser,
-    pyplot,
-    ratios,
-    save_plot,
-    summaries,
-)
 from bench.report import ms, plots, ratio_cell, speed_header, table
 from qfserve.engine.kv.attention import set_blocked
+
+# What must match for an earlier run's rows to sit beside this one's: not the load, nor the
+# platform string (it names the VM's kernel build); each row's ratios are its own run's.
+SAME_MACHINE = ("processor", "mlx", "device", "blas", "cpu_count")
 
 
 def ttft_timer(sm, arm, tokens: list[int], kept: dict, blocked: bool):
     """A callable returning seconds to the first token of one fresh request."""
-    prompt = mx.array(tokens)
-    greedy = make_sampler(0.0)
 
     def run() -> float:
         set_blocked(blocked)
         try:
             tic = time.perf_counter()
             caches = caches_for(sm, arm)
-            gen = generate_step(prompt, sm.model, max_tokens=1, sampler=greedy, prompt_cache=caches)
+            gen = generate_step(mx.array(tokens), sm.model, max_tokens=1,
+                                sampler=make_sampler(0.0), prompt_cache=caches)  # fmt: skip
             next(gen)  # yields y.item(): the token is evaluated
             seconds = time.perf_counter() - tic
             gen.close()
@@ -58,57 +43,32 @@ def ttft_timer(sm, arm, tokens: list[int], kept: dict, blocked: bool):
     return run
 
 
-# What must match for an earlier run's rows to sit beside this one's: not the load, nor the
-# platform string (it names the VM's kernel build); each row's ratios are its own run's.
-SAME_MACHINE = ("processor", "mlx", "device", "blas", "cpu_count")
-
-
 def earlier_rows(path, result: dict, measured: set[int]) -> list[dict]:
-    """Rows of other prompt lengths from an earlier run on the same weights with the same
-    settings, kept beside this run's (a long prompt can be added without rerunning the
-    short ones); each row says which command measured it."""
+    """Rows of other prompt lengths from an earlier run on the same weights, settings and
+    machine, kept beside this run's, each saying which command measured it."""
     if result["quick"] or not path.is_file():
         return []
-    now = machine()
-    old = json.loads(path.read_text())
+    now, old = harness.machine(), json.loads(path.read_text())
     same = (
         not old.get("quick")
         and old.get("settings") == result["settings"]
-        and old["model"].get("weights_sha1") == result["model"].get("weights_sha1")
-        and old["model"].get("path") == result["model"].get("path")
+        and all(old["model"].get(k) == result["model"].get(k) for k in ("weights_sha1", "path"))
         and all(old["machine"].get(k) == now.get(k) for k in SAME_MACHINE)
     )
-    if not same:
-        return []
-    kept = [r for r in old["rows"] if r["prompt_tokens"] not in measured]
+    kept = [r for r in old["rows"] if r["prompt_tokens"] not in measured] if same else []
     for r in kept:
         r.setdefault("measured_by", {"command": old["command"], "when": old["when"][:10]})
     return kept
 
 
-def plot(result, out) -> list[str]:
-    rows = result["rows"]
-    x = [r["prompt_tokens"] for r in rows]
-    fig, ax = pyplot().subplots(figsize=(6.4, 4))
-    for arm in ("full_a", *(f"b{b}" for b in result["settings"]["budgets"])):
-        med, err = errorbars([r["ttft_s"][arm] for r in rows])
-        ax.errorbar(x, [m * 1e3 for m in med], yerr=[[e * 1e3 for e in side] for side in err],
-                    marker="o", capsize=3, label="full" if arm == "full_a" else f"Q-Filters {arm}")  # fmt: skip
-    trained = result["model"]["max_context"]
-    ax.axvline(trained, color="grey", ls=":", label=f"trained context {trained}")
-    ax.set(xlabel="prompt tokens", ylabel="TTFT ms (median, IQR)", title="Time to first token")
-    log2_axis(ax, x, logy=True)
-    ax.legend()
-    return [save_plot(fig, out, "ttft")]
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__, reps=5, prompts=([1024, 2048, 4096], [64, 256], "prompt tokens"),
-               budgets=([256, 512], [32, 128], "Q-Filters budgets"))  # fmt: skip
-    args = parse(p, argv)
-    sm = open_run("ttft", args, argv)
-    sm.log(f"model {sm.loaded.name}, prompts {args.prompts}, budgets {args.budgets}, "
-           f"reps {args.reps}")  # fmt: skip
+    sm = harness.start("ttft", argv, __doc__, reps=5,
+                       prompts=([1024, 2048, 4096], [64, 256], "prompt tokens"),
+                       budgets=([256, 512], [32, 128], "Q-Filters budgets"))  # fmt: skip
+    args = sm.args
+    sm.log(
+        f"model {sm.loaded.name}, prompts {args.prompts}, budgets {args.budgets}, reps {args.reps}"
+    )
     # (arm, cache, blocked attention): full twice (A/A), each budget, full on MLX's attention
     specs = [("full_a", "full", True), ("full_b", "full", True),
              *((f"b{b}", b, True) for b in args.budgets), ("full_mlx", "full", False)]  # fmt: skip
@@ -116,15 +76,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for n in args.prompts:
         tokens = prompt_tokens(sm, n)
         kept: dict[str, dict] = {name: {} for name, _, _ in specs}
-        arms = {name: ttft_timer(sm, arm, tokens, kept[name], blocked)
-                for name, arm, blocked in specs}  # fmt: skip
-        samples = interleave(arms, args.reps, progress=sm.log.rounds(f"prompt {n}"))
+        arms = {
+            name: ttft_timer(sm, arm, tokens, kept[name], blocked) for name, arm, blocked in specs
+        }
+        _, stats, ratios = harness.compare_arms(sm, arms, f"prompt {n}", "full_a")
         rows.append({"prompt_tokens": n, "beyond_trained_context": n > sm.context_length,
-                     "ttft_s": summaries(samples),
-                     "ratios": ratios(samples, "full_a", [a for a in arms if a != "full_a"]),
-                     "kv_after_prefill": kept})  # fmt: skip
+                     "ttft_s": stats, "ratios": ratios, "kv_after_prefill": kept})  # fmt: skip
     result = {
-        "command": command_line("ttft", argv),  # earlier_rows compares these with older runs
+        "command": harness.command_line("ttft", argv),  # earlier_rows compares these with older runs
         "quick": args.quick,
         "model": sm.describe(),
         "settings": {"reps": args.reps, "budgets": list(args.budgets), "method": "qfilters",
@@ -137,12 +96,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         row["measured_by"] = {"command": result["command"], "when": time.strftime("%Y-%m-%d")}
     rows += earlier_rows(args.out / "ttft.json", result, {r["prompt_tokens"] for r in rows})
     rows.sort(key=lambda r: r["prompt_tokens"])
-    result["plots"] = plot(result, args.out)
+    labels = {"full_a": "full", **{f"b{b}": f"Q-Filters b{b}" for b in args.budgets}}
+    series = {v: [r["ttft_s"][k] for r in rows] for k, v in labels.items()}
+    x, trained = [r["prompt_tokens"] for r in rows], sm.identity["max_context"]
+    result["plots"] = [harness.context_plot(args.out, "ttft", x, series, trained, 1e3, logy=True,
+                                            xlabel="prompt tokens", ylabel="TTFT ms (median, IQR)",
+                                            title="Time to first token")]  # fmt: skip
     return sm.save(result)
 
 
 def render(d: dict[str, Any]) -> list[str]:
-    """This study's section of ``bench/RESULTS.md``."""
     s, budgets = d["settings"], d["settings"]["budgets"]
     lines = speed_header("Time to first token, eviction vs full", d)
     lines += [
