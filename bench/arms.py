@@ -80,11 +80,10 @@ class Arm:
         """Fresh caches (``filters`` for the calibrated arms, their ``learned`` for traffic)."""
         config = self.config(budget)
         if self.method == "traffic":
-            learned = getattr(filters, "learned", {}).get(self.traffic)
-            if learned is None:
+            filters = getattr(filters, "learned", {}).get(self.traffic)
+            if filters is None:
                 raise ValueError(f"no filters learned from {self.traffic!r} traffic were given")
-            return make_caches(model, config, filters=np.asarray(learned))
-        if self.method in ("qfilters", "kvzip"):
+        if self.method in ("qfilters", "kvzip", "traffic"):
             if filters is None:
                 raise ValueError("the calibrated qfilters arm needs filters, got None")
             adaptive = self.adaptive and self.method == "qfilters"  # kvzip's need no scale
