@@ -1,9 +1,8 @@
 """The caches a study compares, and what it feeds them.
 
-An arm (:class:`Arm`) is a method plus a recent window as a fraction of the budget; budgets
-count every stored row and :func:`check_budget` checks each arm keeps exactly it. Calibrated
-filters come from the registry or from training-split text (:func:`filters_for`), never the
-evaluation split; :func:`streaming_nll` feeds an arm's real caches one token per step.
+An :class:`Arm` is a method plus a recent window as a fraction of the budget; budgets count every
+stored row. Calibrated filters come from the registry or training-split text, never the
+evaluation split.
 """
 
 from __future__ import annotations
@@ -37,11 +36,9 @@ from qfserve.engine.kv.query_aware import SnapKVScorer
 
 @dataclass(frozen=True)
 class Arm:
-    """One cache arm: ``method`` (``full``, ``qfilters``, ``self``, ``traffic``, ``fallback``,
-    ``knorm``, ``streaming``, ``snapkv``, ``tova``, ``kvzip``) and its knobs: the recent window as
-    a fraction of the budget, the scoring axis's ``sign`` (the fallback's ablation), ``chunk``
-    positions kept whole, ``adaptive`` head budgets, SnapKV's ``window``, the ``traffic``
-    artifact's name and kvzip's rows ``shared`` across layers."""
+    """One cache arm: ``method`` and its knobs: the fallback's axis ``sign``, ``chunk`` positions
+    kept whole, ``adaptive`` head budgets, SnapKV's ``window``, the ``traffic`` artifact's name and
+    kvzip's rows ``shared`` across layers."""
 
     method: str
     recent_frac: float = 0.0
@@ -56,14 +53,11 @@ class Arm:
     def name(self) -> str:
         if self.method == "full":
             return "full"
-        flipped = "-" if self.sign < 0 else ""
-        chunk = f"/c{self.chunk}" if self.chunk > 1 else ""
-        ada = "/ada" if self.adaptive else ""
-        window = "" if self.window is None else f"/w{self.window}"
-        recent = int(round(self.recent_frac * 100))
-        traffic = f"/{self.traffic}" if self.traffic else ""
-        shared = "/global" if self.shared else ""
-        return f"{self.method}{flipped}/r{recent}{chunk}{ada}{window}{traffic}{shared}"
+        window = "" if self.window is None else f"w{self.window}"
+        tags = (f"c{self.chunk}" * (self.chunk > 1), "ada" * self.adaptive, window, self.traffic,
+                "global" * self.shared)  # fmt: skip
+        method = f"{self.method}{'-' * (self.sign < 0)}"
+        return "/".join([method, f"r{int(round(self.recent_frac * 100))}", *filter(None, tags)])
 
     def recent(self, budget: int) -> int:
         return int(budget * self.recent_frac)
@@ -83,15 +77,13 @@ class Arm:
         )
 
     def caches(self, model: Any, budget: int | None, filters: np.ndarray | None) -> list[Any]:
-        """Fresh caches for this arm (``filters`` used by the calibrated arm, and its
-        ``learned`` ones by the traffic arms)."""
+        """Fresh caches (``filters`` for the calibrated arms, their ``learned`` for traffic)."""
         config = self.config(budget)
         if self.method == "traffic":
-            learned = getattr(filters, "learned", {}).get(self.traffic)
-            if learned is None:
+            filters = getattr(filters, "learned", {}).get(self.traffic)
+            if filters is None:
                 raise ValueError(f"no filters learned from {self.traffic!r} traffic were given")
-            return make_caches(model, config, filters=np.asarray(learned))
-        if self.method in ("qfilters", "kvzip"):
+        if self.method in ("qfilters", "kvzip", "traffic"):
             if filters is None:
                 raise ValueError("the calibrated qfilters arm needs filters, got None")
             adaptive = self.adaptive and self.method == "qfilters"  # kvzip's need no scale
@@ -113,10 +105,8 @@ READS_QUERIES = ("self", "snapkv", "tova", "kvzip")  # arms whose caches take th
 
 
 def feed_block(caches: list[Any], block: list[tuple[Any, ...]]) -> None:
-    """Hand one prompt block, computed once for every arm, to an arm's fresh caches:
-    ``(keys, values)`` per layer, plus the block's rotated queries for self-calibrated
-    and query-aware caches (what their layer's query tap would hold had the block run
-    through them), and for kvzip caches the pass's scores, which they then evict by."""
+    """Hand one prompt block, computed once for every arm, to an arm's fresh caches: per layer
+    ``(keys, values)``, then the block's rotated queries (query taps) and kvzip's pass scores."""
     deferred = []
     for cache, (keys, values, *extra) in zip(caches, block, strict=True):
         tap = getattr(getattr(cache, "scorer", None), "tap", None)
@@ -136,19 +126,13 @@ def feed_block(caches: list[Any], block: list[tuple[Any, ...]]) -> None:
 def standard_arms(
     recent_fracs: tuple[float, ...] = (0.0, 0.25), *, fallback_signs: tuple[int, ...] = (1, -1)
 ) -> list[Arm]:
-    """Full, then calibrated, fallback (each sign), K-norm and streaming at each recent
-    fraction.
-
-    Streaming keeps the latest rows by construction, so a recent window changes nothing for
-    it: it runs once, with ``recent = 0``.
-    """
+    """Full, then calibrated, fallback (each sign) and K-norm per recent fraction, then streaming
+    (it keeps the latest rows anyway: once, with ``recent = 0``)."""
     arms = [Arm("full")]
     for frac in recent_fracs:
-        arms.append(Arm("qfilters", frac))
-        arms += [Arm("fallback", frac, sign) for sign in fallback_signs]
+        arms += [Arm("qfilters", frac), *(Arm("fallback", frac, s) for s in fallback_signs)]
         arms.append(Arm("knorm", frac))
-    arms.append(Arm("streaming", 0.0))
-    return arms
+    return [*arms, Arm("streaming", 0.0)]
 
 
 ARM_FLAGS = {
@@ -177,31 +161,25 @@ def add_traffic_argument(p: Any) -> None:
 
 
 def select_arms(arms: list[Arm], args: Any) -> list[Arm]:
-    """``arms`` plus a chunked Q-Filters arm per ``--chunks`` size and recent fraction of
-    the plain one, with ``--adaptive`` an adaptive arm and one per chunk size with both,
-    filtered by ``--only`` (the full cache always runs)."""
+    """``arms`` plus, at each recent fraction of the plain Q-Filters arm, those the options of
+    :func:`add_arm_arguments` add, filtered by ``--only`` (the full cache always runs)."""
     plain = [a for a in arms if a.method == "qfilters" and a.chunk == 1 and not a.adaptive]
-    extra = [Arm("qfilters", a.recent_frac, chunk=c) for c in args.chunks for a in plain]
-    if args.adaptive:
-        extra += [Arm("qfilters", a.recent_frac, adaptive=True) for a in plain]
-        extra += [Arm("qfilters", a.recent_frac, chunk=c, adaptive=True)
-                  for c in args.chunks for a in plain]  # fmt: skip  # both refinements
+    chunks = [{"chunk": c} for c in args.chunks]
+    extra = [("qfilters", knobs) for knobs in chunks]
+    if args.adaptive:  # alone, then with each chunk size
+        extra += [("qfilters", {**knobs, "adaptive": True}) for knobs in [{}, *chunks]]
     if getattr(args, "self_calibrated", False):
-        extra += [Arm("self", a.recent_frac) for a in plain]
+        extra.append(("self", {}))
     for spec in getattr(args, "traffic_artifacts", []):
-        extra += [Arm("traffic", a.recent_frac, traffic=spec.split("=")[0]) for a in plain]
+        extra.append(("traffic", {"traffic": spec.split("=")[0]}))
     if getattr(args, "query_aware", False):
-        extra += [Arm(m, a.recent_frac) for m in ("snapkv", "tova") for a in plain]
-        windows = getattr(args, "snapkv_windows", [])
-        extra += [Arm("snapkv", a.recent_frac, window=w) for w in windows for a in plain]
+        extra += [("snapkv", {}), ("tova", {})]
+        extra += [("snapkv", {"window": w}) for w in getattr(args, "snapkv_windows", [])]
     if getattr(args, "kvzip", False):
-        extra += [Arm("kvzip", a.recent_frac) for a in plain]
-        extra += [Arm("kvzip", a.recent_frac, adaptive=True) for a in plain]
-        extra += [Arm("kvzip", a.recent_frac, shared=True) for a in plain]
-    out = [*arms, *extra]
+        extra += [("kvzip", {}), ("kvzip", {"adaptive": True}), ("kvzip", {"shared": True})]
+    out = [*arms, *(Arm(m, a.recent_frac, **knobs) for m, knobs in extra for a in plain)]
     if args.only:
-        unknown = set(args.only) - {a.name for a in out}
-        if unknown:
+        if unknown := set(args.only) - {a.name for a in out}:
             raise ValueError(
                 f"--only names unknown arms {sorted(unknown)}; have {[a.name for a in out]}"
             )
@@ -210,8 +188,7 @@ def select_arms(arms: list[Arm], args: Any) -> list[Arm]:
 
 
 def kept_rows(caches: list[Any]) -> list[int]:
-    """Rows each evicting layer keeps per KV head (under adaptive budgets, the mean over its
-    heads: their total is what the budget bounds)."""
+    """Rows each evicting layer keeps per KV head (adaptive budgets: the mean over its heads)."""
     return [
         c.stats().tokens_kept if c.valid is not None else c.size()
         for c in caches
@@ -219,34 +196,32 @@ def kept_rows(caches: list[Any]) -> list[int]:
     ]
 
 
-def check_budget(caches: list[Any], budget: int | None, tokens_seen: int) -> int:
-    """Raise unless every evicting layer holds exactly ``min(budget, tokens_seen)`` rows.
+def _shares_rows(caches: list[Any]) -> bool:
+    # Layers that share the rows (kvzip across layers) each keep whole rows per head, so only
+    # their mean is bounded, and may fall short of the budget by less than a row.
+    return any(getattr(getattr(c, "scorer", None), "shared", False) for c in caches)
 
-    Returns:
-        The rows held (``tokens_seen`` for the full arm).
-    """
+
+def check_budget(caches: list[Any], budget: int | None, tokens_seen: int) -> int:
+    """Raise unless every evicting layer holds ``min(budget, tokens_seen)`` rows (on average,
+    where layers share them); returns the rows held (``tokens_seen`` for the full arm)."""
     if budget is None:
         return tokens_seen
-    expected = min(budget, tokens_seen)
-    if any(getattr(getattr(c, "scorer", None), "shared", False) for c in caches):
-        # Layers share the rows: each keeps whole rows per head, so the mean may fall short
-        # of the budget by less than a row.
-        mean = float(np.mean(kept_rows(caches)))
-        if not expected - 1 < mean <= expected:
-            raise RuntimeError(f"budget violated: layers hold {mean:.2f} rows on average")
-        return expected
-    rows = set(kept_rows(caches))
-    if rows != {expected}:
-        raise RuntimeError(f"budget violated: layers hold {sorted(rows)} rows, expected {expected}")
+    expected, rows = min(budget, tokens_seen), kept_rows(caches)
+    if _shares_rows(caches):
+        if not expected - 1 < np.mean(rows) <= expected:
+            raise RuntimeError(f"budget violated: layers hold {np.mean(rows):.2f} rows on average")
+    elif set(rows) != {expected}:
+        raise RuntimeError(
+            f"budget violated: layers hold {sorted(set(rows))} rows, expected {expected}"
+        )
     return expected
 
 
 # -- calibrated filters ------------------------------------------------------------------
 
-CACHE_DIR = Path(
-    os.environ.get("QFSERVE_BENCH_CACHE")
-    or Path(tempfile.gettempdir()) / "qfserve-bench-calibration"
-)
+_DEFAULT_CACHE = Path(tempfile.gettempdir()) / "qfserve-bench-calibration"
+CACHE_DIR = Path(os.environ.get("QFSERVE_BENCH_CACHE") or _DEFAULT_CACHE)
 # (sequences, tokens per sequence, samples per head): the paper's / `qfserve calibrate`'s
 # defaults in full mode, a few hundred tokens in quick mode.
 FULL_SETTINGS = (20, 2048, 3000)
@@ -258,17 +233,8 @@ def text_files(text: str, seed: int = 0) -> list[Path]:
     if text not in ("A", "B"):
         raise ValueError(f"text must be 'A' or 'B', got {text!r}")
     files = list(split_files("train"))
-    order = np.random.default_rng(seed).permutation(len(files))
-    shuffled = [files[i] for i in order]
+    shuffled = [files[i] for i in np.random.default_rng(seed).permutation(len(files))]
     return shuffled[0::2] if text == "A" else shuffled[1::2]
-
-
-def describe_text(text: str, seed: int, used: int) -> str:
-    return (
-        f"text {text}: training-split stdlib *.py files (training.data.split_of == 'train'), "
-        f"shuffled with seed {seed}, {'even' if text == 'A' else 'odd'} positions; "
-        f"the beginnings of the first {used}"
-    )
 
 
 def capture(
@@ -280,21 +246,18 @@ def capture(
     settings: tuple[int, int, int],
     seed: int = 0,
 ) -> tuple[list[np.ndarray], dict[str, Any]]:
-    """Sampled post-RoPE queries per layer ``(H, N, D)`` on calibration text, cached."""
+    """Sampled post-RoPE queries per layer ``(H, N, D)`` on calibration text, cached on disk."""
     n_sequences, tokens, samples = settings
-    context = identity.get("max_context") or tokens
-    tokens = min(tokens, context)
+    tokens = min(tokens, identity.get("max_context") or tokens)
     key = f"{identity['weights_sha1']}-{text}-{n_sequences}-{tokens}-{samples}-{seed}"
     path = CACHE_DIR / f"{hashlib.sha1(key.encode()).hexdigest()[:16]}.npz"
     if path.is_file():
         data = np.load(path, allow_pickle=False)
         queries = [data[f"layer{i}"] for i in range(identity["n_layers"])]
         return queries, {"description": str(data["description"]), "tokens": int(data["tokens"])}
+    files = text_files(text, seed)
     sequences, used = make_sequences(
-        tokenizer,
-        read_documents(text_files(text, seed)),
-        n_sequences=n_sequences,
-        tokens=tokens,
+        tokenizer, read_documents(files), n_sequences=n_sequences, tokens=tokens
     )
     total = sum(len(s) for s in sequences)
     with progress(total=total, unit="tok", desc=f"calibrating on text {text}", leave=False) as bar:
@@ -302,24 +265,23 @@ def capture(
             model, sequences, samples_per_head=samples, seed=seed, progress=bar.update
         )
     queries = [s.queries for s in found]
-    description = describe_text(text, seed, used) + f"; {len(sequences)} x {tokens} tokens"
+    description = (
+        f"text {text}: training-split stdlib *.py files (training.data.split_of == 'train'), "
+        f"shuffled with seed {seed}, {'even' if text == 'A' else 'odd'} positions; "
+        f"the beginnings of the first {used}; {len(sequences)} x {tokens} tokens"
+    )
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp.npz")
-    np.savez(
-        tmp,
-        description=description,
-        tokens=total,
-        **{f"layer{i}": q for i, q in enumerate(queries)},
-    )
+    layers = {f"layer{i}": q for i, q in enumerate(queries)}
+    np.savez(tmp, description=description, tokens=total, **layers)
     tmp.replace(path)
     return queries, {"description": description, "tokens": total}
 
 
 class CalibratedFilters(np.ndarray):
-    """``(n_layers, n_kv_heads, head_dim)`` filters that also carry the calibration's query
-    scales ``(n_layers, n_kv_heads)`` (``query_scale``; ``None`` for a version-1 artifact)
-    and any filters learned from traffic by name (``learned``, :func:`with_learned`), so
-    studies pass one object to every arm and the adaptive and traffic arms find theirs."""
+    """``(n_layers, n_kv_heads, head_dim)`` filters carrying the calibration's query scales
+    ``(n_layers, n_kv_heads)`` (``None`` for a version-1 artifact) and the filters learned from
+    traffic by name, so studies pass one object to every arm."""
 
     query_scale: np.ndarray | None
     learned: dict[str, np.ndarray]
@@ -336,42 +298,30 @@ class CalibratedFilters(np.ndarray):
 
 
 def with_learned(
-    filters: np.ndarray, specs: list[str], identity: dict[str, Any]
-) -> tuple[CalibratedFilters, dict[str, Any]]:
-    """``filters`` carrying the artifacts named by ``specs`` (``NAME=PATH``, from
-    :mod:`bench.studies.traffic`), each checked against the model; and a record of them.
-
-    Raises:
-        ValueError: a spec is not ``NAME=PATH``, or names one twice.
-        CalibrationError: an artifact is for another model, shape or weights.
-    """
+    filters: CalibratedFilters, specs: list[str], identity: dict[str, Any]
+) -> dict[str, Any]:
+    """Load the artifacts of ``specs`` (``NAME=PATH``) into ``filters.learned``, each checked
+    against the model (``CalibrationError`` if not); return a record of them."""
     from qfserve.calibrations.artifact import load_calibration
 
-    out = CalibratedFilters(np.asarray(filters), getattr(filters, "query_scale", None))
-    out.learned = {}
     record = {}
     for spec in specs:
         name, sep, path = spec.partition("=")
         # A name is the arm name's last part: none that reads as a setting (r25, c8, w8, ada).
-        if (not sep or not path or name in out.learned or not re.fullmatch(r"[a-z][a-z_-]*", name)
-                or name == "ada"):  # fmt: skip
+        valid = sep and path and re.fullmatch(r"[a-z][a-z_-]*", name) and name != "ada"
+        if not valid or name in filters.learned:
             raise ValueError(
                 f"--traffic-artifacts takes distinct NAME=PATH with NAME in lower-case letters, "
                 f"'_' and '-' (not 'ada'), got {spec!r}"
             )
+        shape = {k: identity[k] for k in ("n_layers", "n_kv_heads", "head_dim")}
         cal = load_calibration(
-            path,
-            model_id=identity["model_id"],
-            n_layers=identity["n_layers"],
-            n_kv_heads=identity["n_kv_heads"],
-            head_dim=identity["head_dim"],
-            weights=identity["fingerprint"],
+            path, model_id=identity["model_id"], weights=identity["fingerprint"], **shape
         )
-        out.learned[name] = cal.filters
-        digest = hashlib.sha1(np.ascontiguousarray(cal.filters, np.float32).tobytes())
-        record[name] = {"path": path, "text": cal.metadata.get("text"),
-                        "sha1": digest.hexdigest()[:12]}  # fmt: skip
-    return out, record
+        filters.learned[name] = cal.filters
+        sha1 = hashlib.sha1(np.ascontiguousarray(cal.filters, np.float32).tobytes()).hexdigest()
+        record[name] = {"path": path, "text": cal.metadata.get("text"), "sha1": sha1[:12]}
+    return record
 
 
 def filters_for(
@@ -382,53 +332,49 @@ def filters_for(
     mode: str = "auto",
     quick: bool = False,
     seed: int = 0,
-) -> tuple[np.ndarray, dict[str, Any]]:
-    """The calibrated filters the studies use, and a record of where they came from.
-
-    Args:
-        mode: ``auto`` (the registry's artifact when one exists, else fresh), ``registry``
-            (raise without one) or ``fresh``.
-    Returns:
-        ``(n_layers, n_kv_heads, head_dim)`` float32 filters and a JSON-able record.
-    """
+    traffic: Sequence[str] | None = None,
+) -> tuple[CalibratedFilters, dict[str, Any]]:
+    """The studies' calibrated filters ``(n_layers, n_kv_heads, head_dim)`` and a JSON-able
+    record of where they came from: the registry's artifact (``mode`` ``auto`` when one exists,
+    or ``registry``) or calibrated afresh; with the ``traffic`` artifacts ``NAME=PATH``."""
     if mode not in ("auto", "registry", "fresh"):
         raise ValueError(f"mode must be 'auto', 'registry' or 'fresh', got {mode!r}")
+    model_id = identity["model_id"]
+    filters = None
     if mode != "fresh":
-        filters, source = resolve_filters(
-            model, identity["model_id"], fingerprint=identity["fingerprint"]
-        )
-        if filters is not None:
-            from qfserve.calibrations.registry import find, load_for_model
+        filters, _ = resolve_filters(model, model_id, fingerprint=identity["fingerprint"])
+    if filters is not None:
+        from qfserve.calibrations.registry import find, load_for_model
 
-            path = find(identity["model_id"])
-            n_layers, n_kv, head_dim = filters.shape
-            cal = load_for_model(
-                identity["model_id"], n_layers=n_layers, n_kv_heads=n_kv, head_dim=head_dim
-            )
-            meta = cal.metadata if cal is not None else {}
-            scale = cal.query_scale if cal is not None else None
-            return CalibratedFilters(np.array(filters), scale), {
-                "source": "registry",
-                "path": str(path),
-                "text": meta.get("text"),
-                "samples_per_head": meta.get("samples_per_head"),
-                "disjoint_from_eval": "unknown: check the artifact's text",
-            }
-        if mode == "registry":
-            raise ValueError(
-                f"no calibration artifact for {identity['model_id']!r} (mode=registry)"
-            )
-    settings = QUICK_SETTINGS if quick else FULL_SETTINGS
-    queries, info = capture(model, tokenizer, identity, text="A", settings=settings, seed=seed)
-    filters, summaries = compute_filters(queries, identity["n_kv_heads"])
-    return CalibratedFilters(filters, query_scales(queries, filters)), {
-        "source": "fresh",
-        "text": info["description"],
-        "tokens": info["tokens"],
-        "samples_per_head": int(queries[0].shape[1]),
-        "disjoint_from_eval": not (set(text_files("A", seed)) & set(split_files("eval"))),
-        "anisotropy": summaries,
-    }
+        n_layers, n_kv, head_dim = filters.shape
+        cal = load_for_model(model_id, n_layers=n_layers, n_kv_heads=n_kv, head_dim=head_dim)
+        meta = cal.metadata if cal is not None else {}
+        out = CalibratedFilters(np.array(filters), cal.query_scale if cal is not None else None)
+        record = {
+            "source": "registry",
+            "path": str(find(model_id)),
+            "text": meta.get("text"),
+            "samples_per_head": meta.get("samples_per_head"),
+            "disjoint_from_eval": "unknown: check the artifact's text",
+        }
+    elif mode == "registry":
+        raise ValueError(f"no calibration artifact for {model_id!r} (mode=registry)")
+    else:
+        settings = QUICK_SETTINGS if quick else FULL_SETTINGS
+        queries, info = capture(model, tokenizer, identity, text="A", settings=settings, seed=seed)
+        raw, anisotropy = compute_filters(queries, identity["n_kv_heads"])
+        out = CalibratedFilters(raw, query_scales(queries, raw))
+        record = {
+            "source": "fresh",
+            "text": info["description"],
+            "tokens": info["tokens"],
+            "samples_per_head": int(queries[0].shape[1]),
+            "disjoint_from_eval": not (set(text_files("A", seed)) & set(split_files("eval"))),
+            "anisotropy": anisotropy,
+        }
+    if traffic:
+        record["traffic_artifacts"] = with_learned(out, list(traffic), identity)
+    return out, record
 
 
 # -- teacher-forced likelihood -----------------------------------------------------------
@@ -444,17 +390,14 @@ def token_nll(logits: mx.array, targets: mx.array) -> mx.array:
 def full_nll(model: Any, tokens: np.ndarray) -> np.ndarray:
     """``(B, L-1)`` next-token NLL with a full cache (one forward pass over ``(B, L)``)."""
     x = mx.array(tokens.astype(np.int32))
-    nll = token_nll(model(x[:, :-1]), x[:, 1:])
-    return np.array(nll)
+    return np.array(token_nll(model(x[:, :-1]), x[:, 1:]))
 
 
 def prefill_length(budget: int | None, calib_tokens: int | None) -> int:
     """Tokens that can go in as one block without changing what the cache stores."""
     if budget is None:
         return 1 << 30
-    if calib_tokens is None:
-        return budget
-    return min(budget, calib_tokens - 1)
+    return budget if calib_tokens is None else min(budget, calib_tokens - 1)
 
 
 def streaming_nll(
@@ -468,22 +411,12 @@ def streaming_nll(
     on_step: Callable[[int], None] | None = None,
     after_prefill: Callable[[], None] | None = None,
 ) -> tuple[np.ndarray, int]:
-    """Next-token NLL ``(B, L-1)`` with ``caches`` fed one token per step after ``prefill``.
+    """Next-token NLL ``(B, L-1)`` of ``tokens`` ``(B, L)``, fed to ``caches`` in blocks of
+    ``block`` tokens (``None``: one) up to ``prefill``, then one token per step.
 
-    Args:
-        tokens: ``(B, L)`` token ids.
-        budget: The arm's budget (``None`` for the full arm): checked after every step.
-        prefill: Leading tokens fed before the single steps (see :func:`prefill_length`).
-        block: Feed those in blocks of this many tokens, as a server reads a prompt (each
-            block may evict: block evictions are where chunked selection and adaptive
-            budgets act); ``None``: one block.
-        on_step: Called with the number of tokens fed after each step.
-        after_prefill: Called once the prefill tokens are in (KVzip's pass runs there).
-    Returns:
-        The NLL and the most rows any layer held at any step (with ``after_prefill``, at
-        any step from the end of the prefill on).
-    Raises:
-        RuntimeError: a layer ever held more than ``budget`` rows, or fewer at the end.
+    ``on_step(n)`` follows each step; ``after_prefill()`` the prefill (kvzip's pass: the budget
+    holds from there on). Returns the NLL and the most rows any layer held; raises
+    ``RuntimeError`` if that ever exceeds ``budget`` or the end falls short of it.
     """
     L = tokens.shape[1]
     x = mx.array(tokens.astype(np.int32))
@@ -499,14 +432,13 @@ def streaming_nll(
             after_prefill()
         if budget is None:
             max_rows = e
-        elif after_prefill is not None and e < prefill:
-            pass  # kvzip keeps the whole prompt until its pass: the bound holds from there on
-        else:  # layers that share the rows (kvzip, global) are bounded on average
+        elif after_prefill is None or e >= prefill:
             held = kept_rows(caches)
-            shared = any(getattr(getattr(c, "scorer", None), "shared", False) for c in caches)
-            max_rows = max(max_rows, math.ceil(np.mean(held)) if shared else max(held))
-        if budget is not None and max_rows > budget:
-            raise RuntimeError(f"budget violated: a layer held {max_rows} rows > {budget}")
+            max_rows = max(
+                max_rows, math.ceil(np.mean(held)) if _shares_rows(caches) else max(held)
+            )
+            if max_rows > budget:
+                raise RuntimeError(f"budget violated: a layer held {max_rows} rows > {budget}")
         if on_step is not None:
             on_step(e - s)
     check_budget(caches, budget, L - 1)
@@ -516,17 +448,14 @@ def streaming_nll(
 # -- the speed studies' arms -------------------------------------------------------------
 
 
-def cache_config(arm: str | int) -> CacheConfig:
-    """``"full"`` or a budget: Q-Filters with the server's defaults (n_sink 4, recent 0)."""
-    if arm == "full":
-        return CacheConfig(method="full")
-    return CacheConfig(method="qfilters", budget=int(arm))
-
-
 def caches_for(run: Any, arm: str | int) -> list[Any]:
-    """Fresh caches of a speed arm (``"full"`` or a budget) with the server's filters."""
-    config = cache_config(arm)
-    return make_caches(run.model, config, filters=run.filters if config.evicts else None)
+    """Fresh caches of a speed arm: ``"full"``, or a budget of Q-Filters with the server's
+    defaults and filters."""
+    if arm == "full":
+        return make_caches(run.model, CacheConfig(method="full"))
+    return make_caches(
+        run.model, CacheConfig(method="qfilters", budget=int(arm)), filters=run.filters
+    )
 
 
 def prefill(model, caches: list[Any], tokens: Sequence[int], chunk: int = 512) -> None:
@@ -542,21 +471,13 @@ def kv_stats(caches: list[Any]) -> dict[str, int]:
     from qfserve.engine.kv.stats import summarize
 
     s = summarize(caches)
-    return {
-        "tokens_seen": s.tokens_seen,
-        "tokens_kept": s.tokens_kept,
-        "kept_bytes": s.kept_bytes,
-        "full_seq_bytes": s.full_seq_bytes,
-        "cache_nbytes": sum(c.nbytes for c in caches),
-    }
+    fields = ("tokens_seen", "tokens_kept", "kept_bytes", "full_seq_bytes")
+    return {**{k: getattr(s, k) for k in fields}, "cache_nbytes": sum(c.nbytes for c in caches)}
 
 
-def decode_timer(model, caches: list[Any], steps: int, *, hold: bool):
-    """A callable timing ``steps`` single-token decode steps; returns ms/step.
-
-    ``hold`` trims every trimmable cache back by one row after each step, so a full cache
-    (and an eviction cache that has not evicted yet) stays at its context length.
-    """
+def decode_timer(model, caches: list[Any], steps: int, *, hold: bool) -> Callable[[], float]:
+    """A callable timing ``steps`` single-token decode steps, in ms a step; ``hold`` trims each
+    trimmable cache by a row after each, so a full cache stays at its context length."""
     token = mx.array([[17]])
 
     def run() -> float:

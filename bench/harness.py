@@ -1,10 +1,10 @@
-"""What every study shares: its command line, the model it measures, timing, results, progress
-and plots. Arms run in one process, interleaved, and are read as ratios against a reference
-arm with an A/A pair for the noise floor; long studies append to a JSONL and resume."""
+"""What every study shares: its command line, the measured model, timing, results, progress and
+plots. Arms run interleaved in one process and are read as ratios against a reference arm."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import math
@@ -32,10 +32,8 @@ MiB = 2**20
 
 def parser(doc: str, *, reps: int | None = None, calibration: bool = False,
            **sized: Any) -> argparse.ArgumentParser:  # fmt: skip
-    """The shared arguments (description: ``doc``'s first line); ``reps`` adds ``--reps`` with
-    that default, ``calibration`` adds ``--calibration``. Each ``name=(full, quick)`` adds
-    ``--name`` defaulting to ``full``, or ``quick`` with ``--quick`` (a list takes several
-    values; ``None``: the study decides); any other value is the default of both."""
+    """The shared arguments, plus ``--reps``/``--calibration`` when asked; each ``name=(full,
+    quick, help)`` adds ``--name`` defaulting to ``full``, or ``quick`` with ``--quick``."""
     p = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
     p.add_argument("--model", default=None, help=f"catalog name, GGUF file, mlx-lm folder or "
                    f"hub id (default: {DEFAULT_MODEL}; with --quick: {BUNDLED})")  # fmt: skip
@@ -66,10 +64,8 @@ def _shown(value: Any) -> str:
 def parse(p: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
     """Parse and fill the defaults that depend on other arguments (model, out, sizes)."""
     args = p.parse_args(argv)
-    if args.model is None:
-        args.model = BUNDLED if args.quick else DEFAULT_MODEL
-    if args.out is None:
-        args.out = results_dir(args.model)
+    args.model = args.model or (BUNDLED if args.quick else DEFAULT_MODEL)
+    args.out = args.out or results_dir(args.model)
     for name, (full, quick, *_) in args.sized.items():
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)
@@ -86,11 +82,9 @@ def command_line(study: str, argv: Sequence[str] | None) -> str:
 
 def results_dir(ref: str) -> Path:
     """Default results folder for ``--model ref``: ``bench/results/<short name>``."""
-    name = RESULTS_FOLDERS.get(ref)
-    if name is None:
-        path = Path(ref)
-        name = (path.stem if path.suffix.lower() == ".gguf" else path.name) or "model"
-    return RESULTS_DIR / name
+    path = Path(ref)
+    name = (path.stem if path.suffix.lower() == ".gguf" else path.name) or "model"
+    return RESULTS_DIR / RESULTS_FOLDERS.get(ref, name)
 
 
 # -- the measured model and one study's run -------------------------------------------------
@@ -99,7 +93,7 @@ def results_dir(ref: str) -> Path:
 @dataclass
 class Run:
     """One study run: its arguments, the model loaded as the server loads it and named exactly
-    (:func:`identity`), and what its arms are measured with."""
+    (:func:`identity`), and the filters its arms use."""
 
     name: str
     args: argparse.Namespace
@@ -125,8 +119,7 @@ class Run:
 
     @cached_property
     def served(self) -> tuple[Any, str]:
-        """The filters the server would use (the registry's, else none: the key-SVD fallback)
-        and their source."""
+        """The server's filters (the registry's, else none: the key-SVD fallback) and source."""
         from qfserve.engine.filters.artifact import resolve_filters
 
         return resolve_filters(self.model, self.identity["model_id"],
@@ -139,7 +132,6 @@ class Run:
 
     @cached_property
     def corpus(self) -> Any:
-        """The held-out evaluation text (:func:`bench.data.heldout_corpus`)."""
         from bench.data import heldout_corpus
 
         return heldout_corpus(self.tokenizer)
@@ -153,46 +145,33 @@ class Run:
 
     @cached_property
     def log(self) -> Progress:
-        """One line per step on stderr, with the elapsed time."""
         return Progress(self.name)
 
     def describe(self) -> dict[str, Any]:
         """The model's identity and where the server's filters come from (speed studies)."""
         return {**self.identity, "filter_source": self.served[1]}
 
-    def calibrate(self) -> None:
-        """Calibrated filters per ``--calibration`` (:func:`bench.arms.filters_for`), with
-        those of ``--traffic-artifacts`` carried along."""
-        from bench.arms import filters_for, with_learned
-
-        a = self.args
-        self.calibrated, self.calibration = filters_for(
-            self.model, self.tokenizer, self.identity, mode=a.calibration, quick=a.quick,
-            seed=a.seed)  # fmt: skip
-        if getattr(a, "traffic_artifacts", None):
-            self.calibrated, learned = with_learned(
-                self.calibrated, a.traffic_artifacts, self.identity
-            )
-            self.calibration = {**self.calibration, "traffic_artifacts": learned}
-
     def save(self, payload: dict[str, Any], *, model: dict[str, Any] | None = None,
              calibration: Any = None, echo: bool = True) -> dict[str, Any]:  # fmt: skip
-        """Write ``<out>/<name>.json`` (command line, quick flag, model identity, calibration,
-        date, machine, runtime, then ``payload``), print the study's section of the results
-        page (unless not ``echo``: a partial write) and return what was written."""
+        """Write ``<out>/<name>.json`` (the run, model, machine, then ``payload``), print the
+        study's section of the results page unless not ``echo`` (a partial write), return it."""
         from bench.report import render_study
         from bench.studies import study
 
         section = study(self.name).section
         if model is None:
             model = self.identity if section == "quality" else self.describe()
-        data = {"command": command_line(self.name, self.argv), "quick": self.args.quick,
-                "model": model}  # fmt: skip
+        data: dict[str, Any] = {"benchmark": self.name, "section": section,
+                                "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine(),
+                                "runtime_s": round(time.perf_counter() - self.started, 1),
+                                "command": command_line(self.name, self.argv),
+                                "quick": self.args.quick, "model": model}  # fmt: skip
         if section == "quality":
             data["calibration"] = self.calibration if calibration is None else calibration
-        path = write_results(self.name, {**data, **payload}, self.args.out, section=section,
-                             started=self.started)  # fmt: skip
-        written = json.loads(path.read_text())
+        written = jsonable({**data, **payload})
+        path = Path(self.args.out) / f"{self.name}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(written, indent=1) + "\n")
         if echo:
             print("\n".join(render_study(self.name, written)).replace("](results/", "]("))
             print(f"\nwrote {path}")
@@ -203,16 +182,19 @@ def open_run(
     name: str, args: argparse.Namespace, argv: Sequence[str] | None, *, calibrate: bool = False
 ) -> Run:
     """Load ``args.model`` with the server's loader (a GGUF file or catalog name becomes its
-    converted folder first); with ``calibrate``, the study's calibrated filters too. The clock
-    for the JSON's ``runtime_s`` starts here."""
+    converted folder); with ``calibrate``, calibrated filters per ``--calibration`` too."""
     from qfserve.engine.models.loading import load_model, resolve_model_ref
 
-    started = time.perf_counter()
+    started = time.perf_counter()  # the JSON's runtime_s counts from here
     folder = Path(resolve_model_ref(args.model))
     loaded = load_model(str(folder))
     run = Run(name, args, argv, loaded, folder, identity(loaded, folder), started)
     if calibrate:
-        run.calibrate()
+        from bench.arms import filters_for
+
+        run.calibrated, run.calibration = filters_for(
+            run.model, run.tokenizer, run.identity, mode=args.calibration, quick=args.quick,
+            seed=args.seed, traffic=getattr(args, "traffic_artifacts", None))  # fmt: skip
     return run
 
 
@@ -220,42 +202,36 @@ def identity(loaded: Any, folder: Path) -> dict[str, Any]:
     """What exactly was measured: folder, served name, model id, weight hashes and shape."""
     from mlx.utils import tree_flatten
 
-    from qfserve.calibrations.model_info import (
-        attention_modules,
-        head_counts,
-        max_context,
-        model_fingerprint,
-    )
+    from qfserve.calibrations import model_info
 
-    model = loaded.model
-    digest = hashlib.sha1()
+    model, digest = loaded.model, hashlib.sha1()
     for w in sorted(folder.glob("*.safetensors")):
         digest.update(w.read_bytes())
     state_file = folder / "training_state.json"
     state = json.loads(state_file.read_text()) if state_file.is_file() else None
-    n_heads, n_kv_heads, head_dim = head_counts(attention_modules(model)[0], model)
+    modules = model_info.attention_modules(model)
+    n_heads, n_kv_heads, head_dim = model_info.head_counts(modules[0], model)
     resolved = folder.resolve()
     return {
         "name": loaded.name,
         "path": str(resolved.relative_to(REPO)) if resolved.is_relative_to(REPO) else str(folder),
         "model_id": loaded.model_id,
         "weights_sha1": digest.hexdigest()[:12],
-        "fingerprint": model_fingerprint(model, loaded.config),
+        "fingerprint": model_info.model_fingerprint(model, loaded.config),
         "training_state": state,
         "checkpoint": checkpoint_label(state, loaded.name),
-        "n_layers": len(attention_modules(model)),
+        "n_layers": len(modules),
         "n_heads": n_heads,
         "n_kv_heads": n_kv_heads,
         "head_dim": head_dim,
         "hidden_size": int(loaded.config.get("hidden_size", 0)),
-        "max_context": max_context(model) or loaded.context_length,
+        "max_context": model_info.max_context(model) or loaded.context_length,
         "weight_bytes": sum(v.nbytes for _, v in tree_flatten(model.parameters())),
     }
 
 
 def checkpoint_label(state: dict[str, Any] | None, name: str = "") -> str:
-    """``"qfserve-tiny-recall step 1952 (18,711,040 training tokens)"`` from
-    ``training_state.json``; a pretrained model without one is labelled by its name."""
+    """``"<run> step 1952 (18,711,040 training tokens)"``; a pretrained model: its name."""
     if not state:
         return f"{name} (pretrained)" if name else "unknown (no training_state.json)"
     run = f"{state['run']} " if state.get("run") else ""
@@ -271,19 +247,16 @@ def interleave(
     warmup: int = 1,
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, list[float]]:
-    """Run each arm ``warmup + reps`` times, round-robin; each call returns one measurement.
-
-    ``progress(done, total)`` is called after every round (warm-up rounds included).
-    """
+    """Call each arm ``warmup + reps`` times, round-robin, keeping the measurements after the
+    warm-up; ``progress(done, total)`` after every round."""
     samples: dict[str, list[float]] = {name: [] for name in arms}
-    total = warmup + reps
-    for rep in range(total):
+    for rep in range(warmup + reps):
         for name, fn in arms.items():
             value = fn()
             if rep >= warmup:
                 samples[name].append(value)
         if progress is not None:
-            progress(rep + 1, total)
+            progress(rep + 1, warmup + reps)
     return samples
 
 
@@ -304,12 +277,10 @@ def ratio_row(samples: dict[str, list[float]], arm: str, reference: str) -> dict
 
 
 def summaries(samples: dict[str, list[float]]) -> dict[str, dict[str, float]]:
-    """:func:`summary` of every arm's samples."""
     return {arm: summary(values) for arm, values in samples.items()}
 
 
 def ratios(samples: dict[str, list[float]], reference: str, arms: Any) -> list[dict[str, Any]]:
-    """:func:`ratio_row` of each of ``arms`` against ``reference``."""
     return [ratio_row(samples, arm, reference) for arm in arms]
 
 
@@ -336,10 +307,10 @@ class StreamTiming:
 
 
 def stream_chat(client: Any, url: str, body: dict[str, Any]) -> StreamTiming:
-    """POST a streamed ``/v1/chat/completions`` request with ``client`` (httpx) and time its
-    chunks."""
+    """POST a streamed ``/v1/chat/completions`` with ``client`` (httpx) and time its chunks."""
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
-    ttft, chunks, times, usage, kv = None, 0, [], {}, None
+    times: list[float] = []
+    usage, kv = {}, None
     tic = time.perf_counter()
     with client.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
         if r.status_code != 200:
@@ -348,24 +319,21 @@ def stream_chat(client: Any, url: str, body: dict[str, Any]) -> StreamTiming:
         for line in r.iter_lines():
             if not line.startswith("data:"):
                 continue
-            data = line[5:].strip()
-            if data == "[DONE]":
+            if (data := line[5:].strip()) == "[DONE]":
                 break
             event = json.loads(data)
             if "error" in event:
                 raise RuntimeError(f"{url}: stream error: {event['error']}")
             for choice in event.get("choices") or ():
                 if (choice.get("delta") or {}).get("content"):
-                    chunks += 1
                     times.append(time.perf_counter() - tic)
-                    ttft = times[0]
             usage = event.get("usage") or usage
             kv = event.get("kv_cache") or kv
     total = time.perf_counter() - tic
-    if ttft is None:
+    if not times:
         raise RuntimeError(f"{url}: the stream carried no text")
-    return StreamTiming(ttft, total, int(usage.get("completion_tokens", chunks)),
-                        int(usage.get("prompt_tokens", 0)), chunks, kv, tuple(times))  # fmt: skip
+    return StreamTiming(times[0], total, int(usage.get("completion_tokens", len(times))),
+                        int(usage.get("prompt_tokens", 0)), len(times), kv, tuple(times))  # fmt: skip
 
 
 # -- results --------------------------------------------------------------------------------
@@ -374,11 +342,9 @@ def stream_chat(client: Any, url: str, body: dict[str, Any]) -> StreamTiming:
 def _training_running() -> bool:
     # Another project process (the model's training) often shares the cores; say so.
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
+        with contextlib.suppress(OSError):
             if b"training.train" in cmdline.read_bytes():
                 return True
-        except OSError:
-            continue
     return False
 
 
@@ -417,26 +383,7 @@ def jsonable(x: Any) -> Any:
         return jsonable(x.tolist())
     if isinstance(x, float) and not math.isfinite(x):
         return None  # JSON has no NaN
-    if isinstance(x, Path):
-        return str(x)
-    return x
-
-
-def write_results(
-    name: str, payload: dict[str, Any], out: Path, *, section: str, started: float | None = None
-) -> Path:
-    """Write ``<out>/<name>.json``: the study's payload with its date, machine, section
-    (``quality`` or ``speed``) and, given the ``time.perf_counter()`` it started at, runtime."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{name}.json"
-    data: dict[str, Any] = {"benchmark": name, "section": section,
-                            "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine()}  # fmt: skip
-    if started is not None:
-        data["runtime_s"] = round(time.perf_counter() - started, 1)
-    data.update(payload)
-    path.write_text(json.dumps(jsonable(data), indent=1) + "\n")
-    return path
+    return str(x) if isinstance(x, Path) else x
 
 
 def read_jsonl(path: Path, keep: Callable[[dict[str, Any]], bool] = lambda r: True) -> Iterator[dict]:  # fmt: skip

@@ -1,21 +1,16 @@
 """Reference arm of the KVzip parity study: NVIDIA kvpress's KVzipPress on a GGUF model.
 
-Runs kvpress (transformers + CPU torch, float32) on pre-tokenized needle documents and records
-the answer, its correctness, the prefill+compression time and the context positions KVzipPress
-keeps visible per layer and KV head, so our KVzip can be compared with it position by position.
+Runs kvpress (transformers + CPU torch, float32) on pre-tokenized needle documents and writes one
+JSON line per document: per ratio the answer, its correctness, the prefill+compression time and
+the context positions KVzipPress keeps visible per layer and KV head. Standalone (never imports
+the project); verified with torch 2.13.0+cpu, transformers 5.2.0, kvpress 0.5.5, gguf 0.19.0 and
+numpy 2.4.6 on 2 threads:
 
-Standalone: it imports torch, transformers, kvpress and numpy, never the project. Verified with
-torch 2.13.0+cpu, transformers 5.2.0 (kvpress 0.5.5 requires <5.3), kvpress 0.5.5, gguf 0.19.0
-and numpy 2.4.6 on 2 CPU threads, in the venv /work/kvref-venv:
-
-    /work/kvref-venv/bin/python bench/reference/kvpress_kvzip.py \
-        --gguf /root/.cache/qfserve/downloads/SmolLM2-135M-Instruct.Q4_1.gguf \
+    python bench/reference/kvpress_kvzip.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf \
         --docs docs.json --out results.jsonl [--ratios 2 4 8] [--press kvzip] [--layerwise]
 
-docs.json: [{"id": str, "context_ids": [int], "question_ids": [int], "answer": "1234567",
-"max_new_tokens": int}]. The context is compressed, the question appended uncompressed. Output:
-one JSON line per doc (all ratios inside); docs already in --out for the same mode and press are
-skipped, so an interrupted run resumes.
+docs.json: [{"id", "context_ids", "question_ids", "answer", "max_new_tokens"}]; the context is
+compressed, the question appended whole. Documents already in --out (same mode, press) are skipped.
 """
 
 from __future__ import annotations
@@ -28,6 +23,7 @@ import os
 import re
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything loads from local files
@@ -42,28 +38,11 @@ from kvpress.presses.kvzip_press import KVzipPress  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel  # noqa: E402
 
 
-class _GivenTokenizer:
-    """Stands in for AutoTokenizer inside kvzip_press.
-
-    KVzipPress reloads the tokenizer by model.config.name_or_path; for a GGUF model that is a
-    folder without tokenizer files (and a saved-and-reloaded GGUF tokenizer maps spaces to
-    <|endoftext|>), so hand it the tokenizer we already loaded.
-    """
-
-    tokenizer: Any = None
-
-    @classmethod
-    def from_pretrained(cls, *_args: Any, **_kwargs: Any) -> Any:
-        return cls.tokenizer
-
-
 class ReferenceKVzipPress(KVzipPress):
-    """KVzipPress with the chat-template prefix length matched to the actual context ids.
+    """KVzipPress with its chat-template prefix length matched to the actual context ids.
 
-    kvpress assumes the context begins with the chat template's user prefix (its pipeline puts
-    it there) and never scores those prefix_length tokens, so they sit at score 0 and are
-    evicted first. Our docs carry raw ids that may or may not start with that prefix: keep
-    kvpress's value when they do, otherwise score from position 0. Everything else is stock.
+    kvpress assumes the context starts with the chat template's user prefix and never scores
+    those tokens (so they are evicted first); our ids may not: then score from position 0.
     """
 
     def prepare(self, model: PreTrainedModel, tokenizer: Any, prev_postfix_size: int = 8) -> list:
@@ -122,26 +101,18 @@ def greedy(
 def kept_positions(model: PreTrainedModel, ctx_len: int) -> list[list[list[int]]]:
     """Context positions still visible to the question, [layer][kv_head] -> sorted ints.
 
-    kvpress does not shorten the cache: KVzipPress.compress_post stores per attention module the
-    pruned entries' masked_key_indices (batch, kv_head, position), whose keys the patched
-    attention replaces by one whose weight underflows to 0. They are exactly kvpress's selection,
-    so kept = every context position but them; nothing is re-derived from scores.
+    kvpress does not shorten the cache: it stores per attention module the pruned entries'
+    ``masked_key_indices`` (batch, kv_head, position), its exact selection; kept = the rest.
     """
-    n_heads = model.config.num_key_value_heads
     kept: list[list[list[int]]] = []
     for layer in model.model.layers:
-        visible = np.ones((n_heads, ctx_len), dtype=bool)
+        visible = np.ones((model.config.num_key_value_heads, ctx_len), dtype=bool)
         masked = getattr(layer.self_attn, "masked_key_indices", None)
         if masked is not None:
             _, heads, seqs = masked
             visible[heads.numpy(), seqs.numpy()] = False
         kept.append([np.flatnonzero(row).tolist() for row in visible])
     return kept
-
-
-def first_number(text: str) -> str | None:
-    m = re.search(r"\d+", text)
-    return m.group(0) if m else None
 
 
 def run_doc(model: PreTrainedModel, tok: Any, doc: dict, args: argparse.Namespace) -> dict:
@@ -160,7 +131,9 @@ def run_doc(model: PreTrainedModel, tok: Any, doc: dict, args: argparse.Namespac
         # Read the selection before decoding: the next prefill (q_len == k_len) clears it.
         kept = kept_positions(model, ctx_len) if press is not None else None
         text = greedy(model, tok, cache, ctx_len, doc["question_ids"], n_new)
-        res = {"text": text, "correct": first_number(text) == answer, "prefill_s": prefill_s}
+        number = re.search(r"\d+", text)
+        correct = number is not None and number.group(0) == answer
+        res = {"text": text, "correct": correct, "prefill_s": prefill_s}
         return res if kept is None else {**res, "kept": kept}
 
     row["full"] = arm(None)  # also clears any masked_key_indices left by a previous doc
@@ -174,12 +147,9 @@ def run_doc(model: PreTrainedModel, tok: Any, doc: dict, args: argparse.Namespac
         )
         res = arm(press)
         row["prefix_length"] = press.used_prefix_length
-        row["ratios"][_key(r)] = {"compression_ratio": press.compression_ratio, **res}
+        key = str(int(r)) if float(r).is_integer() else str(r)
+        row["ratios"][key] = {"compression_ratio": press.compression_ratio, **res}
     return row
-
-
-def _key(r: float) -> str:
-    return str(int(r)) if float(r).is_integer() else str(r)
 
 
 def main() -> None:
@@ -197,40 +167,24 @@ def main() -> None:
     # Silence the "2-3x the prefill cost" warning KVzipPress logs on every construction.
     logging.getLogger("kvpress").setLevel(logging.ERROR)
     model, tok = load(args.gguf)
-    _GivenTokenizer.tokenizer = tok
-    kvzip_press.AutoTokenizer = _GivenTokenizer  # type: ignore[assignment]
+    # KVzipPress reloads the tokenizer by the model's name_or_path, which for a GGUF model is a
+    # folder without tokenizer files: hand it the one already loaded.
+    kvzip_press.AutoTokenizer = SimpleNamespace(from_pretrained=lambda *_a, **_k: tok)  # type: ignore[assignment]
 
-    docs = json.loads(args.docs.read_text())
     lines = args.out.read_text().splitlines() if args.out.exists() else []
+    mode = "layerwise" if args.layerwise else "global"
     # Resume per (mode, press), so one --out file can hold several configurations.
     rows = [json.loads(line) for line in lines if line.strip()]
-    mode = "layerwise" if args.layerwise else "global"
-    rows = [r for r in rows if (r["mode"], r["press"]) == (mode, args.press)]
-    done = {r["id"] for r in rows}
+    done = {r["id"] for r in rows if (r["mode"], r["press"]) == (mode, args.press)}
     with args.out.open("a") as f:
-        for doc in docs:
-            if doc["id"] in done:
-                continue
-            row = run_doc(model, tok, doc, args)
-            f.write(json.dumps(row) + "\n")
-            f.flush()
-            rows.append(row)
-            arms = [("full", row["full"])] + [(f"{k}x", v) for k, v in row["ratios"].items()]
-            brief = " ".join(f"{k}:{int(v['correct'])}/{v['prefill_s']}s" for k, v in arms)
-            print(f"{row['id']} ctx={row['context_len']} {brief}", flush=True)
-
-    ids = {d["id"] for d in docs}
-    rows = [r for r in rows if r["id"] in ids]
-    if rows:
-        print(f"\n{'arm':>8} {'acc':>6} {'n':>4} {'mean_s':>8}")
-        table = [("full", [r["full"] for r in rows])]
-        for k in map(_key, args.ratios):
-            table.append((f"{k}x", [r["ratios"][k] for r in rows if k in r["ratios"]]))
-        for name, res in table:
-            if res:
-                acc = np.mean([x["correct"] for x in res])
-                sec = np.mean([x["prefill_s"] for x in res])
-                print(f"{name:>8} {acc:6.3f} {len(res):4d} {sec:8.2f}")
+        for doc in json.loads(args.docs.read_text()):
+            if doc["id"] not in done:
+                row = run_doc(model, tok, doc, args)
+                f.write(json.dumps(row) + "\n")
+                f.flush()
+                arms = [("full", row["full"])] + [(f"{k}x", v) for k, v in row["ratios"].items()]
+                brief = " ".join(f"{k}:{int(v['correct'])}/{v['prefill_s']}s" for k, v in arms)
+                print(f"{row['id']} ctx={row['context_len']} {brief}", flush=True)
 
 
 if __name__ == "__main__":
