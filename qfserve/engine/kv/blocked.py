@@ -13,6 +13,10 @@ default model's shapes (``bench ttft`` measures it against MLX's own attention).
 this: mlx-lm calls MLX's attention, and MLX's CPU kernels are what is slow. numpy is already
 a dependency of MLX and mlx-lm; its arrays view MLX's evaluated buffers without a copy.
 
+numpy's products run on the calling thread: its BLAS is another library than the one MLX
+calls, and two thread pools on the same cores spin against each other (a 2,048-token prefill
+of the default model took 14.6 s with numpy's BLAS on two threads, 6.5-7.7 s on one).
+
 The same tiles serve the KVzip reconstruction pass (:mod:`qfserve.engine.kv.kvzip`), which
 needs the attention weights themselves: ``observe`` sees each tile's exponentials, so the
 scores come from the forward pass's own softmax instead of a second one.
@@ -25,6 +29,7 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
+from threadpoolctl import ThreadpoolController
 
 TILE = 64  # query rows per tile; 64 measured best at 2,048-4,096 keys (32-256 within 10%)
 MIN_QUERIES = 32  # blocks shorter than this (decode steps) keep MLX's own attention
@@ -34,6 +39,14 @@ MIN_QUERIES = 32  # blocks shorter than this (decode steps) keep MLX's own atten
 # unnormalised softmax weights over keys ``[0, end)`` (0 where masked), ``total``
 # ``(G, rows, 1)`` their sum per query.
 Observer = Callable[[int, int, int, np.ndarray, np.ndarray], None]
+_NUMPY_BLAS: list[Any] = []  # threadpoolctl's controller of numpy's bundled BLAS, once found
+
+
+def _numpy_blas() -> Any:
+    """numpy's bundled BLAS (its wheels': ``scipy_openblas``), not the one MLX was given."""
+    if not _NUMPY_BLAS:
+        _NUMPY_BLAS.append(ThreadpoolController().select(prefix="libscipy_openblas"))
+    return _NUMPY_BLAS[0]
 
 
 def applies(queries: mx.array, mask: Any, cache: Any, sinks: Any = None) -> bool:
@@ -80,23 +93,24 @@ def block_attention(
         bias = np.where(np.asarray(key_mask), np.float32(0.0), np.float32(-np.inf))
     tri = np.triu(np.full((TILE, TILE), -np.inf, dtype=np.float32), 1)
     out = np.empty((B, H, G, N, v.shape[-1]), dtype=np.float32)
-    for b in range(B):
-        for h in range(H):
-            kt = k[b, h].T
-            for lo in range(0, N, TILE):
-                rows = min(TILE, N - lo)
-                end = first + lo + rows
-                e = (q[b, h, :, lo : lo + rows].reshape(G * rows, D) @ kt[:, :end]).reshape(
-                    G, rows, end
-                )
-                e[:, :, end - rows :] += tri[:rows, :rows]
-                if bias is not None:
-                    e += bias[b, h, :end]
-                np.subtract(e, e.max(axis=-1, keepdims=True), out=e)
-                np.exp(e, out=e)
-                total = e.sum(axis=-1, keepdims=True)
-                if observe is not None:
-                    observe(b, h, first + lo, e, total)
-                o = e.reshape(G * rows, end) @ v[b, h, :end]
-                out[b, h, :, lo : lo + rows] = o.reshape(G, rows, -1) / total
+    with _numpy_blas().limit(limits=1):
+        for b in range(B):
+            for h in range(H):
+                kt = k[b, h].T
+                for lo in range(0, N, TILE):
+                    rows = min(TILE, N - lo)
+                    end = first + lo + rows
+                    e = (q[b, h, :, lo : lo + rows].reshape(G * rows, D) @ kt[:, :end]).reshape(
+                        G, rows, end
+                    )
+                    e[:, :, end - rows :] += tri[:rows, :rows]
+                    if bias is not None:
+                        e += bias[b, h, :end]
+                    np.subtract(e, e.max(axis=-1, keepdims=True), out=e)
+                    np.exp(e, out=e)
+                    total = e.sum(axis=-1, keepdims=True)
+                    if observe is not None:
+                        observe(b, h, first + lo, e, total)
+                    o = e.reshape(G * rows, end) @ v[b, h, :end]
+                    out[b, h, :, lo : lo + rows] = o.reshape(G, rows, -1) / total
     return mx.array(out).reshape(B, Hq, N, -1).astype(queries.dtype)
