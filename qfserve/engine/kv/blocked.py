@@ -37,7 +37,8 @@ MIN_QUERIES = 32  # blocks shorter than this (decode steps) keep MLX's own atten
 # observe(b, h, first, exps, total): the tile of KV head ``h`` of sequence ``b`` whose query
 # rows sit at key positions ``first, first + 1, ...``; ``exps`` ``(G, rows, end)`` are its
 # unnormalised softmax weights over keys ``[0, end)`` (0 where masked), ``total``
-# ``(G, rows, 1)`` their sum per query.
+# ``(G, rows, 1)`` their sum per query. The tile's output is already computed: the observer
+# may overwrite ``exps`` (a scratch buffer it would otherwise allocate).
 Observer = Callable[[int, int, int, np.ndarray, np.ndarray], None]
 _NUMPY_BLAS: list[Any] = []  # threadpoolctl's controller of numpy's bundled BLAS, once found
 
@@ -109,8 +110,8 @@ def block_attention(
                     np.subtract(e, e.max(axis=-1, keepdims=True), out=e)
                     np.exp(e, out=e)
                     total = e.sum(axis=-1, keepdims=True)
-                    if observe is not None:
-                        observe(b, h, first + lo, e, total)
                     o = e.reshape(G * rows, end) @ v[b, h, :end]
                     out[b, h, :, lo : lo + rows] = o.reshape(G, rows, -1) / total
+                    if observe is not None:
+                        observe(b, h, first + lo, e, total)
     return mx.array(out).reshape(B, Hq, N, -1).astype(queries.dtype)

@@ -105,7 +105,8 @@ class _ReconstructionView:
             chunk = e[:, :, lo:hi]  # (G, rows, hi - lo)
             kept = e[:, :, :sinks].sum(-1) + chunk @ w + e[:, :, S0:].sum(-1)
             # A row's weight is a column factor: the max over queries runs before it.
-            score = (chunk * np.reciprocal(kept)[..., None]).max(axis=(0, 1)) * w
+            chunk *= np.reciprocal(kept)[..., None]  # in place: the tile is done with them
+            score = chunk.max(axis=(0, 1)) * w
             np.maximum(best[b, h], score, out=best[b, h])
 
         out = blocked.block_attention(
