@@ -153,3 +153,37 @@ def test_nan_key_in_a_protected_sink_does_not_break_the_budget():
         got_k, _ = run_cache(cache, keys, keys, chunk)
         assert got_k.shape[2] == budget
         assert np.isnan(got_k[0, 0, 0]).all()  # sinks are kept whatever they hold
+
+
+@pytest.mark.parametrize("ranked", [True, False])
+def test_the_compiled_decode_step_keeps_nothing_per_shape(ranked):
+    # mx.compile keeps a trace's constants for the process's life: a step compiled for each
+    # batch shape a server meets must not hold memory for each (the disconnect storm's check).
+    from qfserve.engine.kv.evict import write_and_select
+
+    def step(B: int) -> None:
+        H, C, D = 2, 17, 8
+        cols = mx.zeros((B, H, C), dtype=mx.int32)
+        out = write_and_select(
+            mx.zeros((B, H, C, D)),
+            mx.zeros((B, H, C, D)),
+            mx.zeros((B, H, C)),
+            cols + mx.arange(C, dtype=mx.int32),
+            mx.zeros((B, H, 1), dtype=mx.uint32),
+            (mx.zeros((B, H, 1, D)), mx.zeros((B, H, 1, D)), mx.full((B, H, 1), np.nan)),
+            mx.array(C, dtype=mx.int32),
+            mx.array(C - 2, dtype=mx.int32),
+            mx.array(1, dtype=mx.int32),
+            None if ranked else mx.full((B, 1, 1), C, dtype=mx.int32),
+            ranked=ranked,
+        )
+        mx.eval(out)
+        assert np.all(np.array(out[4]) >= 1)  # never a sink
+
+    step(1)
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    for B in (2, 3, 5, 2):
+        step(B)
+    mx.clear_cache()
+    assert mx.get_active_memory() == before

@@ -23,6 +23,8 @@ import mlx.core as mx
 from qfserve.kernels.qfilters_apply import select_keep_reference
 
 _INF = mx.array(float("inf"), dtype=mx.float32)
+_NEG_INF = mx.array(-float("inf"), dtype=mx.float32)
+_NONE = mx.array(-1, dtype=mx.int32)  # below every ``order``
 
 
 def select_keep(scores: mx.array, budget: int, n_sink: int, recent: int) -> mx.array:
@@ -72,7 +74,7 @@ def select_victim(
         guarded = guarded | (slots >= held)
     masked = mx.where(guarded, _INF, scores)
     tied = masked == masked.min(axis=-1, keepdims=True)
-    return mx.argmax(mx.where(tied, order, -1), axis=-1, keepdims=True)  # uint32
+    return mx.argmax(mx.where(tied, order, _NONE), axis=-1, keepdims=True)  # uint32
 
 
 def _write_and_select(
@@ -100,15 +102,16 @@ def _write_and_select(
         The new ``keys``, ``values``, ``scores``, ``order`` and free slot ``(B, H, 1)``.
     """
     new_keys, new_values, score = row
-    inf = float("inf")
     slot = free[..., None]  # (B, H, 1, 1)
     keys = mx.put_along_axis(keys, slot, new_keys, axis=2)
     values = mx.put_along_axis(values, slot, new_values, axis=2)
+    # NaN ranks lowest. Not mx.nan_to_num: its fill values would be constants of every trace,
+    # a few bytes kept for each batch shape the step is compiled for.
     if ranked:
-        score = mx.nan_to_num(score, nan=-inf, posinf=inf, neginf=-inf)
+        score = mx.where(mx.isnan(score), _NEG_INF, score)
     scores = mx.put_along_axis(scores, free, score, axis=2)
     order = mx.put_along_axis(order, free, mx.broadcast_to(position, free.shape), axis=2)
-    rank = scores if ranked else mx.nan_to_num(scores, nan=-inf, posinf=inf, neginf=-inf)
+    rank = scores if ranked else mx.where(mx.isnan(scores), _NEG_INF, scores)
     return keys, values, scores, order, select_victim(rank, order, n_sink, first_recent, held)
 
 

@@ -79,7 +79,7 @@ class SlotLayout(CacheFields):
                 (keys, values, raw),
                 mx.array(position, dtype=mx.int32),
                 mx.array(self.offset - self.recent, dtype=mx.int32),
-                self.n_sink,
+                mx.array(self.n_sink, dtype=mx.int32),  # an input: a constant is kept per trace
             )
             if self.token_scores is not None:
                 self.positions = self.order
