@@ -136,12 +136,11 @@ def quality_header(title: str, data: dict[str, Any], intro: str = "") -> list[st
 def speed_header(title: str, data: dict[str, Any], intro: str = "") -> list[str]:
     """A speed study's heading: its run and machine, then ``intro``."""
     m = data["machine"]
-    lines = _heading(
-        title,
-        data,
+    run = (
         f"; {m['processor']}, {m.get('cpu_count', '?')} cores, {m['device']}, MLX {m['mlx']}, "
-        f"load average {m.get('load_average', '?')}. {m['blas']}.",
+        f"load average {m.get('load_average', '?')}. {m['blas']}."
     )
+    lines = _heading(title, data, run)
     if m.get("notes"):
         lines += ["", f"*Machine note: {m['notes']}.*"]
     if data.get("quick"):
@@ -390,10 +389,7 @@ def render_section(folder: Path, section: str, title: str, *, missing: bool) -> 
         return []
     for s in studies:
         if s.key in results:
-            lines += [
-                *render_study(s.name, results[s.key]),
-                *([""] if section == "quality" else []),
-            ]
+            lines += render_study(s.name, results[s.key]) + [""] * (section == "quality")
         elif missing and not s.subfolder and hasattr(s.module(), "render"):
             lines += [f"*{s.key}: no results yet (`python -m bench {s.name}`).*", ""]
     return lines
