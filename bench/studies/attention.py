@@ -218,10 +218,8 @@ def render(data: dict[str, Any]) -> list[str]:
     lines += table(["data", "scorer", "mean ρ", "heads ρ > 0", "per-head [q1–q3]"], rows)
     if res := results.get("all"):
         per_layer = zip(*(r["per_head"] for r in res.values()), strict=True)
-        rows = [
-            [layer, *(" / ".join(f"{v:+.2f}" for v in heads) for heads in by_scorer)]
-            for layer, by_scorer in enumerate(per_layer)
-        ]
+        cell = lambda heads: " / ".join(f"{v:+.2f}" for v in heads)  # noqa: E731
+        rows = [[layer, *map(cell, by_scorer)] for layer, by_scorer in enumerate(per_layer)]
         lines += ["", "Per layer (all data; each cell: ρ of KV head 0 / 1 / ...):", ""]
         lines += table(["layer", *res], rows)
     return lines + plots(data)
