@@ -62,6 +62,11 @@ class Arm:
     def recent(self, budget: int) -> int:
         return int(budget * self.recent_frac)
 
+    def block(self, budget: int) -> int:
+        """:func:`prefill_length` at ``budget``: what the fallback's calibration leaves."""
+        calib = self.config(budget).calib_tokens if self.method == "fallback" else None
+        return prefill_length(budget, calib)
+
     def config(self, budget: int | None, *, n_sink: int = DEFAULT_N_SINK) -> CacheConfig:
         if self.method == "full" or budget is None:
             return CacheConfig(method="full")
@@ -243,11 +248,12 @@ def capture(
     identity: dict[str, Any],
     *,
     text: str,
-    settings: tuple[int, int, int],
+    quick: bool,
     seed: int = 0,
 ) -> tuple[list[np.ndarray], dict[str, Any]]:
-    """Sampled post-RoPE queries per layer ``(H, N, D)`` on calibration text, cached on disk."""
-    n_sequences, tokens, samples = settings
+    """Sampled post-RoPE queries per layer ``(H, N, D)`` on calibration text (``quick``: a few
+    hundred tokens), cached on disk."""
+    n_sequences, tokens, samples = QUICK_SETTINGS if quick else FULL_SETTINGS
     tokens = min(tokens, identity.get("max_context") or tokens)
     key = f"{identity['weights_sha1']}-{text}-{n_sequences}-{tokens}-{samples}-{seed}"
     path = CACHE_DIR / f"{hashlib.sha1(key.encode()).hexdigest()[:16]}.npz"
@@ -360,8 +366,7 @@ def filters_for(
     elif mode == "registry":
         raise ValueError(f"no calibration artifact for {model_id!r} (mode=registry)")
     else:
-        settings = QUICK_SETTINGS if quick else FULL_SETTINGS
-        queries, info = capture(model, tokenizer, identity, text="A", settings=settings, seed=seed)
+        queries, info = capture(model, tokenizer, identity, text="A", quick=quick, seed=seed)
         raw, anisotropy = compute_filters(queries, identity["n_kv_heads"])
         out = CalibratedFilters(raw, query_scales(queries, raw))
         record = {

@@ -92,11 +92,9 @@ def retrieval(folder: Path) -> tuple[str, bool]:
     if not data or not lengths:
         raise NotRun("not run at 4k-8k yet")
     targets, parts, ok = {8: 0.95, 16: 0.90, 32: 0.80}, [], True
+    arms = ("qfilters/r25", "knorm/r25", "streaming/r0")
     for ratio in data["ratios"]:
-        q, k, s = (
-            _accuracy(data, lengths, a, ratio)
-            for a in ("qfilters/r25", "knorm/r25", "streaming/r0")
-        )
+        q, k, s = (_accuracy(data, lengths, a, ratio) for a in arms)
         if q is None or k is None or s is None:
             continue
         ok &= q > k and q > s and q >= targets.get(ratio, 0.0)
@@ -151,11 +149,8 @@ def decode(folder: Path) -> tuple[str, bool]:
     speedup = 1 / ratios["b512"]["median"]
 
     def growth(arm: str) -> float:
-        peaks = [
-            max(m["prefill_peak_bytes"], m["decode_peak_bytes"])
-            for m in data["memory"]
-            if m["arm"] == arm
-        ]
+        mine = [m for m in data["memory"] if m["arm"] == arm]
+        peaks = [max(m["prefill_peak_bytes"], m["decode_peak_bytes"]) for m in mine]
         return max(peaks) / min(peaks)
 
     return (
@@ -287,12 +282,9 @@ def self_calibration(folder: Path) -> tuple[str, bool | str]:
 
 @_goal
 def traffic_calibration(folder: Path) -> tuple[str, bool | str]:
-    return _at_8x(
-        _need(folder / "traffic", "retrieval"),
-        "traffic/r25/chat",
-        "learned from chat traffic",
-        ("traffic/r25/passkey", "learned from pass-key documents alone"),
-    )
+    also = ("traffic/r25/passkey", "learned from pass-key documents alone")
+    data = _need(folder / "traffic", "retrieval")
+    return _at_8x(data, "traffic/r25/chat", "learned from chat traffic", also)
 
 
 @_goal

@@ -4,6 +4,7 @@ plots. Arms run interleaved in one process and are read as ratios against a refe
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import hashlib
 import json
@@ -13,7 +14,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -146,6 +147,19 @@ class Run:
     @cached_property
     def log(self) -> Progress:
         return Progress(self.name)
+
+    def logged(
+        self, fields: tuple[str, ...], todo: Sequence, measure: Callable, desc: str, **keep: Any
+    ) -> list[dict]:
+        """:func:`measured` on the study's log ``<out>/<name>.jsonl``, its records (those
+        :func:`resume`'s ``keep`` accepts; none in a quick run) keyed by their ``fields``."""
+        log = Path(self.args.out) / f"{self.name}.jsonl"
+        done = resume(log, lambda r: tuple(r[f] for f in fields), fresh=self.args.quick, **keep)
+        return measured(log, done, todo, measure, desc)
+
+    def title(self, what: str) -> str:
+        """A plot's title: ``what``, after the measured model's path and checkpoint."""
+        return f"{self.identity['path']} {self.identity['checkpoint']}: {what}"
 
     def describe(self) -> dict[str, Any]:
         """The model's identity and where the server's filters come from (speed studies)."""
@@ -306,13 +320,11 @@ class StreamTiming:
         return 1.0 / self.itl
 
 
-def stream_chat(client: Any, url: str, body: dict[str, Any]) -> StreamTiming:
-    """POST a streamed ``/v1/chat/completions`` with ``client`` (httpx) and time its chunks."""
+def chat_events(client: Any, url: str, body: dict, timeout: float = 600) -> Iterator[dict]:
+    """The events of a streamed ``/v1/chat/completions`` POST with ``client`` (httpx), usage
+    included, up to ``[DONE]``; an HTTP or stream error raises."""
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
-    times: list[float] = []
-    usage, kv = {}, None
-    tic = time.perf_counter()
-    with client.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
+    with client.stream("POST", url + "/v1/chat/completions", json=body, timeout=timeout) as r:
         if r.status_code != 200:
             r.read()
             raise RuntimeError(f"{url}: HTTP {r.status_code}: {r.text[:500]}")
@@ -324,11 +336,20 @@ def stream_chat(client: Any, url: str, body: dict[str, Any]) -> StreamTiming:
             event = json.loads(data)
             if "error" in event:
                 raise RuntimeError(f"{url}: stream error: {event['error']}")
-            for choice in event.get("choices") or ():
-                if (choice.get("delta") or {}).get("content"):
-                    times.append(time.perf_counter() - tic)
-            usage = event.get("usage") or usage
-            kv = event.get("kv_cache") or kv
+            yield event
+
+
+def stream_chat(client: Any, url: str, body: dict[str, Any]) -> StreamTiming:
+    """POST a streamed ``/v1/chat/completions`` with ``client`` (httpx) and time its chunks."""
+    times: list[float] = []
+    usage, kv = {}, None
+    tic = time.perf_counter()
+    for event in chat_events(client, url, body):
+        for choice in event.get("choices") or ():
+            if (choice.get("delta") or {}).get("content"):
+                times.append(time.perf_counter() - tic)
+        usage = event.get("usage") or usage
+        kv = event.get("kv_cache") or kv
     total = time.perf_counter() - tic
     if not times:
         raise RuntimeError(f"{url}: the stream carried no text")
@@ -493,11 +514,12 @@ def log2_axis(ax: Any, ticks: Sequence[int], *, logy: bool = False) -> None:
         ax.yaxis.set_minor_formatter(ScalarFormatter())
 
 
-def errorbars(stats: Sequence[dict[str, float]]) -> tuple[list[float], list[list[float]]]:
-    """Medians and the interquartile range as matplotlib's asymmetric ``yerr``."""
-    med = [s["median"] for s in stats]
-    return med, [[m - s["q1"] for m, s in zip(med, stats, strict=True)],
-                 [s["q3"] - m for m, s in zip(med, stats, strict=True)]]  # fmt: skip
+def errorbars(stats: Sequence[dict[str, float]], scale: float = 1.0) -> tuple[list, list]:
+    """Medians and the interquartile range, times ``scale``, as matplotlib's asymmetric
+    ``yerr``."""
+    med = [s["median"] * scale for s in stats]
+    low = [m - s["q1"] * scale for m, s in zip(med, stats, strict=True)]
+    return med, [low, [s["q3"] * scale - m for m, s in zip(med, stats, strict=True)]]
 
 
 # -- resumable loops --
@@ -536,19 +558,41 @@ def compare_arms(
     return samples, summaries(samples), ratios(samples, reference, others)
 
 
+def start_worker(run: Run, **config: Any) -> Any:
+    """The engine's in-process ``Worker`` (``EngineConfig(**config)``) on ``run``'s loaded
+    model, started and ready."""
+    from qfserve.engine.serving.config import EngineConfig
+    from qfserve.engine.serving.worker import Worker
+
+    worker = Worker(EngineConfig(**config), loader=lambda _ref: run.loaded)
+    worker.start()
+    deadline = time.monotonic() + 60
+    while not worker.ready:
+        if worker.status not in ("loading", "ready") or time.monotonic() > deadline:
+            raise RuntimeError(f"in-process worker not ready: {worker.status} {worker.error}")
+        time.sleep(0.05)
+    return worker
+
+
+async def worker_events(worker: Any, request: Any) -> AsyncIterator[Any]:
+    """The events of ``request`` on ``worker`` up to its ``Finished``; a ``Failed`` raises."""
+    from qfserve.engine.text.requests import Failed, Finished
+
+    job = worker.submit(request, asyncio.get_running_loop())
+    while True:
+        event = await job.next_event()
+        if isinstance(event, Failed):
+            raise RuntimeError(f"worker: {event.kind}: {event.message}")
+        yield event
+        if isinstance(event, Finished):
+            return
+
+
 def rss_bytes(pid: int | None = None) -> int:
     """Resident memory of process ``pid`` (this one by default)."""
     import psutil
 
     return int(psutil.Process(pid).memory_info().rss)
-
-
-def scaled_errorbars(
-    stats: Sequence[dict[str, float]], scale: float = 1.0
-) -> tuple[list[float], list[list[float]]]:
-    """:func:`errorbars` times ``scale``."""
-    med, err = errorbars(stats)
-    return [m * scale for m in med], [[e * scale for e in side] for side in err]
 
 
 def context_plot(
@@ -565,7 +609,7 @@ def context_plot(
     on a log-2 axis, the model's ``trained`` context marked; ``labels``: the axes'."""
     fig, [[ax]] = subplots(figsize=(6.4, 4))
     for label, stats in series.items():
-        med, err = scaled_errorbars(stats, scale)
+        med, err = errorbars(stats, scale)
         ax.errorbar(x, med, yerr=err, marker="o", capsize=3, label=label)
     ax.axvline(trained, color="grey", ls=":", label=f"trained context {trained}")
     ax.set(**labels)
@@ -580,16 +624,16 @@ def grouped_bars(
     stats: list[dict[str, dict[str, float]]],
     title: str,
     scale: float = 1.0,
-    style: Callable[[str], dict[str, Any]] = lambda arm: {},
+    style: Callable[[str], dict[str, Any]] | None = None,
 ) -> None:
     """Per group (an x tick), one bar per arm of ``stats[group]``: its median (times
     ``scale``) with its IQR; ``style(arm)``: the bar's matplotlib options."""
     arms = list(stats[0])
     width = 0.8 / len(arms)
     for i, arm in enumerate(arms):
-        med, err = scaled_errorbars([s[arm] for s in stats], scale)
+        med, err = errorbars([s[arm] for s in stats], scale)
         x = [j + (i - (len(arms) - 1) / 2) * width for j in range(len(groups))]
-        ax.bar(x, med, width, yerr=err, capsize=3, label=arm, **style(arm))
+        ax.bar(x, med, width, yerr=err, capsize=3, label=arm, **(style(arm) if style else {}))
     ax.set_xticks(range(len(groups)), groups)
     ax.set(title=f"{title} (median, IQR)")
     ax.legend(fontsize=8)

@@ -136,12 +136,11 @@ def quality_header(title: str, data: dict[str, Any], intro: str = "") -> list[st
 def speed_header(title: str, data: dict[str, Any], intro: str = "") -> list[str]:
     """A speed study's heading: its run and machine, then ``intro``."""
     m = data["machine"]
-    lines = _heading(
-        title,
-        data,
+    run = (
         f"; {m['processor']}, {m.get('cpu_count', '?')} cores, {m['device']}, MLX {m['mlx']}, "
-        f"load average {m.get('load_average', '?')}. {m['blas']}.",
+        f"load average {m.get('load_average', '?')}. {m['blas']}."
     )
+    lines = _heading(title, data, run)
     if m.get("notes"):
         lines += ["", f"*Machine note: {m['notes']}.*"]
     if data.get("quick"):
@@ -218,27 +217,20 @@ def quality_headlines(results_dir: Path) -> list[str]:
             f"{s['drift_ratio']['median']:.0f}×."
         )
     if "attention" in data:
+        rho = data["attention"]["results"]["all"].items()
+        parts = "; ".join(
+            f"{k} {v['mean_rho']:+.2f} ({pct(v['share_heads_positive'])})" for k, v in rho
+        )
         lines.append(
             "- Score vs attention (mean Spearman ρ over KV heads, share of heads positive): "
-            + "; ".join(
-                f"{k} {v['mean_rho']:+.2f} ({pct(v['share_heads_positive'])})"
-                for k, v in data["attention"]["results"]["all"].items()
-            )
-            + "."
+            f"{parts}."
         )
     for dataset, d in data.get("perplexity", {}).get("results", {}).items():
         b = "128" if "128" in d["budgets"] else next(iter(d["budgets"]))
         arms = d["budgets"][b]
-        cells = [
-            f"{n} {arms[n]['ppl']:.2f}"
-            + (
-                ""
-                if n == "streaming/r0"
-                else f" (gap closed {pct(arms[n]['gap_closed_vs_streaming'])})"
-            )
-            for n in arm_order(arms)
-            if n != "full"
-        ]
+        gap = {n: f" (gap closed {pct(a['gap_closed_vs_streaming'])})" for n, a in arms.items()}
+        gap["streaming/r0"] = ""
+        cells = [f"{n} {arms[n]['ppl']:.2f}{gap[n]}" for n in arm_order(arms) if n != "full"]
         full = d["full"]["ppl"]
         lines.append(f"- Perplexity ({dataset}, budget {b}; full {full:.2f}): {', '.join(cells)}.")
     if "retrieval" in data:
@@ -278,17 +270,17 @@ def _worse(row: dict[str, Any], aa: dict[str, Any]) -> bool:
     return row["q1"] > max(aa["q3"], 1.0)
 
 
+def _losses(label: str, ratios: list[dict[str, Any]]) -> list[str]:
+    """The arms of ``ratios`` (the first: the A/A row) that are :func:`_worse` than it."""
+    return [f"{label}, {x['arm']} {ratio_cell(x)}" for x in ratios[1:] if _worse(x, ratios[0])]
+
+
 def where_eviction_loses(results: dict[str, dict[str, Any]]) -> list[str]:
     """Time ratios of an eviction arm that sit above the noise floor, study by study."""
     out = []
     if d := results.get("decode"):
         for r in d["sweep"]:
-            aa = by_arm(r["ratios"])["full_b"]
-            out += [
-                f"decode at {r['context']}, {x['arm']} {ratio_cell(x)}"
-                for x in r["ratios"][1:]
-                if _worse(x, aa)
-            ]
+            out += _losses(f"decode at {r['context']}", r["ratios"])
         out += [
             f"equal-size decode at B={o['budget']} {ratio_cell(o['ratios'][1])}"
             for o in d["overhead"]
@@ -302,11 +294,7 @@ def where_eviction_loses(results: dict[str, dict[str, Any]]) -> list[str]:
             if m["arm"] != "full" and m["decode_peak_bytes"] > full[m["context"]]
         ]
     for r in results.get("ttft", {}).get("rows", []):
-        out += [
-            f"TTFT at {r['prompt_tokens']}, {x['arm']} {ratio_cell(x)}"
-            for x in r["ratios"][1:]
-            if _worse(x, r["ratios"][0])
-        ]
+        out += _losses(f"TTFT at {r['prompt_tokens']}", r["ratios"])
     return out
 
 
@@ -314,13 +302,10 @@ def speed_headlines(results: dict[str, dict[str, Any]]) -> list[str]:
     """The ratios worth quoting, each beside its A/A noise floor (paired medians [IQR])."""
     out = []
     if d := results.get("decode"):
-        top = max(
-            (r for r in d["sweep"] if not r["beyond_trained_context"]), key=lambda r: r["context"]
-        )
-        ratios = by_arm(top["ratios"])
-        parts = ", ".join(
-            f"budget {b}: {ratio_cell(ratios[f'b{b}'])}" for b in d["settings"]["budgets"]
-        )
+        inside = [r for r in d["sweep"] if not r["beyond_trained_context"]]
+        top = max(inside, key=lambda r: r["context"])
+        ratios, budgets = by_arm(top["ratios"]), d["settings"]["budgets"]
+        parts = ", ".join(f"budget {b}: {ratio_cell(ratios[f'b{b}'])}" for b in budgets)
         out.append(
             f"- Decode step at the trained maximum context ({top['context']}), "
             f"eviction / full: {parts}; A/A {ratio_cell(ratios['full_b'])}."
@@ -332,15 +317,12 @@ def speed_headlines(results: dict[str, dict[str, Any]]) -> list[str]:
         ]
         full = max((m for m in d["memory"] if m["arm"] == "full"), key=lambda m: m["context"])
         kept = [m for m in d["memory"] if m["context"] == full["context"] and m["arm"] != "full"]
-        out.append(
-            f"- Kept KV at context {full['context']}: full {full['kept_bytes'] / MiB:.2f} MiB; "
-            + ", ".join(
-                f"{m['arm']} {m['kept_bytes'] / MiB:.2f} MiB "
-                f"({full['kept_bytes'] / m['kept_bytes']:.0f}x less)"
-                for m in by_arm(kept).values()
-            )
-            + "."
+        kb = full["kept_bytes"]
+        cuts = ", ".join(
+            f"{m['arm']} {m['kept_bytes'] / MiB:.2f} MiB ({kb / m['kept_bytes']:.0f}x less)"
+            for m in by_arm(kept).values()
         )
+        out.append(f"- Kept KV at context {full['context']}: full {kb / MiB:.2f} MiB; {cuts}.")
     for r in results.get("ttft", {}).get("rows", []):
         parts = ", ".join(f"{x['arm']}: {ratio_cell(x)}" for x in r["ratios"][1:])
         out.append(
@@ -407,10 +389,7 @@ def render_section(folder: Path, section: str, title: str, *, missing: bool) -> 
         return []
     for s in studies:
         if s.key in results:
-            lines += [
-                *render_study(s.name, results[s.key]),
-                *([""] if section == "quality" else []),
-            ]
+            lines += render_study(s.name, results[s.key]) + [""] * (section == "quality")
         elif missing and not s.subfolder and hasattr(s.module(), "render"):
             lines += [f"*{s.key}: no results yet (`python -m bench {s.name}`).*", ""]
     return lines

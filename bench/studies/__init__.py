@@ -1,5 +1,6 @@
-"""The registry of studies: each a module here with its data, its measurement and its section of
-the page (``render``); importing this package imports no study (nor MLX)."""
+"""The registry of studies: each a module here with its data, its measurement (``main(argv)``)
+and its section of ``bench/RESULTS.md`` (``render(data)``, from the JSON ``main`` wrote);
+importing this package imports no study (nor MLX)."""
 
 from __future__ import annotations
 

@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     lengths, n_seq = args.lengths or [args.length], args.sequences
 
     study = open_run(STUDY, args, argv, calibrate=True)
-    model, identity, filters, corpus = study.model, study.identity, study.filters, study.corpus
+    model, filters, corpus = study.model, study.filters, study.corpus
     scorers = SCORERS[:2] + tuple(f"traffic/{k}" for k in filters.learned) + SCORERS[2:]
     datasets = {}
     for length in lengths:
@@ -152,15 +152,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         tag = "" if len(lengths) == 1 else f"@{length}"
         datasets[f"stdlib{tag}"] = stdlib_windows(corpus, length, n)
         datasets[f"recall{tag}"] = recall_windows(corpus, length, n)
-    rho = {
-        name: np.stack(
-            [
-                sequence_correlations(model, t, filters, scorers)
-                for t in progress(iterable=seqs, desc=name)
-            ]
-        )
-        for name, seqs in datasets.items()
-    }  # (S, n_scorers, n_layers, n_kv) per data set
+    rho = {}  # (S, n_scorers, n_layers, n_kv) per data set
+    for name, seqs in datasets.items():
+        bar = progress(iterable=seqs, desc=name)
+        rho[name] = np.stack([sequence_correlations(model, t, filters, scorers) for t in bar])
     if len(lengths) > 1:
         for n in lengths:
             rho[f"all@{n}"] = np.concatenate([rho[f"stdlib@{n}"], rho[f"recall@{n}"]])
@@ -187,8 +182,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ax[0, 1].set(xlabel="KV head", ylabel="layer", xticks=range(n_kv), yticks=range(n_layers))
     ax[0, 1].set_title("calibrated Q-Filters, rho per head", fontsize=9)
     fig.colorbar(im, ax=ax[0, 1])
-    save_plot(fig, args.out, STUDY, f"{identity['path']} {identity['checkpoint']}: does the "
-              "score predict attention?")  # fmt: skip
+    save_plot(fig, args.out, STUDY, study.title("does the score predict attention?"))
 
     data = {"length": lengths[0] if len(lengths) == 1 else lengths,
             "sequences": {k: len(v) for k, v in datasets.items()},
@@ -201,7 +195,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def render(data: dict[str, Any]) -> list[str]:
-    """This study's section of ``bench/RESULTS.md``."""
     d, results = data["data"], data["results"]
     lengths = d["length"] if isinstance(d["length"], list) else [d["length"]]
     intro = (
@@ -225,10 +218,8 @@ def render(data: dict[str, Any]) -> list[str]:
     lines += table(["data", "scorer", "mean ρ", "heads ρ > 0", "per-head [q1–q3]"], rows)
     if res := results.get("all"):
         per_layer = zip(*(r["per_head"] for r in res.values()), strict=True)
-        rows = [
-            [layer, *(" / ".join(f"{v:+.2f}" for v in heads) for heads in by_scorer)]
-            for layer, by_scorer in enumerate(per_layer)
-        ]
+        cell = lambda heads: " / ".join(f"{v:+.2f}" for v in heads)  # noqa: E731
+        rows = [[layer, *map(cell, by_scorer)] for layer, by_scorer in enumerate(per_layer)]
         lines += ["", "Per layer (all data; each cell: ρ of KV head 0 / 1 / ...):", ""]
         lines += table(["layer", *res], rows)
     return lines + plots(data)

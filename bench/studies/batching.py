@@ -96,9 +96,7 @@ def write(sm: Any, rows: list[dict], complete: bool) -> dict[str, Any]:
         },
         "rows": rows,
         "speedup_over_one_stream": {n: speedup(n, "tokens_per_s") for n in a.prompts},
-        "steady_speedup_over_one_stream": {
-            n: speedup(n, "steady_tokens_per_s") for n in a.prompts
-        },
+        "steady_speedup_over_one_stream": {n: speedup(n, "steady_tokens_per_s") for n in a.prompts},
     }  # fmt: skip
     fig, axes = harness.subplots(1, 2, figsize=(10, 3.8))
     for ax, key, title in zip(axes[0], ("tokens_per_s", "ttft_p99_s"),
@@ -107,9 +105,8 @@ def write(sm: Any, rows: list[dict], complete: bool) -> dict[str, Any]:
             mine = [r for r in rows if r["prompt_tokens"] == n]
             ax.plot([r["streams"] for r in mine], [r[key][arm]["median"] for r in mine], "o-",
                     label=f"{arm}, prompt {n}")  # fmt: skip
-        ax.set(
-            title=title, xlabel="concurrent streams", yscale="log" if "ttft" in key else "linear"
-        )
+        yscale = "log" if "ttft" in key else "linear"
+        ax.set(title=title, xlabel="concurrent streams", yscale=yscale)
         harness.log2_axis(ax, sorted({r["streams"] for r in rows}))
         ax.legend(fontsize=8)
     result["plots"] = [harness.save_plot(fig, a.out, "batching")]
@@ -138,19 +135,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             row: dict = {"prompt_tokens": n, "streams": c}
             for key in (*COLUMNS, "wall_s"):
                 values = {a: [r[key] for r in v] for a, v in runs.items()}
-                if any(x is None for v in values.values() for x in v):  # no steady span
-                    row[key] = {
-                        a: None if None in v else harness.summary(v) for a, v in values.items()
-                    }
-                    continue
-                row[key] = harness.summaries(values)
-                row[f"{key}_ratios"] = harness.ratios(values, "serial", ARMS[1:])
+                row[key] = {a: None if None in v else harness.summary(v) for a, v in values.items()}
+                if None not in row[key].values():  # else: an arm had no steady span
+                    row[f"{key}_ratios"] = harness.ratios(values, "serial", ARMS[1:])
             rows.append(row)
             write(sm, rows, complete=False)
-            sm.log(
-                f"{label}: "
-                + ", ".join(f"{a} {row['tokens_per_s'][a]['median']:.1f} tok/s" for a in ARMS)
-            )
+            speeds = ", ".join(f"{a} {row['tokens_per_s'][a]['median']:.1f} tok/s" for a in ARMS)
+            sm.log(f"{label}: {speeds}")
     return write(sm, rows, complete=True)
 
 

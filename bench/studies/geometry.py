@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     length, n_seq, samples = args.length, args.sequences, 200 if args.quick else 3000
 
     study = open_run(STUDY, args, argv, calibrate=True)
-    model, identity, filters, corpus = study.model, study.identity, study.filters, study.corpus
+    model, filters, corpus = study.model, study.filters, study.corpus
     sequences = [*stdlib_windows(corpus, length, n_seq), *recall_windows(corpus, length, n_seq)]
     total = sum(len(s) for s in sequences)
     with progress(total=total, unit="tok", desc="held-out queries") as bar:
@@ -74,8 +74,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         a.set_xticks(x, labels, rotation=90, fontsize=6)
         a.set_yscale("log" if key == "drift_ratio" else "linear")
         a.axhline(0, color="black", lw=0.5)
-    save_plot(fig, args.out, STUDY, f"{identity['path']} {identity['checkpoint']}: query "
-              "geometry per head (held-out)")  # fmt: skip
+    save_plot(fig, args.out, STUDY, study.title("query geometry per head (held-out)"))
     data = {"kinds": ["stdlib eval split windows", "held-out generated kv/fact/passkey"],
             "sequences": len(sequences), "tokens": total, "length": length,
             "samples_per_head": int(found[0].queries.shape[1])}  # fmt: skip
@@ -83,7 +82,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def render(data: dict[str, Any]) -> list[str]:
-    """This study's section of ``bench/RESULTS.md``."""
     s, d = data["summary"], data["data"]
     spreads = (
         ("share of held-out queries with q·f > 0", "share_queries_positive", 3),

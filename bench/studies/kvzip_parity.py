@@ -166,7 +166,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def render(d: dict[str, Any]) -> list[str]:
-    """This study's section of ``bench/RESULTS.md``."""
     ratios, data = d["ratios"], d["data"]
     intro = (
         f"{data['documents']} needle-in-chat documents of about {data['context_tokens']:,} "

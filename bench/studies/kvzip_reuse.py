@@ -13,15 +13,14 @@ from typing import Any
 
 import numpy as np
 
+from bench import harness
 from bench.arms import Arm
-from bench.harness import color, measured, open_run, parse, parser, resume
+from bench.harness import color, open_run, parse, parser
 from bench.report import arm_label, fmt, plots, quality_header
 from bench.studies.kvzip_parity import prose
 from bench.studies.niah import CITIES
 from bench.studies.retrieval import accuracy_plot, first_number_is, ratio_table
-from qfserve.engine.serving.config import EngineConfig
-from qfserve.engine.serving.worker import Worker
-from qfserve.engine.text.requests import Delta, Failed, Finished, GenerationRequest, SamplingParams
+from qfserve.engine.text.requests import Delta, GenerationRequest, SamplingParams
 
 STUDY = "kvzip_reuse"
 FACTS = 5
@@ -54,7 +53,7 @@ def turns(doc: dict[str, Any]) -> list[tuple[str, int, str | None]]:
 
 
 def converse(
-    worker: Worker, tokenizer: Any, doc: dict[str, Any], arm: Arm, budget: int | None
+    worker: Any, tokenizer: Any, doc: dict[str, Any], arm: Arm, budget: int | None
 ) -> dict[str, Any]:
     """One conversation on a fresh prompt cache: each turn's correctness and cached tokens."""
     # Generated ids from their text pieces (what a client sends back is the text).
@@ -78,17 +77,12 @@ def converse(
     return out
 
 
-async def _ask(worker: Worker, request: GenerationRequest) -> tuple[list[str], Finished]:
-    job = worker.submit(request, asyncio.get_running_loop())
+async def _ask(worker: Any, request: GenerationRequest) -> tuple[list[str], Any]:
     pieces: list[str] = []
-    while True:
-        event = await job.next_event()
+    async for event in harness.worker_events(worker, request):
         if isinstance(event, Delta):
             pieces.extend(lp.token for lp in event.logprobs)
-        elif isinstance(event, Failed):
-            raise RuntimeError(f"request failed: {event}")
-        elif isinstance(event, Finished):
-            return pieces, event
+    return pieces, event  # the request's Finished
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -102,23 +96,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         doc = make_doc(tokenizer, args.length, d)
         tokens = len(tokenizer.encode(doc["text"]))
         budget = None if ratio == "-" else round(tokens / int(ratio))
-        worker = Worker(
-            EngineConfig(model=loaded.name, prompt_cache_size=4), loader=lambda _ref: loaded
-        )
-        worker.start()
-        while worker.status == "loading":
-            time.sleep(0.05)
+        worker = harness.start_worker(study, model=loaded.name, prompt_cache_size=4)
         try:
             return {"doc": d, "arm": name, "ratio": ratio, "budget": budget, "doc_tokens": tokens,
                     **converse(worker, tokenizer, doc, ARMS[name], budget)}  # fmt: skip
         finally:
             worker.stop()
 
-    log = args.out / f"{STUDY}.jsonl"
-    done = resume(log, lambda r: (r["doc"], r["arm"], r["ratio"]), fresh=args.quick)
     todo = [(d, name, str(r)) for d in range(args.docs) for name, arm in ARMS.items()
             for r in (["-"] if arm.method == "full" else ratios)]  # fmt: skip
-    records = measured(log, done, todo, measure, "conversations")
+    records = study.logged(("doc", "arm", "ratio"), todo, measure, "conversations")
     correct: dict[str, dict[str, list[bool]]] = {}
     for rec in records:
         correct.setdefault(rec["arm"], {}).setdefault(rec["ratio"], []).extend(rec["correct"])
@@ -137,7 +124,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def render(d: dict[str, Any]) -> list[str]:
-    """This study's section of ``bench/RESULTS.md``."""
     data = d["data"]
     intro = (
         f"{data['documents']} documents of about {data['document_tokens']:,} tokens "

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -12,6 +11,7 @@ from typing import Any
 
 import httpx
 
+from bench import harness
 from bench.data import prose_windows
 from bench.harness import MiB, open_run, parse, parser, rss_bytes, save_plot, subplots, summary
 from bench.report import plots, speed_header, table
@@ -42,23 +42,15 @@ def start_servers(
 
 def chat_turn(client: httpx.Client, url: str, body: dict[str, Any]) -> dict[str, Any]:
     """One streamed turn: TTFT on the client, the answer, and the final usage and kv_cache."""
-    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     tic = time.perf_counter()
     ttft, text, usage, kv = None, "", {}, None
-    with client.stream("POST", url + "/v1/chat/completions", json=body, timeout=900) as r:
-        if r.status_code != 200:
-            r.read()
-            raise RuntimeError(f"{url}: HTTP {r.status_code}: {r.text[:300]}")
-        for line in r.iter_lines():
-            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
-                continue
-            event = json.loads(line[5:])
-            for choice in event.get("choices") or ():
-                piece = (choice.get("delta") or {}).get("content") or ""
-                if piece and ttft is None:
-                    ttft = time.perf_counter() - tic
-                text += piece
-            usage, kv = event.get("usage") or usage, event.get("kv_cache") or kv
+    for event in harness.chat_events(client, url, body, timeout=900):
+        for choice in event.get("choices") or ():
+            piece = (choice.get("delta") or {}).get("content") or ""
+            if piece and ttft is None:
+                ttft = time.perf_counter() - tic
+            text += piece
+        usage, kv = event.get("usage") or usage, event.get("kv_cache") or kv
     return {"ttft_s": ttft if ttft is not None else time.perf_counter() - tic, "answer": text,
             "prompt_tokens": usage.get("prompt_tokens"),
             "completion_tokens": usage.get("completion_tokens"),

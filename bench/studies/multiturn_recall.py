@@ -197,7 +197,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def render(data: dict[str, Any]) -> list[str]:
-    """This study's section of ``bench/RESULTS.md``."""
     st, ask = data["settings"], data["settings"]["ask"]
     intro = (
         f"{st['conversations']} conversation(s) of {st['turns']} turns ({st['turn_tokens']} "

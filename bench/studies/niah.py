@@ -13,7 +13,8 @@ import numpy as np
 
 from bench.arms import Arm, add_arm_arguments, select_arms
 from bench.data import stdlib_prose
-from bench.harness import measured, open_run, parse, parser, resume, save_plot, subplots
+from bench.goals import grid_mean
+from bench.harness import open_run, parse, parser, save_plot, subplots
 from bench.report import arm_label, arm_order, fmt, plots, quality_header, table
 from bench.studies.retrieval import RULE, answers, by_arm
 
@@ -140,10 +141,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return {"length": n, "target_depth": d, "index": i, "depth": doc["depth"],
                 "tokens": doc["tokens"], "model": study.identity["path"], "arms": cells}  # fmt: skip
 
-    log = args.out / f"{STUDY}.jsonl"
-    done = resume(log, lambda r: (r["length"], r["target_depth"], r["index"]), fresh=args.quick)
     todo = [(n, d, i) for n in lengths for d in depths for i in range(per_cell)]
-    records = measured(log, done, todo, measure, "documents")
+    records = study.logged(("length", "target_depth", "index"), todo, measure, "documents")
     grid = grid_of(records, [a.name for a in arms], lengths, depths)
     plot(grid, lengths, depths, ratios, args.out, f"{study.identity['path']}: needle in prose")
     data = {
@@ -158,17 +157,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def render(data: dict[str, Any]) -> list[str]:
-    """This study's section of ``bench/RESULTS.md``."""
     d, lengths, depths, ratios = data["data"], data["lengths"], data["depths"], data["ratios"]
     intro = (f'Haystack: {d["haystack"]}; needle: "{d["needle"]}", asked at the end; '
              f"{d['scoring']}. {d['docs_per_cell']} document(s) per depth x length "
              f"({', '.join(map(str, lengths))} tokens; depths {', '.join(f'{x:.0%}' for x in depths)}); "
              f"{data['budget_rule']}. Exact match, mean over the grid:")  # fmt: skip
-    rows = []
-    for name in arm_order(data["grid"]):
-        if by_ratio := data["grid"].get(name):
-            cells = [[v for line in by_ratio.get(k) or [] for v in line if v is not None]
-                     for k in ["-", *map(str, ratios)]]  # fmt: skip
-            rows.append([arm_label(name), *(fmt(sum(v) / len(v), 2) if v else "" for v in cells)])
+    grid, keys = data["grid"], ["-", *map(str, ratios)]
+    cell = lambda n, k: "" if (m := grid_mean(data, n, k)) is None else fmt(m, 2)  # noqa: E731
+    rows = [[arm_label(n), *(cell(n, k) for k in keys)] for n in arm_order(grid) if grid[n]]
     return [*quality_header("Needle in a haystack, in prose", data, intro),
             *table(["arm", "no eviction", *[f"{r}×" for r in ratios]], rows), *plots(data)]  # fmt: skip

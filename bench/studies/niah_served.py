@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 
 from bench.data import stdlib_prose
-from bench.harness import measured, open_run, parse, parser, resume
+from bench.harness import open_run, parse, parser
 from bench.report import plots, quality_header, table
 from bench.studies.niah import make_doc
 from bench.studies.retrieval import accuracy_plot, first_number_is
@@ -61,8 +61,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     row = kv_row_bytes(run.model, run.loaded.config, EngineConfig().cache_defaults())
     small = row * (300 if args.quick else SMALL_TOKENS)
-    log = args.out / f"{STUDY}.jsonl"
-    done = resume(log, lambda r: (r["arm"], r["length"], r["doc"]), fresh=args.quick)
     paragraphs = list(stdlib_prose())
     logs = Path(tempfile.mkdtemp(prefix="niah-served-"))
     servers = [
@@ -81,7 +79,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     todo = [(a, n, d) for n in args.lengths for d in range(args.docs) for a in ARMS]
     try:
-        records = measured(log, done, todo, measure, "answers")
+        records = run.logged(("arm", "length", "doc"), todo, measure, "answers")
     finally:
         testing.stop_all(servers, 15)
     accuracy = summarize(records, args.lengths)
@@ -95,7 +93,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def render(d: dict[str, Any]) -> list[str]:
-    """This study's section of ``bench/RESULTS.md``."""
     intro = (f"{d['docs']} documents per length, the needle at half depth; greedy. `auto`: "
              "no eviction field (`--budget auto`); `full`: `kv_method: full`; `auto-small`: "
              f"the same request on a server whose `--max-kv-bytes` holds {d['small_tokens']:,} "

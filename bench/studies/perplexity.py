@@ -12,15 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.arms import (
-    Arm,
-    add_arm_arguments,
-    full_nll,
-    prefill_length,
-    select_arms,
-    standard_arms,
-    streaming_nll,
-)
+from bench.arms import Arm, add_arm_arguments, full_nll, select_arms, standard_arms, streaming_nll
 from bench.data import prose_windows, recall_windows, stdlib_windows
 from bench.harness import (
     COLORS,
@@ -61,8 +53,7 @@ def run_arm(
     its reconstruction pass, one sequence at a time."""
     model, filters = study.model, study.filters
     config = arm.config(budget)
-    calib = config.calib_tokens if arm.method == "fallback" else None
-    prefill = tokens.shape[1] // 2 if block else prefill_length(budget, calib)
+    prefill = tokens.shape[1] // 2 if block else arm.block(budget)
     rows = [tokens]
     if arm.method == "kvzip":
         if not block:
@@ -132,7 +123,7 @@ def gap_closed(nll_streaming: float | None, nll_arm: float, nll_full: float) -> 
     return (nll_streaming - nll_arm) / denom if denom > MIN_GAP_NATS else None
 
 
-def plot(results: dict[str, Any], identity: dict[str, Any], out_dir: Any) -> list[str]:
+def plot(results: dict[str, Any], study: Run) -> list[str]:
     """One figure per data set: perplexity against budget, a panel per recent window."""
     names, styles = [], ["o-", "s--", "^:", "v-.", "D--", "x:"]
     recent = lambda name: int(name.split("/")[1][1:])  # noqa: E731  "qfilters/r25/c4" -> 25
@@ -153,8 +144,8 @@ def plot(results: dict[str, Any], identity: dict[str, Any], out_dir: Any) -> lis
             a.set_title(f"recent = {'0' if frac == 0 else 'budget/4'}", fontsize=9)
         ax[0, 0].set_ylabel("perplexity (2nd half of each sequence)")
         ax[0, 0].legend(fontsize=7)
-        title = f"{identity['path']} {identity['checkpoint']}: streaming perplexity, {dataset}"
-        names.append(save_plot(fig, out_dir, f"{STUDY}_{dataset}", title))
+        title = f"streaming perplexity, {dataset}"
+        names.append(save_plot(fig, study.args.out, f"{STUDY}_{dataset}", study.title(title)))
     return names
 
 
@@ -200,11 +191,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "batches": {k: list(v.shape) for k, v in batches.items()}, "full_arm": full_arm,
             "prefill": prefill, "kinds": KINDS}  # fmt: skip
     return study.save({"data": data, "budgets": budgets, "arms": [a.name for a in arms],
-                       "results": results, "plots": plot(results, study.identity, args.out)})  # fmt: skip
+                       "results": results, "plots": plot(results, study)})  # fmt: skip
 
 
 def render(data: dict[str, Any]) -> list[str]:
-    """This study's section of ``bench/RESULTS.md``."""
     d = data["data"]
     lines = quality_header("Streaming generation perplexity", data)
     lines += ["", f"Teacher-forced, one token per step through the real caches; scored on "

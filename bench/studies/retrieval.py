@@ -29,18 +29,7 @@ from bench.arms import (
     streaming_nll,
 )
 from bench.data import passkey_docs
-from bench.harness import (
-    Run,
-    color,
-    measured,
-    open_run,
-    parse,
-    parser,
-    resume,
-    save_plot,
-    subplots,
-    summary,
-)
+from bench.harness import Run, color, open_run, parse, parser, save_plot, subplots, summary
 from bench.report import arm_label, arm_order, fmt, plots, quality_header, table
 from qfserve.engine.kv.config import DEFAULT_N_SINK, CacheConfig
 from qfserve.engine.kv.factory import make_caches
@@ -326,9 +315,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                  "filler": args.filler}  # fmt: skip
     if learned := study.calibration.get("traffic_artifacts"):
         signature["learned"] = {k: v["sha1"] for k, v in sorted(learned.items())}
-    log = args.out / f"{STUDY}.jsonl"
-    done = resume(log, lambda r: (r["length"], r["index"]), fresh=args.quick,
-                  keep=lambda r: r["signature"] == signature)  # fmt: skip
 
     def measure(n: int, i: int) -> dict[str, Any]:
         first = i == 0 and n == lengths[0] and not args.no_prefill_check
@@ -336,7 +322,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return {**rec, "length": n, "index": i, "signature": signature}
 
     todo = [(n, i) for n in lengths for i in range(len(docs[n]))]
-    records = measured(log, done, todo, measure, "documents")
+    same = lambda r: r["signature"] == signature  # noqa: E731
+    records = study.logged(("length", "index"), todo, measure, "documents", keep=same)
     check: dict[str, Any] = {"arms": 0, "identical": 0, "mismatches": []}
     sources: dict[str, set[str]] = {}  # arm -> filter sources its caches reported
     for rec in records:
@@ -347,8 +334,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results = {
         str(n): length_results(docs[n], [r for r in records if r["length"] == n]) for n in lengths
     }
-    plot(results, arms, ratios, args.out, f"{identity['path']} {identity['checkpoint']}: "
-         "pass-key retrieval")  # fmt: skip
+    plot(results, arms, ratios, args.out, study.title("pass-key retrieval"))
     data = {"generator": "training.data.passkey_eval_set (eval seeds, eval-split filler)",
             "filler": args.filler, "docs_per_depth_bin": args.per_bin, "depth_bins": list(BINS),
             "scoring": "first number in the greedy continuation equals the key"}  # fmt: skip
@@ -364,7 +350,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def render(data: dict[str, Any]) -> list[str]:
-    """This study's section of ``bench/RESULTS.md``."""
     lines = quality_header("Pass-key retrieval", data)
     check, d, ratios, results = data["shared_prefill_check"], data["data"], data["ratios"], data["results"]  # fmt: skip
     full_acc = [r["arms"]["full"]["-"]["accuracy"] for r in results.values() if "full" in r["arms"]]

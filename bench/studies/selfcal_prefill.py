@@ -67,9 +67,6 @@ def render(d: dict[str, Any]) -> list[str]:
         [r["arm"], seconds[r["arm"]], f"{r['median']:.3f}", f"{r['min']:.3f}-{r['max']:.3f}"]
         for r in d["ratios"]
     ]
-    title = "Self-calibration: its cost on a prefill"
-    return (
-        speed_header(title, d, intro)
-        + table(["arm", "prefill s", "ratio", "range"], rows)
-        + [*plots(d), ""]
-    )
+    headers = ["arm", "prefill s", "ratio", "range"]
+    lines = speed_header("Self-calibration: its cost on a prefill", d, intro)
+    return lines + table(headers, rows) + [*plots(d), ""]

@@ -148,7 +148,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def render(data: dict[str, Any]) -> list[str]:
-    """This study's section of ``bench/RESULTS.md``."""
     d, ratios = data["data"], data["ratios"]
     lines = quality_header("Whose queries calibrate a prompt's filters?", data)
     lines += ["", f"The self-calibration recipe fed different queries, on {d['documents']} "

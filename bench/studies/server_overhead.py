@@ -16,18 +16,17 @@ from bench import harness
 from bench.arms import make_caches
 from bench.data import chat_content, eos_ban
 from bench.report import ms, plots, ratio_cell, speed_header, table
-from bench.studies.vs_mlx_lm import distinct, per_arm
+from bench.studies.vs_mlx_lm import distinct, per_arm, speed_plot
 from qfserve import testing as servers
 from qfserve.engine.kv.config import CacheConfig
-from qfserve.engine.serving.config import DEFAULT_PREFILL_CHUNK, EngineConfig
-from qfserve.engine.serving.worker import Worker
+from qfserve.engine.serving.config import DEFAULT_PREFILL_CHUNK
 from qfserve.engine.text.prompts import encode_prompt
-from qfserve.engine.text.requests import Delta, Failed, Finished, GenerationRequest, SamplingParams
+from qfserve.engine.text.requests import Delta, GenerationRequest, SamplingParams
 
 # (arm, reference): the A/A pairs, then what the worker, HTTP and both add
 PAIRS = (("in_process_b", "in_process_a"), ("http_b", "http_a"), ("worker", "in_process_a"),
          ("http_a", "worker"), ("http_a", "in_process_a"))  # fmt: skip
-PANELS = (("ttft_s", "TTFT ms"), ("itl_s", "inter-token latency ms"))  # the plot's: key, title
+PANELS = (("ttft_s", 1e3, "TTFT ms"), ("itl_s", 1e3, "inter-token latency ms"))  # key, scale, title
 
 
 def style(arm: str) -> dict[str, Any]:
@@ -60,37 +59,21 @@ def in_process(sm, request: GenerationRequest):
     return run
 
 
-def through_worker(worker: Worker, loop: asyncio.AbstractEventLoop, request: GenerationRequest):
+def through_worker(worker: Any, loop: asyncio.AbstractEventLoop, request: GenerationRequest):
     """A callable submitting ``request`` to the in-process worker and timing its events."""
 
     async def one() -> harness.StreamTiming:
         tic = time.perf_counter()
-        job = worker.submit(request, loop)
         ttft, chunks = None, 0
-        while True:
-            event = await job.next_event()
+        async for event in harness.worker_events(worker, request):
             if isinstance(event, Delta) and event.text:
                 chunks += 1
                 ttft = ttft or time.perf_counter() - tic
-            elif isinstance(event, Finished):
-                total = time.perf_counter() - tic
-                return harness.StreamTiming(ttft or total, total, event.completion_tokens,
-                                            event.prompt_tokens, chunks, event.kv_cache)  # fmt: skip
-            elif isinstance(event, Failed):
-                raise RuntimeError(f"worker: {event.kind}: {event.message}")
+        total = time.perf_counter() - tic
+        counts = (event.completion_tokens, event.prompt_tokens)  # the last event: Finished
+        return harness.StreamTiming(ttft or total, total, *counts, chunks, event.kv_cache)
 
     return lambda: loop.run_until_complete(one())
-
-
-def start_worker(sm) -> Worker:
-    worker = Worker(EngineConfig(model=str(sm.folder)), loader=lambda _ref: sm.loaded)
-    worker.start()
-    deadline = time.monotonic() + 60
-    while not worker.ready:
-        if worker.status not in ("loading", "ready") or time.monotonic() > deadline:
-            raise RuntimeError(f"in-process worker not ready: {worker.status} {worker.error}")
-        time.sleep(0.05)
-    return worker
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -102,7 +85,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0.0,
                               logit_bias=tuple((int(k), v) for k, v in bias.items()))  # fmt: skip
     sm.log(f"starting qfserve on {sm.folder.name} and an in-process worker")
-    worker, loop = start_worker(sm), asyncio.new_event_loop()
+    worker = harness.start_worker(sm, model=str(sm.folder))
+    loop = asyncio.new_event_loop()
     rows = []
     try:
         with servers.serve("qfserve", model=sm.folder) as (url,), httpx.Client() as client:
@@ -146,12 +130,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                      "host": servers.HOST},
         "rows": rows,
     }  # fmt: skip
-    fig, axes = harness.subplots(1, 2, figsize=(10, 3.8))
-    groups = [f"prompt {r['prompt_tokens']}" for r in rows]
-    for ax, (key, title) in zip(axes[0], PANELS, strict=True):
-        harness.grouped_bars(ax, groups, [r[key] for r in rows], title, 1e3, style)
-    fig.suptitle(f"HTTP vs worker vs in-process, {args.max_tokens} tokens")
-    result["plots"] = [harness.save_plot(fig, args.out, "server_overhead")]
+    title = f"HTTP vs worker vs in-process, {args.max_tokens} tokens"
+    result["plots"] = speed_plot(result, args.out, "server_overhead", PANELS, style, title)
     return sm.save(result)
 
 

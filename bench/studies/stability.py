@@ -10,15 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.arms import (
-    FULL_SETTINGS,
-    QUICK_SETTINGS,
-    Arm,
-    capture,
-    full_nll,
-    prefill_length,
-    streaming_nll,
-)
+from bench.arms import Arm, capture, full_nll, streaming_nll
 from bench.data import stdlib_windows
 from bench.harness import open_run, parse, parser, progress, save_plot, subplots, summary
 from bench.report import fmt, plots, quality_header, spread_cell, table
@@ -45,9 +37,8 @@ def ppl_window(model: Any, tokens: np.ndarray, arm: Arm, budget: int, filters: A
     if arm.method == "full":
         nll = full_nll(model, tokens)
     else:
-        calib = arm.config(budget).calib_tokens if arm.method == "fallback" else None
-        nll, _ = streaming_nll(model, tokens, arm.caches(model, budget, filters), budget=budget,
-                               prefill=prefill_length(budget, calib))  # fmt: skip
+        caches = arm.caches(model, budget, filters)
+        nll, _ = streaming_nll(model, tokens, caches, budget=budget, prefill=arm.block(budget))
     return math.exp(float(nll[:, tokens.shape[1] // 2 :].mean()))
 
 
@@ -59,10 +50,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     counts, repeats, budget = args.counts, args.repeats, args.budget
     study = open_run(STUDY, args, argv)  # it calibrates its own sets
     model, identity = study.model, study.identity
-    settings = QUICK_SETTINGS if args.quick else FULL_SETTINGS
-    texts = {
-        t: capture(model, study.tokenizer, identity, text=t, settings=settings) for t in ("A", "B")
-    }
+    texts = {t: capture(model, study.tokenizer, identity, text=t, quick=args.quick) for t in "AB"}
     rng = np.random.default_rng(args.seed)
 
     def draws(queries: list[np.ndarray], n: int) -> list[np.ndarray]:
@@ -113,7 +101,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     ax[0, 0].legend(fontsize=7)
     ax[0, 1].legend(fontsize=6)
-    save_plot(fig, args.out, STUDY, f"{identity['path']} {identity['checkpoint']}: calibration stability")  # fmt: skip
+    save_plot(fig, args.out, STUDY, study.title("calibration stability"))
 
     scored = f"{args.sequences} evaluation-split stdlib windows of {args.length} tokens, second half scored"
     payload = {"reference": ref_name, "budget": budget, "data": {"perplexity": scored},
@@ -127,7 +115,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def render(data: dict[str, Any]) -> list[str]:
-    """This study's section of ``bench/RESULTS.md``."""
     cal, ppl, ref = data["calibration"], data["ppl"], data["reference"]
     intro = (f"Texts: A = {cal['A']['text']}; B = {cal['B']['text']}. Reference `{ref}`; "
              f"{data['repeats']} subsample draws per count; perplexity at budget {data['budget']} "

@@ -134,7 +134,6 @@ def plot(results: dict[str, Any], out: Path, checkpoint: str) -> str:
 
 
 def render(data: dict[str, Any]) -> list[str]:
-    """This study's section of ``bench/RESULTS.md``."""
     d = data["data"]
     intro = ("The server's own pooling (`qfserve.engine.filters.traffic`) fed held-out traffic in "
              f"{d['prefill_chunk']}-token prefill chunks until it wrote its artifact; the learned "

@@ -72,13 +72,16 @@ def speed_rows(d: dict[str, Any], tps_digits: int = 0) -> list[list[Any]]:
     return rows
 
 
-def speed_plot(result: dict[str, Any], out: Any, name: str) -> list[str]:
-    """TTFT and decode tok/s of :func:`speeds` rows, side by side."""
+def speed_plot(
+    result: dict, out: Any, name: str, panels: Any = PANELS, style: Any = None, title: str = ""
+) -> list[str]:
+    """``panels`` (a key of the rows, its scale and title: TTFT and decode tok/s of
+    :func:`speeds` rows by default) side by side, a group of bars per prompt."""
     groups = [f"prompt {r['prompt_tokens']}" for r in result["rows"]]
     fig, axes = harness.subplots(1, 2, figsize=(10, 3.8))
-    for ax, (key, scale, title) in zip(axes[0], PANELS, strict=True):
-        harness.grouped_bars(ax, groups, [r[key] for r in result["rows"]], title, scale)
-    return [harness.save_plot(fig, out, name)]
+    for ax, (key, scale, what) in zip(axes[0], panels, strict=True):
+        harness.grouped_bars(ax, groups, [r[key] for r in result["rows"]], what, scale, style)
+    return [harness.save_plot(fig, out, name, title)]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
