@@ -212,6 +212,11 @@ def open_run(
     return run
 
 
+def start(name: str, argv: Sequence[str] | None, doc: str, **sized: Any) -> Run:
+    """:func:`open_run` on the arguments of a :func:`parser` (``doc``, ``sized``) in ``argv``."""
+    return open_run(name, parse(parser(doc, **sized), argv), argv)
+
+
 def identity(loaded: Any, folder: Path) -> dict[str, Any]:
     """What exactly was measured: folder, served name, model id, weight hashes and shape."""
     from mlx.utils import tree_flatten
@@ -298,6 +303,16 @@ def ratios(samples: dict[str, list[float]], reference: str, arms: Any) -> list[d
     return [ratio_row(samples, arm, reference) for arm in arms]
 
 
+def compare_arms(
+    run: Run, arms: dict[str, Callable[[], float]], label: str, reference: str
+) -> tuple[dict[str, list[float]], dict[str, dict[str, float]], list[dict[str, Any]]]:
+    """Interleave ``arms`` for ``--reps`` rounds: the samples, their :func:`summaries` and
+    every other arm's :func:`ratio_row` against ``reference``."""
+    samples = interleave(arms, run.args.reps, progress=run.log.rounds(label))
+    others = [a for a in samples if a != reference]
+    return samples, summaries(samples), ratios(samples, reference, others)
+
+
 @dataclass(frozen=True)
 class StreamTiming:
     """One streamed request, timed on the client: seconds, from sending the request."""
@@ -357,6 +372,36 @@ def stream_chat(client: Any, url: str, body: dict[str, Any]) -> StreamTiming:
                         int(usage.get("prompt_tokens", 0)), len(times), kv, tuple(times))  # fmt: skip
 
 
+def start_worker(run: Run, **config: Any) -> Any:
+    """The engine's in-process ``Worker`` (``EngineConfig(**config)``) on ``run``'s loaded
+    model, started and ready."""
+    from qfserve.engine.serving.config import EngineConfig
+    from qfserve.engine.serving.worker import Worker
+
+    worker = Worker(EngineConfig(**config), loader=lambda _ref: run.loaded)
+    worker.start()
+    deadline = time.monotonic() + 60
+    while not worker.ready:
+        if worker.status not in ("loading", "ready") or time.monotonic() > deadline:
+            raise RuntimeError(f"in-process worker not ready: {worker.status} {worker.error}")
+        time.sleep(0.05)
+    return worker
+
+
+async def worker_events(worker: Any, request: Any) -> AsyncIterator[Any]:
+    """The events of ``request`` on ``worker`` up to its ``Finished``; a ``Failed`` raises."""
+    from qfserve.engine.text.requests import Failed, Finished
+
+    job = worker.submit(request, asyncio.get_running_loop())
+    while True:
+        event = await job.next_event()
+        if isinstance(event, Failed):
+            raise RuntimeError(f"worker: {event.kind}: {event.message}")
+        yield event
+        if isinstance(event, Finished):
+            return
+
+
 # -- results --------------------------------------------------------------------------------
 
 
@@ -394,6 +439,13 @@ def machine() -> dict[str, Any]:
     return info
 
 
+def rss_bytes(pid: int | None = None) -> int:
+    """Resident memory of process ``pid`` (this one by default)."""
+    import psutil
+
+    return int(psutil.Process(pid).memory_info().rss)
+
+
 def jsonable(x: Any) -> Any:
     """``x`` with numpy values as lists and numbers, NaN as ``None`` and paths as strings."""
     if isinstance(x, dict):
@@ -429,6 +481,21 @@ def resume(path: Path, key: Callable[[dict[str, Any]], Any], *, fresh: bool = Fa
     if fresh:
         path.unlink(missing_ok=True)
     return {key(r): r for r in read_jsonl(path, keep)}
+
+
+def measured(
+    log: Path | None, done: dict[Any, dict], todo: Sequence[Any], measure: Callable, desc: str
+) -> list[dict[str, Any]]:
+    """The record of each key of ``todo``: read back (``done``, from :func:`resume`) or
+    ``measure(*key)``, appended to ``log`` at once (if any) so that a stopped run resumes."""
+    with progress(total=len(todo), desc=desc) as bar:
+        for key in todo:
+            if key not in done:
+                done[key] = measure(*key)
+                if log is not None:
+                    append_jsonl(log, done[key])
+            bar.update(1)
+    return [done[key] for key in todo]
 
 
 # -- progress and plots ---------------------------------------------------------------------
@@ -520,79 +587,6 @@ def errorbars(stats: Sequence[dict[str, float]], scale: float = 1.0) -> tuple[li
     med = [s["median"] * scale for s in stats]
     low = [m - s["q1"] * scale for m, s in zip(med, stats, strict=True)]
     return med, [low, [s["q3"] * scale - m for m, s in zip(med, stats, strict=True)]]
-
-
-# -- resumable loops --
-
-
-def measured(
-    log: Path | None, done: dict[Any, dict], todo: Sequence[Any], measure: Callable, desc: str
-) -> list[dict[str, Any]]:
-    """The record of each key of ``todo``: read back (``done``, from :func:`resume`) or
-    ``measure(*key)``, appended to ``log`` at once (if any) so that a stopped run resumes."""
-    with progress(total=len(todo), desc=desc) as bar:
-        for key in todo:
-            if key not in done:
-                done[key] = measure(*key)
-                if log is not None:
-                    append_jsonl(log, done[key])
-            bar.update(1)
-    return [done[key] for key in todo]
-
-
-# -- speed studies --
-
-
-def start(name: str, argv: Sequence[str] | None, doc: str, **sized: Any) -> Run:
-    """:func:`open_run` on the arguments of a :func:`parser` (``doc``, ``sized``) in ``argv``."""
-    return open_run(name, parse(parser(doc, **sized), argv), argv)
-
-
-def compare_arms(
-    run: Run, arms: dict[str, Callable[[], float]], label: str, reference: str
-) -> tuple[dict[str, list[float]], dict[str, dict[str, float]], list[dict[str, Any]]]:
-    """Interleave ``arms`` for ``--reps`` rounds: the samples, their :func:`summaries` and
-    every other arm's :func:`ratio_row` against ``reference``."""
-    samples = interleave(arms, run.args.reps, progress=run.log.rounds(label))
-    others = [a for a in samples if a != reference]
-    return samples, summaries(samples), ratios(samples, reference, others)
-
-
-def start_worker(run: Run, **config: Any) -> Any:
-    """The engine's in-process ``Worker`` (``EngineConfig(**config)``) on ``run``'s loaded
-    model, started and ready."""
-    from qfserve.engine.serving.config import EngineConfig
-    from qfserve.engine.serving.worker import Worker
-
-    worker = Worker(EngineConfig(**config), loader=lambda _ref: run.loaded)
-    worker.start()
-    deadline = time.monotonic() + 60
-    while not worker.ready:
-        if worker.status not in ("loading", "ready") or time.monotonic() > deadline:
-            raise RuntimeError(f"in-process worker not ready: {worker.status} {worker.error}")
-        time.sleep(0.05)
-    return worker
-
-
-async def worker_events(worker: Any, request: Any) -> AsyncIterator[Any]:
-    """The events of ``request`` on ``worker`` up to its ``Finished``; a ``Failed`` raises."""
-    from qfserve.engine.text.requests import Failed, Finished
-
-    job = worker.submit(request, asyncio.get_running_loop())
-    while True:
-        event = await job.next_event()
-        if isinstance(event, Failed):
-            raise RuntimeError(f"worker: {event.kind}: {event.message}")
-        yield event
-        if isinstance(event, Finished):
-            return
-
-
-def rss_bytes(pid: int | None = None) -> int:
-    """Resident memory of process ``pid`` (this one by default)."""
-    import psutil
-
-    return int(psutil.Process(pid).memory_info().rss)
 
 
 def context_plot(

@@ -24,6 +24,7 @@ scores come from the forward pass's own softmax instead of a second one.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -40,14 +41,13 @@ MIN_QUERIES = 32  # blocks shorter than this (decode steps) keep MLX's own atten
 # ``(G, rows, 1)`` their sum per query. The tile's output is already computed: the observer
 # may overwrite ``exps`` (a scratch buffer it would otherwise allocate).
 Observer = Callable[[int, int, int, np.ndarray, np.ndarray], None]
-_NUMPY_BLAS: list[Any] = []  # threadpoolctl's controller of numpy's bundled BLAS, once found
 
 
+@functools.cache
 def _numpy_blas() -> Any:
-    """numpy's bundled BLAS (its wheels': ``scipy_openblas``), not the one MLX was given."""
-    if not _NUMPY_BLAS:
-        _NUMPY_BLAS.append(ThreadpoolController().select(prefix="libscipy_openblas"))
-    return _NUMPY_BLAS[0]
+    """threadpoolctl's controller of numpy's bundled BLAS (its wheels' ``scipy_openblas``),
+    not the one MLX was given."""
+    return ThreadpoolController().select(prefix="libscipy_openblas")
 
 
 def applies(queries: mx.array, mask: Any, cache: Any, sinks: Any = None) -> bool:
