@@ -20,6 +20,7 @@ from bench.report import plots, speed_header, table
 from qfserve.engine.kv.blocked import block_attention
 from qfserve.engine.kv.config import CacheConfig
 from qfserve.engine.kv.factory import make_caches
+from qfserve.engine.models.quantized import DecodeLinear
 
 PARTS = ("matmul", "attention", "cache", "sample")  # a decode step's work, each timed alone
 sdpa = mx.fast.scaled_dot_product_attention
@@ -38,8 +39,12 @@ def timed(fn: Callable[[], Any]) -> Callable[[], float]:
 
 def _linears(model: Any) -> list[tuple[int, int, Callable[[mx.array], mx.array]]]:
     """(in, out, apply) of every weight product one token runs through, the output last."""
-    found = [(*m.weight.shape[::-1], m) for _, m in model.named_modules()
-             if isinstance(m, nn.Linear | nn.QuantizedLinear)]  # fmt: skip
+    modules = [m for _, m in model.named_modules()]
+    # A projection that decodes on its quantized codes is timed as served, not its float32 copy.
+    dense = {id(m.dense) for m in modules if isinstance(m, DecodeLinear)}
+    found = [(*m.weight.shape[::-1], m) for m in modules
+             if isinstance(m, DecodeLinear | nn.Linear | nn.QuantizedLinear)
+             and id(m) not in dense]  # fmt: skip
     if not any(name == "lm_head" for name, _ in model.named_modules()):  # tied output
         embed = model.model.embed_tokens
         found.append((*embed.weight.shape[::-1], embed.as_linear))

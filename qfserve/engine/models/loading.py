@@ -182,6 +182,7 @@ def load_model(ref: str | None) -> LoadedModel:
         "tuple[nn.Module, TokenizerWrapper, dict[str, Any]]",
         mlx_lm.load(source, return_config=True),
     )
+    _attach_codes(model, source)
     loaded = LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -199,6 +200,24 @@ def load_model(ref: str | None) -> LoadedModel:
         hf.model_max_length = sys.maxsize
     logger.info("loaded %s from %s (context %d)", loaded.name, source, loaded.context_length)
     return loaded
+
+
+def _attach_codes(model: nn.Module, source: str) -> None:
+    """Decode on the GGUF file's quantized codes where a converted folder has them and MLX
+    runs on the CPU (:mod:`qfserve.engine.models.quantized`)."""
+    import mlx.core as mx
+
+    from qfserve.engine.models.gguf.convert import QUANTIZED_FILE, cache_root
+
+    if (
+        mx.default_device().type != mx.DeviceType.cpu
+        or not (Path(source) / QUANTIZED_FILE).is_file()
+    ):
+        return
+    from qfserve.engine.models.quantized import attach
+    from qfserve.kernels import native
+
+    attach(model, source, native.load(cache_root() / "native"))
 
 
 def served_as(loaded: LoadedModel, alias: str | None, ctx_size: int | None) -> LoadedModel:

@@ -48,6 +48,9 @@ def shard(loaded: LoadedModel, group: Any) -> None:
     """Split ``loaded.model`` over ``group`` in place (every rank calls this)."""
     import mlx.core as mx
 
+    from qfserve.engine.models.quantized import detach
+
     check_shardable(loaded, group.size())
+    detach(loaded.model)  # sharding rewrites the projections the decode wrappers hold
     loaded.model.shard(group)
     mx.eval(loaded.model.parameters())

@@ -43,7 +43,9 @@ from qfserve.engine.models.gguf.tokenizer import (
 logger = logging.getLogger(__name__)
 
 MARKER = "qfserve.json"
-MARKER_FORMAT = 2
+# A float32 folder's copy of the file's 4- and 8-bit codes (qfserve.engine.models.quantized).
+QUANTIZED_FILE = "quantized.safetensors"
+MARKER_FORMAT = 3  # 3: float32 folders also hold the quantized codes
 GGUF_MAGIC = b"GGUF"
 
 
@@ -223,6 +225,16 @@ def _write_folder(file: GGUFFile, out: Path, *, model_id: str, dequantize: bool)
         }
         _write_json_atomic(out / "config.json", config)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    if dequantize and file.native:  # decode reads these (qfserve.engine.models.quantized)
+        quantized = load_weights(file, dequantize=False)
+        stems = {k[: -len(".scales")] for k in quantized if k.endswith(".scales")}
+        codes = {
+            k: v
+            for k, v in quantized.items()
+            if k.rsplit(".", 1)[0] in stems and not k.endswith(".bias")
+        }
+        if codes:
+            mx.save_safetensors(str(out / QUANTIZED_FILE), codes, metadata={"format": "mlx"})
 
 
 def _check_loads(file: GGUFFile, folder: Path) -> None:

@@ -1,0 +1,148 @@
+"""Decode on the GGUF file's quantized codes (qfserve.engine.models.quantized): the converted
+folder keeps them, the loader wraps exactly the projections that have them, few-row products
+read them, prefill reads the float32 weights, and greedy text is that of the float32 model
+(the tiny model here; SmolLM2 for every eviction method)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+from mlx_lm.generate import generate_step
+
+from qfserve.engine.kv.config import METHODS, CacheConfig
+from qfserve.engine.kv.factory import make_caches
+from qfserve.engine.kv.kvzip import RepeatPrompt, compress
+from qfserve.engine.models.gguf.convert import QUANTIZED_FILE, converted_folder
+from qfserve.engine.models.loading import _attach_codes, load_model
+from qfserve.engine.models.quantized import MAX_ROWS, DecodeEmbedding, DecodeLinear, detach
+from tests.gguf_files import write_tiny_gguf
+from tests.kernels.test_native import _buildable
+
+pytestmark = pytest.mark.skipif(bool(_buildable()), reason=str(_buildable()))
+QUANTIZED = ("attn_q", "attn_v", "ffn_up", "token_embd")
+
+
+@pytest.fixture(scope="module", params=[GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_1])
+def tiny(request, tmp_path_factory):
+    """A tiny GGUF with some tensors quantized, converted in a scratch cache and loaded as
+    the server loads it (the kernel itself is built once into qfserve's own cache)."""
+    scratch = tmp_path_factory.mktemp("tiny")
+    write_tiny_gguf(scratch / "tiny.gguf", quantized=QUANTIZED, qtype=request.param)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("QFSERVE_CACHE", str(scratch / "cache"))
+        folder = converted_folder(scratch / "tiny.gguf", dequantize=True)
+    return load_model(str(folder))
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_folder):
+    return load_model(str(smollm2_folder))
+
+
+def wrapped(model: nn.Module) -> dict[str, nn.Module]:
+    return {
+        name: m
+        for name, m in model.named_modules()
+        if isinstance(m, DecodeLinear | DecodeEmbedding)
+    }
+
+
+def test_the_folder_keeps_codes_for_exactly_the_quantized_tensors(tiny):
+    loaded = tiny
+    codes = mx.load(f"{loaded.source}/{QUANTIZED_FILE}")
+    stems = {k.rsplit(".", 1)[0] for k in codes}
+    layers = len(loaded.model.model.layers)
+    assert len(stems) == 3 * layers + 1  # attn_q, attn_v, ffn_up per layer; the embedding
+    assert "model.layers.0.self_attn.q_proj" in stems and "model.embed_tokens" in stems
+    assert "model.layers.0.self_attn.k_proj" not in stems  # F32 in the file
+    assert set(wrapped(loaded.model)) == stems
+
+
+def test_few_rows_read_the_codes_and_many_the_float32_weights(tiny):
+    loaded = tiny
+    module = loaded.model.model.layers[0].self_attn.q_proj
+    assert isinstance(module, DecodeLinear)
+    rng = np.random.default_rng(0)
+    k = module.weight.shape[1]
+    few = mx.array(rng.standard_normal((1, MAX_ROWS, k), dtype=np.float32))
+    many = mx.array(rng.standard_normal((1, MAX_ROWS + 1, k), dtype=np.float32))
+    dense = np.array(module.weight, dtype=np.float64)
+    # Few rows: the kernel, equal to float64 numpy up to float32 summation order.
+    np.testing.assert_allclose(
+        np.array(module(few)), np.array(few, np.float64) @ dense.T, atol=1e-5
+    )
+    # Many rows: exactly the float32 product.
+    np.testing.assert_array_equal(np.array(module(many)), np.array(module.dense(many)))
+
+
+def test_greedy_text_equals_the_float32_models(tiny):
+    loaded = tiny
+    model = loaded.model
+    prompt = mx.array(np.random.default_rng(3).integers(0, 200, 40).tolist())
+
+    def greedy() -> tuple[list[int], np.ndarray]:
+        steps = list(generate_step(prompt, model, max_tokens=24))
+        return [int(t) for t, _ in steps], np.stack([np.array(lp) for _, lp in steps])
+
+    with_codes, logprobs = greedy()
+    n = detach(model)
+    try:
+        plain, plain_logprobs = greedy()
+    finally:
+        _attach_codes(model, loaded.source)
+    assert n == len(wrapped(model)) > 0
+    assert with_codes == plain and len(set(plain)) > 3
+    np.testing.assert_allclose(logprobs, plain_logprobs, atol=1e-4)
+
+
+def test_detach_puts_back_plain_modules(tiny):
+    loaded = tiny
+    model = loaded.model
+    count = len(wrapped(model))
+    assert detach(model) == count and not wrapped(model)
+    assert isinstance(model.model.layers[0].self_attn.q_proj, nn.Linear)
+    _attach_codes(model, loaded.source)
+    assert len(wrapped(model)) == count
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_smollm2_greedy_text_is_unchanged_for_every_method(smollm2, method):
+    """The default model with every eviction method, budget below the prompt: codes against
+    the float32 weights, token for token."""
+    loaded = smollm2
+    model, tokenizer = loaded.model, loaded.tokenizer
+    story = (
+        "Mara kept the lighthouse on Gull Rock for eleven winters. Each night she counted the "
+        "ships that passed, wrote their names in a blue ledger, and trimmed the lamp at two. "
+        "The supply boat came on Thursdays with flour, oil and letters from her brother in "
+        "Lisbon, who wanted her to move south. In the spring a storm tore the roof from the "
+        "shed, and a fisherman named Tomas helped her mend it."
+    )
+    messages = [{"role": "user", "content": f"{story}\n\nRetell this story in your own words."}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    config = CacheConfig(method=method, budget=112 if method != "full" else 512)
+
+    def greedy() -> list[int]:
+        caches = make_caches(model, config)
+        if method == "kvzip":
+            model(mx.array(prompt[:-1])[None], cache=caches)
+            compress(model, caches, prompt[:-1], RepeatPrompt.for_tokenizer(tokenizer))
+            y, out = mx.array(prompt[-1:])[None], []
+            for _ in range(16):
+                y = mx.argmax(model(y, cache=caches)[:, -1], axis=-1)[None]
+                out.append(int(y.item()))
+            return out
+        steps = generate_step(mx.array(prompt), model, prompt_cache=caches, max_tokens=16)
+        return [int(t) for t, _ in steps]
+
+    assert wrapped(model), "the default model decodes on its codes"
+    with_codes = greedy()
+    detach(model)
+    try:
+        plain = greedy()
+    finally:
+        _attach_codes(model, loaded.source)
+    assert with_codes == plain and len(set(plain)) > 3

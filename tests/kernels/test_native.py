@@ -1,0 +1,111 @@
+"""The native quantized matmul against numpy: codes unpacked by hand from MLX's documented
+layout (element j of a uint32 word at bits ``bits * j``, ``w = scale * q + bias`` per group of
+32), not by ``mx.dequantize``."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from qfserve.kernels import native
+
+
+def _buildable() -> str | None:
+    if not sys.platform.startswith("linux"):
+        return "the native kernel is built on Linux only"
+    if shutil.which("cmake") is None or shutil.which("c++") is None:
+        return "no cmake or C++ compiler on this machine"
+    return None
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    """Built once per machine into qfserve's cache (as a server builds it): where a compiler
+    and CMake exist, a failed build is a failure, not a skip."""
+    from qfserve.engine.models.gguf.convert import cache_root
+
+    if reason := _buildable():
+        pytest.skip(reason)
+    module = native.load(cache_root() / "native")
+    assert module is not None, "the native kernel did not build (see the warning logged)"
+    return module
+
+
+def unpack(w: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int) -> np.ndarray:
+    """The dense float64 weight of MLX affine codes, in numpy."""
+    per_word = 32 // bits
+    shifts = np.arange(per_word, dtype=np.uint32) * bits
+    q = (w[..., None] >> shifts) & np.uint32((1 << bits) - 1)  # (N, words, per_word)
+    q = q.reshape(w.shape[0], -1).astype(np.float64)  # (N, K)
+    groups = q.reshape(q.shape[0], -1, 32)
+    dense = groups * scales[..., None].astype(np.float64) + biases[..., None].astype(np.float64)
+    return dense.reshape(q.shape)
+
+
+def codes(rng: np.random.Generator, n: int, k: int, bits: int):
+    w = mx.array(rng.integers(0, 2**32, size=(n, k * bits // 32), dtype=np.uint32))
+    scales = mx.array(rng.uniform(0.001, 0.05, size=(n, k // 32)).astype(np.float32))
+    biases = mx.array(rng.uniform(-0.2, 0.2, size=(n, k // 32)).astype(np.float32))
+    return w, scales, biases
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [1, 3, 4, 9])
+@pytest.mark.parametrize(("n", "k"), [(96, 64), (1000, 576), (4100, 160)])
+def test_products_match_numpy(kernel, bits, rows, n, k):
+    rng = np.random.default_rng(rows * 1000 + n + bits)
+    w, scales, biases = codes(rng, n, k, bits)
+    x = mx.array(rng.standard_normal((rows, k), dtype=np.float32))
+    got = np.array(kernel.quantized_matmul(x, w, scales, biases, bits))
+    want = (
+        np.array(x, dtype=np.float64)
+        @ unpack(np.array(w), np.array(scales), np.array(biases), bits).T
+    )
+    assert got.shape == (rows, n) and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+
+
+def test_strided_inputs_and_compile(kernel):
+    """A transposed view is made contiguous first, and the primitive runs inside mx.compile."""
+    rng = np.random.default_rng(1)
+    w, scales, biases = codes(rng, 256, 128, 4)
+    x = mx.array(rng.standard_normal((128, 2), dtype=np.float32)).T  # (2, 128), not contiguous
+    dense = unpack(np.array(w), np.array(scales), np.array(biases), 4)
+    want = np.array(x, dtype=np.float64) @ dense.T
+    got = kernel.quantized_matmul(x, w, scales, biases, 4)
+    compiled = mx.compile(lambda a: kernel.quantized_matmul(a, w, scales, biases, 4) * 2.0)
+    np.testing.assert_allclose(np.array(got), want, rtol=2e-5, atol=1e-4)
+    np.testing.assert_allclose(np.array(compiled(x)), 2 * want, rtol=2e-5, atol=2e-4)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"bits": 3}, "bits must be 4 or 8"),
+        ({"x": mx.zeros((1, 96))}, "shapes do not match"),
+        ({"x": mx.zeros((1, 64), dtype=mx.float16)}, "must be float32"),
+        ({"scales": mx.zeros((32, 3))}, "shapes do not match"),
+    ],
+)
+def test_bad_arguments_are_refused(kernel, change, message):
+    w, scales, biases = codes(np.random.default_rng(2), 32, 64, 4)
+    args = {"x": mx.zeros((1, 64)), "w": w, "scales": scales, "biases": biases, "bits": 4}
+    with pytest.raises(ValueError, match=message):
+        kernel.quantized_matmul(**{**args, **change})
+
+
+def test_off_switch_and_unbuildable_fall_back(monkeypatch, tmp_path):
+    """``QFSERVE_NATIVE=off`` and a machine without CMake both give ``None`` (callers keep
+    float32), the latter with the reason logged."""
+    monkeypatch.setenv("QFSERVE_NATIVE", "off")
+    assert native.load(tmp_path / "a") is None
+    monkeypatch.setenv("QFSERVE_NATIVE", "auto")
+    monkeypatch.setattr(native.shutil, "which", lambda name: None)
+    monkeypatch.setattr(native, "_pip_cmake", lambda: None)
+    assert native.load(tmp_path / "b") is None
+    assert not list(Path(tmp_path / "b").glob("*/*.so"))
