@@ -226,6 +226,52 @@ void rows_avx2(const uint8_t* w, const float* scales, const float* biases, const
 }
 #endif
 
+#ifdef __AVX512F__
+// The same with 16 lanes: a group is two vectors, one widening (vpmovzxbd) per 16 codes.
+template <int BITS, int MB>
+void rows_avx512(const uint8_t* w, const float* scales, const float* biases, const float* xp,
+                 const float* xs, float* y, int N, int K, int n0, int n1) {
+  const int G = K / kGroup;
+  const int row_bytes = K * BITS / 8;
+  const __m512i mask = _mm512_set1_epi32(0x0f);
+  for (int n = n0; n < n1; ++n) {
+    const uint8_t* wn = w + static_cast<size_t>(n) * row_bytes;
+    const float* sn = scales + static_cast<size_t>(n) * G;
+    const float* bn = biases + static_cast<size_t>(n) * G;
+    __m512 acc[MB];
+    float bias_sum[MB];
+    for (int m = 0; m < MB; ++m) {
+      acc[m] = _mm512_setzero_ps();
+      bias_sum[m] = 0.f;
+    }
+    for (int g = 0; g < G; ++g) {
+      const uint8_t* wg = wn + g * (kGroup * BITS / 8);
+      __m512 f0, f1;
+      if constexpr (BITS == 4) {  // lanes: byte i's low nibble (x[2i]), then its high one
+        __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wg)));
+        f0 = _mm512_cvtepi32_ps(_mm512_and_si512(v, mask));
+        f1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+      } else {
+        f0 = _mm512_cvtepi32_ps(
+            _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wg))));
+        f1 = _mm512_cvtepi32_ps(
+            _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wg + 16))));
+      }
+      const __m512 s = _mm512_set1_ps(sn[g]);
+      for (int m = 0; m < MB; ++m) {
+        const float* xg = xp + static_cast<size_t>(m) * K + g * kGroup;
+        __m512 d = _mm512_mul_ps(f0, _mm512_loadu_ps(xg));
+        d = _mm512_fmadd_ps(f1, _mm512_loadu_ps(xg + 16), d);
+        acc[m] = _mm512_fmadd_ps(d, s, acc[m]);
+        bias_sum[m] += bn[g] * xs[static_cast<size_t>(m) * G + g];
+      }
+    }
+    for (int m = 0; m < MB; ++m)
+      y[static_cast<size_t>(m) * N + n] = _mm512_reduce_add_ps(acc[m]) + bias_sum[m];
+  }
+}
+#endif
+
 // Portable version: the same arithmetic, one element at a time.
 template <int BITS, int MB>
 void rows_scalar(const uint8_t* w, const float* scales, const float* biases, const float* xp,
@@ -260,7 +306,9 @@ void rows_scalar(const uint8_t* w, const float* scales, const float* biases, con
 template <int BITS, int MB>
 void rows(const uint8_t* w, const float* s, const float* b, const float* xp, const float* xs,
           float* y, int N, int K, int n0, int n1) {
-#ifdef QF_AVX2
+#if defined(__AVX512F__)
+  rows_avx512<BITS, MB>(w, s, b, xp, xs, y, N, K, n0, n1);
+#elif defined(QF_AVX2)
   rows_avx2<BITS, MB>(w, s, b, xp, xs, y, N, K, n0, n1);
 #else
   rows_scalar<BITS, MB>(w, s, b, xp, xs, y, N, K, n0, n1);
@@ -392,7 +440,9 @@ NB_MODULE(_quantized_matmul, m) {
         nb::arg("biases"), nb::arg("bits"), nb::kw_only(), nb::arg("stream") = nb::none(),
         "x (M, K) float32 @ the dequantized w (N, K).T -> (M, N) float32.");
   m.def("threads", [] { return pool().threads(); }, "Threads of the kernel's pool.");
-#ifdef QF_AVX2
+#if defined(__AVX512F__)
+  m.attr("simd") = "avx512";
+#elif defined(QF_AVX2)
   m.attr("simd") = "avx2";
 #else
   m.attr("simd") = "none";
