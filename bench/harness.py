@@ -615,19 +615,20 @@ def context_plot(
 def grouped_bars(
     ax: Any,
     groups: list[str],
-    stats: list[dict[str, dict[str, float]]],
+    stats: list[dict[str, Any]],
     title: str,
     scale: float = 1.0,
     style: Callable[[str], dict[str, Any]] | None = None,
 ) -> None:
-    """Per group (an x tick), one bar per arm of ``stats[group]``: its median (times
-    ``scale``) with its IQR; ``style(arm)``: the bar's matplotlib options."""
-    arms = list(stats[0])
-    width = 0.8 / len(arms)
-    for i, arm in enumerate(arms):
-        med, err = errorbars([s[arm] for s in stats], scale)
-        x = [j + (i - (len(arms) - 1) / 2) * width for j in range(len(groups))]
-        ax.bar(x, med, width, yerr=err, capsize=3, label=arm, **(style(arm) if style else {}))
+    """Per group (an x tick), one bar per key of ``stats[group]``: a :func:`summary`'s median
+    (times ``scale``) with its IQR, or a plain value; ``style(key)``: the bar's options."""
+    keys = list(stats[0])
+    width = 0.8 / len(keys)
+    for i, key in enumerate(keys):
+        values = [s[key] for s in stats]
+        med, err = errorbars(values, scale) if isinstance(values[0], dict) else (values, None)
+        x = [j + (i - (len(keys) - 1) / 2) * width for j in range(len(groups))]
+        ax.bar(x, med, width, yerr=err, capsize=3, label=key, **(style(key) if style else {}))
     ax.set_xticks(range(len(groups)), groups)
-    ax.set(title=f"{title} (median, IQR)")
+    ax.set(title=title)
     ax.legend(fontsize=8)

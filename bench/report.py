@@ -114,8 +114,8 @@ def _heading(title: str, data: dict[str, Any], run: str) -> list[str]:
     return [f"### {title}", "", when + run]
 
 
-def quality_header(title: str, data: dict[str, Any], intro: str = "") -> list[str]:
-    """A quality study's heading: its run, model and filters, then ``intro``."""
+def _quality_header(title: str, data: dict[str, Any]) -> list[str]:
+    """A quality study's heading: its run, model and filters."""
     model, cal = data["model"], data.get("calibration") or {}
     run = (
         f". Model `{model['path']}` at **{model['checkpoint']}** (weights sha1 "
@@ -130,11 +130,11 @@ def quality_header(title: str, data: dict[str, Any], intro: str = "") -> list[st
     lines = _heading(title, data, run)
     if data.get("quick"):
         lines += ["", "**Quick (smoke-test) run: sizes too small to read anything into.**"]
-    return [*lines, "", intro, ""] if intro else lines
+    return lines
 
 
-def speed_header(title: str, data: dict[str, Any], intro: str = "") -> list[str]:
-    """A speed study's heading: its run and machine, then ``intro``."""
+def _speed_header(title: str, data: dict[str, Any]) -> list[str]:
+    """A speed study's heading: its run and machine."""
     m = data["machine"]
     run = (
         f"; {m['processor']}, {m.get('cpu_count', '?')} cores, {m['device']}, MLX {m['mlx']}, "
@@ -145,11 +145,24 @@ def speed_header(title: str, data: dict[str, Any], intro: str = "") -> list[str]
         lines += ["", f"*Machine note: {m['notes']}.*"]
     if data.get("quick"):
         lines += ["", "*Quick (CI-sized) run: not a measurement.*"]
-    return [*lines, "", intro, ""] if intro else [*lines, ""]
+    return lines
 
 
 def plots(data: dict[str, Any]) -> list[str]:
     return ["", *[f"![{p}](results/{p})" for p in data.get("plots", [])]]
+
+
+def section(title: str, data: dict[str, Any], *blocks: str | list[str]) -> list[str]:
+    """A study's section of the page: its heading (a quality or a speed study's), ``blocks`` (a
+    line or a list of lines each) a blank line apart, then its plots (a speed study's followed
+    by a blank line)."""
+    quality = study(data["benchmark"]).section == "quality"
+    lines = (_quality_header if quality else _speed_header)(title, data)
+    for block in blocks:
+        lines += ["", *([block] if isinstance(block, str) else block)]
+    if quality:
+        return lines + plots(data)
+    return [*lines, *plots(data), ""] if "plots" in data else lines
 
 
 def spread_cell(s: dict[str, Any], digits: int = 3) -> str:

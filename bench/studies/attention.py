@@ -15,7 +15,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from bench.arms import add_traffic_argument
 from bench.data import recall_windows, stdlib_windows
 from bench.harness import color, open_run, parse, parser, progress, save_plot, subplots, summary
-from bench.report import fmt, pct, plots, quality_header, spread_cell, table
+from bench.report import fmt, pct, section, spread_cell, table
 from qfserve.calibrations.capture import QueryCapture
 from qfserve.calibrations.model_info import attention_modules
 from qfserve.engine.kv.config import DEFAULT_CALIB_TOKENS, DEFAULT_N_SINK
@@ -203,23 +203,23 @@ def render(data: dict[str, Any]) -> list[str]:
         f"{', '.join(map(str, lengths))}-token held-out sequences {d['sequences']}. Mean over "
         "heads, the share of heads where it is positive, and the spread of per-head values."
     )
-    lines = quality_header("Does the score predict attention?", data, intro)
+    blocks: list[str | list[str]] = [intro]
     if len(lengths) > 1:  # one row per scorer, a column per length (both kinds of data)
         keys = [f"all@{n}" for n in lengths] + ["all"]
         rows = [[scorer, *(f"{fmt(results[k][scorer]['mean_rho'], 2)} "
                            f"({pct(results[k][scorer]['share_heads_positive'])})" for k in keys)]
                 for scorer in results["all"]]  # fmt: skip
-        lines += ["Mean ρ over KV heads (share of heads with ρ > 0), by sequence length:", "",
-                  *table(["scorer", *[f"{n} tokens" for n in lengths], "all sequences pooled"], rows),
-                  "", "By data and length:", ""]  # fmt: skip
+        blocks += ["Mean ρ over KV heads (share of heads with ρ > 0), by sequence length:",
+                   table(["scorer", *[f"{n} tokens" for n in lengths], "all sequences pooled"], rows),
+                   "By data and length:"]  # fmt: skip
     rows = [[dataset, scorer, fmt(r["mean_rho"]), pct(r["share_heads_positive"]),
              spread_cell(r["per_head_spread"])]
             for dataset, res in results.items() for scorer, r in res.items()]  # fmt: skip
-    lines += table(["data", "scorer", "mean ρ", "heads ρ > 0", "per-head [q1–q3]"], rows)
+    blocks.append(table(["data", "scorer", "mean ρ", "heads ρ > 0", "per-head [q1–q3]"], rows))
     if res := results.get("all"):
         per_layer = zip(*(r["per_head"] for r in res.values()), strict=True)
         cell = lambda heads: " / ".join(f"{v:+.2f}" for v in heads)  # noqa: E731
         rows = [[layer, *map(cell, by_scorer)] for layer, by_scorer in enumerate(per_layer)]
-        lines += ["", "Per layer (all data; each cell: ρ of KV head 0 / 1 / ...):", ""]
-        lines += table(["layer", *res], rows)
-    return lines + plots(data)
+        blocks += ["Per layer (all data; each cell: ρ of KV head 0 / 1 / ...):"]
+        blocks.append(table(["layer", *res], rows))
+    return section("Does the score predict attention?", data, *blocks)

@@ -13,7 +13,7 @@ from bench import harness
 from bench.arms import caches_for, decode_timer, kv_stats, prefill
 from bench.data import prompt_tokens
 from bench.harness import MiB
-from bench.report import ms, plots, ratio_cell, speed_header, table
+from bench.report import ms, ratio_cell, section, table
 
 
 def measure_bandwidth(mib: int, reps: int, log: harness.Progress) -> dict:
@@ -112,18 +112,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def render(d: dict[str, Any]) -> list[str]:
     b = d["bandwidth"]
-    lines = speed_header("The physical limit: memory bandwidth vs bytes read per token", d)
-    lines += [
+    intro = (
         f"Bandwidth ({b['method']}, {b['buffer_mib']} MiB buffers): copy "
         f"{ms(b['copy_gbps'], 1.0, 1)} GB/s, read {ms(b['read_gbps'], 1.0, 1)} GB/s; "
-        f"reference {b['reference_gbps']:.1f} GB/s. Decode at context {d['settings']['context']}.",
-        "",
-    ]
+        f"reference {b['reference_gbps']:.1f} GB/s. Decode at context {d['settings']['context']}."
+    )
     to_full = {r["arm"]: ratio_cell(r) for r in d["ratios"]}
     rows = [[r["arm"], ms(r["ms_per_step"]), to_full.get(r["arm"], "—"),
              f"{r['bytes_per_token'] / MiB:.2f}", f"{r['achieved_gbps']:.2f}",
              f"{r['percent_of_bandwidth']:.1f}", f"{r['percent_incl_cache_copies']:.1f}",
              f"{r['floor_ms_at_bandwidth']:.3f}"] for r in d["decode"]]  # fmt: skip
-    lines += table(["arm", "ms/step", "ratio to full", "MiB read/token", "GB/s reached",
-                    "% of bandwidth", "% incl. cache copies", "bandwidth floor ms"], rows)  # fmt: skip
-    return lines + ["", f"Caveat: {d['caveat']}.", *plots(d), ""]
+    headers = ["arm", "ms/step", "ratio to full", "MiB read/token", "GB/s reached",
+               "% of bandwidth", "% incl. cache copies", "bandwidth floor ms"]  # fmt: skip
+    title = "The physical limit: memory bandwidth vs bytes read per token"
+    return section(title, d, intro, table(headers, rows), f"Caveat: {d['caveat']}.")

@@ -12,7 +12,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 from bench.arms import make_caches, prefill
 from bench.data import prompt_tokens
 from bench.harness import interleave, log2_axis, ratio_row, save_plot, start, subplots, summaries
-from bench.report import plots, speed_header, table
+from bench.report import section, table
 from bench.studies.profile import timed
 from qfserve.engine.kv.attention import install_head_masks
 from qfserve.engine.kv.config import CacheConfig
@@ -81,7 +81,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 a: r["batch"] * one[a] / r["step_s"][a]["median"] for a in one
             }
     result = {
-        "study": "batch_step",
         "settings": {"batches": args.batches, "prompt": args.prompt, "budget": args.budget,
                      "chunk": args.chunk, "reps": args.reps,
                      "ours": "BatchCache over per-request Q-Filters EvictionCaches",
@@ -115,4 +114,4 @@ def render(d: dict[str, Any]) -> list[str]:
     headers = ["batch", "ours ms", "theirs ms", "ours updates ms", "theirs updates ms"]
     headers += ["ours/theirs", "A/A", "chunked/ours", "ours tok/s ×", "theirs tok/s ×"]
     title = "One decode step of a batch: per-request caches against mlx-lm's"
-    return speed_header(title, d, intro) + table(headers, rows) + [*plots(d), ""]
+    return section(title, d, intro, table(headers, rows))

@@ -14,7 +14,7 @@ import numpy as np
 
 from bench import harness
 from bench.data import chat_content, eos_ban
-from bench.report import plots, speed_header, table
+from bench.report import section, table
 from bench.studies.multiturn import start_servers
 
 ARMS = ("serial", "batched_a", "theirs", "batched_b")
@@ -147,16 +147,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def render(d: dict[str, Any]) -> list[str]:
     s = d["settings"]
-    lines = speed_header("Continuous batching: concurrent streams", d)
-    lines += [
+    intro = (
         f"Streamed chat requests of one prompt length sent at once, greedy, {s['max_tokens']} "
         f"tokens (EOS banned); ours mix methods and budgets. Arms: {s['serial']} (serial), "
         f"{s['batched']} (batched_a, and batched_b as the A/A copy), {s['theirs']} (theirs). "
         "Decode tokens/s is aggregate: tokens after each stream's first, over the span from "
         "the first first token to the last stream's end; steady tokens/s counts only the "
-        "span in which every stream is decoding (from the last first token to the first end).",
-        "",
-    ]
+        "span in which every stream is decoding (from the last first token to the first end)."
+    )
 
     def median(row: dict[str, Any], key: str, arm: str) -> str:
         """'' where there is none: no steady span, or older results without the steady rate."""
@@ -165,13 +163,15 @@ def render(d: dict[str, Any]) -> list[str]:
 
     rows = [[r["prompt_tokens"], r["streams"], a, *(median(r, k, a) for k in COLUMNS)]
             for r in d["rows"] for a in r["tokens_per_s"]]  # fmt: skip
-    lines += table(["prompt", "streams", "arm", *COLUMNS.values()], rows)
+    blocks: list[str | list[str]] = [
+        intro,
+        table(["prompt", "streams", "arm", *COLUMNS.values()], rows),
+    ]
     for key, what in (
         ("speedup_over_one_stream", "decode"),
         ("steady_speedup_over_one_stream", "steady decode"),
     ):
-        for n, sp in (d.get(key) or {}).items():
-            if sp:
-                lines += ["", f"Prompt {n}: batched {what} tokens/s over one stream: " + ", ".join(
-                    f"{c} streams {v:.2f}×" for c, v in sp.items())]  # fmt: skip
-    return lines + [*plots(d), ""]
+        blocks += [f"Prompt {n}: batched {what} tokens/s over one stream: "
+                   + ", ".join(f"{c} streams {v:.2f}×" for c, v in sp.items())
+                   for n, sp in (d.get(key) or {}).items() if sp]  # fmt: skip
+    return section("Continuous batching: concurrent streams", d, *blocks)

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 
 from bench.harness import interleave, open_run, parse, parser, ratios, summaries
-from bench.report import ratio_cell, speed_header, table
+from bench.report import ratio_cell, section, table
 from bench.studies.vs_mlx_lm import chat_arm, per_arm
 from qfserve import testing
 from qfserve.engine.models.blas import find_blas
@@ -61,13 +61,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def render(d: dict[str, Any]) -> list[str]:
     s = d["settings"]
-    lines = speed_header("OpenBLAS from PyPI against the system's", d)
-    lines += [f"Streamed chat, {s['prompt_tokens']:,}-token prompts, {s['max_tokens']} tokens, "
-              f"greedy, {s['reps']} interleaved rounds. Throughput ratios to `system` (above 1: "
-              "faster); `pip_b` is the wheel again (A/A).", ""]  # fmt: skip
+    intro = (
+        f"Streamed chat, {s['prompt_tokens']:,}-token prompts, {s['max_tokens']} tokens, "
+        f"greedy, {s['reps']} interleaved rounds. Throughput ratios to `system` (above 1: "
+        "faster); `pip_b` is the wheel again (A/A)."
+    )
     pre, dec = (
         {r["arm"]: ratio_cell(r) for r in d[k]} for k in ("prefill_ratios", "decode_ratios")
     )
     rows = [[arm, f"{d['prefill_tps'][arm]['median']:.0f}", pre.get(arm, "1"),
              f"{d['decode_tps'][arm]['median']:.1f}", dec.get(arm, "1")] for arm in ARMS]  # fmt: skip
-    return lines + table(["arm", "prefill tok/s", "ratio", "decode tok/s", "ratio"], rows)
+    headers = ["arm", "prefill tok/s", "ratio", "decode tok/s", "ratio"]
+    return section("OpenBLAS from PyPI against the system's", d, intro, table(headers, rows))

@@ -13,7 +13,7 @@ from bench import harness
 from bench.arms import caches_for, decode_timer, kv_stats, prefill
 from bench.data import prompt_tokens
 from bench.harness import MiB
-from bench.report import ms, plots, ratio_cell, speed_header, table
+from bench.report import ms, ratio_cell, section, table
 
 
 def copy_full(model: Any, caches: list[Any]) -> list[Any]:
@@ -131,15 +131,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def render(d: dict[str, Any]) -> list[str]:
     s, budgets = d["settings"], d["settings"]["budgets"]
-    lines = speed_header(
-        "Decode step time, eviction overhead and memory against context",
-        d,
-        f"ms per decode step, median [IQR] over {s['reps']} interleaved repetitions "
-        f"of {s['steps']} steps; ratios are medians of paired per-round ratios to "
-        "the first full arm (A/A = the second full arm: the noise floor). Q-Filters, "
-        f"n_sink 4, recent 0, filters: {d['model']['filter_source']}. Contexts run one after "
-        "another, so absolute ms across rows also track the machine's load at the time; "
-        "compare within a row.",
+    intro = (
+        f"ms per decode step, median [IQR] over {s['reps']} interleaved repetitions of "
+        f"{s['steps']} steps; ratios are medians of paired per-round ratios to the first full "
+        "arm (A/A = the second full arm: the noise floor). Q-Filters, n_sink 4, recent 0, "
+        f"filters: {d['model']['filter_source']}. Contexts run one after another, so absolute ms "
+        "across rows also track the machine's load at the time; compare within a row."
     )
     rows = []
     for r in d["sweep"]:
@@ -149,32 +146,31 @@ def render(d: dict[str, Any]) -> list[str]:
                      *(f"{step[f'b{b}']['median']:.2f} ({ratio_cell(rr[f'b{b}'])})"
                        + ("" if r["evicting"][f"b{b}"] else " no eviction yet")
                        for b in budgets)])  # fmt: skip
-    budget_cols = [f"budget {b}: ms (ratio to full)" for b in budgets]
-    lines += table(["context", "full ms", "A/A", *budget_cols], rows)
-    lines += [
-        "",
-        "Eviction overhead at equal size: our cache at budget B holding B rows (one "
-        "evicted per step) against mlx-lm's `KVCache` holding B rows.",
-        "",
-    ]
+    sweep = table(
+        ["context", "full ms", "A/A", *(f"budget {b}: ms (ratio to full)" for b in budgets)], rows
+    )
+    overhead = (
+        "Eviction overhead at equal size: our cache at budget B holding B rows (one evicted per "
+        "step) against mlx-lm's `KVCache` holding B rows."
+    )
     rows = [[o["budget"], ms(o["ms_per_step"]["kvcache_a"]), ms(o["ms_per_step"]["ours"]),
              ratio_cell(o["ratios"][0]), ratio_cell(o["ratios"][1])] for o in d["overhead"]]  # fmt: skip
-    lines += table(["B", "KVCache ms", "ours ms", "A/A", "ours / KVCache"], rows)
+    equal = table(["B", "KVCache ms", "ours ms", "A/A", "ours / KVCache"], rows)
     per_token = d.get("kv_bytes_per_token")  # older results have neither it nor RSS growth
-    lines += [
-        "",
+    memory = (
         "Memory, MiB: kept KV (keys + values, all layers), what the cache arrays hold "
         "(mlx-lm's `KVCache` preallocates in steps of 256; ours also holds scores), "
         "MLX's peak above what was live before the arm during prefill (512-token chunks) "
         "and during decode, and how much the process's RSS grew for the arm (an upper "
         "bound: the allocator may keep freed pages)."
-        + ("" if per_token is None else f" KV bytes per token of this model (full cache): {per_token:,.0f}."),
-        "",
-    ]  # fmt: skip
+    )
+    if per_token is not None:
+        memory += f" KV bytes per token of this model (full cache): {per_token:,.0f}."
     rss = all("rss_growth_bytes" in m for m in d["memory"])
     rows = [[m["context"], m["arm"], f"{m['kept_bytes'] / MiB:.2f}", f"{m['cache_nbytes'] / MiB:.2f}",
              f"{m['prefill_peak_bytes'] / MiB:.1f}", f"{m['decode_peak_bytes'] / MiB:.2f}",
              *([f"{m['rss_growth_bytes'] / MiB:.1f}"] if rss else [])] for m in d["memory"]]  # fmt: skip
     headers = ["context", "arm", "kept KV", "cache arrays", "prefill peak", "decode peak"]
-    lines += table([*headers, *(["RSS growth"] if rss else [])], rows)
-    return lines + [*plots(d), ""]
+    kept = table([*headers, *(["RSS growth"] if rss else [])], rows)
+    title = "Decode step time, eviction overhead and memory against context"
+    return section(title, d, intro, sweep, overhead, equal, memory, kept)

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 
 from bench.harness import MiB, interleave, start
-from bench.report import plots, speed_header, table
+from bench.report import section, table
 from bench.studies.vs_mlx_lm import SPEED_HEADERS, chat_arm, speed_plot, speed_rows, speeds
 from qfserve import testing as servers
 
@@ -69,5 +69,5 @@ def render(d: dict[str, Any]) -> list[str]:
     kv = [" / ".join(f"{b / MiB:.2f}" for b in r["kv_bytes_per_rank"][a])
           for r in d["rows"] for a in r["ttft_s"]]  # fmt: skip
     rows = [[*row, held] for row, held in zip(speed_rows(d, tps_digits=1), kv, strict=True)]
-    return (speed_header(f"One process against {s['ranks']} ranks", d, intro)
-            + table([*SPEED_HEADERS, "KV MiB one rank holds"], rows) + [*plots(d), ""])  # fmt: skip
+    headers = [*SPEED_HEADERS, "KV MiB one rank holds"]
+    return section(f"One process against {s['ranks']} ranks", d, intro, table(headers, rows))

@@ -13,7 +13,7 @@ import numpy as np
 
 from bench.data import recall_windows, stdlib_windows
 from bench.harness import open_run, parse, parser, progress, save_plot, subplots, summary
-from bench.report import fmt, pct, plots, quality_header, spread_cell, table
+from bench.report import fmt, pct, section, spread_cell, table
 from qfserve.calibrations.capture import capture_queries
 from qfserve.calibrations.compute import layer_filters
 
@@ -98,8 +98,7 @@ def render(data: dict[str, Any]) -> list[str]:
         "head) against the calibrated filter of their KV head. Spread is the median "
         "[q1–q3] over query heads."
     )
-    lines = quality_header("Geometry: are the queries anisotropic?", data, intro)
-    lines += table(["measure", "median [q1–q3] over heads"], rows)
+    blocks = [intro, table(["measure", "median [q1–q3] over heads"], rows)]
     if anisotropy := data.get("calibration", {}).get("anisotropy"):
         headers = ["layer", "heads positive on their KV filter", "top energy (mean)",
                    "drift ratio (median)"]  # fmt: skip
@@ -107,6 +106,6 @@ def render(data: dict[str, Any]) -> list[str]:
             [a["layer"], pct(a["positive_share"]), fmt(a["top_energy"]), fmt(a["drift_ratio"], 1)]
             for a in anisotropy
         ]
-        lines += ["", "On the calibration queries themselves (`qfserve.calibrations.compute`'s "
-                  "per-layer summary):", "", *table(headers, rows)]  # fmt: skip
-    return lines + plots(data)
+        blocks += ["On the calibration queries themselves (`qfserve.calibrations.compute`'s "
+                   "per-layer summary):", table(headers, rows)]  # fmt: skip
+    return section("Geometry: are the queries anisotropic?", data, *blocks)

@@ -17,21 +17,12 @@ from pathlib import Path
 import numpy as np
 
 from bench.harness import RESULTS_DIR, command_line, interleave, summaries
+from qfserve.kernels import sources
 from qfserve.kernels.cpu_model import fused_evict_model
-from qfserve.kernels.sources import (
-    APPLY,
-    DEFAULT_THREADS,
-    MAX_BUDGET,
-    SCORE,
-    SCORE_ROWS_PER_GROUP,
-    SIMD_WIDTH,
-    cuda_kernel_name,
-    cuda_module_source,
-)
 
 GROUPS, BUDGET, HEAD_DIM, N_SINK, RECENT = 32, 512, 128, 4, 64
 ROWS = (4096, 16384)
-KERNELS = [(SCORE, "float16", "float16"), (APPLY, "float16", "float16")]
+KERNELS = [(sources.SCORE, "float16", "float16"), (sources.APPLY, "float16", "float16")]
 
 
 def argsort_keep(scores: np.ndarray, budget: int, n_sink: int, recent: int) -> np.ndarray:
@@ -58,7 +49,7 @@ def cpu_self_check() -> None:
         take = np.arange(G)[:, None]
         if not (np.array_equal(k, keys[take, want]) and np.array_equal(s, scores[take, want])):
             sys.exit(f"self-check failed: kernel model != argsort reference ({kind} scores)")
-    source = cuda_module_source(KERNELS)
+    source = sources.cuda_module_source(KERNELS)
     print(f"CPU self-check passed: model == reference; CUDA module text {len(source)} chars")
 
 
@@ -97,9 +88,9 @@ def main(argv: list[str] | None = None) -> dict:
         return {"cpu_reference_only": "passed"}
     torch, cupy = require_cuda()
     dev = torch.device("cuda")
-    module = cupy.RawModule(code=cuda_module_source(KERNELS), options=("--std=c++17",))
-    apply_fn = module.get_function(cuda_kernel_name(APPLY, "float16", "float16"))
-    score_fn = module.get_function(cuda_kernel_name(SCORE, "float16"))
+    module = cupy.RawModule(code=sources.cuda_module_source(KERNELS), options=("--std=c++17",))
+    apply_fn = module.get_function(sources.cuda_kernel_name(sources.APPLY, "float16", "float16"))
+    score_fn = module.get_function(sources.cuda_kernel_name(sources.SCORE, "float16"))
 
     def kernel_apply(keys, values, scores, thresh, L):
         out_k = torch.empty((GROUPS, BUDGET, HEAD_DIM), dtype=keys.dtype, device=dev)
@@ -109,7 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
             [L, HEAD_DIM, HEAD_DIM, BUDGET, N_SINK, RECENT], dtype=torch.int32, device=dev
         )
         bufs = [keys, values, scores, thresh, params, out_k, out_v, out_s]
-        apply_fn((GROUPS,), (DEFAULT_THREADS,), tuple(cupy.asarray(b) for b in bufs))
+        apply_fn((GROUPS,), (sources.DEFAULT_THREADS,), tuple(cupy.asarray(b) for b in bufs))
         return out_k, out_v, out_s
 
     def threshold(scores, L):
@@ -141,9 +132,9 @@ def main(argv: list[str] | None = None) -> dict:
         filters = torch.randn((GROUPS, HEAD_DIM), generator=gen, device=dev)
         scores = torch.empty((GROUPS, L), dtype=torch.float32, device=dev)
         params = torch.tensor([L, HEAD_DIM, 0, 0, GROUPS], dtype=torch.int32, device=dev)
-        score_threads = SCORE_ROWS_PER_GROUP * SIMD_WIDTH
+        score_threads = sources.SCORE_ROWS_PER_GROUP * sources.SIMD_WIDTH
         score_fn(
-            (-(-GROUPS * L * SIMD_WIDTH // score_threads),),
+            (-(-GROUPS * L * sources.SIMD_WIDTH // score_threads),),
             (score_threads,),
             tuple(cupy.asarray(b) for b in (keys, filters, params, scores)),
         )
@@ -196,8 +187,8 @@ def main(argv: list[str] | None = None) -> dict:
         "machine": {"platform": platform.platform(), "gpu": torch.cuda.get_device_name(),
                     "torch": torch.__version__, "cupy": cupy.__version__},
         "config": {"groups": GROUPS, "budget": BUDGET, "head_dim": HEAD_DIM, "n_sink": N_SINK,
-                   "recent": RECENT, "dtype": "float16", "threads": DEFAULT_THREADS,
-                   "max_budget": MAX_BUDGET, "reps": args.reps,
+                   "recent": RECENT, "dtype": "float16", "threads": sources.DEFAULT_THREADS,
+                   "max_budget": sources.MAX_BUDGET, "reps": args.reps,
                    "timing": "CUDA events around each call, arms interleaved; A/A pair = topk twice"},
         "results": results,
     }  # fmt: skip

@@ -14,7 +14,7 @@ import mlx.core as mx
 from bench.arms import decode_timer, prefill
 from bench.data import prompt_tokens
 from bench.harness import compare_arms, save_plot, start, subplots
-from bench.report import ms, plots, ratio_cell, speed_header, table
+from bench.report import ms, ratio_cell, section, table
 from qfserve.engine.kv.attention import set_blocked
 from qfserve.engine.kv.config import CacheConfig
 from qfserve.engine.kv.factory import make_caches
@@ -81,14 +81,12 @@ def render(d: dict[str, Any]) -> list[str]:
         "on MLX's own attention, every other arm on the blocked CPU attention); the decode step "
         f"({s['decode_steps']} steps at budget) is kvzip's over Q-Filters'."
     )
-    lines = speed_header("KVzip's cost: the reconstruction pass against a plain prefill", d, intro)
     by_arm = {r["arm"]: r for r in d["prefill_ratios"]}
-    lines += table(["arm", "prefill s", "ratio to full", "peak MiB"], [
-        [a, f"{v['median']:.2f}", "1.00" if a == "full" else ratio_cell(by_arm[a]),
-         f"{d['peak_memory_bytes'][a] / 2**20:,.0f}"] for a, v in d["prefill_s"].items()])  # fmt: skip
+    rows = [[a, f"{v['median']:.2f}", "1.00" if a == "full" else ratio_cell(by_arm[a]),
+             f"{d['peak_memory_bytes'][a] / 2**20:,.0f}"] for a, v in d["prefill_s"].items()]  # fmt: skip
     decode = ", ".join(f"{a} {ms(v)} ms" for a, v in d["decode_ms"].items())
-    lines += [
-        "",
-        f"Decode step at budget: {decode}; kvzip / qfilters {ratio_cell(d['decode_ratios'][0])}.",
-    ]
-    return [*lines, *plots(d), ""]
+    step = f"Decode step at budget: {decode}; kvzip / qfilters {ratio_cell(d['decode_ratios'][0])}."
+    title = "KVzip's cost: the reconstruction pass against a plain prefill"
+    return section(
+        title, d, intro, table(["arm", "prefill s", "ratio to full", "peak MiB"], rows), step
+    )

@@ -19,7 +19,7 @@ import numpy as np
 from bench.arms import Arm, feed_block
 from bench.data import stdlib_prose
 from bench.harness import measured, open_run, parse, parser, read_jsonl, resume
-from bench.report import fmt, plots, quality_header
+from bench.report import fmt, section
 from bench.studies.niah import CITIES
 from bench.studies.retrieval import accuracy_plot, first_number_is, prefill_block, ratio_table
 
@@ -173,10 +173,13 @@ def render(d: dict[str, Any]) -> list[str]:
         "Accuracy:"
     )
     pairs = {k.removeprefix("overlap/"): by for k, by in d["overlap"].items()}
-    return [*quality_header("KVzip against kvpress's KVzipPress", d, intro),
-            *ratio_table("arm", ratios, d["accuracy"],
-                         lambda by, r: fmt(by.get(str(r), by.get("-")), 2)),
-            "", "Rows kept per (layer, KV head): share of kvpress's kept context rows ours keeps "
-            "too / Jaccard index:", "",
-            *ratio_table("pair", ratios, pairs, lambda by, r: f"{by[str(r)]['recall_of_kvpress']:.2f}"
-                         f" / {by[str(r)]['jaccard']:.2f}"), *plots(d)]  # fmt: skip
+    accuracy = ratio_table(
+        "arm", ratios, d["accuracy"], lambda by, r: fmt(by.get(str(r), by.get("-")), 2)
+    )
+    kept = ratio_table("pair", ratios, pairs, lambda by, r: f"{by[str(r)]['recall_of_kvpress']:.2f}"
+                       f" / {by[str(r)]['jaccard']:.2f}")  # fmt: skip
+    rows = (
+        "Rows kept per (layer, KV head): share of kvpress's kept context rows ours keeps too / "
+        "Jaccard index:"
+    )
+    return section("KVzip against kvpress's KVzipPress", d, intro, accuracy, rows, kept)

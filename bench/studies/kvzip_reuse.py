@@ -16,7 +16,7 @@ import numpy as np
 from bench import harness
 from bench.arms import Arm
 from bench.harness import color, open_run, parse, parser
-from bench.report import arm_label, fmt, plots, quality_header
+from bench.report import arm_label, fmt, section
 from bench.studies.kvzip_parity import prose
 from bench.studies.niah import CITIES
 from bench.studies.retrieval import accuracy_plot, first_number_is, ratio_table
@@ -132,8 +132,7 @@ def render(d: dict[str, Any]) -> list[str]:
         f"{d['every_later_turn_reused']}. Accuracy:"
     )
     rows = {arm_label(a): by for a, by in d["accuracy"].items()}
-    return [
-        *quality_header("KVzip through the prompt cache: facts asked turns later", d, intro),
-        *ratio_table("arm", d["ratios"], rows, lambda by, r: fmt(by.get(str(r), by.get("-")), 2)),
-        *plots(d),
-    ]
+    accuracy = ratio_table(
+        "arm", d["ratios"], rows, lambda by, r: fmt(by.get(str(r), by.get("-")), 2)
+    )
+    return section("KVzip through the prompt cache: facts asked turns later", d, intro, accuracy)

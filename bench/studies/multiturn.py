@@ -14,7 +14,7 @@ import httpx
 from bench import harness
 from bench.data import prose_windows
 from bench.harness import MiB, open_run, parse, parser, rss_bytes, save_plot, subplots, summary
-from bench.report import plots, speed_header, table
+from bench.report import section, table
 from qfserve import testing as servers
 
 ARMS = ("qfilters_reuse", "qfilters_fresh", "full_reuse", "theirs")
@@ -123,7 +123,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "arms": {a: {"server": SERVING[a], **extra[a]} for a in arms},
                 "theirs": "python -m mlx_lm.server (its prompt cache on, full KVCache)"}  # fmt: skip
     result = {
-        "study": "multiturn",
         "settings": settings,
         "turns": runs[0],  # the first conversation
         "runs": runs,
@@ -139,10 +138,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def render(d: dict[str, Any]) -> list[str]:
     s = d["settings"]
-    lines = speed_header("Multi-turn chat: reuse of compressed caches", d,
-                         f"{s['turns']} turns of about {s['turn_tokens']} new prose tokens each, "
-                         f"greedy answers of at most {s['max_tokens']} tokens; Q-Filters at "
-                         f"budget {s['budget']}.")  # fmt: skip
+    intro = (
+        f"{s['turns']} turns of about {s['turn_tokens']} new prose tokens each, greedy answers "
+        f"of at most {s['max_tokens']} tokens; Q-Filters at budget {s['budget']}."
+    )
     arms = list(d["turns"])
     picks = sorted({1, 2, len(d["turns"][arms[0]]) // 2, len(d["turns"][arms[0]])})
     rows = []
@@ -153,7 +152,7 @@ def render(d: dict[str, Any]) -> list[str]:
                 rows.append([t["turn"], a, t["prompt_tokens"], "—" if cached is None else cached,
                              f"{t['ttft_s']:.2f}", "—" if kept is None else f"{kept / MiB:.1f}",
                              f"{t['rss_bytes'] / MiB:.0f}"])  # fmt: skip
-    lines += table(["turn", "arm", "prompt", "cached", "TTFT s", "KV MiB", "RSS MiB"], rows)
+    headers = ["turn", "arm", "prompt", "cached", "TTFT s", "KV MiB", "RSS MiB"]
     by_conversation = d.get("last_over_second_ttft_by_conversation", {})
     n = s.get("conversations", 1)
 
@@ -165,6 +164,7 @@ def render(d: dict[str, Any]) -> list[str]:
 
     ratios = ", ".join(ratio(a, v) for a, v in d["last_over_second_ttft"].items() if v is not None)
     where = "in the first conversation " if n > 1 else ""
-    lines += ["", f"Rows above: {where}turns 1, 2, the middle and the last."]
-    lines += ["", f"TTFT at the last turn over turn 2: {ratios}."]
-    return lines + [*plots(d), ""]
+    picked = f"Rows above: {where}turns 1, 2, the middle and the last."
+    last = f"TTFT at the last turn over turn 2: {ratios}."
+    title = "Multi-turn chat: reuse of compressed caches"
+    return section(title, d, intro, table(headers, rows), picked, last)

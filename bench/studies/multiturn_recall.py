@@ -15,10 +15,11 @@ import mlx.core as mx
 from mlx_lm import stream_generate
 from mlx_lm.sample_utils import make_sampler
 
+from bench import harness
 from bench.arms import make_caches, prefill, token_nll
 from bench.data import prose_windows
-from bench.harness import Run, measured, open_run, parse, parser, resume, save_plot, subplots
-from bench.report import plots, quality_header, table
+from bench.harness import Run, measured, open_run, parse, parser, resume
+from bench.report import section, table
 from qfserve.engine.kv.config import CacheConfig
 from qfserve.engine.serving.config import DEFAULT_PREFILL_CHUNK
 from qfserve.engine.text.prompts import encode_prompt
@@ -102,21 +103,16 @@ def history(users: list[str], answers: list[str], k: int) -> list[dict[str, str]
 
 def plot(accuracy: dict, key_nll: dict, out: Any) -> list[str]:
     names = list(accuracy)
-    asks = sorted(next(iter(accuracy.values())))
-    width = 0.8 / len(asks)
-    fig, axes = subplots(1, 2, figsize=(max(10, 1.2 * len(names)), 4))
+    fig, axes = harness.subplots(1, 2, figsize=(max(10, 1.2 * len(names)), 4))
     for ax, values, title in (
         (axes[0, 0], accuracy, "pass key from turn 1: accuracy"),
         (axes[0, 1], key_nll, "the key's NLL as the answer (nats/token)"),
     ):
-        for i, k in enumerate(asks):
-            x = [j + (i - (len(asks) - 1) / 2) * width for j in range(len(names))]
-            ax.bar(x, [values[n][k] for n in names], width, label=f"asked at turn {k}")
+        by_ask = [{f"asked at turn {k}": v for k, v in values[n].items()} for n in names]
+        harness.grouped_bars(ax, names, by_ask, title)
         ax.set_xticks(range(len(names)), names, rotation=40, ha="right", fontsize=8)
-        ax.set(title=title)
-        ax.legend(fontsize=8)
     axes[0, 0].set_ylim(0, 1.05)
-    return [save_plot(fig, out, STUDY)]
+    return [harness.save_plot(fig, out, STUDY)]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -208,5 +204,5 @@ def render(data: dict[str, Any]) -> list[str]:
     rows = [[name, *[f"{data['accuracy'][name][str(k)]:.2f} / {data['key_nll'][name][str(k)]:.2f}"
                      for k in ask], data["reuse_hits"][name], data["reuse_misses"][name]]
             for name in data["accuracy"]]  # fmt: skip
-    return [*quality_header("A pass key from turn 1, asked turns later", data, intro),
-            *table(["arm", *[f"turn {k}" for k in ask], "turns reused", "misses"], rows), *plots(data)]  # fmt: skip
+    headers = ["arm", *[f"turn {k}" for k in ask], "turns reused", "misses"]
+    return section("A pass key from turn 1, asked turns later", data, intro, table(headers, rows))

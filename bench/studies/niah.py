@@ -15,7 +15,7 @@ from bench.arms import Arm, add_arm_arguments, select_arms
 from bench.data import stdlib_prose
 from bench.goals import grid_mean
 from bench.harness import open_run, parse, parser, save_plot, subplots
-from bench.report import arm_label, arm_order, fmt, plots, quality_header, table
+from bench.report import arm_label, arm_order, fmt, section, table
 from bench.studies.retrieval import RULE, answers, by_arm
 
 STUDY = "niah"
@@ -165,5 +165,5 @@ def render(data: dict[str, Any]) -> list[str]:
     grid, keys = data["grid"], ["-", *map(str, ratios)]
     cell = lambda n, k: "" if (m := grid_mean(data, n, k)) is None else fmt(m, 2)  # noqa: E731
     rows = [[arm_label(n), *(cell(n, k) for k in keys)] for n in arm_order(grid) if grid[n]]
-    return [*quality_header("Needle in a haystack, in prose", data, intro),
-            *table(["arm", "no eviction", *[f"{r}×" for r in ratios]], rows), *plots(data)]  # fmt: skip
+    headers = ["arm", "no eviction", *[f"{r}×" for r in ratios]]
+    return section("Needle in a haystack, in prose", data, intro, table(headers, rows))

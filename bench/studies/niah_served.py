@@ -13,7 +13,7 @@ import httpx
 
 from bench.data import stdlib_prose
 from bench.harness import open_run, parse, parser
-from bench.report import plots, quality_header, table
+from bench.report import section, table
 from bench.studies.niah import make_doc
 from bench.studies.retrieval import accuracy_plot, first_number_is
 from qfserve import testing
@@ -100,5 +100,6 @@ def render(d: dict[str, Any]) -> list[str]:
     rows = [[arm, *(f"{by[str(n)]['accuracy']:.2f} ({', '.join(by[str(n)]['ran'])})"
                     if str(n) in by else "-" for n in d["lengths"])]
             for arm, by in d["accuracy"].items()]  # fmt: skip
-    return [*quality_header("The needle through the server with default settings", d, intro),
-            *table(["arm", *[f"{n:,}" for n in d["lengths"]]], rows), *plots(d)]  # fmt: skip
+    headers = ["arm", *[f"{n:,}" for n in d["lengths"]]]
+    title = "The needle through the server with default settings"
+    return section(title, d, intro, table(headers, rows))

@@ -12,22 +12,11 @@ from typing import Any
 
 import numpy as np
 
+from bench import harness
 from bench.arms import Arm, add_arm_arguments, full_nll, select_arms, standard_arms, streaming_nll
 from bench.data import prose_windows, recall_windows, stdlib_windows
-from bench.harness import (
-    COLORS,
-    Run,
-    log2_axis,
-    measured,
-    open_run,
-    parse,
-    parser,
-    resume,
-    save_plot,
-    subplots,
-    summary,
-)
-from bench.report import arm_label, arm_order, fmt, pct, plots, quality_header, spread_cell, table
+from bench.harness import Run, measured, open_run, parse, parser, resume, summary
+from bench.report import arm_label, arm_order, fmt, pct, section, spread_cell, table
 from qfserve.engine.kv.kvzip import compress
 from qfserve.engine.serving.config import DEFAULT_PREFILL_CHUNK
 
@@ -37,6 +26,8 @@ METHODS = ("qfilters", "fallback", "fallback-", "knorm")
 # --prefill-chunk that each evict at once (where chunks and adaptive budgets act).
 PROMPT_BLOCK = DEFAULT_PREFILL_CHUNK
 MIN_GAP_NATS = 0.002  # below this (nats/token) streaming is not measurably worse than full
+# The columns of its table per data set on the results page.
+HEADERS = ["budget", "arm", "perplexity", "ratio to full", "gap closed vs streaming", "max rows"]
 KINDS = {
     "stdlib": "evaluation-split stdlib windows, evenly spaced",
     "prose": "running English prose: stdlib docstring paragraphs (bench prose), windows "
@@ -131,21 +122,23 @@ def plot(results: dict[str, Any], study: Run) -> list[str]:
         budgets = sorted(res["budgets"])
         names_run = sorted(res["budgets"][budgets[0]])
         fracs = sorted({recent(n) for n in names_run if not n.startswith("streaming")})
-        fig, ax = subplots(1, len(fracs), figsize=(5 * len(fracs), 3.8), sharey=True)
+        fig, ax = harness.subplots(1, len(fracs), figsize=(5 * len(fracs), 3.8), sharey=True)
         for a, frac in zip(ax[0], fracs, strict=True):
             a.axhline(res["full"]["ppl"], color="black", ls="--", label="full")
             shown = [n for n in names_run if n.startswith("streaming") or recent(n) == frac]
             for i, name in enumerate(shown):
                 a.plot(budgets, [res["budgets"][b][name]["ppl"] for b in budgets],
-                       styles[i % len(styles)], color=COLORS[name.split("/")[0].rstrip("-")],
+                       styles[i % len(styles)], color=harness.COLORS[name.split("/")[0].rstrip("-")],
                        label=arm_label(name))  # fmt: skip
-            log2_axis(a, budgets, logy=True)
+            harness.log2_axis(a, budgets, logy=True)
             a.set_xlabel("budget (rows per layer and KV head)")
             a.set_title(f"recent = {'0' if frac == 0 else 'budget/4'}", fontsize=9)
         ax[0, 0].set_ylabel("perplexity (2nd half of each sequence)")
         ax[0, 0].legend(fontsize=7)
         title = f"streaming perplexity, {dataset}"
-        names.append(save_plot(fig, study.args.out, f"{STUDY}_{dataset}", study.title(title)))
+        names.append(
+            harness.save_plot(fig, study.args.out, f"{STUDY}_{dataset}", study.title(title))
+        )
     return names
 
 
@@ -196,19 +189,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def render(data: dict[str, Any]) -> list[str]:
     d = data["data"]
-    lines = quality_header("Streaming generation perplexity", data)
-    lines += ["", f"Teacher-forced, one token per step through the real caches; scored on "
-              f"{d['scored']} of {d['length']}-token sequences; batches {d['batches']}. Ratio = "
-              "per-sequence perplexity / full cache, median [q1–q3]. Gap closed = (NLL streaming "
-              "− NLL arm) / (NLL streaming − NLL full) at the same budget; – where streaming is "
-              "not worse than the full cache (no gap to close). Every arm held exactly `budget` "
-              "rows per layer and KV head (checked at every step)."]  # fmt: skip
+    intro = (
+        f"Teacher-forced, one token per step through the real caches; scored on {d['scored']} "
+        f"of {d['length']}-token sequences; batches {d['batches']}. Ratio = per-sequence "
+        "perplexity / full cache, median [q1–q3]. Gap closed = (NLL streaming − NLL arm) / (NLL "
+        "streaming − NLL full) at the same budget; – where streaming is not worse than the full "
+        "cache (no gap to close). Every arm held exactly `budget` rows per layer and KV head "
+        "(checked at every step)."
+    )
+    blocks: list[str | list[str]] = [intro]
     for dataset, res in data["results"].items():
-        lines += ["", f"**{dataset}** (full cache: {res['full']['ppl']:.3f})", ""]
         rows = [[budget, arm_label(name), fmt(r["ppl"]), spread_cell(r["ratio_to_full"]),
                  pct(r["gap_closed_vs_streaming"]), r["max_rows_any_step"]]
                 for budget, arms in res["budgets"].items() for name in arm_order(arms)
                 for r in [arms[name]]]  # fmt: skip
-        lines += table(["budget", "arm", "perplexity", "ratio to full",
-                        "gap closed vs streaming", "max rows"], rows)  # fmt: skip
-    return lines + plots(data)
+        blocks += [f"**{dataset}** (full cache: {res['full']['ppl']:.3f})", table(HEADERS, rows)]
+    return section("Streaming generation perplexity", data, *blocks)

@@ -16,7 +16,7 @@ import mlx.nn as nn
 from bench.arms import prefill
 from bench.data import prompt_tokens
 from bench.harness import interleave, save_plot, start, subplots, summaries
-from bench.report import plots, speed_header, table
+from bench.report import section, table
 from qfserve.engine.kv.blocked import block_attention
 from qfserve.engine.kv.config import CacheConfig
 from qfserve.engine.kv.factory import make_caches
@@ -168,10 +168,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def render(d: dict[str, Any]) -> list[str]:
     s = d["settings"]
-    lines = speed_header("Profile: a decode step and a prefill chunk, by kind of work", d)
-    lines += [f"Each part timed alone on the step's shapes, {s['reps']} interleaved rounds, "
-              "median ms [IQR]; `rest` is what the parts leave unexplained (norms, RoPE, "
-              "activations, per-op cost).", ""]  # fmt: skip
+    intro = (
+        f"Each part timed alone on the step's shapes, {s['reps']} interleaved rounds, median ms "
+        "[IQR]; `rest` is what the parts leave unexplained (norms, RoPE, activations, per-op "
+        "cost)."
+    )
     columns = ("step", "build", "eval", *PARTS)
     rows = []
     for name, dec in d["decode"].items():
@@ -180,10 +181,9 @@ def render(d: dict[str, Any]) -> list[str]:
         rows.append(
             [f"{name} ({dec['rows']} rows)", *(f"{median[c]:.1f}" for c in columns), f"{rest:.1f}"]
         )
-    lines += table([f"decode at {s['context']}", *columns, "rest"], rows)
     chunk = ", ".join(f"{k} {v['median']:.0f} ms" for k, v in d["prefill_ms"].items())
-    lines += [
-        "",
-        f"Prefill chunk of {s['chunk']} tokens after {s['context'] - s['chunk']}: {chunk}.",
-    ]
-    return [*lines, *plots(d), ""]
+    prefill = f"Prefill chunk of {s['chunk']} tokens after {s['context'] - s['chunk']}: {chunk}."
+    title = "Profile: a decode step and a prefill chunk, by kind of work"
+    return section(
+        title, d, intro, table([f"decode at {s['context']}", *columns, "rest"], rows), prefill
+    )

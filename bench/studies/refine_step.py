@@ -10,7 +10,7 @@ import mlx.core as mx
 from bench.arms import decode_timer, prefill
 from bench.data import prompt_tokens
 from bench.harness import compare_arms, grouped_bars, save_plot, start, subplots
-from bench.report import plots, speed_header, table
+from bench.report import section, table
 from qfserve.engine.filters.artifact import resolve_calibration
 from qfserve.engine.kv.attention import install_head_masks
 from qfserve.engine.kv.config import CacheConfig
@@ -78,7 +78,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         del arms, caches
         mx.clear_cache()
     result = {
-        "study": "refine_step",
         "settings": {"budgets": budgets, "chunk": chunk, "steps": steps, "reps": sm.args.reps,
                      "prompt": "2 x budget tokens of the standard-library corpus",
                      "recent": "budget / 4", "n_sink": 4, "reference": REFERENCE,
@@ -87,7 +86,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }  # fmt: skip
     fig, [[ax]] = subplots(figsize=(6.4, 3.8))
     grouped_bars(ax, [f"b{r['budget']}" for r in rows],
-                 [{x["arm"]: x for x in r["ratios"]} for r in rows], "decode step / plain Q-Filters")  # fmt: skip
+                 [{x["arm"]: x for x in r["ratios"]} for r in rows], "decode step / plain Q-Filters (median, IQR)")  # fmt: skip
     ax.axhline(1.0, color="grey", ls=":")
     ax.set(ylabel="ratio")
     result["plots"] = [save_plot(fig, sm.args.out, "refine_step")]
@@ -108,8 +107,10 @@ def render(d: dict[str, Any]) -> list[str]:
         rows.append([r["budget"], ref, stored[ref], f"{step[ref]['median']:.1f}", "1.00", ""])
         rows += [["", x["arm"], stored[x["arm"]], f"{step[x['arm']]['median']:.1f}",
                   f"{x['median']:.3f}", f"{x['q1']:.2f}-{x['q3']:.2f}"] for x in r["ratios"]]  # fmt: skip
-    lines = speed_header("Chunks and adaptive budgets: the decode step at equal size", d, intro)
-    lines += table(["budget", "arm", "rows stored", "ms/step", "ratio", "IQR"], rows)
-    lines += ["", "Rows stored: per layer and KV head, the width attention reads (adaptive "
-              "budgets pad every head to the longest)."]  # fmt: skip
-    return lines + [*plots(d), ""]
+    headers = ["budget", "arm", "rows stored", "ms/step", "ratio", "IQR"]
+    note = (
+        "Rows stored: per layer and KV head, the width attention reads (adaptive budgets pad "
+        "every head to the longest)."
+    )
+    title = "Chunks and adaptive budgets: the decode step at equal size"
+    return section(title, d, intro, table(headers, rows), note)

@@ -17,6 +17,7 @@ import numpy as np
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
+from bench import harness
 from bench.arms import (
     READS_QUERIES,
     Arm,
@@ -29,8 +30,8 @@ from bench.arms import (
     streaming_nll,
 )
 from bench.data import passkey_docs
-from bench.harness import Run, color, open_run, parse, parser, save_plot, subplots, summary
-from bench.report import arm_label, arm_order, fmt, plots, quality_header, table
+from bench.harness import Run, color, open_run, parse, parser, summary
+from bench.report import arm_label, arm_order, fmt, section, table
 from qfserve.engine.kv.config import DEFAULT_N_SINK, CacheConfig
 from qfserve.engine.kv.factory import make_caches
 from qfserve.engine.kv.kvzip import RepeatPrompt, compress
@@ -249,11 +250,11 @@ def accuracy_plot(series: dict[str, dict[str, float]], xs: list[int], out: Path,
                   title: str, style: Callable[[str], dict] = lambda n: {"label": n},
                   unit: str = "x", xlabel: str = "compression") -> str:  # fmt: skip
     """One panel of :func:`ratio_panel` for accuracies, saved as ``<out>/<name>.png``."""
-    fig, ax = subplots()
+    fig, ax = harness.subplots()
     ratio_panel(ax[0, 0], series, xs, style, unit)
     ax[0, 0].set(xlabel=xlabel, ylabel="accuracy", ylim=(-0.05, 1.05))
     ax[0, 0].legend(fontsize=7)
-    return save_plot(fig, out, name, title)
+    return harness.save_plot(fig, out, name, title)
 
 
 def arm_style(arm: Arm) -> dict[str, Any]:
@@ -268,7 +269,7 @@ def plot(
 ) -> None:
     """Accuracy and answer NLL against compression a column per length; accuracy by depth."""
     styles = {a.name: arm_style(a) for a in arms}
-    fig, ax = subplots(2, len(results), figsize=(3.6 * len(results), 6.4), sharey="row")
+    fig, ax = harness.subplots(2, len(results), figsize=(3.6 * len(results), 6.4), sharey="row")
     for col, (n, res) in enumerate(results.items()):
         for row, key in enumerate(("accuracy", "answer_nll_mean")):
             series = {name: {k: c[key] for k, c in by.items()} for name, by in res["arms"].items()}
@@ -279,16 +280,16 @@ def plot(
     ax[0, 0].set_ylabel("pass-key accuracy")
     ax[1, 0].set_ylabel("answer NLL (nats/token)")
     ax[0, 0].legend(fontsize=6)
-    save_plot(fig, out, STUDY, title)
-    fig, ax = subplots(1, 1, figsize=(7, 3.4))
-    x, width = np.arange(len(arms)), 0.8 / len(BINS)
-    means = [[m or 0.0 for m in depth_means(results, arm.name)] for arm in arms]
-    for b, label in enumerate(BINS):
-        ax[0, 0].bar(x + b * width, [m[b] for m in means], width, label=f"needle in {label}")
-    ax[0, 0].set_xticks(x + width, [a.name for a in arms], rotation=30, fontsize=7)
-    ax[0, 0].set_ylabel("accuracy (mean over lengths, ratios)")
-    ax[0, 0].legend(fontsize=7)
-    save_plot(fig, out, f"{STUDY}_depth", "pass-key accuracy by needle depth")
+    harness.save_plot(fig, out, STUDY, title)
+    fig, [[ax]] = harness.subplots(figsize=(7, 3.4))
+    names = [a.name for a in arms]
+    means = [dict(zip(BINS, depth_means(results, name), strict=True)) for name in names]
+    harness.grouped_bars(
+        ax, names, [{f"needle in {b}": m or 0.0 for b, m in by.items()} for by in means], ""
+    )
+    ax.set_xticks(range(len(names)), names, rotation=30, fontsize=7)
+    ax.set_ylabel("accuracy (mean over lengths, ratios)")
+    harness.save_plot(fig, out, f"{STUDY}_depth", "pass-key accuracy by needle depth")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -350,33 +351,37 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def render(data: dict[str, Any]) -> list[str]:
-    lines = quality_header("Pass-key retrieval", data)
     check, d, ratios, results = data["shared_prefill_check"], data["data"], data["ratios"], data["results"]  # fmt: skip
     full_acc = [r["arms"]["full"]["-"]["accuracy"] for r in results.values() if "full" in r["arms"]]
+    blocks: list[str | list[str]] = []
     if full_acc and max(full_acc) == 0:
-        lines += ["", "**The model does not retrieve the key even with a full cache, so accuracy "
-                  "cannot separate the arms at this checkpoint; read the answer NLL below "
-                  "instead.**"]  # fmt: skip
-    lines += ["", f"Greedy pass-key accuracy on held-out documents ({d['generator']}, "
-              f"{d['filler']} filler), {d['docs_per_depth_bin']} per needle depth bin "
-              f"({', '.join(d['depth_bins'])}). Budget = prompt tokens / compression, the same "
-              f"for every arm. Shared-prefill check: {check['identical']}/{check['arms']} arms "
-              "generated the same tokens as a direct `generate_step`."]  # fmt: skip
+        blocks.append(
+            "**The model does not retrieve the key even with a full cache, so accuracy cannot "
+            "separate the arms at this checkpoint; read the answer NLL below instead.**"
+        )
+    blocks.append(
+        f"Greedy pass-key accuracy on held-out documents ({d['generator']}, {d['filler']} "
+        f"filler), {d['docs_per_depth_bin']} per needle depth bin ({', '.join(d['depth_bins'])})."
+        " Budget = prompt tokens / compression, the same for every arm. Shared-prefill check: "
+        f"{check['identical']}/{check['arms']} arms generated the same tokens as a direct "
+        "`generate_step`."
+    )
     names = arm_order(n for r in results.values() for n in r["arms"])
     keys, headers = ["-", *map(str, ratios)], ["arm", "no eviction", *[f"{r}×" for r in ratios]]
     for n, res in results.items():
-        lines += ["", f"**{n}-token documents** ({res['docs']} docs, mean prompt "
-                  f"{res['mean_prompt_tokens']:.0f} tokens)", ""]  # fmt: skip
-        lines += table(headers, [ratio_row(name, [res], "accuracy", keys, 2)
-                                 for name in names if res["arms"].get(name)])  # fmt: skip
+        blocks.append(f"**{n}-token documents** ({res['docs']} docs, mean prompt "
+                      f"{res['mean_prompt_tokens']:.0f} tokens)")  # fmt: skip
+        blocks.append(table(headers, [ratio_row(name, [res], "accuracy", keys, 2)
+                                      for name in names if res["arms"].get(name)]))  # fmt: skip
     if any("answer_nll_mean" in c for r in results.values()
            for cells in r["arms"].values() for c in cells.values()):  # fmt: skip
         rows = [ratio_row(name, results.values(), "answer_nll_mean", keys, 3) for name in names]
-        lines += ["", "Answer NLL (nats per answer token, teacher-forced through each arm's cache; "
-                  "lower is better; mean over documents and lengths) — graded where accuracy is at "
-                  "the floor:", "", *table(headers, rows)]  # fmt: skip
+        blocks += ["Answer NLL (nats per answer token, teacher-forced through each arm's cache; "
+                   "lower is better; mean over documents and lengths) — graded where accuracy is "
+                   "at the floor:", table(headers, rows)]  # fmt: skip
     bins = d["depth_bins"]
     rows = [[arm_label(name), *("" if m is None else fmt(m, 2) for m in depth_means(results, name, bins))]
             for name in names if any(r["arms"].get(name) for r in results.values())]  # fmt: skip
-    lines += ["", "By needle depth (mean over lengths and compressions):", ""]
-    return lines + table(["arm", *[f"needle in {b}" for b in bins]], rows) + plots(data)
+    blocks += ["By needle depth (mean over lengths and compressions):"]
+    blocks.append(table(["arm", *[f"needle in {b}" for b in bins]], rows))
+    return section("Pass-key retrieval", data, *blocks)

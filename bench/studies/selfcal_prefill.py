@@ -10,7 +10,7 @@ from typing import Any
 from bench.arms import prefill
 from bench.data import prompt_tokens
 from bench.harness import compare_arms, save_plot, start, subplots
-from bench.report import plots, speed_header, table
+from bench.report import section, table
 from qfserve.engine.kv.config import CacheConfig
 from qfserve.engine.kv.factory import make_caches
 from qfserve.engine.kv.selfcal import install_query_taps, remove_query_taps
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ax.bar(list(ARMS), [prefill_s[a]["median"] for a in ARMS], color=list(ARMS.values()))
     ax.set(ylabel="prefill seconds (median)", title=f"{n}-token prompt, budget {budget}")
     ax.tick_params(axis="x", labelsize=8)
-    return sm.save({"study": "selfcal_prefill", "settings": settings, "prefill_s": prefill_s,
+    return sm.save({"settings": settings, "prefill_s": prefill_s,
                     "tokens_per_s": {a: n / s["median"] for a, s in prefill_s.items()},
                     "ratios": ratios, "plots": [save_plot(fig, sm.args.out, "selfcal_prefill")]})  # fmt: skip
 
@@ -68,5 +68,4 @@ def render(d: dict[str, Any]) -> list[str]:
         for r in d["ratios"]
     ]
     headers = ["arm", "prefill s", "ratio", "range"]
-    lines = speed_header("Self-calibration: its cost on a prefill", d, intro)
-    return lines + table(headers, rows) + [*plots(d), ""]
+    return section("Self-calibration: its cost on a prefill", d, intro, table(headers, rows))

@@ -14,7 +14,7 @@ import numpy as np
 from bench.arms import Arm, feed_block
 from bench.data import passkey_docs, stdlib_windows
 from bench.harness import Run, color, open_run, parse, parser, progress, save_plot, subplots
-from bench.report import plots, quality_header
+from bench.report import section
 from bench.studies import retrieval as rt
 from bench.studies.attention import self_filters
 from qfserve.engine.kv.cache import EvictionCache
@@ -149,18 +149,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def render(data: dict[str, Any]) -> list[str]:
     d, ratios = data["data"], data["ratios"]
-    lines = quality_header("Whose queries calibrate a prompt's filters?", data)
-    lines += ["", f"The self-calibration recipe fed different queries, on {d['documents']} "
-              f"({', '.join(map(str, data['lengths']))} tokens): `own` is the document's own "
-              f"prompt (the server's `self` caches, fed the prompt as one block), `other` "
-              f"{d['other_text']}, `calibrated` the registry's artifact; {data['budget_rule']} "
-              f"(streaming: none). Each cell: accuracy ({d['scoring']}) / "
-              f"{d['needle_rows_kept']}."]  # fmt: skip
+    blocks: list[str | list[str]] = [
+        f"The self-calibration recipe fed different queries, on {d['documents']} "
+        f"({', '.join(map(str, data['lengths']))} tokens): `own` is the document's own "
+        f"prompt (the server's `self` caches, fed the prompt as one block), `other` "
+        f"{d['other_text']}, `calibrated` the registry's artifact; {data['budget_rule']} "
+        f"(streaming: none). Each cell: accuracy ({d['scoring']}) / {d['needle_rows_kept']}."
+    ]
     for filler, res in data["results"].items():
         cos, full = res["cosine_to_calibrated"], res["arms"]["full"]["-"]["accuracy"]
-        lines += ["", f"**{filler} filler** (full cache {full:.2f}; mean cosine to the calibrated "
-                  f"filters: own {cos['own']:.3f}, other {cos['other']:.3f}):", ""]  # fmt: skip
+        blocks.append(f"**{filler} filler** (full cache {full:.2f}; mean cosine to the calibrated "
+                      f"filters: own {cos['own']:.3f}, other {cos['other']:.3f}):")  # fmt: skip
         arms = {name: cells for name, cells in res["arms"].items() if name != "full"}
-        lines += rt.ratio_table("filters", ratios, arms, lambda cells, r: f"{c['accuracy']:.2f} / "
-                                f"{c['needle_rows_kept']:.2f}" if (c := cells.get(str(r))) else "")  # fmt: skip
-    return lines + plots(data)
+        blocks.append(rt.ratio_table("filters", ratios, arms, lambda cells, r: f"{c['accuracy']:.2f} / "
+                      f"{c['needle_rows_kept']:.2f}" if (c := cells.get(str(r))) else ""))  # fmt: skip
+    return section("Whose queries calibrate a prompt's filters?", data, *blocks)

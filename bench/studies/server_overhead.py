@@ -15,7 +15,7 @@ from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from bench import harness
 from bench.arms import make_caches
 from bench.data import chat_content, eos_ban
-from bench.report import ms, plots, ratio_cell, speed_header, table
+from bench.report import ms, ratio_cell, section, table
 from bench.studies.vs_mlx_lm import distinct, per_arm, speed_plot
 from qfserve import testing as servers
 from qfserve.engine.kv.config import CacheConfig
@@ -144,14 +144,17 @@ def render(d: dict[str, Any]) -> list[str]:
         "thread, event loop) in process; `http`: `qfserve` over loopback. TTFT = first non-empty "
         "text; ITL = (end − first) / (tokens − 1)."
     )
-    lines = speed_header("Server overhead: streamed HTTP vs the worker vs in-process", d, intro)
+    blocks: list[str | list[str]] = [intro]
     for r in d["rows"]:
         times = [[k, ms(r["ttft_s"][k], 1e3, 1), ms(r["itl_s"][k], 1e3, 2)] for k in r["ttft_s"]]
         pairs = [
             [f"{t['arm']} / {t['reference']}", ratio_cell(t), ratio_cell(i)]
             for t, i in zip(r["ttft_ratios"], r["itl_ratios"], strict=True)
         ]
-        lines += [f"Prompt {r['prompt_tokens']} tokens:", ""]
-        lines += [*table(["arm", "TTFT ms", "ITL ms"], times), ""]
-        lines += [*table(["ratio", "TTFT", "ITL"], pairs), ""]
-    return lines + [*plots(d), ""]
+        blocks.append(f"Prompt {r['prompt_tokens']} tokens:")
+        blocks += [
+            table(["arm", "TTFT ms", "ITL ms"], times),
+            table(["ratio", "TTFT", "ITL"], pairs),
+        ]
+    title = "Server overhead: streamed HTTP vs the worker vs in-process"
+    return section(title, d, *blocks, [])  # [], a blank line before the plots

@@ -13,7 +13,7 @@ import numpy as np
 from bench.arms import Arm, capture, full_nll, streaming_nll
 from bench.data import stdlib_windows
 from bench.harness import open_run, parse, parser, progress, save_plot, subplots, summary
-from bench.report import fmt, plots, quality_header, spread_cell, table
+from bench.report import fmt, section, spread_cell, table
 from qfserve.calibrations.compute import compute_filters
 
 STUDY = "stability"
@@ -123,9 +123,11 @@ def render(data: dict[str, Any]) -> list[str]:
              *[c for k in ("cos_A_n_vs_A_ref", "cos_A_n_vs_B_n") for c in (spread_cell(r[k]), fmt(r[k]["min"]))],
              *[f"{100 * r[f'ppl_change_A_{k}']:+.2f}% / {100 * r[f'ppl_change_B_{k}']:+.2f}%" for k in RECENT]]
             for r in data["rows"]]  # fmt: skip
-    return [*quality_header("Calibration stability", data, intro),
-            *table(["samples/head", "cos(A_n, ref)", "min", "cos(A_n, B_n)", "min",
-                    "Δppl A / B, recent 0", "Δppl A / B, recent b/4"], rows),
-            "", f"For scale: full cache {ppl['full']['full']:.3f}; key-SVD fallback "
-            f"{ppl['r0']['fallback']:.3f} (recent 0) / {ppl['r25']['fallback']:.3f} (recent b/4); "
-            f"reference {ppl['r0'][ref]:.3f} / {ppl['r25'][ref]:.3f}.", *plots(data)]  # fmt: skip
+    headers = ["samples/head", "cos(A_n, ref)", "min", "cos(A_n, B_n)", "min",
+               "Δppl A / B, recent 0", "Δppl A / B, recent b/4"]  # fmt: skip
+    scale = (
+        f"For scale: full cache {ppl['full']['full']:.3f}; key-SVD fallback "
+        f"{ppl['r0']['fallback']:.3f} (recent 0) / {ppl['r25']['fallback']:.3f} (recent b/4); "
+        f"reference {ppl['r0'][ref]:.3f} / {ppl['r25'][ref]:.3f}."
+    )
+    return section("Calibration stability", data, intro, table(headers, rows), scale)

@@ -14,7 +14,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
 from bench.harness import interleave, ratio_row, start, summaries, summary
-from bench.report import ms, speed_header, table
+from bench.report import ms, section, table
 from qfserve.engine.text.structured import GrammarProcessor, JSONConstraint
 
 SCHEMA = {
@@ -105,18 +105,17 @@ def render(d: dict[str, Any]) -> list[str]:
     outlines = d["ratios"].get("schema_outlines/free")  # where outlines-core was installed
     inside = d["processor_ms_per_token_by_library"].items()
     arms = [[arm, ms(s, digits=1)] for arm, s in d["ms_per_token"].items()]
-    lines = speed_header("Structured output: what a JSON-schema constraint costs per token", d)
-    return lines + [
+    intro = (
         f"Greedy decode, {d['reps']} interleaved repetitions of {d['steps']} tokens, "
-        f"served grammar engine {d['grammar_engine']}.",
-        "",
-        *table(["arm", "ms/token median [q1–q3]"], arms),
-        "",
+        f"served grammar engine {d['grammar_engine']}."
+    )
+    cost = (
         f"llguidance (served) schema/free = **{r['median']:.3f}** [{r['q1']:.3f}–"
         f"{r['q3']:.3f}] (A/A {aa['median']:.3f})"
         + ("" if outlines is None else f"; outlines-core schema/free = {outlines['median']:.3f}")
         + ". Time inside the grammar processor per token: "
         + ", ".join(f"{lib} {v['median']:.2f} ms" for lib, v in inside)
-        + ".",
-        "",
-    ]
+        + "."
+    )
+    title = "Structured output: what a JSON-schema constraint costs per token"
+    return [*section(title, d, intro, table(["arm", "ms/token median [q1–q3]"], arms), cost), ""]

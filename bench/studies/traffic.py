@@ -16,7 +16,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from bench.data import passkey_docs, prose_windows, stdlib_windows
 from bench.harness import open_run, parse, parser, save_plot, subplots
-from bench.report import fmt, pct, plots, quality_header, table
+from bench.report import fmt, pct, section, table
 from bench.studies.stability import cosines
 from qfserve.calibrations.artifact import read_calibration
 from qfserve.engine.filters.traffic import DEFAULT_MIN_PROMPTS, TrafficCalibration
@@ -143,5 +143,6 @@ def render(data: dict[str, Any]) -> list[str]:
              fmt(r["cosine_min"]), pct(r["same_sign_share"]), r["artifact"]]
             for kind, r in data["results"].items()]  # fmt: skip
     headers = ["traffic", "prompts", "tokens", "s", "mean cosine", "min cosine", "same sign"]
-    lines = quality_header("Q-Filters learned from traffic", data, intro)
-    return lines + table([*headers, "artifact"], rows) + plots(data)
+    return section(
+        "Q-Filters learned from traffic", data, intro, table([*headers, "artifact"], rows)
+    )

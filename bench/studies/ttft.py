@@ -14,7 +14,7 @@ from mlx_lm.sample_utils import make_sampler
 from bench import harness
 from bench.arms import caches_for, kv_stats
 from bench.data import prompt_tokens
-from bench.report import ms, plots, ratio_cell, speed_header, table
+from bench.report import ms, ratio_cell, section, table
 from qfserve.engine.kv.attention import set_blocked
 
 # What must match for an earlier run's rows to sit beside this one's: not the load, nor the
@@ -107,12 +107,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def render(d: dict[str, Any]) -> list[str]:
     s, budgets = d["settings"], d["settings"]["budgets"]
-    lines = speed_header("Time to first token, eviction vs full", d)
-    lines += [
+    intro = (
         f"Timed: {s['timed']} (prefill step {s['prefill_step_size']}). "
-        f"ms, median [IQR] over {s['reps']} interleaved repetitions; ratios to full.",
-        "",
-    ]
+        f"ms, median [IQR] over {s['reps']} interleaved repetitions; ratios to full."
+    )
 
     def cell(t: dict[str, Any], rr: dict[str, Any], arm: str) -> str:
         return f"{t[arm]['median'] * 1e3:.1f} ({ratio_cell(rr[arm])})"
@@ -126,9 +124,6 @@ def render(d: dict[str, Any]) -> list[str]:
                      *(cell(t, rr, f"b{b}") for b in budgets),
                      cell(t, rr, "full_mlx") if "full_mlx" in t else "not run",  # an older run's
                      f"`{by['command']}`, {by['when']}"])  # fmt: skip
-    lines += table(
-        ["prompt tokens", "full ms", "A/A", *(f"budget {b}: ms (ratio)" for b in budgets),
-         "full, MLX's attention: ms (ratio)", "measured by"],
-        rows,
-    )  # fmt: skip
-    return lines + [*plots(d), ""]
+    headers = ["prompt tokens", "full ms", "A/A", *(f"budget {b}: ms (ratio)" for b in budgets)]
+    headers += ["full, MLX's attention: ms (ratio)", "measured by"]
+    return section("Time to first token, eviction vs full", d, intro, table(headers, rows))

@@ -13,7 +13,7 @@ import httpx
 
 from bench import harness
 from bench.data import chat_content, eos_ban
-from bench.report import ms, plots, ratio_cell, speed_header, table
+from bench.report import ms, ratio_cell, section, table
 from qfserve import testing as servers
 
 THEIRS = {
@@ -80,7 +80,8 @@ def speed_plot(
     groups = [f"prompt {r['prompt_tokens']}" for r in result["rows"]]
     fig, axes = harness.subplots(1, 2, figsize=(10, 3.8))
     for ax, (key, scale, what) in zip(axes[0], panels, strict=True):
-        harness.grouped_bars(ax, groups, [r[key] for r in result["rows"]], what, scale, style)
+        stats = [r[key] for r in result["rows"]]
+        harness.grouped_bars(ax, groups, stats, f"{what} (median, IQR)", scale, style)
     return [harness.save_plot(fig, out, name, title)]
 
 
@@ -135,4 +136,4 @@ def render(d: dict[str, Any], title: str = "Against mlx-lm's own server") -> lis
         f"{s['max_tokens']} tokens (EOS banned), {s['reps']} interleaved rounds; theirs: {s['theirs']}; "
         f"ours with Q-Filters at budget {s['budget']}. Ratios to `theirs_a` (`theirs_b` = A/A)."
     )
-    return speed_header(title, d, intro) + table(SPEED_HEADERS, speed_rows(d)) + [*plots(d), ""]
+    return section(title, d, intro, table(SPEED_HEADERS, speed_rows(d)))
