@@ -70,12 +70,18 @@ def test_products_match_numpy(kernel, bits, rows, n, k):
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
 
 
-def test_strided_inputs_and_compile(kernel):
-    """A transposed view is made contiguous first, and the primitive runs inside mx.compile."""
+def test_strided_batched_inputs_and_compile(kernel):
+    """Leading axes and any strides are read in place (a transposed and a sliced view), and
+    the primitive runs inside mx.compile."""
     rng = np.random.default_rng(1)
     w, scales, biases = codes(rng, 256, 128, 4)
-    x = mx.array(rng.standard_normal((128, 2), dtype=np.float32)).T  # (2, 128), not contiguous
     dense = unpack(np.array(w), np.array(scales), np.array(biases), 4)
+    base = mx.array(rng.standard_normal((3, 128, 5), dtype=np.float32))
+    view = base.transpose(2, 0, 1)[1:4:2]  # (2, 3, 128): strided on every axis
+    got = np.array(kernel.quantized_matmul(view, w, scales, biases, 4))
+    assert got.shape == (2, 3, 256)
+    np.testing.assert_allclose(got, np.array(view, np.float64) @ dense.T, rtol=2e-5, atol=1e-4)
+    x = mx.array(rng.standard_normal((128, 2), dtype=np.float32)).T  # (2, 128), not contiguous
     want = np.array(x, dtype=np.float64) @ dense.T
     got = kernel.quantized_matmul(x, w, scales, biases, 4)
     compiled = mx.compile(lambda a: kernel.quantized_matmul(a, w, scales, biases, 4) * 2.0)

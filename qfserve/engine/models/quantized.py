@@ -19,7 +19,7 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -47,10 +47,11 @@ class _Codes(nn.Module):
     def rows(self, x: mx.array) -> int:
         return x.size // x.shape[-1] if x.ndim else 0
 
-    def __call__(self, x: mx.array) -> mx.array:
-        flat = x.reshape(self.rows(x), x.shape[-1])
-        y = self._kernel.quantized_matmul(flat, self.weight, self.scales, self.biases, self.bits)
-        return y.reshape(*x.shape[:-1], self.weight.shape[0])
+    def __call__(self, x: mx.array) -> mx.array:  # (..., K) -> (..., N), any strides
+        return cast(
+            mx.array,
+            self._kernel.quantized_matmul(x, self.weight, self.scales, self.biases, self.bits),
+        )
 
 
 class DecodeLinear(nn.Module):

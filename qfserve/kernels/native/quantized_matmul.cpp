@@ -71,6 +71,7 @@ class Pool {
       for (int c = 0; c < chunks; ++c) fn(c);
       return;
     }
+    std::lock_guard<std::mutex> one_job(run_mutex_);  // callers on two streams take turns
     uint64_t gen;
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -129,6 +130,7 @@ class Pool {
   int spin_limit_ = spin_from_env();
   std::vector<std::thread> workers_;
   std::mutex mutex_;
+  std::mutex run_mutex_;
   std::condition_variable wake_;
   uint64_t generation_ = 0;  // guarded by mutex_
   std::atomic<uint64_t> ticket_{0};
@@ -315,24 +317,28 @@ void rows(const uint8_t* w, const float* s, const float* b, const float* xp, con
 #endif
 }
 
+// x's rows may be strided (a transposed or sliced view): row m's element k is at
+// x + row_offset[m] + k * col_stride.
 template <int BITS>
-void matmul(const uint8_t* w, const float* s, const float* b, const float* x, float* y, int M,
-            int N, int K) {
+void matmul(const uint8_t* w, const float* s, const float* b, const float* x,
+            const std::vector<int64_t>& row_offset, int64_t col_stride, float* y, int M, int N,
+            int K) {
   const int G = K / kGroup;
   // Permute x for 4 bits and take the group sums, once for every output row.
   std::vector<float> xp(static_cast<size_t>(M) * K);
   std::vector<float> xs(static_cast<size_t>(M) * G);
   for (int m = 0; m < M; ++m) {
     for (int g = 0; g < G; ++g) {
-      const float* src = x + static_cast<size_t>(m) * K + g * kGroup;
+      const float* src = x + row_offset[m] + g * kGroup * col_stride;
       float* dst = xp.data() + static_cast<size_t>(m) * K + g * kGroup;
       float sum = 0.f;
       for (int t = 0; t < kGroup; ++t) {
-        sum += src[t];
+        const float v = src[t * col_stride];
+        sum += v;
         if constexpr (BITS == 4) {
-          dst[(t & 1) ? 16 + t / 2 : t / 2] = src[t];
+          dst[(t & 1) ? 16 + t / 2 : t / 2] = v;
         } else {
-          dst[t] = src[t];
+          dst[t] = v;
         }
       }
       xs[static_cast<size_t>(m) * G + g] = sum;
@@ -360,8 +366,10 @@ void matmul(const uint8_t* w, const float* s, const float* b, const float* x, fl
 }
 
 // ---------------------------------------------------------------------------------------
-// The MLX primitive: inputs x (M, K) float32, w (N, K*bits/32) uint32, scales and biases
-// (N, K/32) float32, all row-contiguous; output (M, N) float32.
+// The MLX primitive: inputs x (..., K) float32 (any strides), w (N, K*bits/32) uint32,
+// scales and biases (N, K/32) float32, row-contiguous; output (..., N) float32. Taking any
+// leading shape and strides saves the reshape and copy ops around each call (a decode step
+// makes ~200 calls, and each MLX op costs microseconds on the CPU).
 class QuantizedMatmul : public mx::UnaryPrimitive {
  public:
   QuantizedMatmul(mx::Stream stream, int bits) : mx::UnaryPrimitive(stream), bits_(bits) {}
@@ -378,17 +386,29 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
     encoder.set_input_array(s);
     encoder.set_input_array(b);
     encoder.set_output_array(out);
-    const int M = static_cast<int>(x.shape(0));
-    const int K = static_cast<int>(x.shape(1));
+    const int K = static_cast<int>(x.shape(-1));
+    const int M = static_cast<int>(x.size() / K);
     const int N = static_cast<int>(w.shape(0));
+    // Each row's offset from the strides of x's leading axes.
+    std::vector<int64_t> row_offset(M);
+    for (int m = 0; m < M; ++m) {
+      int64_t rest = m, offset = 0;
+      for (int axis = static_cast<int>(x.ndim()) - 2; axis >= 0; --axis) {
+        offset += (rest % x.shape(axis)) * x.strides()[axis];
+        rest /= x.shape(axis);
+      }
+      row_offset[m] = offset;
+    }
+    const int64_t col_stride = x.strides().back();
     const int bits = bits_;
     encoder.dispatch([x_ptr = x.data<float>(), w_ptr = w.data<uint8_t>(),
                       s_ptr = s.data<float>(), b_ptr = b.data<float>(),
-                      y_ptr = out.data<float>(), M, N, K, bits]() {
+                      y_ptr = out.data<float>(), row_offset = std::move(row_offset), col_stride,
+                      M, N, K, bits]() {
       if (bits == 4)
-        matmul<4>(w_ptr, s_ptr, b_ptr, x_ptr, y_ptr, M, N, K);
+        matmul<4>(w_ptr, s_ptr, b_ptr, x_ptr, row_offset, col_stride, y_ptr, M, N, K);
       else
-        matmul<8>(w_ptr, s_ptr, b_ptr, x_ptr, y_ptr, M, N, K);
+        matmul<8>(w_ptr, s_ptr, b_ptr, x_ptr, row_offset, col_stride, y_ptr, M, N, K);
     });
   }
 
@@ -403,19 +423,26 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {{inputs[0].shape(0), inputs[1].shape(0)}};
+    mx::Shape shape = inputs[0].shape();
+    shape.back() = inputs[1].shape(0);
+    return {shape};
   }
 
  private:
   int bits_;
 };
 
+// Weights are loaded arrays, contiguous already: a copy op only for one that is not.
+mx::array row_contiguous(const mx::array& a, mx::Stream stream) {
+  return a.is_available() && a.flags().row_contiguous ? a : mx::contiguous(a, false, stream);
+}
+
 mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
                            const mx::array& biases, int bits, mx::StreamOrDevice s) {
   if (bits != 4 && bits != 8) throw std::invalid_argument("bits must be 4 or 8");
-  if (x.ndim() != 2 || w.ndim() != 2 || scales.ndim() != 2 || biases.ndim() != 2)
-    throw std::invalid_argument("x, w, scales and biases must be 2-D");
-  const int K = static_cast<int>(x.shape(1));
+  if (x.ndim() < 1 || w.ndim() != 2 || scales.ndim() != 2 || biases.ndim() != 2)
+    throw std::invalid_argument("x must have an axis, and w, scales and biases be 2-D");
+  const int K = static_cast<int>(x.shape(-1));
   const int N = static_cast<int>(w.shape(0));
   if (K % kGroup != 0 || w.shape(1) * 32 != K * bits || scales.shape(0) != N ||
       scales.shape(1) != K / kGroup || biases.shape() != scales.shape())
@@ -424,11 +451,11 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::arr
       biases.dtype() != mx::float32 || w.dtype() != mx::uint32)
     throw std::invalid_argument("x, scales and biases must be float32 and w uint32");
   auto stream = mx::to_stream(s, mx::Device::cpu);
-  std::vector<mx::array> inputs = {mx::contiguous(x, false, stream),
-                                   mx::contiguous(w, false, stream),
-                                   mx::contiguous(scales, false, stream),
-                                   mx::contiguous(biases, false, stream)};
-  return mx::array({x.shape(0), N}, mx::float32,
+  mx::Shape shape = x.shape();
+  shape.back() = N;
+  std::vector<mx::array> inputs = {x, row_contiguous(w, stream), row_contiguous(scales, stream),
+                                   row_contiguous(biases, stream)};
+  return mx::array(std::move(shape), mx::float32,
                    std::make_shared<QuantizedMatmul>(stream, bits), std::move(inputs));
 }
 
@@ -438,7 +465,7 @@ NB_MODULE(_quantized_matmul, m) {
   m.doc() = "A CPU matrix product for group-32 affine-quantized weights (see the source).";
   m.def("quantized_matmul", &quantized_matmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"),
         nb::arg("biases"), nb::arg("bits"), nb::kw_only(), nb::arg("stream") = nb::none(),
-        "x (M, K) float32 @ the dequantized w (N, K).T -> (M, N) float32.");
+        "x (..., K) float32 @ the dequantized w (N, K).T -> (..., N) float32.");
   m.def("threads", [] { return pool().threads(); }, "Threads of the kernel's pool.");
 #if defined(__AVX512F__)
   m.attr("simd") = "avx512";
