@@ -1,7 +1,8 @@
 """Decode on the GGUF file's quantized codes (qfserve.engine.models.quantized): the converted
 folder keeps them, the loader wraps exactly the projections that have them, few-row products
-read them, prefill reads the float32 weights, and greedy text is that of the float32 model
-(the tiny model here; SmolLM2 for every eviction method)."""
+read them, prefill reads the float32 weights, decode steps attend through the native kernel,
+and greedy text is that of the float32 model with MLX's attention (the tiny model here;
+SmolLM2 for every eviction method)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 from gguf import GGMLQuantizationType
 from mlx_lm.generate import generate_step
 
+from qfserve.engine.kv import attention
 from qfserve.engine.kv.config import METHODS, CacheConfig
 from qfserve.engine.kv.factory import make_caches
 from qfserve.engine.kv.kvzip import RepeatPrompt, compress
@@ -34,12 +36,16 @@ def tiny(request, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("QFSERVE_CACHE", str(scratch / "cache"))
         folder = converted_folder(scratch / "tiny.gguf", dequantize=True)
-    return load_model(str(folder))
+    loaded = load_model(str(folder))
+    yield loaded
+    detach(loaded.model)  # the native decode attention is one switch for the process
 
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_folder):
-    return load_model(str(smollm2_folder))
+    loaded = load_model(str(smollm2_folder))
+    yield loaded
+    detach(loaded.model)
 
 
 def wrapped(model: nn.Module) -> dict[str, nn.Module]:
@@ -98,11 +104,32 @@ def test_greedy_text_equals_the_float32_models(tiny):
     np.testing.assert_allclose(logprobs, plain_logprobs, atol=1e-4)
 
 
-def test_detach_puts_back_plain_modules(tiny):
+def test_decode_steps_attend_through_the_native_kernel(tiny, monkeypatch):
+    """One call a layer for the decode step; the prompt block keeps its own attention."""
+    model = tiny.model
+    kernel, shapes = attention._NATIVE["kernel"], []
+
+    class Counting:
+        def decode_attention(self, q, k, v, scale):
+            shapes.append((q.shape, k.shape))
+            return kernel.decode_attention(q, k, v, scale)
+
+    monkeypatch.setitem(attention._NATIVE, "kernel", Counting())
+    caches = make_caches(model, CacheConfig(method="full"))
+    mx.eval(model(mx.array([[5, 9, 3, 7, 1, 2]]), cache=caches))
+    assert shapes == []
+    mx.eval(model(mx.array([[4]]), cache=caches))
+    heads, kv = model.args.num_attention_heads, model.args.num_key_value_heads
+    assert [(q[1:3], k[1:3]) for q, k in shapes] == [((heads, 1), (kv, 7))] * len(caches)
+
+
+def test_detach_puts_back_plain_modules_and_mlx_attention(tiny):
     loaded = tiny
     model = loaded.model
     count = len(wrapped(model))
+    assert attention._NATIVE["kernel"] is not None
     assert detach(model) == count and not wrapped(model)
+    assert attention._NATIVE["kernel"] is None
     assert isinstance(model.model.layers[0].self_attn.q_proj, nn.Linear)
     _attach_codes(model, loaded.source)
     assert len(wrapped(model)) == count

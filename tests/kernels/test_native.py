@@ -115,3 +115,43 @@ def test_off_switch_and_unbuildable_fall_back(monkeypatch, tmp_path):
     monkeypatch.setattr(native, "_pip_cmake", lambda: None)
     assert native.load(tmp_path / "b") is None
     assert not list(Path(tmp_path / "b").glob("*/*.so"))
+
+
+def attention_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
+    """Softmax attention in float64, each query head against its KV head's keys."""
+    group = q.shape[1] // k.shape[1]
+    k64, v64 = np.repeat(k, group, axis=1).astype(np.float64), np.repeat(v, group, axis=1)
+    logits = np.einsum("bhqd,bhsd->bhqs", q.astype(np.float64), k64) * scale
+    weights = np.exp(logits - logits.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    return np.einsum("bhqs,bhsd->bhqd", weights, v64.astype(np.float64))
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300, 4100])
+@pytest.mark.parametrize(("batch", "q_heads", "kv_heads", "dims"), [(1, 9, 3, 64), (2, 4, 4, 40)])
+def test_decode_attention_matches_numpy(kernel, rows, batch, q_heads, kv_heads, dims):
+    rng = np.random.default_rng(rows + q_heads)
+    q = rng.standard_normal((batch, q_heads, 1, dims), dtype=np.float32)
+    # Keys and values as a cache holds them: the first `rows` of a larger buffer (strided).
+    k_buf = rng.standard_normal((batch, kv_heads, rows + 5, dims), dtype=np.float32) * 2
+    v_buf = rng.standard_normal((batch, kv_heads, rows + 5, dims), dtype=np.float32)
+    k, v = mx.array(k_buf)[:, :, :rows], mx.array(v_buf)[:, :, :rows]
+    got = np.array(kernel.decode_attention(mx.array(q), k, v, 0.125))
+    want = attention_reference(q, k_buf[:, :, :rows], v_buf[:, :, :rows], 0.125)
+    assert got.shape == (batch, q_heads, 1, dims)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("shapes", "message"),
+    [
+        (((1, 9, 2, 64), (1, 3, 5, 64), (1, 3, 5, 64)), "one query a head"),
+        (((1, 8, 1, 64), (1, 3, 5, 64), (1, 3, 5, 64)), "do not match"),
+        (((1, 9, 1, 64), (1, 3, 5, 32), (1, 3, 5, 64)), "do not match"),
+        (((1, 9, 1, 64), (1, 3, 0, 64), (1, 3, 0, 64)), "do not match"),
+    ],
+)
+def test_decode_attention_refuses_bad_shapes(kernel, shapes, message):
+    q, k, v = (mx.zeros(s) for s in shapes)
+    with pytest.raises(ValueError, match=message):
+        kernel.decode_attention(q, k, v, 1.0)

@@ -12,8 +12,10 @@ each KV head's query heads. Caches without a ``head_mask`` pass through untouche
 model runs unchanged for every other cache.
 
 Through the same function: a cache with an ``attend`` method computes the attention itself
-(the KVzip reconstruction pass reads its weights), and on the CPU a prompt block goes through
-:func:`qfserve.engine.kv.blocked.block_attention` (:func:`set_blocked` turns that off).
+(the KVzip reconstruction pass reads its weights), on the CPU a prompt block goes through
+:func:`qfserve.engine.kv.blocked.block_attention` (:func:`set_blocked` turns that off), and a
+decode step of an unmasked sequence through the native kernel where one is set
+(:func:`set_native_decode`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,28 @@ from qfserve.engine.kv import blocked
 
 _MARK = "_qfserve_head_masks"
 _BLOCKED = {"on": True}
+_NATIVE: dict[str, Any] = {"kernel": None}
+
+
+def set_native_decode(kernel: Any) -> None:
+    """Send decode steps' attention (one query a head, no mask) through ``kernel``'s
+    ``decode_attention`` (:mod:`qfserve.kernels.native`), or MLX's own with ``None``.
+    :mod:`qfserve.engine.models.quantized` sets it with the codes it attaches: one switch for
+    the process, whose server serves one model."""
+    _NATIVE["kernel"] = kernel
+
+
+def _native_applies(queries: mx.array, keys: Any, mask: Any, head_mask: Any, sinks: Any) -> bool:
+    return (
+        _NATIVE["kernel"] is not None
+        and queries.shape[2] == 1
+        and head_mask is None
+        and sinks is None
+        and (mask is None or isinstance(mask, str))  # "causal" over one query masks nothing
+        and isinstance(keys, mx.array)  # not a quantized cache's (data, scales, biases)
+        and queries.dtype == keys.dtype == mx.float32
+        and mx.default_device() == mx.cpu
+    )
 
 
 def set_blocked(on: bool) -> None:
@@ -72,6 +96,8 @@ def _masked(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
         if attend is not None:
             return attend(queries, keys, values, scale, mask)
         head_mask = getattr(cache, "head_mask", None)
+        if _native_applies(queries, keys, mask, head_mask, kwargs.get("sinks")):
+            return cast(mx.array, _NATIVE["kernel"].decode_attention(queries, keys, values, scale))
         if _BLOCKED["on"] and blocked.applies(queries, mask, cache, kwargs.get("sinks")):
             return blocked.block_attention(queries, keys, values, scale, key_mask=head_mask)
         if head_mask is not None:

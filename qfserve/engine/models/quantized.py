@@ -10,6 +10,10 @@ the native kernel (:mod:`qfserve.kernels.native`) on the codes, more go to the f
 weight. The codes dequantize to exactly the float32 weights (the conversion derives those
 from them), so the two paths differ only in the order of float32 sums.
 
+The same kernel module then also attends decode steps (one query a head, no mask:
+:func:`qfserve.engine.kv.attention.set_native_decode`), where MLX's CPU attention repeats a
+grouped layer's keys to every query head on each call.
+
 Where the kernel cannot be built, nothing is wrapped and the model runs as before.
 """
 
@@ -24,6 +28,7 @@ from typing import Any, cast
 import mlx.core as mx
 import mlx.nn as nn
 
+from qfserve.engine.kv.attention import set_native_decode
 from qfserve.engine.models.gguf.convert import QUANTIZED_FILE
 
 logger = logging.getLogger(__name__)
@@ -123,19 +128,23 @@ def attach(model: nn.Module, folder: str | Path, kernel: ModuleType | None) -> i
             wrapped.append((stem, DecodeEmbedding(dense, codes)))
     model.update_modules(_tree(wrapped))
     mx.eval(model.parameters())
+    if wrapped:  # the same kernel module attends decode steps (kv.attention)
+        set_native_decode(kernel)
     logger.info("decode reads quantized weights for %d projections (%s)", len(wrapped), path)
     return len(wrapped)
 
 
 def detach(model: nn.Module) -> int:
-    """Put back the plain modules :func:`attach` wrapped (before splitting the model over
-    ranks, whose sharding rewrites the projections). Returns how many."""
+    """Put back the plain modules :func:`attach` wrapped and MLX's decode attention (before
+    splitting the model over ranks, whose sharding rewrites the projections). Returns how
+    many."""
     plain = [
         (name, module.dense)
         for name, module in model.named_modules()
         if isinstance(module, DecodeLinear | DecodeEmbedding)
     ]
     model.update_modules(_tree(plain))
+    set_native_decode(None)
     return len(plain)
 
 

@@ -39,8 +39,15 @@ from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("quantized_matmul.cpp", "CMakeLists.txt")
-MODULE = "_quantized_matmul"
+SOURCES = (
+    "CMakeLists.txt",
+    "kernels.h",
+    "pool.h",
+    "module.cpp",
+    "quantized_matmul.cpp",
+    "decode_attention.cpp",
+)
+MODULE = "_native"
 _BUILD_TIMEOUT_S = 600
 _lock = threading.Lock()
 

@@ -16,13 +16,7 @@
 // prompts to a dequantized float32 product, where a BLAS is faster.
 
 #include <algorithm>
-#include <atomic>
-#include <condition_variable>
 #include <cstdint>
-#include <cstdlib>
-#include <functional>
-#include <mutex>
-#include <thread>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -30,131 +24,18 @@
 #define QF_AVX2 1
 #endif
 
-#include <nanobind/nanobind.h>
-#include <nanobind/stl/variant.h>
-
+#include "kernels.h"
 #include "mlx/backend/cpu/encoder.h"
-#include "mlx/mlx.h"
 #include "mlx/primitives.h"
+#include "pool.h"
 
-namespace nb = nanobind;
 namespace mx = mlx::core;
+using qfserve::Pool;
+using qfserve::pool;
 
 namespace {
 
 constexpr int kGroup = 32;
-
-// ---------------------------------------------------------------------------------------
-// A fixed pool of worker threads sharing a job's chunks of rows. The calling thread claims
-// chunks too and never waits for a worker that has not started: on a busy machine it simply
-// does the whole job itself, and waits at the end only for chunks a worker is still running.
-// A claim is a compare-and-swap on (job generation << 32 | next chunk), so a worker that wakes
-// late can never claim a chunk of a later job with an earlier job's function.
-class Pool {
- public:
-  explicit Pool(int threads) : threads_(threads < 1 ? 1 : threads) {
-    for (int i = 1; i < threads_; ++i) workers_.emplace_back([this] { loop(); });
-  }
-  ~Pool() {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      stop_ = true;
-    }
-    wake_.notify_all();
-    for (auto& t : workers_) t.join();
-  }
-  int threads() const { return threads_; }
-
-  // Run fn(chunk) for chunk in [0, chunks).
-  void run(int chunks, const std::function<void(int)>& fn) {
-    if (chunks <= 1 || threads_ == 1) {
-      for (int c = 0; c < chunks; ++c) fn(c);
-      return;
-    }
-    std::lock_guard<std::mutex> one_job(run_mutex_);  // callers on two streams take turns
-    uint64_t gen;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      gen = ++generation_;
-      job_ = &fn;
-      chunks_ = chunks;
-      done_.store(0, std::memory_order_relaxed);
-      ticket_.store(gen << 32, std::memory_order_release);
-    }
-    wake_.notify_all();
-    int mine = work(gen, fn, chunks);
-    while (done_.load(std::memory_order_acquire) != chunks - mine) {
-#ifdef QF_AVX2
-      _mm_pause();
-#endif
-    }
-  }
-
- private:
-  // Claim and run chunks of job `gen`; returns how many this thread ran.
-  int work(uint64_t gen, const std::function<void(int)>& fn, int chunks) {
-    int ran = 0;
-    uint64_t t = ticket_.load(std::memory_order_acquire);
-    while ((t >> 32) == gen && static_cast<int>(t & 0xffffffffu) < chunks) {
-      if (ticket_.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel)) {
-        fn(static_cast<int>(t & 0xffffffffu));
-        ++ran;
-        t = ticket_.load(std::memory_order_acquire);
-      }
-    }
-    return ran;
-  }
-
-  void loop() {
-    uint64_t seen = 0;
-    while (true) {
-      // Spin a while for the next job before sleeping (decode calls ~200 times a step).
-      for (int spin = 0; spin < spin_limit_ && (ticket_.load() >> 32) == seen; ++spin) {
-#ifdef QF_AVX2
-        _mm_pause();
-#endif
-      }
-      std::unique_lock<std::mutex> lock(mutex_);
-      wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
-      if (stop_) return;
-      seen = generation_;
-      const std::function<void(int)>* job = job_;
-      const int chunks = chunks_;
-      lock.unlock();
-      const int ran = work(seen, *job, chunks);
-      if (ran) done_.fetch_add(ran, std::memory_order_release);
-    }
-  }
-
-  int threads_;
-  int spin_limit_ = spin_from_env();
-  std::vector<std::thread> workers_;
-  std::mutex mutex_;
-  std::mutex run_mutex_;
-  std::condition_variable wake_;
-  uint64_t generation_ = 0;  // guarded by mutex_
-  std::atomic<uint64_t> ticket_{0};
-  std::atomic<int> done_{0};
-  const std::function<void(int)>* job_ = nullptr;
-  int chunks_ = 0;
-  bool stop_ = false;
-
-  static int spin_from_env() {
-    const char* v = std::getenv("QFSERVE_NATIVE_SPIN");
-    return v ? std::atoi(v) : 2000;
-  }
-};
-
-int threads_from_env() {
-  const char* v = std::getenv("QFSERVE_NATIVE_THREADS");
-  int n = v ? std::atoi(v) : static_cast<int>(std::thread::hardware_concurrency());
-  return n < 1 ? 1 : (n > 64 ? 64 : n);
-}
-
-Pool& pool() {
-  static Pool instance(threads_from_env());
-  return instance;
-}
 
 // ---------------------------------------------------------------------------------------
 // The kernel. x is permuted per group for 4 bits so that a byte's low nibbles meet the even
@@ -437,6 +318,10 @@ mx::array row_contiguous(const mx::array& a, mx::Stream stream) {
   return a.is_available() && a.flags().row_contiguous ? a : mx::contiguous(a, false, stream);
 }
 
+}  // namespace
+
+namespace qfserve {
+
 mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
                            const mx::array& biases, int bits, mx::StreamOrDevice s) {
   if (bits != 4 && bits != 8) throw std::invalid_argument("bits must be 4 or 8");
@@ -459,19 +344,4 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::arr
                    std::make_shared<QuantizedMatmul>(stream, bits), std::move(inputs));
 }
 
-}  // namespace
-
-NB_MODULE(_quantized_matmul, m) {
-  m.doc() = "A CPU matrix product for group-32 affine-quantized weights (see the source).";
-  m.def("quantized_matmul", &quantized_matmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"),
-        nb::arg("biases"), nb::arg("bits"), nb::kw_only(), nb::arg("stream") = nb::none(),
-        "x (..., K) float32 @ the dequantized w (N, K).T -> (..., N) float32.");
-  m.def("threads", [] { return pool().threads(); }, "Threads of the kernel's pool.");
-#if defined(__AVX512F__)
-  m.attr("simd") = "avx512";
-#elif defined(QF_AVX2)
-  m.attr("simd") = "avx2";
-#else
-  m.attr("simd") = "none";
-#endif
-}
+}  // namespace qfserve

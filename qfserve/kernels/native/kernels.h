@@ -1,0 +1,20 @@
+// qfserve's native CPU kernels, as MLX ops (each builds an array whose primitive runs on the
+// CPU stream). module.cpp binds them to Python.
+#pragma once
+
+#include "mlx/mlx.h"
+
+namespace qfserve {
+
+// x (..., K) float32 @ the dequantized group-32 weight (N, K).T -> (..., N) float32.
+mlx::core::array quantized_matmul(const mlx::core::array& x, const mlx::core::array& w,
+                                  const mlx::core::array& scales, const mlx::core::array& biases,
+                                  int bits, mlx::core::StreamOrDevice s);
+
+// One query per head over every key: softmax(q k^T * scale) v, with grouped KV heads.
+// q (B, Hq, 1, D), k (B, H, S, D), v (B, H, S, Dv) float32, H dividing Hq -> (B, Hq, 1, Dv).
+mlx::core::array decode_attention(const mlx::core::array& q, const mlx::core::array& k,
+                                  const mlx::core::array& v, float scale,
+                                  mlx::core::StreamOrDevice s);
+
+}  // namespace qfserve

@@ -1,0 +1,27 @@
+// The Python module of qfserve's native CPU kernels (see kernels.h and each kernel's source).
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/variant.h>
+
+#include "kernels.h"
+#include "pool.h"
+
+namespace nb = nanobind;
+
+NB_MODULE(_native, m) {
+  m.doc() = "qfserve's native CPU kernels (see qfserve/kernels/native).";
+  m.def("quantized_matmul", &qfserve::quantized_matmul, nb::arg("x"), nb::arg("w"),
+        nb::arg("scales"), nb::arg("biases"), nb::arg("bits"), nb::kw_only(),
+        nb::arg("stream") = nb::none(),
+        "x (..., K) float32 @ the dequantized w (N, K).T -> (..., N) float32.");
+  m.def("decode_attention", &qfserve::decode_attention, nb::arg("q"), nb::arg("k"),
+        nb::arg("v"), nb::arg("scale"), nb::kw_only(), nb::arg("stream") = nb::none(),
+        "softmax(q k^T * scale) v for one query per head, KV heads grouped.");
+  m.def("threads", [] { return qfserve::pool().threads(); }, "Threads of the kernels' pool.");
+#if defined(__AVX512F__)
+  m.attr("simd") = "avx512";
+#elif defined(__AVX2__) && defined(__FMA__)
+  m.attr("simd") = "avx2";
+#else
+  m.attr("simd") = "none";
+#endif
+}
