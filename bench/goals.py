@@ -20,6 +20,7 @@ STATEMENTS = {
     "perplexity": "Perplexity at budgets 256-1,024 with a recent window: Q-Filters closes ≥ 50% of the streaming-to-full gap (paper: up to 65% less perplexity drop than StreamingLLM)",
     "decode": "Decode at 8k: budget 512 ≥ 2× faster per step than the full cache; peak memory flat in context with eviction",
     "vs_mlx_lm": "Against mlx_lm.server: parity with the full cache; ≥ 2× decode tokens/s at 8k",
+    "vs_llama_cpp": "Against llama.cpp's server on the same GGUF: TTFT with Q-Filters ≤ 1× at every length, with the full cache ≤ 1.5× at 8k; Q-Filters (512) decode tokens/s ≥ 1× at 8k, ≥ 0.75× at 4k, ≥ 0.5× at 256 tokens",
     "batching": "Continuous batching: ≥ 3× aggregate decode tokens/s at 8 streams over one stream",
     "multiturn": "Multi-turn reuse (budget 512): TTFT at the last turn within 1.3× of turn 2's; KV bytes flat once the budget fills",
     "self_calibration": "Self-calibrated Q-Filters (no artifact): pass key at 8× within 5 points of the calibrated filters and well above the key-SVD fallback",
@@ -171,6 +172,29 @@ def vs_mlx_lm(folder: Path) -> tuple[str, bool]:
         f"tokens/s {tps['ours_full']:.2f}×; Q-Filters tokens/s {tps['ours_qfilters']:.2f}× "
         f"(A/A {tps['theirs_b']:.2f}×)",
         top["prompt_tokens"] >= 8000 and tps["ours_qfilters"] >= 2,
+    )
+
+
+@_goal
+def vs_llama_cpp(folder: Path) -> tuple[str, bool]:
+    rows = sorted(_need(folder, "vs_llama_cpp")["rows"], key=lambda r: r["prompt_tokens"])
+    ttft = {r["prompt_tokens"]: {a["arm"]: a["median"] for a in r["ttft_ratios"]} for r in rows}
+    tps = {r["prompt_tokens"]: {a["arm"]: a["median"] for a in r["tps_ratios"]} for r in rows}
+    short, longest = min(tps), max(tps)
+    mid = min(tps, key=lambda n: abs(n - 4096))
+    evicting = [ttft[n]["ours_qfilters"] for n in ttft]
+    aa = [tps[n]["theirs_b"] for n in tps]
+    return (
+        f"TTFT with Q-Filters {min(evicting):.2f}-{max(evicting):.2f}×, full at {longest} "
+        f"tokens {ttft[longest]['ours_full']:.2f}×; Q-Filters tokens/s "
+        f"{tps[longest]['ours_qfilters']:.2f}× at {longest}, {tps[mid]['ours_qfilters']:.2f}× at "
+        f"{mid}, {tps[short]['ours_qfilters']:.2f}× at {short} (A/A "
+        f"{min(aa):.2f}-{max(aa):.2f}×)",
+        max(evicting) <= 1
+        and ttft[longest]["ours_full"] <= 1.5
+        and tps[longest]["ours_qfilters"] >= 1
+        and tps[mid]["ours_qfilters"] >= 0.75
+        and tps[short]["ours_qfilters"] >= 0.5,
     )
 
 
