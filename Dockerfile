@@ -5,8 +5,10 @@
 FROM python:3.11-slim-bookworm
 
 # OpenBLAS makes MLX's CPU float32 matmul ~30x faster; qfserve preloads it when installed.
+# g++ and make build qfserve's native decode kernels (qfserve/kernels/native; CMake comes
+# from PyPI): built below for this CPU, and again at start on a CPU with other features.
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends libopenblas0-pthread \
+    && apt-get install -y --no-install-recommends libopenblas0-pthread g++ make \
     && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /app
@@ -18,6 +20,8 @@ COPY pyproject.toml README.md ./
 COPY qfserve ./qfserve
 RUN pip install -e .
 RUN python -c "from qfserve.engine.models.loading import resolve_model_ref; print(resolve_model_ref(None))"
+RUN python -c "from qfserve.engine.models.gguf.convert import cache_root; \
+from qfserve.kernels import native; assert native.load(cache_root() / 'native')"
 COPY models/qfserve-tiny ./models/qfserve-tiny
 
 EXPOSE 8000

@@ -1,4 +1,5 @@
-"""Fused GPU kernels for the eviction step, with a plain-MLX path that gives the same bits.
+"""Fused GPU kernels for the eviction step, with a plain-MLX path that gives the same bits;
+and, in :mod:`qfserve.kernels.native`, the CPU kernels of a decode step (built on the machine).
 
 Public entry points (imported lazily, so ``qfserve.kernels.sources`` and ``qfserve.kernels.cpu_model`` load on a
 machine without MLX):

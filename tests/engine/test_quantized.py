@@ -110,9 +110,9 @@ def test_decode_steps_attend_through_the_native_kernel(tiny, monkeypatch):
     kernel, shapes = attention._NATIVE["kernel"], []
 
     class Counting:
-        def decode_attention(self, q, k, v, scale):
+        def decode_attention(self, q, k, v, scale, key_mask=None):
             shapes.append((q.shape, k.shape))
-            return kernel.decode_attention(q, k, v, scale)
+            return kernel.decode_attention(q, k, v, scale, key_mask=key_mask)
 
     monkeypatch.setitem(attention._NATIVE, "kernel", Counting())
     caches = make_caches(model, CacheConfig(method="full"))

@@ -155,3 +155,27 @@ def test_decode_attention_refuses_bad_shapes(kernel, shapes, message):
     q, k, v = (mx.zeros(s) for s in shapes)
     with pytest.raises(ValueError, match=message):
         kernel.decode_attention(q, k, v, 1.0)
+
+
+def test_decode_attention_skips_masked_keys(kernel):
+    """A key mask (a batch member's padding, a ragged head) gives those keys no weight: the
+    same as attending the unmasked keys alone; a head with every key masked gives zeros."""
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((2, 6, 1, 32), dtype=np.float32)
+    k = rng.standard_normal((2, 3, 50, 32), dtype=np.float32)
+    v = rng.standard_normal((2, 3, 50, 32), dtype=np.float32)
+    held = np.array([[50, 17, 1], [30, 0, 44]])  # rows each (sequence, KV head) may attend
+    mask = np.arange(50)[None, None, :] < held[:, :, None]
+    got = np.array(
+        kernel.decode_attention(mx.array(q), mx.array(k), mx.array(v), 0.2, key_mask=mx.array(mask))
+    )
+    for b in range(2):
+        for h in range(3):
+            n, heads = held[b, h], slice(2 * h, 2 * h + 2)
+            if n == 0:
+                np.testing.assert_array_equal(got[b, heads], 0.0)
+                continue
+            want = attention_reference(
+                q[b : b + 1, heads], k[b : b + 1, h : h + 1, :n], v[b : b + 1, h : h + 1, :n], 0.2
+            )
+            np.testing.assert_allclose(got[b, heads], want[0], rtol=1e-5, atol=1e-5)

@@ -14,8 +14,8 @@ model runs unchanged for every other cache.
 Through the same function: a cache with an ``attend`` method computes the attention itself
 (the KVzip reconstruction pass reads its weights), on the CPU a prompt block goes through
 :func:`qfserve.engine.kv.blocked.block_attention` (:func:`set_blocked` turns that off), and a
-decode step of an unmasked sequence through the native kernel where one is set
-(:func:`set_native_decode`).
+decode step through the native kernel where one is set (:func:`set_native_decode`), with the
+cache's ``head_mask`` as its key mask.
 """
 
 from __future__ import annotations
@@ -35,18 +35,17 @@ _NATIVE: dict[str, Any] = {"kernel": None}
 
 
 def set_native_decode(kernel: Any) -> None:
-    """Send decode steps' attention (one query a head, no mask) through ``kernel``'s
-    ``decode_attention`` (:mod:`qfserve.kernels.native`), or MLX's own with ``None``.
-    :mod:`qfserve.engine.models.quantized` sets it with the codes it attaches: one switch for
-    the process, whose server serves one model."""
+    """Send decode steps' attention (one query a head; no mask but a cache's per-head one)
+    through ``kernel``'s ``decode_attention`` (:mod:`qfserve.kernels.native`), or MLX's own
+    with ``None``. :mod:`qfserve.engine.models.quantized` sets it with the codes it attaches:
+    one switch for the process, whose server serves one model."""
     _NATIVE["kernel"] = kernel
 
 
-def _native_applies(queries: mx.array, keys: Any, mask: Any, head_mask: Any, sinks: Any) -> bool:
+def _native_applies(queries: mx.array, keys: Any, mask: Any, sinks: Any) -> bool:
     return (
         _NATIVE["kernel"] is not None
         and queries.shape[2] == 1
-        and head_mask is None
         and sinks is None
         and (mask is None or isinstance(mask, str))  # "causal" over one query masks nothing
         and isinstance(keys, mx.array)  # not a quantized cache's (data, scales, biases)
@@ -96,8 +95,13 @@ def _masked(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
         if attend is not None:
             return attend(queries, keys, values, scale, mask)
         head_mask = getattr(cache, "head_mask", None)
-        if _native_applies(queries, keys, mask, head_mask, kwargs.get("sinks")):
-            return cast(mx.array, _NATIVE["kernel"].decode_attention(queries, keys, values, scale))
+        if _native_applies(queries, keys, mask, kwargs.get("sinks")):
+            return cast(
+                mx.array,
+                _NATIVE["kernel"].decode_attention(
+                    queries, keys, values, scale, key_mask=head_mask
+                ),
+            )
         if _BLOCKED["on"] and blocked.applies(queries, mask, cache, kwargs.get("sinks")):
             return blocked.block_attention(queries, keys, values, scale, key_mask=head_mask)
         if head_mask is not None:

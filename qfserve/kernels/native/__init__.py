@@ -1,11 +1,14 @@
-"""qfserve's native CPU kernel: a matrix product on weights that stay quantized.
+"""qfserve's native CPU kernels for decode steps: a matrix product on weights that stay
+quantized, and attention of one query a head.
 
-MLX's CPU backend has no user kernels from Python (``mx.fast.metal_kernel`` is Metal only),
-and its own CPU ``quantized_matmul`` is slower than a float32 product on the same weights, so
-a decode step on the CPU read the dequantized float32 weights: ~540 MB a step for
-SmolLM2-135M. ``quantized_matmul.cpp`` is an MLX primitive with a CPU implementation that reads
-the GGUF file's 4- and 8-bit codes instead (about 5x fewer bytes); see its header for the
-arithmetic.
+MLX's CPU backend has no user kernels from Python (``mx.fast.metal_kernel`` is Metal only).
+Its own CPU ``quantized_matmul`` is slower than a float32 product on the same weights, so a
+decode step on the CPU read the dequantized float32 weights: ~540 MB a step for
+SmolLM2-135M; ``quantized_matmul.cpp`` reads the GGUF file's 4- and 8-bit codes instead
+(about 5x fewer bytes). Its CPU attention repeats a grouped layer's keys to every query head
+on each call; ``decode_attention.cpp`` reads them once. Both are MLX primitives with a CPU
+implementation (``kernels.h``), sharing one pool of threads (``pool.h``); see each source's
+header for its arithmetic.
 
 It is built on this machine, on first use, with CMake against the installed MLX and nanobind
 (``-march=native``: the user's own CPU, and MLX's own C++ ABI), into
@@ -13,7 +16,8 @@ It is built on this machine, on first use, with CMake against the installed MLX 
 machine, so an upgrade of any of them builds again. Where it cannot be built (no compiler,
 no CMake, no nanobind, a platform other than Linux) or fails its check against numpy,
 :func:`load` says why once and returns ``None``, and callers keep the float32 path.
-``QFSERVE_NATIVE=off`` turns it off.
+``QFSERVE_NATIVE=off`` turns it off; ``QFSERVE_NATIVE_THREADS`` sets the pool's threads
+(default: the machine's cores).
 """
 
 from __future__ import annotations
@@ -73,7 +77,7 @@ def load(cache_dir: Path) -> ModuleType | None:
     try:
         return _load(cache_dir)
     except NativeUnavailable as exc:
-        logger.warning("native quantized matmul unavailable, using float32 weights: %s", exc)
+        logger.warning("native kernels unavailable (decode reads float32 weights): %s", exc)
         return None
 
 
@@ -97,7 +101,7 @@ def _load(cache_dir: Path) -> ModuleType:
                 built = _built_file(folder) or _build(folder)
         module = _import(built)
         _check(module)
-        logger.info("native quantized matmul: %s, %d threads", built, module.threads())
+        logger.info("native kernels: %s, %s, %d threads", built, module.simd, module.threads())
         return module
 
 
@@ -119,7 +123,7 @@ def _build(folder: Path) -> Path:
         raise NativeUnavailable("nanobind is not installed") from exc
     import mlx.core
 
-    logger.info("building the native quantized matmul (once, ~30 s) into %s", folder)
+    logger.info("building the native kernels (once, ~20 s) into %s", folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".build-", dir=folder.parent) as tmp:
         configure = [

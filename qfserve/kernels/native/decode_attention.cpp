@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -49,29 +50,31 @@ inline float dot(const float* a, const float* b, int D) {
   return sum;
 }
 
-struct Layout {  // element strides of q, k, v, and the shapes
+struct Layout {  // element strides of q, k, v and the key mask, and the shapes
   int B, Hq, H, S, D, Dv;
-  int64_t q_b, q_h, k_b, k_h, k_s, v_b, v_h, v_s;
+  int64_t q_b, q_h, k_b, k_h, k_s, v_b, v_h, v_s, m_b, m_h, m_s;
 };
 
 // One KV head of one sequence: its G query heads against its S keys.
-void head(const float* q, const float* k, const float* v, float* out, const Layout& L,
-          float scale, int b, int h, std::vector<float>& p) {
+// A key whose mask is false (a batch member's padding) gets no weight.
+void head(const float* q, const float* k, const float* v, const bool* mask, float* out,
+          const Layout& L, float scale, int b, int h, std::vector<float>& p) {
   const int G = L.Hq / L.H;
   const float* kh = k + b * L.k_b + h * L.k_h;
   const float* vh = v + b * L.v_b + h * L.v_h;
+  const bool* mh = mask ? mask + b * L.m_b + h * L.m_h : nullptr;
   p.resize(static_cast<size_t>(G) * L.S);
   for (int g = 0; g < G; ++g) {
     const float* qg = q + b * L.q_b + (h * G + g) * L.q_h;
     float* pg = p.data() + static_cast<size_t>(g) * L.S;
     float top = -INFINITY;
     for (int j = 0; j < L.S; ++j) {
-      pg[j] = dot(qg, kh + j * L.k_s, L.D) * scale;
+      pg[j] = mh && !mh[j * L.m_s] ? -INFINITY : dot(qg, kh + j * L.k_s, L.D) * scale;
       top = std::max(top, pg[j]);
     }
     float total = 0.f;
     for (int j = 0; j < L.S; ++j) {
-      pg[j] = std::exp(pg[j] - top);
+      pg[j] = top == -INFINITY ? 0.f : std::exp(pg[j] - top);
       total += pg[j];
     }
     float* og = out + (static_cast<int64_t>(b) * L.Hq + h * G + g) * L.Dv;
@@ -81,7 +84,7 @@ void head(const float* q, const float* k, const float* v, float* out, const Layo
       const float w = pg[j];
       for (int d = 0; d < L.Dv; ++d) og[d] += w * vj[d];
     }
-    const float inv = 1.f / total;
+    const float inv = total > 0.f ? 1.f / total : 0.f;  // every key masked: zeros
     for (int d = 0; d < L.Dv; ++d) og[d] *= inv;
   }
 }
@@ -99,13 +102,17 @@ class DecodeAttention : public mx::UnaryPrimitive {
     encoder.set_input_array(q);
     encoder.set_input_array(k);
     encoder.set_input_array(v);
+    const bool masked = inputs.size() == 4;
+    if (masked) encoder.set_input_array(inputs[3]);
     encoder.set_output_array(out);
+    const auto& ms = masked ? inputs[3].strides() : k.strides();
     Layout L{static_cast<int>(q.shape(0)), static_cast<int>(q.shape(1)),
              static_cast<int>(k.shape(1)), static_cast<int>(k.shape(2)),
              static_cast<int>(k.shape(3)), static_cast<int>(v.shape(3)),
              q.strides()[0], q.strides()[1], k.strides()[0], k.strides()[1], k.strides()[2],
-             v.strides()[0], v.strides()[1], v.strides()[2]};
+             v.strides()[0], v.strides()[1], v.strides()[2], ms[0], ms[1], ms[2]};
     encoder.dispatch([q_ptr = q.data<float>(), k_ptr = k.data<float>(), v_ptr = v.data<float>(),
+                      m_ptr = masked ? inputs[3].data<bool>() : nullptr,
                       o_ptr = out.data<float>(), L, scale = scale_]() {
       const int tasks = L.B * L.H;
       // Below ~64k multiply-adds one thread is faster than waking another.
@@ -114,7 +121,7 @@ class DecodeAttention : public mx::UnaryPrimitive {
         thread_local std::vector<float> p;
         const int first = split ? task : 0, last = split ? task + 1 : tasks;
         for (int t = first; t < last; ++t)
-          head(q_ptr, k_ptr, v_ptr, o_ptr, L, scale, t / L.H, t % L.H, p);
+          head(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, L, scale, t / L.H, t % L.H, p);
       });
     });
   }
@@ -147,7 +154,8 @@ mx::array rows_contiguous(const mx::array& a, mx::Stream stream) {
 namespace qfserve {
 
 mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::array& v,
-                           float scale, mx::StreamOrDevice s) {
+                           float scale, const std::optional<mx::array>& key_mask,
+                           mx::StreamOrDevice s) {
   if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4)
     throw std::invalid_argument("q, k and v must be 4-D (batch, heads, rows, dims)");
   if (q.shape(2) != 1) throw std::invalid_argument("decode attention takes one query a head");
@@ -158,10 +166,17 @@ mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::arr
   if (q.dtype() != mx::float32 || k.dtype() != mx::float32 || v.dtype() != mx::float32)
     throw std::invalid_argument("q, k and v must be float32");
   auto stream = mx::to_stream(s, mx::Device::cpu);
+  std::vector<mx::array> inputs = {rows_contiguous(q, stream), rows_contiguous(k, stream),
+                                   rows_contiguous(v, stream)};
+  if (key_mask) {
+    const mx::array& m = *key_mask;
+    if (m.ndim() != 3 || m.shape(0) != k.shape(0) || m.shape(1) != k.shape(1) ||
+        m.shape(2) != k.shape(2) || m.dtype() != mx::bool_)
+      throw std::invalid_argument("key_mask must be bool (batch, kv heads, rows)");
+    inputs.push_back(m);  // read through its strides: a broadcast mask is not copied
+  }
   return mx::array({q.shape(0), q.shape(1), 1, v.shape(3)}, mx::float32,
-                   std::make_shared<DecodeAttention>(stream, scale),
-                   {rows_contiguous(q, stream), rows_contiguous(k, stream),
-                    rows_contiguous(v, stream)});
+                   std::make_shared<DecodeAttention>(stream, scale), std::move(inputs));
 }
 
 }  // namespace qfserve

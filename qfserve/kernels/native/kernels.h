@@ -2,6 +2,8 @@
 // CPU stream). module.cpp binds them to Python.
 #pragma once
 
+#include <optional>
+
 #include "mlx/mlx.h"
 
 namespace qfserve {
@@ -12,9 +14,11 @@ mlx::core::array quantized_matmul(const mlx::core::array& x, const mlx::core::ar
                                   int bits, mlx::core::StreamOrDevice s);
 
 // One query per head over every key: softmax(q k^T * scale) v, with grouped KV heads.
-// q (B, Hq, 1, D), k (B, H, S, D), v (B, H, S, Dv) float32, H dividing Hq -> (B, Hq, 1, Dv).
+// q (B, Hq, 1, D), k (B, H, S, D), v (B, H, S, Dv) float32, H dividing Hq -> (B, Hq, 1, Dv);
+// key_mask (B, H, S) bool, false where a key may not be attended.
 mlx::core::array decode_attention(const mlx::core::array& q, const mlx::core::array& k,
                                   const mlx::core::array& v, float scale,
+                                  const std::optional<mlx::core::array>& key_mask,
                                   mlx::core::StreamOrDevice s);
 
 }  // namespace qfserve

@@ -1,5 +1,6 @@
 // The Python module of qfserve's native CPU kernels (see kernels.h and each kernel's source).
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/variant.h>
 
 #include "kernels.h"
@@ -14,8 +15,10 @@ NB_MODULE(_native, m) {
         nb::arg("stream") = nb::none(),
         "x (..., K) float32 @ the dequantized w (N, K).T -> (..., N) float32.");
   m.def("decode_attention", &qfserve::decode_attention, nb::arg("q"), nb::arg("k"),
-        nb::arg("v"), nb::arg("scale"), nb::kw_only(), nb::arg("stream") = nb::none(),
-        "softmax(q k^T * scale) v for one query per head, KV heads grouped.");
+        nb::arg("v"), nb::arg("scale"), nb::kw_only(), nb::arg("key_mask") = nb::none(),
+        nb::arg("stream") = nb::none(),
+        "softmax(q k^T * scale) v for one query per head, KV heads grouped; key_mask "
+        "(B, H, S) bool is false on keys not to attend.");
   m.def("threads", [] { return qfserve::pool().threads(); }, "Threads of the kernels' pool.");
 #if defined(__AVX512F__)
   m.attr("simd") = "avx512";

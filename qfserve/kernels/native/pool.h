@@ -98,7 +98,8 @@ class Pool {
   }
 
   int threads_;
-  int spin_limit_ = spin_from_env();
+  // Pause instructions a worker spins for the next job before it sleeps (tens of microseconds).
+  static constexpr int spin_limit_ = 2000;
   std::vector<std::thread> workers_;
   std::mutex mutex_;
   std::mutex run_mutex_;
@@ -109,11 +110,6 @@ class Pool {
   const std::function<void(int)>* job_ = nullptr;
   int chunks_ = 0;
   bool stop_ = false;
-
-  static int spin_from_env() {
-    const char* v = std::getenv("QFSERVE_NATIVE_SPIN");
-    return v ? std::atoi(v) : 2000;
-  }
 };
 
 inline int threads_from_env() {
