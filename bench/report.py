@@ -454,7 +454,7 @@ def _span(lengths: list[int]) -> str:
 def readme_headlines(results_dir: Path = RESULTS_DIR) -> list[str]:
     """The README's results table: KVzip on the needle in prose, against kvpress and its price;
     then what a user who changes nothing gets: the needle through the server with default
-    settings and the speed of the OpenBLAS the install brings."""
+    settings, the speed against llama.cpp's server, and the OpenBLAS the install brings."""
     folder, rows = results_dir / "smollm2", []
     if niah := load(folder / "kvzip" / "niah.json"):
         ratios, lengths = niah["ratios"], niah["lengths"]
@@ -507,6 +507,21 @@ def readme_headlines(results_dir: Path = RESULTS_DIR) -> list[str]:
         result = (
             f"`--budget auto` {auto} against the full cache's {full}; on a `--max-kv-bytes` of "
             f"{served['small_tokens']:,} tokens {small}"
+        )
+        rows.append([what, result])
+    if llama := load(folder / "vs_llama_cpp.json"):
+        rows_by = sorted(llama["rows"], key=lambda r: r["prompt_tokens"])
+        arms = ("ours_full", "ours_qfilters")
+        ttft, tps = (
+            {arm: _slashed([by_arm(r[key])[arm]["median"] for r in rows_by]) for arm in arms}
+            for key in ("ttft_ratios", "tps_ratios")
+        )
+        sizes = " / ".join(f"{r['prompt_tokens']:,}" for r in rows_by)
+        what = f"against llama.cpp's server on the same GGUF, prompts of {sizes} tokens"
+        result = (
+            f"first token {ttft['ours_qfilters']}x llama.cpp's time with Q-Filters 512, "
+            f"{ttft['ours_full']}x with the full cache; decode tokens/s {tps['ours_qfilters']}x "
+            f"with Q-Filters 512, {tps['ours_full']}x with the full cache"
         )
         rows.append([what, result])
     if blas := load(folder / "blas" / "blas.json"):

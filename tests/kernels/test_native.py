@@ -179,3 +179,16 @@ def test_decode_attention_skips_masked_keys(kernel):
                 q[b : b + 1, heads], k[b : b + 1, h : h + 1, :n], v[b : b + 1, h : h + 1, :n], 0.2
             )
             np.testing.assert_allclose(got[b, heads], want[0], rtol=1e-5, atol=1e-5)
+
+
+def test_decode_attention_reads_keys_through_any_strides(kernel):
+    """Keys stored transposed (each row strided) and queries from a wider buffer: read in
+    place, with the same result."""
+    rng = np.random.default_rng(8)
+    q_buf = rng.standard_normal((1, 9, 1, 80), dtype=np.float32)
+    k_t = rng.standard_normal((1, 3, 64, 40), dtype=np.float32)  # (B, H, D, S)
+    v = rng.standard_normal((1, 3, 40, 64), dtype=np.float32)
+    q, k = mx.array(q_buf)[..., :64], mx.array(k_t).swapaxes(2, 3)
+    got = np.array(kernel.decode_attention(q, k, mx.array(v), 0.3))
+    want = attention_reference(q_buf[..., :64], k_t.swapaxes(2, 3), v, 0.3)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

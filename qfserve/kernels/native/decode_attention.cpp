@@ -4,7 +4,8 @@
 // grouped KV heads it repeats keys and values to the query heads on every call; a
 // SmolLM2-135M step over 4,096 rows spent ~70 ms of its ~110 ms there, ~2.3 ms a layer, for
 // ~5 M multiply-adds. Here each KV head's keys are read once for all the query heads of its
-// group, where they lie (a cache's slice of its buffer), and the softmax is a single pass
+// group, where they lie (through their strides: a cache's rows are a slice of its buffer,
+// and a copy of them would cost more than the attention), and the softmax is a single pass
 // over a small buffer.
 //
 //   out[g] = sum_j softmax_j(scale * q[g] . k[j]) v[j]      for the G query heads of a KV head
@@ -52,8 +53,17 @@ inline float dot(const float* a, const float* b, int D) {
 
 struct Layout {  // element strides of q, k, v and the key mask, and the shapes
   int B, Hq, H, S, D, Dv;
-  int64_t q_b, q_h, k_b, k_h, k_s, v_b, v_h, v_s, m_b, m_h, m_s;
+  int64_t q_b, q_h, q_d, k_b, k_h, k_s, k_d, v_b, v_h, v_s, v_d, m_b, m_h, m_s;
 };
+
+// q . k over D elements with strides (a cache's rows are a slice of its buffer: read in
+// place, since copying them would cost more than the attention).
+inline float strided_dot(const float* a, int64_t sa, const float* b, int64_t sb, int D) {
+  if (sa == 1 && sb == 1) return dot(a, b, D);
+  float sum = 0.f;
+  for (int d = 0; d < D; ++d) sum += a[d * sa] * b[d * sb];
+  return sum;
+}
 
 // One KV head of one sequence: its G query heads against its S keys.
 // A key whose mask is false (a batch member's padding) gets no weight.
@@ -69,7 +79,9 @@ void head(const float* q, const float* k, const float* v, const bool* mask, floa
     float* pg = p.data() + static_cast<size_t>(g) * L.S;
     float top = -INFINITY;
     for (int j = 0; j < L.S; ++j) {
-      pg[j] = mh && !mh[j * L.m_s] ? -INFINITY : dot(qg, kh + j * L.k_s, L.D) * scale;
+      pg[j] = mh && !mh[j * L.m_s]
+                  ? -INFINITY
+                  : strided_dot(qg, L.q_d, kh + j * L.k_s, L.k_d, L.D) * scale;
       top = std::max(top, pg[j]);
     }
     float total = 0.f;
@@ -82,7 +94,11 @@ void head(const float* q, const float* k, const float* v, const bool* mask, floa
     for (int j = 0; j < L.S; ++j) {
       const float* vj = vh + j * L.v_s;
       const float w = pg[j];
-      for (int d = 0; d < L.Dv; ++d) og[d] += w * vj[d];
+      if (L.v_d == 1) {
+        for (int d = 0; d < L.Dv; ++d) og[d] += w * vj[d];
+      } else {
+        for (int d = 0; d < L.Dv; ++d) og[d] += w * vj[d * L.v_d];
+      }
     }
     const float inv = total > 0.f ? 1.f / total : 0.f;  // every key masked: zeros
     for (int d = 0; d < L.Dv; ++d) og[d] *= inv;
@@ -109,8 +125,10 @@ class DecodeAttention : public mx::UnaryPrimitive {
     Layout L{static_cast<int>(q.shape(0)), static_cast<int>(q.shape(1)),
              static_cast<int>(k.shape(1)), static_cast<int>(k.shape(2)),
              static_cast<int>(k.shape(3)), static_cast<int>(v.shape(3)),
-             q.strides()[0], q.strides()[1], k.strides()[0], k.strides()[1], k.strides()[2],
-             v.strides()[0], v.strides()[1], v.strides()[2], ms[0], ms[1], ms[2]};
+             q.strides()[0], q.strides()[1], q.strides()[3],
+             k.strides()[0], k.strides()[1], k.strides()[2], k.strides()[3],
+             v.strides()[0], v.strides()[1], v.strides()[2], v.strides()[3],
+             ms[0], ms[1], ms[2]};
     encoder.dispatch([q_ptr = q.data<float>(), k_ptr = k.data<float>(), v_ptr = v.data<float>(),
                       m_ptr = masked ? inputs[3].data<bool>() : nullptr,
                       o_ptr = out.data<float>(), L, scale = scale_]() {
@@ -144,11 +162,6 @@ class DecodeAttention : public mx::UnaryPrimitive {
   float scale_;
 };
 
-// Keys and values are read row by row: each row must be contiguous.
-mx::array rows_contiguous(const mx::array& a, mx::Stream stream) {
-  return a.is_available() && a.strides().back() == 1 ? a : mx::contiguous(a, false, stream);
-}
-
 }  // namespace
 
 namespace qfserve {
@@ -166,8 +179,7 @@ mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::arr
   if (q.dtype() != mx::float32 || k.dtype() != mx::float32 || v.dtype() != mx::float32)
     throw std::invalid_argument("q, k and v must be float32");
   auto stream = mx::to_stream(s, mx::Device::cpu);
-  std::vector<mx::array> inputs = {rows_contiguous(q, stream), rows_contiguous(k, stream),
-                                   rows_contiguous(v, stream)};
+  std::vector<mx::array> inputs = {q, k, v};  // read through their strides, never copied
   if (key_mask) {
     const mx::array& m = *key_mask;
     if (m.ndim() != 3 || m.shape(0) != k.shape(0) || m.shape(1) != k.shape(1) ||
