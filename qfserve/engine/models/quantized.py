@@ -49,8 +49,9 @@ class _Codes(nn.Module):
         self.bits = weight.shape[-1] // scales.shape[-1]  # (N, K*bits/32) words, (N, K/32)
         self._kernel = kernel
 
-    def rows(self, x: mx.array) -> int:
-        return x.size // x.shape[-1] if x.ndim else 0
+    def takes(self, x: mx.array) -> bool:
+        """Whether ``x`` goes to the kernel: float32, at most :data:`MAX_ROWS` rows."""
+        return x.dtype == mx.float32 and x.ndim > 0 and x.size // x.shape[-1] <= MAX_ROWS
 
     def __call__(self, x: mx.array) -> mx.array:  # (..., K) -> (..., N), any strides
         return cast(
@@ -72,7 +73,7 @@ class DecodeLinear(nn.Module):
         return self.dense.weight
 
     def __call__(self, x: mx.array) -> mx.array:
-        if x.dtype != mx.float32 or self.codes.rows(x) > MAX_ROWS:
+        if not self.codes.takes(x):
             return self.dense(x)
         y = self.codes(x)
         return y + self.dense.bias if "bias" in self.dense else y
@@ -94,7 +95,7 @@ class DecodeEmbedding(nn.Module):
         return self.dense(ids)
 
     def as_linear(self, x: mx.array) -> mx.array:
-        if x.dtype != mx.float32 or self.codes.rows(x) > MAX_ROWS:
+        if not self.codes.takes(x):
             return self.dense.as_linear(x)
         return self.codes(x)
 
