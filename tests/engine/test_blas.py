@@ -80,6 +80,12 @@ def test_the_order_and_the_overrides(monkeypatch, tmp_path):
     assert blas.find_blas() == blas.Blas(str(lib), "env")
     env = blas.preload_env(blas.Blas("/x/lib.so", "pip", ("/d",)), {"LD_LIBRARY_PATH": "/e"})
     assert env["LD_PRELOAD"] == "/x/lib.so" and env["LD_LIBRARY_PATH"] == "/d:/e"
+    # OpenBLAS's threads sleep after a product (the native kernels' pool runs next) unless
+    # the user set their own timeout; MKL's are left alone.
+    assert env["OPENBLAS_THREAD_TIMEOUT"] == "4"
+    mine = blas.preload_env(blas.Blas("/x/lib.so", "pip"), {"OPENBLAS_THREAD_TIMEOUT": "20"})
+    assert mine["OPENBLAS_THREAD_TIMEOUT"] == "20"
+    assert "OPENBLAS_THREAD_TIMEOUT" not in blas.preload_env(blas.Blas("/m.so", "mkl"), {})
 
 
 @pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare")

@@ -66,17 +66,27 @@ def test_the_observer_sees_the_softmax_weights():
 
 
 def test_a_model_reads_a_prompt_as_with_mlx_attention():
+    """numpy's tiles and the native kernels (where they build) against MLX's attention."""
+    from qfserve.engine.models.gguf.convert import cache_root
+    from qfserve.kernels import native
+
     model = make_tiny_model()
     tokens = mx.array(np.random.default_rng(3).integers(0, 200, size=(1, 150)))
+    kernel = native.load(cache_root() / "native")
     logits = {}
     try:
-        for on in (False, True):
-            attention.set_blocked(on)
+        for arm in ("mlx", "blocked", "native"):
+            if arm == "native" and kernel is None:
+                continue
+            attention.set_blocked(arm != "mlx")
+            attention.set_native(kernel if arm == "native" else None)
             caches = make_caches(model, CacheConfig(method="full"))
             out = model(tokens[:, :90], cache=caches)
             out = mx.concatenate([out, model(tokens[:, 90:], cache=caches)], axis=1)
-            logits[on] = np.array(out)
+            logits[arm] = np.array(out)
     finally:
         attention.set_blocked(True)
-    np.testing.assert_allclose(logits[True], logits[False], rtol=1e-4, atol=1e-4)
-    assert (logits[True].argmax(-1) == logits[False].argmax(-1)).all()
+        attention.set_native(None)
+    for arm in logits.keys() - {"mlx"}:
+        np.testing.assert_allclose(logits[arm], logits["mlx"], rtol=1e-4, atol=1e-4)
+        assert (logits[arm].argmax(-1) == logits["mlx"].argmax(-1)).all()

@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -23,6 +24,7 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 from qfserve import testing
+from qfserve.engine.kv import attention
 from qfserve.engine.kv.config import CacheConfig, ConfigError
 from qfserve.engine.kv.factory import make_caches
 from qfserve.engine.kv.kvzip import PREV_TAIL, RepeatPrompt, compress, generated_tier, needs_pass
@@ -110,7 +112,41 @@ def numpy_keep(scores: np.ndarray, budget: int, n_sink: int, recent: int) -> np.
     return np.array(kept)
 
 
-def test_scores_equal_an_independent_reconstruction(tiny):
+class _Counting:
+    """A kernel module whose calls are counted by name."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel, self.calls = kernel, Counter()
+
+    def __getattr__(self, name):
+        fn = getattr(self.kernel, name)
+
+        def counted(*args, **kwargs):
+            self.calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return counted
+
+
+@pytest.fixture(params=["mlx", "native"])
+def kernels(request):
+    """Attention through MLX and numpy's tiles (``None``), or through the native kernels
+    (prefill, and the pass's scores in one op), where they build here."""
+    counting = None
+    if request.param == "native":
+        from qfserve.engine.models.gguf.convert import cache_root
+        from qfserve.kernels import native
+
+        kernel = native.load(cache_root() / "native")
+        if kernel is None:
+            pytest.skip("the native kernels do not build here")
+        counting = _Counting(kernel)
+        attention.set_native(counting)
+    yield counting
+    attention.set_native(None)
+
+
+def test_scores_equal_an_independent_reconstruction(tiny, kernels):
     loaded, tokens = tiny
     model, context = loaded.model, tokens[:-1]
     repeat = RepeatPrompt.for_tokenizer(loaded.tokenizer)
@@ -118,9 +154,13 @@ def test_scores_equal_an_independent_reconstruction(tiny):
     model(mx.array(context)[None], cache=caches)
     compress(model, caches, context, repeat, chunk=CHUNK, block=7)  # blocks cut chunks
     ours = np.stack([np.array(c.token_scores[0]) for c in caches])
+    attention.set_native(None)  # the reference runs on MLX's own attention
     ref = reference_scores(model, context, repeat, n_sink=4)
     np.testing.assert_allclose(ours, ref, rtol=2e-4, atol=2e-6)
     assert all(c.size() == len(context) for c in caches)  # under budget: nothing dropped
+    if kernels is not None:  # every layer's every pass block, and the prompt, went native
+        assert kernels.calls["reconstruction_attention"] > 0
+        assert kernels.calls["prefill_attention"] == len(model.layers)
 
 
 @pytest.mark.parametrize("recent", [0, 5])

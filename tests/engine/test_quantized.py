@@ -21,7 +21,7 @@ from qfserve.engine.models.gguf.convert import QUANTIZED_FILE, converted_folder
 from qfserve.engine.models.loading import _attach_codes, load_model
 from qfserve.engine.models.quantized import MAX_ROWS, DecodeEmbedding, DecodeLinear, detach
 from tests.gguf_files import write_tiny_gguf
-from tests.kernels.test_native import _buildable
+from tests.kernels.conftest import _buildable
 
 pytestmark = pytest.mark.skipif(bool(_buildable()), reason=str(_buildable()))
 QUANTIZED = ("attn_q", "attn_v", "ffn_up", "token_embd")
@@ -104,23 +104,32 @@ def test_greedy_text_equals_the_float32_models(tiny):
     np.testing.assert_allclose(logprobs, plain_logprobs, atol=1e-4)
 
 
-def test_decode_steps_attend_through_the_native_kernel(tiny, monkeypatch):
-    """One call a layer for the decode step; the prompt block keeps its own attention."""
+def test_blocks_and_decode_steps_attend_through_the_native_kernels(tiny, monkeypatch):
+    """One call a layer: the prompt block's to prefill attention, the step's to decode."""
     model = tiny.model
     kernel, shapes = attention._NATIVE["kernel"], []
 
     class Counting:
         def decode_attention(self, q, k, v, scale, key_mask=None):
-            shapes.append((q.shape, k.shape))
+            shapes.append(("decode", q.shape, k.shape))
             return kernel.decode_attention(q, k, v, scale, key_mask=key_mask)
+
+        def prefill_attention(self, q, k, v, scale, key_mask=None):
+            shapes.append(("prefill", q.shape, k.shape))
+            return kernel.prefill_attention(q, k, v, scale, key_mask=key_mask)
 
     monkeypatch.setitem(attention._NATIVE, "kernel", Counting())
     caches = make_caches(model, CacheConfig(method="full"))
-    mx.eval(model(mx.array([[5, 9, 3, 7, 1, 2]]), cache=caches))
-    assert shapes == []
-    mx.eval(model(mx.array([[4]]), cache=caches))
     heads, kv = model.args.num_attention_heads, model.args.num_key_value_heads
-    assert [(q[1:3], k[1:3]) for q, k in shapes] == [((heads, 1), (kv, 7))] * len(caches)
+    mx.eval(model(mx.array([[5, 9, 3, 7, 1, 2]]), cache=caches))
+    assert [(op, q[1:3], k[1:3]) for op, q, k in shapes] == [
+        ("prefill", (heads, 6), (kv, 6))
+    ] * len(caches)
+    shapes.clear()
+    mx.eval(model(mx.array([[4]]), cache=caches))
+    assert [(op, q[1:3], k[1:3]) for op, q, k in shapes] == [("decode", (heads, 1), (kv, 7))] * len(
+        caches
+    )
 
 
 def test_detach_puts_back_plain_modules_and_mlx_attention(tiny):

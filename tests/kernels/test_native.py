@@ -4,8 +4,6 @@ layout (element j of a uint32 word at bits ``bits * j``, ``w = scale * q + bias`
 
 from __future__ import annotations
 
-import shutil
-import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -13,27 +11,6 @@ import numpy as np
 import pytest
 
 from qfserve.kernels import native
-
-
-def _buildable() -> str | None:
-    if not sys.platform.startswith("linux"):
-        return "the native kernel is built on Linux only"
-    if shutil.which("cmake") is None or shutil.which("c++") is None:
-        return "no cmake or C++ compiler on this machine"
-    return None
-
-
-@pytest.fixture(scope="module")
-def kernel():
-    """Built once per machine into qfserve's cache (as a server builds it): where a compiler
-    and CMake exist, a failed build is a failure, not a skip."""
-    from qfserve.engine.models.gguf.convert import cache_root
-
-    if reason := _buildable():
-        pytest.skip(reason)
-    module = native.load(cache_root() / "native")
-    assert module is not None, "the native kernel did not build (see the warning logged)"
-    return module
 
 
 def unpack(w: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int) -> np.ndarray:

@@ -12,10 +12,11 @@ each KV head's query heads. Caches without a ``head_mask`` pass through untouche
 model runs unchanged for every other cache.
 
 Through the same function: a cache with an ``attend`` method computes the attention itself
-(the KVzip reconstruction pass reads its weights), on the CPU a prompt block goes through
-:func:`qfserve.engine.kv.blocked.block_attention` (:func:`set_blocked` turns that off), and a
-decode step through the native kernel where one is set (:func:`set_native_decode`), with the
-cache's ``head_mask`` as its key mask.
+(the KVzip reconstruction pass reads its weights); where the native kernels are set
+(:func:`set_native`), a decode step and a prompt block go through them, with the cache's
+``head_mask`` as their key mask; otherwise on the CPU a prompt block goes through
+:func:`qfserve.engine.kv.blocked.block_attention` (:func:`set_blocked` turns both block paths
+off, leaving MLX's own attention).
 """
 
 from __future__ import annotations
@@ -34,23 +35,33 @@ _BLOCKED = {"on": True}
 _NATIVE: dict[str, Any] = {"kernel": None}
 
 
-def set_native_decode(kernel: Any) -> None:
-    """Send decode steps' attention (one query a head; no mask but a cache's per-head one)
-    through ``kernel``'s ``decode_attention`` (:mod:`qfserve.kernels.native`), or MLX's own
-    with ``None``. :mod:`qfserve.engine.models.quantized` sets it with the codes it attaches:
-    one switch for the process, whose server serves one model."""
+def set_native(kernel: Any) -> None:
+    """Send attention with no mask but causal and a cache's per-head one through ``kernel``
+    (:mod:`qfserve.kernels.native`): decode steps through its ``decode_attention``, prompt
+    blocks through its ``prefill_attention``; ``None`` for MLX's own and the blocked one.
+    :mod:`qfserve.engine.models.quantized` sets it with the codes it attaches: one switch for
+    the process, whose server serves one model."""
     _NATIVE["kernel"] = kernel
 
 
+def native_kernel() -> Any:
+    """The kernel module :func:`set_native` set (``None``: none)."""
+    return _NATIVE["kernel"]
+
+
 def _native_applies(queries: mx.array, keys: Any, mask: Any, sinks: Any) -> bool:
+    one = queries.shape[2] == 1
     return (
         _NATIVE["kernel"] is not None
-        and queries.shape[2] == 1
         and sinks is None
-        and (mask is None or isinstance(mask, str))  # "causal" over one query masks nothing
+        # A block must be causal (an array mask is a batch's padding: MLX's to apply); over
+        # one query "causal" masks nothing.
+        and (isinstance(mask, str) and mask == "causal" or one and mask is None)
         and isinstance(keys, mx.array)  # not a quantized cache's (data, scales, biases)
+        and keys.shape[2] >= queries.shape[2]  # a block's own keys end the stored ones
         and queries.dtype == keys.dtype == mx.float32
         and mx.default_device() == mx.cpu
+        and (one or _BLOCKED["on"])
     )
 
 
@@ -96,12 +107,9 @@ def _masked(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
             return attend(queries, keys, values, scale, mask)
         head_mask = getattr(cache, "head_mask", None)
         if _native_applies(queries, keys, mask, kwargs.get("sinks")):
-            return cast(
-                mx.array,
-                _NATIVE["kernel"].decode_attention(
-                    queries, keys, values, scale, key_mask=head_mask
-                ),
-            )
+            kernel = _NATIVE["kernel"]
+            attend = kernel.decode_attention if queries.shape[2] == 1 else kernel.prefill_attention
+            return cast(mx.array, attend(queries, keys, values, scale, key_mask=head_mask))
         if _BLOCKED["on"] and blocked.applies(queries, mask, cache, kwargs.get("sinks")):
             return blocked.block_attention(queries, keys, values, scale, key_mask=head_mask)
         if head_mask is not None:

@@ -17,6 +17,10 @@ numpy's products run on the calling thread: its BLAS is another library than the
 calls, and two thread pools on the same cores spin against each other (a 2,048-token prefill
 of the default model took 14.6 s with numpy's BLAS on two threads, 6.5-7.7 s on one).
 
+Where the native kernels are built (:mod:`qfserve.kernels.native`), their prefill attention
+replaces these tiles (the same walk on every core, ~2x faster); this stays the path without
+a compiler, and the reference the kernel is tested beside.
+
 The same tiles serve the KVzip reconstruction pass (:mod:`qfserve.engine.kv.kvzip`), which
 needs the attention weights themselves: ``observe`` sees each tile's exponentials, so the
 scores come from the forward pass's own softmax instead of a second one.

@@ -11,7 +11,7 @@ weight. The codes dequantize to exactly the float32 weights (the conversion deri
 from them), so the two paths differ only in the order of float32 sums.
 
 The same kernel module then also attends decode steps (one query a head, no mask:
-:func:`qfserve.engine.kv.attention.set_native_decode`), where MLX's CPU attention repeats a
+:func:`qfserve.engine.kv.attention.set_native`), where MLX's CPU attention repeats a
 grouped layer's keys to every query head on each call.
 
 Where the kernel cannot be built, nothing is wrapped and the model runs as before.
@@ -28,7 +28,7 @@ from typing import Any, cast
 import mlx.core as mx
 import mlx.nn as nn
 
-from qfserve.engine.kv.attention import set_native_decode
+from qfserve.engine.kv.attention import set_native
 from qfserve.engine.models.gguf.convert import QUANTIZED_FILE
 
 logger = logging.getLogger(__name__)
@@ -130,7 +130,7 @@ def attach(model: nn.Module, folder: str | Path, kernel: ModuleType | None) -> i
     model.update_modules(_tree(wrapped))
     mx.eval(model.parameters())
     if wrapped:  # the same kernel module attends decode steps (kv.attention)
-        set_native_decode(kernel)
+        set_native(kernel)
     logger.info("decode reads quantized weights for %d projections (%s)", len(wrapped), path)
     return len(wrapped)
 
@@ -145,7 +145,7 @@ def detach(model: nn.Module) -> int:
         if isinstance(module, DecodeLinear | DecodeEmbedding)
     ]
     model.update_modules(_tree(plain))
-    set_native_decode(None)
+    set_native(None)
     return len(plain)
 
 

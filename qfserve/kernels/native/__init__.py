@@ -1,14 +1,16 @@
-"""qfserve's native CPU kernels for decode steps: a matrix product on weights that stay
-quantized, and attention of one query a head.
+"""qfserve's native CPU kernels: a matrix product on weights that stay quantized, attention
+of one query a head (decode steps), and causal attention of a prompt block, which can also
+give KVzip's reconstruction scores.
 
 MLX's CPU backend has no user kernels from Python (``mx.fast.metal_kernel`` is Metal only).
 Its own CPU ``quantized_matmul`` is slower than a float32 product on the same weights, so a
 decode step on the CPU read the dequantized float32 weights: ~540 MB a step for
 SmolLM2-135M; ``quantized_matmul.cpp`` reads the GGUF file's 4- and 8-bit codes instead
 (about 5x fewer bytes). Its CPU attention repeats a grouped layer's keys to every query head
-on each call; ``decode_attention.cpp`` reads them once. Both are MLX primitives with a CPU
-implementation (``kernels.h``), sharing one pool of threads (``pool.h``); see each source's
-header for its arithmetic.
+on each call; ``decode_attention.cpp`` reads them once. A prompt block's attention in numpy
+tiles ran on one thread; ``prefill_attention.cpp`` walks the keys in blocks with an online
+softmax on every core. All are MLX primitives with a CPU implementation (``kernels.h``),
+sharing one pool of threads (``pool.h``); see each source's header for its arithmetic.
 
 It is built on this machine, on first use, with CMake against the installed MLX and nanobind
 (``-march=native``: the user's own CPU, and MLX's own C++ ABI), into
@@ -50,6 +52,7 @@ SOURCES = (
     "module.cpp",
     "quantized_matmul.cpp",
     "decode_attention.cpp",
+    "prefill_attention.cpp",
 )
 MODULE = "_native"
 _BUILD_TIMEOUT_S = 600

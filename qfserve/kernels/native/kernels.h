@@ -3,6 +3,7 @@
 #pragma once
 
 #include <optional>
+#include <vector>
 
 #include "mlx/mlx.h"
 
@@ -20,5 +21,21 @@ mlx::core::array decode_attention(const mlx::core::array& q, const mlx::core::ar
                                   const mlx::core::array& v, float scale,
                                   const std::optional<mlx::core::array>& key_mask,
                                   mlx::core::StreamOrDevice s);
+
+// Causal attention of N queries over S keys that end with theirs (query i sits at key
+// S - N + i): q (B, Hq, N, D), k (B, H, S, D), v (B, H, S, Dv) float32 -> (B, Hq, N, Dv);
+// key_mask (B, H, S) bool, false where a key may not be attended.
+mlx::core::array prefill_attention(const mlx::core::array& q, const mlx::core::array& k,
+                                   const mlx::core::array& v, float scale,
+                                   const std::optional<mlx::core::array>& key_mask,
+                                   mlx::core::StreamOrDevice s);
+
+// prefill_attention, and KVzip's score of each key (B, H, S) float32: for keys where
+// `counted` (B, H, S) bool is true, the max over the group's queries of its weight in a
+// softmax over the counted keys only; 0 elsewhere.
+std::vector<mlx::core::array> reconstruction_attention(
+    const mlx::core::array& q, const mlx::core::array& k, const mlx::core::array& v, float scale,
+    const mlx::core::array& counted, const std::optional<mlx::core::array>& key_mask,
+    mlx::core::StreamOrDevice s);
 
 }  // namespace qfserve

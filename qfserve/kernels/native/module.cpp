@@ -2,6 +2,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/variant.h>
+#include <nanobind/stl/vector.h>
 
 #include "kernels.h"
 #include "pool.h"
@@ -19,6 +20,16 @@ NB_MODULE(_native, m) {
         nb::arg("stream") = nb::none(),
         "softmax(q k^T * scale) v for one query per head, KV heads grouped; key_mask "
         "(B, H, S) bool is false on keys not to attend.");
+  m.def("prefill_attention", &qfserve::prefill_attention, nb::arg("q"), nb::arg("k"),
+        nb::arg("v"), nb::arg("scale"), nb::kw_only(), nb::arg("key_mask") = nb::none(),
+        nb::arg("stream") = nb::none(),
+        "Causal softmax(q k^T * scale) v for a block of queries whose positions end the keys; "
+        "KV heads grouped; key_mask (B, H, S) bool is false on keys not to attend.");
+  m.def("reconstruction_attention", &qfserve::reconstruction_attention, nb::arg("q"),
+        nb::arg("k"), nb::arg("v"), nb::arg("scale"), nb::arg("counted"), nb::kw_only(),
+        nb::arg("key_mask") = nb::none(), nb::arg("stream") = nb::none(),
+        "prefill_attention's output and each counted key's max weight (B, H, S) over the "
+        "group's queries in a softmax over the counted keys only (KVzip's score).");
   m.def("threads", [] { return qfserve::pool().threads(); }, "Threads of the kernels' pool.");
 #if defined(__AVX512F__)
   m.attr("simd") = "avx512";

@@ -11,6 +11,7 @@ import numpy as np
 from mlx_lm.models.cache import create_attention_mask
 
 from qfserve.engine.kv import blocked
+from qfserve.engine.kv.attention import native_kernel
 from qfserve.engine.kv.kvzip.scorer import (
     DEFAULT_BLOCK,
     DEFAULT_CHUNK,
@@ -89,7 +90,9 @@ class _ReconstructionView:
 
         The forward pass attends to every stored row; a score's softmax runs over the sinks,
         the stored rows of the chunk and the reconstruction rows only (kvpress's), so its
-        denominator sums those columns of the tile's exponentials.
+        denominator sums those columns of the tile's exponentials. The native kernel
+        (:func:`qfserve.engine.kv.attention.native_kernel`) computes both in one op;
+        without it, numpy's tiles (:func:`blocked.block_attention`) with an observer.
         """
         sinks, lo, hi, start, end = self._span
         S0 = self.cache.keys.shape[2]
@@ -97,6 +100,24 @@ class _ReconstructionView:
         ours = (span >= start) & (span < end)  # (B, H, hi - lo): heads keep different rows
         if self.cache.valid is not None:
             ours = ours & self.cache.valid[:, :, lo:hi]
+        kernel = native_kernel()
+        if kernel is not None and queries.dtype == keys.dtype == mx.float32:
+            B, H = ours.shape[:2]
+            counted = mx.concatenate(  # (B, H, S): the columns of the scores' softmax
+                [
+                    mx.broadcast_to(mx.arange(lo) < sinks, (B, H, lo)),
+                    ours,
+                    mx.zeros((B, H, S0 - hi), dtype=mx.bool_),
+                    mx.ones((B, H, keys.shape[2] - S0), dtype=mx.bool_),
+                ],
+                axis=2,
+            )
+            out, scores = kernel.reconstruction_attention(
+                queries, keys, values, scale, counted, key_mask=self.head_mask
+            )
+            self.scores[:, :, lo:hi] = mx.maximum(self.scores[:, :, lo:hi], scores[:, :, lo:hi])
+            mx.eval(out, self.scores)
+            return cast(mx.array, out)
         weight = np.asarray(ours.astype(mx.float32))  # (B, H, hi - lo)
         best = np.zeros(weight.shape, dtype=np.float32)
 

@@ -1,0 +1,31 @@
+"""The native kernels, built once per machine for the kernel tests."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+
+import pytest
+
+from qfserve.kernels import native
+
+
+def _buildable() -> str | None:
+    if not sys.platform.startswith("linux"):
+        return "the native kernel is built on Linux only"
+    if shutil.which("cmake") is None or shutil.which("c++") is None:
+        return "no cmake or C++ compiler on this machine"
+    return None
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    """Built once per machine into qfserve's cache (as a server builds it): where a compiler
+    and CMake exist, a failed build is a failure, not a skip."""
+    from qfserve.engine.models.gguf.convert import cache_root
+
+    if reason := _buildable():
+        pytest.skip(reason)
+    module = native.load(cache_root() / "native")
+    assert module is not None, "the native kernel did not build (see the warning logged)"
+    return module
