@@ -167,29 +167,36 @@ class Run:
 
     def save(self, payload: dict[str, Any], *, model: dict[str, Any] | None = None,
              calibration: Any = None, echo: bool = True) -> dict[str, Any]:  # fmt: skip
-        """Write ``<out>/<name>.json`` (the run, model, machine, then ``payload``), print the
-        study's section of the results page unless not ``echo`` (a partial write), return it."""
-        from bench.report import render_study
+        """:func:`write_results` with the model, machine and runtime before ``payload`` (a
+        quality study's calibration too)."""
         from bench.studies import study
 
-        section = study(self.name).section
-        if model is None:
-            model = self.identity if section == "quality" else self.describe()
-        data: dict[str, Any] = {"benchmark": self.name, "section": section,
-                                "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine(),
+        quality = study(self.name).section == "quality"
+        data: dict[str, Any] = {"machine": machine(),
                                 "runtime_s": round(time.perf_counter() - self.started, 1),
-                                "command": command_line(self.name, self.argv),
-                                "quick": self.args.quick, "model": model}  # fmt: skip
-        if section == "quality":
+                                "model": model or (self.identity if quality else self.describe())}  # fmt: skip
+        if quality:
             data["calibration"] = self.calibration if calibration is None else calibration
-        written = jsonable({**data, **payload})
-        path = Path(self.args.out) / f"{self.name}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(written, indent=1) + "\n")
-        if echo:
-            print("\n".join(render_study(self.name, written)).replace("](results/", "]("))
-            print(f"\nwrote {path}")
-        return written
+        return write_results(self.name, self.args, self.argv, {**data, **payload}, echo=echo)
+
+
+def write_results(name: str, args: argparse.Namespace, argv: Sequence[str] | None,
+                  payload: dict[str, Any], *, echo: bool = True) -> dict[str, Any]:  # fmt: skip
+    """Write ``<out>/<name>.json`` (the study, its section, time and command, then ``payload``),
+    print its section of the results page unless not ``echo`` (a partial write), return it."""
+    from bench.report import render_study
+    from bench.studies import study
+
+    written = jsonable({"benchmark": name, "section": study(name).section,
+                        "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                        "command": command_line(name, argv), "quick": args.quick, **payload})  # fmt: skip
+    path = Path(args.out) / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(written, indent=1) + "\n")
+    if echo:
+        print("\n".join(render_study(name, written)).replace("](results/", "]("))
+        print(f"\nwrote {path}")
+    return written
 
 
 def open_run(
@@ -212,9 +219,17 @@ def open_run(
     return run
 
 
-def start(name: str, argv: Sequence[str] | None, doc: str, **sized: Any) -> Run:
-    """:func:`open_run` on the arguments of a :func:`parser` (``doc``, ``sized``) in ``argv``."""
-    return open_run(name, parse(parser(doc, **sized), argv), argv)
+def start(name: str, argv: Sequence[str] | None, doc: str, *, calibration: bool = False,
+          flags: dict[str, dict] | None = None, options: Sequence[Callable] = (),
+          **sized: Any) -> Run:  # fmt: skip
+    """:func:`open_run` on ``argv`` parsed by a :func:`parser` (``doc``, ``calibration``,
+    ``sized``) with ``flags`` (option: its ``add_argument`` keywords) and ``options(parser)``."""
+    p = parser(doc, calibration=calibration, **sized)
+    for flag, kwargs in (flags or {}).items():
+        p.add_argument(flag, **kwargs)
+    for add in options:
+        add(p)
+    return open_run(name, parse(p, argv), argv, calibrate=calibration)
 
 
 def identity(loaded: Any, folder: Path) -> dict[str, Any]:
@@ -467,13 +482,6 @@ def read_jsonl(path: Path, keep: Callable[[dict[str, Any]], bool] = lambda r: Tr
                 yield rec
 
 
-def append_jsonl(path: Path, record: dict[str, Any]) -> None:
-    """Append one record to a study's log, flushed at once (a stopped run resumes from it)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as f:
-        f.write(json.dumps(jsonable(record)) + "\n")
-
-
 def resume(path: Path, key: Callable[[dict[str, Any]], Any], *, fresh: bool = False,
            keep: Callable[[dict[str, Any]], bool] = lambda r: True) -> dict[Any, dict]:  # fmt: skip
     """The records of a study's log that ``keep`` accepts, by ``key``; with ``fresh`` (quick
@@ -492,8 +500,10 @@ def measured(
         for key in todo:
             if key not in done:
                 done[key] = measure(*key)
-                if log is not None:
-                    append_jsonl(log, done[key])
+                if log is not None:  # appended and closed at once: a stopped run resumes
+                    log.parent.mkdir(parents=True, exist_ok=True)
+                    with log.open("a") as f:
+                        f.write(json.dumps(jsonable(done[key])) + "\n")
             bar.update(1)
     return [done[key] for key in todo]
 

@@ -108,61 +108,41 @@ def table(headers: list[str], rows: list[list[Any]]) -> list[str]:
     return out + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
 
 
-def _heading(title: str, data: dict[str, Any], run: str) -> list[str]:
-    """A study's title, then its command, date and runtime followed by ``run``."""
-    when = f"`{data['command']}` — {data['when']}, {data.get('runtime_s', '?')} s"
-    return [f"### {title}", "", when + run]
-
-
-def _quality_header(title: str, data: dict[str, Any]) -> list[str]:
-    """A quality study's heading: its run, model and filters."""
-    model, cal = data["model"], data.get("calibration") or {}
-    run = (
-        f". Model `{model['path']}` at **{model['checkpoint']}** (weights sha1 "
-        f"`{model['weights_sha1']}`)."
-    )
-    if cal.get("source"):
-        run += (
-            f" Filters: {cal['source']} calibration, {cal.get('samples_per_head')} samples per "
-            f"head on {cal.get('text')}; disjoint from the evaluation text: "
-            f"{cal.get('disjoint_from_eval')}."
-        )
-    lines = _heading(title, data, run)
-    if data.get("quick"):
-        lines += ["", "**Quick (smoke-test) run: sizes too small to read anything into.**"]
-    return lines
-
-
-def _speed_header(title: str, data: dict[str, Any]) -> list[str]:
-    """A speed study's heading: its run and machine."""
-    m = data["machine"]
-    run = (
-        f"; {m['processor']}, {m.get('cpu_count', '?')} cores, {m['device']}, MLX {m['mlx']}, "
-        f"load average {m.get('load_average', '?')}. {m['blas']}."
-    )
-    lines = _heading(title, data, run)
-    if m.get("notes"):
-        lines += ["", f"*Machine note: {m['notes']}.*"]
-    if data.get("quick"):
-        lines += ["", "*Quick (CI-sized) run: not a measurement.*"]
-    return lines
-
-
-def plots(data: dict[str, Any]) -> list[str]:
-    return ["", *[f"![{p}](results/{p})" for p in data.get("plots", [])]]
-
-
 def section(title: str, data: dict[str, Any], *blocks: str | list[str]) -> list[str]:
-    """A study's section of the page: its heading (a quality or a speed study's), ``blocks`` (a
-    line or a list of lines each) a blank line apart, then its plots (a speed study's followed
-    by a blank line)."""
+    """A study's section of the page: its heading (the run, then a quality study's model and
+    filters or a speed study's machine), ``blocks`` (a line or a list of lines each) a blank
+    line apart, then its plots (a speed study's followed by a blank line)."""
     quality = study(data["benchmark"]).section == "quality"
-    lines = (_quality_header if quality else _speed_header)(title, data)
-    for block in blocks:
-        lines += ["", *([block] if isinstance(block, str) else block)]
+    run = f"`{data['command']}` — {data['when']}, {data.get('runtime_s', '?')} s"
     if quality:
-        return lines + plots(data)
-    return [*lines, *plots(data), ""] if "plots" in data else lines
+        model, cal = data["model"], data.get("calibration") or {}
+        run += (
+            f". Model `{model['path']}` at **{model['checkpoint']}** (weights sha1 "
+            f"`{model['weights_sha1']}`)."
+        )
+        if cal.get("source"):
+            run += (
+                f" Filters: {cal['source']} calibration, {cal.get('samples_per_head')} samples "
+                f"per head on {cal.get('text')}; disjoint from the evaluation text: "
+                f"{cal.get('disjoint_from_eval')}."
+            )
+        notes = []
+        quick = "**Quick (smoke-test) run: sizes too small to read anything into.**"
+    else:
+        m = data["machine"]
+        run += (
+            f"; {m['processor']}, {m.get('cpu_count', '?')} cores, {m['device']}, MLX "
+            f"{m['mlx']}, load average {m.get('load_average', '?')}. {m['blas']}."
+        )
+        notes = [f"*Machine note: {m['notes']}.*"] if m.get("notes") else []
+        quick = "*Quick (CI-sized) run: not a measurement.*"
+    lines = [f"### {title}", "", run]
+    for block in [*notes, *[quick] * bool(data.get("quick")), *blocks]:
+        lines += ["", *([block] if isinstance(block, str) else block)]
+    plots = ["", *[f"![{p}](results/{p})" for p in data.get("plots", [])]]
+    if quality:
+        return lines + plots
+    return [*lines, *plots, ""] if "plots" in data else lines
 
 
 def spread_cell(s: dict[str, Any], digits: int = 3) -> str:

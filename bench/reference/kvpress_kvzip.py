@@ -1,16 +1,16 @@
 """Reference arm of the KVzip parity study: NVIDIA kvpress's KVzipPress on a GGUF model.
 
 Runs kvpress (transformers + CPU torch, float32) on pre-tokenized needle documents and writes one
-JSON line per document: per ratio the answer, its correctness, the prefill+compression time and
-the context positions KVzipPress keeps visible per layer and KV head. Standalone (never imports
-the project); verified with torch 2.13.0+cpu, transformers 5.2.0, kvpress 0.5.5, gguf 0.19.0 and
-numpy 2.4.6 on 2 threads:
+JSON line per document (docs already in --out are skipped): per ratio the answer, its
+correctness, the prefill+compression time and the context positions KVzipPress keeps visible per
+layer and KV head. Standalone (never imports the project); verified with torch 2.13.0+cpu,
+transformers 5.2.0, kvpress 0.5.5, gguf 0.19.0 and numpy 2.4.6 on 2 threads:
 
     python bench/reference/kvpress_kvzip.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf \
-        --docs docs.json --out results.jsonl [--ratios 2 4 8] [--press kvzip] [--layerwise]
+        --docs docs.json --out results.jsonl [--ratios 2 4 8]
 
 docs.json: [{"id", "context_ids", "question_ids", "answer", "max_new_tokens"}]; the context is
-compressed, the question appended whole. Documents already in --out (same mode, press) are skipped.
+compressed (KVzipPress's defaults: one ratio across layers), the question appended whole.
 """
 
 from __future__ import annotations
@@ -115,11 +115,11 @@ def kept_positions(model: PreTrainedModel, ctx_len: int) -> list[list[list[int]]
     return kept
 
 
-def run_doc(model: PreTrainedModel, tok: Any, doc: dict, args: argparse.Namespace) -> dict:
+def run_doc(model: PreTrainedModel, tok: Any, doc: dict, ratios: list[float]) -> dict:
     ctx = torch.tensor([doc["context_ids"]])
     ctx_len, n_new, answer = ctx.shape[1], int(doc["max_new_tokens"]), str(doc["answer"])
-    row: dict[str, Any] = {"id": doc["id"], "context_len": ctx_len, "press": args.press}
-    row.update(mode="layerwise" if args.layerwise else "global", ratios={})
+    row: dict[str, Any] = {"id": doc["id"], "context_len": ctx_len, "press": "kvzip"}
+    row.update(mode="global", ratios={})
 
     def arm(press: ReferenceKVzipPress | None) -> dict[str, Any]:
         cache = DynamicCache()
@@ -139,12 +139,8 @@ def run_doc(model: PreTrainedModel, tok: Any, doc: dict, args: argparse.Namespac
     row["full"] = arm(None)  # also clears any masked_key_indices left by a previous doc
     defaults = KVzipPress()
     row["kvzip"] = {"n_sink": defaults.n_sink, "chunk_size": defaults.chunk_size}
-    for r in args.ratios:
-        press = ReferenceKVzipPress(
-            compression_ratio=1.0 - 1.0 / r,
-            layerwise=args.layerwise,
-            kvzip_plus_normalization=args.press == "kvzip+",
-        )
+    for r in ratios:
+        press = ReferenceKVzipPress(compression_ratio=1.0 - 1.0 / r)
         res = arm(press)
         row["prefix_length"] = press.used_prefix_length
         key = str(int(r)) if float(r).is_integer() else str(r)
@@ -158,8 +154,6 @@ def main() -> None:
     ap.add_argument("--docs", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--ratios", type=float, nargs="+", default=[2, 4, 8], help="keep 1/ratio")
-    ap.add_argument("--press", choices=["kvzip", "kvzip+"], default="kvzip", help="+: KVzip+ norm")
-    ap.add_argument("--layerwise", action="store_true", help="one ratio per layer, not global")
     args = ap.parse_args()
 
     torch.set_num_threads(2)
@@ -172,14 +166,11 @@ def main() -> None:
     kvzip_press.AutoTokenizer = SimpleNamespace(from_pretrained=lambda *_a, **_k: tok)  # type: ignore[assignment]
 
     lines = args.out.read_text().splitlines() if args.out.exists() else []
-    mode = "layerwise" if args.layerwise else "global"
-    # Resume per (mode, press), so one --out file can hold several configurations.
-    rows = [json.loads(line) for line in lines if line.strip()]
-    done = {r["id"] for r in rows if (r["mode"], r["press"]) == (mode, args.press)}
+    done = {json.loads(line)["id"] for line in lines if line.strip()}
     with args.out.open("a") as f:
         for doc in json.loads(args.docs.read_text()):
             if doc["id"] not in done:
-                row = run_doc(model, tok, doc, args)
+                row = run_doc(model, tok, doc, args.ratios)
                 f.write(json.dumps(row) + "\n")
                 f.flush()
                 arms = [("full", row["full"])] + [(f"{k}x", v) for k, v in row["ratios"].items()]

@@ -14,7 +14,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from bench.arms import add_traffic_argument
 from bench.data import recall_windows, stdlib_windows
-from bench.harness import color, open_run, parse, parser, progress, save_plot, subplots, summary
+from bench.harness import color, progress, save_plot, start, subplots, summary
 from bench.report import fmt, pct, section, spread_cell, table
 from qfserve.calibrations.capture import QueryCapture
 from qfserve.calibrations.model_info import attention_modules
@@ -136,14 +136,12 @@ def head_stats(rho: np.ndarray) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__, calibration=True, length=(1024, 160, "tokens per sequence"),
-               sequences=(12, 1, "held-out sequences per kind"))  # fmt: skip
-    p.add_argument("--lengths", type=int, nargs="+", help="several lengths in one run")
-    add_traffic_argument(p)
-    args = parse(p, argv)
+    study = start(STUDY, argv, __doc__, calibration=True, options=[add_traffic_argument],
+                  length=(1024, 160, "tokens per sequence"),
+                  sequences=(12, 1, "held-out sequences per kind"),
+                  flags={"--lengths": {"type": int, "nargs": "+", "help": "several in one run"}})  # fmt: skip
+    args = study.args
     lengths, n_seq = args.lengths or [args.length], args.sequences
-
-    study = open_run(STUDY, args, argv, calibrate=True)
     model, filters, corpus = study.model, study.filters, study.corpus
     scorers = SCORERS[:2] + tuple(f"traffic/{k}" for k in filters.learned) + SCORERS[2:]
     datasets = {}

@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 
-from bench.harness import interleave, open_run, parse, parser, ratios, summaries
+from bench.harness import interleave, ratios, start, summaries
 from bench.report import ratio_cell, section, table
 from bench.studies.vs_mlx_lm import chat_arm, per_arm
 from qfserve import testing
@@ -27,12 +27,12 @@ def missing() -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse(
-        parser(__doc__, reps=5, prompt=(1024, 128, "prompt tokens"), max_tokens=(64, 8)), argv
+    run = start(
+        "blas", argv, __doc__, reps=5, prompt=(1024, 128, "prompt tokens"), max_tokens=(64, 8)
     )
     if why := missing():
         raise SystemExit(f"blas: {why}")
-    run = open_run("blas", args, argv)
+    args = run.args
     logs = Path(tempfile.mkdtemp(prefix="blas-"))
     libs = {arm: find_blas(source).path for arm, source in ARMS.items()}  # type: ignore[union-attr]
     with contextlib.ExitStack() as stack, httpx.Client() as client:

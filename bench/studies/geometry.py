@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from bench.data import recall_windows, stdlib_windows
-from bench.harness import open_run, parse, parser, progress, save_plot, subplots, summary
+from bench.harness import progress, save_plot, start, subplots, summary
 from bench.report import fmt, pct, section, spread_cell, table
 from qfserve.calibrations.capture import capture_queries
 from qfserve.calibrations.compute import layer_filters
@@ -45,12 +45,10 @@ def head_rows(queries: Sequence[np.ndarray], filters: np.ndarray) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__, calibration=True, length=(1024, 160, "tokens per held-out sequence"),
-               sequences=(12, 2, "held-out sequences per kind"))  # fmt: skip
-    args = parse(p, argv)
+    study = start(STUDY, argv, __doc__, calibration=True, length=(1024, 160, "tokens per "
+                  "held-out sequence"), sequences=(12, 2, "held-out sequences per kind"))  # fmt: skip
+    args = study.args
     length, n_seq, samples = args.length, args.sequences, 200 if args.quick else 3000
-
-    study = open_run(STUDY, args, argv, calibrate=True)
     model, filters, corpus = study.model, study.filters, study.corpus
     sequences = [*stdlib_windows(corpus, length, n_seq), *recall_windows(corpus, length, n_seq)]
     total = sum(len(s) for s in sequences)

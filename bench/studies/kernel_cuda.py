@@ -5,18 +5,15 @@ stable argsort and timed against ``torch.topk`` + sort + gather."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import statistics
 import sys
-import time
 from functools import partial
-from pathlib import Path
 
 import numpy as np
 
-from bench.harness import RESULTS_DIR, command_line, interleave, summaries
+from bench.harness import interleave, parse, parser, summaries, write_results
 from qfserve.kernels import sources
 from qfserve.kernels.cpu_model import fused_evict_model
 
@@ -76,13 +73,9 @@ def ranked_torch(torch, scores, n_sink: int, recent: int):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__, reps=50)
     p.add_argument("--cpu-reference-only", action="store_true", help="no GPU: self-check")
-    p.add_argument("--quick", action="store_true", help="3 repetitions (a smoke run)")
-    p.add_argument("--reps", type=int, default=None, help="timed repetitions per arm (50)")
-    p.add_argument("--out", type=Path, default=RESULTS_DIR, help="results folder")
-    args = p.parse_args(argv)
-    args.reps = args.reps or (3 if args.quick else 50)
+    args = parse(p, argv)
     cpu_self_check()
     if args.cpu_reference_only:
         return {"cpu_reference_only": "passed"}
@@ -179,11 +172,6 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"L={L} parity={parity} scores_close={scores_close}")
 
     payload = {
-        "benchmark": "kernel_cuda",
-        "section": "speed",
-        "quick": args.quick,
-        "command": command_line("kernel_cuda", argv),
-        "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": {"platform": platform.platform(), "gpu": torch.cuda.get_device_name(),
                     "torch": torch.__version__, "cupy": cupy.__version__},
         "config": {"groups": GROUPS, "budget": BUDGET, "head_dim": HEAD_DIM, "n_sink": N_SINK,
@@ -192,9 +180,7 @@ def main(argv: list[str] | None = None) -> dict:
                    "timing": "CUDA events around each call, arms interleaved; A/A pair = topk twice"},
         "results": results,
     }  # fmt: skip
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "kernel_cuda.json").write_text(json.dumps(payload, indent=1))
-    print(f"wrote {args.out / 'kernel_cuda.json'}")
+    payload = write_results("kernel_cuda", args, argv, payload)
     if not all(all(r["parity_bitwise"].values()) for r in results):
         sys.exit("kernel_cuda: parity FAILED (see the JSON)")
     return payload

@@ -18,10 +18,11 @@ import numpy as np
 
 from bench.arms import Arm, feed_block
 from bench.data import stdlib_prose
-from bench.harness import measured, open_run, parse, parser, read_jsonl, resume
+from bench.harness import measured, read_jsonl, resume, start
 from bench.report import fmt, section
 from bench.studies.niah import CITIES
 from bench.studies.retrieval import accuracy_plot, first_number_is, prefill_block, ratio_table
+from qfserve.engine.models.catalog import SMOLLM2_135M, gguf_path
 
 STUDY = "kvzip_parity"
 REFERENCE = Path(__file__).resolve().parents[1] / "reference" / "kvpress_kvzip.py"
@@ -108,34 +109,24 @@ def overlap(a: list[list[list[int]]], b: list[list[list[int]]]) -> dict[str, flo
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__, calibration=True, docs=(20, 2), ratios=[2, 4, 8],
-               length=(1200, 1200, "context tokens per document"))  # fmt: skip
-    p.add_argument("--kvpress-python", required=True, help="a Python with torch and kvpress")
-    p.add_argument("--layerwise", action="store_true", help="also run kvpress with layerwise=True")
-    p.add_argument("--gguf", type=Path, default=None,
-                   help="the GGUF kvpress loads (default: --model's, or the catalog model's)")  # fmt: skip
-    args = parse(p, argv)
-    study = open_run(STUDY, args, argv, calibrate=True)
-    gguf = args.gguf or (Path(args.model) if str(args.model).endswith(".gguf") else None)
-    if gguf is None:
-        from qfserve.engine.models.catalog import SMOLLM2_135M, gguf_path
-
-        gguf = gguf_path(SMOLLM2_135M)
+    study = start(STUDY, argv, __doc__, calibration=True, docs=(20, 2), ratios=[2, 4, 8],
+                  length=(1200, 1200, "context tokens per document"),
+                  flags={"--kvpress-python": {"required": True, "help": "a Python with kvpress"}})  # fmt: skip
+    args = study.args
+    # kvpress loads the GGUF file: --model's, or the catalog model's.
+    gguf = Path(args.model) if str(args.model).endswith(".gguf") else gguf_path(SMOLLM2_135M)
     if not gguf.is_file():
         raise SystemExit(f"{STUDY} compares on a GGUF file; {gguf} is none")
     out = args.out / STUDY
     out.mkdir(parents=True, exist_ok=True)
     docs = chat_docs(study.tokenizer, args.docs, args.length, args.seed)
     (out / "docs.json").write_text(json.dumps(docs))
-    theirs: dict[str, dict[str, Any]] = defaultdict(dict)  # doc id -> kvpress mode -> record
-    for mode in ("global", "layerwise") if args.layerwise else ("global",):
-        layerwise = ["--layerwise"] if mode == "layerwise" else []
-        log = out / f"kvpress{'_layerwise' if layerwise else ''}.jsonl"
-        subprocess.run([args.kvpress_python, str(REFERENCE), "--gguf", str(gguf), "--docs",
-                        str(out / "docs.json"), "--out", str(log), "--ratios",
-                        *map(str, args.ratios), *layerwise], check=True)  # fmt: skip
-        for rec in read_jsonl(log):
-            theirs[rec["id"]][mode] = rec
+    log = out / "kvpress.jsonl"
+    subprocess.run([args.kvpress_python, str(REFERENCE), "--gguf", str(gguf), "--docs",
+                    str(out / "docs.json"), "--out", str(log), "--ratios", *map(str, args.ratios)],
+                   check=True)  # fmt: skip
+    # doc id -> kvpress mode -> record (one mode, kvpress's default: ratios across layers)
+    theirs = {rec["id"]: {"global": rec} for rec in read_jsonl(log)}
     by_id = {doc["id"]: doc for doc in docs}
     mine = measured(out / "ours.jsonl", resume(out / "ours.jsonl", lambda r: (r["id"],)),
                     [(i,) for i in by_id], lambda i: {"id": i, "modes": ours(study, by_id[i], args.ratios)},

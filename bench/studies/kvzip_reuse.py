@@ -15,7 +15,7 @@ import numpy as np
 
 from bench import harness
 from bench.arms import Arm
-from bench.harness import color, open_run, parse, parser
+from bench.harness import color, start
 from bench.report import arm_label, fmt, section
 from bench.studies.kvzip_parity import prose
 from bench.studies.niah import CITIES
@@ -86,10 +86,9 @@ async def _ask(worker: Any, request: GenerationRequest) -> tuple[list[str], Any]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__, docs=(6, 1), length=(1500, 200, "document tokens"), ratios=([2, 4, 8], [4]))
-    args = parse(p, argv)
-    ratios = args.ratios
-    study = open_run(STUDY, args, argv)
+    study = start(STUDY, argv, __doc__, docs=(6, 1), length=(1500, 200, "document tokens"),
+                  ratios=([2, 4, 8], [4]))  # fmt: skip
+    args, ratios = study.args, study.args.ratios
     tokenizer, loaded = study.tokenizer, study.loaded
 
     def measure(d: int, name: str, ratio: str) -> dict[str, Any]:

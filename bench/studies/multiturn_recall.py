@@ -18,7 +18,7 @@ from mlx_lm.sample_utils import make_sampler
 from bench import harness
 from bench.arms import make_caches, prefill, token_nll
 from bench.data import prose_windows
-from bench.harness import Run, measured, open_run, parse, parser, resume
+from bench.harness import Run, measured, resume, start
 from bench.report import section, table
 from qfserve.engine.kv.config import CacheConfig
 from qfserve.engine.serving.config import DEFAULT_PREFILL_CHUNK
@@ -117,12 +117,11 @@ def plot(accuracy: dict, key_nll: dict, out: Any) -> list[str]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     methods = ["qfilters", "knorm", "streaming"]
-    p = parser(__doc__, turns=(20, 4), ask=([5, 10, 20], [2, 4]), budgets=([256, 512], [64]),
-               methods=(methods, methods), conversations=1, turn_tokens=(150, 40),
-               max_tokens=(24, 8))  # fmt: skip
-    args = parse(p, argv)
+    sm = start(STUDY, argv, __doc__, turns=(20, 4), ask=([5, 10, 20], [2, 4]),
+               budgets=([256, 512], [64]), methods=(methods, methods), conversations=1,
+               turn_tokens=(150, 40), max_tokens=(24, 8))  # fmt: skip
+    args = sm.args
     ask, n_conv, max_tokens = sorted(set(args.ask)), args.conversations, args.max_tokens
-    sm = open_run(STUDY, args, argv)
     tok = sm.tokenizer
     configs = arms(args.budgets, args.methods)
     rng = random.Random(args.seed)

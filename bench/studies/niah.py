@@ -14,7 +14,7 @@ import numpy as np
 from bench.arms import Arm, add_arm_arguments, select_arms
 from bench.data import stdlib_prose
 from bench.goals import grid_mean
-from bench.harness import open_run, parse, parser, save_plot, subplots
+from bench.harness import save_plot, start, subplots
 from bench.report import arm_label, arm_order, fmt, section, table
 from bench.studies.retrieval import RULE, answers, by_arm
 
@@ -119,14 +119,13 @@ def plot(
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__, calibration=True, lengths=([1024, 2048, 4096, 8192], [256], "prompt "
-               "tokens"), depths=([0.0, 0.25, 0.5, 0.75, 1.0], [0.0, 1.0], "needle depths, 0..1"),
-               ratios=([2, 4, 8, 16, 32], [4]), per_cell=(1, 1, "documents per depth x length"))  # fmt: skip
-    add_arm_arguments(p)
-    args = parse(p, argv)
+    study = start(STUDY, argv, __doc__, calibration=True, options=[add_arm_arguments],
+                  lengths=([1024, 2048, 4096, 8192], [256], "prompt tokens"),
+                  depths=([0.0, 0.25, 0.5, 0.75, 1.0], [0.0, 1.0], "needle depths, 0..1"),
+                  ratios=([2, 4, 8, 16, 32], [4]), per_cell=(1, 1, "documents per depth x length"))  # fmt: skip
+    args = study.args
     arms = select_arms(list(ARMS), args)
     depths, ratios, per_cell = args.depths, args.ratios, args.per_cell
-    study = open_run(STUDY, args, argv, calibrate=True)
     lengths = [n for n in args.lengths if n <= (study.identity["max_context"] or n)]
     paragraphs = list(stdlib_prose())
 

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 
 from bench.data import stdlib_prose
-from bench.harness import open_run, parse, parser
+from bench.harness import start
 from bench.report import section, table
 from bench.studies.niah import make_doc
 from bench.studies.retrieval import accuracy_plot, first_number_is
@@ -51,11 +51,9 @@ def summarize(records: list[dict[str, Any]], lengths: list[int]) -> dict[str, di
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(
-        __doc__, docs=(5, 2, "documents per length"), lengths=([1024, 2048, 4096, 8192], [256, 512])
-    )
-    args = parse(p, argv)
-    run = open_run(STUDY, args, argv)
+    run = start(STUDY, argv, __doc__, docs=(5, 2, "documents per length"),
+                lengths=([1024, 2048, 4096, 8192], [256, 512]))  # fmt: skip
+    args = run.args
     from qfserve.engine.serving.admission import kv_row_bytes
     from qfserve.engine.serving.config import EngineConfig
 

@@ -15,7 +15,7 @@ import numpy as np
 from bench import harness
 from bench.arms import Arm, add_arm_arguments, full_nll, select_arms, standard_arms, streaming_nll
 from bench.data import prose_windows, recall_windows, stdlib_windows
-from bench.harness import Run, measured, open_run, parse, parser, resume, summary
+from bench.harness import Run, measured, resume, start, summary
 from bench.report import arm_label, arm_order, fmt, pct, section, spread_cell, table
 from qfserve.engine.kv.kvzip import compress
 from qfserve.engine.serving.config import DEFAULT_PREFILL_CHUNK
@@ -143,21 +143,20 @@ def plot(results: dict[str, Any], study: Run) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__, calibration=True, length=(2048, 96, "tokens per sequence"),
-               sequences=(4, 2, "sequences per data set"), budgets=([256, 512, 1024], [16, 32]),
-               datasets=(["stdlib", "prose"], ["stdlib", "prose"], "stdlib, recall or prose"),
-               recent_fracs=([0.25], [0.0, 0.25], "recent windows as fractions of the budget"),
-               methods=(["qfilters", "knorm"], list(METHODS), "evicting arms beside streaming "
-                        f"(of {', '.join(METHODS)})"))  # fmt: skip
-    p.add_argument("--prompt", action="store_true", help=f"read the first half as a prompt, in "
-                   f"{PROMPT_BLOCK}-token blocks that evict at once, then decode the second half")  # fmt: skip
-    add_arm_arguments(p)
-    args = parse(p, argv)
+    prompt = {"action": "store_true", "help": f"read the first half as a prompt, in "
+              f"{PROMPT_BLOCK}-token blocks that evict at once, then decode the second half"}  # fmt: skip
+    study = start(STUDY, argv, __doc__, calibration=True, options=[add_arm_arguments],
+                  flags={"--prompt": prompt}, length=(2048, 96, "tokens per sequence"),
+                  sequences=(4, 2, "sequences per data set"), budgets=([256, 512, 1024], [16, 32]),
+                  datasets=(["stdlib", "prose"], ["stdlib", "prose"], "stdlib, recall or prose"),
+                  recent_fracs=([0.25], [0.0, 0.25], "recent windows as fractions of the budget"),
+                  methods=(["qfilters", "knorm"], list(METHODS), "evicting arms beside "
+                           f"streaming (of {', '.join(METHODS)})"))  # fmt: skip
+    args = study.args
     length, n_seq = args.length, args.sequences
     budgets = [b for b in args.budgets if b <= length // 2]
     if not budgets:
         raise ValueError(f"budgets must be <= length/2 = {length // 2}, got {args.budgets}")
-    study = open_run(STUDY, args, argv, calibrate=True)
     make = {
         "stdlib": lambda: stdlib_windows(study.corpus, length, n_seq),
         "recall": lambda: recall_windows(study.corpus, length, n_seq),

@@ -30,7 +30,7 @@ from bench.arms import (
     streaming_nll,
 )
 from bench.data import passkey_docs
-from bench.harness import Run, color, open_run, parse, parser, summary
+from bench.harness import Run, color, start, summary
 from bench.report import arm_label, arm_order, fmt, section, table
 from qfserve.engine.kv.config import DEFAULT_N_SINK, CacheConfig
 from qfserve.engine.kv.factory import make_caches
@@ -107,13 +107,6 @@ def prefill_block(
     return kv
 
 
-def shared_block(study: Run, prompt: list[int], arms: Any) -> list[tuple[mx.array, ...]]:
-    """:func:`prefill_block` with what ``arms`` read: the block's queries, kvzip's scores."""
-    methods = {arm.method for arm in arms}
-    return prefill_block(study.model, prompt, queries=bool(methods & set(READS_QUERIES)),
-                         kvzip=study.repeat if "kvzip" in methods else None)  # fmt: skip
-
-
 def run_arm(
     study: Run, prompt: list[int], block: Any, arm: Arm, budget: int | None, max_tokens: int
 ) -> tuple[list[int], str]:
@@ -147,8 +140,10 @@ def answers(
 ) -> Iterator[tuple]:
     """Each arm at each ratio on one prompt prefilled once: ``(arm, ratio, key, budget, tokens,
     filter source, right, answer NLL)``, right when the first number is ``doc["key"]``."""
-    prompt = doc["prompt"]
-    block = shared_block(study, prompt, [arm for arm, _ in configs])
+    prompt, methods = doc["prompt"], {arm.method for arm, _ in configs}
+    # One prefill with what the arms read: the block's queries, kvzip's scores.
+    block = prefill_block(study.model, prompt, queries=bool(methods & set(READS_QUERIES)),
+                          kvzip=study.repeat if "kvzip" in methods else None)  # fmt: skip
     for arm, ratio, key, budget in cells(configs, len(prompt)):
         tokens, source = run_arm(study, prompt, block, arm, budget, max_tokens)
         right = first_number_is(study.tokenizer.decode(tokens), doc["key"])
@@ -293,18 +288,16 @@ def plot(
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__, calibration=True, lengths=([256, 512, 1024, 2048], [320], "document "
-               "tokens"), ratios=([2, 4, 8, 16, 32], [2, 8]), per_bin=(5, 1, "documents per depth "
-               "bin"), recent_fracs=([0.0, 0.25], [0.0, 0.25], "recent windows as fractions of "
-               "the budget"))  # fmt: skip
-    p.add_argument("--filler", default="classic", choices=("classic", "prose", "code"))
-    p.add_argument("--no-prefill-check", action="store_true", help="skip running the first "
-                   "document's arms the direct way (at 8k tokens a prefill per arm and ratio)")  # fmt: skip
-    add_arm_arguments(p)
-    add_traffic_argument(p)
-    args = parse(p, argv)
-    study = open_run(STUDY, args, argv, calibrate=True)
-    identity, ratios = study.identity, args.ratios
+    study = start(
+        STUDY, argv, __doc__, calibration=True, options=[add_arm_arguments, add_traffic_argument],
+        lengths=([256, 512, 1024, 2048], [320], "document tokens"),
+        ratios=([2, 4, 8, 16, 32], [2, 8]), per_bin=(5, 1, "documents per depth bin"),
+        recent_fracs=([0.0, 0.25], [0.0, 0.25], "recent windows as fractions of the budget"),
+        flags={"--filler": {"default": "classic", "choices": ("classic", "prose", "code")},
+               "--no-prefill-check": {"action": "store_true", "help": "skip running the first "
+               "document's arms the direct way (at 8k tokens a prefill per arm and ratio)"}},
+    )  # fmt: skip
+    args, identity, ratios = study.args, study.identity, study.args.ratios
     lengths = [n for n in args.lengths if n <= (identity["max_context"] or n)]
     arms = select_arms(standard_arms(tuple(args.recent_fracs)), args)
     configs = [(a, None) for a in arms if a.method == "full"]

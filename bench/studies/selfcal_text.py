@@ -13,7 +13,7 @@ import numpy as np
 
 from bench.arms import Arm, feed_block
 from bench.data import passkey_docs, stdlib_windows
-from bench.harness import Run, color, open_run, parse, parser, progress, save_plot, subplots
+from bench.harness import Run, color, progress, save_plot, start, subplots
 from bench.report import section
 from bench.studies import retrieval as rt
 from bench.studies.attention import self_filters
@@ -116,12 +116,11 @@ def plot(results: dict[str, Any], ratios: list[int], out: Any, title: str) -> st
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__, calibration=True, lengths=([1024], [320]), ratios=([2, 4, 8], [2, 4]),
-               per_bin=(2, 1, "documents per depth bin"), fillers=(["classic", "prose"],
-               ["classic"], "of classic, prose, code"))  # fmt: skip
-    args = parse(p, argv)
+    study = start(STUDY, argv, __doc__, calibration=True, lengths=([1024], [320]),
+                  ratios=([2, 4, 8], [2, 4]), per_bin=(2, 1, "documents per depth bin"),
+                  fillers=(["classic", "prose"], ["classic"], "of classic, prose, code"))  # fmt: skip
+    args = study.args
     lengths, ratios, per_bin, fillers = args.lengths, args.ratios, args.per_bin, args.fillers
-    study = open_run(STUDY, args, argv, calibrate=True)
     results: dict[str, Any] = {}
     with progress(total=len(fillers) * len(lengths) * per_bin * len(rt.BINS), desc="docs") as bar:
         for filler in fillers:

@@ -12,7 +12,7 @@ import numpy as np
 
 from bench.arms import Arm, capture, full_nll, streaming_nll
 from bench.data import stdlib_windows
-from bench.harness import open_run, parse, parser, progress, save_plot, subplots, summary
+from bench.harness import progress, save_plot, start, subplots, summary
 from bench.report import fmt, section, spread_cell, table
 from qfserve.calibrations.compute import compute_filters
 
@@ -43,12 +43,11 @@ def ppl_window(model: Any, tokens: np.ndarray, arm: Arm, budget: int, filters: A
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__, calibration=True, counts=([100, 300, 1000, 3000], [30, 100, 300],
-               "samples per head"), repeats=(3, 2, "subsample draws per count"), budget=(128, 16),
-               length=(512, 64, "tokens per sequence"), sequences=(4, 2))  # fmt: skip
-    args = parse(p, argv)
+    study = start(STUDY, argv, __doc__, counts=([100, 300, 1000, 3000], [30, 100, 300],
+                  "samples per head"), repeats=(3, 2, "subsample draws per count"),
+                  budget=(128, 16), length=(512, 64, "tokens per sequence"), sequences=(4, 2))  # fmt: skip
+    args = study.args  # it calibrates its own sets, on texts A and B
     counts, repeats, budget = args.counts, args.repeats, args.budget
-    study = open_run(STUDY, args, argv)  # it calibrates its own sets
     model, identity = study.model, study.identity
     texts = {t: capture(model, study.tokenizer, identity, text=t, quick=args.quick) for t in "AB"}
     rng = np.random.default_rng(args.seed)

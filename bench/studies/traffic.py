@@ -15,7 +15,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from bench.data import passkey_docs, prose_windows, stdlib_windows
-from bench.harness import open_run, parse, parser, save_plot, subplots
+from bench.harness import save_plot, start, subplots
 from bench.report import fmt, pct, section, table
 from bench.studies.stability import cosines
 from qfserve.calibrations.artifact import read_calibration
@@ -64,10 +64,10 @@ def serve(model: Any, prompts: list[list[int]], pool: TrafficCalibration) -> tup
     started, fed = time.perf_counter(), 0
     for n, prompt in enumerate(prompts, 1):
         cache = make_prompt_cache(model)
-        for start in range(0, len(prompt), CHUNK):
-            model(mx.array(prompt[start : start + CHUNK])[None], cache=cache)
+        for at in range(0, len(prompt), CHUNK):
+            model(mx.array(prompt[at : at + CHUNK])[None], cache=cache)
             mx.eval([c.state for c in cache])
-            fed += len(prompt[start : start + CHUNK])
+            fed += len(prompt[at : at + CHUNK])
             path = pool.flush()
             if path is not None:
                 return path, {"prompts": n, "tokens": fed,
@@ -79,12 +79,12 @@ def serve(model: Any, prompts: list[list[int]], pool: TrafficCalibration) -> tup
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__, calibration=True, max_prompts=(64, 6, "traffic offered at most"),
-               min_prompts=(DEFAULT_MIN_PROMPTS, 3, "prompts pooled at least"))  # fmt: skip
-    p.add_argument("--traffic", nargs="+", default=["chat", "passkey"], choices=("chat", "passkey"))
-    args = parse(p, argv)
+    kinds = {"nargs": "+", "default": ["chat", "passkey"], "choices": ("chat", "passkey")}
+    study = start(STUDY, argv, __doc__, calibration=True, flags={"--traffic": kinds},
+                  max_prompts=(64, 6, "traffic offered at most"),
+                  min_prompts=(DEFAULT_MIN_PROMPTS, 3, "prompts pooled at least"))  # fmt: skip
+    args = study.args
     quick, max_prompts = args.quick, args.max_prompts
-    study = open_run(STUDY, args, argv, calibrate=True)
     model, identity, calibrated = study.model, study.identity, np.asarray(study.filters)
     makers = {
         "chat": lambda: chat_traffic(study, max_prompts, (128,) if quick else (256, 512, 1024)),
