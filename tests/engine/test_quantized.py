@@ -133,15 +133,31 @@ def test_blocks_and_decode_steps_attend_through_the_native_kernels(tiny, monkeyp
 
 
 def test_detach_puts_back_plain_modules_and_mlx_attention(tiny):
+    """attach also swaps the block's rope, norms and swiglu for the native ones (each layer's,
+    inside a query tap too); detach puts every one back."""
+    import sys
+
+    from mlx_lm.models.activations import swiglu
+
+    from qfserve.engine.kv.selfcal import install_query_taps
+    from qfserve.engine.models.native_layers import NativeRMSNorm, NativeRoPE
+
     loaded = tiny
     model = loaded.model
+    attn = model.model.layers[0].self_attn
+    mlp_module = sys.modules[type(model.model.layers[0].mlp).__module__]
     count = len(wrapped(model))
+    install_query_taps(model)  # ropes wrapped by taps, as a kvzip or self-calibrating cache does
     assert attention._NATIVE["kernel"] is not None
+    assert isinstance(attn.rope.inner, NativeRoPE)
+    assert isinstance(model.model.norm, NativeRMSNorm) and mlp_module.swiglu is not swiglu
     assert detach(model) == count and not wrapped(model)
     assert attention._NATIVE["kernel"] is None
     assert isinstance(model.model.layers[0].self_attn.q_proj, nn.Linear)
+    assert type(attn.rope.inner) is nn.RoPE and type(model.model.norm) is nn.RMSNorm
+    assert mlp_module.swiglu is swiglu
     _attach_codes(model, loaded.source)
-    assert len(wrapped(model)) == count
+    assert len(wrapped(model)) == count and isinstance(attn.rope.inner, NativeRoPE)
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -10,9 +10,11 @@ the native kernel (:mod:`qfserve.kernels.native`) on the codes, more go to the f
 weight. The codes dequantize to exactly the float32 weights (the conversion derives those
 from them), so the two paths differ only in the order of float32 sums.
 
-The same kernel module then also attends decode steps (one query a head, no mask:
-:func:`qfserve.engine.kv.attention.set_native`), where MLX's CPU attention repeats a
-grouped layer's keys to every query head on each call.
+The same kernel module then also attends decode steps and prompt blocks
+(:func:`qfserve.engine.kv.attention.set_native`), where MLX's CPU attention repeats a
+grouped layer's keys to every query head on each call, and rotates, normalises and
+activates (:mod:`qfserve.engine.models.native_layers`), where MLX on the CPU runs each as
+several small ops.
 
 Where the kernel cannot be built, nothing is wrapped and the model runs as before.
 """
@@ -29,6 +31,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from qfserve.engine.kv.attention import set_native
+from qfserve.engine.models import native_layers
 from qfserve.engine.models.gguf.convert import QUANTIZED_FILE
 
 logger = logging.getLogger(__name__)
@@ -129,16 +132,17 @@ def attach(model: nn.Module, folder: str | Path, kernel: ModuleType | None) -> i
             wrapped.append((stem, DecodeEmbedding(dense, codes)))
     model.update_modules(_tree(wrapped))
     mx.eval(model.parameters())
-    if wrapped:  # the same kernel module attends decode steps (kv.attention)
+    if wrapped:  # the same kernel module attends (kv.attention) and rotates
         set_native(kernel)
+        native_layers.install(model, kernel)
     logger.info("decode reads quantized weights for %d projections (%s)", len(wrapped), path)
     return len(wrapped)
 
 
 def detach(model: nn.Module) -> int:
-    """Put back the plain modules :func:`attach` wrapped and MLX's decode attention (before
-    splitting the model over ranks, whose sharding rewrites the projections). Returns how
-    many."""
+    """Put back the plain modules :func:`attach` wrapped, MLX's attention and its rope
+    (before splitting the model over ranks, whose sharding rewrites the projections).
+    Returns how many projections."""
     plain = [
         (name, module.dense)
         for name, module in model.named_modules()
@@ -146,6 +150,7 @@ def detach(model: nn.Module) -> int:
     ]
     model.update_modules(_tree(plain))
     set_native(None)
+    native_layers.remove(model)
     return len(plain)
 
 

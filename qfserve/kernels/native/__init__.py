@@ -53,6 +53,9 @@ SOURCES = (
     "quantized_matmul.cpp",
     "decode_attention.cpp",
     "prefill_attention.cpp",
+    "rope.cpp",
+    "pointwise.cpp",
+    "simd.h",
 )
 MODULE = "_native"
 _BUILD_TIMEOUT_S = 600

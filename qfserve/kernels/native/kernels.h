@@ -38,4 +38,19 @@ std::vector<mlx::core::array> reconstruction_attention(
     const mlx::core::array& counted, const std::optional<mlx::core::array>& key_mask,
     mlx::core::StreamOrDevice s);
 
+// mx.fast.rope's arithmetic in one op: x (B, H, T, D) float32 rotated at positions
+// (t + offset) * scale by the first `dims` dimensions' inv_freqs (dims / 2, float32); offset
+// int32, one or one per sequence (B,).
+mlx::core::array rope(const mlx::core::array& x, const mlx::core::array& inv_freqs,
+                      const mlx::core::array& offset, int dims, bool traditional, float scale,
+                      mlx::core::StreamOrDevice s);
+
+// x * rsqrt(mean(x^2 over the last dimension) + eps) * weight; x (..., D), weight (D,) float32.
+mlx::core::array rms_norm(const mlx::core::array& x, const mlx::core::array& weight, float eps,
+                          mlx::core::StreamOrDevice s);
+
+// gate * sigmoid(gate) * up, element-wise; float32, the same shape.
+mlx::core::array swiglu(const mlx::core::array& gate, const mlx::core::array& up,
+                        mlx::core::StreamOrDevice s);
+
 }  // namespace qfserve

@@ -30,6 +30,16 @@ NB_MODULE(_native, m) {
         nb::arg("key_mask") = nb::none(), nb::arg("stream") = nb::none(),
         "prefill_attention's output and each counted key's max weight (B, H, S) over the "
         "group's queries in a softmax over the counted keys only (KVzip's score).");
+  m.def("rope", &qfserve::rope, nb::arg("x"), nb::arg("inv_freqs"), nb::arg("offset"),
+        nb::arg("dims"), nb::kw_only(), nb::arg("traditional") = false, nb::arg("scale") = 1.0f,
+        nb::arg("stream") = nb::none(),
+        "mx.fast.rope's arithmetic in one op: x (B, H, T, D) float32 rotated at positions "
+        "(t + offset) * scale; offset int32, one or one per sequence.");
+  m.def("rms_norm", &qfserve::rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"),
+        nb::kw_only(), nb::arg("stream") = nb::none(),
+        "x * rsqrt(mean(x^2 over the last dimension) + eps) * weight, float32.");
+  m.def("swiglu", &qfserve::swiglu, nb::arg("gate"), nb::arg("up"), nb::kw_only(),
+        nb::arg("stream") = nb::none(), "gate * sigmoid(gate) * up, element-wise, float32.");
   m.def("threads", [] { return qfserve::pool().threads(); }, "Threads of the kernels' pool.");
 #if defined(__AVX512F__)
   m.attr("simd") = "avx512";

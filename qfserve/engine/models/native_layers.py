@@ -1,0 +1,152 @@
+"""A block's small ops through the native kernels on the CPU (:mod:`qfserve.kernels.native`):
+RoPE, RMS normalisation and SwiGLU.
+
+On MLX's CPU backend these are the slow part of a step once the products and attention are
+fast: ``mx.fast.rope`` has no CPU kernel and runs a fallback of about twenty small ops (~115 us
+a call, 60 calls in a decode step of SmolLM2-135M), ``mx.fast.rms_norm`` a fallback of several
+(~60 us a row, ~1.3 ms for 512), and mlx-lm's compiled ``swiglu`` a scalar exp (~40 us for one
+row, ~20 ms for a 512-token block: a third of a prefill chunk). :func:`install` swaps each
+layer's plain ``nn.RoPE`` and ``nn.RMSNorm`` for :class:`NativeRoPE` and :class:`NativeRMSNorm`
+and the ``swiglu`` its MLP calls for the kernel's, each the same arithmetic in one op, falling
+back to MLX's own off the CPU or off float32. Other ropes (scaled, YaRN, Llama 3's), norms and
+activations keep MLX's.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any, cast
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from qfserve.calibrations.model_info import attention_modules
+
+_MARK = "_qfserve_native"
+
+
+def _native(x: mx.array) -> bool:
+    return x.dtype == mx.float32 and mx.default_device() == mx.cpu
+
+
+class NativeRoPE(nn.Module):
+    """A plain ``nn.RoPE`` (``plain``) whose float32 CPU calls go to the native kernel."""
+
+    def __init__(self, plain: nn.RoPE, kernel: ModuleType) -> None:
+        super().__init__()
+        self.plain = plain
+        self._kernel = kernel
+        half = plain.dims // 2
+        # The fallback's frequencies, computed as it computes them (exp of a float32 ramp).
+        step = mx.array(math.log(plain.base) / half, dtype=mx.float32)
+        self._inv_freqs = mx.exp(mx.arange(0, -half, -1, dtype=mx.float32) * step)
+        mx.eval(self._inv_freqs)
+
+    def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
+        if not _native(x) or x.ndim != 4:
+            return cast(mx.array, self.plain(x, offset=offset))
+        if not isinstance(offset, mx.array):
+            offset = mx.array(offset, dtype=mx.int32)
+        elif offset.dtype != mx.int32:
+            offset = offset.astype(mx.int32)
+        p = self.plain
+        return cast(
+            mx.array,
+            self._kernel.rope(
+                x, self._inv_freqs, offset, p.dims, traditional=p.traditional, scale=p.scale
+            ),
+        )
+
+
+class NativeRMSNorm(nn.Module):
+    """A plain ``nn.RMSNorm`` (``plain``, its weight) whose float32 CPU calls go to the
+    native kernel."""
+
+    def __init__(self, plain: nn.RMSNorm, kernel: ModuleType) -> None:
+        super().__init__()
+        self.plain = plain
+        self._kernel = kernel
+
+    @property
+    def weight(self) -> mx.array:
+        return cast(mx.array, self.plain.weight)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        weight = self.plain.weight
+        if not _native(x) or weight.dtype != mx.float32:
+            return cast(mx.array, self.plain(x))
+        return cast(mx.array, self._kernel.rms_norm(x, weight, self.plain.eps))
+
+
+def _swiglu(kernel: ModuleType, original: Callable[..., mx.array]) -> Callable[..., mx.array]:
+    def swiglu(gate: mx.array, x: mx.array) -> mx.array:
+        if _native(gate) and x.dtype == mx.float32 and gate.shape == x.shape:
+            return cast(mx.array, kernel.swiglu(gate, x))
+        return original(gate, x)
+
+    setattr(swiglu, _MARK, original)
+    return swiglu
+
+
+def _rope_holder(attn: nn.Module) -> tuple[Any, str]:
+    """Where a layer's own rope sits: ``attn.rope``, or inside a query tap wrapping it."""
+    rope = getattr(attn, "rope", None)
+    inner = getattr(rope, "inner", None)
+    return (rope, "inner") if isinstance(inner, nn.Module) else (attn, "rope")
+
+
+def install(model: nn.Module, kernel: ModuleType) -> int:
+    """Swap every plain ``nn.RoPE`` and ``nn.RMSNorm`` of ``model`` for the native ones, and
+    the ``swiglu`` of its MLPs' modules; returns how many modules and functions."""
+    swapped = 0
+    for attn in attention_modules(model):
+        holder, name = _rope_holder(attn)
+        rope = getattr(holder, name, None)
+        if type(rope) is nn.RoPE:  # exactly: subclasses compute other frequencies
+            setattr(holder, name, NativeRoPE(rope, kernel))
+            swapped += 1
+    norms = [(n, m) for n, m in model.named_modules() if type(m) is nn.RMSNorm]
+    if norms:
+        from mlx.utils import tree_unflatten
+
+        model.update_modules(tree_unflatten([(n, NativeRMSNorm(m, kernel)) for n, m in norms]))
+        swapped += len(norms)
+    for module in _mlp_modules(model):
+        original = getattr(module, "swiglu", None)
+        if callable(original) and not hasattr(original, _MARK):
+            module.swiglu = _swiglu(kernel, original)  # type: ignore[attr-defined]
+            swapped += 1
+    return swapped
+
+
+def remove(model: nn.Module) -> int:
+    """Put back what :func:`install` swapped; returns how many."""
+    restored = 0
+    for attn in attention_modules(model):
+        holder, name = _rope_holder(attn)
+        rope = getattr(holder, name, None)
+        if isinstance(rope, NativeRoPE):
+            setattr(holder, name, rope.plain)
+            restored += 1
+    norms = [(n, m.plain) for n, m in model.named_modules() if isinstance(m, NativeRMSNorm)]
+    if norms:
+        from mlx.utils import tree_unflatten
+
+        model.update_modules(tree_unflatten(norms))
+        restored += len(norms)
+    for module in _mlp_modules(model):
+        original = getattr(getattr(module, "swiglu", None), _MARK, None)
+        if original is not None:
+            module.swiglu = original  # type: ignore[attr-defined]
+            restored += 1
+    return restored
+
+
+def _mlp_modules(model: nn.Module) -> list[ModuleType]:
+    """The Python modules that define ``model``'s MLP blocks (they call ``swiglu`` by name)."""
+    names = {type(layer.mlp).__module__ for layer in getattr(model, "layers", [])
+             if hasattr(layer, "mlp")}  # fmt: skip
+    return [sys.modules[n] for n in sorted(names) if n in sys.modules]
