@@ -187,3 +187,73 @@ def test_the_compiled_decode_step_keeps_nothing_per_shape(ranked):
         step(B)
     mx.clear_cache()
     assert mx.get_active_memory() == before
+
+
+@pytest.mark.parametrize("method", ["qfilters", "knorm", "streaming"])
+def test_the_native_step_keeps_the_rows_mlx_keeps(method):
+    """A tiny model decoding 40 steps past its budget, alone and in a packed batch of two:
+    with the native eviction step, the same tokens, rows and positions as with MLX's."""
+    from qfserve.engine.kv import attention
+    from qfserve.engine.kv.config import CacheConfig
+    from qfserve.engine.kv.factory import make_caches
+    from qfserve.engine.models.gguf.convert import cache_root
+    from qfserve.engine.serving.batch import BatchCache
+    from qfserve.kernels import native
+    from tests.tiny import make_tiny_model
+
+    kernel = native.load(cache_root() / "native")
+    if kernel is None:
+        pytest.skip("the native kernels do not build here")
+    model = make_tiny_model()
+    attn = model.layers[0].self_attn
+    shape = (len(model.layers), attn.n_kv_heads, attn.head_dim)
+    filters = mx.array(np.random.default_rng(1).standard_normal(shape).astype(np.float32))
+    config = CacheConfig(method=method, budget=24, recent=6, n_sink=2)
+    prompts = [[5, 9, 3, 7, 1, 2, 8] * 6, [4, 4, 6, 1, 9] * 5]
+
+    def run(batched: bool) -> tuple[list, list]:
+        members = [make_caches(model, config, filters=filters if method == "qfilters" else None)
+                   for _ in prompts]  # fmt: skip
+        for caches, prompt in zip(members, prompts, strict=True):
+            mx.eval(model(mx.array([prompt]), cache=caches))
+        runs = [members] if batched else [[c] for c in members]
+        out = []
+        for group in runs:
+            layers = [BatchCache([m[i] for m in group]) for i in range(len(model.layers))]
+            y = mx.array([[p[-1]] for p in prompts[: len(group)]] if batched else [[3]])
+            tokens = []
+            for _ in range(40):
+                y = mx.argmax(model(y, cache=layers)[:, -1], axis=-1)[:, None]
+                tokens.append(np.array(y).ravel().tolist())
+            for layer in layers:
+                layer.filter([])  # members take their rows back
+            out.append(tokens)
+        rows = [(np.array(c.keys), np.array(c.positions if c.tracks else c.order))
+                for m in members for c in m]  # fmt: skip
+        return out, rows
+
+    class Counting:  # the kernel module, its eviction steps counted
+        steps = 0
+
+        def __getattr__(self, name):
+            return getattr(kernel, name)
+
+        def evict_step(self, *args, **kwargs):
+            Counting.steps += 1
+            return kernel.evict_step(*args, **kwargs)
+
+    results = {}
+    try:
+        for arm in ("mlx", "native"):
+            attention.set_native(Counting() if arm == "native" else None)
+            results[arm] = (run(False), run(True))
+    finally:
+        attention.set_native(None)
+    assert Counting.steps > 0
+    for (tokens_n, rows_n), (tokens_m, rows_m) in zip(
+        results["native"], results["mlx"], strict=True
+    ):
+        assert tokens_n == tokens_m
+        for (keys_n, pos_n), (keys_m, pos_m) in zip(rows_n, rows_m, strict=True):
+            np.testing.assert_array_equal(pos_n, pos_m)
+            np.testing.assert_allclose(keys_n, keys_m, rtol=1e-5, atol=1e-5)

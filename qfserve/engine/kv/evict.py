@@ -18,8 +18,11 @@ can be cut, from its end.
 
 from __future__ import annotations
 
+from typing import cast
+
 import mlx.core as mx
 
+from qfserve.engine.kv.attention import native_kernel
 from qfserve.kernels.qfilters_apply import select_keep_reference
 
 _INF = mx.array(float("inf"), dtype=mx.float32)
@@ -118,7 +121,64 @@ def _write_and_select(
 # Compiled: the step's dozen small ops cost MLX's per-op dispatch each (as much as the rest
 # of a layer's cache update on x86-64); compiled they are one call. The shapes are fixed once
 # a cache is full, so it traces once per budget (and batch size).
-write_and_select = mx.compile(_write_and_select)
+_compiled_write_and_select = mx.compile(_write_and_select)
+
+
+def write_and_select(
+    keys: mx.array,
+    values: mx.array,
+    scores: mx.array,
+    order: mx.array,
+    free: mx.array,
+    row: tuple[mx.array, mx.array, mx.array],
+    position: mx.array,
+    first_recent: mx.array,
+    n_sink: int | mx.array,
+    held: mx.array | None = None,
+    ranked: bool = True,
+) -> tuple[mx.array, ...]:
+    """:func:`_write_and_select`, on the CPU in one native op where the kernels are set
+    (:func:`qfserve.engine.kv.attention.set_native`): even compiled, MLX evaluates the step's
+    dozen primitives one by one there (~75 us a layer); elsewhere compiled."""
+    kernel = native_kernel()
+    if (
+        kernel is None
+        or mx.default_device() != mx.cpu
+        or not all(a.dtype == mx.float32 for a in (keys, values, scores, *row))
+    ):
+        return cast(
+            "tuple[mx.array, ...]",
+            _compiled_write_and_select(
+                keys,
+                values,
+                scores,
+                order,
+                free,
+                row,
+                position,
+                first_recent,
+                n_sink,
+                held,
+                ranked,
+            ),
+        )
+    ints = [
+        a.astype(mx.int32) if isinstance(a, mx.array) else mx.array(a, dtype=mx.int32)
+        for a in (position, first_recent, n_sink)
+    ]
+    return tuple(
+        kernel.evict_step(
+            keys,
+            values,
+            scores,
+            order.astype(mx.int32),
+            free.astype(mx.uint32),
+            *row,
+            *ints,
+            held=None if held is None else held.astype(mx.int32),
+            ranked=ranked,
+        )
+    )
 
 
 def chunk_scores(

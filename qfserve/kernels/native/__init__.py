@@ -1,6 +1,6 @@
 """qfserve's native CPU kernels: a matrix product on weights that stay quantized, attention
-of one query a head (decode steps), and causal attention of a prompt block, which can also
-give KVzip's reconstruction scores.
+of one query a head (decode steps), causal attention of a prompt block (which can also give
+KVzip's reconstruction scores), RoPE, RMS norm, SwiGLU and an eviction cache's decode step.
 
 MLX's CPU backend has no user kernels from Python (``mx.fast.metal_kernel`` is Metal only).
 Its own CPU ``quantized_matmul`` is slower than a float32 product on the same weights, so a
@@ -9,7 +9,9 @@ SmolLM2-135M; ``quantized_matmul.cpp`` reads the GGUF file's 4- and 8-bit codes 
 (about 5x fewer bytes). Its CPU attention repeats a grouped layer's keys to every query head
 on each call; ``decode_attention.cpp`` reads them once. A prompt block's attention in numpy
 tiles ran on one thread; ``prefill_attention.cpp`` walks the keys in blocks with an online
-softmax on every core. All are MLX primitives with a CPU implementation (``kernels.h``),
+softmax on every core. MLX's CPU runs RoPE, RMS norm and SwiGLU as several small ops each
+and an eviction step as a dozen; ``rope.cpp``, ``pointwise.cpp`` and ``evict_step.cpp`` are
+one op each. All are MLX primitives with a CPU implementation (``kernels.h``),
 sharing one pool of threads (``pool.h``); see each source's header for its arithmetic.
 
 It is built on this machine, on first use, with CMake against the installed MLX and nanobind
@@ -55,6 +57,7 @@ SOURCES = (
     "prefill_attention.cpp",
     "rope.cpp",
     "pointwise.cpp",
+    "evict_step.cpp",
     "simd.h",
 )
 MODULE = "_native"

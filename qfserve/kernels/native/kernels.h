@@ -53,4 +53,16 @@ mlx::core::array rms_norm(const mlx::core::array& x, const mlx::core::array& wei
 mlx::core::array swiglu(const mlx::core::array& gate, const mlx::core::array& up,
                         mlx::core::StreamOrDevice s);
 
+// An eviction cache's decode step at budget (qfserve/engine/kv/evict.py's write_and_select):
+// the new row into the free slot, then the next victim. Returns the new keys, values, scores,
+// order and free slot; the cache's arrays are updated in place where MLX can donate them.
+std::vector<mlx::core::array> evict_step(
+    const mlx::core::array& keys, const mlx::core::array& values,
+    const mlx::core::array& scores, const mlx::core::array& order,
+    const mlx::core::array& free, const mlx::core::array& new_keys,
+    const mlx::core::array& new_values, const mlx::core::array& new_score,
+    const mlx::core::array& position, const mlx::core::array& first_recent,
+    const mlx::core::array& n_sink, const std::optional<mlx::core::array>& held, bool ranked,
+    mlx::core::StreamOrDevice s);
+
 }  // namespace qfserve

@@ -1,0 +1,223 @@
+// A decode step of an eviction cache at its budget, on the CPU, in one op: the new row goes
+// into the free slot, then the next victim is chosen (qfserve/engine/kv/evict.py,
+// write_and_select, is the reference and the path everywhere else).
+//
+// Why by hand: compiled with mx.compile, that step is still about a dozen primitives (four
+// scatters, a where, a min, an argmax, ...), each evaluated on its own on MLX's CPU backend:
+// ~75 us a layer, ~2.3 ms of a ~20 ms SmolLM2 step, where a plain KVCache writes one slice.
+// Here it is three: the new row written into the keys and into the values, in place when MLX
+// can give up their buffers (it can when the cache holds no other reference, as in a decode
+// step; one op per array, since a multi-output op's inputs are referenced by each output), and
+// the scores, order and next victim, small arrays, in a third.
+//
+//   slot = free[b, h]; keys[.., slot] = k; values[.., slot] = v; order[.., slot] = position
+//   scores[.., slot] = score (NaN -> -inf when `ranked`)
+//   guarded(c) = c < n_sink | order[c] >= first_recent | c >= held
+//   free' = argmax over {c : rank(c) == min over unguarded (inf if guarded)} of order[c]
+// where rank = scores, NaN read as -inf.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <vector>
+
+#include "kernels.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/primitives.h"
+
+namespace mx = mlx::core;
+
+namespace {
+
+// Element offset of a per-sequence scalar input: one value, or (B, 1, 1).
+inline int64_t at(const mx::array& a, int b) { return a.size() == 1 ? 0 : b * a.strides()[0]; }
+
+// Element offset of index i of a (B, H, C, ...) array's row (b, h), for any strides.
+inline int64_t row_offset(const mx::array& a, int b, int h) {
+  return b * a.strides()[0] + h * a.strides()[1];
+}
+
+// `out` takes `in`'s own buffer when MLX may give it up (returns false), else a new one
+// that copy_into fills when the inputs are ready (returns true).
+bool take(const mx::array& in, mx::array& out) {
+  if (in.is_donatable() && in.flags().row_contiguous && in.itemsize() == out.itemsize()) {
+    out.copy_shared_buffer(in);
+    return false;
+  }
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  return true;
+}
+
+// `in`'s elements into `out`, contiguous, for any strides.
+void copy_into(const mx::array& in, mx::array& out) {
+  const size_t item = in.itemsize();
+  if (in.flags().row_contiguous) {
+    std::memcpy(out.data<char>(), in.data<char>(), in.size() * item);
+    return;
+  }
+  const int nd = in.ndim();
+  const int64_t last = in.shape(nd - 1), rows = in.size() / last, ls = in.strides()[nd - 1];
+  const char* src = in.data<char>();
+  char* dst = out.data<char>();
+  for (int64_t r = 0; r < rows; ++r) {
+    int64_t rem = r, off = 0;
+    for (int d = nd - 2; d >= 0; --d) {
+      off += (rem % in.shape(d)) * in.strides()[d];
+      rem /= in.shape(d);
+    }
+    for (int64_t i = 0; i < last; ++i)
+      std::memcpy(dst + (r * last + i) * item, src + (off + i * ls) * item, item);
+  }
+}
+
+// cache (B, H, C, D) with row[b, h] written at slot free[b, h].
+class WriteRow : public mx::UnaryPrimitive {
+ public:
+  explicit WriteRow(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+
+  void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
+    const bool copied = take(in[0], out);
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : in) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    encoder.dispatch([in, out, copied]() mutable {
+      if (copied) copy_into(in[0], out);
+      const int B = in[0].shape(0), H = in[0].shape(1), C = in[0].shape(2), D = in[0].shape(3);
+      float* cache = out.data<float>();
+      for (int b = 0; b < B; ++b)
+        for (int h = 0; h < H; ++h) {
+          const uint32_t slot = in[1].data<uint32_t>()[row_offset(in[1], b, h)];
+          const float* row = in[2].data<float>() + row_offset(in[2], b, h);
+          float* dst = cache + ((static_cast<int64_t>(b) * H + h) * C + slot) * D;
+          for (int d = 0; d < D; ++d) dst[d] = row[d * in[2].strides()[3]];
+        }
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("qfserve's eviction step runs on the CPU only");
+  }
+  const char* name() const override { return "QfserveWriteRow"; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
+    return {in[0].shape()};
+  }
+};
+
+// scores and order with the new row's at its slot, and the next victim.
+class Select : public mx::Primitive {
+ public:
+  Select(mx::Stream stream, bool ranked, bool held)
+      : mx::Primitive(stream), ranked_(ranked), held_(held) {}
+
+  void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& out) override {
+    // in: scores, order, free, score, position, first_recent, n_sink[, held]
+    for (auto& o : out) o.set_data(mx::allocator::malloc(o.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : in) encoder.set_input_array(a);
+    for (auto& o : out) encoder.set_output_array(o);
+    encoder.dispatch([in, out, ranked = ranked_, held = held_]() mutable {
+      copy_into(in[0], out[0]);
+      copy_into(in[1], out[1]);
+      const int B = in[0].shape(0), H = in[0].shape(1), C = in[0].shape(2);
+      float* scores = out[0].data<float>();
+      int32_t* order = out[1].data<int32_t>();
+      uint32_t* next = out[2].data<uint32_t>();
+      const float inf = std::numeric_limits<float>::infinity();
+      for (int b = 0; b < B; ++b) {
+        const int32_t position = in[4].data<int32_t>()[at(in[4], b)];
+        const int32_t first_recent = in[5].data<int32_t>()[at(in[5], b)];
+        const int32_t n_sink = in[6].data<int32_t>()[at(in[6], b)];
+        const int32_t hold = held ? in[7].data<int32_t>()[at(in[7], b)] : C;
+        for (int h = 0; h < H; ++h) {
+          const int64_t bh = static_cast<int64_t>(b) * H + h;
+          const uint32_t slot = in[2].data<uint32_t>()[row_offset(in[2], b, h)];
+          float score = in[3].data<float>()[row_offset(in[3], b, h)];
+          if (ranked && std::isnan(score)) score = -inf;
+          scores[bh * C + slot] = score;
+          order[bh * C + slot] = position;
+          // The victim: the lowest rank among unguarded slots, the highest order on ties.
+          const float* s = scores + bh * C;
+          const int32_t* o = order + bh * C;
+          auto rank = [&](int c) {
+            const bool guarded = c < n_sink || o[c] >= first_recent || c >= hold;
+            return guarded ? inf : (std::isnan(s[c]) ? -inf : s[c]);
+          };
+          float low = inf;
+          for (int c = 0; c < C; ++c) low = std::min(low, rank(c));
+          int32_t best_order = -1;
+          uint32_t best = 0;
+          for (int c = 0; c < C; ++c)
+            if (rank(c) == low && o[c] > best_order) best_order = o[c], best = c;
+          next[bh] = best;
+        }
+      }
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("qfserve's eviction step runs on the CPU only");
+  }
+  const char* name() const override { return "QfserveEvictSelect"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const Select&>(other);
+    return ranked_ == o.ranked_ && held_ == o.held_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
+    return {in[0].shape(), in[1].shape(), in[2].shape()};
+  }
+
+ private:
+  bool ranked_, held_;
+};
+
+}  // namespace
+
+namespace qfserve {
+
+std::vector<mx::array> evict_step(const mx::array& keys, const mx::array& values,
+                                  const mx::array& scores, const mx::array& order,
+                                  const mx::array& free, const mx::array& new_keys,
+                                  const mx::array& new_values, const mx::array& new_score,
+                                  const mx::array& position, const mx::array& first_recent,
+                                  const mx::array& n_sink, const std::optional<mx::array>& held,
+                                  bool ranked, mx::StreamOrDevice s) {
+  if (keys.ndim() != 4 || values.ndim() != 4 || new_keys.ndim() != 4 || new_values.ndim() != 4)
+    throw std::invalid_argument("keys, values and the new row's must be 4-D (B, H, C, D)");
+  const int B = keys.shape(0), H = keys.shape(1), C = keys.shape(2);
+  const mx::Shape rows = {B, H, C}, one = {B, H, 1};
+  if (values.shape(0) != B || values.shape(1) != H || values.shape(2) != C ||
+      scores.shape() != rows || order.shape() != rows || free.shape() != one ||
+      new_keys.shape() != mx::Shape{B, H, 1, keys.shape(3)} ||
+      new_values.shape() != mx::Shape{B, H, 1, values.shape(3)} || new_score.shape() != one)
+    throw std::invalid_argument("the cache's arrays and the new row do not match");
+  if (keys.dtype() != mx::float32 || values.dtype() != mx::float32 ||
+      scores.dtype() != mx::float32 || new_keys.dtype() != mx::float32 ||
+      new_values.dtype() != mx::float32 || new_score.dtype() != mx::float32 ||
+      order.dtype() != mx::int32 || free.dtype() != mx::uint32)
+    throw std::invalid_argument("keys, values and scores must be float32, order int32, "
+                                "free uint32");
+  auto stream = mx::to_stream(s, mx::Device::cpu);
+  std::vector<mx::array> inputs = {scores, order, free, new_score};
+  for (const mx::array* a : {&position, &first_recent, &n_sink}) {
+    if (a->dtype() != mx::int32 || (a->size() != 1 && a->shape() != mx::Shape{B, 1, 1}))
+      throw std::invalid_argument("position, first_recent, n_sink and held must be int32, "
+                                  "one or (B, 1, 1)");
+    inputs.push_back(*a);
+  }
+  if (held) {
+    if (held->dtype() != mx::int32 || (held->size() != 1 && held->shape() != mx::Shape{B, 1, 1}))
+      throw std::invalid_argument("position, first_recent, n_sink and held must be int32, "
+                                  "one or (B, 1, 1)");
+    inputs.push_back(*held);
+  }
+  auto selected = mx::array::make_arrays(
+      {rows, rows, one}, {mx::float32, mx::int32, mx::uint32},
+      std::make_shared<Select>(stream, ranked, held.has_value()), inputs);
+  auto write = std::make_shared<WriteRow>(stream);
+  return {mx::array(keys.shape(), mx::float32, write, {keys, free, new_keys}),
+          mx::array(values.shape(), mx::float32, write, {values, free, new_values}),
+          selected[0], selected[1], selected[2]};
+}
+
+}  // namespace qfserve

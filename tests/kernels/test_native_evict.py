@@ -1,0 +1,82 @@
+"""The native eviction step against the MLX one it replaces on the CPU (``evict.py``'s
+``_write_and_select``): the same arrays and the same victim, ties, NaN scores, guarded slots,
+per-sequence positions and held slots included."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from qfserve.engine.kv.evict import _write_and_select
+
+
+def _state(rng, B, H, C, D, ties, ranked=False):
+    keys = mx.array(rng.standard_normal((B, H, C, D), dtype=np.float32))
+    values = mx.array(rng.standard_normal((B, H, C, D + 8), dtype=np.float32))
+    raw = rng.integers(0, 4, (B, H, C)) if ties else rng.standard_normal((B, H, C))
+    scores = raw.astype(np.float32)
+    if not ranked:  # raw scores may be NaN; ranks are stored with NaN already mapped
+        scores[..., 3] = np.nan
+    order = np.stack([np.stack([rng.permutation(C) for _ in range(H)]) for _ in range(B)])
+    free = mx.array(rng.integers(0, C, (B, H, 1)).astype(np.uint32))
+    row = (
+        mx.array(rng.standard_normal((B, H, 1, D), dtype=np.float32)),
+        mx.array(rng.standard_normal((B, H, 1, D + 8), dtype=np.float32)),
+        mx.array(np.where(rng.random((B, H, 1)) < 0.3, np.nan, rng.standard_normal((B, H, 1)))
+                 .astype(np.float32)),
+    )  # fmt: skip
+    return keys, values, mx.array(scores), mx.array(order.astype(np.int32)), free, row
+
+
+@pytest.mark.parametrize("ranked", [True, False])
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("per_sequence", [False, True])
+def test_the_native_step_equals_mlx(kernel, ranked, ties, per_sequence):
+    rng = np.random.default_rng(int(ranked) * 4 + int(ties) * 2 + int(per_sequence))
+    B, H, C, D = (3, 2, 40, 16) if per_sequence else (1, 3, 64, 64)
+    keys, values, scores, order, free, row = _state(rng, B, H, C, D, ties, ranked)
+    if per_sequence:  # a packed batch: each member its own position, recent window and room
+        position = mx.array([[[50]], [[61]], [[45]]], dtype=mx.int32)
+        first_recent = position - mx.array([[[8]], [[30]], [[2]]], dtype=mx.int32)
+        n_sink = mx.array([[[4]], [[0]], [[2]]], dtype=mx.int32)
+        held = mx.array([[[40]], [[25]], [[33]]], dtype=mx.int32)
+    else:
+        position, first_recent = mx.array(70, dtype=mx.int32), mx.array(50, dtype=mx.int32)
+        n_sink, held = mx.array(4, dtype=mx.int32), None
+    want = _write_and_select(keys, values, scores, order, free, row, position, first_recent,
+                             n_sink, held, ranked)  # fmt: skip
+    got = kernel.evict_step(keys, values, scores, order, free, *row, position, first_recent,
+                            n_sink, held=held, ranked=ranked)  # fmt: skip
+    for name, w, g in zip(("keys", "values", "scores", "order", "free"), want, got, strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape, name
+        np.testing.assert_array_equal(np.array(g), np.array(w), err_msg=name)
+
+
+def test_every_slot_guarded_picks_the_newest(kernel):
+    rng = np.random.default_rng(9)
+    keys, values, scores, order, free, row = _state(rng, 1, 2, 8, 8, False)
+    args = (
+        mx.array(100, dtype=mx.int32),
+        mx.array(-1, dtype=mx.int32),
+        mx.array(0, dtype=mx.int32),
+    )
+    want = _write_and_select(keys, values, scores, order, free, row, *args)
+    got = kernel.evict_step(keys, values, scores, order, free, *row, *args)
+    np.testing.assert_array_equal(np.array(got[4]), np.array(want[4]))
+
+
+def test_strided_state_is_read_and_refusals(kernel):
+    """A cache's arrays that are views (transposed) are copied, not corrupted; bad shapes
+    and dtypes are refused."""
+    rng = np.random.default_rng(3)
+    keys, values, scores, order, free, row = _state(rng, 1, 2, 16, 8, False)
+    keys_t = mx.array(np.ascontiguousarray(np.array(keys).transpose(0, 1, 3, 2))).swapaxes(2, 3)
+    args = (mx.array(30, dtype=mx.int32), mx.array(20, dtype=mx.int32), mx.array(2, dtype=mx.int32))
+    want = _write_and_select(keys, values, scores, order, free, row, *args)
+    got = kernel.evict_step(keys_t, values, scores, order, free, *row, *args)
+    np.testing.assert_array_equal(np.array(got[0]), np.array(want[0]))
+    with pytest.raises(ValueError, match="do not match"):
+        kernel.evict_step(keys, values, scores[..., :-1], order, free, *row, *args)
+    with pytest.raises(ValueError, match="int32"):
+        kernel.evict_step(keys, values, scores, order, free, *row, mx.array(1.5), *args[1:])
