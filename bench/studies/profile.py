@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
@@ -17,6 +18,7 @@ from bench.arms import prefill
 from bench.data import prompt_tokens
 from bench.harness import interleave, save_plot, start, subplots, summaries
 from bench.report import section, table
+from qfserve.engine.kv.attention import native_kernel
 from qfserve.engine.kv.blocked import block_attention
 from qfserve.engine.kv.config import CacheConfig
 from qfserve.engine.kv.factory import make_caches
@@ -89,10 +91,12 @@ def decode_arms(model: Any, tokens: list[int], config: CacheConfig, filters: Any
         c.update_and_fetch(block, block)
     mx.eval(inputs, q, kv, new, logits, [c.state for c in spare])
 
+    kernel = native_kernel()  # attention as the step runs it: native where it is set
+    attend = kernel.decode_attention if kernel is not None else partial(sdpa, mask=None)
     arms = {
         "step": step,
         "matmul": timed(lambda: [f(inputs[i]) for i, _, f in linears]),
-        "attention": timed(lambda: [sdpa(q, k, v, scale=scale, mask=None) for k, v in kv]),
+        "attention": timed(lambda: [attend(q, k, v, scale=scale) for k, v in kv]),
         "cache": timed(lambda: [c.update_and_fetch(new, new) for c in spare]),
         "sample": timed(lambda: mx.argmax(logits, axis=-1).item()),  # read back: a host sync
     }
@@ -116,12 +120,17 @@ def prefill_arms(model: Any, tokens: list[int], chunk: int) -> dict:
     q = mx.random.normal((1, n_heads, chunk, head_dim))
     kv = [(mx.random.normal((1, n_kv, offset + chunk, head_dim)),) * 2 for _ in range(n_layers)]
     mx.eval(inputs, q, kv)
-    return {
+    arms = {
         "chunk": forward,
         "matmul": timed(lambda: [f(inputs[i]) for i, _, f in linears]),
         "attention_blocked": timed(lambda: [block_attention(q, k, v, scale) for k, v in kv]),
         "attention_mlx": timed(lambda: [sdpa(q, k, v, scale=scale, mask="causal") for k, v in kv]),
     }
+    if (kernel := native_kernel()) is not None:  # what the chunk runs where it is set
+        arms["attention_native"] = timed(
+            lambda: [kernel.prefill_attention(q, k, v, scale) for k, v in kv]
+        )
+    return arms
 
 
 def in_ms(samples: dict[str, list[float]]) -> dict[str, dict[str, float]]:
@@ -157,7 +166,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     axes[0, 0].set(ylabel="ms (median)", title=f"decode step at {args.context} tokens")
     axes[0, 0].legend(fontsize=7)
     axes[0, 1].bar(list(prefill_ms), [v["median"] for v in prefill_ms.values()],
-                   color=["black", "C0", "C1", "C1"])  # fmt: skip
+                   color=["black", "C0", "C1", "C1", "C2"][: len(prefill_ms)])  # fmt: skip
     axes[0, 1].set(ylabel="ms (median)", title=f"prefill chunk of {args.chunk}")
     axes[0, 1].tick_params(axis="x", labelsize=7)
     return sm.save({"settings": {"context": args.context, "budget": args.budget,
@@ -170,8 +179,8 @@ def render(d: dict[str, Any]) -> list[str]:
     s = d["settings"]
     intro = (
         f"Each part timed alone on the step's shapes, {s['reps']} interleaved rounds, median ms "
-        "[IQR]; `rest` is what the parts leave unexplained (norms, RoPE, activations, per-op "
-        "cost)."
+        "[IQR]; attention as the step runs it (the native kernel where it is built); `rest` is "
+        "what the parts leave unexplained (norms, RoPE, activations, per-op cost)."
     )
     columns = ("step", "build", "eval", *PARTS)
     rows = []
