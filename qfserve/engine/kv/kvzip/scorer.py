@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, cast
 
 import mlx.core as mx
@@ -20,6 +21,7 @@ REPEAT_ROWS = 64  # at most the repeat prompt, the previous tail and the templat
 DEFAULT_BLOCK = 512  # reconstruction tokens per forward pass (bounds the score matrices)
 
 
+@partial(mx.compile, shapeless=True)  # one op a decode step and layer, not three
 def generated_tier(scores: mx.array) -> mx.array:
     """Map any float scores monotonically into ``(-1, 0)``: below every reconstruction score
     (attention weights, ``>= 0``) while keeping their order (``atan`` keeps float32
