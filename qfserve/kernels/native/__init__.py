@@ -132,7 +132,7 @@ def _build(folder: Path) -> Path:
         raise NativeUnavailable("nanobind is not installed") from exc
     import mlx.core
 
-    logger.info("building the native kernels (once, ~20 s) into %s", folder)
+    logger.info("building the native kernels (once, ~30-60 s) into %s", folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".build-", dir=folder.parent) as tmp:
         configure = [
