@@ -137,7 +137,7 @@ def write_and_select(
     held: mx.array | None = None,
     ranked: bool = True,
 ) -> tuple[mx.array, ...]:
-    """:func:`_write_and_select`, on the CPU in one native op where the kernels are set
+    """:func:`_write_and_select`, on the CPU in three native ops where the kernels are set
     (:func:`qfserve.engine.kv.attention.set_native`): even compiled, MLX evaluates the step's
     dozen primitives one by one there (~75 us a layer); elsewhere compiled."""
     kernel = native_kernel()

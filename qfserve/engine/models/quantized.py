@@ -132,7 +132,7 @@ def attach(model: nn.Module, folder: str | Path, kernel: ModuleType | None) -> i
             wrapped.append((stem, DecodeEmbedding(dense, codes)))
     model.update_modules(_tree(wrapped))
     mx.eval(model.parameters())
-    if wrapped:  # the same kernel module attends (kv.attention) and rotates
+    if wrapped:  # the same kernel module attends (kv.attention), rotates, normalises, ...
         set_native(kernel)
         native_layers.install(model, kernel)
     logger.info("decode reads quantized weights for %d projections (%s)", len(wrapped), path)
@@ -140,9 +140,9 @@ def attach(model: nn.Module, folder: str | Path, kernel: ModuleType | None) -> i
 
 
 def detach(model: nn.Module) -> int:
-    """Put back the plain modules :func:`attach` wrapped, MLX's attention and its rope
-    (before splitting the model over ranks, whose sharding rewrites the projections).
-    Returns how many projections."""
+    """Put back the plain modules :func:`attach` wrapped, MLX's attention and the layers
+    :mod:`native_layers` swapped (before splitting the model over ranks, whose sharding
+    rewrites the projections). Returns how many projections."""
     plain = [
         (name, module.dense)
         for name, module in model.named_modules()

@@ -59,6 +59,7 @@ SOURCES = (
     "pointwise.cpp",
     "evict_step.cpp",
     "simd.h",
+    "rows.h",
 )
 MODULE = "_native"
 _BUILD_TIMEOUT_S = 600

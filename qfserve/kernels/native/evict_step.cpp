@@ -26,6 +26,7 @@
 #include "kernels.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
+#include "rows.h"
 
 namespace mx = mlx::core;
 
@@ -57,19 +58,13 @@ void copy_into(const mx::array& in, mx::array& out) {
     std::memcpy(out.data<char>(), in.data<char>(), in.size() * item);
     return;
   }
-  const int nd = in.ndim();
-  const int64_t last = in.shape(nd - 1), rows = in.size() / last, ls = in.strides()[nd - 1];
+  const int64_t last = in.shape(in.ndim() - 1), ls = in.strides().back();
+  const std::vector<int64_t> starts = qfserve::row_starts(in);
   const char* src = in.data<char>();
   char* dst = out.data<char>();
-  for (int64_t r = 0; r < rows; ++r) {
-    int64_t rem = r, off = 0;
-    for (int d = nd - 2; d >= 0; --d) {
-      off += (rem % in.shape(d)) * in.strides()[d];
-      rem /= in.shape(d);
-    }
+  for (size_t r = 0; r < starts.size(); ++r)
     for (int64_t i = 0; i < last; ++i)
-      std::memcpy(dst + (r * last + i) * item, src + (off + i * ls) * item, item);
-  }
+      std::memcpy(dst + (r * last + i) * item, src + (starts[r] + i * ls) * item, item);
 }
 
 // cache (B, H, C, D) with row[b, h] written at slot free[b, h].
@@ -199,24 +194,20 @@ std::vector<mx::array> evict_step(const mx::array& keys, const mx::array& values
                                 "free uint32");
   auto stream = mx::to_stream(s, mx::Device::cpu);
   std::vector<mx::array> inputs = {scores, order, free, new_score};
-  for (const mx::array* a : {&position, &first_recent, &n_sink}) {
+  for (const mx::array* a : {&position, &first_recent, &n_sink, held ? &*held : nullptr}) {
+    if (a == nullptr) continue;
     if (a->dtype() != mx::int32 || (a->size() != 1 && a->shape() != mx::Shape{B, 1, 1}))
       throw std::invalid_argument("position, first_recent, n_sink and held must be int32, "
                                   "one or (B, 1, 1)");
     inputs.push_back(*a);
   }
-  if (held) {
-    if (held->dtype() != mx::int32 || (held->size() != 1 && held->shape() != mx::Shape{B, 1, 1}))
-      throw std::invalid_argument("position, first_recent, n_sink and held must be int32, "
-                                  "one or (B, 1, 1)");
-    inputs.push_back(*held);
-  }
   auto selected = mx::array::make_arrays(
       {rows, rows, one}, {mx::float32, mx::int32, mx::uint32},
       std::make_shared<Select>(stream, ranked, held.has_value()), inputs);
-  auto write = std::make_shared<WriteRow>(stream);
-  return {mx::array(keys.shape(), mx::float32, write, {keys, free, new_keys}),
-          mx::array(values.shape(), mx::float32, write, {values, free, new_values}),
+  return {mx::array(keys.shape(), mx::float32, std::make_shared<WriteRow>(stream),
+                    {keys, free, new_keys}),
+          mx::array(values.shape(), mx::float32, std::make_shared<WriteRow>(stream),
+                    {values, free, new_values}),
           selected[0], selected[1], selected[2]};
 }
 

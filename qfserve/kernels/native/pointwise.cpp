@@ -18,29 +18,14 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
 #include "pool.h"
+#include "rows.h"
 #include "simd.h"
 
 namespace mx = mlx::core;
+using qfserve::row_starts;
 using namespace qfserve::simd;
 
 namespace {
-
-// Where each row of an array starts (element offsets), for any strides; rows are all but the
-// last dimension.
-std::vector<int64_t> row_starts(const mx::array& a) {
-  const int nd = a.ndim();
-  const int64_t rows = a.size() / a.shape(nd - 1);
-  std::vector<int64_t> out(rows);
-  for (int64_t r = 0; r < rows; ++r) {
-    int64_t rem = r, off = 0;
-    for (int d = nd - 2; d >= 0; --d) {
-      off += (rem % a.shape(d)) * a.strides()[d];
-      rem /= a.shape(d);
-    }
-    out[r] = off;
-  }
-  return out;
-}
 
 // Rows in chunks over the pool when the work is large enough to be worth a thread.
 template <typename F>
