@@ -28,7 +28,8 @@ SCALE = rng.uniform(0.5, 2.0, (H,)).astype(np.float32)
 def numpy_form(form: ScoreForm, keys: np.ndarray, start: int) -> np.ndarray:
     if form.kind == "project":
         assert form.direction is not None
-        out = np.einsum("bhnd,hd->bhn", keys, np.array(form.direction))
+        direction = np.broadcast_to(np.array(form.direction), (keys.shape[0], H, D))
+        out = np.einsum("bhnd,bhd->bhn", keys, direction)
         return out if form.scale is None else out * np.array(form.scale)[None]
     if form.kind == "norm":
         return -np.sqrt((keys**2).sum(-1))

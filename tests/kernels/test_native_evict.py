@@ -80,3 +80,38 @@ def test_strided_state_is_read_and_refusals(kernel):
         kernel.evict_step(keys, values, scores[..., :-1], order, free, *row, *args)
     with pytest.raises(ValueError, match="int32"):
         kernel.evict_step(keys, values, scores, order, free, *row, mx.array(1.5), *args[1:])
+
+
+@pytest.mark.parametrize("per_sequence_direction", [False, True])
+@pytest.mark.parametrize("scaled", [False, True])
+def test_the_step_scores_the_new_key_by_its_projection(kernel, per_sequence_direction, scaled):
+    """Given a direction (and scale) instead of a score, the new row's score is its key's
+    projection (float64 numpy reference); the rest of the step is as with that score given."""
+    rng = np.random.default_rng(11 + 2 * per_sequence_direction + scaled)
+    B, H, C, D = 2, 3, 48, 32
+    keys, values, scores, order, free, (k, v, _) = _state(rng, B, H, C, D, False, True)
+    shape = (B, H) if per_sequence_direction else (H,)
+    direction = rng.standard_normal((*shape, D)).astype(np.float32)
+    scale = rng.uniform(0.5, 2.0, (*shape, 1)).astype(np.float32) if scaled else None
+    want_score = np.einsum("bhd,bhd->bh", np.array(k)[:, :, 0].astype(np.float64),
+                           np.broadcast_to(direction, (B, H, D)))[..., None]  # fmt: skip
+    if scale is not None:
+        want_score = want_score * np.broadcast_to(scale, (B, H, 1))
+    args = (mx.array(70, dtype=mx.int32), mx.array(60, dtype=mx.int32), mx.array(4, dtype=mx.int32))
+    got = kernel.evict_step(keys, values, scores, order, free, k, v, None, *args,
+                            direction=mx.array(direction),
+                            scale=None if scale is None else mx.array(scale))  # fmt: skip
+    stored = np.take_along_axis(np.array(got[2]), np.array(free).astype(np.int64), axis=2)
+    np.testing.assert_allclose(stored, want_score, rtol=1e-5, atol=1e-5)
+    row = (k, v, mx.array(stored))
+    want = _write_and_select(keys, values, scores, order, free, row, *args)
+    for name, w, g in zip(("keys", "values", "scores", "order", "free"), want, got, strict=True):
+        np.testing.assert_array_equal(np.array(g), np.array(w), err_msg=name)
+    with pytest.raises(ValueError, match="score, or the direction"):
+        kernel.evict_step(keys, values, scores, order, free, k, v, row[2], *args,
+                          direction=mx.array(direction))  # fmt: skip
+    with pytest.raises(ValueError, match="score, or the direction"):
+        kernel.evict_step(keys, values, scores, order, free, k, v, None, *args)
+    with pytest.raises(ValueError, match="direction must be"):
+        kernel.evict_step(keys, values, scores, order, free, k, v, None, *args,
+                          direction=mx.array(direction[..., :-1]))  # fmt: skip

@@ -23,6 +23,7 @@ from typing import cast
 import mlx.core as mx
 
 from qfserve.engine.kv.attention import native_kernel
+from qfserve.engine.kv.scorers import ScoreForm
 from qfserve.kernels.qfilters_apply import select_keep_reference
 
 _INF = mx.array(float("inf"), dtype=mx.float32)
@@ -130,7 +131,7 @@ def write_and_select(
     scores: mx.array,
     order: mx.array,
     free: mx.array,
-    row: tuple[mx.array, mx.array, mx.array],
+    row: tuple[mx.array, mx.array, mx.array | ScoreForm],
     position: mx.array,
     first_recent: mx.array,
     n_sink: int | mx.array,
@@ -139,13 +140,22 @@ def write_and_select(
 ) -> tuple[mx.array, ...]:
     """:func:`_write_and_select`, on the CPU in three native ops where the kernels are set
     (:func:`qfserve.engine.kv.attention.set_native`): even compiled, MLX evaluates the step's
-    dozen primitives one by one there (~75 us a layer); elsewhere compiled."""
+    dozen primitives one by one there (~75 us a layer); elsewhere compiled.
+
+    The new row's score may be given as its scorer's ``project`` form
+    (:class:`qfserve.engine.kv.scorers.ScoreForm`): the native op then scores the key itself
+    (a matmul and a multiply fewer a layer); elsewhere the form is applied first.
+    """
+    new_keys, new_values, score = row
     kernel = native_kernel()
     if (
         kernel is None
         or mx.default_device() != mx.cpu
-        or not all(a.dtype == mx.float32 for a in (keys, values, scores, *row))
+        or not all(a.dtype == mx.float32 for a in (keys, values, scores, new_keys, new_values))
+        or (isinstance(score, mx.array) and score.dtype != mx.float32)
     ):
+        if isinstance(score, ScoreForm):
+            score = score.projected(new_keys)
         return cast(
             "tuple[mx.array, ...]",
             _compiled_write_and_select(
@@ -154,7 +164,7 @@ def write_and_select(
                 scores,
                 order,
                 free,
-                row,
+                (new_keys, new_values, score),
                 position,
                 first_recent,
                 n_sink,
@@ -166,6 +176,7 @@ def write_and_select(
         a.astype(mx.int32) if isinstance(a, mx.array) else mx.array(a, dtype=mx.int32)
         for a in (position, first_recent, n_sink)
     ]
+    form = score if isinstance(score, ScoreForm) else None
     return tuple(
         kernel.evict_step(
             keys,
@@ -173,10 +184,14 @@ def write_and_select(
             scores,
             order.astype(mx.int32),
             free.astype(mx.uint32),
-            *row,
+            new_keys,
+            new_values,
+            None if form is not None else score,
             *ints,
             held=None if held is None else held.astype(mx.int32),
             ranked=ranked,
+            direction=None if form is None else form.direction,
+            scale=None if form is None else form.scale,
         )
     )
 

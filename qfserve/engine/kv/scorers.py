@@ -23,8 +23,15 @@ class ScoreForm:
     """
 
     kind: Literal["project", "norm", "position"]
-    direction: mx.array | None = None  # (H, D) float32, the sign applied
+    direction: mx.array | None = None  # (H, D) or (B, H, D) float32, the sign applied
     scale: mx.array | None = None  # (H, 1) float32
+
+    def projected(self, keys: mx.array) -> mx.array:
+        """A ``project`` form's scores of ``keys`` ``(B, H, N, D)``: ``(B, H, N)`` float32."""
+        if self.kind != "project" or self.direction is None:
+            raise ValueError(f"a {self.kind!r} form projects nothing")
+        scores = project(keys, self.direction, 1)
+        return scores if self.scale is None else scores * self.scale
 
 
 class Scorer(Protocol):
@@ -120,17 +127,19 @@ class QFilterScorer(AlwaysReady):
         if query_scale is not None:
             D = self.filters.shape[-1]
             self.scale = (query_scale.astype(mx.float32) / D**0.5)[:, None]  # (H, 1)
+        # Signed once: a decode step scores one row a layer, where every op counts.
+        signed = self.filters if sign == 1 else -self.filters
+        self._form = ScoreForm("project", signed, self.scale)
 
     @property
     def nbytes(self) -> int:
         return self.filters.nbytes
 
     def score(self, keys: mx.array, start: int) -> mx.array:
-        scores = project(keys, self.filters, self.sign)
-        return scores if self.scale is None else scores * self.scale
+        return self._form.projected(keys)
 
     def form(self) -> ScoreForm:
-        return ScoreForm("project", self.filters if self.sign == 1 else -self.filters, self.scale)
+        return self._form
 
 
 class KeySVDScorer(ScorerBase):
@@ -181,8 +190,7 @@ class KeySVDScorer(ScorerBase):
     def form(self) -> ScoreForm | None:
         if self.direction is None:
             return None
-        d = self.direction[0]  # one sequence's direction, (H, D)
-        return ScoreForm("project", d if self.sign == 1 else -d)
+        return ScoreForm("project", self.direction if self.sign == 1 else -self.direction)
 
 
 def estimate_direction(keys: mx.array) -> mx.array:

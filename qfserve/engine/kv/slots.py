@@ -14,7 +14,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from qfserve.engine.kv.evict import gather_rows, select_victim, write_and_select
-from qfserve.engine.kv.scorers import Scorer
+from qfserve.engine.kv.scorers import ScoreForm, Scorer
 
 _INF = float("inf")
 
@@ -67,16 +67,21 @@ class SlotLayout(CacheFields):
             )
             self.free = self._victim()
         else:
-            raw = self.scorer.score(keys, position)  # (B, H, 1)
-            if self.token_scores is not None:
-                self.token_scores = mx.put_along_axis(self.token_scores, self.free, raw, axis=2)
+            form = self.scorer.form()
+            score: mx.array | ScoreForm
+            if self.token_scores is None and form is not None and form.kind == "project":
+                score = form  # scored within the step (write_and_select)
+            else:
+                score = raw = self.scorer.score(keys, position)  # (B, H, 1)
+                if self.token_scores is not None:
+                    self.token_scores = mx.put_along_axis(self.token_scores, self.free, raw, axis=2)
             self.keys, self.values, self.scores, self.order, self.free = write_and_select(
                 self.keys,
                 self.values,
                 self.scores,
                 self.order,
                 self.free,
-                (keys, values, raw),
+                (keys, values, score),
                 mx.array(position, dtype=mx.int32),
                 mx.array(self.offset - self.recent, dtype=mx.int32),
                 mx.array(self.n_sink, dtype=mx.int32),  # an input: a constant is kept per trace

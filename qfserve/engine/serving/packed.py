@@ -165,7 +165,11 @@ class PackedBatch:
         if "project" in self.kinds:
             H, D = self.keys.shape[1], self.keys.shape[3]
             zero, one = mx.zeros((H, D), dtype=mx.float32), mx.ones((H, 1), dtype=mx.float32)
-            dirs = [zero if f is None or f.direction is None else f.direction for f in forms]
+            # A member holds one sequence: its direction, (H, D) or (1, H, D), as (H, D).
+            dirs = [
+                zero if f is None or f.direction is None else f.direction.reshape(H, D)
+                for f in forms
+            ]
             self.directions = mx.stack(dirs)  # (B, H, D)
             if any(f is not None and f.scale is not None for f in forms):
                 scales = [one if f is None or f.scale is None else f.scale for f in forms]
@@ -214,16 +218,21 @@ class PackedBatch:
         C = self.keys.shape[2]
         positions = mx.array(self.offsets, dtype=mx.int32)[:, None, None]  # (B, 1, 1)
         held = [int(min(h + 1, c)) for h, c in zip(self.held, self.caps, strict=True)]
-        score = self._score(keys, positions)
         held_now = mx.array(held, dtype=mx.int32)[:, None, None]
         evict = [h == c for h, c in zip(held, self.caps, strict=True)]
         if all(evict) and self.token_scores is None:  # the steady state: one compiled call
             state = (self.keys, self.values, self.scores, self.order, self.free)
+            score: mx.array | ScoreForm
+            if self.kinds == ["project"]:  # scored within the step
+                score = ScoreForm("project", self.directions, self.scale)
+            else:
+                score = self._score(keys, positions)
             row, first_recent = (keys, values, score), positions + 1 - self.recent
             self.keys, self.values, self.scores, self.order, self.free = write_and_select(
                 *state, row, positions, first_recent, self.n_sink, held_now, ranked=False
             )
         else:
+            score = self._score(keys, positions)
             self._write_and_grow(keys, values, score, positions, held, held_now, evict)
         for i, m in enumerate(self.members):
             m.offset += 1

@@ -8,10 +8,13 @@
 // Here it is three: the new row written into the keys and into the values, in place when MLX
 // can give up their buffers (it can when the cache holds no other reference, as in a decode
 // step; one op per array, since a multi-output op's inputs are referenced by each output), and
-// the scores, order and next victim, small arrays, in a third.
+// the scores, order and next victim, small arrays, in a third. Where the scorer is a
+// projection (Q-Filters, key-SVD: score = (k . direction[h]) * scale[h]), the third op also
+// computes the new row's score from its key: scored apart, that is a matmul and a multiply a
+// layer, ~30 us a layer on MLX's CPU, as much again as the rest of the step.
 //
 //   slot = free[b, h]; keys[.., slot] = k; values[.., slot] = v; order[.., slot] = position
-//   scores[.., slot] = score (NaN -> -inf when `ranked`)
+//   scores[.., slot] = score (NaN -> -inf when `ranked`), or sum_d k[d] * direction[d] * scale
 //   guarded(c) = c < n_sink | order[c] >= first_recent | c >= held
 //   free' = argmax over {c : rank(c) == min over unguarded (inf if guarded)} of order[c]
 // where rank = scores, NaN read as -inf.
@@ -103,32 +106,48 @@ class WriteRow : public mx::UnaryPrimitive {
 // scores and order with the new row's at its slot, and the next victim.
 class Select : public mx::Primitive {
  public:
-  Select(mx::Stream stream, bool ranked, bool held)
-      : mx::Primitive(stream), ranked_(ranked), held_(held) {}
+  Select(mx::Stream stream, bool ranked, bool held, bool project, bool scaled)
+      : mx::Primitive(stream), ranked_(ranked), held_(held), project_(project), scaled_(scaled) {}
 
   void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& out) override {
-    // in: scores, order, free, score, position, first_recent, n_sink[, held]
+    // in: scores, order, free, then the score (B, H, 1) or the new keys (B, H, 1, D), the
+    // direction (H, D) or (B, H, D)[ and the scale (H, 1) or (B, H, 1)]; then position,
+    // first_recent, n_sink[, held]
     for (auto& o : out) o.set_data(mx::allocator::malloc(o.nbytes()));
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (const auto& a : in) encoder.set_input_array(a);
     for (auto& o : out) encoder.set_output_array(o);
-    encoder.dispatch([in, out, ranked = ranked_, held = held_]() mutable {
+    encoder.dispatch([in, out, ranked = ranked_, held = held_, project = project_,
+                      scaled = scaled_]() mutable {
       copy_into(in[0], out[0]);
       copy_into(in[1], out[1]);
       const int B = in[0].shape(0), H = in[0].shape(1), C = in[0].shape(2);
+      const size_t ints = 3 + (project ? 2 + scaled : 1);  // position, first_recent, n_sink
       float* scores = out[0].data<float>();
       int32_t* order = out[1].data<int32_t>();
       uint32_t* next = out[2].data<uint32_t>();
       const float inf = std::numeric_limits<float>::infinity();
+      // The new row's score at (b, h): given, or its key's projection.
+      auto new_score = [&](int b, int h) {
+        if (!project) return in[3].data<float>()[row_offset(in[3], b, h)];
+        const mx::array &k = in[3], &dir = in[4];
+        const int D = k.shape(3);
+        const float* key = k.data<float>() + row_offset(k, b, h);
+        const float* d = dir.data<float>() + per_head(dir, b, h);
+        const int64_t ks = k.strides()[3], ds = dir.strides().back();
+        float dot = 0.0f;
+        for (int i = 0; i < D; ++i) dot += key[i * ks] * d[i * ds];
+        return scaled ? dot * in[5].data<float>()[per_head(in[5], b, h)] : dot;
+      };
       for (int b = 0; b < B; ++b) {
-        const int32_t position = in[4].data<int32_t>()[at(in[4], b)];
-        const int32_t first_recent = in[5].data<int32_t>()[at(in[5], b)];
-        const int32_t n_sink = in[6].data<int32_t>()[at(in[6], b)];
-        const int32_t hold = held ? in[7].data<int32_t>()[at(in[7], b)] : C;
+        const int32_t position = in[ints].data<int32_t>()[at(in[ints], b)];
+        const int32_t first_recent = in[ints + 1].data<int32_t>()[at(in[ints + 1], b)];
+        const int32_t n_sink = in[ints + 2].data<int32_t>()[at(in[ints + 2], b)];
+        const int32_t hold = held ? in[ints + 3].data<int32_t>()[at(in[ints + 3], b)] : C;
         for (int h = 0; h < H; ++h) {
           const int64_t bh = static_cast<int64_t>(b) * H + h;
           const uint32_t slot = in[2].data<uint32_t>()[row_offset(in[2], b, h)];
-          float score = in[3].data<float>()[row_offset(in[3], b, h)];
+          float score = new_score(b, h);
           if (ranked && std::isnan(score)) score = -inf;
           scores[bh * C + slot] = score;
           order[bh * C + slot] = position;
@@ -156,14 +175,20 @@ class Select : public mx::Primitive {
   const char* name() const override { return "QfserveEvictSelect"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const Select&>(other);
-    return ranked_ == o.ranked_ && held_ == o.held_;
+    return ranked_ == o.ranked_ && held_ == o.held_ && project_ == o.project_ &&
+           scaled_ == o.scaled_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
     return {in[0].shape(), in[1].shape(), in[2].shape()};
   }
 
  private:
-  bool ranked_, held_;
+  // Element offset of head h's (D) or (1) row of a per-head array, (H, ...) or (B, H, ...).
+  static int64_t per_head(const mx::array& a, int b, int h) {
+    return a.ndim() == 2 ? h * a.strides()[0] : row_offset(a, b, h);
+  }
+
+  bool ranked_, held_, project_, scaled_;
 };
 
 }  // namespace
@@ -173,27 +198,47 @@ namespace qfserve {
 std::vector<mx::array> evict_step(const mx::array& keys, const mx::array& values,
                                   const mx::array& scores, const mx::array& order,
                                   const mx::array& free, const mx::array& new_keys,
-                                  const mx::array& new_values, const mx::array& new_score,
+                                  const mx::array& new_values,
+                                  const std::optional<mx::array>& new_score,
                                   const mx::array& position, const mx::array& first_recent,
                                   const mx::array& n_sink, const std::optional<mx::array>& held,
-                                  bool ranked, mx::StreamOrDevice s) {
+                                  bool ranked, const std::optional<mx::array>& direction,
+                                  const std::optional<mx::array>& scale, mx::StreamOrDevice s) {
   if (keys.ndim() != 4 || values.ndim() != 4 || new_keys.ndim() != 4 || new_values.ndim() != 4)
     throw std::invalid_argument("keys, values and the new row's must be 4-D (B, H, C, D)");
-  const int B = keys.shape(0), H = keys.shape(1), C = keys.shape(2);
+  const int B = keys.shape(0), H = keys.shape(1), C = keys.shape(2), D = keys.shape(3);
   const mx::Shape rows = {B, H, C}, one = {B, H, 1};
   if (values.shape(0) != B || values.shape(1) != H || values.shape(2) != C ||
       scores.shape() != rows || order.shape() != rows || free.shape() != one ||
-      new_keys.shape() != mx::Shape{B, H, 1, keys.shape(3)} ||
-      new_values.shape() != mx::Shape{B, H, 1, values.shape(3)} || new_score.shape() != one)
+      new_keys.shape() != mx::Shape{B, H, 1, D} ||
+      new_values.shape() != mx::Shape{B, H, 1, values.shape(3)} ||
+      (new_score && new_score->shape() != one))
     throw std::invalid_argument("the cache's arrays and the new row do not match");
   if (keys.dtype() != mx::float32 || values.dtype() != mx::float32 ||
       scores.dtype() != mx::float32 || new_keys.dtype() != mx::float32 ||
-      new_values.dtype() != mx::float32 || new_score.dtype() != mx::float32 ||
+      new_values.dtype() != mx::float32 || (new_score && new_score->dtype() != mx::float32) ||
       order.dtype() != mx::int32 || free.dtype() != mx::uint32)
     throw std::invalid_argument("keys, values and scores must be float32, order int32, "
                                 "free uint32");
+  if (new_score.has_value() == direction.has_value() || (scale && !direction))
+    throw std::invalid_argument("give the new row's score, or the direction (and scale) to "
+                                "project its key on");
+  // A per-head array of the projection: (H, n) or (B, H, n), float32.
+  auto per_head = [&](const mx::array& a, int n) {
+    return a.dtype() == mx::float32 &&
+           (a.shape() == mx::Shape{H, n} || a.shape() == mx::Shape{B, H, n});
+  };
+  if ((direction && !per_head(*direction, D)) || (scale && !per_head(*scale, 1)))
+    throw std::invalid_argument("direction must be float32 (H, D) or (B, H, D), scale "
+                                "(H, 1) or (B, H, 1)");
   auto stream = mx::to_stream(s, mx::Device::cpu);
-  std::vector<mx::array> inputs = {scores, order, free, new_score};
+  std::vector<mx::array> inputs = {scores, order, free};
+  if (direction) {
+    inputs.insert(inputs.end(), {new_keys, *direction});
+    if (scale) inputs.push_back(*scale);
+  } else {
+    inputs.push_back(*new_score);
+  }
   for (const mx::array* a : {&position, &first_recent, &n_sink, held ? &*held : nullptr}) {
     if (a == nullptr) continue;
     if (a->dtype() != mx::int32 || (a->size() != 1 && a->shape() != mx::Shape{B, 1, 1}))
@@ -203,7 +248,9 @@ std::vector<mx::array> evict_step(const mx::array& keys, const mx::array& values
   }
   auto selected = mx::array::make_arrays(
       {rows, rows, one}, {mx::float32, mx::int32, mx::uint32},
-      std::make_shared<Select>(stream, ranked, held.has_value()), inputs);
+      std::make_shared<Select>(stream, ranked, held.has_value(), direction.has_value(),
+                               scale.has_value()),
+      inputs);
   return {mx::array(keys.shape(), mx::float32, std::make_shared<WriteRow>(stream),
                     {keys, free, new_keys}),
           mx::array(values.shape(), mx::float32, std::make_shared<WriteRow>(stream),

@@ -60,9 +60,10 @@ std::vector<mlx::core::array> evict_step(
     const mlx::core::array& keys, const mlx::core::array& values,
     const mlx::core::array& scores, const mlx::core::array& order,
     const mlx::core::array& free, const mlx::core::array& new_keys,
-    const mlx::core::array& new_values, const mlx::core::array& new_score,
+    const mlx::core::array& new_values, const std::optional<mlx::core::array>& new_score,
     const mlx::core::array& position, const mlx::core::array& first_recent,
     const mlx::core::array& n_sink, const std::optional<mlx::core::array>& held, bool ranked,
-    mlx::core::StreamOrDevice s);
+    const std::optional<mlx::core::array>& direction,
+    const std::optional<mlx::core::array>& scale, mlx::core::StreamOrDevice s);
 
 }  // namespace qfserve

@@ -42,11 +42,14 @@ NB_MODULE(_native, m) {
         nb::arg("stream") = nb::none(), "gate * sigmoid(gate) * up, element-wise, float32.");
   m.def("evict_step", &qfserve::evict_step, nb::arg("keys"), nb::arg("values"),
         nb::arg("scores"), nb::arg("order"), nb::arg("free"), nb::arg("new_keys"),
-        nb::arg("new_values"), nb::arg("new_score"), nb::arg("position"),
+        nb::arg("new_values"), nb::arg("new_score").none(), nb::arg("position"),
         nb::arg("first_recent"), nb::arg("n_sink"), nb::kw_only(),
-        nb::arg("held") = nb::none(), nb::arg("ranked") = true, nb::arg("stream") = nb::none(),
+        nb::arg("held") = nb::none(), nb::arg("ranked") = true,
+        nb::arg("direction") = nb::none(), nb::arg("scale") = nb::none(),
+        nb::arg("stream") = nb::none(),
         "An eviction cache's decode step at budget: the new row into the free slot, then the "
-        "next victim; returns (keys, values, scores, order, free).");
+        "next victim; returns (keys, values, scores, order, free). new_score None: the new "
+        "row's score is its key . direction (H, D) or (B, H, D), times scale where given.");
   m.def("threads", [] { return qfserve::pool().threads(); }, "Threads of the kernels' pool.");
 #if defined(__AVX512F__)
   m.attr("simd") = "avx512";
