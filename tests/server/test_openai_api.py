@@ -178,7 +178,12 @@ def test_stop_string_ends_generation_and_is_never_emitted(server):
 
 def test_chat_logprobs(server):
     resp = server.client().chat.completions.create(
-        model=MODEL_NAME, messages=CHAT, max_tokens=5, logprobs=True, top_logprobs=3
+        model=MODEL_NAME,
+        messages=CHAT,
+        max_tokens=5,
+        logprobs=True,
+        top_logprobs=3,
+        logit_bias=NO_EOS,  # a sampled end of text would stop it short of 5 tokens
     )
     content = resp.choices[0].logprobs.content
     assert len(content) == 5 and all(len(t.top_logprobs) == 3 for t in content)

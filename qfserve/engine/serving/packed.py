@@ -23,9 +23,8 @@ Chunked members (``chunk > 1``) decode as they do alone: per-token scores beside
 true positions in ``order``, stored rows ranked by chunk once at the budget
 (:func:`qfserve.engine.kv.evict.chunk_scores`), a decoded row by its own score.
 
-What can be packed: eviction caches with heads not ragged and a scorer with a batched form;
-mlx-lm's ``KVCache`` (and our ``FullKVCache``). A batch with anything else steps each member
-on its own.
+What can be packed: eviction caches with heads not ragged and a scorer with a batched form,
+and mlx-lm's ``KVCache`` (our ``FullKVCache``); any other batch steps each member alone.
 """
 
 from __future__ import annotations
@@ -161,28 +160,23 @@ class PackedBatch:
         self.kinds = sorted(set(kinds))
         codes = {kind: i for i, kind in enumerate(self.kinds)}
         self.kind = mx.array([codes[k] for k in kinds], dtype=mx.int32)[:, None, None]
-        self.directions = self.scale = None
+        self.projection: ScoreForm | None = None  # members' (H, D) directions, stacked
         if "project" in self.kinds:
             H, D = self.keys.shape[1], self.keys.shape[3]
             zero, one = mx.zeros((H, D), dtype=mx.float32), mx.ones((H, 1), dtype=mx.float32)
-            # A member holds one sequence: its direction, (H, D) or (1, H, D), as (H, D).
-            dirs = [
-                zero if f is None or f.direction is None else f.direction.reshape(H, D)
-                for f in forms
-            ]
-            self.directions = mx.stack(dirs)  # (B, H, D)
-            if any(f is not None and f.scale is not None for f in forms):
-                scales = [one if f is None or f.scale is None else f.scale for f in forms]
-                self.scale = mx.stack(scales)  # (B, H, 1)
+            dirs = [zero if f is None or f.direction is None else f.direction.reshape(H, D)
+                    for f in forms]  # fmt: skip
+            scaled = any(f is not None and f.scale is not None for f in forms)
+            scales = mx.stack([one if f is None or f.scale is None else f.scale for f in forms])
+            self.projection = ScoreForm("project", mx.stack(dirs), scales if scaled else None)
 
     def _score(self, keys: mx.array, positions: mx.array) -> mx.array:
         """``(B, H, 1)`` float32 scores of the new rows, each by its member's formula."""
         k = keys if keys.dtype == mx.float32 else keys.astype(mx.float32)
         parts = {}
         if "project" in self.kinds:
-            assert self.directions is not None
-            proj = (k @ self.directions[..., None]).squeeze(-1)
-            parts["project"] = proj if self.scale is None else proj * self.scale
+            assert self.projection is not None
+            parts["project"] = self.projection.projected(k)
         if "norm" in self.kinds:
             parts["norm"] = -mx.sqrt(mx.square(k).sum(axis=-1))
         if "position" in self.kinds:
@@ -222,18 +216,15 @@ class PackedBatch:
         evict = [h == c for h, c in zip(held, self.caps, strict=True)]
         if all(evict) and self.token_scores is None:  # the steady state: one compiled call
             state = (self.keys, self.values, self.scores, self.order, self.free)
-            score: mx.array | ScoreForm
-            if self.kinds == ["project"]:  # scored within the step
-                score = ScoreForm("project", self.directions, self.scale)
-            else:
-                score = self._score(keys, positions)
-            row, first_recent = (keys, values, score), positions + 1 - self.recent
+            form = self.projection if self.kinds == ["project"] else None  # scored in the step
+            row = (keys, values, self._score(keys, positions) if form is None else form)
+            first_recent = positions + 1 - self.recent
             self.keys, self.values, self.scores, self.order, self.free = write_and_select(
                 *state, row, positions, first_recent, self.n_sink, held_now, ranked=False
             )
         else:
-            score = self._score(keys, positions)
-            self._write_and_grow(keys, values, score, positions, held, held_now, evict)
+            row = (keys, values, self._score(keys, positions))
+            self._write_and_grow(*row, positions, held, held_now, evict)
         for i, m in enumerate(self.members):
             m.offset += 1
             self.offsets[i] += 1

@@ -10,6 +10,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import create_attention_mask
 
+from qfserve.calibrations.model_info import fill
 from qfserve.engine.kv import blocked
 from qfserve.engine.kv.attention import native_kernel
 from qfserve.engine.kv.kvzip.scorer import (
@@ -204,7 +205,7 @@ class Reconstruction:
             try:  # the pass's queries are not traffic to learn filters from
                 for tap in taps:
                     tap.offer = None
-                self.model(block, cache=self._views)
+                fill(self.model, block, self._views)  # weights are read, not logits
             finally:
                 for tap, offer in zip(taps, offers, strict=True):
                     tap.offer = offer
