@@ -154,16 +154,15 @@ class Select : public mx::Primitive {
           // The victim: the lowest rank among unguarded slots, the highest order on ties.
           const float* s = scores + bh * C;
           const int32_t* o = order + bh * C;
-          auto rank = [&](int c) {
-            const bool guarded = c < n_sink || o[c] >= first_recent || c >= hold;
-            return guarded ? inf : (std::isnan(s[c]) ? -inf : s[c]);
-          };
+          // One walk: a lower rank takes over; an equal one, if it is later.
           float low = inf;
-          for (int c = 0; c < C; ++c) low = std::min(low, rank(c));
           int32_t best_order = -1;
           uint32_t best = 0;
-          for (int c = 0; c < C; ++c)
-            if (rank(c) == low && o[c] > best_order) best_order = o[c], best = c;
+          for (int c = 0; c < C; ++c) {
+            const bool guarded = c < n_sink || o[c] >= first_recent || c >= hold;
+            const float r = guarded ? inf : (std::isnan(s[c]) ? -inf : s[c]);
+            if (r < low || (r == low && o[c] > best_order)) low = r, best_order = o[c], best = c;
+          }
           next[bh] = best;
         }
       }
