@@ -26,7 +26,6 @@ from bench.harness import progress
 from qfserve.calibrations.capture import capture_queries
 from qfserve.calibrations.compute import compute_filters, query_scales
 from qfserve.calibrations.corpus import make_sequences, read_documents
-from qfserve.calibrations.model_info import fill
 from qfserve.engine.filters.artifact import resolve_filters
 from qfserve.engine.kv import kvzip
 from qfserve.engine.kv.cache import EvictionCache
@@ -468,7 +467,7 @@ def prefill(model, caches: list[Any], tokens: Sequence[int], chunk: int = 512) -
     """Run ``tokens`` through the model in chunks (no sampling), filling ``caches``."""
     ids = mx.array(list(tokens))
     for s in range(0, len(tokens), chunk):
-        fill(model, ids[None, s : s + chunk], caches)
+        model(ids[None, s : s + chunk], cache=caches)
         mx.eval([c.state for c in caches])
 
 

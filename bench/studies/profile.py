@@ -18,7 +18,6 @@ from bench.arms import prefill
 from bench.data import prompt_tokens
 from bench.harness import interleave, save_plot, start, subplots, summaries
 from bench.report import section, table
-from qfserve.calibrations.model_info import fill
 from qfserve.engine.kv.attention import native_kernel
 from qfserve.engine.kv.blocked import block_attention
 from qfserve.engine.kv.config import CacheConfig
@@ -112,7 +111,7 @@ def prefill_arms(model: Any, tokens: list[int], chunk: int) -> dict:
         caches = make_caches(model, CacheConfig(method="full"))
         prefill(model, caches, tokens[:offset])
         tic = time.perf_counter()
-        fill(model, mx.array(tokens[offset:])[None], caches)
+        model(mx.array(tokens[offset:])[None], cache=caches)
         mx.eval([c.state for c in caches])
         return time.perf_counter() - tic
 

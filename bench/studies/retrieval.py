@@ -32,7 +32,6 @@ from bench.arms import (
 from bench.data import passkey_docs
 from bench.harness import Run, color, start, summary
 from bench.report import arm_label, arm_order, fmt, section, table
-from qfserve.calibrations.model_info import fill
 from qfserve.engine.kv.config import DEFAULT_N_SINK, CacheConfig
 from qfserve.engine.kv.factory import make_caches
 from qfserve.engine.kv.kvzip import RepeatPrompt, compress
@@ -97,7 +96,7 @@ def prefill_block(
         cache = make_caches(model, CacheConfig(method="kvzip", budget=n + 1))
     else:
         cache = make_prompt_cache(model)
-    fill(model, mx.array(prompt[:-1])[None], cache)
+    model(mx.array(prompt[:-1])[None], cache=cache)
     kv: list[tuple[mx.array, ...]] = [(c.keys[..., :n, :], c.values[..., :n, :]) for c in cache]
     if taps is not None:
         kv = [(*layer, tap.take(n)) for layer, tap in zip(kv, taps, strict=True)]

@@ -19,7 +19,6 @@ from bench.harness import save_plot, start, subplots
 from bench.report import fmt, pct, section, table
 from bench.studies.stability import cosines
 from qfserve.calibrations.artifact import read_calibration
-from qfserve.calibrations.model_info import fill
 from qfserve.engine.filters.traffic import DEFAULT_MIN_PROMPTS, TrafficCalibration
 from qfserve.engine.kv.selfcal import install_query_taps, remove_query_taps
 
@@ -66,7 +65,7 @@ def serve(model: Any, prompts: list[list[int]], pool: TrafficCalibration) -> tup
     for n, prompt in enumerate(prompts, 1):
         cache = make_prompt_cache(model)
         for at in range(0, len(prompt), CHUNK):
-            fill(model, mx.array(prompt[at : at + CHUNK])[None], cache)
+            model(mx.array(prompt[at : at + CHUNK])[None], cache=cache)
             mx.eval([c.state for c in cache])
             fed += len(prompt[at : at + CHUNK])
             path = pool.flush()

@@ -28,7 +28,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from qfserve.calibrations.model_info import attention_modules, fill, head_counts
+from qfserve.calibrations.model_info import attention_modules, head_counts
 
 DEFAULT_SAMPLES_PER_HEAD = 3000
 
@@ -269,7 +269,7 @@ def capture_queries(
             cache = make_prompt_cache(model) if step < tokens.shape[1] else None
             for start in range(0, tokens.shape[1], step):
                 block = tokens[:, start : start + step]
-                fill(model, block, cache)  # the queries are captured; logits unread
+                model(block, cache=cache)
                 if cache is not None:  # later blocks attend to these keys
                     mx.eval([c.state for c in cache])
                 capture.flush()

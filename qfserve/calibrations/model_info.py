@@ -1,22 +1,13 @@
-"""What the project needs to know about how an mlx-lm model is built: its layers and head
-counts, its fingerprint, and the module that runs its layers without the output head.
+"""What calibration needs to know about an mlx-lm model's attention: layers and head counts.
 
 mlx-lm models expose their blocks as ``model.layers``, each with a ``self_attn`` module that
 holds ``n_heads``, ``n_kv_heads`` and (usually) ``head_dim``, and rotates queries and keys with
 ``self_attn.rope``. Models whose attention looks different are refused with a clear error.
-
-A block of tokens read only to fill caches (a prompt chunk, KVzip's reconstruction pass,
-calibration's capture) needs no logits, and mlx-lm's text models end with an output head: a
-vocabulary-wide product for every position (on the default model 49,152 x 576, a fifth of a
-2,048-token prefill on this CPU). mlx-lm keeps the layers in ``model.model``
-(``Model.layers`` is ``model.model.layers``) and calls it as ``self.model(inputs, cache, ...)``
-before the head, so :func:`fill` runs that module alone; a model built otherwise runs whole.
 """
 
 from __future__ import annotations
 
 import hashlib
-import inspect
 from typing import Any
 
 import mlx.core as mx
@@ -140,27 +131,3 @@ def model_fingerprint(model: nn.Module, config: dict[str, Any] | None = None) ->
     if isinstance(recorded, str) and recorded:
         return recorded
     return weights_fingerprint(model)
-
-
-_TAKES_CACHE: dict[type, bool] = {}
-
-
-def body(model: nn.Module) -> nn.Module:
-    """The module that runs ``model``'s layers without its output head: ``model.model``
-    where it holds the layers ``model.layers`` names and takes a ``cache``; else ``model``."""
-    inner = getattr(model, "model", None)
-    layers = getattr(model, "layers", None)
-    if not isinstance(inner, nn.Module) or layers is None:
-        return model
-    if getattr(inner, "layers", None) is not layers:
-        return model
-    kind = type(inner)
-    if kind not in _TAKES_CACHE:
-        _TAKES_CACHE[kind] = "cache" in inspect.signature(inner.__call__).parameters
-    return inner if _TAKES_CACHE[kind] else model
-
-
-def fill(model: nn.Module, tokens: mx.array, cache: list[Any] | None) -> None:
-    """Run ``tokens`` ``(B, N)`` through ``model``'s layers into ``cache`` (lazily, as a
-    model call is), leaving the caches as ``model(tokens, cache=cache)`` would."""
-    body(model)(tokens, cache=cache)

@@ -82,3 +82,16 @@ def test_scorers_without_a_form_and_the_dynamic_one():
     assert tova.dynamic and tova.form() is None
     with pytest.raises(NotImplementedError, match="once"):
         KNormScorer().rescore(mx.array(KEYS), 1)
+
+
+def test_key_svd_forms_carry_each_sequences_direction():
+    """Over a batch of two sequences, key-SVD's form holds both frozen directions, and
+    scores every sequence's keys as its ``score`` does."""
+    s = KeySVDScorer(calib_tokens=4)
+    s.observe(mx.array(rng.standard_normal((2, H, 16, D)).astype(np.float32)), 16)
+    form = s.form()
+    assert form is not None and form.direction is not None and form.direction.shape == (2, H, D)
+    keys = rng.standard_normal((2, H, N, D)).astype(np.float32)
+    want = np.array(s.score(mx.array(keys), START))
+    np.testing.assert_allclose(numpy_form(form, keys, START), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.array(form.projected(mx.array(keys))), want, rtol=1e-6)

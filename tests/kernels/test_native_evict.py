@@ -82,29 +82,52 @@ def test_strided_state_is_read_and_refusals(kernel):
         kernel.evict_step(keys, values, scores, order, free, *row, mx.array(1.5), *args[1:])
 
 
+def _strided(x: np.ndarray) -> mx.array:
+    """``x`` as a view whose last axis is not contiguous (a transposed copy, swapped back)."""
+    return mx.array(np.ascontiguousarray(np.swapaxes(x, -1, -2))).swapaxes(-1, -2)
+
+
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("per_sequence_direction", [False, True])
 @pytest.mark.parametrize("scaled", [False, True])
-def test_the_step_scores_the_new_key_by_its_projection(kernel, per_sequence_direction, scaled):
+def test_the_step_scores_the_new_key_by_its_projection(kernel, packed, per_sequence_direction,
+                                                       scaled):  # fmt: skip
     """Given a direction (and scale) instead of a score, the new row's score is its key's
-    projection (float64 numpy reference); the rest of the step is as with that score given."""
-    rng = np.random.default_rng(11 + 2 * per_sequence_direction + scaled)
-    B, H, C, D = 2, 3, 48, 32
-    keys, values, scores, order, free, (k, v, _) = _state(rng, B, H, C, D, False, True)
+    projection (float64 numpy reference), a NaN key's NaN (then ranked lowest); the rest of
+    the step is as with that score given: alone, and as a packed batch steps (raw scores,
+    each member's position, recent window, sinks and held slots). Keys and direction are
+    read through their strides."""
+    rng = np.random.default_rng(11 + 4 * packed + 2 * per_sequence_direction + scaled)
+    B, H, C, D = 3, 3, 48, 32
+    keys, values, scores, order, free, (k, v, _) = _state(rng, B, H, C, D, False, not packed)
+    k_np = np.array(k)
+    k_np[1, 2, 0, 5] = np.nan
     shape = (B, H) if per_sequence_direction else (H,)
     direction = rng.standard_normal((*shape, D)).astype(np.float32)
     scale = rng.uniform(0.5, 2.0, (*shape, 1)).astype(np.float32) if scaled else None
-    want_score = np.einsum("bhd,bhd->bh", np.array(k)[:, :, 0].astype(np.float64),
+    want_score = np.einsum("bhd,bhd->bh", k_np[:, :, 0].astype(np.float64),
                            np.broadcast_to(direction, (B, H, D)))[..., None]  # fmt: skip
     if scale is not None:
         want_score = want_score * np.broadcast_to(scale, (B, H, 1))
-    args = (mx.array(70, dtype=mx.int32), mx.array(60, dtype=mx.int32), mx.array(4, dtype=mx.int32))
-    got = kernel.evict_step(keys, values, scores, order, free, k, v, None, *args,
-                            direction=mx.array(direction),
+    if packed:
+        position = mx.array([[[50]], [[61]], [[45]]], dtype=mx.int32)
+        args = (position, position - mx.array([[[8]], [[30]], [[2]]], dtype=mx.int32),
+                mx.array([[[4]], [[0]], [[2]]], dtype=mx.int32))  # fmt: skip
+        held = mx.array([[[40]], [[25]], [[48]]], dtype=mx.int32)
+    else:
+        args = (mx.array(70, dtype=mx.int32), mx.array(60, dtype=mx.int32),
+                mx.array(4, dtype=mx.int32))  # fmt: skip
+        held = None
+    k = _strided(k_np)
+    got = kernel.evict_step(keys, values, scores, order, free, k, v, None, *args, held=held,
+                            ranked=not packed, direction=_strided(direction),
                             scale=None if scale is None else mx.array(scale))  # fmt: skip
     stored = np.take_along_axis(np.array(got[2]), np.array(free).astype(np.int64), axis=2)
+    if not packed:  # ranks: a NaN score is stored as -inf
+        want_score = np.where(np.isnan(want_score), -np.inf, want_score)
     np.testing.assert_allclose(stored, want_score, rtol=1e-5, atol=1e-5)
     row = (k, v, mx.array(stored))
-    want = _write_and_select(keys, values, scores, order, free, row, *args)
+    want = _write_and_select(keys, values, scores, order, free, row, *args, held, not packed)
     for name, w, g in zip(("keys", "values", "scores", "order", "free"), want, got, strict=True):
         np.testing.assert_array_equal(np.array(g), np.array(w), err_msg=name)
     with pytest.raises(ValueError, match="score, or the direction"):
@@ -115,3 +138,42 @@ def test_the_step_scores_the_new_key_by_its_projection(kernel, per_sequence_dire
     with pytest.raises(ValueError, match="direction must be"):
         kernel.evict_step(keys, values, scores, order, free, k, v, None, *args,
                           direction=mx.array(direction[..., :-1]))  # fmt: skip
+
+
+def test_a_projection_the_op_cannot_take_falls_back(kernel):
+    """write_and_select with the kernels set: a float32 projection goes to the op, one whose
+    direction is float16 or of another batch to the MLX step, which scores it as the scorer
+    would, instead of the op refusing it mid-decode."""
+    from qfserve.engine.kv import attention
+    from qfserve.engine.kv.evict import write_and_select
+    from qfserve.engine.kv.scorers import ScoreForm
+
+    rng = np.random.default_rng(21)
+    B, H, C, D = 2, 2, 24, 16
+    keys, values, scores, order, free, (k, v, _) = _state(rng, B, H, C, D, False, True)
+    args = (mx.array(40, dtype=mx.int32), mx.array(30, dtype=mx.int32), mx.array(2, dtype=mx.int32))
+    calls = []
+
+    class Counting:
+        def evict_step(self, *a, **kw):
+            calls.append(kw.get("direction") is not None)
+            return kernel.evict_step(*a, **kw)
+
+    direction = rng.standard_normal((1, H, D)).astype(np.float32)
+    attention.set_native(Counting())
+    try:
+        for form, native in [
+            (ScoreForm("project", mx.array(direction[0])), True),
+            (ScoreForm("project", mx.array(direction[0], dtype=mx.float16)), False),
+            (ScoreForm("project", mx.array(direction)), False),  # batch 1 against 2
+        ]:
+            calls.clear()
+            got = write_and_select(keys, values, scores, order, free, (k, v, form), *args)
+            assert calls == ([True] if native else [])
+            want = _write_and_select(keys, values, scores, order, free,
+                                     (k, v, form.projected(k)), *args)  # fmt: skip
+            for name, w, g in zip(("keys", "values", "scores", "order"), want, got, strict=False):
+                np.testing.assert_allclose(np.array(g), np.array(w), rtol=1e-5, err_msg=name)
+            np.testing.assert_array_equal(np.array(got[4]), np.array(want[4]))
+    finally:
+        attention.set_native(None)

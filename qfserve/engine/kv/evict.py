@@ -152,7 +152,7 @@ def write_and_select(
         kernel is None
         or mx.default_device() != mx.cpu
         or not all(a.dtype == mx.float32 for a in (keys, values, scores, new_keys, new_values))
-        or (isinstance(score, mx.array) and score.dtype != mx.float32)
+        or not _native_score(score, keys.shape[0])
     ):
         if isinstance(score, ScoreForm):
             score = score.projected(new_keys)
@@ -193,6 +193,19 @@ def write_and_select(
             direction=None if form is None else form.direction,
             scale=None if form is None else form.scale,
         )
+    )
+
+
+def _native_score(score: mx.array | ScoreForm, batch: int) -> bool:
+    """The native step takes this score: float32, or a projection whose float32 direction
+    and scale are per head or per sequence of this batch."""
+    if isinstance(score, mx.array):
+        return score.dtype == mx.float32
+    parts = [p for p in (score.direction, score.scale) if p is not None]
+    return (
+        score.kind == "project"
+        and score.direction is not None
+        and all(p.dtype == mx.float32 and (p.ndim == 2 or p.shape[0] == batch) for p in parts)
     )
 
 

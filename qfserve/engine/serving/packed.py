@@ -8,7 +8,7 @@ decode step is the same dozen operations whatever the batch size: score the new 
 member by its scorer's batched form, :meth:`qfserve.engine.kv.scorers.Scorer.form`), write
 each into its member's next slot, and pick each evicting member's victim with
 :func:`qfserve.engine.kv.evict.select_victim` (its own sinks, recent window and held slots).
-The rows an eviction cache keeps are the ones it keeps alone, in the same slots.
+Each cache keeps the rows it keeps alone, in the same slots (to float32 rounding: design.md).
 
 Per member, ``held`` slots are in use: a cache still growing (fewer than ``budget + 1`` rows,
 or a full cache) appends at slot ``held``; once ``budget + 1`` slots are held it is in the

@@ -32,7 +32,6 @@ import mlx.core as mx
 from mlx_lm.generate import GenerationBatch, generation_stream, make_stop_sequences
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
-from qfserve.calibrations.model_info import fill
 from qfserve.engine.kv import kvzip
 from qfserve.engine.serving.batch import BatchCache
 from qfserve.engine.serving.jobs import Departure, KeptTurn
@@ -184,7 +183,7 @@ class Scheduler:
             elif todo > 0:
                 n = min(limit, todo)
                 chunk = mx.array(seq.prompt[seq.read : seq.read + n])[None]
-                fill(self.loaded.model, chunk, seq.caches)  # no logits: none is read
+                self.loaded.model(chunk, cache=seq.caches)
                 mx.eval([c.state for c in seq.caches])
                 seq.read += n
                 todo -= n

@@ -10,7 +10,6 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import create_attention_mask
 
-from qfserve.calibrations.model_info import fill
 from qfserve.engine.kv import blocked
 from qfserve.engine.kv.attention import native_kernel
 from qfserve.engine.kv.kvzip.scorer import (
@@ -205,7 +204,7 @@ class Reconstruction:
             try:  # the pass's queries are not traffic to learn filters from
                 for tap in taps:
                     tap.offer = None
-                fill(self.model, block, self._views)  # weights are read, not logits
+                self.model(block, cache=self._views)
             finally:
                 for tap, offer in zip(taps, offers, strict=True):
                     tap.offer = offer
