@@ -42,8 +42,6 @@ from qfserve.engine.kv.saved import SavedState
 from qfserve.engine.kv.scorers import Scorer
 from qfserve.engine.kv.stats import CacheStats
 
-_INF = float("inf")
-
 
 def _row_bytes(keys: mx.array, values: mx.array) -> int:
     """Bytes one sequence position occupies across batch and KV heads (keys + values)."""
@@ -116,12 +114,6 @@ class EvictionCache(RaggedHeads, SavedState):
         self.offset = 0  # absolute position of the next token (= tokens seen)
         self.evictions = 0  # updates that dropped rows
 
-    @property
-    def tracks(self) -> bool:
-        """Absolute positions are stored: with chunks, and for scorers that map rows to
-        positions (KVzip)."""
-        return self.chunk > 1 or getattr(self.scorer, "tracks_positions", False)
-
     def defers(self, n: int) -> bool:
         """A block of ``n`` rows is stored whole until :meth:`compress` scores it (KVzip's
         prompt blocks)."""
@@ -135,6 +127,8 @@ class EvictionCache(RaggedHeads, SavedState):
                 self.head_mask = self.valid
                 return self._write_into_free_slot(keys, values)
             self._to_temporal_order()
+        elif keys.shape[2] == 1 and not self.defers(1) and (grown := self._grow_row(keys, values)):
+            return grown
         start = self.offset
         self.offset += keys.shape[2]
         if self.keys is None or self.values is None:  # set together; None before the first update
@@ -202,26 +196,7 @@ class EvictionCache(RaggedHeads, SavedState):
             self.keys, self.values, self.positions = all_keys, all_values, positions
             self._set_scores(scores)
         elif N == 1 and L == self.budget + 1:
-            # Full with one new row: switch to the slot layout, nothing is copied.
-            self.keys, self.values = all_keys, all_values
-            if positions is not None:
-                # The stored rows are ranked by chunk; the decoded row carries its own score.
-                self.positions = positions[..., :-1]
-                self._set_scores(scores[..., :-1], ranked=True)
-                assert self.scores is not None
-                own = mx.nan_to_num(scores[..., -1:], nan=-_INF, posinf=_INF, neginf=-_INF)
-                self.scores = mx.concatenate([self.scores, own], axis=2)
-                self.token_scores = scores
-                self.positions = self.order = positions
-            else:
-                self._set_scores(scores, ranked=True)
-                # Rank in time: the last rows get their true positions (the recent window
-                # is exact); older rows get smaller ranks in the same order.
-                self.order = mx.broadcast_to(
-                    mx.arange(self.offset - L, self.offset, dtype=mx.int32), scores.shape
-                )
-            self.free = self._victim()
-            self.evictions += 1
+            self._enter_slots(all_keys, all_values, scores, positions)
         else:
             self._evict_block(all_keys, all_values, scores, positions)
         return all_keys, all_values
@@ -290,22 +265,6 @@ class EvictionCache(RaggedHeads, SavedState):
         else:
             self._evict_block(self.keys, self.values, scores, self.positions)
 
-    def _set_scores(self, scores: mx.array | None, *, ranked: bool = False) -> None:
-        """Store per-token ``scores`` (temporal order); once ``ranked`` (evicting), NaN maps
-        to -inf and, with chunks, the decode step's ranks are the chunk means."""
-        if not self.tracks or scores is None:
-            self.scores = scores
-            if ranked and scores is not None:
-                self.scores = mx.nan_to_num(scores, nan=-_INF, posinf=_INF, neginf=-_INF)
-            return
-        self.token_scores = scores
-        if ranked:
-            assert self.positions is not None
-            means = chunk_scores(scores, self.positions, self.chunk)
-            self.scores = mx.nan_to_num(means, nan=-_INF, posinf=_INF, neginf=-_INF)
-        else:
-            self.scores = scores
-
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> Any:
         # The mask describes stored rows: every one of them is visible to the new block.
         return create_attention_mask(
@@ -324,12 +283,11 @@ class EvictionCache(RaggedHeads, SavedState):
     def nbytes(self) -> int:
         if self.keys is None or self.values is None:
             return 0
-        extra = sum(
-            x.nbytes
-            for x in (self.scores, self.token_scores, self.positions, self.valid)
-            if x is not None
-        )
-        return self.keys.nbytes + self.values.nbytes + extra
+        held = [self.keys, self.values, self.scores, self.token_scores, self.positions, self.valid]
+        room = self._room  # under the budget, buffers of budget + 1 rows (SlotLayout._grow_row)
+        if room is not None and room[len(room) // 2] is self.keys:
+            held = [*room[: len(room) // 2], self.valid]
+        return sum(a.nbytes for a in held if a is not None)
 
     def is_trimmable(self) -> bool:
         # Once rows were dropped, "remove the last n tokens" no longer maps onto stored rows.

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from qfserve.engine.kv.evict import gather_rows, select_victim, write_and_select
+from qfserve.engine.kv.evict import chunk_scores, gather_rows, select_victim, write_and_select
 from qfserve.engine.kv.scorers import ScoreForm, Scorer
 
 _INF = float("inf")
@@ -41,6 +41,9 @@ class CacheFields:
     floor: int | None
     evictions: int
     _ragged_rows: int | None
+    # Under the budget: buffers of budget + 1 rows (keys, values, scores, positions where
+    # tracked) and the views of them the cache's arrays are (see SlotLayout._grow_row).
+    _room: tuple[mx.array, ...] | None = None
 
 
 class SlotLayout(CacheFields):
@@ -49,6 +52,114 @@ class SlotLayout(CacheFields):
     def _victim(self) -> mx.array:
         assert self.scores is not None and self.order is not None
         return select_victim(self.scores, self.order, self.n_sink, self.offset - self.recent)
+
+    @property
+    def tracks(self) -> bool:
+        """Absolute positions are stored: with chunks, and for scorers that map rows to
+        positions (KVzip)."""
+        return self.chunk > 1 or getattr(self.scorer, "tracks_positions", False)
+
+    def _set_scores(self, scores: mx.array | None, *, ranked: bool = False) -> None:
+        """Store per-token ``scores`` (temporal order); once ``ranked`` (evicting), NaN maps
+        to -inf and, with chunks, the decode step's ranks are the chunk means."""
+        if not self.tracks or scores is None:
+            self.scores = scores
+            if ranked and scores is not None:
+                self.scores = mx.nan_to_num(scores, nan=-_INF, posinf=_INF, neginf=-_INF)
+            return
+        self.token_scores = scores
+        if ranked:
+            assert self.positions is not None
+            means = chunk_scores(scores, self.positions, self.chunk)
+            self.scores = mx.nan_to_num(means, nan=-_INF, posinf=_INF, neginf=-_INF)
+        else:
+            self.scores = scores
+
+    def _enter_slots(
+        self, keys: mx.array, values: mx.array, scores: mx.array, positions: mx.array | None
+    ) -> None:
+        """Full with one new row (``budget + 1`` rows in temporal order): switch to the slot
+        layout; nothing is copied."""
+        self.keys, self.values = keys, values
+        if positions is not None:
+            # The stored rows are ranked by chunk; the decoded row carries its own score.
+            self.positions = positions[..., :-1]
+            self._set_scores(scores[..., :-1], ranked=True)
+            assert self.scores is not None
+            own = mx.nan_to_num(scores[..., -1:], nan=-_INF, posinf=_INF, neginf=-_INF)
+            self.scores = mx.concatenate([self.scores, own], axis=2)
+            self.token_scores = scores
+            self.positions = self.order = positions
+        else:
+            self._set_scores(scores, ranked=True)
+            # Rank in time: the last rows get their true positions (the recent window is
+            # exact); older rows get smaller ranks in the same order.
+            L = keys.shape[2]
+            self.order = mx.broadcast_to(
+                mx.arange(self.offset - L, self.offset, dtype=mx.int32), scores.shape
+            )
+        self.free = self._victim()
+        self.evictions += 1
+
+    def _grow_row(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array] | None:
+        """One decode row under the budget, written in place (``None``: not this cache's case).
+
+        Why: appending by concatenation copies every stored row each step, which at a short
+        context made a Q-Filters step cost several times ``KVCache``'s. So, as mlx-lm's
+        ``KVCache`` writes into steps of 256 rows, the rows go into buffers of ``budget + 1``
+        rows (keys, values, scores, and positions where tracked), allocated at the first
+        decode row (the prompt's rows copied once): the most the cache holds in the slot
+        layout, which the filled buffers then are, with no copy. ``keys``, ``values``,
+        ``scores`` (and ``token_scores``, ``positions``) are views of the filled rows, so
+        every other path reads the cache as before; one that replaces them (a block, a trim,
+        a restore) leaves the buffers behind, and the next decode row starts new ones.
+        """
+        tracks, scorer = self.tracks, self.scorer
+        arrays = (self.keys, self.values, self.scores) + ((self.positions,) if tracks else ())
+        held = [a for a in arrays if a is not None]
+        if (
+            len(held) < len(arrays)
+            or self.free is not None
+            or self.valid is not None
+            or self.token_scores is not (self.scores if tracks else None)
+            or not scorer.ready
+            or scorer.dynamic
+            or held[0].shape[2] > self.budget
+            or held[0].dtype != keys.dtype
+            or held[0].shape[:2] != keys.shape[:2]
+        ):
+            return None
+        L = held[0].shape[2]
+        room = self._room
+        if (
+            room is None
+            or len(room) != 2 * len(held)
+            or any(v is not a for v, a in zip(room[len(held) :], held, strict=True))
+        ):
+            room = tuple(
+                mx.zeros((*a.shape[:2], self.budget + 1, *a.shape[3:]), a.dtype) for a in held
+            )
+            for buffer, a in zip(room, held, strict=True):
+                buffer[:, :, :L] = a
+        position = self.offset
+        self.offset += 1
+        new = [keys, values, scorer.score(keys, position).astype(room[2].dtype)]
+        if tracks:
+            new.append(mx.array(position, dtype=mx.int32))
+        for buffer, row in zip(room, new, strict=False):
+            buffer[:, :, L : L + 1] = row
+        buffers = room[: len(held)]
+        if L + 1 <= self.budget:
+            views = tuple(b[:, :, : L + 1] for b in buffers)
+            self.keys, self.values, self.scores = views[:3]
+            if tracks:
+                self.token_scores, self.positions = views[2], views[3]
+            self._room = (*buffers, *views)
+            return self.keys, self.values
+        # Every slot filled: the buffers are the slot layout's arrays, as a block's would be.
+        self._room = None
+        self._enter_slots(buffers[0], buffers[1], buffers[2], buffers[3] if tracks else None)
+        return buffers[0], buffers[1]
 
     def _write_into_free_slot(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """One decode step at budget: the new row takes the free slot, then a victim is chosen."""
