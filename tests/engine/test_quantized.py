@@ -20,6 +20,7 @@ from qfserve.engine.kv.kvzip import RepeatPrompt, compress
 from qfserve.engine.models.gguf.convert import QUANTIZED_FILE, converted_folder
 from qfserve.engine.models.loading import _attach_codes, load_model
 from qfserve.engine.models.quantized import MAX_ROWS, DecodeEmbedding, DecodeLinear, detach
+from qfserve.engine.serving.batch import BatchCache
 from tests.gguf_files import write_tiny_gguf
 from tests.kernels.conftest import _buildable
 
@@ -130,6 +131,29 @@ def test_blocks_and_decode_steps_attend_through_the_native_kernels(tiny, monkeyp
     assert [(op, q[1:3], k[1:3]) for op, q, k in shapes] == [("decode", (heads, 1), (kv, 7))] * len(
         caches
     )
+
+
+def test_a_batch_of_unequal_caches_attends_through_the_native_kernel(tiny):
+    """Two sequences of different lengths stepped as one packed batch: its mask is one per
+    member (B, 1, S); each member's logits are those it gets alone."""
+    model = tiny.model
+    prompts = [[5, 9, 3, 7, 1, 2, 8] * 3, [4, 4, 6, 1, 9] * 2]
+
+    def run(group: list[list[int]]) -> list[np.ndarray]:
+        members = [make_caches(model, CacheConfig(method="full")) for _ in group]
+        for caches, prompt in zip(members, group, strict=True):
+            mx.eval(model(mx.array([prompt]), cache=caches))
+        layers = [BatchCache([m[i] for m in members]) for i in range(len(model.layers))]
+        y, out = mx.array([[p[-1]] for p in group]), []
+        for _ in range(6):
+            logits = model(y, cache=layers)[:, -1]
+            y = mx.argmax(logits, axis=-1)[:, None]
+            out.append(np.array(logits))
+        return list(np.stack(out, axis=1))
+
+    together = run(prompts)
+    for member, prompt in zip(together, prompts, strict=True):
+        np.testing.assert_allclose(member, run([prompt])[0], rtol=1e-5, atol=1e-5)
 
 
 def test_detach_puts_back_plain_modules_and_mlx_attention(tiny):

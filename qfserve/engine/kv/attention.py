@@ -109,6 +109,10 @@ def _masked(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
         if _native_applies(queries, keys, mask, kwargs.get("sinks")):
             kernel = _NATIVE["kernel"]
             attend = kernel.decode_attention if queries.shape[2] == 1 else kernel.prefill_attention
+            if head_mask is not None and head_mask.shape[1] != keys.shape[1]:
+                # A packed batch's mask is one per member (B, 1, S): the kernels read it
+                # per KV head, through its strides (a broadcast is not copied).
+                head_mask = mx.broadcast_to(head_mask, keys.shape[:3])
             return cast(mx.array, attend(queries, keys, values, scale, key_mask=head_mask))
         if _BLOCKED["on"] and blocked.applies(queries, mask, cache, kwargs.get("sinks")):
             return blocked.block_attention(queries, keys, values, scale, key_mask=head_mask)
