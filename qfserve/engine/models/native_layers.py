@@ -45,20 +45,36 @@ class NativeRoPE(nn.Module):
         self._inv_freqs = mx.exp(mx.arange(0, -half, -1, dtype=mx.float32) * step)
         mx.eval(self._inv_freqs)
 
+    @property
+    def kernel(self) -> ModuleType:
+        return self._kernel
+
+    @property
+    def inv_freqs(self) -> mx.array:
+        return self._inv_freqs
+
     def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
         if not _native(x) or x.ndim != 4:
             return cast(mx.array, self.plain(x, offset=offset))
-        if not isinstance(offset, mx.array):
-            offset = mx.array(offset, dtype=mx.int32)
-        elif offset.dtype != mx.int32:
-            offset = offset.astype(mx.int32)
         p = self.plain
         return cast(
             mx.array,
             self._kernel.rope(
-                x, self._inv_freqs, offset, p.dims, traditional=p.traditional, scale=p.scale
+                x,
+                self._inv_freqs,
+                offset_array(offset),
+                p.dims,
+                traditional=p.traditional,
+                scale=p.scale,
             ),
         )
+
+
+def offset_array(offset: Any) -> mx.array:
+    """A cache's ``offset`` (an int, or one per sequence) as the native rope takes it."""
+    if not isinstance(offset, mx.array):
+        return mx.array(offset, dtype=mx.int32)
+    return offset if offset.dtype == mx.int32 else offset.astype(mx.int32)
 
 
 class NativeRMSNorm(nn.Module):
@@ -89,6 +105,11 @@ def _swiglu(kernel: ModuleType, original: Callable[..., mx.array]) -> Callable[.
 
     setattr(swiglu, _MARK, original)
     return swiglu
+
+
+def swiglu_is_native(module: ModuleType) -> bool:
+    """Whether ``module``'s ``swiglu`` is the native one :func:`install` put there."""
+    return hasattr(getattr(module, "swiglu", None), _MARK)
 
 
 def _rope_holder(attn: nn.Module) -> tuple[Any, str]:

@@ -14,7 +14,8 @@ The same kernel module then also attends decode steps and prompt blocks
 (:func:`qfserve.engine.kv.attention.set_native`), where MLX's CPU attention repeats a
 grouped layer's keys to every query head on each call, and rotates, normalises and
 activates (:mod:`qfserve.engine.models.native_layers`), where MLX on the CPU runs each as
-several small ops.
+several small ops, and runs a decode step's projections and MLP as one op each
+(:mod:`qfserve.engine.models.fused`).
 
 Where the kernel cannot be built, nothing is wrapped and the model runs as before.
 """
@@ -31,7 +32,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from qfserve.engine.kv.attention import set_native
-from qfserve.engine.models import native_layers
+from qfserve.engine.models import fused, native_layers
 from qfserve.engine.models.gguf.convert import QUANTIZED_FILE
 
 logger = logging.getLogger(__name__)
@@ -135,6 +136,7 @@ def attach(model: nn.Module, folder: str | Path, kernel: ModuleType | None) -> i
     if wrapped:  # the same kernel module attends (kv.attention), rotates, normalises, ...
         set_native(kernel)
         native_layers.install(model, kernel)
+        fused.install(model, kernel)
     logger.info("decode reads quantized weights for %d projections (%s)", len(wrapped), path)
     return len(wrapped)
 
@@ -150,6 +152,7 @@ def detach(model: nn.Module) -> int:
     ]
     model.update_modules(_tree(plain))
     set_native(None)
+    fused.remove(model)
     native_layers.remove(model)
     return len(plain)
 

@@ -66,4 +66,17 @@ std::vector<mlx::core::array> evict_step(
     const std::optional<mlx::core::array>& direction,
     const std::optional<mlx::core::array>& scale, mlx::core::StreamOrDevice s);
 
+// A decode step's q, k and v in one op (decode_block.cpp): x (B, 1, K) float32 through each
+// projection's group-32 codes (w, scales, biases), then RoPE on q and k as rope() computes it
+// -> q (B, Hq, 1, D), k (B, Hkv, 1, D), v (B, Hkv, 1, D).
+std::vector<mlx::core::array> decode_qkv(
+    const mlx::core::array& x, const std::vector<mlx::core::array>& q,
+    const std::vector<mlx::core::array>& k, const std::vector<mlx::core::array>& v,
+    const mlx::core::array& inv_freqs, const mlx::core::array& offset, int n_heads,
+    int n_kv_heads, int dims, bool traditional, float scale, mlx::core::StreamOrDevice s);
+// A decode step's MLP in one op: down(swiglu(gate(x), up(x))), x (B, 1, K) float32.
+mlx::core::array decode_mlp(const mlx::core::array& x, const std::vector<mlx::core::array>& gate,
+                            const std::vector<mlx::core::array>& up,
+                            const std::vector<mlx::core::array>& down,
+                            mlx::core::StreamOrDevice s);
 }  // namespace qfserve

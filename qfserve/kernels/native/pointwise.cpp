@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "detail.h"
 #include "kernels.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
@@ -117,13 +118,7 @@ class SwiGlu : public mx::UnaryPrimitive {
         thread_local std::vector<float> tg, tu;
         const float* gr = row(g_ptr, g_rows[r], g_s, n, tg);
         const float* ur = row(u_ptr, u_rows[r], u_s, n, tu);
-        float* o = o_ptr + r * n;
-        int i = 0;
-        for (; i + W <= n; i += W) {
-          const vf x = load(gr + i);
-          store(o + i, x / (1.0f + vexp(-x)) * load(ur + i));
-        }
-        for (; i < n; ++i) o[i] = gr[i] / (1.0f + std::exp(-gr[i])) * ur[i];
+        qfserve::detail::swiglu_row(gr, ur, o_ptr + r * n, n);
       });
     });
   }
@@ -139,6 +134,15 @@ class SwiGlu : public mx::UnaryPrimitive {
 };
 
 }  // namespace
+
+void qfserve::detail::swiglu_row(const float* g, const float* u, float* o, int n) {
+  int i = 0;
+  for (; i + W <= n; i += W) {
+    const vf x = load(g + i);
+    store(o + i, x / (1.0f + vexp(-x)) * load(u + i));
+  }
+  for (; i < n; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+}
 
 namespace qfserve {
 

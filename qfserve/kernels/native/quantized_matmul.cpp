@@ -24,6 +24,7 @@
 #define QF_AVX2 1
 #endif
 
+#include "detail.h"
 #include "kernels.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
@@ -246,6 +247,20 @@ void matmul(const uint8_t* w, const float* s, const float* b, const float* x,
   });
 }
 
+}  // namespace
+
+void qfserve::detail::quantized_rows(const uint8_t* w, const float* scales, const float* biases,
+                                     int bits, const float* x,
+                                     const std::vector<int64_t>& row_offset, int64_t col_stride,
+                                     float* y, int M, int N, int K) {
+  if (bits == 4)
+    matmul<4>(w, scales, biases, x, row_offset, col_stride, y, M, N, K);
+  else
+    matmul<8>(w, scales, biases, x, row_offset, col_stride, y, M, N, K);
+}
+
+namespace {
+
 // ---------------------------------------------------------------------------------------
 // The MLX primitive: inputs x (..., K) float32 (any strides), w (N, K*bits/32) uint32,
 // scales and biases (N, K/32) float32, row-contiguous; output (..., N) float32. Taking any
@@ -286,10 +301,8 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
                       s_ptr = s.data<float>(), b_ptr = b.data<float>(),
                       y_ptr = out.data<float>(), row_offset = std::move(row_offset), col_stride,
                       M, N, K, bits]() {
-      if (bits == 4)
-        matmul<4>(w_ptr, s_ptr, b_ptr, x_ptr, row_offset, col_stride, y_ptr, M, N, K);
-      else
-        matmul<8>(w_ptr, s_ptr, b_ptr, x_ptr, row_offset, col_stride, y_ptr, M, N, K);
+      qfserve::detail::quantized_rows(w_ptr, s_ptr, b_ptr, bits, x_ptr, row_offset, col_stride,
+                                      y_ptr, M, N, K);
     });
   }
 

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "detail.h"
 #include "kernels.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
@@ -25,12 +26,7 @@ namespace mx = mlx::core;
 
 namespace {
 
-struct Layout {
-  int B, H, T, D, dims;
-  int64_t x_b, x_h, x_t, x_d, inv_s, off_b;  // off_b: 0 for one offset, else its stride
-  bool traditional;
-  float scale;
-};
+using Layout = qfserve::detail::RopeLayout;
 
 // One (sequence, position): its cos and sin once, then every head.
 __attribute__((optimize("fp-contract=off"))) void rotate(const float* x, const float* inv,
@@ -81,15 +77,7 @@ class Rope : public mx::UnaryPrimitive {
              traditional_, scale_};
     encoder.dispatch([x_ptr = x.data<float>(), inv_ptr = inv.data<float>(),
                       off_ptr = offset.data<int32_t>(), o_ptr = out.data<float>(), L]() {
-      const int rows = L.B * L.T;
-      // A decode step's one position is less work than waking a thread.
-      const int chunks = static_cast<int64_t>(rows) * L.H * L.D >= (1 << 15) ? rows : 1;
-      qfserve::pool().run(chunks, [&](int chunk) {
-        thread_local std::vector<float> cs;
-        const int first = chunks == 1 ? 0 : chunk, last = chunks == 1 ? rows : chunk + 1;
-        for (int r = first; r < last; ++r)
-          rotate(x_ptr, inv_ptr, off_ptr, o_ptr, L, r / L.T, r % L.T, cs);
-      });
+      qfserve::detail::rope_rows(x_ptr, inv_ptr, off_ptr, o_ptr, L);
     });
   }
 
@@ -115,6 +103,18 @@ class Rope : public mx::UnaryPrimitive {
 };
 
 }  // namespace
+
+void qfserve::detail::rope_rows(const float* x, const float* inv, const int32_t* offset,
+                                float* out, const Layout& L) {
+  const int rows = L.B * L.T;
+  // A decode step's one position is less work than waking a thread.
+  const int chunks = static_cast<int64_t>(rows) * L.H * L.D >= (1 << 15) ? rows : 1;
+  qfserve::pool().run(chunks, [&](int chunk) {
+    thread_local std::vector<float> cs;
+    const int first = chunks == 1 ? 0 : chunk, last = chunks == 1 ? rows : chunk + 1;
+    for (int r = first; r < last; ++r) rotate(x, inv, offset, out, L, r / L.T, r % L.T, cs);
+  });
+}
 
 namespace qfserve {
 

@@ -1,0 +1,128 @@
+"""A decode step's q/k/v projections with RoPE, and its MLP, as one native op each
+(qfserve.engine.models.fused): the same logits bit for bit as the single ops, for every cache
+a decode step meets (full, evicting past its budget, a batch of two), one fused call per
+layer and step, and the class's own forward for prompt blocks and tapped ropes."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+
+from qfserve.engine.kv.config import CacheConfig
+from qfserve.engine.kv.factory import make_caches
+from qfserve.engine.models import fused
+from qfserve.engine.models.gguf.convert import converted_folder
+from qfserve.engine.models.loading import load_model
+from qfserve.engine.models.quantized import detach
+from qfserve.engine.serving.batch import BatchCache
+from tests.gguf_files import write_tiny_gguf
+from tests.kernels.conftest import _buildable
+
+pytestmark = pytest.mark.skipif(bool(_buildable()), reason=str(_buildable()))
+PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+@pytest.fixture(scope="module", params=[GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0])
+def tiny(request, tmp_path_factory):
+    """A tiny GGUF whose every projection is quantized, loaded as the server loads it."""
+    scratch = tmp_path_factory.mktemp("fused")
+    write_tiny_gguf(scratch / "tiny.gguf", quantized=PROJECTIONS, qtype=request.param)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("QFSERVE_CACHE", str(scratch / "cache"))
+        folder = converted_folder(scratch / "tiny.gguf", dequantize=True)
+    loaded = load_model(str(folder))
+    yield loaded
+    detach(loaded.model)
+
+
+def decode(model, config: CacheConfig, prompts: list[list[int]], steps: int) -> np.ndarray:
+    """Greedy logits of ``steps`` decode steps after each prompt, the prompts' caches stepped
+    together (a packed batch) when there are several."""
+    filters = None
+    if config.method == "qfilters":  # the tiny model has no calibration: filters of its shape
+        attn = model.layers[0].self_attn
+        shape = (len(model.layers), attn.n_kv_heads, attn.head_dim)
+        filters = mx.array(np.random.default_rng(1).standard_normal(shape).astype(np.float32))
+    members = [make_caches(model, config, filters=filters) for _ in prompts]
+    for caches, prompt in zip(members, prompts, strict=True):
+        mx.eval(model(mx.array([prompt]), cache=caches))
+    layers = members[0] if len(prompts) == 1 else [
+        BatchCache([m[i] for m in members]) for i in range(len(model.layers))
+    ]  # fmt: skip
+    y = mx.array([[p[-1]] for p in prompts])
+    out = []
+    for _ in range(steps):
+        logits = model(y, cache=layers)[:, -1]
+        y = mx.argmax(logits, axis=-1)[:, None]
+        out.append(np.array(logits))
+    return np.stack(out)
+
+
+CONFIGS = [
+    CacheConfig(method="full"),
+    CacheConfig(method="qfilters", budget=24, recent=6, n_sink=2),
+    CacheConfig(method="knorm", budget=24, recent=6, n_sink=2, chunk=4),
+]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.method)
+@pytest.mark.parametrize("batch", [1, 2])
+def test_fused_steps_give_the_single_ops_logits_bit_for_bit(tiny, config, batch):
+    model = tiny.model
+    prompts = [[5, 9, 3, 7, 1, 2, 8] * 3, [4, 4, 6, 1, 9] * 4][:batch]
+    kernel = model.layers[0].self_attn.rope.kernel
+    got = decode(model, config, prompts, 20)
+    assert fused.remove(model) == 2 * len(model.layers)
+    try:
+        want = decode(model, config, prompts, 20)
+    finally:
+        assert fused.install(model, kernel) == 2 * len(model.layers)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_one_fused_call_a_layer_and_decode_step_and_none_for_a_block(tiny, monkeypatch):
+    model = tiny.model
+    calls: list[str] = []
+    kernel = type(model.layers[0].mlp).kernel
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(kernel, name)
+
+        def decode_qkv(self, *args, **kwargs):
+            calls.append("qkv")
+            return kernel.decode_qkv(*args, **kwargs)
+
+        def decode_mlp(self, *args, **kwargs):
+            calls.append("mlp")
+            return kernel.decode_mlp(*args, **kwargs)
+
+    counting = Counting()
+    for layer in model.layers:
+        monkeypatch.setattr(layer.self_attn.rope, "_kernel", counting)
+    monkeypatch.setattr(type(model.layers[0].mlp), "kernel", counting)
+    caches = make_caches(model, CacheConfig(method="full"))
+    mx.eval(model(mx.array([[5, 9, 3, 7, 1, 2]]), cache=caches))
+    assert calls == []  # a prompt block runs the class's own forward
+    mx.eval(model(mx.array([[4]]), cache=caches))
+    assert calls == ["qkv", "mlp"] * len(model.layers)
+
+
+def test_a_tapped_rope_takes_the_class_forward(tiny):
+    from qfserve.calibrations.capture import QueryRoPE
+
+    model = tiny.model
+    attn = model.layers[0].self_attn
+    rope = attn.rope
+    seen: list[int] = []
+    tap = QueryRoPE(rope, lambda q, _: seen.append(q.shape[2]), attn.n_heads, attn.n_kv_heads)
+    attn.rope = tap
+    try:
+        caches = make_caches(model, CacheConfig(method="full"))
+        mx.eval(model(mx.array([[5, 9, 3]]), cache=caches))
+        mx.eval(model(mx.array([[4]]), cache=caches))
+    finally:
+        attn.rope = rope
+    assert seen[-1] == 1  # the tap saw the decode step's query
