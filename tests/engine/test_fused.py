@@ -1,9 +1,11 @@
-"""A decode step's q/k/v projections with RoPE, and its MLP, as one native op each
+"""A decode step's transformer block as two native ops around its cache and attention
 (qfserve.engine.models.fused): the same logits bit for bit as the single ops, for every cache
-a decode step meets (full, evicting past its budget, a batch of two), one fused call per
+a decode step meets (full, evicting past its budget, a batch of two), two fused calls per
 layer and step, and the class's own forward for prompt blocks and tapped ropes."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
@@ -33,6 +35,17 @@ def tiny(request, tmp_path_factory):
         mp.setenv("QFSERVE_CACHE", str(scratch / "cache"))
         folder = converted_folder(scratch / "tiny.gguf", dequantize=True)
     loaded = load_model(str(folder))
+    # Norm weights of their own (the tiny model's are all ones), so that a norm read in the
+    # wrong place shows.
+    model = loaded.model
+    kernel = model.layers[0]._qfserve_parts.kernel
+    fused.remove(model)
+    rng = np.random.default_rng(5)
+    for layer in model.layers:
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            shape = norm.weight.shape
+            norm.plain.weight = mx.array(rng.uniform(0.5, 1.5, shape).astype(np.float32))
+    fused.install(model, kernel)
     yield loaded
     detach(loaded.model)
 
@@ -74,40 +87,36 @@ def test_fused_steps_give_the_single_ops_logits_bit_for_bit(tiny, config, batch)
     prompts = [[5, 9, 3, 7, 1, 2, 8] * 3, [4, 4, 6, 1, 9] * 4][:batch]
     kernel = model.layers[0].self_attn.rope.kernel
     got = decode(model, config, prompts, 20)
-    assert fused.remove(model) == 2 * len(model.layers)
+    assert fused.remove(model) == len(model.layers)
     try:
         want = decode(model, config, prompts, 20)
     finally:
-        assert fused.install(model, kernel) == 2 * len(model.layers)
+        assert fused.install(model, kernel) == len(model.layers)
     np.testing.assert_array_equal(got, want)
 
 
-def test_one_fused_call_a_layer_and_decode_step_and_none_for_a_block(tiny, monkeypatch):
+def test_two_fused_calls_a_layer_and_decode_step_and_none_for_a_block(tiny, monkeypatch):
     model = tiny.model
     calls: list[str] = []
-    kernel = type(model.layers[0].mlp).kernel
+    kernel = model.layers[0]._qfserve_parts.kernel
 
     class Counting:
-        def __getattr__(self, name):
-            return getattr(kernel, name)
-
         def decode_qkv(self, *args, **kwargs):
             calls.append("qkv")
             return kernel.decode_qkv(*args, **kwargs)
 
-        def decode_mlp(self, *args, **kwargs):
-            calls.append("mlp")
-            return kernel.decode_mlp(*args, **kwargs)
+        def decode_tail(self, *args, **kwargs):
+            calls.append("tail")
+            return kernel.decode_tail(*args, **kwargs)
 
-    counting = Counting()
     for layer in model.layers:
-        monkeypatch.setattr(layer.self_attn.rope, "_kernel", counting)
-    monkeypatch.setattr(type(model.layers[0].mlp), "kernel", counting)
+        parts = layer._qfserve_parts
+        monkeypatch.setattr(layer, "_qfserve_parts", replace(parts, kernel=Counting()))
     caches = make_caches(model, CacheConfig(method="full"))
     mx.eval(model(mx.array([[5, 9, 3, 7, 1, 2]]), cache=caches))
     assert calls == []  # a prompt block runs the class's own forward
     mx.eval(model(mx.array([[4]]), cache=caches))
-    assert calls == ["qkv", "mlp"] * len(model.layers)
+    assert calls == ["qkv", "tail"] * len(model.layers)
 
 
 def test_a_tapped_rope_takes_the_class_forward(tiny):
@@ -125,4 +134,20 @@ def test_a_tapped_rope_takes_the_class_forward(tiny):
         mx.eval(model(mx.array([[4]]), cache=caches))
     finally:
         attn.rope = rope
-    assert seen[-1] == 1  # the tap saw the decode step's query
+    assert seen[-1] == 1  # the tap saw the decode step's query: layer 0 ran as written
+
+
+def test_blocks_with_a_projection_bias_keep_their_forward(tiny):
+    """What the fused ops do not compute (here a bias on o) leaves the block as it was."""
+    model = tiny.model
+    kernel = model.layers[0]._qfserve_parts.kernel
+    fused.remove(model)
+    dense = model.layers[1].self_attn.o_proj.dense
+    dense.bias = mx.zeros((dense.weight.shape[0],))
+    try:
+        assert fused.install(model, kernel) == len(model.layers) - 1
+        assert not hasattr(model.layers[1], "_qfserve_parts")
+    finally:
+        fused.remove(model)
+        del dense["bias"]
+        fused.install(model, kernel)

@@ -1,25 +1,29 @@
-"""A decode step's attention projections and MLP as one native op each.
+"""A decode step's transformer block as two native ops around its cache and attention.
 
 On MLX's CPU backend every op costs microseconds of dispatch whatever its size, and a decode
-step of a small model is mostly small ops: SmolLM2-135M's made ~800, two thirds of them in
-the layers' projections, the reshapes to heads, the rotations and the MLP. The native
-``decode_qkv`` (three products on the codes, then RoPE) and ``decode_mlp``
-(``down(swiglu(gate(x), up(x)))``) each run the single ops' own routines in one dispatch, so
-their results are the single ops' bit for bit (``qfserve/kernels/native/decode_block.cpp``).
+step of a small model is mostly small ops: SmolLM2-135M's made ~800 (per layer two norms,
+four projections, six reshapes and transposes, two rotations and two residual adds, then an
+MLP of four), while the Python that builds the next step's graph competes for the same cores.
+The native ``decode_qkv`` (norm, the q/k/v products on the codes, RoPE) and ``decode_tail``
+(``o`` and the residual, norm, MLP and residual) each run the single ops' own routines in one
+dispatch, so the block's output is the single ops' bit for bit
+(``qfserve/kernels/native/decode_block.cpp``).
 
-:func:`install` gives the layers of a known forward a subclass that takes that path: mlx-lm's
-llama ``Attention`` and ``MLP`` (Llama, SmolLM2, Mistral and the other models mlx-lm builds from
-them), exactly those classes, whose forward is these steps and nothing else. A layer takes it
-for decode rows only (``(B, 1, K)`` float32 on the CPU, as few sequences as the codes take),
-when its projections read codes and have no bias, its rope is the native one and, for the MLP,
-its module's ``swiglu`` is the native one. Anything else (a prompt block, a query tap that
-self-calibration or capture puts in place of the rope, other dtypes) runs the class's own
-forward, unchanged.
+:func:`install` gives each block of a known forward a subclass that takes that path: mlx-lm's
+llama ``TransformerBlock`` (Llama, SmolLM2, Mistral and the other models mlx-lm builds from
+it), exactly that class, whose forward is ``h = x + attn(norm(x)); h + mlp(norm(h))`` with
+llama's ``Attention`` and ``MLP``. It is installed where every projection reads codes and has
+no bias, both norms, the rope and the module's ``swiglu`` are the native ones; what it reads
+is taken at install (:func:`qfserve.engine.models.quantized.attach` installs it,
+``detach`` removes it). A block takes the path for decode rows only (``(B, 1, K)`` float32 on
+the CPU, as few sequences as the codes take); a prompt block, or a layer whose rope a query
+tap replaced (self-calibration, capture), runs the class's own forward, unchanged.
 """
 
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, cast
 
@@ -28,86 +32,109 @@ import mlx.nn as nn
 from mlx_lm.models import llama
 
 from qfserve.engine.models import native_layers
-from qfserve.engine.models.native_layers import NativeRoPE, offset_array
+from qfserve.engine.models.native_layers import NativeRMSNorm, NativeRoPE, offset_array
 
 
-def _codes(linear: Any, x: mx.array) -> list[mx.array] | None:
-    """A projection's codes (w, scales, biases) where it has no bias and would read them for
-    ``x`` (a :class:`qfserve.engine.models.quantized.DecodeLinear`: float32, few rows)."""
+@dataclass(frozen=True)
+class _Parts:
+    """What a fused block reads, taken from its modules at install."""
+
+    kernel: ModuleType
+    codes: Any  # the q projection's codes: their takes(x) decides the path
+    rope: NativeRoPE
+    qkv: tuple[list[mx.array], list[mx.array], list[mx.array]]
+    tail: tuple[list[mx.array], list[mx.array], list[mx.array], list[mx.array]]  # o, MLP
+    norms: tuple[mx.array, float, mx.array, float]  # input and post-attention: weight, eps
+    heads: tuple[int, int]
+    scale: float
+    attention: ModuleType  # the module whose scaled_dot_product_attention the class calls
+
+
+def _codes(linear: Any) -> list[mx.array] | None:
+    """A projection's codes (w, scales, biases) where it reads them and has no bias."""
     codes, dense = getattr(linear, "codes", None), getattr(linear, "dense", None)
-    if codes is None or dense is None or "bias" in dense or not codes.takes(x):
+    if codes is None or dense is None or "bias" in dense:
         return None
     return [codes.weight, codes.scales, codes.biases]
 
 
-def _decode_row(x: mx.array) -> bool:
-    return x.ndim == 3 and x.shape[1] == 1 and mx.default_device() == mx.cpu
+def _norm(module: Any) -> tuple[mx.array, float] | None:
+    if type(module) is not NativeRMSNorm or module.weight.dtype != mx.float32:
+        return None
+    return module.weight, float(module.plain.eps)
 
 
-class _FusedAttention:
-    """The fused path of an attention layer, before its class's own forward."""
+def _parts(block: Any, kernel: ModuleType) -> _Parts | None:
+    """A block's parts, or ``None`` where one of them is not what the fused path computes."""
+    attn, mlp = block.self_attn, block.mlp
+    projections = [_codes(getattr(attn, f"{p}_proj")) for p in "qkvo"]
+    projections += [_codes(getattr(mlp, f"{p}_proj")) for p in ("gate", "up", "down")]
+    norms = _norm(block.input_layernorm), _norm(block.post_attention_layernorm)
+    module = sys.modules[type(block).__module__]
+    if (
+        any(p is None for p in projections)
+        or None in norms
+        or type(attn.rope) is not NativeRoPE
+        or not native_layers.swiglu_is_native(module)
+    ):
+        return None
+    q, k, v, o, gate, up, down = cast(list[list[mx.array]], projections)
+    (w1, eps1), (w2, eps2) = cast(tuple[tuple[mx.array, float], ...], norms)
+    return _Parts(kernel, attn.q_proj.codes, attn.rope, (q, k, v), (o, gate, up, down),
+                  (w1, eps1, w2, eps2), (attn.n_heads, attn.n_kv_heads), attn.scale,
+                  module)  # fmt: skip
+
+
+class _FusedBlock:
+    """The fused path of a transformer block, before its class's own forward."""
+
+    _qfserve_parts: _Parts
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
-        attn = cast(Any, self)
-        rope = attn.rope
-        qkv = [_codes(p, x) for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
-        if cache is None or not _decode_row(x) or type(rope) is not NativeRoPE or None in qkv:
+        p = self._qfserve_parts
+        if (
+            cache is None
+            or x.ndim != 3
+            or x.shape[1] != 1
+            or not p.codes.takes(x)
+            or cast(Any, self).self_attn.rope is not p.rope  # a query tap: as written
+            or mx.default_device() != mx.cpu
+        ):
             return cast(mx.array, super().__call__(x, mask, cache))  # type: ignore[misc]
-        plain = rope.plain
-        q, k, v = rope.kernel.decode_qkv(
-            x, *qkv, rope.inv_freqs, offset_array(cache.offset), attn.n_heads,
-            attn.n_kv_heads, plain.dims, traditional=plain.traditional, scale=plain.scale,
+        rope = p.rope.plain
+        q, k, v = p.kernel.decode_qkv(
+            x, *p.qkv, p.rope.inv_freqs, offset_array(cache.offset), *p.heads, rope.dims,
+            traditional=rope.traditional, scale=rope.scale, norm=p.norms[0], eps=p.norms[1],
         )  # fmt: skip
         keys, values = cache.update_and_fetch(k, v)
         # Looked up at each call: the attention hook (qfserve.engine.kv.attention) wraps it.
-        sdpa = sys.modules[type(self).__module__].scaled_dot_product_attention
-        out = sdpa(q, keys, values, cache=cache, scale=attn.scale, mask=mask)
-        # One row: (B, H, 1, D) in memory is (B, 1, H * D), the transpose a no-op.
-        return cast(mx.array, attn.o_proj(out.reshape(x.shape[0], 1, -1)))
+        out = p.attention.scaled_dot_product_attention(
+            q, keys, values, cache=cache, scale=p.scale, mask=mask
+        )
+        o, gate, up, down = p.tail
+        return cast(mx.array, p.kernel.decode_tail(out, x, o, p.norms[2], p.norms[3],
+                                                   gate, up, down))  # fmt: skip
 
 
-class _FusedMLP:
-    """The fused path of an MLP, before its class's own forward."""
-
-    kernel: ModuleType
-
-    def __call__(self, x: mx.array) -> mx.array:
-        mlp = cast(Any, self)
-        # Its hidden rows are as many as x's: x stands for them in takes().
-        parts = [_codes(p, x) for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
-        native = native_layers.swiglu_is_native(sys.modules[type(self).__module__])
-        if not _decode_row(x) or None in parts or not native:
-            return cast(mx.array, super().__call__(x))  # type: ignore[misc]
-        return cast(mx.array, self.kernel.decode_mlp(x, *parts))
+_KNOWN = (llama.TransformerBlock,)
+_MADE: dict[type, type] = {}
 
 
-# Each known class, its fused subclass per kernel module (defined in the class's own module,
-# whose scaled_dot_product_attention and swiglu the fused path then looks up).
-_KNOWN: dict[type, type] = {llama.Attention: _FusedAttention, llama.MLP: _FusedMLP}
-_MADE: dict[tuple[type, int], type] = {}
-
-
-def _fused_class(base: type, kernel: ModuleType) -> type:
-    key = (base, id(kernel))
-    if key not in _MADE:
-        body = {"__module__": base.__module__, "kernel": kernel, "_qfserve_base": base}
-        _MADE[key] = type(f"Fused{base.__name__}", (_KNOWN[base], base), body)
-    return _MADE[key]
-
-
-def _blocks(model: nn.Module) -> list[nn.Module]:
-    layers = getattr(model, "layers", [])
-    return [m for layer in layers for m in (getattr(layer, "self_attn", None),
-                                             getattr(layer, "mlp", None)) if m is not None]  # fmt: skip
+def _fused_class(base: type) -> type:
+    if base not in _MADE:  # defined in the base's module, as mlx-lm's own classes are
+        body = {"__module__": base.__module__, "_qfserve_base": base}
+        _MADE[base] = type(f"Fused{base.__name__}", (_FusedBlock, base), body)
+    return _MADE[base]
 
 
 def install(model: nn.Module, kernel: ModuleType) -> int:
-    """Give every attention and MLP block of a known class its fused subclass; returns how
-    many."""
+    """Give every block of a known class whose parts allow it the fused subclass; returns
+    how many."""
     swapped = 0
-    for block in _blocks(model):
-        if type(block) in _KNOWN:
-            block.__class__ = _fused_class(type(block), kernel)
+    for block in getattr(model, "layers", []):
+        if type(block) in _KNOWN and (parts := _parts(block, kernel)) is not None:
+            object.__setattr__(block, "_qfserve_parts", parts)
+            block.__class__ = _fused_class(type(block))
             swapped += 1
     return swapped
 
@@ -115,9 +142,10 @@ def install(model: nn.Module, kernel: ModuleType) -> int:
 def remove(model: nn.Module) -> int:
     """Put back the classes :func:`install` replaced; returns how many."""
     restored = 0
-    for block in _blocks(model):
+    for block in getattr(model, "layers", []):
         base = getattr(type(block), "_qfserve_base", None)
         if base is not None:
             block.__class__ = base
+            object.__delattr__(block, "_qfserve_parts")
             restored += 1
     return restored

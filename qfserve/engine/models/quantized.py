@@ -14,8 +14,8 @@ The same kernel module then also attends decode steps and prompt blocks
 (:func:`qfserve.engine.kv.attention.set_native`), where MLX's CPU attention repeats a
 grouped layer's keys to every query head on each call, and rotates, normalises and
 activates (:mod:`qfserve.engine.models.native_layers`), where MLX on the CPU runs each as
-several small ops, and runs a decode step's projections and MLP as one op each
-(:mod:`qfserve.engine.models.fused`).
+several small ops, and runs a decode step's transformer block as two ops around its cache and
+attention (:mod:`qfserve.engine.models.fused`).
 
 Where the kernel cannot be built, nothing is wrapped and the model runs as before.
 """

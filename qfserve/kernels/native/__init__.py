@@ -11,8 +11,8 @@ on each call; ``decode_attention.cpp`` reads them once. A prompt block's attenti
 tiles ran on one thread; ``prefill_attention.cpp`` walks the keys in blocks with an online
 softmax on every core. MLX's CPU runs RoPE, RMS norm and SwiGLU as several small ops each
 and an eviction step as a dozen; ``rope.cpp``, ``pointwise.cpp`` and ``evict_step.cpp`` are
-one op each. Every op costs dispatch, so a decode step's q/k/v projections with their RoPE,
-and its MLP, are one op each too (``decode_block.cpp``, the same routines in one dispatch). All are MLX primitives with a CPU implementation (``kernels.h``),
+one op each. Every op costs dispatch, so a decode step's transformer block is two ops around
+its cache and attention (``decode_block.cpp``, the same routines in one dispatch each). All are MLX primitives with a CPU implementation (``kernels.h``),
 sharing one pool of threads (``pool.h``); see each source's header for its arithmetic.
 
 It is built on this machine, on first use, with CMake against the installed MLX and nanobind

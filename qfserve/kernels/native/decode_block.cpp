@@ -1,19 +1,23 @@
-// A decode step's attention projections and its MLP, each as one op.
+// A decode step's transformer block as two ops around its cache and attention.
 //
-// Why: on MLX's CPU backend every op costs ~5-7 us of dispatch whatever its size, and a decode
-// step of a small model is mostly small ops: SmolLM2-135M's makes ~800 (30 layers of three
-// projections, six reshapes and transposes and two rotations before attention, three
-// projections and an activation after), so dispatch alone was several milliseconds of a
-// ~16 ms step. These ops run the same inner routines as the single ops (detail.h), in the same
-// order on the same inputs, so their results are the same bit for bit, in one dispatch:
+// Why: on MLX's CPU backend every op costs microseconds of dispatch whatever its size, and a
+// decode step of a small model is mostly small ops: SmolLM2-135M's made ~800 (per layer two
+// norms, three projections, six reshapes and transposes and two rotations before attention,
+// one projection, two residual adds, three projections and an activation after), and the
+// Python that builds them runs beside the step's arithmetic on the same cores. These ops run
+// the single ops' own routines (detail.h), in the same order on the same inputs, so their
+// results are the same bit for bit, in one dispatch each:
 //
-//   decode_qkv: x (B, 1, K) -> q (B, Hq, 1, D), k (B, Hkv, 1, D) rotated at their positions,
-//               v (B, Hkv, 1, D): the three products on the weights' codes, then RoPE.
-//   decode_mlp: x (B, 1, K) -> down(swiglu(gate(x), up(x))) (B, 1, K).
+//   decode_qkv:  x (B, 1, K) -> RMS norm (where given) -> the q, k, v products on the
+//                weights' codes -> q (B, Hq, 1, D) and k (B, Hkv, 1, D) rotated at their
+//                positions, v (B, Hkv, 1, D).
+//   decode_tail: attention's output a (B, Hq, 1, D) and the block's input x (B, 1, K) ->
+//                h = x + o(a); h + down(swiglu(gate(n), up(n))) with n = RMS norm of h.
 //
 // Weights are group-32 codes as quantized_matmul takes them (4 or 8 bits, float32 scales and
 // biases); each projection passes (w, scales, biases) and its bits.
 
+#include <optional>
 #include <stdexcept>
 #include <vector>
 
@@ -41,6 +45,14 @@ Proj proj(const std::vector<mx::array>& in, size_t first, int bits) {
           bits, static_cast<int>(in[first].shape(0))};
 }
 
+// A 1-D array's elements, contiguous (a norm's weight, read through its stride).
+std::vector<float> elements(const mx::array& a) {
+  std::vector<float> out(a.size());
+  const float* p = a.data<float>();
+  for (size_t i = 0; i < out.size(); ++i) out[i] = p[i * a.strides()[0]];
+  return out;
+}
+
 void start(mx::Stream stream, const std::vector<mx::array>& in, std::vector<mx::array>& out) {
   for (auto& o : out) o.set_data(mx::allocator::malloc(o.nbytes()));
   auto& encoder = mx::cpu::get_command_encoder(stream);
@@ -51,12 +63,12 @@ void start(mx::Stream stream, const std::vector<mx::array>& in, std::vector<mx::
 class DecodeQKV : public mx::Primitive {
  public:
   DecodeQKV(mx::Stream stream, std::vector<int> bits, int n_heads, int n_kv_heads, int dims,
-            bool traditional, float scale)
+            bool traditional, float scale, bool norm, float eps)
       : mx::Primitive(stream), bits_(std::move(bits)), heads_(n_heads), kv_heads_(n_kv_heads),
-        dims_(dims), traditional_(traditional), scale_(scale) {}
+        dims_(dims), traditional_(traditional), scale_(scale), norm_(norm), eps_(eps) {}
 
   void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& out) override {
-    // in: x, (w, scales, biases) of q, k, v, inv_freqs, offset
+    // in: x, (w, scales, biases) of q, k, v, inv_freqs, offset[, norm weight]
     start(stream(), in, out);
     const mx::array& x = in[0];
     const int K = static_cast<int>(x.shape(-1));
@@ -65,9 +77,23 @@ class DecodeQKV : public mx::Primitive {
     auto& encoder = mx::cpu::get_command_encoder(stream());
     encoder.dispatch([in, out, rows = qfserve::row_starts(x), K, B, D, bits = bits_,
                       heads = heads_, kv_heads = kv_heads_, dims = dims_,
-                      traditional = traditional_, scale = scale_]() mutable {
+                      traditional = traditional_, scale = scale_, norm = norm_,
+                      eps = eps_]() mutable {
       const float* x_ptr = in[0].data<float>();
-      const int64_t col = in[0].strides().back();
+      int64_t col = in[0].strides().back();
+      std::vector<float> normed;
+      if (norm) {  // as the rms_norm op: each row, then the products read the normed rows
+        normed.resize(static_cast<size_t>(B) * K);
+        const std::vector<float> weight = elements(in[12]);
+        std::vector<float> tmp(K);
+        for (int b = 0; b < B; ++b) {
+          for (int i = 0; i < K; ++i) tmp[i] = x_ptr[rows[b] + i * col];
+          qfserve::detail::rms_row(tmp.data(), weight.data(), normed.data() + b * K, K, eps);
+          rows[b] = static_cast<int64_t>(b) * K;
+        }
+        x_ptr = normed.data();
+        col = 1;
+      }
       const mx::array &inv = in[10], &offset = in[11];
       std::vector<float> raw(static_cast<size_t>(B) * heads * D);
       for (int p = 0; p < 3; ++p) {
@@ -94,7 +120,8 @@ class DecodeQKV : public mx::Primitive {
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const DecodeQKV&>(other);
     return bits_ == o.bits_ && heads_ == o.heads_ && kv_heads_ == o.kv_heads_ &&
-           dims_ == o.dims_ && traditional_ == o.traditional_ && scale_ == o.scale_;
+           dims_ == o.dims_ && traditional_ == o.traditional_ && scale_ == o.scale_ &&
+           norm_ == o.norm_ && eps_ == o.eps_;
   }
 
  private:
@@ -102,54 +129,80 @@ class DecodeQKV : public mx::Primitive {
   int heads_, kv_heads_, dims_;
   bool traditional_;
   float scale_;
+  bool norm_;
+  float eps_;
 };
 
-class DecodeMLP : public mx::UnaryPrimitive {
+class DecodeTail : public mx::UnaryPrimitive {
  public:
-  DecodeMLP(mx::Stream stream, std::vector<int> bits)
-      : mx::UnaryPrimitive(stream), bits_(std::move(bits)) {}
+  DecodeTail(mx::Stream stream, std::vector<int> bits, float eps)
+      : mx::UnaryPrimitive(stream), bits_(std::move(bits)), eps_(eps) {}
 
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
-    // in: x, (w, scales, biases) of gate, up, down
+    // in: a, x, (w, scales, biases) of o, the norm's weight, (w, scales, biases) of gate,
+    // up, down
     std::vector<mx::array> outs = {out};
     start(stream(), in, outs);
-    const mx::array& x = in[0];
-    const int K = static_cast<int>(x.shape(-1));
-    const int M = static_cast<int>(x.size() / K);
     auto& encoder = mx::cpu::get_command_encoder(stream());
-    encoder.dispatch([in, y = out.data<float>(), rows = qfserve::row_starts(x), K, M,
-                      bits = bits_]() {
-      const Proj gate = proj(in, 1, bits[0]), up = proj(in, 4, bits[1]),
-                 down = proj(in, 7, bits[2]);
-      const int F = gate.N;
-      std::vector<float> g(static_cast<size_t>(M) * F), u(g.size()), h(g.size());
-      const int64_t col = in[0].strides().back();
-      const float* x_ptr = in[0].data<float>();
-      quantized_rows(gate.w, gate.s, gate.b, gate.bits, x_ptr, rows, col, g.data(), M, F, K);
-      quantized_rows(up.w, up.s, up.b, up.bits, x_ptr, rows, col, u.data(), M, F, K);
-      std::vector<int64_t> h_rows(M);
+    encoder.dispatch([in, y = out.data<float>(), x_rows = qfserve::row_starts(in[1]),
+                      bits = bits_, eps = eps_]() {
+      const int M = static_cast<int>(x_rows.size()), K = static_cast<int>(in[1].shape(-1));
+      const Proj o = proj(in, 2, bits[0]), gate = proj(in, 6, bits[1]), up = proj(in, 9, bits[2]),
+                 down = proj(in, 12, bits[3]);
+      const int F = gate.N, A = static_cast<int>(in[0].size() / M);
+      // a (B, Hq, 1, D) as rows of Hq * D, the layout its reshape for o has.
+      std::vector<float> a(in[0].size());
+      const mx::array& at = in[0];
+      const float* a_ptr = at.data<float>();
+      const int Hq = static_cast<int>(at.shape(1)), D = static_cast<int>(at.shape(3));
+      for (int m = 0; m < M; ++m)
+        for (int hd = 0; hd < Hq * D; ++hd)
+          a[static_cast<size_t>(m) * A + hd] =
+              a_ptr[m * at.strides()[0] + (hd / D) * at.strides()[1] + (hd % D) * at.strides()[3]];
+      std::vector<int64_t> a_rows(M);
+      for (int m = 0; m < M; ++m) a_rows[m] = static_cast<int64_t>(m) * A;
+      // h = x + o(a): the product, then the residual add, as two ops compute them.
+      std::vector<float> h(static_cast<size_t>(M) * K), n(h.size());
+      quantized_rows(o.w, o.s, o.b, o.bits, a.data(), a_rows, 1, h.data(), M, K, A);
+      const float* x = in[1].data<float>();
+      const int64_t xs = in[1].strides().back();
+      const std::vector<float> weight = elements(in[5]);
+      std::vector<int64_t> h_rows(M), f_rows(M);
+      for (int m = 0; m < M; ++m) {
+        float* hm = h.data() + static_cast<size_t>(m) * K;
+        for (int i = 0; i < K; ++i) hm[i] = x[x_rows[m] + i * xs] + hm[i];
+        qfserve::detail::rms_row(hm, weight.data(), n.data() + static_cast<size_t>(m) * K, K, eps);
+        h_rows[m] = static_cast<int64_t>(m) * K;
+        f_rows[m] = static_cast<int64_t>(m) * F;
+      }
+      // The MLP on n, then h + its output.
+      std::vector<float> g(static_cast<size_t>(M) * F), u(g.size()), act(g.size());
+      quantized_rows(gate.w, gate.s, gate.b, gate.bits, n.data(), h_rows, 1, g.data(), M, F, K);
+      quantized_rows(up.w, up.s, up.b, up.bits, n.data(), h_rows, 1, u.data(), M, F, K);
       for (int m = 0; m < M; ++m) {
         const size_t at = static_cast<size_t>(m) * F;
-        qfserve::detail::swiglu_row(g.data() + at, u.data() + at, h.data() + at, F);
-        h_rows[m] = static_cast<int64_t>(at);
+        qfserve::detail::swiglu_row(g.data() + at, u.data() + at, act.data() + at, F);
       }
-      quantized_rows(down.w, down.s, down.b, down.bits, h.data(), h_rows, 1, y, M, down.N, F);
+      quantized_rows(down.w, down.s, down.b, down.bits, act.data(), f_rows, 1, y, M, K, F);
+      for (size_t i = 0; i < h.size(); ++i) y[i] = h[i] + y[i];
     });
   }
 
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("qfserve's decode_mlp runs on the CPU only");
+    throw std::runtime_error("qfserve's decode_tail runs on the CPU only");
   }
-  const char* name() const override { return "QfserveDecodeMLP"; }
+  const char* name() const override { return "QfserveDecodeTail"; }
   bool is_equivalent(const mx::Primitive& other) const override {
-    return bits_ == static_cast<const DecodeMLP&>(other).bits_;
+    const auto& o = static_cast<const DecodeTail&>(other);
+    return bits_ == o.bits_ && eps_ == o.eps_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {inputs[0].shape()};
+    return {inputs[1].shape()};
   }
 
  private:
   std::vector<int> bits_;
+  float eps_;
 };
 
 // Checks one projection's codes against the input width K; returns its bits and rows.
@@ -183,7 +236,9 @@ std::vector<mx::array> decode_qkv(const mx::array& x, const std::vector<mx::arra
                                   const std::vector<mx::array>& k,
                                   const std::vector<mx::array>& v, const mx::array& inv_freqs,
                                   const mx::array& offset, int n_heads, int n_kv_heads, int dims,
-                                  bool traditional, float scale, mx::StreamOrDevice s) {
+                                  bool traditional, float scale,
+                                  const std::optional<mx::array>& norm, float eps,
+                                  mx::StreamOrDevice s) {
   check_x(x);
   const int K = static_cast<int>(x.shape(2)), B = static_cast<int>(x.shape(0));
   const auto [qb, qn] = codes(q, K, "q");
@@ -200,31 +255,42 @@ std::vector<mx::array> decode_qkv(const mx::array& x, const std::vector<mx::arra
   if (offset.dtype() != mx::int32 || offset.ndim() > 1 ||
       (offset.size() != 1 && offset.size() != static_cast<size_t>(B)))
     throw std::invalid_argument("offset must be int32, one or one per sequence");
+  if (norm && (norm->ndim() != 1 || norm->shape(0) != K || norm->dtype() != mx::float32))
+    throw std::invalid_argument("norm must be float32 (K,)");
   auto stream = mx::to_stream(s, mx::Device::cpu);
   std::vector<mx::array> inputs = {x, q[0], q[1], q[2], k[0], k[1], k[2],
                                    v[0], v[1], v[2], inv_freqs, offset};
+  if (norm) inputs.push_back(*norm);
   return mx::array::make_arrays(
       {{B, n_heads, 1, D}, {B, n_kv_heads, 1, D}, {B, n_kv_heads, 1, D}},
       {mx::float32, mx::float32, mx::float32},
       std::make_shared<DecodeQKV>(stream, std::vector<int>{qb, kb, vb}, n_heads, n_kv_heads,
-                                  dims, traditional, scale),
+                                  dims, traditional, scale, norm.has_value(), eps),
       inputs);
 }
 
-mx::array decode_mlp(const mx::array& x, const std::vector<mx::array>& gate,
-                     const std::vector<mx::array>& up, const std::vector<mx::array>& down,
-                     mx::StreamOrDevice s) {
+mx::array decode_tail(const mx::array& a, const mx::array& x, const std::vector<mx::array>& o,
+                      const mx::array& norm, float eps, const std::vector<mx::array>& gate,
+                      const std::vector<mx::array>& up, const std::vector<mx::array>& down,
+                      mx::StreamOrDevice s) {
   check_x(x);
   const int K = static_cast<int>(x.shape(2));
+  if (a.ndim() != 4 || a.shape(0) != x.shape(0) || a.shape(2) != 1 || a.dtype() != mx::float32)
+    throw std::invalid_argument("a must be float32 (B, heads, 1, D), one row per sequence");
+  const int A = static_cast<int>(a.shape(1) * a.shape(3));
+  const auto [ob, on] = codes(o, A, "o");
   const auto [gb, gn] = codes(gate, K, "gate");
   const auto [ub, un] = codes(up, K, "up");
   const auto [db, dn] = codes(down, gn, "down");
-  if (gn != un || dn != K)
-    throw std::invalid_argument("gate and up must have the same rows, down the input's width");
+  if (on != K || gn != un || dn != K)
+    throw std::invalid_argument("o and down must give the input's width, gate and up the same");
+  if (norm.ndim() != 1 || norm.shape(0) != K || norm.dtype() != mx::float32)
+    throw std::invalid_argument("norm must be float32 (K,)");
   auto stream = mx::to_stream(s, mx::Device::cpu);
   return mx::array(x.shape(), mx::float32,
-                   std::make_shared<DecodeMLP>(stream, std::vector<int>{gb, ub, db}),
-                   {x, gate[0], gate[1], gate[2], up[0], up[1], up[2], down[0], down[1], down[2]});
+                   std::make_shared<DecodeTail>(stream, std::vector<int>{ob, gb, ub, db}, eps),
+                   {a, x, o[0], o[1], o[2], norm, gate[0], gate[1], gate[2], up[0], up[1], up[2],
+                    down[0], down[1], down[2]});
 }
 
 }  // namespace qfserve

@@ -23,6 +23,9 @@ struct RopeLayout {
 void rope_rows(const float* x, const float* inv_freqs, const int32_t* offset, float* out,
                const RopeLayout& layout);
 
+// out = x * rsqrt(mean(x^2) + eps) * weight over n contiguous floats (pointwise.cpp).
+void rms_row(const float* x, const float* weight, float* out, int n, float eps);
+
 // out[i] = g[i] * sigmoid(g[i]) * u[i] over n contiguous floats (pointwise.cpp).
 void swiglu_row(const float* g, const float* u, float* out, int n);
 

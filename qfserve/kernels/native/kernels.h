@@ -66,17 +66,23 @@ std::vector<mlx::core::array> evict_step(
     const std::optional<mlx::core::array>& direction,
     const std::optional<mlx::core::array>& scale, mlx::core::StreamOrDevice s);
 
-// A decode step's q, k and v in one op (decode_block.cpp): x (B, 1, K) float32 through each
-// projection's group-32 codes (w, scales, biases), then RoPE on q and k as rope() computes it
-// -> q (B, Hq, 1, D), k (B, Hkv, 1, D), v (B, Hkv, 1, D).
+// A decode step's block in two ops around its cache and attention (decode_block.cpp).
+// decode_qkv: x (B, 1, K) float32, RMS-normalised by `norm` (K,) where given, through each
+// projection's group-32 codes (w, scales, biases), then RoPE on q and k as rope() computes
+// it -> q (B, Hq, 1, D), k (B, Hkv, 1, D), v (B, Hkv, 1, D).
 std::vector<mlx::core::array> decode_qkv(
     const mlx::core::array& x, const std::vector<mlx::core::array>& q,
     const std::vector<mlx::core::array>& k, const std::vector<mlx::core::array>& v,
     const mlx::core::array& inv_freqs, const mlx::core::array& offset, int n_heads,
-    int n_kv_heads, int dims, bool traditional, float scale, mlx::core::StreamOrDevice s);
-// A decode step's MLP in one op: down(swiglu(gate(x), up(x))), x (B, 1, K) float32.
-mlx::core::array decode_mlp(const mlx::core::array& x, const std::vector<mlx::core::array>& gate,
-                            const std::vector<mlx::core::array>& up,
-                            const std::vector<mlx::core::array>& down,
-                            mlx::core::StreamOrDevice s);
+    int n_kv_heads, int dims, bool traditional, float scale,
+    const std::optional<mlx::core::array>& norm, float eps, mlx::core::StreamOrDevice s);
+// decode_tail: attention's output a (B, Hq, 1, D) and the block's input x (B, 1, K) ->
+// h = x + o(a); h + down(swiglu(gate(n), up(n))) with n = h RMS-normalised by `norm`.
+mlx::core::array decode_tail(const mlx::core::array& a, const mlx::core::array& x,
+                             const std::vector<mlx::core::array>& o,
+                             const mlx::core::array& norm, float eps,
+                             const std::vector<mlx::core::array>& gate,
+                             const std::vector<mlx::core::array>& up,
+                             const std::vector<mlx::core::array>& down,
+                             mlx::core::StreamOrDevice s);
 }  // namespace qfserve

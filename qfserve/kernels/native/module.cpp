@@ -53,13 +53,16 @@ NB_MODULE(_native, m) {
   m.def("decode_qkv", &qfserve::decode_qkv, nb::arg("x"), nb::arg("q"), nb::arg("k"),
         nb::arg("v"), nb::arg("inv_freqs"), nb::arg("offset"), nb::arg("n_heads"),
         nb::arg("n_kv_heads"), nb::arg("dims"), nb::kw_only(), nb::arg("traditional") = false,
-        nb::arg("scale") = 1.0f, nb::arg("stream") = nb::none(),
-        "A decode step's q, k, v in one op: x (B, 1, K) float32 through each projection's "
-        "codes (w, scales, biases), then RoPE on q and k -> (q, k, v), each (B, H, 1, D).");
-  m.def("decode_mlp", &qfserve::decode_mlp, nb::arg("x"), nb::arg("gate"), nb::arg("up"),
-        nb::arg("down"), nb::kw_only(), nb::arg("stream") = nb::none(),
-        "A decode step's MLP in one op: down(swiglu(gate(x), up(x))), x (B, 1, K) float32, "
-        "each projection its codes (w, scales, biases).");
+        nb::arg("scale") = 1.0f, nb::arg("norm") = nb::none(), nb::arg("eps") = 1e-6f,
+        nb::arg("stream") = nb::none(),
+        "A decode step's q, k, v in one op: x (B, 1, K) float32, RMS-normalised by norm "
+        "where given, through each projection's codes (w, scales, biases), then RoPE on q "
+        "and k -> (q, k, v), each (B, H, 1, D).");
+  m.def("decode_tail", &qfserve::decode_tail, nb::arg("a"), nb::arg("x"), nb::arg("o"),
+        nb::arg("norm"), nb::arg("eps"), nb::arg("gate"), nb::arg("up"), nb::arg("down"),
+        nb::kw_only(), nb::arg("stream") = nb::none(),
+        "The rest of a decode step's block in one op: h = x + o(a), then "
+        "h + down(swiglu(gate(n), up(n))) with n = rms_norm(h, norm, eps).");
   m.def("threads", [] { return qfserve::pool().threads(); }, "Threads of the kernels' pool.");
 #if defined(__AVX512F__)
   m.attr("simd") = "avx512";

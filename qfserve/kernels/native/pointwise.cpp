@@ -67,19 +67,8 @@ class RmsNorm : public mx::UnaryPrimitive {
       for (int i = 0; i < n; ++i) weight[i] = w_ptr[i * w_s];
       over_rows(static_cast<int64_t>(starts.size()), n, [&](int64_t r) {
         thread_local std::vector<float> tmp;
-        const float* xr = row(x_ptr, starts[r], x_s, n, tmp);
-        float* o = o_ptr + r * n;
-        int i = 0;
-        vf acc{};
-        for (; i + W <= n; i += W) {
-          const vf v = load(xr + i);
-          acc += v * v;
-        }
-        float sum = hsum(acc);
-        for (; i < n; ++i) sum += xr[i] * xr[i];
-        const float inv = 1.0f / std::sqrt(sum / n + eps);
-        for (i = 0; i + W <= n; i += W) store(o + i, load(xr + i) * inv * load(weight.data() + i));
-        for (; i < n; ++i) o[i] = xr[i] * inv * weight[i];
+        qfserve::detail::rms_row(row(x_ptr, starts[r], x_s, n, tmp), weight.data(),
+                                 o_ptr + r * n, n, eps);
       });
     });
   }
@@ -134,6 +123,20 @@ class SwiGlu : public mx::UnaryPrimitive {
 };
 
 }  // namespace
+
+void qfserve::detail::rms_row(const float* x, const float* weight, float* o, int n, float eps) {
+  int i = 0;
+  vf acc{};
+  for (; i + W <= n; i += W) {
+    const vf v = load(x + i);
+    acc += v * v;
+  }
+  float sum = hsum(acc);
+  for (; i < n; ++i) sum += x[i] * x[i];
+  const float inv = 1.0f / std::sqrt(sum / n + eps);
+  for (i = 0; i + W <= n; i += W) store(o + i, load(x + i) * inv * load(weight + i));
+  for (; i < n; ++i) o[i] = x[i] * inv * weight[i];
+}
 
 void qfserve::detail::swiglu_row(const float* g, const float* u, float* o, int n) {
   int i = 0;
