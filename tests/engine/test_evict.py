@@ -190,9 +190,11 @@ def test_the_compiled_decode_step_keeps_nothing_per_shape(ranked):
 
 
 @pytest.mark.parametrize("method", ["qfilters", "knorm", "streaming"])
-def test_the_native_step_keeps_the_rows_mlx_keeps(method):
-    """A tiny model decoding 40 steps past its budget, alone and in a packed batch of two:
-    with the native eviction step, the same tokens, rows and positions as with MLX's."""
+@pytest.mark.parametrize("chunk", [1, 4])
+def test_the_native_step_keeps_the_rows_mlx_keeps(method, chunk):
+    """A tiny model decoding 40 steps past its budget, alone and in a packed batch of two
+    (growing, then at the budget; chunked caches with their per-token scores): with the
+    native eviction step, the same tokens, rows and positions as with MLX's."""
     from qfserve.engine.kv import attention
     from qfserve.engine.kv.config import CacheConfig
     from qfserve.engine.kv.factory import make_caches
@@ -208,7 +210,7 @@ def test_the_native_step_keeps_the_rows_mlx_keeps(method):
     attn = model.layers[0].self_attn
     shape = (len(model.layers), attn.n_kv_heads, attn.head_dim)
     filters = mx.array(np.random.default_rng(1).standard_normal(shape).astype(np.float32))
-    config = CacheConfig(method=method, budget=24, recent=6, n_sink=2)
+    config = CacheConfig(method=method, budget=24, recent=6, n_sink=2, chunk=chunk)
     prompts = [[5, 9, 3, 7, 1, 2, 8] * 6, [4, 4, 6, 1, 9] * 5]
 
     def run(batched: bool) -> tuple[list, list]:
@@ -228,7 +230,8 @@ def test_the_native_step_keeps_the_rows_mlx_keeps(method):
             for layer in layers:
                 layer.filter([])  # members take their rows back
             out.append(tokens)
-        rows = [(np.array(c.keys), np.array(c.positions if c.tracks else c.order))
+        rows = [(np.array(c.keys), np.array(c.positions if c.tracks else c.order),
+                 None if c.token_scores is None else np.array(c.token_scores))
                 for m in members for c in m]  # fmt: skip
         return out, rows
 
@@ -254,6 +257,9 @@ def test_the_native_step_keeps_the_rows_mlx_keeps(method):
         results["native"], results["mlx"], strict=True
     ):
         assert tokens_n == tokens_m
-        for (keys_n, pos_n), (keys_m, pos_m) in zip(rows_n, rows_m, strict=True):
+        for (keys_n, pos_n, tok_n), (keys_m, pos_m, tok_m) in zip(rows_n, rows_m, strict=True):
             np.testing.assert_array_equal(pos_n, pos_m)
             np.testing.assert_allclose(keys_n, keys_m, rtol=1e-5, atol=1e-5)
+            assert (tok_n is None) == (tok_m is None) == (chunk == 1)
+            if tok_n is not None:
+                np.testing.assert_allclose(tok_n, tok_m, rtol=1e-5, atol=1e-5)

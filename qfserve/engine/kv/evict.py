@@ -93,6 +93,8 @@ def _write_and_select(
     n_sink: int | mx.array,
     held: mx.array | None = None,
     ranked: bool = True,
+    token_scores: mx.array | None = None,
+    caps: mx.array | None = None,
 ) -> tuple[mx.array, ...]:
     """A decode step at budget: the new ``row`` (its keys ``(B, H, 1, D)``, values and score
     ``(B, H, 1)``) and its ``position`` (an int32 scalar or ``(B, 1, 1)``) go into the
@@ -101,12 +103,17 @@ def _write_and_select(
 
     ``ranked``: ``scores`` hold ranks (NaN already mapped to -inf, as the cache stores them);
     otherwise raw scores, mapped for the selection only (as a packed batch stores them).
+    ``token_scores`` (a chunked cache's per-token scores, ``(B, H, C)``): the raw score goes
+    into the slot there too. ``caps`` (``(B, 1, 1)`` int32, with ``held``): a packed member
+    holding fewer slots than its cap is still growing, and its next slot is ``held``.
 
     Returns:
-        The new ``keys``, ``values``, ``scores``, ``order`` and free slot ``(B, H, 1)``.
+        The new ``keys``, ``values``, ``scores``, ``order`` and free slot ``(B, H, 1)``, then
+        the new ``token_scores`` where given.
     """
     new_keys, new_values, score = row
     slot = free[..., None]  # (B, H, 1, 1)
+    tokens = () if token_scores is None else (mx.put_along_axis(token_scores, free, score, axis=2),)
     keys = mx.put_along_axis(keys, slot, new_keys, axis=2)
     values = mx.put_along_axis(values, slot, new_values, axis=2)
     # NaN ranks lowest. Not mx.nan_to_num: its fill values would be constants of every trace,
@@ -116,7 +123,10 @@ def _write_and_select(
     scores = mx.put_along_axis(scores, free, score, axis=2)
     order = mx.put_along_axis(order, free, mx.broadcast_to(position, free.shape), axis=2)
     rank = scores if ranked else mx.where(mx.isnan(scores), _NEG_INF, scores)
-    return keys, values, scores, order, select_victim(rank, order, n_sink, first_recent, held)
+    victim = select_victim(rank, order, n_sink, first_recent, held)
+    if caps is not None and held is not None:
+        victim = mx.where(held < caps, held.astype(mx.uint32), victim)
+    return keys, values, scores, order, victim, *tokens
 
 
 # Compiled: the step's dozen small ops cost MLX's per-op dispatch each (as much as the rest
@@ -137,6 +147,8 @@ def write_and_select(
     n_sink: int | mx.array,
     held: mx.array | None = None,
     ranked: bool = True,
+    token_scores: mx.array | None = None,
+    caps: mx.array | None = None,
 ) -> tuple[mx.array, ...]:
     """:func:`_write_and_select`, on the CPU in three native ops where the kernels are set
     (:func:`qfserve.engine.kv.attention.set_native`): even compiled, MLX evaluates the step's
@@ -153,6 +165,7 @@ def write_and_select(
         or mx.default_device() != mx.cpu
         or not all(a.dtype == mx.float32 for a in (keys, values, scores, new_keys, new_values))
         or not _native_score(score, keys.shape[0])
+        or (token_scores is not None and token_scores.dtype != mx.float32)
     ):
         if isinstance(score, ScoreForm):
             score = score.projected(new_keys)
@@ -170,6 +183,8 @@ def write_and_select(
                 n_sink,
                 held,
                 ranked,
+                token_scores,
+                caps,
             ),
         )
     ints = [
@@ -192,6 +207,8 @@ def write_and_select(
             ranked=ranked,
             direction=None if form is None else form.direction,
             scale=None if form is None else form.scale,
+            token_scores=token_scores,
+            caps=caps,
         )
     )
 

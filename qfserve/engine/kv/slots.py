@@ -183,10 +183,8 @@ class SlotLayout(CacheFields):
             if self.token_scores is None and form is not None and form.kind == "project":
                 score = form  # scored within the step (write_and_select)
             else:
-                score = raw = self.scorer.score(keys, position)  # (B, H, 1)
-                if self.token_scores is not None:
-                    self.token_scores = mx.put_along_axis(self.token_scores, self.free, raw, axis=2)
-            self.keys, self.values, self.scores, self.order, self.free = write_and_select(
+                score = self.scorer.score(keys, position)  # (B, H, 1)
+            self.keys, self.values, self.scores, self.order, self.free, *tokens = write_and_select(
                 self.keys,
                 self.values,
                 self.scores,
@@ -196,8 +194,10 @@ class SlotLayout(CacheFields):
                 mx.array(position, dtype=mx.int32),
                 mx.array(self.offset - self.recent, dtype=mx.int32),
                 mx.array(self.n_sink, dtype=mx.int32),  # an input: a constant is kept per trace
+                token_scores=self.token_scores,  # chunks: the raw score there too
             )
-            if self.token_scores is not None:
+            if tokens:
+                self.token_scores = tokens[0]
                 self.positions = self.order
         self.evictions += 1
         return self.keys, self.values

@@ -2,27 +2,21 @@
 
 Stepping every member's own cache (:class:`qfserve.engine.serving.batch.BatchCache`'s general
 path) costs about twenty small MLX operations per member, layer and step, and on a CPU their
-dispatch outweighs the step's arithmetic once a batch holds a few requests. Here the members'
-rows live in one right-padded set of arrays while the batch's membership holds still, and a
-decode step is the same dozen operations whatever the batch size: score the new rows (each
-member by its scorer's batched form, :meth:`qfserve.engine.kv.scorers.Scorer.form`), write
-each into its member's next slot, and pick each evicting member's victim with
-:func:`qfserve.engine.kv.evict.select_victim` (its own sinks, recent window and held slots).
-Each cache keeps the rows it keeps alone, in the same slots (to float32 rounding: design.md).
+dispatch outweighs the step's arithmetic. Here the members' rows live in one right-padded set
+of arrays while the membership holds still, and a step is one call whatever the batch size
+(:func:`qfserve.engine.kv.evict.write_and_select`, native where built): score the new rows
+(each member by its scorer's batched form, :meth:`qfserve.engine.kv.scorers.Scorer.form`),
+write each into its member's next slot, pick each evicting member's victim (its own sinks,
+recent window and held slots). Each cache keeps the rows it keeps alone, in the same slots
+(to float32 rounding: design.md). Per member, ``held`` slots are in use: a cache still growing
+(fewer than ``budget + 1`` rows, or a full cache) appends at slot ``held``; once ``budget +
+1`` slots are held it is in the slot layout of :mod:`qfserve.engine.kv.slots`.
 
-Per member, ``held`` slots are in use: a cache still growing (fewer than ``budget + 1`` rows,
-or a full cache) appends at slot ``held``; once ``budget + 1`` slots are held it is in the
-slot layout of :mod:`qfserve.engine.kv.slots` and writes into the victim's slot.
-
-While packed a member is *lent*: its arrays are replaced by :class:`Lent` placeholders that
-carry their shape and size but no data, so its statistics stay current, its rows are not
-held twice, and any attempt to compute with it fails loudly. :meth:`PackedBatch.release`
-writes the real rows back (copies: a member leaving keeps nothing of the batch's buffers).
-
-Chunked members (``chunk > 1``) decode as they do alone: per-token scores beside the ranks,
-true positions in ``order``, stored rows ranked by chunk once at the budget
-(:func:`qfserve.engine.kv.evict.chunk_scores`), a decoded row by its own score.
-
+While packed a member is *lent*: its arrays are :class:`Lent` placeholders with their shape
+and size but no data (statistics stay current, rows are not held twice, computing with them
+fails loudly); :meth:`PackedBatch.release` writes the real rows back, copied. Chunked members
+(``chunk > 1``) decode as alone: per-token scores beside the ranks, true positions in
+``order``, stored rows ranked by chunk once at the budget, a decoded row by its own score.
 What can be packed: eviction caches with heads not ragged and a scorer with a batched form,
 and mlx-lm's ``KVCache`` (our ``FullKVCache``); any other batch steps each member alone.
 """
@@ -42,6 +36,7 @@ from qfserve.engine.serving.lent import Lent
 _INF = float("inf")
 _STEP = 256  # slots added at a time when a growing member needs more (as mlx-lm's KVCache)
 _NONE = "none"  # a member that does not evict (a full cache) scores nothing
+_MAX_SLOTS = 2**31 - 1  # int32's largest: a full cache's cap in the step
 
 
 def can_pack(cache: Any) -> bool:
@@ -148,6 +143,8 @@ class PackedBatch:
         rows = [[getattr(m, name, 0) for m in self.members] for name in ("n_sink", "recent")]
         self.n_sink = mx.array(rows[0], mx.int32)[:, None, None]
         self.recent = mx.array(rows[1], mx.int32)[:, None, None]
+        caps = [min(c, _MAX_SLOTS) for c in self.caps]  # a full cache never evicts
+        self.cap_slots = mx.array(caps, mx.int32)[:, None, None]
 
     def _needed(self, i: int) -> int:
         """Slots member ``i`` needs for its next row: room to grow by whole steps, up to its
@@ -188,8 +185,6 @@ class PackedBatch:
             out = mx.where(self.kind == code, parts[kind], out)
         return out
 
-    # -- one decode step -----------------------------------------------------------------
-
     def step(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array, Any]:
         """Write one row per member; return every slot and the mask of the held ones.
 
@@ -214,14 +209,27 @@ class PackedBatch:
         held = [int(min(h + 1, c)) for h, c in zip(self.held, self.caps, strict=True)]
         held_now = mx.array(held, dtype=mx.int32)[:, None, None]
         evict = [h == c for h, c in zip(held, self.caps, strict=True)]
-        if all(evict) and self.token_scores is None:  # the steady state: one compiled call
+        # A chunked member reaching its budget ranks its stored rows by chunk before the
+        # selection (_write_and_grow); every other step is one call (native where built),
+        # whose victim a member still growing does not take.
+        ranks_chunks = self.token_scores is not None and any(
+            c > 1 and n < cap == h
+            for c, n, cap, h in zip(self.chunks, self.held, self.caps, held, strict=True)
+        )
+        if not ranks_chunks:
             state = (self.keys, self.values, self.scores, self.order, self.free)
-            form = self.projection if self.kinds == ["project"] else None  # scored in the step
+            tokens_off = self.token_scores is None
+            # A projection is scored in the step, where no per-token scores need it apart.
+            form = self.projection if self.kinds == ["project"] and tokens_off else None
             row = (keys, values, self._score(keys, positions) if form is None else form)
             first_recent = positions + 1 - self.recent
-            self.keys, self.values, self.scores, self.order, self.free = write_and_select(
-                *state, row, positions, first_recent, self.n_sink, held_now, ranked=False
-            )
+            # A growing member's next slot is its next one; the step computes it too, so each
+            # step evaluates the last one's scores (kept lazy, they would chain to the end).
+            self.keys, self.values, self.scores, self.order, self.free, *tokens = write_and_select(
+                *state, row, positions, first_recent, self.n_sink, held_now, ranked=False,
+                token_scores=self.token_scores, caps=self.cap_slots,
+            )  # fmt: skip
+            self.token_scores = tokens[0] if tokens else None
         else:
             row = (keys, values, self._score(keys, positions))
             self._write_and_grow(*row, positions, held, held_now, evict)
@@ -242,47 +250,40 @@ class PackedBatch:
             return self.keys, self.values, mask
         return self.keys[:, :, :width], self.values[:, :, :width], mask
 
-    def _write_and_grow(
-        self,
-        keys: mx.array,
-        values: mx.array,
-        score: mx.array,
-        positions: mx.array,
-        held: list[int],
-        held_now: mx.array,
-        evict: list[bool],
-    ) -> None:
-        """The step's writes and next free slots while some member grows or is chunked."""
-        slot = self.free[..., None]  # (B, H, 1, 1)
+    def _write_and_grow(self, keys: mx.array, values: mx.array, score: mx.array,
+                        positions: mx.array, held: list[int], held_now: mx.array,
+                        evict: list[bool]) -> None:  # fmt: skip
+        """A step where a chunked member reaches its budget: the writes, its stored rows
+        ranked by chunk, then the selection."""
+        assert self.token_scores is not None
+        slot, free = self.free[..., None], self.free  # (B, H, 1, 1), (B, H, 1)
         self.keys = mx.put_along_axis(self.keys, slot, keys, axis=2)
         self.values = mx.put_along_axis(self.values, slot, values, axis=2)
-        self.scores = mx.put_along_axis(self.scores, self.free, score, axis=2)
+        self.scores = mx.put_along_axis(self.scores, free, score, axis=2)
+        self.token_scores = mx.put_along_axis(self.token_scores, free, score, axis=2)
         self.order = mx.put_along_axis(
-            self.order, self.free, mx.broadcast_to(positions, self.free.shape), axis=2
+            self.order, free, mx.broadcast_to(positions, free.shape), axis=2
         )
-        if self.token_scores is not None:
-            self.token_scores = mx.put_along_axis(self.token_scores, self.free, score, axis=2)
-            for i, n in enumerate(self.held):
-                if self.chunks[i] > 1 and n < self.caps[i] == held[i]:  # reaches its budget
-                    # Its stored rows (slots 0 .. n-1, in time) now rank by their chunk's
-                    # mean; the row just written at slot n keeps its own score.
-                    self.scores[i : i + 1, :, :n] = chunk_scores(
-                        self.token_scores[i : i + 1, :, :n],
-                        self.order[i : i + 1, :, :n],
-                        self.chunks[i],
-                    )
-        if any(evict):
-            # Each row's own sinks, recent window and held slots; NaN ranks lowest.
-            ranked = mx.nan_to_num(self.scores, nan=-_INF, posinf=_INF, neginf=-_INF)
-            first_recent = positions + 1 - self.recent
-            victim = select_victim(ranked, self.order, self.n_sink, first_recent, held_now)
-            grow = held_now.astype(mx.uint32)
-            self.free = victim if all(evict) else mx.where(mx.array(evict)[:, None, None],
-                                                           victim, grow)  # fmt: skip
-        else:
-            self.free = mx.broadcast_to(held_now.astype(mx.uint32), self.free.shape)
+        for i, n in enumerate(self.held):
+            if self.chunks[i] > 1 and n < self.caps[i] == held[i]:
+                # Its stored rows (slots 0 .. n-1, in time) now rank by their chunk's mean;
+                # the row just written at slot n keeps its own score.
+                self.scores[i : i + 1, :, :n] = chunk_scores(
+                    self.token_scores[i : i + 1, :, :n], self.order[i : i + 1, :, :n],
+                    self.chunks[i],
+                )  # fmt: skip
+        # Each row's own sinks, recent window and held slots; NaN ranks lowest.
+        ranked = mx.nan_to_num(self.scores, nan=-_INF, posinf=_INF, neginf=-_INF)
+        first_recent = positions + 1 - self.recent
+        victim = select_victim(ranked, self.order, self.n_sink, first_recent, held_now)
+        self.free = self._next_free(victim, held_now, evict)
 
-    # -- lending and giving back ---------------------------------------------------------
+    def _next_free(self, victim: mx.array, held_now: mx.array, evict: list[bool]) -> mx.array:
+        """Each member's next slot: its victim where it evicts, else the next one it fills."""
+        if all(evict):
+            return victim
+        grow = mx.broadcast_to(held_now.astype(mx.uint32), victim.shape)
+        return grow if not any(evict) else mx.where(mx.array(evict)[:, None, None], victim, grow)
 
     def _lend(self, i: int) -> None:
         """Member ``i``'s arrays become placeholders of the shapes it holds now."""
@@ -301,9 +302,8 @@ class PackedBatch:
             m.order = Lent((1, H, held), mx.int32)
             m.free = Lent((1, H, 1), mx.uint32)
 
-    # -- membership --------------------------------------------------------------------
-    # mlx-lm's batch protocol: a finished member is extracted (its rows given back), then
-    # the batch is filtered to the rest; newcomers join by extend. Done on the shared arrays
+    # Membership, mlx-lm's batch protocol: a finished member is extracted (its rows given back),
+    # then the batch is filtered to the rest; newcomers join by extend. Done on the shared arrays
     # (one gather or concatenation per array), a change of membership costs a few
     # operations per layer instead of giving every member its rows back and packing anew.
 

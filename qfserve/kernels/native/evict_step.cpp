@@ -15,8 +15,10 @@
 //
 //   slot = free[b, h]; keys[.., slot] = k; values[.., slot] = v; order[.., slot] = position
 //   scores[.., slot] = score (NaN -> -inf when `ranked`), or sum_d k[d] * direction[d] * scale
+//   token_scores[.., slot] = the score, raw (where given: a chunked cache's per-token scores)
 //   guarded(c) = c < n_sink | order[c] >= first_recent | c >= held
-//   free' = argmax over {c : rank(c) == min over unguarded (inf if guarded)} of order[c]
+//   free' = argmax over {c : rank(c) == min over unguarded (inf if guarded)} of order[c],
+//           or held where held < caps (a packed member still growing takes its next slot)
 // where rank = scores, NaN read as -inf.
 
 #include <cmath>
@@ -106,21 +108,29 @@ class WriteRow : public mx::UnaryPrimitive {
 // scores and order with the new row's at its slot, and the next victim.
 class Select : public mx::Primitive {
  public:
-  Select(mx::Stream stream, bool ranked, bool held, bool project, bool scaled)
-      : mx::Primitive(stream), ranked_(ranked), held_(held), project_(project), scaled_(scaled) {}
+  Select(mx::Stream stream, bool ranked, bool held, bool project, bool scaled, bool tokens,
+         bool caps)
+      : mx::Primitive(stream), ranked_(ranked), held_(held), project_(project), scaled_(scaled),
+        tokens_(tokens), caps_(caps) {}
 
   void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& out) override {
     // in: scores, order, free, then the score (B, H, 1) or the new keys (B, H, 1, D), the
     // direction (H, D) or (B, H, D)[ and the scale (H, 1) or (B, H, 1)]; then position,
-    // first_recent, n_sink[, held]
+    // first_recent, n_sink[, held[, caps]][, token_scores]
     for (auto& o : out) o.set_data(mx::allocator::malloc(o.nbytes()));
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (const auto& a : in) encoder.set_input_array(a);
     for (auto& o : out) encoder.set_output_array(o);
     encoder.dispatch([in, out, ranked = ranked_, held = held_, project = project_,
-                      scaled = scaled_]() mutable {
+                      scaled = scaled_, tokens = tokens_, caps = caps_]() mutable {
       copy_into(in[0], out[0]);
       copy_into(in[1], out[1]);
+      // Per-token scores (chunks): the raw score at the slot, beside the ranks.
+      float* token_scores = nullptr;
+      if (tokens) {
+        copy_into(in.back(), out[3]);
+        token_scores = out[3].data<float>();
+      }
       const int B = in[0].shape(0), H = in[0].shape(1), C = in[0].shape(2);
       const size_t ints = 3 + (project ? 2 + scaled : 1);  // position, first_recent, n_sink
       float* scores = out[0].data<float>();
@@ -144,13 +154,20 @@ class Select : public mx::Primitive {
         const int32_t first_recent = in[ints + 1].data<int32_t>()[at(in[ints + 1], b)];
         const int32_t n_sink = in[ints + 2].data<int32_t>()[at(in[ints + 2], b)];
         const int32_t hold = held ? in[ints + 3].data<int32_t>()[at(in[ints + 3], b)] : C;
+        // A member holding fewer slots than its cap grows into the next one: no victim.
+        const int32_t cap = caps ? in[ints + 4].data<int32_t>()[at(in[ints + 4], b)] : hold;
         for (int h = 0; h < H; ++h) {
           const int64_t bh = static_cast<int64_t>(b) * H + h;
           const uint32_t slot = in[2].data<uint32_t>()[row_offset(in[2], b, h)];
           float score = new_score(b, h);
+          if (tokens) token_scores[bh * C + slot] = score;
           if (ranked && std::isnan(score)) score = -inf;
           scores[bh * C + slot] = score;
           order[bh * C + slot] = position;
+          if (hold < cap) {
+            next[bh] = static_cast<uint32_t>(hold);
+            continue;
+          }
           // The victim: the lowest rank among unguarded slots, the highest order on ties.
           const float* s = scores + bh * C;
           const int32_t* o = order + bh * C;
@@ -175,9 +192,10 @@ class Select : public mx::Primitive {
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const Select&>(other);
     return ranked_ == o.ranked_ && held_ == o.held_ && project_ == o.project_ &&
-           scaled_ == o.scaled_;
+           scaled_ == o.scaled_ && tokens_ == o.tokens_ && caps_ == o.caps_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
+    if (tokens_) return {in[0].shape(), in[1].shape(), in[2].shape(), in[0].shape()};
     return {in[0].shape(), in[1].shape(), in[2].shape()};
   }
 
@@ -187,7 +205,7 @@ class Select : public mx::Primitive {
     return a.ndim() == 2 ? h * a.strides()[0] : row_offset(a, b, h);
   }
 
-  bool ranked_, held_, project_, scaled_;
+  bool ranked_, held_, project_, scaled_, tokens_, caps_;
 };
 
 }  // namespace
@@ -202,7 +220,9 @@ std::vector<mx::array> evict_step(const mx::array& keys, const mx::array& values
                                   const mx::array& position, const mx::array& first_recent,
                                   const mx::array& n_sink, const std::optional<mx::array>& held,
                                   bool ranked, const std::optional<mx::array>& direction,
-                                  const std::optional<mx::array>& scale, mx::StreamOrDevice s) {
+                                  const std::optional<mx::array>& scale,
+                                  const std::optional<mx::array>& token_scores,
+                                  const std::optional<mx::array>& caps, mx::StreamOrDevice s) {
   if (keys.ndim() != 4 || values.ndim() != 4 || new_keys.ndim() != 4 || new_values.ndim() != 4)
     throw std::invalid_argument("keys, values and the new row's must be 4-D (B, H, C, D)");
   const int B = keys.shape(0), H = keys.shape(1), C = keys.shape(2), D = keys.shape(3);
@@ -211,7 +231,8 @@ std::vector<mx::array> evict_step(const mx::array& keys, const mx::array& values
       scores.shape() != rows || order.shape() != rows || free.shape() != one ||
       new_keys.shape() != mx::Shape{B, H, 1, D} ||
       new_values.shape() != mx::Shape{B, H, 1, values.shape(3)} ||
-      (new_score && new_score->shape() != one))
+      (new_score && new_score->shape() != one) ||
+      (token_scores && (token_scores->shape() != rows || token_scores->dtype() != mx::float32)))
     throw std::invalid_argument("the cache's arrays and the new row do not match");
   if (keys.dtype() != mx::float32 || values.dtype() != mx::float32 ||
       scores.dtype() != mx::float32 || new_keys.dtype() != mx::float32 ||
@@ -238,23 +259,34 @@ std::vector<mx::array> evict_step(const mx::array& keys, const mx::array& values
   } else {
     inputs.push_back(*new_score);
   }
-  for (const mx::array* a : {&position, &first_recent, &n_sink, held ? &*held : nullptr}) {
+  if (caps && !held) throw std::invalid_argument("caps need held");
+  for (const mx::array* a : {&position, &first_recent, &n_sink, held ? &*held : nullptr,
+                             caps ? &*caps : nullptr}) {
     if (a == nullptr) continue;
     if (a->dtype() != mx::int32 || (a->size() != 1 && a->shape() != mx::Shape{B, 1, 1}))
-      throw std::invalid_argument("position, first_recent, n_sink and held must be int32, "
-                                  "one or (B, 1, 1)");
+      throw std::invalid_argument("position, first_recent, n_sink, held and caps must be "
+                                  "int32, one or (B, 1, 1)");
     inputs.push_back(*a);
   }
+  std::vector<mx::Shape> shapes = {rows, rows, one};
+  std::vector<mx::Dtype> dtypes = {mx::float32, mx::int32, mx::uint32};
+  if (token_scores) {
+    inputs.push_back(*token_scores);
+    shapes.push_back(rows);
+    dtypes.push_back(mx::float32);
+  }
   auto selected = mx::array::make_arrays(
-      {rows, rows, one}, {mx::float32, mx::int32, mx::uint32},
+      std::move(shapes), std::move(dtypes),
       std::make_shared<Select>(stream, ranked, held.has_value(), direction.has_value(),
-                               scale.has_value()),
+                               scale.has_value(), token_scores.has_value(), caps.has_value()),
       inputs);
-  return {mx::array(keys.shape(), mx::float32, std::make_shared<WriteRow>(stream),
-                    {keys, free, new_keys}),
-          mx::array(values.shape(), mx::float32, std::make_shared<WriteRow>(stream),
-                    {values, free, new_values}),
-          selected[0], selected[1], selected[2]};
+  std::vector<mx::array> out = {
+      mx::array(keys.shape(), mx::float32, std::make_shared<WriteRow>(stream),
+                {keys, free, new_keys}),
+      mx::array(values.shape(), mx::float32, std::make_shared<WriteRow>(stream),
+                {values, free, new_values})};
+  out.insert(out.end(), selected.begin(), selected.end());
+  return out;
 }
 
 }  // namespace qfserve

@@ -55,7 +55,8 @@ mlx::core::array swiglu(const mlx::core::array& gate, const mlx::core::array& up
 
 // An eviction cache's decode step at budget (qfserve/engine/kv/evict.py's write_and_select):
 // the new row into the free slot, then the next victim. Returns the new keys, values, scores,
-// order and free slot; the cache's arrays are updated in place where MLX can donate them.
+// order and free slot (and token_scores, where given, with the raw score at the slot); the
+// cache's arrays are updated in place where MLX can donate them.
 std::vector<mlx::core::array> evict_step(
     const mlx::core::array& keys, const mlx::core::array& values,
     const mlx::core::array& scores, const mlx::core::array& order,
@@ -64,7 +65,9 @@ std::vector<mlx::core::array> evict_step(
     const mlx::core::array& position, const mlx::core::array& first_recent,
     const mlx::core::array& n_sink, const std::optional<mlx::core::array>& held, bool ranked,
     const std::optional<mlx::core::array>& direction,
-    const std::optional<mlx::core::array>& scale, mlx::core::StreamOrDevice s);
+    const std::optional<mlx::core::array>& scale,
+    const std::optional<mlx::core::array>& token_scores,
+    const std::optional<mlx::core::array>& caps, mlx::core::StreamOrDevice s);
 
 // A decode step's block in two ops around its cache and attention (decode_block.cpp).
 // decode_qkv: x (B, 1, K) float32, RMS-normalised by `norm` (K,) where given, through each
