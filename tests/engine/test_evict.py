@@ -210,8 +210,9 @@ def test_the_native_step_keeps_the_rows_mlx_keeps(method, chunk):
     attn = model.layers[0].self_attn
     shape = (len(model.layers), attn.n_kv_heads, attn.head_dim)
     filters = mx.array(np.random.default_rng(1).standard_normal(shape).astype(np.float32))
-    config = CacheConfig(method=method, budget=24, recent=6, n_sink=2, chunk=chunk)
-    prompts = [[5, 9, 3, 7, 1, 2, 8] * 6, [4, 4, 6, 1, 9] * 5]
+    # Prompts under the budget: the members grow, then evict.
+    config = CacheConfig(method=method, budget=32, recent=6, n_sink=2, chunk=chunk)
+    prompts = [[5, 9, 3, 7, 1, 2, 8] * 3, [4, 4, 6, 1, 9] * 5]
 
     def run(batched: bool) -> tuple[list, list]:
         members = [make_caches(model, config, filters=filters if method == "qfilters" else None)

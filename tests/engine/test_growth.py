@@ -92,3 +92,43 @@ def test_a_block_after_growth_appends_to_the_rows_grown():
         for row in rows(30, 6):
             cache.update_and_fetch(row, row)
     assert_same(got, want)
+
+
+def test_buffers_grow_by_steps_not_to_a_large_budget():
+    """A budget far above the context reserves steps of 256 rows, not the budget."""
+    scorer = QFilterScorer(mx.array(np.ones((H, D), np.float32)))
+    cache = EvictionCache(scorer, budget=10**9, recent=4)
+    want = EvictionCache(QFilterScorer(mx.array(np.ones((H, D), np.float32))), budget=10**9)
+    want._grow_row = lambda keys, values: None  # type: ignore[method-assign]
+    prompt = mx.array(np.random.default_rng(8).standard_normal((B, H, 250, D)).astype(np.float32))
+    for c in (cache, want):
+        c.update_and_fetch(prompt, prompt)
+    sizes = []
+    for row in rows(10, 9):
+        for c in (cache, want):
+            c.update_and_fetch(row, row)
+        assert cache._room is not None
+        sizes.append(cache._room[0].shape[2])
+    assert sizes == [256] * 6 + [512] * 4  # 250 rows + 6 fill 256, then the next step
+    np.testing.assert_array_equal(np.array(cache.keys), np.array(want.keys))
+    np.testing.assert_array_equal(np.array(cache.scores), np.array(want.scores))
+
+
+def test_replacing_the_rows_lets_go_of_the_buffers():
+    """A trim, a restore or a packed batch lending the rows drops the growth buffers: they
+    are neither held nor counted after it."""
+    from qfserve.engine.serving.lent import Lent
+
+    cache = make("qfilters", 1, True)
+    for row in rows(8, 10):
+        cache.update_and_fetch(row, row)
+    assert cache._room is not None and cache.nbytes > sum(
+        a.nbytes for a in (cache.keys, cache.values, cache.scores)
+    )
+    cache.trim(2)
+    assert cache._room is None
+    assert cache.nbytes == sum(a.nbytes for a in (cache.keys, cache.values, cache.scores))
+    cache.update_and_fetch(*rows(1, 11) * 2)
+    assert cache._room is not None
+    cache.keys = Lent(cache.keys.shape, cache.keys.dtype)
+    assert cache._room is None

@@ -53,6 +53,34 @@ def test_the_native_step_equals_mlx(kernel, ranked, ties, per_sequence):
         np.testing.assert_array_equal(np.array(g), np.array(w), err_msg=name)
 
 
+def test_per_token_scores_and_growing_members_equal_mlx(kernel):
+    """A packed batch's step with chunked members' per-token scores (the raw score, NaN
+    kept, written beside the ranks) and members below their cap (their next slot is the one
+    after those they hold, not a victim)."""
+    rng = np.random.default_rng(11)
+    B, H, C, D = 3, 2, 40, 16
+    keys, values, scores, order, free, row = _state(rng, B, H, C, D, False)
+    tokens = mx.array(rng.standard_normal((B, H, C)).astype(np.float32))
+    position = mx.array([[[50]], [[61]], [[45]]], dtype=mx.int32)
+    first_recent = position - mx.array([[[8]], [[30]], [[2]]], dtype=mx.int32)
+    n_sink = mx.array([[[4]], [[0]], [[2]]], dtype=mx.int32)
+    held = mx.array([[[40]], [[25]], [[33]]], dtype=mx.int32)
+    caps = mx.array([[[40]], [[41]], [[2**31 - 1]]], dtype=mx.int32)  # at, below, a full cache
+    args = (position, first_recent, n_sink)
+    want = _write_and_select(keys, values, scores, order, free, row, *args, held, False, tokens,
+                             caps)  # fmt: skip
+    got = kernel.evict_step(keys, values, scores, order, free, *row, *args, held=held,
+                            ranked=False, token_scores=tokens, caps=caps)  # fmt: skip
+    names = ("keys", "values", "scores", "order", "free", "token_scores")
+    for name, w, g in zip(names, want, got, strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape, name
+        np.testing.assert_array_equal(np.array(g), np.array(w), err_msg=name)
+    assert np.array(got[4])[1:, :, 0].tolist() == [[25, 25], [33, 33]]  # they grow
+    slot = np.array(free)[0, :, 0]
+    assert np.array_equal(np.array(got[5])[0, range(H), slot], np.array(row[2])[0, :, 0],
+                          equal_nan=True)  # fmt: skip
+
+
 def test_every_slot_guarded_picks_the_newest(kernel):
     rng = np.random.default_rng(9)
     keys, values, scores, order, free, row = _state(rng, 1, 2, 8, 8, False)

@@ -10,8 +10,9 @@ all of it; eviction then trims what is *stored*, so the next block sees at most 
 old rows plus itself. ``offset`` is the absolute position (RoPE must see true positions after
 eviction); survivors keep the rotation they were stored with and are never renumbered.
 
-Layout: after a block the rows are stored in temporal order; once the cache is full, decode
-steps use the slot layout of :mod:`qfserve.engine.kv.slots` (O(budget) per step, no copy).
+Layout: after a block the rows are stored in temporal order; decode rows under the budget are
+written in place into growth buffers, and once the cache is full, decode steps use the slot
+layout of :mod:`qfserve.engine.kv.slots` (O(budget) per step, no copy).
 
 Chunks (``chunk > 1``): a block eviction ranks rows by their chunk's mean score
 (:func:`qfserve.engine.kv.evict.chunk_scores` over the per-token scores and absolute positions the cache
@@ -284,8 +285,8 @@ class EvictionCache(RaggedHeads, SavedState):
         if self.keys is None or self.values is None:
             return 0
         held = [self.keys, self.values, self.scores, self.token_scores, self.positions, self.valid]
-        room = self._room  # under the budget, buffers of budget + 1 rows (SlotLayout._grow_row)
-        if room is not None and room[len(room) // 2] is self.keys:
+        room = self._room  # under the budget, the growth buffers (SlotLayout._grow_row)
+        if room is not None:
             held = [*room[: len(room) // 2], self.valid]
         return sum(a.nbytes for a in held if a is not None)
 

@@ -17,6 +17,7 @@ from qfserve.engine.kv.evict import chunk_scores, gather_rows, select_victim, wr
 from qfserve.engine.kv.scorers import ScoreForm, Scorer
 
 _INF = float("inf")
+_STEP = 256  # rows the growth buffers add at a time, as mlx-lm's KVCache
 
 
 class CacheFields:
@@ -25,7 +26,6 @@ class CacheFields:
     them."""
 
     scorer: Scorer
-    keys: mx.array | None
     values: mx.array | None
     scores: mx.array | None
     order: mx.array | None
@@ -41,9 +41,21 @@ class CacheFields:
     floor: int | None
     evictions: int
     _ragged_rows: int | None
-    # Under the budget: buffers of budget + 1 rows (keys, values, scores, positions where
-    # tracked) and the views of them the cache's arrays are (see SlotLayout._grow_row).
+    _keys: mx.array | None = None
+    # Under the budget: buffers growing to budget + 1 rows (keys, values, scores, positions
+    # where tracked) and the views of them the cache's arrays are (SlotLayout._grow_row).
     _room: tuple[mx.array, ...] | None = None
+
+    @property
+    def keys(self) -> mx.array | None:
+        return self._keys
+
+    @keys.setter
+    def keys(self, value: mx.array | None) -> None:
+        # Whatever replaces the rows (a block, a trim, a restore, a packed batch lending
+        # them) lets go of the growth buffers: they are neither held nor counted after it.
+        self._keys = value
+        self._room = None
 
 
 class SlotLayout(CacheFields):
@@ -106,13 +118,12 @@ class SlotLayout(CacheFields):
 
         Why: appending by concatenation copies every stored row each step, which at a short
         context made a Q-Filters step cost several times ``KVCache``'s. So, as mlx-lm's
-        ``KVCache`` writes into steps of 256 rows, the rows go into buffers of ``budget + 1``
-        rows (keys, values, scores, and positions where tracked), allocated at the first
-        decode row (the prompt's rows copied once): the most the cache holds in the slot
-        layout, which the filled buffers then are, with no copy. ``keys``, ``values``,
-        ``scores`` (and ``token_scores``, ``positions``) are views of the filled rows, so
-        every other path reads the cache as before; one that replaces them (a block, a trim,
-        a restore) leaves the buffers behind, and the next decode row starts new ones.
+        ``KVCache`` does, the rows go into buffers grown by steps of 256 rows up to
+        ``budget + 1`` (keys, values, scores, and positions where tracked), the prompt's rows
+        copied in at the first decode row: filled, they are the slot layout's arrays, with
+        no copy. ``keys``, ``values``, ``scores`` (and ``token_scores``, ``positions``) are
+        views of the filled rows, so every other path reads the cache as before; one that
+        replaces the keys drops the buffers (``CacheFields.keys``).
         """
         tracks, scorer = self.tracks, self.scorer
         arrays = (self.keys, self.values, self.scores) + ((self.positions,) if tracks else ())
@@ -131,16 +142,17 @@ class SlotLayout(CacheFields):
             return None
         L = held[0].shape[2]
         room = self._room
-        if (
+        fresh = (
             room is None
             or len(room) != 2 * len(held)
             or any(v is not a for v, a in zip(room[len(held) :], held, strict=True))
-        ):
-            room = tuple(
-                mx.zeros((*a.shape[:2], self.budget + 1, *a.shape[3:]), a.dtype) for a in held
+        )
+        if fresh or room is None or room[0].shape[2] == L:  # new buffers, or more room
+            rows = min(self.budget + 1, -(-(L + 1) // _STEP) * _STEP)
+            room = tuple(  # the rows held (the old buffers' views, if any), then room
+                mx.concatenate([a, mx.zeros((*a.shape[:2], rows - L, *a.shape[3:]), a.dtype)], 2)
+                for a in held
             )
-            for buffer, a in zip(room, held, strict=True):
-                buffer[:, :, :L] = a
         position = self.offset
         self.offset += 1
         new = [keys, values, scorer.score(keys, position).astype(room[2].dtype)]
@@ -151,7 +163,8 @@ class SlotLayout(CacheFields):
         buffers = room[: len(held)]
         if L + 1 <= self.budget:
             views = tuple(b[:, :, : L + 1] for b in buffers)
-            self.keys, self.values, self.scores = views[:3]
+            self.keys = views[0]  # first: setting the keys drops the room
+            self.values, self.scores = views[1:3]
             if tracks:
                 self.token_scores, self.positions = views[2], views[3]
             self._room = (*buffers, *views)

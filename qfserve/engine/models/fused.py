@@ -14,8 +14,8 @@ llama ``TransformerBlock`` (Llama, SmolLM2, Mistral and the other models mlx-lm 
 it), exactly that class, whose forward is ``h = x + attn(norm(x)); h + mlp(norm(h))`` with
 llama's ``Attention`` and ``MLP``. It is installed where every projection reads codes and has
 no bias, both norms, the rope and the module's ``swiglu`` are the native ones; what it reads
-is taken at install (:func:`qfserve.engine.models.quantized.attach` installs it,
-``detach`` removes it). A block takes the path for decode rows only (``(B, 1, K)`` float32 on
+is taken at install (:func:`qfserve.engine.models.quantized.attach` installs it, ``detach``
+removes it; installing again after a block's weights change reads them anew). A block takes the path for decode rows only (``(B, 1, K)`` float32 on
 the CPU, as few sequences as the codes take); a prompt block, or a layer whose rope a query
 tap replaced (self-calibration, capture), runs the class's own forward, unchanged.
 """
@@ -128,24 +128,33 @@ def _fused_class(base: type) -> type:
 
 
 def install(model: nn.Module, kernel: ModuleType) -> int:
-    """Give every block of a known class whose parts allow it the fused subclass; returns
-    how many."""
+    """Give every block of a known class whose parts allow it the fused subclass, reading
+    its parts now (again where it has it already: after its weights changed); returns how
+    many have it."""
     swapped = 0
     for block in getattr(model, "layers", []):
-        if type(block) in _KNOWN and (parts := _parts(block, kernel)) is not None:
-            object.__setattr__(block, "_qfserve_parts", parts)
-            block.__class__ = _fused_class(type(block))
-            swapped += 1
+        base = getattr(type(block), "_qfserve_base", type(block))
+        if base not in _KNOWN:
+            continue
+        parts = _parts(block, kernel)
+        if parts is None:
+            _unfuse(block)
+            continue
+        object.__setattr__(block, "_qfserve_parts", parts)
+        block.__class__ = _fused_class(base)
+        swapped += 1
     return swapped
+
+
+def _unfuse(block: Any) -> bool:
+    base = getattr(type(block), "_qfserve_base", None)
+    if base is None:
+        return False
+    block.__class__ = base
+    object.__delattr__(block, "_qfserve_parts")
+    return True
 
 
 def remove(model: nn.Module) -> int:
     """Put back the classes :func:`install` replaced; returns how many."""
-    restored = 0
-    for block in getattr(model, "layers", []):
-        base = getattr(type(block), "_qfserve_base", None)
-        if base is not None:
-            block.__class__ = base
-            object.__delattr__(block, "_qfserve_parts")
-            restored += 1
-    return restored
+    return sum(_unfuse(block) for block in getattr(model, "layers", []))
