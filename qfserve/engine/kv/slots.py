@@ -13,7 +13,13 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from qfserve.engine.kv.evict import chunk_scores, gather_rows, select_victim, write_and_select
+from qfserve.engine.kv.evict import (
+    chunk_scores,
+    gather_rows,
+    int32,
+    select_victim,
+    write_and_select,
+)
 from qfserve.engine.kv.scorers import ScoreForm, Scorer
 
 _INF = float("inf")
@@ -204,9 +210,9 @@ class SlotLayout(CacheFields):
                 self.order,
                 self.free,
                 (keys, values, score),
-                mx.array(position, dtype=mx.int32),
-                mx.array(self.offset - self.recent, dtype=mx.int32),
-                mx.array(self.n_sink, dtype=mx.int32),  # an input: a constant is kept per trace
+                int32(position),
+                int32(self.offset - self.recent),
+                int32(self.n_sink),  # an input: a constant is kept per trace
                 token_scores=self.token_scores,  # chunks: the raw score there too
             )
             if tokens:
