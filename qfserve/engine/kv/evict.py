@@ -212,7 +212,7 @@ def write_and_select(
             new_values,
             None if form is not None else score,
             *ints,
-            held=None if held is None or held.dtype == mx.int32 else held.astype(mx.int32),
+            held=held if held is None or held.dtype == mx.int32 else held.astype(mx.int32),
             ranked=ranked,
             direction=None if form is None else form.direction,
             scale=None if form is None else form.scale,
