@@ -142,6 +142,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     sm = start("profile", argv, __doc__, reps=5, budget=(512, 64),
                context=(4096, 256, "tokens in the cache when decoding"),
                chunk=(512, 64, "prefill chunk tokens"))  # fmt: skip
+    if sm.args.chunk >= sm.args.context:  # the chunk is timed after the context's other rows
+        raise SystemExit(f"--chunk ({sm.args.chunk}) must be below --context ({sm.args.context})")
     args, tokens = sm.args, prompt_tokens(sm, sm.args.context)
     configs = {
         "full": CacheConfig(method="full"),

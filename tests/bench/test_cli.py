@@ -63,3 +63,10 @@ def test_studies_run_mlx_on_openblas_through_the_one_entry_point() -> None:
     assert "reexec_with_openblas" in called
     for module in (bench / "studies").glob("*.py"):
         assert "reexec_with_openblas" not in module.read_text(), module.name
+
+
+def test_a_profile_chunk_as_long_as_its_context_is_refused(tmp_path):
+    from bench.studies import profile
+
+    with pytest.raises(SystemExit, match="must be below --context"):
+        profile.main(["--quick", "--context", "64", "--chunk", "64", "--out", str(tmp_path)])
