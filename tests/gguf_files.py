@@ -200,3 +200,21 @@ def _finish(writer: GGUFWriter) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def load_converted_tiny(
+    scratch: Path, quantized: tuple[str, ...], qtype: GGMLQuantizationType
+) -> Any:
+    """A tiny GGUF with ``quantized`` stored as ``qtype``, converted in a scratch cache under
+    ``scratch`` and loaded as the server loads it (the native kernel itself is built once,
+    into qfserve's own cache)."""
+    import pytest
+
+    from qfserve.engine.models.gguf.convert import converted_folder
+    from qfserve.engine.models.loading import load_model
+
+    write_tiny_gguf(scratch / "tiny.gguf", quantized=quantized, qtype=qtype)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("QFSERVE_CACHE", str(scratch / "cache"))
+        folder = converted_folder(scratch / "tiny.gguf", dequantize=True)
+    return load_model(str(folder))

@@ -15,11 +15,9 @@ from gguf import GGMLQuantizationType
 from qfserve.engine.kv.config import CacheConfig
 from qfserve.engine.kv.factory import make_caches
 from qfserve.engine.models import fused
-from qfserve.engine.models.gguf.convert import converted_folder
-from qfserve.engine.models.loading import load_model
 from qfserve.engine.models.quantized import detach
 from qfserve.engine.serving.batch import BatchCache
-from tests.gguf_files import write_tiny_gguf
+from tests.gguf_files import load_converted_tiny
 from tests.kernels.conftest import _buildable
 
 pytestmark = pytest.mark.skipif(bool(_buildable()), reason=str(_buildable()))
@@ -29,12 +27,7 @@ PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up"
 @pytest.fixture(scope="module", params=[GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0])
 def tiny(request, tmp_path_factory):
     """A tiny GGUF whose every projection is quantized, loaded as the server loads it."""
-    scratch = tmp_path_factory.mktemp("fused")
-    write_tiny_gguf(scratch / "tiny.gguf", quantized=PROJECTIONS, qtype=request.param)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("QFSERVE_CACHE", str(scratch / "cache"))
-        folder = converted_folder(scratch / "tiny.gguf", dequantize=True)
-    loaded = load_model(str(folder))
+    loaded = load_converted_tiny(tmp_path_factory.mktemp("fused"), PROJECTIONS, request.param)
     # Norm weights of their own (the tiny model's are all ones), so that a norm read in the
     # wrong place shows.
     model = loaded.model

@@ -17,11 +17,11 @@ from qfserve.engine.kv import attention
 from qfserve.engine.kv.config import METHODS, CacheConfig
 from qfserve.engine.kv.factory import make_caches
 from qfserve.engine.kv.kvzip import RepeatPrompt, compress
-from qfserve.engine.models.gguf.convert import QUANTIZED_FILE, converted_folder
+from qfserve.engine.models.gguf.convert import QUANTIZED_FILE
 from qfserve.engine.models.loading import _attach_codes, load_model
 from qfserve.engine.models.quantized import MAX_ROWS, DecodeEmbedding, DecodeLinear, detach
 from qfserve.engine.serving.batch import BatchCache
-from tests.gguf_files import write_tiny_gguf
+from tests.gguf_files import load_converted_tiny
 from tests.kernels.conftest import _buildable
 
 pytestmark = pytest.mark.skipif(bool(_buildable()), reason=str(_buildable()))
@@ -32,12 +32,7 @@ QUANTIZED = ("attn_q", "attn_v", "ffn_up", "token_embd")
 def tiny(request, tmp_path_factory):
     """A tiny GGUF with some tensors quantized, converted in a scratch cache and loaded as
     the server loads it (the kernel itself is built once into qfserve's own cache)."""
-    scratch = tmp_path_factory.mktemp("tiny")
-    write_tiny_gguf(scratch / "tiny.gguf", quantized=QUANTIZED, qtype=request.param)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("QFSERVE_CACHE", str(scratch / "cache"))
-        folder = converted_folder(scratch / "tiny.gguf", dequantize=True)
-    loaded = load_model(str(folder))
+    loaded = load_converted_tiny(tmp_path_factory.mktemp("tiny"), QUANTIZED, request.param)
     yield loaded
     detach(loaded.model)  # the native decode attention is one switch for the process
 

@@ -24,6 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from qfserve.calibrations.model_info import attention_modules
+from qfserve.engine.kv.evict import int32
 
 _MARK = "_qfserve_native"
 
@@ -73,7 +74,7 @@ class NativeRoPE(nn.Module):
 def offset_array(offset: Any) -> mx.array:
     """A cache's ``offset`` (an int, or one per sequence) as the native rope takes it."""
     if not isinstance(offset, mx.array):
-        return mx.array(offset, dtype=mx.int32)
+        return int32(offset)  # one array per value: a step's layers share it
     return offset if offset.dtype == mx.int32 else offset.astype(mx.int32)
 
 
