@@ -88,6 +88,28 @@ def test_reconstruction_scores_match_numpy(kernel, shape):
     assert (np.array(scores)[~(counted & key_mask)] == 0).all()
 
 
+def test_reconstruction_scores_only_the_asked_keys(kernel):
+    """``score_from``/``score_to`` give the same scores on those keys and 0 elsewhere; the
+    output is unchanged (the softmax still runs over every counted key)."""
+    B, Hq, H, N, S, D, Dv = 1, 6, 2, 37, 300, 32, 32
+    rng = np.random.default_rng(9)
+    q, k, v = _inputs(rng, B, Hq, H, N, S, D, Dv)
+    counted = rng.random((B, H, S)) > 0.3
+    counted[..., S - N :] = True
+    want_out, want_scores = reference(q, k, v, 0.25, None, counted)
+    for lo, hi in ((70, 200), (0, 5), (130, 131), (250, 400), (64, 128)):
+        out, scores = kernel.reconstruction_attention(
+            mx.array(q), mx.array(k), mx.array(v), 0.25, mx.array(counted), score_from=lo,
+            score_to=hi,
+        )  # fmt: skip
+        np.testing.assert_allclose(np.array(out), want_out, rtol=1e-4, atol=2e-5)
+        inside = np.zeros(S, dtype=bool)
+        inside[lo:hi] = True
+        got = np.array(scores)
+        np.testing.assert_allclose(got[..., inside], want_scores[..., inside], rtol=1e-4, atol=1e-6)
+        assert (got[..., ~inside] == 0).all()
+
+
 def test_prefill_attention_reads_any_strides(kernel):
     """Keys stored transposed, values and queries from wider buffers: read in place."""
     rng = np.random.default_rng(4)

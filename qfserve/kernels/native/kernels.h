@@ -30,13 +30,14 @@ mlx::core::array prefill_attention(const mlx::core::array& q, const mlx::core::a
                                    const std::optional<mlx::core::array>& key_mask,
                                    mlx::core::StreamOrDevice s);
 
-// prefill_attention, and KVzip's score of each key (B, H, S) float32: for keys where
-// `counted` (B, H, S) bool is true, the max over the group's queries of its weight in a
-// softmax over the counted keys only; 0 elsewhere.
+// prefill_attention, and KVzip's score of each key (B, H, S) float32: for keys in
+// [score_from, score_to) (score_to < 0: to the end) where `counted` (B, H, S) bool is true,
+// the max over the group's queries of its weight in a softmax over the counted keys only; 0
+// elsewhere.
 std::vector<mlx::core::array> reconstruction_attention(
     const mlx::core::array& q, const mlx::core::array& k, const mlx::core::array& v, float scale,
     const mlx::core::array& counted, const std::optional<mlx::core::array>& key_mask,
-    mlx::core::StreamOrDevice s);
+    int score_from, int score_to, mlx::core::StreamOrDevice s);
 
 // mx.fast.rope's arithmetic in one op: x (B, H, T, D) float32 rotated at positions
 // (t + offset) * scale by the first `dims` dimensions' inv_freqs (dims / 2, float32); offset

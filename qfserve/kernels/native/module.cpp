@@ -27,9 +27,11 @@ NB_MODULE(_native, m) {
         "KV heads grouped; key_mask (B, H, S) bool is false on keys not to attend.");
   m.def("reconstruction_attention", &qfserve::reconstruction_attention, nb::arg("q"),
         nb::arg("k"), nb::arg("v"), nb::arg("scale"), nb::arg("counted"), nb::kw_only(),
-        nb::arg("key_mask") = nb::none(), nb::arg("stream") = nb::none(),
+        nb::arg("key_mask") = nb::none(), nb::arg("score_from") = 0, nb::arg("score_to") = -1,
+        nb::arg("stream") = nb::none(),
         "prefill_attention's output and each counted key's max weight (B, H, S) over the "
-        "group's queries in a softmax over the counted keys only (KVzip's score).");
+        "group's queries in a softmax over the counted keys only (KVzip's score), for keys in "
+        "[score_from, score_to) (score_to < 0: to the end); 0 elsewhere.");
   m.def("rope", &qfserve::rope, nb::arg("x"), nb::arg("inv_freqs"), nb::arg("offset"),
         nb::arg("dims"), nb::kw_only(), nb::arg("traditional") = false, nb::arg("scale") = 1.0f,
         nb::arg("stream") = nb::none(),

@@ -16,7 +16,9 @@
 //
 //   score[j] = max_{g, i} exp(l[g, i, j]) / sum_{j' counted, visible to i} exp(l[g, i, j'])
 //
-// which takes a second walk over the keys once a row's max and restricted sum are known.
+// which takes a second walk over the keys once a row's max and restricted sum are known. Only
+// keys in [from, to) are scored (the rest score 0): the pass wants its chunk's stored rows,
+// and walking every key twice cost a tenth of its attention.
 
 #include <algorithm>
 #include <cmath>
@@ -47,6 +49,7 @@ constexpr int RB = 2;
 
 struct Layout {  // element strides of q, k, v, the key mask and `counted`, and the shapes
   int B, Hq, H, N, S, D, Dv;
+  int from, to;  // the keys scored
   int64_t q_b, q_h, q_n, q_d, k_b, k_h, k_s, k_d, v_b, v_h, v_s, v_d;
   int64_t m_b, m_h, m_s, c_b, c_h, c_s;
   int Sp, Dp;  // keys padded to whole blocks, value dims to whole vectors
@@ -144,6 +147,9 @@ class Item {
     R_ = G_ * rows_;
     first_ = L.S - L.N + i0;  // key position of the tile's first query
     end_ = first_ + rows_;    // keys [0, end_) are visible to some row
+    // Key blocks [blo_, bhi_) hold the scored keys this tile sees; their logits are kept.
+    blo_ = L.from / KB * KB;
+    bhi_ = std::max(blo_, std::min((end_ + KB - 1) / KB * KB, (L.to + KB - 1) / KB * KB));
     const int Rp = (R_ + RB - 1) / RB * RB;  // rows padded to whole micro-tiles
     w.q.assign(static_cast<size_t>(Rp) * L.D, 0.f);
     w.s.resize(static_cast<size_t>(Rp) * KB);
@@ -151,7 +157,7 @@ class Item {
     w.top.assign(Rp, -INFINITY);
     w.total.assign(Rp, 0.f);
     w.kept.assign(Rp, 0.f);
-    if (scoring) w.seen.resize(static_cast<size_t>(R_) * L.Sp);
+    if (scoring) w.seen.resize(static_cast<size_t>(R_) * (bhi_ - blo_));
     for (int g = 0; g < G_; ++g)
       for (int t = 0; t < rows_; ++t) {
         const float* src = q + b * L.q_b + (h * G_ + g) * L.q_h + (i0 + t) * L.q_n;
@@ -167,7 +173,9 @@ class Item {
       block_logits(j0);
       for (int r = 0; r < R_; ++r) {
         float* s = w_.s.data() + r * KB;
-        if (scoring_) std::memcpy(w_.seen.data() + static_cast<size_t>(r) * L_.Sp + j0, s, KB * 4);
+        if (scoring_ && j0 >= blo_ && j0 < bhi_)
+          std::memcpy(w_.seen.data() + static_cast<size_t>(r) * (bhi_ - blo_) + (j0 - blo_), s,
+                      KB * 4);
         vf m = load(s);
         for (int c = 1; c < KV; ++c) m = vmax(m, load(s + c * W));
         const float block_top = hmax(m);
@@ -213,26 +221,29 @@ class Item {
   }
 
   // Each counted key's max weight over the rows in the softmax over counted keys only, into
-  // best[0, end_), from the logits attend() kept (the rows' max and counted sums are final).
+  // best[from, min(to, end_)), from the logits attend() kept (the rows' max and counted sums
+  // are final).
   // A weight is exp(logit - top - log(kept)), monotonic in its exponent: the max over rows
   // is taken before the one exp a key.
   void score(float* best) {
     for (int r = 0; r < R_; ++r)  // the row's log normaliser (-inf: it counts nothing)
       w_.kept[r] = w_.kept[r] > 0.f ? w_.top[r] + std::log(w_.kept[r]) : INFINITY;
-    for (int j0 = 0; j0 < end_; j0 += KB) {
+    for (int j0 = blo_; j0 < bhi_; j0 += KB) {
       vf cols[KV];
       for (int c = 0; c < KV; ++c) cols[c] = splat(-INFINITY);
       for (int r = 0; r < R_; ++r) {
-        const float* s = w_.seen.data() + static_cast<size_t>(r) * L_.Sp + j0;
+        const float* s = w_.seen.data() + static_cast<size_t>(r) * (bhi_ - blo_) + (j0 - blo_);
         for (int c = 0; c < KV; ++c) cols[c] = vmax(cols[c], load(s + c * W) - w_.kept[r]);
       }
-      const int n = std::min(KB, end_ - j0);
+      const int lo = std::max(j0, L_.from), hi = std::min({j0 + KB, end_, L_.to});
       for (int c = 0; c < KV; ++c) {
         // <= 0 on counted keys (a weight <= 1); others are zeroed, so clamp them first.
         const vf x = cols[c] < 0.f ? cols[c] : vf{};
         const vf got = vexp(x) * load(P_.count + j0 + c * W);
-        for (int i = 0; i < W && c * W + i < n; ++i)
-          best[j0 + c * W + i] = std::max(best[j0 + c * W + i], got[i]);
+        for (int i = 0; i < W; ++i) {
+          const int j = j0 + c * W + i;
+          if (j >= lo && j < hi) best[j] = std::max(best[j], got[i]);
+        }
       }
     }
   }
@@ -256,15 +267,16 @@ class Item {
 
   const Layout& L_;
   const Packed& P_;
-  int b_, h_, G_, rows_, R_, first_, end_;
+  int b_, h_, G_, rows_, R_, first_, end_, blo_, bhi_;
   bool scoring_;
   Scratch& w_;
 };
 
 class PrefillAttention : public mx::Primitive {
  public:
-  PrefillAttention(mx::Stream stream, float scale, bool masked, bool scored)
-      : mx::Primitive(stream), scale_(scale), masked_(masked), scored_(scored) {}
+  PrefillAttention(mx::Stream stream, float scale, bool masked, bool scored, int from, int to)
+      : mx::Primitive(stream), scale_(scale), masked_(masked), scored_(scored), from_(from),
+        to_(to) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const mx::array& q = inputs[0];
@@ -281,7 +293,7 @@ class PrefillAttention : public mx::Primitive {
     Layout L{static_cast<int>(q.shape(0)), static_cast<int>(q.shape(1)),
              static_cast<int>(k.shape(1)), static_cast<int>(q.shape(2)),
              static_cast<int>(k.shape(2)), static_cast<int>(k.shape(3)),
-             static_cast<int>(v.shape(3)),
+             static_cast<int>(v.shape(3)), from_, to_,
              q.strides()[0], q.strides()[1], q.strides()[2], q.strides()[3],
              k.strides()[0], k.strides()[1], k.strides()[2], k.strides()[3],
              v.strides()[0], v.strides()[1], v.strides()[2], v.strides()[3],
@@ -324,7 +336,7 @@ class PrefillAttention : public mx::Primitive {
           std::fill(dst, dst + L.S, 0.f);
           for (int t = 0; t < tiles; ++t) {
             const float* src = best + (static_cast<size_t>(bh) * tiles + t) * L.S;
-            for (int j = 0; j < L.S; ++j) dst[j] = std::max(dst[j], src[j]);
+            for (int j = L.from; j < L.to; ++j) dst[j] = std::max(dst[j], src[j]);
           }
         }
       }
@@ -339,7 +351,8 @@ class PrefillAttention : public mx::Primitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const PrefillAttention&>(other);
-    return scale_ == o.scale_ && masked_ == o.masked_ && scored_ == o.scored_;
+    return scale_ == o.scale_ && masked_ == o.masked_ && scored_ == o.scored_ &&
+           from_ == o.from_ && to_ == o.to_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
@@ -353,6 +366,7 @@ class PrefillAttention : public mx::Primitive {
  private:
   float scale_;
   bool masked_, scored_;
+  int from_, to_;  // the keys scored
 };
 
 void check_mask(const mx::array& m, const mx::array& k, const char* what) {
@@ -363,7 +377,8 @@ void check_mask(const mx::array& m, const mx::array& k, const char* what) {
 
 std::vector<mx::array> prefill(const mx::array& q, const mx::array& k, const mx::array& v,
                                float scale, const std::optional<mx::array>& key_mask,
-                               const std::optional<mx::array>& counted, mx::StreamOrDevice s) {
+                               const std::optional<mx::array>& counted, int from, int to,
+                               mx::StreamOrDevice s) {
   if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4)
     throw std::invalid_argument("q, k and v must be 4-D (batch, heads, rows, dims)");
   if (k.shape(0) != q.shape(0) || v.shape(0) != q.shape(0) || k.shape(1) != v.shape(1) ||
@@ -387,8 +402,12 @@ std::vector<mx::array> prefill(const mx::array& q, const mx::array& k, const mx:
     shapes.push_back({k.shape(0), k.shape(1), k.shape(2)});
     dtypes.push_back(mx::float32);
   }
-  auto primitive = std::make_shared<PrefillAttention>(
-      mx::to_stream(s, mx::Device::cpu), scale, key_mask.has_value(), counted.has_value());
+  const int S = k.shape(2);
+  to = to < 0 ? S : std::min(to, S);
+  from = std::clamp(from, 0, to);
+  auto primitive = std::make_shared<PrefillAttention>(mx::to_stream(s, mx::Device::cpu), scale,
+                                                      key_mask.has_value(), counted.has_value(),
+                                                      from, to);
   return mx::array::make_arrays(std::move(shapes), dtypes, primitive, inputs);
 }
 
@@ -399,15 +418,16 @@ namespace qfserve {
 mx::array prefill_attention(const mx::array& q, const mx::array& k, const mx::array& v,
                             float scale, const std::optional<mx::array>& key_mask,
                             mx::StreamOrDevice s) {
-  return prefill(q, k, v, scale, key_mask, std::nullopt, s)[0];
+  return prefill(q, k, v, scale, key_mask, std::nullopt, 0, -1, s)[0];
 }
 
 std::vector<mx::array> reconstruction_attention(const mx::array& q, const mx::array& k,
                                                 const mx::array& v, float scale,
                                                 const mx::array& counted,
                                                 const std::optional<mx::array>& key_mask,
+                                                int score_from, int score_to,
                                                 mx::StreamOrDevice s) {
-  return prefill(q, k, v, scale, key_mask, counted, s);
+  return prefill(q, k, v, scale, key_mask, counted, score_from, score_to, s);
 }
 
 }  // namespace qfserve

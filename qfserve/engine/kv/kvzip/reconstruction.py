@@ -15,6 +15,7 @@ from qfserve.engine.kv.attention import native_kernel
 from qfserve.engine.kv.kvzip.scorer import (
     DEFAULT_BLOCK,
     DEFAULT_CHUNK,
+    REPEAT_ROWS,
     KVzipScorer,
     RepeatPrompt,
     evict,
@@ -112,8 +113,15 @@ class _ReconstructionView:
                 ],
                 axis=2,
             )
-            out, scores = kernel.reconstruction_attention(
-                queries, keys, values, scale, counted, key_mask=self.head_mask
+            out, scores = kernel.reconstruction_attention(  # the chunk's stored rows scored
+                queries,
+                keys,
+                values,
+                scale,
+                counted,
+                key_mask=self.head_mask,
+                score_from=lo,
+                score_to=hi,
             )
             self.scores[:, :, lo:hi] = mx.maximum(self.scores[:, :, lo:hi], scores[:, :, lo:hi])
             mx.eval(out, self.scores)
@@ -189,15 +197,19 @@ class Reconstruction:
         return not self._plan
 
     def step(self, limit: int) -> int:
-        """Feed up to ``limit`` reconstruction tokens; returns how many it fed. Once every
-        chunk is fed, each cache is compressed to its budget."""
+        """Feed about ``limit`` reconstruction tokens; returns how many it fed. A chunk's
+        rest within ``REPEAT_ROWS`` of the limit is fed whole: a chunk of ``limit`` context
+        tokens is one forward pass, not one and a sliver of its prompt's length (every
+        forward packs all the stored rows). Once every chunk is fed, each cache is compressed
+        to its budget."""
         fed = 0
         while self._plan and fed < limit:
             start, end, ids = self._plan[0]
             if self._fed == 0:
                 for view in self._views:
                     view.begin(start, end)
-            n = min(limit - fed, len(ids) - self._fed)
+            rest = len(ids) - self._fed
+            n = rest if rest <= limit - fed + REPEAT_ROWS else limit - fed
             block = mx.array(ids[self._fed : self._fed + n])[None]
             taps = [view.cache.scorer.tap for view in self._views]
             offers = [tap.offer for tap in taps]
