@@ -1,6 +1,8 @@
 """The needle in prose through the server, with the settings a user who changes nothing gets.
 
-``auto`` (no eviction field), ``full`` and ``auto-small`` (``--max-kv-bytes`` of 2,048 tokens).
+``auto`` (no eviction field), ``full`` and ``auto-small`` (``--max-kv-bytes`` of 2,048 tokens);
+``kvzip-small``: ``kv_method: kvzip`` at :data:`SMALL_KVZIP_BUDGET` rows on that small server,
+where every prompt is compressed as it is read (what fits holds no whole prompt and its pass).
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from bench.studies.retrieval import accuracy_plot, first_number_is
 from qfserve import testing
 
 STUDY = "niah_served"
-ARMS = ("auto", "full", "auto-small")
-COLOURS = {"auto": "tab:blue", "full": "black", "auto-small": "tab:red"}
+ARMS = ("auto", "full", "auto-small", "kvzip-small")
+COLOURS = {"auto": "tab:blue", "full": "black", "auto-small": "tab:red",
+           "kvzip-small": "darkgoldenrod"}  # fmt: skip
 SMALL_TOKENS = 2048  # the small server's --max-kv-bytes holds a full cache this long
+SMALL_KVZIP_BUDGET = 256  # below the rows a prompt may hold there before it is compressed
 
 
 def ask(url: str, doc: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
@@ -59,21 +63,34 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     row = kv_row_bytes(run.model, run.loaded.config, EngineConfig().cache_defaults())
     small = row * (300 if args.quick else SMALL_TOKENS)
+    # A quick run's small server reads 32-token chunks: a kvzip prompt then fits beside its pass.
+    kvzip_budget, chunk = (
+        (16, ["--prefill-chunk", "32"]) if args.quick else (SMALL_KVZIP_BUDGET, [])
+    )
     paragraphs = list(stdlib_prose())
     logs = Path(tempfile.mkdtemp(prefix="niah-served-"))
     servers = [
         testing.start("qfserve", run.folder, log=logs / "default.log", timeout=300),
         testing.start(
-            "qfserve", run.folder, "--max-kv-bytes", str(small), log=logs / "small.log", timeout=300
+            "qfserve",
+            run.folder,
+            "--max-kv-bytes",
+            str(small),
+            *chunk,
+            log=logs / "small.log",
+            timeout=300,
         ),
     ]
     room = run.context_length - 16  # the prompt and its answer fit (8k: 8,176 tokens at most)
 
     def measure(arm: str, n: int, d: int) -> dict[str, Any]:
         doc = make_doc(run.tokenizer, paragraphs, min(n, room), 0.5, d)
-        body = {"kv_method": "full"} if arm == "full" else {}
+        body = {
+            "full": {"kv_method": "full"},
+            "kvzip-small": {"kv_method": "kvzip", "qfilters_budget": kvzip_budget},
+        }
         return {"arm": arm, "length": n, "doc": d, "tokens": doc["tokens"],
-                **ask(servers[arm == "auto-small"].url, doc, body)}  # fmt: skip
+                **ask(servers[arm.endswith("-small")].url, doc, body.get(arm, {}))}  # fmt: skip
 
     todo = [(a, n, d) for n in args.lengths for d in range(args.docs) for a in ARMS]
     try:
@@ -86,7 +103,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     style = lambda arm: {"color": COLOURS[arm], "label": arm}  # noqa: E731
     plot = accuracy_plot(series, args.lengths, args.out, STUDY, title, style, "", "prompt tokens")
     return run.save({"docs": args.docs, "lengths": args.lengths, "small_kv_bytes": small,
-                     "small_tokens": small // row, "accuracy": accuracy, "records": records,
+                     "small_tokens": small // row, "small_kvzip_budget": kvzip_budget,
+                     "accuracy": accuracy, "records": records,
                      "plots": [plot]})  # fmt: skip
 
 
@@ -94,7 +112,9 @@ def render(d: dict[str, Any]) -> list[str]:
     intro = (f"{d['docs']} documents per length, the needle at half depth; greedy. `auto`: "
              "no eviction field (`--budget auto`); `full`: `kv_method: full`; `auto-small`: "
              f"the same request on a server whose `--max-kv-bytes` holds {d['small_tokens']:,} "
-             "tokens of full cache. Accuracy (what ran):")  # fmt: skip
+             "tokens of full cache; `kvzip-small`: `kv_method: kvzip` at "
+             f"{d.get('small_kvzip_budget', '?')} rows on that server, every prompt compressed "
+             "as it is read. Accuracy (what ran):")  # fmt: skip
     rows = [[arm, *(f"{by[str(n)]['accuracy']:.2f} ({', '.join(by[str(n)]['ran'])})"
                     if str(n) in by else "-" for n in d["lengths"])]
             for arm, by in d["accuracy"].items()]  # fmt: skip
