@@ -494,6 +494,14 @@ def readme_headlines(results_dir: Path = RESULTS_DIR) -> list[str]:
             f"`--budget auto` {auto} against the full cache's {full}; on a `--max-kv-bytes` of "
             f"{served['small_tokens']:,} tokens {small}"
         )
+        if "kvzip-small" in acc:
+            squeezed = _slashed(
+                [acc["kvzip-small"].get(str(n), {}).get("accuracy") for n in lengths]
+            )
+            result += (
+                f", and {squeezed} with `kv_method: kvzip` at {served['small_kvzip_budget']} rows "
+                "there, compressed as the prompt is read"
+            )
         rows.append([what, result])
     if llama := load(folder / "vs_llama_cpp.json"):
         rows_by = sorted(llama["rows"], key=lambda r: r["prompt_tokens"])
