@@ -1,8 +1,11 @@
 """The needle in prose through the server, with the settings a user who changes nothing gets.
 
 ``auto`` (no eviction field), ``full`` and ``auto-small`` (``--max-kv-bytes`` of 2,048 tokens);
-``kvzip-small``: ``kv_method: kvzip`` at :data:`SMALL_KVZIP_BUDGET` rows on that small server,
-where every prompt is compressed as it is read (what fits holds no whole prompt and its pass).
+``kvzip-small``: ``kv_method: kvzip`` at :data:`SMALL_KVZIP_BUDGET` rows without reuse on that
+small server, where every prompt is compressed as it is read (what fits holds no whole prompt
+and its pass);
+``kvzip``: the same request on the default server, one pass over the whole prompt before the
+answer (``qfilters_reuse: false``: a turn kept for reuse answers on its full cache instead).
 """
 
 from __future__ import annotations
@@ -21,9 +24,9 @@ from bench.studies.retrieval import accuracy_plot, first_number_is
 from qfserve import testing
 
 STUDY = "niah_served"
-ARMS = ("auto", "full", "auto-small", "kvzip-small")
+ARMS = ("auto", "full", "auto-small", "kvzip", "kvzip-small")
 COLOURS = {"auto": "tab:blue", "full": "black", "auto-small": "tab:red",
-           "kvzip-small": "darkgoldenrod"}  # fmt: skip
+           "kvzip": "goldenrod", "kvzip-small": "darkgoldenrod"}  # fmt: skip
 SMALL_TOKENS = 2048  # the small server's --max-kv-bytes holds a full cache this long
 SMALL_KVZIP_BUDGET = 256  # below the rows a prompt may hold there before it is compressed
 
@@ -87,7 +90,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         doc = make_doc(run.tokenizer, paragraphs, min(n, room), 0.5, d)
         body = {
             "full": {"kv_method": "full"},
-            "kvzip-small": {"kv_method": "kvzip", "qfilters_budget": kvzip_budget},
+            "kvzip": {
+                "kv_method": "kvzip",
+                "qfilters_budget": kvzip_budget,
+                "qfilters_reuse": False,
+            },
+            "kvzip-small": {
+                "kv_method": "kvzip",
+                "qfilters_budget": kvzip_budget,
+                "qfilters_reuse": False,
+            },
         }
         return {"arm": arm, "length": n, "doc": d, "tokens": doc["tokens"],
                 **ask(servers[arm.endswith("-small")].url, doc, body.get(arm, {}))}  # fmt: skip
@@ -113,8 +125,9 @@ def render(d: dict[str, Any]) -> list[str]:
              "no eviction field (`--budget auto`); `full`: `kv_method: full`; `auto-small`: "
              f"the same request on a server whose `--max-kv-bytes` holds {d['small_tokens']:,} "
              "tokens of full cache; `kvzip-small`: `kv_method: kvzip` at "
-             f"{d.get('small_kvzip_budget', '?')} rows on that server, every prompt compressed "
-             "as it is read. Accuracy (what ran):")  # fmt: skip
+             f"{d.get('small_kvzip_budget', '?')} rows without reuse on that server, every prompt compressed "
+             "as it is read; `kvzip`: the same on the default server without reuse, one pass "
+             "over the whole prompt before the answer. Accuracy (what ran):")  # fmt: skip
     rows = [[arm, *(f"{by[str(n)]['accuracy']:.2f} ({', '.join(by[str(n)]['ran'])})"
                     if str(n) in by else "-" for n in d["lengths"])]
             for arm, by in d["accuracy"].items()]  # fmt: skip

@@ -50,7 +50,7 @@ CHECKS: dict[str, Callable[[dict[str, Any]], bool]] = {
     and any("@" in m for m in d["accuracy"]["auto-small"][str(max(d["lengths"]))]["ran"])
     and all(r["budget_source"] == "auto" for r in d["records"] if r["arm"].startswith("auto"))
     and all(v["ran"] == [f"kvzip@{d['small_kvzip_budget']}"]
-            for v in d["accuracy"]["kvzip-small"].values()),
+            for arm in ("kvzip", "kvzip-small") for v in d["accuracy"][arm].values()),
     "selfcal-text": lambda d: all(_share(c["needle_rows_kept"]) for res in d["results"].values()
                                   for cells in res["arms"].values() for c in cells.values()),
     "multiturn-recall": lambda d: set(d["accuracy"]) == set(d["key_nll"]) and "full/reuse" in d["accuracy"]
