@@ -27,7 +27,14 @@ from qfserve import testing
 from qfserve.engine.kv import attention
 from qfserve.engine.kv.config import CacheConfig, ConfigError
 from qfserve.engine.kv.factory import make_caches
-from qfserve.engine.kv.kvzip import PREV_TAIL, RepeatPrompt, compress, generated_tier, needs_pass
+from qfserve.engine.kv.kvzip import (
+    PREV_TAIL,
+    Reconstruction,
+    RepeatPrompt,
+    compress,
+    generated_tier,
+    needs_pass,
+)
 
 CHUNK = 16  # context tokens per reconstruction chunk: the test context spans three
 
@@ -282,6 +289,32 @@ def test_global_budgets_share_every_layer_rows(tiny):
                        key=lambda hp: -guarded[i, hp[0], hp[1]])  # fmt: skip
         assert kept == set(order[: shares[i] * H])
     assert len({c.budget for c in caches}) > 1 or layers == 1
+
+
+def test_a_pass_leaves_nothing_for_another_to_cut(tiny):
+    """Once a pass has scored every row, no further pass is due, even where a layer keeps
+    more than the budget (rows shared across layers); forced anyway, a pass with nothing to
+    score ranks the rows again and cuts some, which is why none may run (the server read the
+    prompt, ran the pass, then ran an empty one that cut the kept rows before the answer)."""
+    loaded, tokens = tiny
+    model, context = loaded.model, tokens[:-1]
+    repeat = RepeatPrompt.for_tokenizer(loaded.tokenizer)
+    config = CacheConfig(method="kvzip", budget=13, recent=2, budget_mode="global")
+    caches = make_caches(model, config)
+    model(mx.array(context)[None], cache=caches)
+    assert needs_pass(caches)
+    compress(model, caches, context, repeat, chunk=CHUNK)
+    assert any(c.size() > 13 for c in caches)  # some layer's share is above the budget
+    assert not needs_pass(caches)
+    kept = [np.array(c.positions) for c in caches]
+    # An empty pass (the scheduler's step) would evict again: show that it is not a no-op.
+    run = Reconstruction(model, caches, context, repeat, chunk=CHUNK)
+    assert run.done
+    run.step(1)
+    assert any(np.array(c.positions).shape != k.shape for c, k in zip(caches, kept, strict=True))
+    # A generated row (a provisional score) over the budget makes a pass due again.
+    model(mx.array(tokens[-1:])[None], cache=caches)
+    assert needs_pass(caches) == any(c.size() > 13 for c in caches)
 
 
 def test_generated_tier_keeps_order_below_zero():

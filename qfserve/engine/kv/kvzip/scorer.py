@@ -174,14 +174,31 @@ def layer_budgets(caches: list[Any], scores: list[mx.array]) -> list[int]:
 
 
 def needs_pass(caches: list[Any]) -> bool:
-    """Some layer under :class:`KVzipScorer` holds more rows than the request's budget and
-    is not holding them for the turn boundary."""
+    """Some layer under :class:`KVzipScorer` holds more rows than the request's budget, some
+    of them not yet scored by a pass, and is not holding them for the turn boundary.
+
+    Scored rows alone need none: a layer may keep more than the budget when layers share
+    the rows (``budget_mode="global"``), and a pass with nothing to score would still rank
+    the rows again and evict, which is not idempotent (protected rows count beyond the
+    shares), so the rows a pass kept would be cut again before the answer."""
     return any(
         isinstance(getattr(c, "scorer", None), KVzipScorer)
         and not c.scorer.holding
         and c.size() > (c.scorer.budget or c.budget)
+        and _has_unscored(c)
         for c in caches
     )
+
+
+def _has_unscored(cache: Any) -> bool:
+    """Some stored row has a provisional score (below zero, :func:`generated_tier`), or
+    none has a score yet."""
+    if cache.token_scores is None:
+        return True
+    pending = cache.token_scores < 0
+    if cache.valid is not None:
+        pending = pending & cache.valid
+    return bool(pending.any().item())
 
 
 def over_limit(caches: list[Any]) -> bool:
