@@ -34,6 +34,7 @@ from qfserve.engine.kv.kvzip import (
     compress,
     generated_tier,
     needs_pass,
+    reconstruction,
 )
 
 CHUNK = 16  # context tokens per reconstruction chunk: the test context spans three
@@ -153,13 +154,25 @@ def kernels(request):
     attention.set_native(None)
 
 
-def test_scores_equal_an_independent_reconstruction(tiny, kernels):
+@pytest.fixture
+def cut_chunks(monkeypatch):
+    """A step feeds a chunk's rest whole within ``REPEAT_ROWS`` of its limit, which would
+    feed the tiny model's chunks whole: without that slack, blocks cut chunks, so the
+    reconstruction rows build up over forwards and the scores are maxed across them."""
+    monkeypatch.setattr(reconstruction, "REPEAT_ROWS", 0)
+
+
+def test_scores_equal_an_independent_reconstruction(tiny, kernels, cut_chunks):
     loaded, tokens = tiny
     model, context = loaded.model, tokens[:-1]
     repeat = RepeatPrompt.for_tokenizer(loaded.tokenizer)
     caches = make_caches(model, CacheConfig(method="kvzip", budget=1000, n_sink=4))
     model(mx.array(context)[None], cache=caches)
     compress(model, caches, context, repeat, chunk=CHUNK, block=7)  # blocks cut chunks
+    if kernels is not None:  # more forwards than chunks: chunks were cut
+        assert kernels.calls["reconstruction_attention"] > len(model.layers) * len(
+            repeat.chunks(context, CHUNK)
+        )
     ours = np.stack([np.array(c.token_scores[0]) for c in caches])
     attention.set_native(None)  # the reference runs on MLX's own attention
     ref = reference_scores(model, context, repeat, n_sink=4)
@@ -317,6 +330,24 @@ def test_a_pass_leaves_nothing_for_another_to_cut(tiny):
     assert needs_pass(caches) == any(c.size() > 13 for c in caches)
 
 
+def test_an_evicted_row_in_the_free_slot_is_not_unscored(tiny):
+    """A decode row evicted at once (no recent window) leaves its provisional score in the
+    slot it freed: that row is gone, so no pass is due for it (one would cut the kept rows)."""
+    loaded, tokens = tiny
+    model, context = loaded.model, tokens[:-1]
+    repeat = RepeatPrompt.for_tokenizer(loaded.tokenizer)
+    config = CacheConfig(method="kvzip", budget=13, recent=0, budget_mode="global")
+    caches = make_caches(model, config)
+    model(mx.array(context)[None], cache=caches)
+    compress(model, caches, context, repeat, chunk=CHUNK)
+    model(mx.array(tokens[-1:])[None], cache=caches)  # the lowest row: evicted at once
+    freed = [c for c in caches if c.free is not None]
+    assert freed and any(
+        bool((c.token_scores < 0).any().item()) for c in freed
+    )  # the victim's score is still stored
+    assert not needs_pass(caches)
+
+
 def test_generated_tier_keeps_order_below_zero():
     s = mx.array([-1e4, -50.0, -1.0, 0.0, 1.0, 50.0, 51.0, 1e4])
     t = np.array(generated_tier(s))
@@ -329,7 +360,7 @@ def test_kvzip_refuses_chunks():
     assert exc.value.param == "chunk"
 
 
-def test_a_later_turn_reconstructs_only_what_no_pass_scored(tiny):
+def test_a_later_turn_reconstructs_only_what_no_pass_scored(tiny, cut_chunks):
     from qfserve.engine.kv.kvzip import Reconstruction
 
     loaded, tokens = tiny

@@ -373,6 +373,33 @@ def test_a_kvzip_prompt_longer_than_memory_allows_is_compressed_as_it_is_read(lo
     assert len(passes) >= 3 and passes == sorted(passes) and passes[-1] == len(prompt) - 1
 
 
+def test_a_kvzip_prompt_one_token_past_its_chunks_still_gets_its_pass(loaded, monkeypatch):
+    """A prompt whose last chunk would be one token: that token would reach the caches as a
+    decode step and evict the whole prompt by its provisional scores before any pass. It is
+    read with the chunk before it, so the pass scores the prompt."""
+    from qfserve.engine.kv import kvzip
+
+    chunk = 16
+    config = CacheConfig(method="kvzip", budget=20, recent=4, budget_mode="per_head")
+    prompt = loaded.tokenizer.encode(" ".join([OPENING] * 10))
+    prompt = prompt[: len(prompt) - (len(prompt) - 2) % chunk]  # read: k chunks, then 1
+    assert (len(prompt) - 1) % chunk == 1 and len(prompt) > 3 * chunk
+    passes = []
+    init = kvzip.Reconstruction.__init__
+
+    def counted(self, model, caches, tokens, *args, **kwargs):
+        passes.append((len(tokens), max(c.size() for c in caches)))
+        init(self, model, caches, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(kvzip.Reconstruction, "__init__", counted)
+    w = worker_for(loaded, prompt_cache_size=0, prefill_chunk=chunk)
+    with serving(w):
+        _, final = ask(w, request(prompt, config, reuse=False))
+    # One pass over the whole prompt, every row of it still stored when it began.
+    assert passes == [(len(prompt) - 1, len(prompt) - 1)]
+    assert final.kv_cache["tokens_kept"] <= config.budget
+
+
 def test_an_entrys_hits_follow_its_conversation_when_a_later_turn_replaces_it():
     """mlx-lm drops a trimmable cache's prefixes when a longer turn is kept: the hits of the
     turn it replaced carry over, so per-entry hits add up to the total."""

@@ -182,6 +182,11 @@ class Scheduler:
                 seq.reconstruction = None
             elif todo > 0:
                 n = min(limit, todo)
+                if todo - n == 1:
+                    # Never leave a one-token chunk: a cache takes one row as a decode step
+                    # and evicts at once, so a kvzip prompt's rows would be cut by the
+                    # provisional scores before its pass.
+                    n = todo
                 chunk = mx.array(seq.prompt[seq.read : seq.read + n])[None]
                 self.loaded.model(chunk, cache=seq.caches)
                 mx.eval([c.state for c in seq.caches])

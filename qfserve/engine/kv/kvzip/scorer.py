@@ -198,6 +198,9 @@ def _has_unscored(cache: Any) -> bool:
     pending = cache.token_scores < 0
     if cache.valid is not None:
         pending = pending & cache.valid
+    if cache.free is not None:  # the free slot still holds the last victim's row: gone
+        slots = mx.arange(pending.shape[-1], dtype=mx.uint32)
+        pending = pending & (slots != cache.free)
     return bool(pending.any().item())
 
 
