@@ -181,12 +181,8 @@ class Scheduler:
                     return n
                 seq.reconstruction = None
             elif todo > 0:
-                n = min(limit, todo)
-                if todo - n == 1:
-                    # Never leave a one-token chunk: a cache takes one row as a decode step
-                    # and evicts at once, so a kvzip prompt's rows would be cut by the
-                    # provisional scores before its pass.
-                    n = todo
+                # No one-token chunk: a decode step to the caches (kvzip's prompt: cut, no pass)
+                n = todo if todo - min(limit, todo) == 1 else min(limit, todo)
                 chunk = mx.array(seq.prompt[seq.read : seq.read + n])[None]
                 self.loaded.model(chunk, cache=seq.caches)
                 mx.eval([c.state for c in seq.caches])
