@@ -304,19 +304,27 @@ def test_global_budgets_share_every_layer_rows(tiny):
     assert len({c.budget for c in caches}) > 1 or layers == 1
 
 
+def _shared_after_a_pass(tiny, recent: int) -> tuple:
+    """The tiny model's context read into kvzip caches of 13 rows shared across layers,
+    then compressed by a pass: (model, tokens, repeat prompt, caches)."""
+    loaded, tokens = tiny
+    model, context = loaded.model, tokens[:-1]
+    repeat = RepeatPrompt.for_tokenizer(loaded.tokenizer)
+    config = CacheConfig(method="kvzip", budget=13, recent=recent, budget_mode="global")
+    caches = make_caches(model, config)
+    model(mx.array(context)[None], cache=caches)
+    assert needs_pass(caches)
+    compress(model, caches, context, repeat, chunk=CHUNK)
+    return model, tokens, repeat, caches
+
+
 def test_a_pass_leaves_nothing_for_another_to_cut(tiny):
     """Once a pass has scored every row, no further pass is due, even where a layer keeps
     more than the budget (rows shared across layers); forced anyway, a pass with nothing to
     score ranks the rows again and cuts some, which is why none may run (the server read the
     prompt, ran the pass, then ran an empty one that cut the kept rows before the answer)."""
-    loaded, tokens = tiny
-    model, context = loaded.model, tokens[:-1]
-    repeat = RepeatPrompt.for_tokenizer(loaded.tokenizer)
-    config = CacheConfig(method="kvzip", budget=13, recent=2, budget_mode="global")
-    caches = make_caches(model, config)
-    model(mx.array(context)[None], cache=caches)
-    assert needs_pass(caches)
-    compress(model, caches, context, repeat, chunk=CHUNK)
+    model, tokens, repeat, caches = _shared_after_a_pass(tiny, recent=2)
+    context = tokens[:-1]
     assert any(c.size() > 13 for c in caches)  # some layer's share is above the budget
     assert not needs_pass(caches)
     kept = [np.array(c.positions) for c in caches]
@@ -333,13 +341,7 @@ def test_a_pass_leaves_nothing_for_another_to_cut(tiny):
 def test_an_evicted_row_in_the_free_slot_is_not_unscored(tiny):
     """A decode row evicted at once (no recent window) leaves its provisional score in the
     slot it freed: that row is gone, so no pass is due for it (one would cut the kept rows)."""
-    loaded, tokens = tiny
-    model, context = loaded.model, tokens[:-1]
-    repeat = RepeatPrompt.for_tokenizer(loaded.tokenizer)
-    config = CacheConfig(method="kvzip", budget=13, recent=0, budget_mode="global")
-    caches = make_caches(model, config)
-    model(mx.array(context)[None], cache=caches)
-    compress(model, caches, context, repeat, chunk=CHUNK)
+    model, tokens, _, caches = _shared_after_a_pass(tiny, recent=0)
     model(mx.array(tokens[-1:])[None], cache=caches)  # the lowest row: evicted at once
     freed = [c for c in caches if c.free is not None]
     assert freed and any(
