@@ -10,12 +10,13 @@ import pytest
 from qfserve.engine.kv.adaptive import exactly_k, ragged_gather, select_adaptive
 
 
-def ref_adaptive(scores, budget, n_sink, recent, floor, eligible=None):
+def ref_adaptive(scores, budget, n_sink, recent, floor, eligible=None, cap=None):
     """Per batch row: each head's floor (protected first, score desc, position asc), then
     the layer's best remaining rows by expected log attention weight, each head's scores less
-    their log-sum-exp over its eligible rows (weight desc, head asc, position asc)."""
+    their log-sum-exp over its eligible rows (weight desc, head asc, position asc); with a
+    ``cap``, only each head's first ``cap`` rows in its own order take part."""
     B, H, L = scores.shape
-    eligible = np.ones(scores.shape, bool) if eligible is None else eligible
+    eligible = np.ones(scores.shape, bool) if eligible is None else eligible.copy()
     keep = np.zeros(scores.shape, bool)
     s = np.where(np.isnan(scores), -np.inf, scores.astype(np.float64))
     for b in range(B):
@@ -31,6 +32,8 @@ def ref_adaptive(scores, budget, n_sink, recent, floor, eligible=None):
             prot = set(rows[:n_sink]) | set(rows[len(rows) - recent :] if recent else [])
             rows.sort(key=lambda r: (r not in prot, -s[b, h, r], r))
             keep[b, h, rows[:floor]] = True
+            if cap is not None:
+                eligible[b, h, rows[cap:]] = False
         rest = [
             (h, r) for h in range(H) for r in range(L) if eligible[b, h, r] and not keep[b, h, r]
         ]
@@ -74,6 +77,35 @@ def test_select_adaptive_matches_the_reference(budget, n_sink, recent, floor):
         assert counts.max() > budget  # the large-scale head took rows
     else:
         assert (counts == budget).all()  # a floor of the whole budget is per-head eviction
+
+
+@pytest.mark.parametrize("floor", [4, 6])
+def test_a_cap_bounds_every_head_and_the_rest_go_to_the_next_best(floor):
+    """The layer's storage is padded to its longest head: under a cap, a head whose rows
+    would win most of the layer keeps its best ``cap`` and the other heads take the rest."""
+    rng = np.random.default_rng(floor)
+    B, H, L, budget, cap = 2, 3, 64, 16, 18
+    scores = rng.standard_normal((B, H, L)).astype(np.float32) * np.array([0.2, 1.0, 3.0])[:, None]
+    free, _ = select_adaptive(mx.array(scores), budget=budget, n_sink=4, recent=0, floor=floor)
+    assert np.array(free).sum(-1).max() > cap  # uncapped, the large-scale head goes past it
+    keep, counts = select_adaptive(
+        mx.array(scores), budget=budget, n_sink=4, recent=0, floor=floor, cap=cap
+    )
+    keep, counts = np.array(keep), np.array(counts)
+    np.testing.assert_array_equal(keep, ref_adaptive(scores, budget, 4, 0, floor, cap=cap))
+    assert (counts.sum(-1) == budget * H).all() and counts.max() == cap
+
+
+def test_a_cap_that_leaves_too_few_rows_keeps_fewer_never_padding():
+    scores = np.zeros((1, 2, 8), np.float32)
+    eligible = np.ones((1, 2, 8), bool)
+    eligible[0, 1, 3:] = False  # the second head holds 3 real rows
+    keep, counts = select_adaptive(
+        mx.array(scores), budget=6, n_sink=0, recent=0, floor=1,
+        eligible=mx.array(eligible), cap=4,
+    )  # fmt: skip
+    keep = np.array(keep)
+    assert not keep[~eligible].any() and np.array(counts).tolist() == [[4, 3]]
 
 
 def test_padding_rows_are_never_kept():

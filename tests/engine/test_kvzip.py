@@ -35,6 +35,7 @@ from qfserve.engine.kv.kvzip import (
     generated_tier,
     needs_pass,
     reconstruction,
+    set_limit,
 )
 
 CHUNK = 16  # context tokens per reconstruction chunk: the test context spans three
@@ -274,6 +275,36 @@ def test_adaptive_budgets_share_the_layer_rows(tiny):
                 assert worst_kept >= best_dropped
 
 
+def shared_reference(ref: np.ndarray, budget: int, recent: int, cap: int | None = None):
+    """Each layer's share and kept ``(head, position)`` set when every layer shares
+    ``budget * H * layers`` rows by the reference scores, protected rows first; with a
+    ``cap``, only each head's best ``cap`` rows take part."""
+    layers, H, L = ref.shape
+    guarded = ref.copy()
+    guarded[:, :, :4] = np.inf
+    guarded[:, :, L - recent :] = np.inf
+    if cap is not None:
+        for i in range(layers):
+            for h in range(H):
+                order = sorted(range(L), key=lambda p: (-guarded[i, h, p], p))
+                guarded[i, h, order[cap:]] = -np.inf
+    kth = np.sort(guarded.reshape(-1))[::-1][budget * H * layers - 1]
+    counted = (guarded >= kth) & (guarded > -np.inf)
+    shares = [max(int(counted[i].sum()) // H, 4 + recent) for i in range(layers)]
+    kept = []
+    for i in range(layers):
+        order = sorted(((h, p) for h in range(H) for p in range(L)),
+                       key=lambda hp: -guarded[i, hp[0], hp[1]])  # fmt: skip
+        kept.append(set(order[: shares[i] * H]))
+    return shares, kept
+
+
+def _kept(cache) -> set:
+    valid = np.array(cache.valid[0])
+    H = valid.shape[0]
+    return {(h, p) for h in range(H) for p in np.array(cache.positions[0, h])[valid[h]]}
+
+
 def test_global_budgets_share_every_layer_rows(tiny):
     loaded, tokens = tiny
     model, context = loaded.model, tokens[:-1]
@@ -284,24 +315,42 @@ def test_global_budgets_share_every_layer_rows(tiny):
     model(mx.array(context)[None], cache=caches)
     compress(model, caches, context, repeat, chunk=CHUNK)
     ref = reference_scores(model, context, repeat, n_sink=4)  # (layers, H, L)
-    guarded = ref.copy()
-    guarded[:, :, :4] = np.inf
-    guarded[:, :, len(context) - recent :] = np.inf
-    layers, H, _ = ref.shape
-    kth = np.sort(guarded.reshape(-1))[::-1][budget * H * layers - 1]
-    shares = [max(int((guarded[i] >= kth).sum()) // H, 4 + recent) for i in range(layers)]
+    layers = ref.shape[0]
+    shares, kept = shared_reference(ref, budget, recent)
     # Each layer keeps whole rows per head: at most one row per head short of its share.
     assert budget * layers - layers <= sum(shares) <= budget * layers
     for i, cache in enumerate(caches):
         assert cache.budget == shares[i]
-        valid = np.array(cache.valid[0])
-        kept = {(h, p) for h in range(H) for p in np.array(cache.positions[0, h])[valid[h]]}
-        assert len(kept) == shares[i] * H
         # The layer's share goes to its best rows over every head, protected rows first.
-        order = sorted(((h, p) for h in range(H) for p in range(len(context))),
-                       key=lambda hp: -guarded[i, hp[0], hp[1]])  # fmt: skip
-        assert kept == set(order[: shares[i] * H])
+        assert _kept(cache) == kept[i]
     assert len({c.budget for c in caches}) > 1 or layers == 1
+
+
+def test_a_compress_as_read_limit_bounds_every_head_under_shared_budgets(tiny):
+    """A layer is stored padded to its longest head, and a prompt compressed as it is read
+    reserved ``limit`` rows a layer: with rows shared across layers no head may keep more
+    (at 8k tokens one SmolLM2 head kept 5,753 of 8,085 rows), the others taking the rest."""
+    loaded, tokens = tiny
+    model, context = loaded.model, tokens[:-1]
+    repeat = RepeatPrompt.for_tokenizer(loaded.tokenizer)
+    budget, recent = 13, 2
+    config = CacheConfig(method="kvzip", budget=budget, recent=recent, budget_mode="global")
+    free = make_caches(model, config)
+    model(mx.array(context)[None], cache=free)
+    compress(model, free, context, repeat, chunk=CHUNK)
+    longest = max(c.size() for c in free)
+    cap = longest - 3
+    assert cap > budget  # uncapped, some head keeps more than the limit
+    caches = make_caches(model, config)
+    set_limit(caches, cap)
+    model(mx.array(context)[None], cache=caches)
+    compress(model, caches, context, repeat, chunk=CHUNK)
+    ref = reference_scores(model, context, repeat, n_sink=4)
+    shares, kept = shared_reference(ref, budget, recent, cap=cap)
+    assert max(c.size() for c in caches) <= cap
+    for i, cache in enumerate(caches):
+        assert cache.budget == shares[i] and _kept(cache) == kept[i]
+    assert sum(c.budget for c in caches) >= sum(c.budget for c in free) - len(caches)
 
 
 def _shared_after_a_pass(tiny, recent: int) -> tuple:
@@ -320,19 +369,22 @@ def _shared_after_a_pass(tiny, recent: int) -> tuple:
 
 def test_a_pass_leaves_nothing_for_another_to_cut(tiny):
     """Once a pass has scored every row, no further pass is due, even where a layer keeps
-    more than the budget (rows shared across layers); forced anyway, a pass with nothing to
-    score ranks the rows again and cuts some, which is why none may run (the server read the
-    prompt, ran the pass, then ran an empty one that cut the kept rows before the answer)."""
+    more than the budget (rows shared across layers). Forced anyway, a pass with nothing to
+    score keeps what the first kept: the layers' shares count real rows only. (The server
+    read the prompt, ran the pass, then an empty one; that one counted the padding of ragged
+    heads as rows whenever the kept rows were fewer than the request's, and cutting the
+    excess took up to two thirds of the largest layers' rows before the answer.)"""
     model, tokens, repeat, caches = _shared_after_a_pass(tiny, recent=2)
     context = tokens[:-1]
     assert any(c.size() > 13 for c in caches)  # some layer's share is above the budget
+    assert any(c.size() > int(np.array(c.valid).sum(-1).min()) for c in caches)  # ragged
+    assert sum(int(np.array(c.valid).sum()) for c in caches) < 13 * 2 * len(caches)
     assert not needs_pass(caches)
-    kept = [np.array(c.positions) for c in caches]
-    # An empty pass (the scheduler's step) would evict again: show that it is not a no-op.
+    kept = [(c.budget, _kept(c)) for c in caches]
     run = Reconstruction(model, caches, context, repeat, chunk=CHUNK)
     assert run.done
-    run.step(1)
-    assert any(np.array(c.positions).shape != k.shape for c, k in zip(caches, kept, strict=True))
+    run.step(1)  # the scheduler's step, with nothing to score
+    assert [(c.budget, _kept(c)) for c in caches] == kept
     # A generated row (a provisional score) over the budget makes a pass due again.
     model(mx.array(tokens[-1:])[None], cache=caches)
     assert needs_pass(caches) == any(c.size() > 13 for c in caches)

@@ -49,6 +49,13 @@ def exactly_k(ranked: mx.array, k: mx.array | int) -> mx.array:
     return keep & (kk > 0)
 
 
+def top_per_head(ranked: mx.array, k: int) -> mx.array:
+    """``(..., L)`` bool: each head's ``k`` best rows of ``ranked`` (no NaN), ties to the lower
+    row; where a head has fewer than ``k`` finite rows, its ``-inf`` ones count too."""
+    L = ranked.shape[-1]
+    return exactly_k(ranked.reshape(-1, L), min(k, L)).reshape(ranked.shape)
+
+
 def select_adaptive(
     scores: mx.array,
     *,
@@ -58,6 +65,7 @@ def select_adaptive(
     floor: int,
     eligible: mx.array | None = None,
     logits: bool = True,
+    cap: int | None = None,
 ) -> tuple[mx.array, mx.array]:
     """Which rows each head keeps when the layer shares ``budget * H`` rows.
 
@@ -70,9 +78,11 @@ def select_adaptive(
         logits: The scores are expected logits, normalised per head before the shared
             top-k; ``False``: they are observed attention weights already comparable
             across heads (KVzip's), ranked as they are.
+        cap: No head keeps more than its ``cap`` best rows (``floor <= cap``): the layer's
+            storage is padded to its longest head, so a cap bounds its bytes.
     Returns:
         ``keep`` ``(B, H, L)`` bool and ``counts`` ``(B, H)`` int32 (``counts.sum(-1)`` is
-        ``budget * H`` for every batch row).
+        ``budget * H`` for every batch row, less where ``eligible`` or ``cap`` leave fewer).
     Raises:
         ValueError: ``floor`` outside ``[n_sink + recent, budget]``.
     """
@@ -99,11 +109,14 @@ def select_adaptive(
     from_end = mx.cumsum(real, axis=-1, reverse=True)
     protected = ok & ((from_start <= n_sink) | (from_end <= recent))
     guarded = mx.where(protected, _INF, ranked)
+    if cap is not None and cap < L:
+        top = top_per_head(guarded, cap)
+        ranked, guarded = mx.where(top, ranked, -_INF), mx.where(top, guarded, -_INF)
     own = exactly_k(guarded.reshape(B * H, L), floor).reshape(B, H, L)
     # The shared top-k over what the floors left, flattened head-major: ties to lower heads.
     rest = mx.where(own, -_INF, ranked).reshape(B, H * L)
     shared = exactly_k(rest, (budget - floor) * H).reshape(B, H, L)
-    keep = own | shared
+    keep = (own | shared) & (guarded > -_INF)  # never padding, nor a row past the cap
     return keep, keep.sum(axis=-1).astype(mx.int32)
 
 

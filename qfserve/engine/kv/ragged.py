@@ -50,6 +50,9 @@ class RaggedHeads(SlotLayout):
             ranked = scores
             if positions is not None:
                 ranked = chunk_scores(scores, positions, self.chunk, valid)
+            # The rows a scorer lets a layer hold (kvzip's compress-as-read limit): storage
+            # is padded to the longest head, so no head may take more.
+            cap = getattr(self.scorer, "limit", None)
             keep, counts = adaptive.select_adaptive(
                 ranked,
                 budget=self.budget,
@@ -58,11 +61,13 @@ class RaggedHeads(SlotLayout):
                 floor=self.budget if self.floor is None else self.floor,
                 eligible=valid,
                 logits=not getattr(self.scorer, "scores_are_weights", False),
+                cap=cap,
             )
             idx, self.valid = adaptive.ragged_gather(keep, counts)
-            # Every batch row now holds ``budget * H`` rows when all were eligible; after a
-            # pass over ragged rows the count is read once from ``valid`` when next needed.
-            self._ragged_rows = self.budget * keys.shape[1] if valid is None else None
+            # Every batch row now holds ``budget * H`` rows when all were eligible and none
+            # capped; else the count is read once from ``valid`` when next needed.
+            full = valid is None and cap is None
+            self._ragged_rows = self.budget * keys.shape[1] if full else None
             self.keys, self.values = gather_rows(keys, idx), gather_rows(values, idx)
             self.scores = gather_rows(scores, idx)
             if positions is not None:

@@ -10,6 +10,7 @@ from typing import Any, cast
 
 import mlx.core as mx
 
+from qfserve.engine.kv.adaptive import top_per_head
 from qfserve.engine.kv.scorers import AlwaysReady, Scorer
 from qfserve.engine.kv.selfcal import QueryTap
 
@@ -144,7 +145,9 @@ def layer_budgets(caches: list[Any], scores: list[mx.array]) -> list[int]:
         scores: ``(1, H, S)`` float32 per layer, the pass's.
     Returns:
         Rows per head per layer: at least the protected rows, ``H`` times it summing to at
-        most ``budget * H * n_layers``.
+        most ``budget * H * n_layers``. Under a compress-as-read limit (:func:`set_limit`)
+        a head takes at most ``limit`` rows: its layer is stored padded to its longest
+        head, and the request's memory was reserved for ``limit`` rows a layer.
     """
     ranked = []
     for cache, layer_scores in zip(caches, scores, strict=True):
@@ -155,6 +158,8 @@ def layer_budgets(caches: list[Any], scores: list[mx.array]) -> list[int]:
         from_end = mx.cumsum(real.astype(mx.int32), axis=-1, reverse=True)
         protected = real & ((from_start <= cache.n_sink) | (from_end <= cache.recent))
         guarded = mx.where(protected, mx.inf, mx.where(real, layer_scores, -mx.inf))
+        if cache.scorer.limit is not None:  # a head competes with its best ``limit`` rows
+            guarded = mx.where(top_per_head(guarded, cache.scorer.limit), guarded, -mx.inf)
         ranked.append(guarded.reshape(-1))
     flat = mx.concatenate(ranked)
     H = caches[0].keys.shape[1]
@@ -162,7 +167,7 @@ def layer_budgets(caches: list[Any], scores: list[mx.array]) -> list[int]:
     kth = mx.sort(flat)[-min(total, flat.size)]
     budgets = []
     for cache, layer in zip(caches, ranked, strict=True):
-        rows = int(cast(int, (layer >= kth).sum().item())) // H
+        rows = int(cast(int, ((layer >= kth) & (layer > -mx.inf)).sum().item())) // H
         budgets.append(max(rows, cache.n_sink + cache.recent))
     # Ties at the threshold can give more than the total: trim the largest layers.
     excess = sum(budgets) - total // H
