@@ -34,6 +34,7 @@ from qfserve.engine.kv.kvzip import (
     compress,
     generated_tier,
     needs_pass,
+    over_limit,
     reconstruction,
     set_limit,
 )
@@ -275,28 +276,29 @@ def test_adaptive_budgets_share_the_layer_rows(tiny):
                 assert worst_kept >= best_dropped
 
 
-def shared_reference(ref: np.ndarray, budget: int, recent: int, cap: int | None = None):
+def shared_reference(ref: np.ndarray, budget: int, recent: int, limit: int | None = None):
     """Each layer's share and kept ``(head, position)`` set when every layer shares
-    ``budget * H * layers`` rows by the reference scores, protected rows first; with a
-    ``cap``, only each head's best ``cap`` rows take part."""
+    ``budget * H * layers`` rows by the reference scores, protected rows first, and the
+    head cap: with a ``limit``, where the layers' longest heads hold more than ``limit``
+    rows a layer, every head keeps at most the largest cap that fits (its other rows go)."""
     layers, H, L = ref.shape
     guarded = ref.copy()
     guarded[:, :, :4] = np.inf
     guarded[:, :, L - recent :] = np.inf
-    if cap is not None:
-        for i in range(layers):
-            for h in range(H):
-                order = sorted(range(L), key=lambda p: (-guarded[i, h, p], p))
-                guarded[i, h, order[cap:]] = -np.inf
     kth = np.sort(guarded.reshape(-1))[::-1][budget * H * layers - 1]
-    counted = (guarded >= kth) & (guarded > -np.inf)
-    shares = [max(int(counted[i].sum()) // H, 4 + recent) for i in range(layers)]
+    per_head = ((guarded >= kth) & (guarded > -np.inf)).sum(-1)  # (layers, H)
+    cap = None
+    if limit is not None and per_head.max(-1).sum() > limit * layers:
+        cap = max(c for c in range(L + 1) if np.minimum(per_head.max(-1), c).sum() <= limit * layers)  # fmt: skip
+        per_head = np.minimum(per_head, cap)
+    shares = [max(int(per_head[i].sum()) // H, 4 + recent) for i in range(layers)]
     kept = []
     for i in range(layers):
-        order = sorted(((h, p) for h in range(H) for p in range(L)),
-                       key=lambda hp: -guarded[i, hp[0], hp[1]])  # fmt: skip
+        best = [sorted(range(L), key=lambda p, h=h: (-guarded[i, h, p], p))[:cap] for h in range(H)]  # fmt: skip
+        order = sorted(((h, p) for h in range(H) for p in best[h]),
+                       key=lambda hp: (-guarded[i, hp[0], hp[1]], hp[0], hp[1]))  # fmt: skip
         kept.append(set(order[: shares[i] * H]))
-    return shares, kept
+    return shares, kept, cap
 
 
 def _kept(cache) -> set:
@@ -316,7 +318,7 @@ def test_global_budgets_share_every_layer_rows(tiny):
     compress(model, caches, context, repeat, chunk=CHUNK)
     ref = reference_scores(model, context, repeat, n_sink=4)  # (layers, H, L)
     layers = ref.shape[0]
-    shares, kept = shared_reference(ref, budget, recent)
+    shares, kept, _ = shared_reference(ref, budget, recent)
     # Each layer keeps whole rows per head: at most one row per head short of its share.
     assert budget * layers - layers <= sum(shares) <= budget * layers
     for i, cache in enumerate(caches):
@@ -326,31 +328,48 @@ def test_global_budgets_share_every_layer_rows(tiny):
     assert len({c.budget for c in caches}) > 1 or layers == 1
 
 
-def test_a_compress_as_read_limit_bounds_every_head_under_shared_budgets(tiny):
-    """A layer is stored padded to its longest head, and a prompt compressed as it is read
-    reserved ``limit`` rows a layer: with rows shared across layers no head may keep more
-    (at 8k tokens one SmolLM2 head kept 5,753 of 8,085 rows), the others taking the rest."""
+def _read_and_compress(tiny, limit: int | None) -> tuple[list, np.ndarray]:
+    """The tiny model's context in kvzip caches of 13 rows shared across layers (recent 2),
+    under a compress-as-read ``limit``, after one pass: (caches, reference scores)."""
     loaded, tokens = tiny
     model, context = loaded.model, tokens[:-1]
     repeat = RepeatPrompt.for_tokenizer(loaded.tokenizer)
-    budget, recent = 13, 2
-    config = CacheConfig(method="kvzip", budget=budget, recent=recent, budget_mode="global")
-    free = make_caches(model, config)
-    model(mx.array(context)[None], cache=free)
-    compress(model, free, context, repeat, chunk=CHUNK)
-    longest = max(c.size() for c in free)
-    cap = longest - 3
-    assert cap > budget  # uncapped, some head keeps more than the limit
+    config = CacheConfig(method="kvzip", budget=13, recent=2, budget_mode="global")
     caches = make_caches(model, config)
-    set_limit(caches, cap)
+    if limit is not None:
+        set_limit(caches, limit)
     model(mx.array(context)[None], cache=caches)
     compress(model, caches, context, repeat, chunk=CHUNK)
-    ref = reference_scores(model, context, repeat, n_sink=4)
-    shares, kept = shared_reference(ref, budget, recent, cap=cap)
-    assert max(c.size() for c in caches) <= cap
+    return caches, reference_scores(model, context, repeat, n_sink=4)
+
+
+def test_a_compress_as_read_limit_bounds_the_layers_padded_rows(tiny):
+    """A layer is stored padded to its longest head, and a prompt compressed as it is read
+    reserved ``limit`` rows a layer: where the layers' longest heads would sum to more, they
+    are cut to the largest cap that fits. Below that, copying heads keep what they win (one
+    SmolLM2 head kept 5,753 of 8,085 rows at 8k, and capping it cost the needle)."""
+    free, _ = _read_and_compress(tiny, None)
+    layers = len(free)
+    assert all(c.scorer.cap is None for c in free)
+    longest = sum(c.size() for c in free)
+    limit = (longest - 6) // layers
+    assert max(c.size() for c in free) > limit + 6  # one layer's longest head outgrows it
+    caches, ref = _read_and_compress(tiny, limit)
+    shares, kept, cap = shared_reference(ref, 13, 2, limit=limit)
+    assert cap is not None and limit < cap < max(c.size() for c in free)
+    assert sum(c.size() for c in caches) <= limit * layers
     for i, cache in enumerate(caches):
+        assert cache.scorer.cap == cap and cache.size() <= cap
         assert cache.budget == shares[i] and _kept(cache) == kept[i]
-    assert sum(c.budget for c in caches) >= sum(c.budget for c in free) - len(caches)
+    # The memory is the request's: a layer over the limit is balanced by the others.
+    set_limit(free, -(-longest // layers))
+    assert max(c.size() for c in free) > free[0].scorer.limit and not over_limit(free)
+    set_limit(free, longest // layers - 1)
+    assert over_limit(free)
+    # A limit the rows fit within changes nothing.
+    roomy, _ = _read_and_compress(tiny, longest // layers + 1)
+    assert all(c.scorer.cap is None for c in roomy)
+    assert [_kept(c) for c in roomy] == [_kept(c) for c in free]
 
 
 def _shared_after_a_pass(tiny, recent: int) -> tuple:

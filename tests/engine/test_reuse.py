@@ -361,7 +361,8 @@ def test_a_kvzip_prompt_longer_than_memory_allows_is_compressed_as_it_is_read(lo
 
     def counted(self, model, caches, tokens, *args, **kwargs):
         passes.append(len(tokens))
-        assert max(c.size() for c in caches) <= limit + 16  # never more than fits
+        # Never more than fits: the layers together hold at most the limit and a chunk each.
+        assert sum(c.size() for c in caches) <= len(caches) * (limit + 16)
         init(self, model, caches, tokens, *args, **kwargs)
 
     monkeypatch.setattr(kvzip.Reconstruction, "__init__", counted)
@@ -371,6 +372,27 @@ def test_a_kvzip_prompt_longer_than_memory_allows_is_compressed_as_it_is_read(lo
     assert len(pieces) == TURN_TOKENS and final.kv_cache["tokens_kept"] <= config.budget
     # Passes over what was read so far, each time the rows reached the limit, then the last.
     assert len(passes) >= 3 and passes == sorted(passes) and passes[-1] == len(prompt) - 1
+
+
+def test_a_compress_as_read_limit_leaves_room_for_the_longest_adaptive_head(loaded):
+    """Under adaptive budgets a compressed layer is padded to its longest head: a limit
+    between the budget and that head's rows would be over as soon as a pass ended."""
+    from qfserve.engine.kv.kvzip import REPEAT_ROWS
+    from qfserve.engine.serving.admission import kv_row_bytes, kvzip_limit
+
+    adaptive = CacheConfig(method="kvzip", budget=48, recent=8, budget_mode="adaptive", floor=0.5)
+    per_head = replace(adaptive, budget_mode="per_head")
+    heads = loaded.model.args.num_key_value_heads
+    longest = heads * 48 - (heads - 1) * adaptive.floor_rows
+    row = kv_row_bytes(loaded.model, loaded.config, adaptive)
+
+    def limit_at(config: CacheConfig, rows: int):
+        """The limit on a server whose memory fits ``rows`` and a 16-token chunk twice."""
+        return kvzip_limit(loaded, config, row * (2 * (rows + 16) + REPEAT_ROWS), 16)
+
+    assert longest > 60 and limit_at(per_head, 60)[0] >= 60
+    assert limit_at(adaptive, 60) is None and limit_at(adaptive, longest) is None
+    assert limit_at(adaptive, longest + 1)[0] == longest + 1
 
 
 def test_a_kvzip_prompt_one_token_past_its_chunks_still_gets_its_pass(loaded, monkeypatch):

@@ -50,9 +50,9 @@ class RaggedHeads(SlotLayout):
             ranked = scores
             if positions is not None:
                 ranked = chunk_scores(scores, positions, self.chunk, valid)
-            # The rows a scorer lets a layer hold (kvzip's compress-as-read limit): storage
-            # is padded to the longest head, so no head may take more.
-            cap = getattr(self.scorer, "limit", None)
+            # The most rows a head may keep (kvzip's shares under a compress-as-read limit):
+            # storage is padded to the longest head.
+            cap = getattr(self.scorer, "cap", None)
             keep, counts = adaptive.select_adaptive(
                 ranked,
                 budget=self.budget,

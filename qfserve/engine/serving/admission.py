@@ -125,7 +125,9 @@ def kvzip_limit(
 ) -> tuple[int, int] | None:
     """Rows a kvzip prompt too long for ``max_kv_bytes`` may hold before what is read so far
     is compressed, and the bytes it then needs: that many rows, a prefill chunk read beside
-    them, and the pass's chunk (``None``: not even the budget fits beside those)."""
+    them, and the pass's chunk (``None``: not even what a compressed layer keeps fits
+    beside those). Layers are counted together (:func:`qfserve.engine.kv.kvzip.over_limit`):
+    the limit is their mean."""
     from qfserve.engine.kv.kvzip import DEFAULT_CHUNK, REPEAT_ROWS
 
     row = kv_row_bytes(loaded.model, loaded.config, cache)
@@ -134,7 +136,13 @@ def kvzip_limit(
     limit = fit // 2 - prefill_chunk
     if limit + prefill_chunk > DEFAULT_CHUNK:
         limit = fit - prefill_chunk - DEFAULT_CHUNK
-    if limit <= cache.budget:
+    _, kv_heads, _ = _shape(loaded.model, loaded.config)
+    # What a compressed layer keeps, padded to its longest head (rows shared across layers
+    # are capped to fit instead: qfserve.engine.kv.kvzip.shares).
+    kept = cache.budget
+    if cache.budget_mode == "adaptive":
+        kept = kv_heads * cache.budget - (kv_heads - 1) * cache.floor_rows
+    if limit <= kept:
         return None
     peak = limit + prefill_chunk + min(DEFAULT_CHUNK, limit + prefill_chunk) + REPEAT_ROWS
     return limit, peak * row

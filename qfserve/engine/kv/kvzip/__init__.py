@@ -38,15 +38,14 @@ from qfserve.engine.kv.kvzip.scorer import (
     REPEAT_ROWS,
     KVzipScorer,
     RepeatPrompt,
-    evict,
     generated_tier,
     hold,
     holding,
-    layer_budgets,
     needs_pass,
     over_limit,
     set_limit,
 )
+from qfserve.engine.kv.kvzip.shares import evict, head_cap, layer_budgets
 
 __all__ = [
     "DEFAULT_BLOCK",
@@ -61,6 +60,7 @@ __all__ = [
     "compress",
     "evict",
     "generated_tier",
+    "head_cap",
     "hold",
     "holding",
     "layer_budgets",

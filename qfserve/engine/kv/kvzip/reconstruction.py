@@ -18,8 +18,8 @@ from qfserve.engine.kv.kvzip.scorer import (
     REPEAT_ROWS,
     KVzipScorer,
     RepeatPrompt,
-    evict,
 )
+from qfserve.engine.kv.kvzip.shares import evict
 
 
 class _ReconstructionView:

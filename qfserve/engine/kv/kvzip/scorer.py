@@ -6,11 +6,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, cast
+from typing import Any
 
 import mlx.core as mx
 
-from qfserve.engine.kv.adaptive import top_per_head
 from qfserve.engine.kv.scorers import AlwaysReady, Scorer
 from qfserve.engine.kv.selfcal import QueryTap
 
@@ -54,8 +53,10 @@ class KVzipScorer(AlwaysReady):
         self.budget: int | None = None  # the request's budget, before a layer takes its share
         # Set while a turn runs on its full cache, compressed only when it is kept for reuse.
         self.holding = False
-        # Rows the prompt may hold before what is read so far is compressed (memory).
+        # Rows the prompt may hold a layer before what is read so far is compressed (memory).
         self.limit: int | None = None
+        # The most rows a head keeps, where the layers' padded rows would outgrow the limit.
+        self.cap: int | None = None
         self.source = inner.source
 
     def defers(self, n: int) -> bool:
@@ -122,62 +123,6 @@ class RepeatPrompt:
         return out
 
 
-def evict(caches: list[Any], scores: list[mx.array]) -> None:
-    """Evict each kvzip cache to its budget by the pass's ``scores`` (one ``(B, H, S)`` per
-    cache), the layers first taking their shares of the rows where they share them."""
-    if caches and caches[0].scorer.shared:
-        for cache, budget in zip(caches, layer_budgets(caches, scores), strict=True):
-            cache.budget = budget
-    for cache, layer_scores in zip(caches, scores, strict=True):
-        cache.compress(layer_scores)
-    mx.eval([c.state for c in caches])
-
-
-def layer_budgets(caches: list[Any], scores: list[mx.array]) -> list[int]:
-    """Each layer's rows per head when every layer shares the request's rows (kvpress's
-    KVzip default): the global top ``budget * H * n_layers`` of the pass's scores, protected
-    rows (sinks, recent window) first; a layer then keeps its share, spread over its heads by
-    the same scores (:mod:`qfserve.engine.kv.adaptive`), so heads and layers whose reconstruction
-    attention is diffuse give rows to those that read the context.
-
-    Args:
-        caches: The request's caches (one batch row), stored rows in temporal order.
-        scores: ``(1, H, S)`` float32 per layer, the pass's.
-    Returns:
-        Rows per head per layer: at least the protected rows, ``H`` times it summing to at
-        most ``budget * H * n_layers``. Under a compress-as-read limit (:func:`set_limit`)
-        a head takes at most ``limit`` rows: its layer is stored padded to its longest
-        head, and the request's memory was reserved for ``limit`` rows a layer.
-    """
-    ranked = []
-    for cache, layer_scores in zip(caches, scores, strict=True):
-        if cache.scorer.budget is None:  # the request's budget, kept for later turns
-            cache.scorer.budget = cache.budget
-        real = mx.ones(layer_scores.shape, dtype=mx.bool_) if cache.valid is None else cache.valid
-        from_start = mx.cumsum(real.astype(mx.int32), axis=-1)
-        from_end = mx.cumsum(real.astype(mx.int32), axis=-1, reverse=True)
-        protected = real & ((from_start <= cache.n_sink) | (from_end <= cache.recent))
-        guarded = mx.where(protected, mx.inf, mx.where(real, layer_scores, -mx.inf))
-        if cache.scorer.limit is not None:  # a head competes with its best ``limit`` rows
-            guarded = mx.where(top_per_head(guarded, cache.scorer.limit), guarded, -mx.inf)
-        ranked.append(guarded.reshape(-1))
-    flat = mx.concatenate(ranked)
-    H = caches[0].keys.shape[1]
-    total = sum(c.scorer.budget * H for c in caches)
-    kth = mx.sort(flat)[-min(total, flat.size)]
-    budgets = []
-    for cache, layer in zip(caches, ranked, strict=True):
-        rows = int(cast(int, ((layer >= kth) & (layer > -mx.inf)).sum().item())) // H
-        budgets.append(max(rows, cache.n_sink + cache.recent))
-    # Ties at the threshold can give more than the total: trim the largest layers.
-    excess = sum(budgets) - total // H
-    while excess > 0:
-        i = max(range(len(budgets)), key=budgets.__getitem__)
-        budgets[i] -= 1
-        excess -= 1
-    return budgets
-
-
 def needs_pass(caches: list[Any]) -> bool:
     """Some layer under :class:`KVzipScorer` holds more rows than the request's budget, some
     of them not yet scored by a pass, and is not holding them for the turn boundary.
@@ -210,14 +155,15 @@ def _has_unscored(cache: Any) -> bool:
 
 
 def over_limit(caches: list[Any]) -> bool:
-    """Some layer holds more rows than the memory its request may hold lets a prompt keep
-    before the rows read so far are compressed (:func:`set_limit`)."""
-    return any(
-        isinstance(getattr(c, "scorer", None), KVzipScorer)
-        and c.scorer.limit is not None
-        and c.size() > c.scorer.limit
+    """The layers hold more rows together than the memory the request may hold lets a prompt
+    keep before the rows read so far are compressed (:func:`set_limit`): the memory is the
+    request's, so a layer whose heads keep more is balanced by the others."""
+    limited = [
+        c
         for c in caches
-    )
+        if isinstance(getattr(c, "scorer", None), KVzipScorer) and c.scorer.limit is not None
+    ]
+    return bool(sum(c.size() for c in limited) > sum(c.scorer.limit for c in limited))
 
 
 def set_limit(caches: list[Any], rows: int) -> None:
