@@ -28,6 +28,7 @@ from qfserve.engine.kv import attention
 from qfserve.engine.kv.config import CacheConfig, ConfigError
 from qfserve.engine.kv.factory import make_caches
 from qfserve.engine.kv.kvzip import (
+    DEFAULT_CHUNK,
     PREV_TAIL,
     Reconstruction,
     RepeatPrompt,
@@ -330,14 +331,17 @@ def test_global_budgets_share_every_layer_rows(tiny):
 
 def _read_and_compress(tiny, limit: int | None) -> tuple[list, np.ndarray]:
     """The tiny model's context in kvzip caches of 13 rows shared across layers (recent 2),
-    under a compress-as-read ``limit``, after one pass: (caches, reference scores)."""
+    under a compress-as-read ``limit``, after one pass: (caches, reference scores). The
+    prompt is read in chunks of a whole reconstruction chunk, so the layers may keep
+    ``limit`` rows after a pass (``keep_limit``)."""
     loaded, tokens = tiny
     model, context = loaded.model, tokens[:-1]
     repeat = RepeatPrompt.for_tokenizer(loaded.tokenizer)
     config = CacheConfig(method="kvzip", budget=13, recent=2, budget_mode="global")
     caches = make_caches(model, config)
     if limit is not None:
-        set_limit(caches, limit)
+        set_limit(caches, limit, prefill_chunk=DEFAULT_CHUNK)
+        assert caches[0].scorer.keep_limit == limit
     model(mx.array(context)[None], cache=caches)
     compress(model, caches, context, repeat, chunk=CHUNK)
     return caches, reference_scores(model, context, repeat, n_sink=4)
@@ -362,9 +366,9 @@ def test_a_compress_as_read_limit_bounds_the_layers_padded_rows(tiny):
         assert cache.scorer.cap == cap and cache.size() <= cap
         assert cache.budget == shares[i] and _kept(cache) == kept[i]
     # The memory is the request's: a layer over the limit is balanced by the others.
-    set_limit(free, -(-longest // layers))
+    set_limit(free, -(-longest // layers), prefill_chunk=DEFAULT_CHUNK)
     assert max(c.size() for c in free) > free[0].scorer.limit and not over_limit(free)
-    set_limit(free, longest // layers - 1)
+    set_limit(free, longest // layers - 1, prefill_chunk=DEFAULT_CHUNK)
     assert over_limit(free)
     # A limit the rows fit within changes nothing.
     roomy, _ = _read_and_compress(tiny, longest // layers + 1)

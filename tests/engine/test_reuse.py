@@ -361,8 +361,10 @@ def test_a_kvzip_prompt_longer_than_memory_allows_is_compressed_as_it_is_read(lo
 
     def counted(self, model, caches, tokens, *args, **kwargs):
         passes.append(len(tokens))
-        # Never more than fits: the layers together hold at most the limit and a chunk each.
-        assert sum(c.size() for c in caches) <= len(caches) * (limit + 16)
+        # Never more than fits: the layers together hold at most the limit, or what they
+        # may keep after a pass, and a chunk each.
+        keep = caches[0].scorer.keep_limit
+        assert sum(c.size() for c in caches) <= len(caches) * (max(limit, keep) + 16)
         init(self, model, caches, tokens, *args, **kwargs)
 
     monkeypatch.setattr(kvzip.Reconstruction, "__init__", counted)
@@ -372,6 +374,36 @@ def test_a_kvzip_prompt_longer_than_memory_allows_is_compressed_as_it_is_read(lo
     assert len(pieces) == TURN_TOKENS and final.kv_cache["tokens_kept"] <= config.budget
     # Passes over what was read so far, each time the rows reached the limit, then the last.
     assert len(passes) >= 3 and passes == sorted(passes) and passes[-1] == len(prompt) - 1
+
+
+@pytest.mark.parametrize("prefill_chunk", [16, 512, 1024, 4096])
+def test_what_layers_keep_between_passes_and_a_pass_fit_what_a_limit_reserved(
+    loaded, prefill_chunk
+):
+    """A prompt compressed as it is read: the first pass covers up to the limit and a chunk
+    of unscored rows; once a pass has run, the layers keep at most ``keep_limit`` rows
+    each on average, read one more chunk and run a pass over it. Both fit the bytes
+    admission reserved for the request."""
+    from qfserve.engine.kv import kvzip
+    from qfserve.engine.serving.admission import kv_row_bytes, kvzip_limit
+
+    config = CacheConfig(method="kvzip", budget=48, recent=8)
+    row = kv_row_bytes(loaded.model, loaded.config, config)
+    chunk, repeat = kvzip.DEFAULT_CHUNK, kvzip.REPEAT_ROWS
+    fitted = 0
+    for tokens in (400, 1200, 12_000):
+        fit = kvzip_limit(loaded, config, row * tokens, prefill_chunk)
+        if fit is None:
+            continue
+        fitted += 1
+        limit, need = fit
+        caches = make_caches(loaded.model, config)
+        kvzip.set_limit(caches, limit, prefill_chunk)
+        keep = caches[0].scorer.keep_limit
+        first = limit + prefill_chunk + min(limit + prefill_chunk, chunk) + repeat
+        later = keep + prefill_chunk + min(prefill_chunk, chunk) + repeat
+        assert keep >= limit and max(first, later) * row <= need <= row * tokens
+    assert fitted
 
 
 def test_a_compress_as_read_limit_leaves_room_for_the_longest_adaptive_head(loaded):

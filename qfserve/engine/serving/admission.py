@@ -222,7 +222,7 @@ def prepare(
     if need > max_kv_bytes and request.cache.method == "kvzip":
         fit = kvzip_limit(loaded, request.cache, max_kv_bytes, config.prefill_chunk)
         if fit is not None:
-            kvzip.set_limit(caches, fit[0])
+            kvzip.set_limit(caches, fit[0], config.prefill_chunk)
             need = fit[1]
     if need > max_kv_bytes:
         raise PromptError(

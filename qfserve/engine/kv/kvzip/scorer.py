@@ -53,8 +53,10 @@ class KVzipScorer(AlwaysReady):
         self.budget: int | None = None  # the request's budget, before a layer takes its share
         # Set while a turn runs on its full cache, compressed only when it is kept for reuse.
         self.holding = False
-        # Rows the prompt may hold a layer before what is read so far is compressed (memory).
+        # Rows the prompt may hold a layer before what is read so far is compressed, and
+        # rows the layers may keep after a pass (memory; set_limit).
         self.limit: int | None = None
+        self.keep_limit: int | None = None
         # The most rows a head keeps, where the layers' padded rows would outgrow the limit.
         self.cap: int | None = None
         self.source = inner.source
@@ -166,11 +168,20 @@ def over_limit(caches: list[Any]) -> bool:
     return bool(sum(c.size() for c in limited) > sum(c.scorer.limit for c in limited))
 
 
-def set_limit(caches: list[Any], rows: int) -> None:
-    """Compress the prompt read so far whenever a layer holds more than ``rows`` rows."""
+def set_limit(caches: list[Any], rows: int, prefill_chunk: int) -> None:
+    """Compress the prompt read so far whenever the layers hold more than ``rows`` rows a
+    layer, read ``prefill_chunk`` tokens at a time (what the request reserved:
+    :func:`qfserve.engine.serving.admission.kvzip_limit`).
+
+    Between passes the layers may keep more than ``rows`` together (the ``keep_limit``
+    their padded rows are held to, :mod:`qfserve.engine.kv.kvzip.shares`): the reservation
+    holds a pass over up to ``rows + prefill_chunk`` unscored rows, and once what is kept
+    leaves less than a chunk below ``rows`` a pass runs after every chunk, over that chunk
+    alone, so the rest of that room is the kept rows'."""
+    keep = rows + min(DEFAULT_CHUNK, rows + prefill_chunk) - min(prefill_chunk, DEFAULT_CHUNK)
     for cache in caches:
         if isinstance(getattr(cache, "scorer", None), KVzipScorer):
-            cache.scorer.limit = rows
+            cache.scorer.limit, cache.scorer.keep_limit = rows, keep
 
 
 def hold(caches: list[Any], on: bool = True) -> None:

@@ -44,7 +44,7 @@ def layer_budgets(caches: list[Any], scores: list[mx.array]) -> tuple[list[int],
         Rows per head per layer (at least the protected rows, ``H`` times it summing to at
         most ``budget * H * n_layers``), and the most rows a head may keep (``None``: any).
         Under a compress-as-read limit (:func:`qfserve.engine.kv.kvzip.set_limit`), the
-        layers' longest heads sum to at most ``limit`` rows a layer.
+        layers' longest heads sum to at most its ``keep_limit`` rows a layer.
     """
     guarded = []
     for cache, layer_scores in zip(caches, scores, strict=True):
@@ -60,7 +60,7 @@ def layer_budgets(caches: list[Any], scores: list[mx.array]) -> tuple[list[int],
     H = desc[0].shape[0]
     total = sum(c.scorer.budget * H for c in caches)
     counts = _head_counts(desc, total)
-    limits = [c.scorer.limit for c in caches]
+    limits = [c.scorer.keep_limit for c in caches]
     cap = None if None in limits else head_cap([int(c.max()) for c in counts], sum(limits))
     if cap is not None:
         counts = [np.minimum(c, cap) for c in counts]
