@@ -352,7 +352,8 @@ def test_a_kvzip_prompt_longer_than_memory_allows_is_compressed_as_it_is_read(lo
     config = CacheConfig(method="kvzip", budget=48, recent=8)
     prompt = loaded.tokenizer.encode(" ".join([OPENING] * 40))
     row = kv_row_bytes(loaded.model, loaded.config, config)
-    max_kv_bytes = row * (2 * (config.budget + 40 + 16) + kvzip.REPEAT_ROWS)
+    # Room for twice the limit and a read (a 16-token chunk, or 17 where one would be left).
+    max_kv_bytes = row * (2 * (config.budget + 40 + 17) + kvzip.REPEAT_ROWS)
     limit, need = kvzip_limit(loaded, config, max_kv_bytes, 16)
     assert limit == config.budget + 40 and need <= max_kv_bytes
     assert kv_need(loaded, config, len(prompt), TURN_TOKENS)[0] > max_kv_bytes
@@ -380,10 +381,11 @@ def test_a_kvzip_prompt_longer_than_memory_allows_is_compressed_as_it_is_read(lo
 def test_what_layers_keep_between_passes_and_a_pass_fit_what_a_limit_reserved(
     loaded, prefill_chunk
 ):
-    """A prompt compressed as it is read: the first pass covers up to the limit and a chunk
-    of unscored rows; once a pass has run, the layers keep at most ``keep_limit`` rows
-    each on average, read one more chunk and run a pass over it. Both fit the bytes
-    admission reserved for the request."""
+    """A prompt compressed as it is read: the first pass covers up to the limit and a read
+    of unscored rows (a chunk, or one token more where one would be left); once a pass has
+    run, the layers keep at most ``keep_limit`` rows each on average, read once more and
+    run a pass over that read and the rows no pass scored (a kept turn's last generated
+    ones, ``recent + 1``). Both fit the bytes admission reserved for the request."""
     from qfserve.engine.kv import kvzip
     from qfserve.engine.serving.admission import kv_row_bytes, kvzip_limit
 
@@ -400,8 +402,9 @@ def test_what_layers_keep_between_passes_and_a_pass_fit_what_a_limit_reserved(
         caches = make_caches(loaded.model, config)
         kvzip.set_limit(caches, limit, prefill_chunk)
         keep = caches[0].scorer.keep_limit
-        first = limit + prefill_chunk + min(limit + prefill_chunk, chunk) + repeat
-        later = keep + prefill_chunk + min(prefill_chunk, chunk) + repeat
+        read, unscored = prefill_chunk + 1, prefill_chunk + 1 + config.recent + 1
+        first = limit + read + min(limit + read, chunk) + repeat
+        later = keep + read + min(unscored, chunk) + repeat
         assert keep >= limit and max(first, later) * row <= need <= row * tokens
     assert fitted
 
@@ -419,12 +422,66 @@ def test_a_compress_as_read_limit_leaves_room_for_the_longest_adaptive_head(load
     row = kv_row_bytes(loaded.model, loaded.config, adaptive)
 
     def limit_at(config: CacheConfig, rows: int):
-        """The limit on a server whose memory fits ``rows`` and a 16-token chunk twice."""
-        return kvzip_limit(loaded, config, row * (2 * (rows + 16) + REPEAT_ROWS), 16)
+        """The limit on a server whose memory fits ``rows`` and a 16-token read twice."""
+        return kvzip_limit(loaded, config, row * (2 * (rows + 17) + REPEAT_ROWS), 16)
 
     assert longest > 60 and limit_at(per_head, 60)[0] >= 60
     assert limit_at(adaptive, 60) is None and limit_at(adaptive, longest) is None
     assert limit_at(adaptive, longest + 1)[0] == longest + 1
+
+
+@pytest.mark.parametrize("prefill_chunk", [16, 33])
+def test_a_prompt_compressed_as_it_is_read_holds_no_more_than_it_reserved(
+    loaded, monkeypatch, prefill_chunk
+):
+    """Rows shared across layers (kvzip's default), a last read one token past the chunks,
+    then a turn continuing the kept one: at every forward of every pass, the layers' stored
+    rows and the pass's own stay within the bytes admission reserved for the turn."""
+    from qfserve.engine.kv import kvzip
+    from qfserve.engine.kv.kvzip import reconstruction
+    from qfserve.engine.serving.admission import kv_row_bytes
+    from qfserve.engine.serving.records import Ledger
+
+    config = CacheConfig(method="kvzip", budget=48, recent=8, budget_mode="global")
+    layer_row = kv_row_bytes(loaded.model, loaded.config, config) // len(loaded.model.layers)
+    prompt = loaded.tokenizer.encode(" ".join([OPENING] * 30))
+    prompt = prompt[: (len(prompt) - 1) // prefill_chunk * prefill_chunk + 2]  # k reads, then 1
+    reserved, peaks, views = [], [], []
+    reserve, init = Ledger.reserve, reconstruction.Reconstruction.__init__
+    update = reconstruction._ReconstructionView.update_and_fetch
+
+    def noted(self, record, need, *, alone):
+        held = reserve(self, record, need, alone=alone)
+        if held:  # a turn first asks for its whole cache, which does not fit here
+            reserved.append(need)
+            peaks.append(0)
+        return held
+
+    def tracked(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        views[:] = self._views
+
+    def measured(self, keys, values):
+        out = update(self, keys, values)
+        peaks[-1] = max(peaks[-1], sum(view.size() for view in views) * layer_row)
+        return out
+
+    monkeypatch.setattr(Ledger, "reserve", noted)
+    monkeypatch.setattr(reconstruction.Reconstruction, "__init__", tracked)
+    monkeypatch.setattr(reconstruction._ReconstructionView, "update_and_fetch", measured)
+    row = kv_row_bytes(loaded.model, loaded.config, config)
+    max_kv_bytes = row * (2 * (config.budget + 8 + prefill_chunk + 1) + kvzip.REPEAT_ROWS)
+    w = worker_for(
+        loaded, prompt_cache_size=4, max_kv_bytes=max_kv_bytes, prefill_chunk=prefill_chunk
+    )
+    with serving(w):
+        pieces, first = ask(w, request(prompt, config))
+        vocab = {loaded.tokenizer.decode([i]): i for i in range(len(loaded.tokenizer.vocab))}
+        again = [*prompt, *(vocab[p] for p in pieces), *user_part(loaded, 1)]
+        _, second = ask(w, request(again, config))
+    assert second.cached_tokens > 0
+    assert len(reserved) == 2 and all(0 < p <= r for p, r in zip(peaks, reserved, strict=True))
+    assert first.kv_cache["tokens_kept"] <= config.budget
 
 
 def test_a_kvzip_prompt_one_token_past_its_chunks_still_gets_its_pass(loaded, monkeypatch):

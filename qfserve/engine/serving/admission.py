@@ -132,10 +132,11 @@ def kvzip_limit(
 
     row = kv_row_bytes(loaded.model, loaded.config, cache)
     fit = max_kv_bytes // row - REPEAT_ROWS
+    read = prefill_chunk + 1  # a read may take one token more: no one-token chunk is left
     # At most: the limit, a chunk read past it, and a pass over those unscored rows.
-    limit = fit // 2 - prefill_chunk
-    if limit + prefill_chunk > DEFAULT_CHUNK:
-        limit = fit - prefill_chunk - DEFAULT_CHUNK
+    limit = fit // 2 - read
+    if limit + read > DEFAULT_CHUNK:
+        limit = fit - read - DEFAULT_CHUNK
     _, kv_heads, _ = _shape(loaded.model, loaded.config)
     # What a compressed layer keeps, padded to its longest head (rows shared across layers
     # are capped to fit instead: qfserve.engine.kv.kvzip.shares).
@@ -144,7 +145,7 @@ def kvzip_limit(
         kept = kv_heads * cache.budget - (kv_heads - 1) * cache.floor_rows
     if limit <= kept:
         return None
-    peak = limit + prefill_chunk + min(DEFAULT_CHUNK, limit + prefill_chunk) + REPEAT_ROWS
+    peak = limit + read + min(DEFAULT_CHUNK, limit + read) + REPEAT_ROWS
     return limit, peak * row
 
 
@@ -223,7 +224,11 @@ def prepare(
         fit = kvzip_limit(loaded, request.cache, max_kv_bytes, config.prefill_chunk)
         if fit is not None:
             kvzip.set_limit(caches, fit[0], config.prefill_chunk)
-            need = fit[1]
+            # A kept turn compressed without a limit may hold more than a pass leaves
+            # (a position's bytes over every layer, divided by the layers: a layer-row's).
+            layers = _shape(loaded.model, loaded.config)[0]
+            layer_row = kv_row_bytes(loaded.model, loaded.config, request.cache) // layers
+            need = fit[1] + kvzip.beyond_keep(caches) * layer_row
     if need > max_kv_bytes:
         raise PromptError(
             f"this request's KV cache can hold {need} bytes, more than the server's "

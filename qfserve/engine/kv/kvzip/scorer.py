@@ -170,18 +170,29 @@ def over_limit(caches: list[Any]) -> bool:
 
 def set_limit(caches: list[Any], rows: int, prefill_chunk: int) -> None:
     """Compress the prompt read so far whenever the layers hold more than ``rows`` rows a
-    layer, read ``prefill_chunk`` tokens at a time (what the request reserved:
-    :func:`qfserve.engine.serving.admission.kvzip_limit`).
+    layer, read ``prefill_chunk`` tokens at a time (one more where that would leave one:
+    what the request reserved, :func:`qfserve.engine.serving.admission.kvzip_limit`).
 
-    Between passes the layers may keep more than ``rows`` together (the ``keep_limit``
-    their padded rows are held to, :mod:`qfserve.engine.kv.kvzip.shares`): the reservation
-    holds a pass over up to ``rows + prefill_chunk`` unscored rows, and once what is kept
-    leaves less than a chunk below ``rows`` a pass runs after every chunk, over that chunk
-    alone, so the rest of that room is the kept rows'."""
-    keep = rows + min(DEFAULT_CHUNK, rows + prefill_chunk) - min(prefill_chunk, DEFAULT_CHUNK)
+    After a pass the layers may keep more than ``rows`` (their ``keep_limit``, which their
+    padded rows are held to: :mod:`qfserve.engine.kv.kvzip.shares`). The reservation holds
+    a pass over up to ``rows`` and a read of unscored rows; once what is kept leaves less
+    than a read below ``rows``, a pass runs after every read, over that read and the rows
+    no pass scored yet (a kept turn's last generated ones, in its recent window), so the
+    rest of that room is the kept rows'."""
+    read = prefill_chunk + 1
     for cache in caches:
         if isinstance(getattr(cache, "scorer", None), KVzipScorer):
+            unscored = read + cache.recent + 1
+            keep = rows + min(DEFAULT_CHUNK, rows + read) - min(DEFAULT_CHUNK, unscored)
             cache.scorer.limit, cache.scorer.keep_limit = rows, keep
+
+
+def beyond_keep(caches: list[Any]) -> int:
+    """Rows the layers hold together beyond their ``keep_limit`` (:func:`set_limit`): a
+    kept turn compressed without a limit may hold more than a pass would leave."""
+    limited = [c for c in caches if getattr(getattr(c, "scorer", None), "keep_limit", None)]
+    held = sum(int(c.size()) for c in limited)
+    return max(0, held - sum(int(c.scorer.keep_limit) for c in limited))
 
 
 def hold(caches: list[Any], on: bool = True) -> None:
