@@ -49,13 +49,6 @@ def exactly_k(ranked: mx.array, k: mx.array | int) -> mx.array:
     return keep & (kk > 0)
 
 
-def top_per_head(ranked: mx.array, k: int) -> mx.array:
-    """``(..., L)`` bool: each head's ``k`` best rows of ``ranked`` (no NaN), ties to the lower
-    row; where a head has fewer than ``k`` finite rows, its ``-inf`` ones count too."""
-    L = ranked.shape[-1]
-    return exactly_k(ranked.reshape(-1, L), min(k, L)).reshape(ranked.shape)
-
-
 def select_adaptive(
     scores: mx.array,
     *,
@@ -110,7 +103,7 @@ def select_adaptive(
     protected = ok & ((from_start <= n_sink) | (from_end <= recent))
     guarded = mx.where(protected, _INF, ranked)
     if cap is not None and cap < L:
-        top = top_per_head(guarded, cap)
+        top = exactly_k(guarded.reshape(B * H, L), cap).reshape(B, H, L)
         ranked, guarded = mx.where(top, ranked, -_INF), mx.where(top, guarded, -_INF)
     own = exactly_k(guarded.reshape(B * H, L), floor).reshape(B, H, L)
     # The shared top-k over what the floors left, flattened head-major: ties to lower heads.

@@ -46,7 +46,7 @@ from qfserve.engine.kv.kvzip.scorer import (
     over_limit,
     set_limit,
 )
-from qfserve.engine.kv.kvzip.shares import evict, head_cap, layer_budgets
+from qfserve.engine.kv.kvzip.shares import evict, layer_budgets
 
 __all__ = [
     "DEFAULT_BLOCK",
@@ -62,7 +62,6 @@ __all__ = [
     "compress",
     "evict",
     "generated_tier",
-    "head_cap",
     "hold",
     "holding",
     "layer_budgets",

@@ -160,12 +160,17 @@ def over_limit(caches: list[Any]) -> bool:
     """The layers hold more rows together than the memory the request may hold lets a prompt
     keep before the rows read so far are compressed (:func:`set_limit`): the memory is the
     request's, so a layer whose heads keep more is balanced by the others."""
-    limited = [
+    limited = _limited(caches)
+    return bool(sum(c.size() for c in limited) > sum(c.scorer.limit for c in limited))
+
+
+def _limited(caches: list[Any]) -> list[Any]:
+    """The caches under :class:`KVzipScorer` with a compress-as-read limit (:func:`set_limit`)."""
+    return [
         c
         for c in caches
         if isinstance(getattr(c, "scorer", None), KVzipScorer) and c.scorer.limit is not None
     ]
-    return bool(sum(c.size() for c in limited) > sum(c.scorer.limit for c in limited))
 
 
 def set_limit(caches: list[Any], rows: int, prefill_chunk: int) -> None:
@@ -190,7 +195,7 @@ def set_limit(caches: list[Any], rows: int, prefill_chunk: int) -> None:
 def beyond_keep(caches: list[Any]) -> int:
     """Rows the layers hold together beyond their ``keep_limit`` (:func:`set_limit`): a
     kept turn compressed without a limit may hold more than a pass would leave."""
-    limited = [c for c in caches if getattr(getattr(c, "scorer", None), "keep_limit", None)]
+    limited = _limited(caches)
     held = sum(int(c.size()) for c in limited)
     return max(0, held - sum(int(c.scorer.keep_limit) for c in limited))
 

@@ -56,10 +56,10 @@ def layer_budgets(caches: list[Any], scores: list[mx.array]) -> tuple[list[int],
         protected = real & ((from_start <= cache.n_sink) | (from_end <= cache.recent))
         ranked = mx.where(protected, mx.inf, mx.where(real, layer_scores, -mx.inf))
         guarded.append(ranked[0])
-    desc = [-np.sort(-np.array(g), axis=-1) for g in guarded]  # best first per head
-    H = desc[0].shape[0]
+    ranks = [np.array(g) for g in guarded]
+    H = ranks[0].shape[0]
     total = sum(c.scorer.budget * H for c in caches)
-    counts = _head_counts(desc, total)
+    counts = _head_counts(ranks, total)
     limits = [c.scorer.keep_limit for c in caches]
     cap = None if None in limits else head_cap([int(c.max()) for c in counts], sum(limits))
     if cap is not None:
@@ -77,14 +77,13 @@ def layer_budgets(caches: list[Any], scores: list[mx.array]) -> tuple[list[int],
     return budgets, cap
 
 
-def _head_counts(desc: list[np.ndarray], total: int) -> list[np.ndarray]:
-    """Rows per head (``(H,)`` per layer) among the global ``total`` best (``desc``:
-    ``(H, S)`` per layer, best first, ``-inf`` where no row is; ties at the threshold all
-    count)."""
-    pool = np.concatenate([d.ravel() for d in desc])
+def _head_counts(ranks: list[np.ndarray], total: int) -> list[np.ndarray]:
+    """Rows per head (``(H,)`` per layer) among the global ``total`` best (``ranks``:
+    ``(H, S)`` per layer, ``-inf`` where no row is; ties at the threshold all count)."""
+    pool = np.concatenate([r.ravel() for r in ranks])
     pool = pool[pool > -np.inf]
     kth = -np.inf if pool.size <= total else np.partition(pool, pool.size - total)[-total]
-    return [((d >= kth) & (d > -np.inf)).sum(axis=-1) for d in desc]
+    return [((r >= kth) & (r > -np.inf)).sum(axis=-1) for r in ranks]
 
 
 def head_cap(longest: list[int], allowance: int) -> int | None:
