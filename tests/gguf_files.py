@@ -216,5 +216,5 @@ def load_converted_tiny(
     write_tiny_gguf(scratch / "tiny.gguf", quantized=quantized, qtype=qtype)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("QFSERVE_CACHE", str(scratch / "cache"))
-        folder = converted_folder(scratch / "tiny.gguf", dequantize=True)
+        folder = converted_folder(scratch / "tiny.gguf")
     return load_model(str(folder))

@@ -153,15 +153,33 @@ def test_unsupported_tokenizers_are_refused(tmp_path, tokenizer_model, pre, mess
     assert not list((tmp_path / "cache" / "models").rglob("model.safetensors"))
 
 
-def test_types_mlx_cannot_read_are_dequantized_by_the_gguf_package(tmp_path):
-    path = tmp_path / "q5_0.gguf"
-    decoded = write_tiny_gguf(
-        path, quantized=("ffn_down", "attn_q"), qtype=GGMLQuantizationType.Q5_0
-    )
-    assert not open_gguf(path).native
-    folder = converted_folder(path, dequantize=True)
+@pytest.mark.parametrize(
+    ("qtype", "bits"),
+    [
+        (GGMLQuantizationType.Q5_0, 5),
+        (GGMLQuantizationType.Q5_1, 5),
+        (GGMLQuantizationType.Q4_0, 4),
+    ],
+)
+def test_every_quantized_type_is_kept_as_codes_at_its_bits(tmp_path, qtype, bits):
+    """The folder holds codes of the file's bits (per layer in mlx-lm's quantization config),
+    no float32 copy; they dequantize to exactly the gguf package's values, and the served
+    logits are the decoded weights' up to the quantized product's order of sums."""
+    path = tmp_path / "q.gguf"
+    decoded = write_tiny_gguf(path, quantized=("ffn_down", "attn_q"), qtype=qtype)
+    folder = converted_folder(path)
+    config = json.loads((folder / "config.json").read_text())
+    weights = mx.load(str(folder / "model.safetensors"))
+    stem = "model.layers.0.self_attn.q_proj"
+    assert weights[f"{stem}.weight"].dtype == mx.uint32
+    bits_of = config["quantization"].get(stem, config["quantization"])["bits"]
+    assert bits_of == bits
+    deq = mx.dequantize(weights[f"{stem}.weight"], weights[f"{stem}.scales"],
+                        weights[f"{stem}.biases"], group_size=32, bits=bits)  # fmt: skip
+    np.testing.assert_array_equal(np.array(deq), decoded[f"{stem}.weight"])
     vocab = decoded["model.embed_tokens.weight"].shape[0]
-    np.testing.assert_array_equal(served_logits(folder), reference_logits("llama", decoded, vocab))
+    ours, ref = served_logits(folder), reference_logits("llama", decoded, vocab)
+    np.testing.assert_allclose(ours, ref, atol=2e-4, rtol=0)
 
 
 def test_llama3_rope_scaling_is_recovered_from_the_rope_freqs_tensor(tmp_path):

@@ -1,8 +1,8 @@
-"""Decode on the GGUF file's quantized codes (qfserve.engine.models.quantized): the converted
-folder keeps them, the loader wraps exactly the projections that have them, few-row products
-read them, prefill reads the float32 weights, decode steps attend through the native kernel,
-and greedy text is that of the float32 model with MLX's attention (the tiny model here;
-SmolLM2 for every eviction method)."""
+"""Quantized weights held as codes on the CPU (qfserve.engine.models.quantized): the loader
+gives exactly the quantized layers the native kernel's subclasses, few rows and many read the
+codes (no float32 copy), decode steps attend through the native kernel, and greedy text is
+that of the float32 model with MLX's attention (the tiny model here; SmolLM2 for every
+eviction method)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,15 @@ from qfserve.engine.kv import attention
 from qfserve.engine.kv.config import METHODS, CacheConfig
 from qfserve.engine.kv.factory import make_caches
 from qfserve.engine.kv.kvzip import RepeatPrompt, compress
-from qfserve.engine.models.gguf.convert import QUANTIZED_FILE
+from qfserve.engine.models.fused import MAX_ROWS
 from qfserve.engine.models.loading import _attach_codes, load_model
-from qfserve.engine.models.quantized import MAX_ROWS, DecodeEmbedding, DecodeLinear, detach
+from qfserve.engine.models.quantized import (
+    NativeQuantizedEmbedding,
+    NativeQuantizedLinear,
+    densify,
+    detach,
+    weight_bytes,
+)
 from qfserve.engine.serving.batch import BatchCache
 from tests.gguf_files import load_converted_tiny
 from tests.kernels.conftest import _buildable
@@ -28,7 +34,7 @@ pytestmark = pytest.mark.skipif(bool(_buildable()), reason=str(_buildable()))
 QUANTIZED = ("attn_q", "attn_v", "ffn_up", "token_embd")
 
 
-@pytest.fixture(scope="module", params=[GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_1])
+@pytest.fixture(scope="module", params=[GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q5_1])
 def tiny(request, tmp_path_factory):
     """A tiny GGUF with some tensors quantized, converted in a scratch cache and loaded as
     the server loads it (the kernel itself is built once into qfserve's own cache)."""
@@ -48,54 +54,60 @@ def wrapped(model: nn.Module) -> dict[str, nn.Module]:
     return {
         name: m
         for name, m in model.named_modules()
-        if isinstance(m, DecodeLinear | DecodeEmbedding)
+        if isinstance(m, NativeQuantizedLinear | NativeQuantizedEmbedding)
     }
 
 
-def test_the_folder_keeps_codes_for_exactly_the_quantized_tensors(tiny):
+def float32_reference(loaded, run):
+    """``run(model)`` on a second copy of the model with float32 weights and MLX's own
+    attention and layers; the native path is put back on ``loaded`` after."""
+    plain = load_model(loaded.source).model
+    detach(plain)  # the native attention is one switch for the process: off
+    densify(plain)
+    assert not wrapped(plain) and not any(
+        isinstance(m, nn.QuantizedLinear | nn.QuantizedEmbedding) for _, m in plain.named_modules()
+    )
+    try:
+        return run(plain)
+    finally:
+        _attach_codes(loaded.model, loaded.source)
+
+
+def test_exactly_the_quantized_tensors_read_codes_and_no_float32_copy_is_held(tiny):
     loaded = tiny
-    codes = mx.load(f"{loaded.source}/{QUANTIZED_FILE}")
-    stems = {k.rsplit(".", 1)[0] for k in codes}
+    stored = mx.load(f"{loaded.source}/model.safetensors")
+    stems = {k.rsplit(".", 1)[0] for k in stored if k.endswith(".scales")}
     layers = len(loaded.model.model.layers)
     assert len(stems) == 3 * layers + 1  # attn_q, attn_v, ffn_up per layer; the embedding
     assert "model.layers.0.self_attn.q_proj" in stems and "model.embed_tokens" in stems
     assert "model.layers.0.self_attn.k_proj" not in stems  # F32 in the file
     assert set(wrapped(loaded.model)) == stems
+    # Held: the folder's tensors, scales widened to float32 at most (no dequantized copy).
+    assert weight_bytes(loaded.model) == sum(v.nbytes for v in stored.values())
 
 
-def test_few_rows_read_the_codes_and_many_the_float32_weights(tiny):
-    loaded = tiny
-    module = loaded.model.model.layers[0].self_attn.q_proj
-    assert isinstance(module, DecodeLinear)
-    rng = np.random.default_rng(0)
-    k = module.weight.shape[1]
-    few = mx.array(rng.standard_normal((1, MAX_ROWS, k), dtype=np.float32))
-    many = mx.array(rng.standard_normal((1, MAX_ROWS + 1, k), dtype=np.float32))
-    dense = np.array(module.weight, dtype=np.float64)
-    # Few rows: the kernel, equal to float64 numpy up to float32 summation order.
-    np.testing.assert_allclose(
-        np.array(module(few)), np.array(few, np.float64) @ dense.T, atol=1e-5
-    )
-    # Many rows: exactly the float32 product.
-    np.testing.assert_array_equal(np.array(module(many)), np.array(module.dense(many)))
+@pytest.mark.parametrize("rows", [1, MAX_ROWS, MAX_ROWS + 1, 40])
+def test_few_rows_and_many_read_the_codes(tiny, rows):
+    module = tiny.model.model.layers[0].self_attn.q_proj
+    assert isinstance(module, NativeQuantizedLinear)
+    dense = np.array(
+        mx.dequantize(module.weight, module.scales, module.biases, group_size=module.group_size,
+                      bits=module.bits), dtype=np.float64
+    )  # fmt: skip
+    x = mx.array(np.random.default_rng(rows).standard_normal((1, rows, dense.shape[1]), np.float32))
+    np.testing.assert_allclose(np.array(module(x)), np.array(x, np.float64) @ dense.T, atol=2e-5)
 
 
 def test_greedy_text_equals_the_float32_models(tiny):
     loaded = tiny
-    model = loaded.model
     prompt = mx.array(np.random.default_rng(3).integers(0, 200, 40).tolist())
 
-    def greedy() -> tuple[list[int], np.ndarray]:
+    def greedy(model) -> tuple[list[int], np.ndarray]:
         steps = list(generate_step(prompt, model, max_tokens=24))
         return [int(t) for t, _ in steps], np.stack([np.array(lp) for _, lp in steps])
 
-    with_codes, logprobs = greedy()
-    n = detach(model)
-    try:
-        plain, plain_logprobs = greedy()
-    finally:
-        _attach_codes(model, loaded.source)
-    assert n == len(wrapped(model)) > 0
+    with_codes, logprobs = greedy(loaded.model)
+    plain, plain_logprobs = float32_reference(loaded, greedy)
     assert with_codes == plain and len(set(plain)) > 3
     np.testing.assert_allclose(logprobs, plain_logprobs, atol=1e-4)
 
@@ -172,7 +184,7 @@ def test_detach_puts_back_plain_modules_and_mlx_attention(tiny):
     assert isinstance(model.model.norm, NativeRMSNorm) and mlp_module.swiglu is not swiglu
     assert detach(model) == count and not wrapped(model)
     assert attention._NATIVE["kernel"] is None
-    assert isinstance(model.model.layers[0].self_attn.q_proj, nn.Linear)
+    assert type(model.model.layers[0].self_attn.q_proj) is nn.QuantizedLinear
     assert type(attn.rope.inner) is nn.RoPE and type(model.model.norm) is nn.RMSNorm
     assert mlp_module.swiglu is swiglu
     _attach_codes(model, loaded.source)
@@ -196,7 +208,7 @@ def test_smollm2_greedy_text_is_unchanged_for_every_method(smollm2, method):
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     config = CacheConfig(method=method, budget=112 if method != "full" else 512)
 
-    def greedy() -> list[int]:
+    def greedy(model) -> list[int]:
         caches = make_caches(model, config)
         if method == "kvzip":
             model(mx.array(prompt[:-1])[None], cache=caches)
@@ -210,10 +222,6 @@ def test_smollm2_greedy_text_is_unchanged_for_every_method(smollm2, method):
         return [int(t) for t, _ in steps]
 
     assert wrapped(model), "the default model decodes on its codes"
-    with_codes = greedy()
-    detach(model)
-    try:
-        plain = greedy()
-    finally:
-        _attach_codes(model, loaded.source)
+    with_codes = greedy(model)
+    plain = float32_reference(loaded, greedy)
     assert with_codes == plain and len(set(plain)) > 3

@@ -1,6 +1,7 @@
 """The native quantized matmul against numpy: codes unpacked by hand from MLX's documented
-layout (element j of a uint32 word at bits ``bits * j``, ``w = scale * q + bias`` per group of
-32), not by ``mx.dequantize``."""
+layout (a little-endian bit stream of ``bits``-bit codes, ``w = scale * q + bias`` per group),
+not by ``mx.dequantize``; few rows (in registers) and many (dequantized tiles through the
+BLAS), every bit width and group size, odd shapes and extreme scales."""
 
 from __future__ import annotations
 
@@ -13,43 +14,75 @@ import pytest
 from qfserve.kernels import native
 
 
-def unpack(w: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int) -> np.ndarray:
+def unpack(
+    w: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int, group: int = 32
+) -> np.ndarray:
     """The dense float64 weight of MLX affine codes, in numpy."""
-    per_word = 32 // bits
-    shifts = np.arange(per_word, dtype=np.uint32) * bits
-    q = (w[..., None] >> shifts) & np.uint32((1 << bits) - 1)  # (N, words, per_word)
-    q = q.reshape(w.shape[0], -1).astype(np.float64)  # (N, K)
-    groups = q.reshape(q.shape[0], -1, 32)
+    stream = np.unpackbits(w.view(np.uint8), axis=1, bitorder="little")  # (N, K * bits)
+    q = stream.reshape(w.shape[0], -1, bits) @ (1 << np.arange(bits))  # (N, K)
+    groups = q.reshape(q.shape[0], -1, group).astype(np.float64)
     dense = groups * scales[..., None].astype(np.float64) + biases[..., None].astype(np.float64)
     return dense.reshape(q.shape)
 
 
-def codes(rng: np.random.Generator, n: int, k: int, bits: int):
+def codes(rng: np.random.Generator, n: int, k: int, bits: int, group: int = 32, scale=0.05):
     w = mx.array(rng.integers(0, 2**32, size=(n, k * bits // 32), dtype=np.uint32))
-    scales = mx.array(rng.uniform(0.001, 0.05, size=(n, k // 32)).astype(np.float32))
-    biases = mx.array(rng.uniform(-0.2, 0.2, size=(n, k // 32)).astype(np.float32))
+    scales = mx.array((rng.uniform(0.02, 1, size=(n, k // group)) * scale).astype(np.float32))
+    biases = mx.array((rng.uniform(-4, 4, size=(n, k // group)) * scale).astype(np.float32))
     return w, scales, biases
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("rows", [1, 3, 4, 9])
-@pytest.mark.parametrize(("n", "k"), [(96, 64), (1000, 576), (4100, 160)])
-def test_products_match_numpy(kernel, bits, rows, n, k):
-    rng = np.random.default_rng(rows * 1000 + n + bits)
-    w, scales, biases = codes(rng, n, k, bits)
+def check(kernel, rng, *, bits, group, rows, n, k, scale=0.05):
+    w, scales, biases = codes(rng, n, k, bits, group, scale)
     x = mx.array(rng.standard_normal((rows, k), dtype=np.float32))
     got = np.array(kernel.quantized_matmul(x, w, scales, biases, bits))
-    want = (
-        np.array(x, dtype=np.float64)
-        @ unpack(np.array(w), np.array(scales), np.array(biases), bits).T
-    )
+    dense = unpack(np.array(w), np.array(scales), np.array(biases), bits, group)
+    want = np.array(x, dtype=np.float64) @ dense.T
     assert got.shape == (rows, n) and got.dtype == np.float32
-    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+    # float32 sums of k terms: relative to the sum of the terms' magnitudes.
+    bound = np.abs(np.array(x, np.float64)) @ np.abs(dense).T
+    assert np.all(np.abs(got - want) <= 2e-6 * np.sqrt(k) * bound + 1e-30)
+    deq = np.array(kernel.dequantize(w, scales, biases, bits))
+    np.testing.assert_allclose(deq, dense, rtol=1e-6, atol=1e-6 * np.abs(dense).max())
+
+
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, 40])
+@pytest.mark.parametrize(("n", "k"), [(96, 64), (1000, 576), (4100, 160)])
+def test_products_match_numpy(kernel, bits, rows, n, k):
+    check(kernel, np.random.default_rng(rows * 1000 + n + bits), bits=bits, group=32,
+          rows=rows, n=n, k=k)  # fmt: skip
+
+
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
+@pytest.mark.parametrize("group", [64, 128])
+@pytest.mark.parametrize("rows", [1, 5, 33])
+def test_mlx_group_sizes(kernel, bits, group, rows):
+    """``mlx_lm.convert -q`` folders: groups of 64 and 128."""
+    check(kernel, np.random.default_rng(group + rows + bits), bits=bits, group=group,
+          rows=rows, n=130, k=384)  # fmt: skip
+
+
+@pytest.mark.parametrize("scale", [1e-30, 1e25])
+@pytest.mark.parametrize("rows", [2, 17])
+def test_extreme_scales(kernel, scale, rows):
+    check(kernel, np.random.default_rng(3), bits=5, group=32, rows=rows, n=64, k=96,
+          scale=scale)  # fmt: skip
+
+
+def test_matches_mlx_own_dequantize(kernel):
+    """The same codes as MLX reads them (its own quantize, 6 bits, group 64)."""
+    rng = np.random.default_rng(4)
+    weight = mx.array(rng.standard_normal((48, 256), dtype=np.float32))
+    w, scales, biases = mx.quantize(weight, group_size=64, bits=6)
+    dense = mx.dequantize(w, scales, biases, group_size=64, bits=6)
+    got = kernel.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32), 6)
+    np.testing.assert_allclose(np.array(got), np.array(dense), rtol=1e-5, atol=1e-5)
 
 
 def test_strided_batched_inputs_and_compile(kernel):
     """Leading axes and any strides are read in place (a transposed and a sliced view), and
-    the primitive runs inside mx.compile."""
+    the primitive runs inside mx.compile; a strided prompt too."""
     rng = np.random.default_rng(1)
     w, scales, biases = codes(rng, 256, 128, 4)
     dense = unpack(np.array(w), np.array(scales), np.array(biases), 4)
@@ -64,15 +97,25 @@ def test_strided_batched_inputs_and_compile(kernel):
     compiled = mx.compile(lambda a: kernel.quantized_matmul(a, w, scales, biases, 4) * 2.0)
     np.testing.assert_allclose(np.array(got), want, rtol=2e-5, atol=1e-4)
     np.testing.assert_allclose(np.array(compiled(x)), 2 * want, rtol=2e-5, atol=2e-4)
+    many = mx.array(rng.standard_normal((128, 30), dtype=np.float32)).T  # (30, 128) strided
+    np.testing.assert_allclose(
+        np.array(kernel.quantized_matmul(many, w, scales, biases, 4)),
+        np.array(many, np.float64) @ dense.T,
+        rtol=2e-5,
+        atol=1e-4,
+    )
 
 
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"bits": 3}, "bits must be 4 or 8"),
-        ({"x": mx.zeros((1, 96))}, "shapes do not match"),
+        ({"bits": 3}, "bits is 3 but the codes are 4-bit"),
+        ({"x": mx.zeros((1, 96))}, "width 96 must be 32, 64 or 128 times"),
         ({"x": mx.zeros((1, 64), dtype=mx.float16)}, "must be float32"),
-        ({"scales": mx.zeros((32, 3))}, "shapes do not match"),
+        ({"scales": mx.zeros((32, 3))}, "float32 scales and biases"),
+        ({"scales": mx.zeros((32, 3)), "biases": mx.zeros((32, 3))}, "must be 32, 64 or 128"),
+        ({"w": mx.zeros((32, 10), dtype=mx.uint32)}, "bits is 4 but the codes are 5-bit"),
+        ({"w": mx.zeros((32, 14), dtype=mx.uint32)}, "codes of 4, 5, 6 or 8 bits"),
     ],
 )
 def test_bad_arguments_are_refused(kernel, change, message):

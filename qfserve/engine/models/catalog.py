@@ -142,7 +142,7 @@ def _fetch(model: CatalogModel, folder: Path, target: Path) -> Path:
     return target
 
 
-def folder_for(model: CatalogModel, *, dequantize: bool | None = None) -> Path:
+def folder_for(model: CatalogModel, *, dequantize: bool = False) -> Path:
     """The converted mlx-lm folder of a catalog model (fetched and converted when needed)."""
     return converted_folder(
         gguf_path(model), name=model.name, model_id=model.model_id, dequantize=dequantize

@@ -16,7 +16,7 @@ llama's ``Attention`` and ``MLP``. It is installed where every projection reads 
 no bias, both norms, the rope and the module's ``swiglu`` are the native ones; what it reads
 is taken at install (:func:`qfserve.engine.models.quantized.attach` installs it, ``detach``
 removes it; installing again after a block's weights change reads them anew). A block takes the path for decode rows only (``(B, 1, K)`` float32 on
-the CPU, as few sequences as the codes take); a prompt block, or a layer whose rope a query
+the CPU, at most :data:`MAX_ROWS` sequences); a prompt block, or a layer whose rope a query
 tap replaced (self-calibration, capture), runs the class's own forward, unchanged.
 """
 
@@ -34,13 +34,15 @@ from mlx_lm.models import llama
 from qfserve.engine.models import native_layers
 from qfserve.engine.models.native_layers import NativeRMSNorm, NativeRoPE, offset_array
 
+# Sequences a fused decode step takes (the kernel's few-row path multiplies them in registers).
+MAX_ROWS = 8
+
 
 @dataclass(frozen=True)
 class _Parts:
     """What a fused block reads, taken from its modules at install."""
 
     kernel: ModuleType
-    codes: Any  # the q projection's codes: their takes(x) decides the path
     rope: NativeRoPE
     qkv: tuple[list[mx.array], list[mx.array], list[mx.array]]
     tail: tuple[list[mx.array], list[mx.array], list[mx.array], list[mx.array]]  # o, MLP
@@ -51,11 +53,11 @@ class _Parts:
 
 
 def _codes(linear: Any) -> list[mx.array] | None:
-    """A projection's codes (w, scales, biases) where it reads them and has no bias."""
-    codes, dense = getattr(linear, "codes", None), getattr(linear, "dense", None)
-    if codes is None or dense is None or "bias" in dense:
+    """A projection's codes (w, scales, biases) where the kernel reads them and it has no
+    bias."""
+    if getattr(linear, "_qfserve_kernel", None) is None or "bias" in linear:
         return None
-    return [codes.weight, codes.scales, codes.biases]
+    return [linear["weight"], linear["scales"], linear["biases"]]
 
 
 def _norm(module: Any) -> tuple[mx.array, float] | None:
@@ -80,7 +82,7 @@ def _parts(block: Any, kernel: ModuleType) -> _Parts | None:
         return None
     q, k, v, o, gate, up, down = cast(list[list[mx.array]], projections)
     (w1, eps1), (w2, eps2) = cast(tuple[tuple[mx.array, float], ...], norms)
-    return _Parts(kernel, attn.q_proj.codes, attn.rope, (q, k, v), (o, gate, up, down),
+    return _Parts(kernel, attn.rope, (q, k, v), (o, gate, up, down),
                   (w1, eps1, w2, eps2), (attn.n_heads, attn.n_kv_heads), attn.scale,
                   module)  # fmt: skip
 
@@ -96,7 +98,8 @@ class _FusedBlock:
             cache is None
             or x.ndim != 3
             or x.shape[1] != 1
-            or not p.codes.takes(x)
+            or x.dtype != mx.float32
+            or x.shape[0] > MAX_ROWS
             or cast(Any, self).self_attn.rope is not p.rope  # a query tap: as written
             or mx.default_device() != mx.cpu
         ):

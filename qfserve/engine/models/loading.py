@@ -203,21 +203,19 @@ def load_model(ref: str | None) -> LoadedModel:
 
 
 def _attach_codes(model: nn.Module, source: str) -> None:
-    """Decode on the GGUF file's quantized codes where a converted folder has them and MLX
-    runs on the CPU (:mod:`qfserve.engine.models.quantized`)."""
+    """On MLX's CPU backend, products on the quantized layers' codes through the native
+    kernel, or float32 layers where it cannot be built
+    (:mod:`qfserve.engine.models.quantized`); Metal keeps MLX's own quantized kernels."""
     import mlx.core as mx
 
-    from qfserve.engine.models.gguf.convert import QUANTIZED_FILE, cache_root
+    from qfserve.engine.models.gguf.convert import cache_root
 
-    if (
-        mx.default_device().type != mx.DeviceType.cpu
-        or not (Path(source) / QUANTIZED_FILE).is_file()
-    ):
+    if mx.default_device().type != mx.DeviceType.cpu:
         return
     from qfserve.engine.models.quantized import attach
     from qfserve.kernels import native
 
-    attach(model, source, native.load(cache_root() / "native"))
+    attach(model, native.load(cache_root() / "native"))
 
 
 def served_as(loaded: LoadedModel, alias: str | None, ctx_size: int | None) -> LoadedModel:

@@ -130,7 +130,9 @@ def install(model: nn.Module, kernel: ModuleType) -> int:
         if type(rope) is nn.RoPE:  # exactly: subclasses compute other frequencies
             setattr(holder, name, NativeRoPE(rope, kernel))
             swapped += 1
-    norms = [(n, m) for n, m in model.named_modules() if type(m) is nn.RMSNorm]
+    modules = model.named_modules()
+    inside = {id(m.plain) for _, m in modules if isinstance(m, NativeRMSNorm)}  # installed
+    norms = [(n, m) for n, m in modules if type(m) is nn.RMSNorm and id(m) not in inside]
     if norms:
         from mlx.utils import tree_unflatten
 

@@ -1,14 +1,13 @@
-"""Decode on the GGUF file's quantized weights, prefill on float32 ones.
+"""Quantized weights on the CPU, held as their codes: no float32 copy of the model.
 
-On MLX's CPU backend the fast matrix product is float32 with a BLAS, and that is what a
-prefill wants: hundreds of rows of activations against each weight, compute-bound. A decode
-step is the opposite: one row per sequence, bound by the bytes of weights it reads, and
-float32 weights are ~5x the bytes of the file's Q4_1/Q8_0 codes. So a converted GGUF folder
-keeps both (``quantized.safetensors`` beside the float32 ``model.safetensors``), and each
-projection with codes is wrapped here: up to :data:`MAX_ROWS` rows of activations go to
-the native kernel (:mod:`qfserve.kernels.native`) on the codes, more go to the float32
-weight. The codes dequantize to exactly the float32 weights (the conversion derives those
-from them), so the two paths differ only in the order of float32 sums.
+A converted GGUF folder (and an ``mlx_lm.convert -q`` one) holds its matrices as MLX affine
+codes, which ``mlx_lm.load`` builds ``nn.QuantizedLinear`` / ``nn.QuantizedEmbedding`` layers
+from. On Metal those run on MLX's own quantized kernels. On MLX's CPU backend its
+``quantized_matmul`` is several times slower than a float32 product, so :func:`attach` gives
+each such layer a subclass whose products go to qfserve's native kernel
+(:mod:`qfserve.kernels.native`): few rows of activations (decode) are multiplied on the codes
+in registers, more (a prompt) a dequantized tile of the weight at a time through the BLAS.
+Either way only the codes stay resident: SmolLM2-135M holds ~115 MB of weights, not ~655 MB.
 
 The same kernel module then also attends decode steps and prompt blocks
 (:func:`qfserve.engine.kv.attention.set_native`), where MLX's CPU attention repeats a
@@ -17,14 +16,15 @@ activates (:mod:`qfserve.engine.models.native_layers`), where MLX on the CPU run
 several small ops, and runs a decode step's transformer block as two ops around its cache and
 attention (:mod:`qfserve.engine.models.fused`).
 
-Where the kernel cannot be built, nothing is wrapped and the model runs as before.
+Where the kernel cannot be built, :func:`densify` turns the quantized layers into float32
+ones instead (MLX's float32 product is the fast one it has): the speed of the BLAS, at ~5x
+the memory.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from pathlib import Path
 from types import ModuleType
 from typing import Any, cast
 
@@ -33,128 +33,155 @@ import mlx.nn as nn
 
 from qfserve.engine.kv.attention import set_native
 from qfserve.engine.models import fused, native_layers
-from qfserve.engine.models.gguf.convert import QUANTIZED_FILE
 
 logger = logging.getLogger(__name__)
 
-# Rows of activations up to which the kernel beats the float32 product (measured on SmolLM2's
-# shapes with OpenBLAS: at 8 rows the kernel still reads 5x fewer bytes and wins; at 32 the
-# BLAS's blocking wins). Decode of a batch of up to this many sequences takes the kernel.
-MAX_ROWS = 8
+# What the native kernel reads (MLX's affine mode).
+KERNEL_BITS = frozenset({4, 5, 6, 8})
+KERNEL_GROUPS = frozenset({32, 64, 128})
 
 
-class _Codes(nn.Module):
-    """One weight's group-32 codes (``weight`` uint32, float32 ``scales`` and ``biases``),
-    and the product with them."""
-
-    def __init__(self, weight: mx.array, scales: mx.array, biases: mx.array, kernel: ModuleType):
-        super().__init__()
-        self.weight, self.scales, self.biases = weight, scales, biases
-        self.bits = weight.shape[-1] // scales.shape[-1]  # (N, K*bits/32) words, (N, K/32)
-        self._kernel = kernel
-
-    def takes(self, x: mx.array) -> bool:
-        """Whether ``x`` goes to the kernel: float32, at most :data:`MAX_ROWS` rows."""
-        return x.dtype == mx.float32 and x.ndim > 0 and x.size // x.shape[-1] <= MAX_ROWS
-
-    def __call__(self, x: mx.array) -> mx.array:  # (..., K) -> (..., N), any strides
-        return cast(
-            mx.array,
-            self._kernel.quantized_matmul(x, self.weight, self.scales, self.biases, self.bits),
-        )
+def _product(module: Any, x: mx.array) -> mx.array:
+    """``x @ W.T`` on the module's codes through the native kernel (float32 ``x``)."""
+    kernel: ModuleType = module._qfserve_kernel
+    return cast(
+        mx.array,
+        kernel.quantized_matmul(x, module["weight"], module["scales"], module["biases"],
+                                module.bits),
+    )  # fmt: skip
 
 
-class DecodeLinear(nn.Module):
-    """An ``nn.Linear`` whose few-row products read its quantized codes."""
+class NativeQuantizedLinear(nn.QuantizedLinear):
+    """An ``nn.QuantizedLinear`` whose float32 products run on the native kernel."""
 
-    def __init__(self, dense: nn.Linear, codes: _Codes):
-        super().__init__()
-        self.dense, self.codes = dense, codes
-
-    @property
-    def weight(self) -> mx.array:
-        """The float32 weight (code that reads a projection's shape keeps working)."""
-        return self.dense.weight
+    _qfserve_kernel: ModuleType
 
     def __call__(self, x: mx.array) -> mx.array:
-        if not self.codes.takes(x):
-            return self.dense(x)
-        y = self.codes(x)
-        return y + self.dense.bias if "bias" in self.dense else y
+        if x.dtype != mx.float32:
+            return cast(mx.array, super().__call__(x))
+        y = _product(self, x)
+        return y + self["bias"] if "bias" in self else y
 
 
-class DecodeEmbedding(nn.Module):
-    """An ``nn.Embedding`` whose use as the tied output projection reads its codes (the
-    largest product of a small model's step: SmolLM2's is 49,152 x 576)."""
+class NativeQuantizedEmbedding(nn.QuantizedEmbedding):
+    """An ``nn.QuantizedEmbedding`` whose use as the tied output projection runs on the
+    native kernel (the largest product of a small model's step: SmolLM2's is 49,152 x 576);
+    looking tokens up dequantizes their rows only, as MLX's own class does."""
 
-    def __init__(self, dense: nn.Embedding, codes: _Codes):
-        super().__init__()
-        self.dense, self.codes = dense, codes
-
-    @property
-    def weight(self) -> mx.array:
-        return self.dense.weight
-
-    def __call__(self, ids: mx.array) -> mx.array:
-        return self.dense(ids)
+    _qfserve_kernel: ModuleType
 
     def as_linear(self, x: mx.array) -> mx.array:
-        if not self.codes.takes(x):
-            return self.dense.as_linear(x)
-        return self.codes(x)
+        if x.dtype != mx.float32:
+            return cast(mx.array, super().as_linear(x))
+        return _product(self, x)
 
 
-def attach(model: nn.Module, folder: str | Path, kernel: ModuleType | None) -> int:
-    """Wrap every float32 projection of ``model`` whose codes ``folder`` holds.
+_NATIVE: dict[Any, type] = {
+    nn.QuantizedLinear: NativeQuantizedLinear,
+    nn.QuantizedEmbedding: NativeQuantizedEmbedding,
+}
+_PLAIN: dict[Any, type] = {native: plain for plain, native in _NATIVE.items()}
+
+
+def _readable(module: Any) -> bool:
+    return (
+        getattr(module, "mode", "affine") == "affine"
+        and module.bits in KERNEL_BITS
+        and module.group_size in KERNEL_GROUPS
+    )
+
+
+def attach(model: nn.Module, kernel: ModuleType | None) -> int:
+    """Give every quantized layer the kernel reads its native subclass (scales and biases
+    widened to float32 where a folder stored them in half precision), and install the
+    kernel's attention and fused layers; without a kernel, :func:`densify` the model.
 
     Returns:
-        How many modules were wrapped (0 without a kernel or a codes file).
+        How many layers read their codes through the kernel (0 without one).
     """
-    path = Path(folder) / QUANTIZED_FILE
-    if kernel is None or not path.is_file():
+    _widen_halves(model)
+    if kernel is None:
+        n = densify(model)
+        if n:
+            logger.info("no native kernel: %d quantized layers dequantized to float32", n)
         return 0
-    loaded = mx.load(str(path))
-    assert isinstance(loaded, dict)
-    modules = dict(model.named_modules())
-    wrapped: list[tuple[str, nn.Module]] = []
-    for key in loaded:
-        if not key.endswith(".scales"):
-            continue
-        stem = key[: -len(".scales")]
-        dense = modules.get(stem)
-        if not isinstance(dense, nn.Linear | nn.Embedding) or dense.weight.dtype != mx.float32:
-            continue
-        codes = _Codes(loaded[f"{stem}.weight"], loaded[key], loaded[f"{stem}.biases"], kernel)
-        if (codes.weight.shape[0], codes.scales.shape[-1] * 32) != tuple(dense.weight.shape):
-            raise ValueError(f"{path}: {stem}'s codes do not match its weight's shape")
-        if isinstance(dense, nn.Linear):
-            wrapped.append((stem, DecodeLinear(dense, codes)))
-        else:
-            wrapped.append((stem, DecodeEmbedding(dense, codes)))
-    model.update_modules(_tree(wrapped))
+    swapped = 0
+    for _, module in model.named_modules():
+        native = _NATIVE.get(type(module))
+        if native is not None and _readable(module):
+            for name in ("scales", "biases"):
+                if module[name].dtype != mx.float32:
+                    module[name] = module[name].astype(mx.float32)
+            object.__setattr__(module, "_qfserve_kernel", kernel)
+            module.__class__ = native
+        swapped += type(module) in _PLAIN  # attached now or before
     mx.eval(model.parameters())
-    if wrapped:  # the same kernel module attends (kv.attention), rotates, normalises, ...
+    if swapped:  # the same kernel module attends (kv.attention), rotates, normalises, ...
         set_native(kernel)
         native_layers.install(model, kernel)
         fused.install(model, kernel)
-    logger.info("decode reads quantized weights for %d projections (%s)", len(wrapped), path)
-    return len(wrapped)
+    logger.info("%d quantized layers read their codes through the native kernel", swapped)
+    return swapped
 
 
 def detach(model: nn.Module) -> int:
-    """Put back the plain modules :func:`attach` wrapped, MLX's attention and the layers
+    """Put back MLX's own quantized classes, MLX's attention and the layers
     :mod:`native_layers` swapped (before splitting the model over ranks, whose sharding
-    rewrites the projections). Returns how many projections."""
-    plain = [
-        (name, module.dense)
-        for name, module in model.named_modules()
-        if isinstance(module, DecodeLinear | DecodeEmbedding)
-    ]
-    model.update_modules(_tree(plain))
+    rewrites the projections). Returns how many layers."""
+    n = 0
+    for _, module in model.named_modules():
+        plain = _PLAIN.get(type(module))
+        if plain is not None:
+            module.__class__ = plain
+            object.__delattr__(module, "_qfserve_kernel")
+            n += 1
     set_native(None)
     fused.remove(model)
     native_layers.remove(model)
-    return len(plain)
+    return n
+
+
+def densify(model: nn.Module) -> int:
+    """Replace every quantized layer with a float32 one holding its dequantized weight (the
+    CPU without the native kernel, and ranks of a sharded model). Returns how many."""
+    dense: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.QuantizedLinear | nn.QuantizedEmbedding):
+            continue
+        weight = mx.dequantize(
+            module["weight"], module["scales"].astype(mx.float32),
+            module["biases"].astype(mx.float32), group_size=module.group_size,
+            bits=module.bits, mode=getattr(module, "mode", "affine"),
+        ).astype(mx.float32)  # fmt: skip
+        if isinstance(module, nn.QuantizedEmbedding):
+            plain: nn.Module = nn.Embedding(*weight.shape)
+        else:
+            plain = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in module)
+            if "bias" in module:
+                plain.bias = module["bias"].astype(mx.float32)
+        plain.weight = weight
+        mx.eval(plain.parameters())
+        dense.append((name, plain))
+    model.update_modules(_tree(dense))
+    return len(dense)
+
+
+def _widen_halves(model: nn.Module) -> None:
+    """Float16 / bfloat16 matrices (an F16 GGUF tensor) in float32: MLX's CPU product is
+    fast in float32 only."""
+    for _, module in model.named_modules():
+        if type(module) in (nn.Linear, nn.Embedding):
+            for name in ("weight", "bias"):
+                if name in module and module[name].dtype in (mx.float16, mx.bfloat16):
+                    module[name] = module[name].astype(mx.float32)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters as held (codes, scales, biases and float tensors)."""
+    from mlx.utils import tree_flatten
+
+    leaves = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
+    return sum(v.nbytes for _, v in leaves)
 
 
 def _tree(items: Sequence[tuple[str, nn.Module]]) -> dict[str, Any]:

@@ -48,9 +48,10 @@ def shard(loaded: LoadedModel, group: Any) -> None:
     """Split ``loaded.model`` over ``group`` in place (every rank calls this)."""
     import mlx.core as mx
 
-    from qfserve.engine.models.quantized import detach
+    from qfserve.engine.models.quantized import densify, detach
 
     check_shardable(loaded, group.size())
-    detach(loaded.model)  # sharding rewrites the projections the decode wrappers hold
+    detach(loaded.model)  # sharding rewrites the projections the native layers hold
+    densify(loaded.model)  # ranks run MLX's float32 products (the fast ones it has)
     loaded.model.shard(group)
     mx.eval(loaded.model.parameters())

@@ -5,8 +5,9 @@ KVzip's reconstruction scores), RoPE, RMS norm, SwiGLU and an eviction cache's d
 MLX's CPU backend has no user kernels from Python (``mx.fast.metal_kernel`` is Metal only).
 Its own CPU ``quantized_matmul`` is slower than a float32 product on the same weights, so a
 decode step on the CPU read the dequantized float32 weights: ~540 MB a step for
-SmolLM2-135M; ``quantized_matmul.cpp`` reads the GGUF file's 4- and 8-bit codes instead
-(about 5x fewer bytes). Its CPU attention repeats a grouped layer's keys to every query head
+SmolLM2-135M; ``quantized_matmul.cpp`` reads the weights' 4- to 8-bit codes instead (about
+5x fewer bytes), and for a prompt dequantizes a tile of them at a time for the BLAS, so no
+float32 copy of the weights is held. Its CPU attention repeats a grouped layer's keys to every query head
 on each call; ``decode_attention.cpp`` reads them once. A prompt block's attention in numpy
 tiles ran on one thread; ``prefill_attention.cpp`` walks the keys in blocks with an online
 softmax on every core. MLX's CPU runs RoPE, RMS norm and SwiGLU as several small ops each
@@ -191,25 +192,28 @@ def _import(path: Path) -> ModuleType:
 
 
 def _check(module: ModuleType) -> None:
-    """The kernel against numpy on a small product at 4 and 8 bits (a nanobind whose ABI
-    differs from MLX's own would fail here, not in the first request)."""
+    """The kernel against numpy on small products at every bit width, few rows and many (a
+    nanobind whose ABI differs from MLX's own would fail here, not in the first request)."""
     import mlx.core as mx
     import numpy as np
 
     rng = np.random.default_rng(0)
-    for bits in (4, 8):
+    for bits in (4, 5, 6, 8):
         weights = mx.array(rng.standard_normal((96, 64), dtype=np.float32))
-        x = mx.array(rng.standard_normal((3, 64), dtype=np.float32))
         w, scales, biases = mx.quantize(weights, group_size=32, bits=bits)
         scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)
         dense = np.asarray(mx.dequantize(w, scales, biases, group_size=32, bits=bits))
-        try:
-            got = np.asarray(module.quantized_matmul(x, w, scales, biases, bits))
-        except (TypeError, RuntimeError, ValueError) as exc:
-            raise NativeUnavailable(f"the built kernel does not run: {exc}") from exc
-        want = np.asarray(x) @ dense.T
-        if not np.allclose(got, want, rtol=1e-4, atol=1e-4):
-            raise NativeUnavailable(f"the built kernel disagrees with numpy at {bits} bits")
+        for rows in (3, 40):
+            x = mx.array(rng.standard_normal((rows, 64), dtype=np.float32))
+            try:
+                got = np.asarray(module.quantized_matmul(x, w, scales, biases, bits))
+            except (TypeError, RuntimeError, ValueError) as exc:
+                raise NativeUnavailable(f"the built kernel does not run: {exc}") from exc
+            want = np.asarray(x) @ dense.T
+            if not np.allclose(got, want, rtol=1e-4, atol=1e-4):
+                raise NativeUnavailable(
+                    f"the built kernel disagrees with numpy at {bits} bits, {rows} rows"
+                )
 
 
 def _pip_cmake() -> str | None:

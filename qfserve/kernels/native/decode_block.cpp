@@ -14,8 +14,8 @@
 //   decode_tail: attention's output a (B, Hq, 1, D) and the block's input x (B, 1, K) ->
 //                h = x + o(a); h + down(swiglu(gate(n), up(n))) with n = RMS norm of h.
 //
-// Weights are group-32 codes as quantized_matmul takes them (4 or 8 bits, float32 scales and
-// biases); each projection passes (w, scales, biases) and its bits.
+// Weights are codes as quantized_matmul takes them (MLX's affine layout, 4, 5, 6 or 8 bits,
+// float32 scales and biases); each projection passes (w, scales, biases).
 
 #include <optional>
 #include <stdexcept>
@@ -28,21 +28,23 @@
 #include "rows.h"
 
 namespace mx = mlx::core;
+using qfserve::detail::Codes;
 using qfserve::detail::quantized_rows;
 
 namespace {
 
-// One projection's codes: inputs [first, first + 3) of an op.
-struct Proj {
-  const uint8_t* w;
-  const float* s;
-  const float* b;
-  int bits, N;
-};
+// One projection's codes: inputs [first, first + 3) of an op, in the layout checked at build.
+Codes proj(const std::vector<mx::array>& in, size_t first, const Codes& layout) {
+  return qfserve::detail::bind(layout, in[first], in[first + 1], in[first + 2]);
+}
 
-Proj proj(const std::vector<mx::array>& in, size_t first, int bits) {
-  return {in[first].data<uint8_t>(), in[first + 1].data<float>(), in[first + 2].data<float>(),
-          bits, static_cast<int>(in[first].shape(0))};
+bool same(const std::vector<Codes>& a, const std::vector<Codes>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i)
+    if (a[i].bits != b[i].bits || a[i].group != b[i].group || a[i].N != b[i].N ||
+        a[i].K != b[i].K)
+      return false;
+  return true;
 }
 
 // A 1-D array's elements, contiguous (a norm's weight, read through its stride).
@@ -62,9 +64,9 @@ void start(mx::Stream stream, const std::vector<mx::array>& in, std::vector<mx::
 
 class DecodeQKV : public mx::Primitive {
  public:
-  DecodeQKV(mx::Stream stream, std::vector<int> bits, int n_heads, int n_kv_heads, int dims,
-            bool traditional, float scale, bool norm, float eps)
-      : mx::Primitive(stream), bits_(std::move(bits)), heads_(n_heads), kv_heads_(n_kv_heads),
+  DecodeQKV(mx::Stream stream, std::vector<Codes> layouts, int n_heads, int n_kv_heads,
+            int dims, bool traditional, float scale, bool norm, float eps)
+      : mx::Primitive(stream), layouts_(std::move(layouts)), heads_(n_heads), kv_heads_(n_kv_heads),
         dims_(dims), traditional_(traditional), scale_(scale), norm_(norm), eps_(eps) {}
 
   void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& out) override {
@@ -75,7 +77,7 @@ class DecodeQKV : public mx::Primitive {
     const int B = static_cast<int>(x.shape(0));
     const int D = static_cast<int>(out[0].shape(3));
     auto& encoder = mx::cpu::get_command_encoder(stream());
-    encoder.dispatch([in, out, rows = qfserve::row_starts(x), K, B, D, bits = bits_,
+    encoder.dispatch([in, out, rows = qfserve::row_starts(x), K, B, D, layouts = layouts_,
                       heads = heads_, kv_heads = kv_heads_, dims = dims_,
                       traditional = traditional_, scale = scale_, norm = norm_,
                       eps = eps_]() mutable {
@@ -97,12 +99,12 @@ class DecodeQKV : public mx::Primitive {
       const mx::array &inv = in[10], &offset = in[11];
       std::vector<float> raw(static_cast<size_t>(B) * heads * D);
       for (int p = 0; p < 3; ++p) {
-        const Proj w = proj(in, 1 + 3 * p, bits[p]);
+        const Codes w = proj(in, 1 + 3 * p, layouts[p]);
         const int H = p == 0 ? heads : kv_heads;
         // v is stored as produced; q and k are rotated from a scratch copy, as RoPE reads
         // the product (B, 1, H * D) viewed as (B, H, 1, D).
         float* y = p == 2 ? out[2].data<float>() : raw.data();
-        quantized_rows(w.w, w.s, w.b, w.bits, x_ptr, rows, col, y, B, w.N, K);
+        quantized_rows(w, x_ptr, rows, col, y, B);
         if (p == 2) continue;
         const qfserve::detail::RopeLayout L{
             B, H, 1, D, dims, static_cast<int64_t>(H) * D, D, static_cast<int64_t>(H) * D, 1,
@@ -119,13 +121,13 @@ class DecodeQKV : public mx::Primitive {
   const char* name() const override { return "QfserveDecodeQKV"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const DecodeQKV&>(other);
-    return bits_ == o.bits_ && heads_ == o.heads_ && kv_heads_ == o.kv_heads_ &&
+    return same(layouts_, o.layouts_) && heads_ == o.heads_ && kv_heads_ == o.kv_heads_ &&
            dims_ == o.dims_ && traditional_ == o.traditional_ && scale_ == o.scale_ &&
            norm_ == o.norm_ && eps_ == o.eps_;
   }
 
  private:
-  std::vector<int> bits_;
+  std::vector<Codes> layouts_;
   int heads_, kv_heads_, dims_;
   bool traditional_;
   float scale_;
@@ -135,8 +137,8 @@ class DecodeQKV : public mx::Primitive {
 
 class DecodeTail : public mx::UnaryPrimitive {
  public:
-  DecodeTail(mx::Stream stream, std::vector<int> bits, float eps)
-      : mx::UnaryPrimitive(stream), bits_(std::move(bits)), eps_(eps) {}
+  DecodeTail(mx::Stream stream, std::vector<Codes> layouts, float eps)
+      : mx::UnaryPrimitive(stream), layouts_(std::move(layouts)), eps_(eps) {}
 
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
     // in: a, x, (w, scales, biases) of o, the norm's weight, (w, scales, biases) of gate,
@@ -145,10 +147,10 @@ class DecodeTail : public mx::UnaryPrimitive {
     start(stream(), in, outs);
     auto& encoder = mx::cpu::get_command_encoder(stream());
     encoder.dispatch([in, y = out.data<float>(), x_rows = qfserve::row_starts(in[1]),
-                      bits = bits_, eps = eps_]() {
+                      layouts = layouts_, eps = eps_]() {
       const int M = static_cast<int>(x_rows.size()), K = static_cast<int>(in[1].shape(-1));
-      const Proj o = proj(in, 2, bits[0]), gate = proj(in, 6, bits[1]), up = proj(in, 9, bits[2]),
-                 down = proj(in, 12, bits[3]);
+      const Codes o = proj(in, 2, layouts[0]), gate = proj(in, 6, layouts[1]),
+                  up = proj(in, 9, layouts[2]), down = proj(in, 12, layouts[3]);
       const int F = gate.N, A = static_cast<int>(in[0].size() / M);
       // a (B, Hq, 1, D) as rows of Hq * D, the layout its reshape for o has.
       std::vector<float> a(in[0].size());
@@ -163,7 +165,7 @@ class DecodeTail : public mx::UnaryPrimitive {
       for (int m = 0; m < M; ++m) a_rows[m] = static_cast<int64_t>(m) * A;
       // h = x + o(a): the product, then the residual add, as two ops compute them.
       std::vector<float> h(static_cast<size_t>(M) * K), n(h.size());
-      quantized_rows(o.w, o.s, o.b, o.bits, a.data(), a_rows, 1, h.data(), M, K, A);
+      quantized_rows(o, a.data(), a_rows, 1, h.data(), M);
       const float* x = in[1].data<float>();
       const int64_t xs = in[1].strides().back();
       const std::vector<float> weight = elements(in[5]);
@@ -177,13 +179,13 @@ class DecodeTail : public mx::UnaryPrimitive {
       }
       // The MLP on n, then h + its output.
       std::vector<float> g(static_cast<size_t>(M) * F), u(g.size()), act(g.size());
-      quantized_rows(gate.w, gate.s, gate.b, gate.bits, n.data(), h_rows, 1, g.data(), M, F, K);
-      quantized_rows(up.w, up.s, up.b, up.bits, n.data(), h_rows, 1, u.data(), M, F, K);
+      quantized_rows(gate, n.data(), h_rows, 1, g.data(), M);
+      quantized_rows(up, n.data(), h_rows, 1, u.data(), M);
       for (int m = 0; m < M; ++m) {
         const size_t at = static_cast<size_t>(m) * F;
         qfserve::detail::swiglu_row(g.data() + at, u.data() + at, act.data() + at, F);
       }
-      quantized_rows(down.w, down.s, down.b, down.bits, act.data(), f_rows, 1, y, M, K, F);
+      quantized_rows(down, act.data(), f_rows, 1, y, M);
       for (size_t i = 0; i < h.size(); ++i) y[i] = h[i] + y[i];
     });
   }
@@ -194,33 +196,29 @@ class DecodeTail : public mx::UnaryPrimitive {
   const char* name() const override { return "QfserveDecodeTail"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const DecodeTail&>(other);
-    return bits_ == o.bits_ && eps_ == o.eps_;
+    return same(layouts_, o.layouts_) && eps_ == o.eps_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     return {inputs[1].shape()};
   }
 
  private:
-  std::vector<int> bits_;
+  std::vector<Codes> layouts_;
   float eps_;
 };
 
-// Checks one projection's codes against the input width K; returns its bits and rows.
-std::pair<int, int> codes(const std::vector<mx::array>& p, int K, const char* what) {
+// Checks one projection's codes against the input width K; returns their layout.
+Codes codes(const std::vector<mx::array>& p, int K, const char* what) {
   if (p.size() != 3) throw std::invalid_argument(std::string(what) + ": (w, scales, biases)");
-  const mx::array &w = p[0], &s = p[1], &b = p[2];
-  if (w.ndim() != 2 || s.ndim() != 2 || b.shape() != s.shape() || w.dtype() != mx::uint32 ||
-      s.dtype() != mx::float32 || b.dtype() != mx::float32 || s.shape(0) != w.shape(0) ||
-      s.shape(1) * 32 != K)
-    throw std::invalid_argument(std::string(what) +
-                                ": uint32 codes and float32 scales and biases for group-32 "
-                                "rows of the input's width");
-  const int bits = static_cast<int>(w.shape(1) * 32 / K);
-  if ((bits != 4 && bits != 8) || w.shape(1) * 32 != static_cast<int64_t>(K) * bits)
-    throw std::invalid_argument(std::string(what) + ": codes of 4 or 8 bits");
-  if (!w.flags().row_contiguous || !s.flags().row_contiguous || !b.flags().row_contiguous)
-    throw std::invalid_argument(std::string(what) + ": codes must be row-contiguous");
-  return {bits, static_cast<int>(w.shape(0))};
+  try {
+    const Codes c = qfserve::detail::codes_of(p[0], p[1], p[2], K);
+    if (!p[0].flags().row_contiguous || !p[1].flags().row_contiguous ||
+        !p[2].flags().row_contiguous)
+      throw std::invalid_argument("codes must be row-contiguous");
+    return c;
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(std::string(what) + ": " + e.what());
+  }
 }
 
 void check_x(const mx::array& x) {
@@ -241,9 +239,8 @@ std::vector<mx::array> decode_qkv(const mx::array& x, const std::vector<mx::arra
                                   mx::StreamOrDevice s) {
   check_x(x);
   const int K = static_cast<int>(x.shape(2)), B = static_cast<int>(x.shape(0));
-  const auto [qb, qn] = codes(q, K, "q");
-  const auto [kb, kn] = codes(k, K, "k");
-  const auto [vb, vn] = codes(v, K, "v");
+  const Codes qc = codes(q, K, "q"), kc = codes(k, K, "k"), vc = codes(v, K, "v");
+  const int qn = qc.N, kn = kc.N, vn = vc.N;
   if (n_heads < 1 || n_kv_heads < 1 || qn % n_heads != 0 || qn / n_heads != kn / n_kv_heads ||
       kn != vn || kn % n_kv_heads != 0)
     throw std::invalid_argument("q, k and v rows must be heads x one head dimension");
@@ -264,8 +261,8 @@ std::vector<mx::array> decode_qkv(const mx::array& x, const std::vector<mx::arra
   return mx::array::make_arrays(
       {{B, n_heads, 1, D}, {B, n_kv_heads, 1, D}, {B, n_kv_heads, 1, D}},
       {mx::float32, mx::float32, mx::float32},
-      std::make_shared<DecodeQKV>(stream, std::vector<int>{qb, kb, vb}, n_heads, n_kv_heads,
-                                  dims, traditional, scale, norm.has_value(), eps),
+      std::make_shared<DecodeQKV>(stream, std::vector<Codes>{qc, kc, vc}, n_heads,
+                                  n_kv_heads, dims, traditional, scale, norm.has_value(), eps),
       inputs);
 }
 
@@ -278,17 +275,16 @@ mx::array decode_tail(const mx::array& a, const mx::array& x, const std::vector<
   if (a.ndim() != 4 || a.shape(0) != x.shape(0) || a.shape(2) != 1 || a.dtype() != mx::float32)
     throw std::invalid_argument("a must be float32 (B, heads, 1, D), one row per sequence");
   const int A = static_cast<int>(a.shape(1) * a.shape(3));
-  const auto [ob, on] = codes(o, A, "o");
-  const auto [gb, gn] = codes(gate, K, "gate");
-  const auto [ub, un] = codes(up, K, "up");
-  const auto [db, dn] = codes(down, gn, "down");
+  const Codes oc = codes(o, A, "o"), gc = codes(gate, K, "gate"), uc = codes(up, K, "up");
+  const Codes dc = codes(down, gc.N, "down");
+  const int on = oc.N, gn = gc.N, un = uc.N, dn = dc.N;
   if (on != K || gn != un || dn != K)
     throw std::invalid_argument("o and down must give the input's width, gate and up the same");
   if (norm.ndim() != 1 || norm.shape(0) != K || norm.dtype() != mx::float32)
     throw std::invalid_argument("norm must be float32 (K,)");
   auto stream = mx::to_stream(s, mx::Device::cpu);
   return mx::array(x.shape(), mx::float32,
-                   std::make_shared<DecodeTail>(stream, std::vector<int>{ob, gb, ub, db}, eps),
+                   std::make_shared<DecodeTail>(stream, std::vector<Codes>{oc, gc, uc, dc}, eps),
                    {a, x, o[0], o[1], o[2], norm, gate[0], gate[1], gate[2], up[0], up[1], up[2],
                     down[0], down[1], down[2]});
 }

@@ -5,13 +5,35 @@
 #include <cstdint>
 #include <vector>
 
+#include "mlx/array.h"
+
 namespace qfserve::detail {
 
+// A weight (N, K) in MLX's affine layout: bits 4, 5, 6 or 8, groups of 32, 64 or 128,
+// float32 scales and biases (N, K / group), row-contiguous (quantized_matmul.cpp).
+struct Codes {
+  const uint8_t* w;
+  const float* scales;
+  const float* biases;
+  int bits, group, N, K;
+};
+
+// The layout of (w, scales, biases) for an input of width K (pointers unset), checked;
+// std::invalid_argument naming what does not fit.
+Codes codes_of(const mlx::core::array& w, const mlx::core::array& scales,
+               const mlx::core::array& biases, int K);
+// The layout with the evaluated arrays' pointers.
+Codes bind(Codes c, const mlx::core::array& w, const mlx::core::array& scales,
+           const mlx::core::array& biases);
+
 // y (M, N) = x (M rows, each at x + row_offset[m], elements col_stride apart) @ the
-// dequantized group-32 weight (N, K).T; bits 4 or 8 (quantized_matmul.cpp).
-void quantized_rows(const uint8_t* w, const float* scales, const float* biases, int bits,
-                    const float* x, const std::vector<int64_t>& row_offset, int64_t col_stride,
-                    float* y, int M, int N, int K);
+// dequantized weight (N, K).T: in registers for few rows, a tile at a time through the
+// BLAS for more.
+void quantized_rows(const Codes& c, const float* x, const std::vector<int64_t>& row_offset,
+                    int64_t col_stride, float* y, int M);
+
+// The weight dequantized, (N, K) float32 row-major.
+void dequantize_codes(const Codes& c, float* out);
 
 // RoPE of x (B, H, T, D) read through its strides into out, contiguous (rope.cpp).
 struct RopeLayout {

@@ -9,10 +9,16 @@
 
 namespace qfserve {
 
-// x (..., K) float32 @ the dequantized group-32 weight (N, K).T -> (..., N) float32.
+// x (..., K) float32 @ the dequantized weight (N, K).T -> (..., N) float32; the weight in
+// MLX's affine layout of `bits` (4, 5, 6, 8) bits, groups of 32, 64 or 128 (from the shapes).
 mlx::core::array quantized_matmul(const mlx::core::array& x, const mlx::core::array& w,
                                   const mlx::core::array& scales, const mlx::core::array& biases,
                                   int bits, mlx::core::StreamOrDevice s);
+
+// The same weight as float32 (N, K).
+mlx::core::array dequantize(const mlx::core::array& w, const mlx::core::array& scales,
+                            const mlx::core::array& biases, int bits,
+                            mlx::core::StreamOrDevice s);
 
 // One query per head over every key: softmax(q k^T * scale) v, with grouped KV heads.
 // q (B, Hq, 1, D), k (B, H, S, D), v (B, H, S, Dv) float32, H dividing Hq -> (B, Hq, 1, Dv);

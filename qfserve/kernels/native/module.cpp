@@ -14,7 +14,11 @@ NB_MODULE(_native, m) {
   m.def("quantized_matmul", &qfserve::quantized_matmul, nb::arg("x"), nb::arg("w"),
         nb::arg("scales"), nb::arg("biases"), nb::arg("bits"), nb::kw_only(),
         nb::arg("stream") = nb::none(),
-        "x (..., K) float32 @ the dequantized w (N, K).T -> (..., N) float32.");
+        "x (..., K) float32 @ the dequantized w (N, K).T -> (..., N) float32; MLX's affine "
+        "codes of 4, 5, 6 or 8 bits in groups of 32, 64 or 128, float32 scales and biases.");
+  m.def("dequantize", &qfserve::dequantize, nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
+        nb::arg("bits"), nb::kw_only(), nb::arg("stream") = nb::none(),
+        "The codes quantized_matmul reads, as a float32 (N, K) weight.");
   m.def("decode_attention", &qfserve::decode_attention, nb::arg("q"), nb::arg("k"),
         nb::arg("v"), nb::arg("scale"), nb::kw_only(), nb::arg("key_mask") = nb::none(),
         nb::arg("stream") = nb::none(),

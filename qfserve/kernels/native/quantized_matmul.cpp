@@ -1,27 +1,40 @@
-// A CPU matrix product for weights that stay quantized: MLX's affine layout (group size 32,
-// 4 or 8 bits, which is what the GGUF formats Q4_0 / Q4_1 / Q8_0 load as), float32
-// activations, float32 scales and biases.
+// A CPU matrix product for weights that stay quantized: MLX's affine layout (4, 5, 6 or 8
+// bits, groups of 32, 64 or 128, float32 scales and biases: what every GGUF type converts to,
+// and what `mlx_lm.convert -q` writes), float32 activations.
 //
 // Why by hand: MLX's own CPU quantized_matmul is several times slower than a float32 matrix
-// product on the same weights (it is written for Metal first), so on the CPU the served
-// weights had to be dequantized to float32, and a decode step then reads ~540 MB of them for
-// SmolLM2-135M. This kernel reads the quantized bytes (~100 MB), unpacks them in registers
-// and accumulates in float32, on a small pool of its own threads.
+// product on the same weights (it is written for Metal first), so on the CPU the weights had
+// to be held dequantized in float32: ~5x the file's bytes, read in full by every decode step.
+// This op keeps only the codes:
 //
-//   y[m, n] = sum_g scale[n, g] * (q[n, g, :] . x[m, g, :]) + bias[n, g] * sum(x[m, g, :])
+// * Few rows of x (decode: one row per sequence, up to kFewRows): the codes are unpacked in
+//   registers, 32 at a time, and accumulated in float32 on a small pool of threads,
+//     y[m, n] = sum_g scale[n, g] * (q[n, g, :] . x[m, g, :]) + bias[n, g] * sum(x[m, g, :]),
+//   the bias term from the group sums of x, computed once per call.
+// * More rows (a prompt): a tile of the weight's rows at a time is dequantized into a buffer
+//   of about a megabyte and multiplied with the BLAS's sgemm (the one MLX itself calls), so a
+//   prefill runs at the BLAS's speed with no float32 copy of the weights held anywhere. ggml's
+//   own CPU kernels were the other candidate: they quantize x to 8 bits (Q8_K) and take
+//   integer dot products on the GGUF layouts themselves, which would tie the served weights
+//   to llama.cpp's block formats (not MLX's, which Metal reads) and change the arithmetic.
 //
-// The dot of one group's codes with x runs in float32 with AVX2 FMAs, one vector
-// accumulator per row of x; the bias term uses the group sums of x, computed once per call.
-// It is meant for few rows of x (decode: one row per sequence); the Python side sends long
-// prompts to a dequantized float32 product, where a BLAS is faster.
+// Codes are unpacked with AVX-512 VBMI's byte permute and multishift where the CPU has them
+// (any bit width, in the elements' order), else 4 and 8 bits with shifts and masks and the
+// others one byte at a time; the dot products use simd.h's vectors (AVX-512, AVX2 or
+// portable). For 4 bits on the fast path x is permuted per block of 32 so that a byte's low
+// nibbles meet the even elements and its high nibbles the odd ones.
+
+#include <dlfcn.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <stdexcept>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512VBMI__) && defined(__AVX512VL__)
 #include <immintrin.h>
-#define QF_AVX2 1
+#define QF_VBMI 1
 #endif
 
 #include "detail.h"
@@ -29,280 +42,359 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
 #include "pool.h"
+#include "rows.h"
+#include "simd.h"
 
 namespace mx = mlx::core;
 using qfserve::Pool;
 using qfserve::pool;
+using qfserve::detail::Codes;
+using namespace qfserve::simd;
 
 namespace {
 
-constexpr int kGroup = 32;
+constexpr int kBlock = 32;  // codes unpacked at a time; a group is 1, 2 or 4 blocks
+// Rows of x up to which the in-register product beats dequantize-and-sgemm (on SmolLM2's
+// shapes with OpenBLAS on 2 cores: at 8 rows it still reads 5x fewer bytes and wins).
+constexpr int kFewRows = 8;
 
-// ---------------------------------------------------------------------------------------
-// The kernel. x is permuted per group for 4 bits so that a byte's low nibbles meet the even
-// elements and its high nibbles the odd ones (MLX packs element j of a word at bits 4j).
+typedef uint8_t vb16 __attribute__((vector_size(16)));
+typedef uint8_t vb16_unaligned __attribute__((vector_size(16), aligned(1)));
 
-#ifdef QF_AVX2
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
-}
+inline vb16 load16(const uint8_t* p) { return *reinterpret_cast<const vb16_unaligned*>(p); }
+inline vf widen(vb16 b) { return __builtin_convertvector(b, vf); }
 
-inline __m256 widen(__m128i bytes) {  // the low 8 bytes as 8 floats
-  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
-}
-
-// One group's codes as four vectors of 8 floats, in the order the (permuted) x is stored.
+// The 32 codes of one block (4 * BITS bytes), in the elements' order, into out.
 template <int BITS>
-inline void unpack(const uint8_t* w, __m256 (&f)[4]) {
-  if constexpr (BITS == 4) {
-    const __m128i mask = _mm_set1_epi8(0x0f);
-    __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
-    __m128i lo = _mm_and_si128(bytes, mask);
-    __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-    f[0] = widen(lo);
-    f[1] = widen(_mm_srli_si128(lo, 8));
-    f[2] = widen(hi);
-    f[3] = widen(_mm_srli_si128(hi, 8));
+inline void unpack_bytes(const uint8_t* w, uint8_t* out) {
+  if constexpr (BITS == 8) {
+    std::memcpy(out, w, kBlock);
   } else {
-    __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
-    __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16));
-    f[0] = widen(a);
-    f[1] = widen(_mm_srli_si128(a, 8));
-    f[2] = widen(b);
-    f[3] = widen(_mm_srli_si128(b, 8));
-  }
-}
-
-template <int BITS, int MB>
-void rows_avx2(const uint8_t* w, const float* scales, const float* biases, const float* xp,
-               const float* xs, float* y, int N, int K, int n0, int n1) {
-  const int G = K / kGroup;
-  const int row_bytes = K * BITS / 8;
-  for (int n = n0; n < n1; ++n) {
-    const uint8_t* wn = w + static_cast<size_t>(n) * row_bytes;
-    const float* sn = scales + static_cast<size_t>(n) * G;
-    const float* bn = biases + static_cast<size_t>(n) * G;
-    __m256 acc[MB];
-    float bias_sum[MB];
-    for (int m = 0; m < MB; ++m) {
-      acc[m] = _mm256_setzero_ps();
-      bias_sum[m] = 0.f;
-    }
-    for (int g = 0; g < G; ++g) {
-      __m256 f[4];
-      unpack<BITS>(wn + g * (kGroup * BITS / 8), f);
-      const __m256 s = _mm256_broadcast_ss(sn + g);
-      for (int m = 0; m < MB; ++m) {
-        const float* xg = xp + static_cast<size_t>(m) * K + g * kGroup;
-        __m256 d = _mm256_mul_ps(f[0], _mm256_loadu_ps(xg));
-        d = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xg + 8), d);
-        d = _mm256_fmadd_ps(f[2], _mm256_loadu_ps(xg + 16), d);
-        d = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xg + 24), d);
-        acc[m] = _mm256_fmadd_ps(d, s, acc[m]);
-        bias_sum[m] += bn[g] * xs[static_cast<size_t>(m) * G + g];
-      }
-    }
-    for (int m = 0; m < MB; ++m) y[static_cast<size_t>(m) * N + n] = hsum(acc[m]) + bias_sum[m];
-  }
-}
-#endif
-
-#ifdef __AVX512F__
-// The same with 16 lanes: a group is two vectors, one widening (vpmovzxbd) per 16 codes.
-template <int BITS, int MB>
-void rows_avx512(const uint8_t* w, const float* scales, const float* biases, const float* xp,
-                 const float* xs, float* y, int N, int K, int n0, int n1) {
-  const int G = K / kGroup;
-  const int row_bytes = K * BITS / 8;
-  const __m512i mask = _mm512_set1_epi32(0x0f);
-  for (int n = n0; n < n1; ++n) {
-    const uint8_t* wn = w + static_cast<size_t>(n) * row_bytes;
-    const float* sn = scales + static_cast<size_t>(n) * G;
-    const float* bn = biases + static_cast<size_t>(n) * G;
-    __m512 acc[MB];
-    float bias_sum[MB];
-    for (int m = 0; m < MB; ++m) {
-      acc[m] = _mm512_setzero_ps();
-      bias_sum[m] = 0.f;
-    }
-    for (int g = 0; g < G; ++g) {
-      const uint8_t* wg = wn + g * (kGroup * BITS / 8);
-      __m512 f0, f1;
-      if constexpr (BITS == 4) {  // lanes: byte i's low nibble (x[2i]), then its high one
-        __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wg)));
-        f0 = _mm512_cvtepi32_ps(_mm512_and_si512(v, mask));
-        f1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
-      } else {
-        f0 = _mm512_cvtepi32_ps(
-            _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wg))));
-        f1 = _mm512_cvtepi32_ps(
-            _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wg + 16))));
-      }
-      const __m512 s = _mm512_set1_ps(sn[g]);
-      for (int m = 0; m < MB; ++m) {
-        const float* xg = xp + static_cast<size_t>(m) * K + g * kGroup;
-        __m512 d = _mm512_mul_ps(f0, _mm512_loadu_ps(xg));
-        d = _mm512_fmadd_ps(f1, _mm512_loadu_ps(xg + 16), d);
-        acc[m] = _mm512_fmadd_ps(d, s, acc[m]);
-        bias_sum[m] += bn[g] * xs[static_cast<size_t>(m) * G + g];
-      }
-    }
-    for (int m = 0; m < MB; ++m)
-      y[static_cast<size_t>(m) * N + n] = _mm512_reduce_add_ps(acc[m]) + bias_sum[m];
-  }
-}
-#endif
-
-// Portable version: the same arithmetic, one element at a time.
-template <int BITS, int MB>
-void rows_scalar(const uint8_t* w, const float* scales, const float* biases, const float* xp,
-                 const float* xs, float* y, int N, int K, int n0, int n1) {
-  const int G = K / kGroup;
-  const int row_bytes = K * BITS / 8;
-  for (int n = n0; n < n1; ++n) {
-    const uint8_t* wn = w + static_cast<size_t>(n) * row_bytes;
-    for (int m = 0; m < MB; ++m) {
-      const float* xm = xp + static_cast<size_t>(m) * K;
-      float total = 0.f;
-      for (int g = 0; g < G; ++g) {
-        const uint8_t* wg = wn + g * (kGroup * BITS / 8);
-        float dot = 0.f;
-        for (int t = 0; t < kGroup; ++t) {
-          int q;
-          if constexpr (BITS == 4) {  // permuted x: low nibbles first, then high
-            q = t < 16 ? (wg[t] & 0x0f) : (wg[t - 16] >> 4);
-          } else {
-            q = wg[t];
-          }
-          dot += static_cast<float>(q) * xm[g * kGroup + t];
-        }
-        total += scales[static_cast<size_t>(n) * G + g] * dot +
-                 biases[static_cast<size_t>(n) * G + g] * xs[static_cast<size_t>(m) * G + g];
-      }
-      y[static_cast<size_t>(m) * N + n] = total;
+    for (int j = 0; j < 4; ++j) {  // 8 codes are BITS bytes of a little-endian bit stream
+      uint64_t v = 0;
+      std::memcpy(&v, w + j * BITS, BITS);
+      for (int k = 0; k < 8; ++k) out[j * 8 + k] = (v >> (k * BITS)) & ((1u << BITS) - 1);
     }
   }
 }
 
-template <int BITS, int MB>
-void rows(const uint8_t* w, const float* s, const float* b, const float* xp, const float* xs,
-          float* y, int N, int K, int n0, int n1) {
-#if defined(__AVX512F__)
-  rows_avx512<BITS, MB>(w, s, b, xp, xs, y, N, K, n0, n1);
-#elif defined(QF_AVX2)
-  rows_avx2<BITS, MB>(w, s, b, xp, xs, y, N, K, n0, n1);
-#else
-  rows_scalar<BITS, MB>(w, s, b, xp, xs, y, N, K, n0, n1);
-#endif
-}
-
-// x's rows may be strided (a transposed or sliced view): row m's element k is at
-// x + row_offset[m] + k * col_stride.
+#ifdef QF_VBMI
+// 8 codes are BITS bytes: byte-permute pack j into 64-bit lane j, then multishift takes
+// code k from bit k * BITS of its lane.
 template <int BITS>
-void matmul(const uint8_t* w, const float* s, const float* b, const float* x,
-            const std::vector<int64_t>& row_offset, int64_t col_stride, float* y, int M, int N,
-            int K) {
-  const int G = K / kGroup;
-  // Permute x for 4 bits and take the group sums, once for every output row.
-  std::vector<float> xp(static_cast<size_t>(M) * K);
-  std::vector<float> xs(static_cast<size_t>(M) * G);
-  for (int m = 0; m < M; ++m) {
+inline __m256i unpack_vbmi(const uint8_t* w) {
+  alignas(32) static const struct Tables {
+    uint8_t idx[32], shift[32];
+    Tables() {
+      for (int j = 0; j < 4; ++j)
+        for (int k = 0; k < 8; ++k) {
+          idx[j * 8 + k] = static_cast<uint8_t>(std::min(j * BITS + k, 31));
+          shift[j * 8 + k] = static_cast<uint8_t>(k * BITS);
+        }
+    }
+  } t;
+  const __mmask32 mask = BITS == 8 ? 0xffffffffu : (1u << (4 * BITS)) - 1;
+  const __m256i raw = _mm256_maskz_loadu_epi8(mask, w);  // never past the block
+  const __m256i lanes =
+      _mm256_permutexvar_epi8(_mm256_load_si256(reinterpret_cast<const __m256i*>(t.idx)), raw);
+  const __m256i codes = _mm256_multishift_epi64_epi8(
+      _mm256_load_si256(reinterpret_cast<const __m256i*>(t.shift)), lanes);
+  return _mm256_and_si256(codes, _mm256_set1_epi8(static_cast<char>((1 << BITS) - 1)));
+}
+#endif
+
+// A block's codes as two vectors of 16 floats, in the order :func:`stage` stores x.
+template <int BITS>
+inline void block_floats(const uint8_t* w, vf& f0, vf& f1) {
+#ifdef QF_VBMI
+  if constexpr (BITS != 4 && BITS != 8) {
+    const __m256i codes = unpack_vbmi<BITS>(w);
+    f0 = widen(reinterpret_cast<vb16>(_mm256_castsi256_si128(codes)));
+    f1 = widen(reinterpret_cast<vb16>(_mm256_extracti128_si256(codes, 1)));
+    return;
+  }
+#endif
+  if constexpr (BITS == 4) {  // x permuted: low nibbles (even elements), then high (odd)
+    const vb16 b = load16(w);
+    f0 = widen(b & 0x0f);
+    f1 = widen(b >> 4);
+  } else if constexpr (BITS == 8) {
+    f0 = widen(load16(w));
+    f1 = widen(load16(w + 16));
+  } else {
+    alignas(16) uint8_t codes[kBlock];
+    unpack_bytes<BITS>(w, codes);
+    f0 = widen(*reinterpret_cast<const vb16*>(codes));
+    f1 = widen(*reinterpret_cast<const vb16*>(codes + 16));
+  }
+}
+
+// The same codes in the elements' order (dequantization).
+template <int BITS>
+inline void block_floats_ordered(const uint8_t* w, vf& f0, vf& f1) {
+  if constexpr (BITS == 4) {
+#ifdef QF_VBMI
+    const __m256i codes = unpack_vbmi<4>(w);
+    f0 = widen(reinterpret_cast<vb16>(_mm256_castsi256_si128(codes)));
+    f1 = widen(reinterpret_cast<vb16>(_mm256_extracti128_si256(codes, 1)));
+#else
+    alignas(16) uint8_t codes[kBlock];
+    unpack_bytes<4>(w, codes);
+    f0 = widen(*reinterpret_cast<const vb16*>(codes));
+    f1 = widen(*reinterpret_cast<const vb16*>(codes + 16));
+#endif
+  } else {
+    block_floats<BITS>(w, f0, f1);
+  }
+}
+
+template <int BITS, int MB>
+void rows(const Codes& c, const float* xp, const float* xs, float* y, int n0, int n1) {
+  const int K = c.K, per = c.group / kBlock, G = K / c.group;
+  const size_t row_bytes = static_cast<size_t>(K) * BITS / 8;
+  for (int n = n0; n < n1; ++n) {
+    const uint8_t* wn = c.w + n * row_bytes;
+    const float* sn = c.scales + static_cast<size_t>(n) * G;
+    const float* bn = c.biases + static_cast<size_t>(n) * G;
+    vf acc[MB];
+    float bias_sum[MB];
+    for (int m = 0; m < MB; ++m) {
+      acc[m] = vf{};
+      bias_sum[m] = 0.f;
+    }
     for (int g = 0; g < G; ++g) {
-      const float* src = x + row_offset[m] + g * kGroup * col_stride;
-      float* dst = xp.data() + static_cast<size_t>(m) * K + g * kGroup;
+      const vf s = splat(sn[g]);
+      for (int j = 0; j < per; ++j) {
+        const int blk = g * per + j;
+        vf f0, f1;
+        block_floats<BITS>(wn + blk * (kBlock * BITS / 8), f0, f1);
+        for (int m = 0; m < MB; ++m) {
+          const float* xb = xp + static_cast<size_t>(m) * K + blk * kBlock;
+          acc[m] += (f0 * load(xb) + f1 * load(xb + 16)) * s;
+        }
+      }
+      for (int m = 0; m < MB; ++m) bias_sum[m] += bn[g] * xs[static_cast<size_t>(m) * G + g];
+    }
+    for (int m = 0; m < MB; ++m) y[static_cast<size_t>(m) * c.N + n] = hsum(acc[m]) + bias_sum[m];
+  }
+}
+
+// x's rows copied contiguous (permuted per block for 4 bits) and their group sums.
+template <int BITS>
+void stage(const Codes& c, const float* x, const std::vector<int64_t>& row_offset,
+           int64_t col_stride, int M, std::vector<float>& xp, std::vector<float>& xs) {
+  const int K = c.K, G = K / c.group;
+  xp.resize(static_cast<size_t>(M) * K);
+  xs.assign(static_cast<size_t>(M) * G, 0.f);
+  for (int m = 0; m < M; ++m) {
+    for (int b = 0; b < K / kBlock; ++b) {
+      const float* src = x + row_offset[m] + b * kBlock * col_stride;
+      float* dst = xp.data() + static_cast<size_t>(m) * K + b * kBlock;
       float sum = 0.f;
-      for (int t = 0; t < kGroup; ++t) {
+      for (int t = 0; t < kBlock; ++t) {
         const float v = src[t * col_stride];
         sum += v;
-        if constexpr (BITS == 4) {
-          dst[(t & 1) ? 16 + t / 2 : t / 2] = v;
-        } else {
-          dst[t] = v;
-        }
+        dst[BITS == 4 ? ((t & 1) ? 16 + t / 2 : t / 2) : t] = v;
       }
-      xs[static_cast<size_t>(m) * G + g] = sum;
+      xs[static_cast<size_t>(m) * G + b * kBlock / c.group] += sum;
     }
   }
-  // Chunks of at least 32 rows, about four per thread, so a late or busy thread costs little.
+}
+
+template <int BITS>
+void few_rows(const Codes& c, const float* x, const std::vector<int64_t>& row_offset,
+              int64_t col_stride, float* y, int M) {
+  std::vector<float> xp, xs;
+  stage<BITS>(c, x, row_offset, col_stride, M, xp, xs);
+  const int K = c.K, G = K / c.group, N = c.N;
   Pool& p = pool();
   // Below ~256k multiply-adds (tens of microseconds) one thread is faster than waking another.
   const bool split = static_cast<int64_t>(N) * K * M >= (int64_t{1} << 18);
+  // Chunks of at least 32 rows, about four per thread, so a late or busy thread costs little.
   const int chunks = split ? std::max(1, std::min(N / 32, 4 * p.threads())) : 1;
   const int per = (N + chunks - 1) / chunks;
   p.run(chunks, [&](int chunk) {
-    const int n0 = chunk * per;
-    const int n1 = std::min(n0 + per, N);
+    const int n0 = chunk * per, n1 = std::min(n0 + per, N);
     int m = 0;
     for (; m + 4 <= M; m += 4)
-      rows<BITS, 4>(w, s, b, xp.data() + static_cast<size_t>(m) * K,
-                    xs.data() + static_cast<size_t>(m) * G, y + static_cast<size_t>(m) * N, N,
-                    K, n0, n1);
+      rows<BITS, 4>(c, xp.data() + static_cast<size_t>(m) * K,
+                    xs.data() + static_cast<size_t>(m) * G, y + static_cast<size_t>(m) * N, n0,
+                    n1);
     for (; m < M; ++m)
-      rows<BITS, 1>(w, s, b, xp.data() + static_cast<size_t>(m) * K,
-                    xs.data() + static_cast<size_t>(m) * G, y + static_cast<size_t>(m) * N, N,
-                    K, n0, n1);
+      rows<BITS, 1>(c, xp.data() + static_cast<size_t>(m) * K,
+                    xs.data() + static_cast<size_t>(m) * G, y + static_cast<size_t>(m) * N, n0,
+                    n1);
   });
+}
+
+template <int BITS>
+void dequantize_rows(const Codes& c, int n0, int n1, float* out) {
+  const int K = c.K, per = c.group / kBlock, G = K / c.group;
+  const size_t row_bytes = static_cast<size_t>(K) * BITS / 8;
+  for (int n = n0; n < n1; ++n) {
+    const uint8_t* wn = c.w + n * row_bytes;
+    float* on = out + static_cast<size_t>(n - n0) * K;
+    for (int g = 0; g < G; ++g) {
+      const vf s = splat(c.scales[static_cast<size_t>(n) * G + g]);
+      const vf b = splat(c.biases[static_cast<size_t>(n) * G + g]);
+      for (int j = 0; j < per; ++j) {
+        const int blk = g * per + j;
+        vf f0, f1;
+        block_floats_ordered<BITS>(wn + blk * (kBlock * BITS / 8), f0, f1);
+        store(on + blk * kBlock, f0 * s + b);
+        store(on + blk * kBlock + 16, f1 * s + b);
+      }
+    }
+  }
+}
+
+void dequantize_any(const Codes& c, int n0, int n1, float* out) {
+  switch (c.bits) {
+    case 4: return dequantize_rows<4>(c, n0, n1, out);
+    case 5: return dequantize_rows<5>(c, n0, n1, out);
+    case 6: return dequantize_rows<6>(c, n0, n1, out);
+    default: return dequantize_rows<8>(c, n0, n1, out);
+  }
+}
+
+// cblas_sgemm as MLX calls it: a BLAS preloaded into the process (qfserve preloads OpenBLAS)
+// is found first; else the one libmlx itself links, looked up through libmlx's handle (the
+// extension modules are loaded with local symbols, so it is not in the global scope).
+using Sgemm = void (*)(int, int, int, int, int, int, float, const float*, int, const float*, int,
+                       float, float*, int);
+
+Sgemm find_sgemm() {
+  if (void* f = dlsym(RTLD_DEFAULT, "cblas_sgemm")) return reinterpret_cast<Sgemm>(f);
+  Dl_info info;
+  if (dladdr(reinterpret_cast<void*>(&mx::allocator::malloc), &info) && info.dli_fname) {
+    if (void* handle = dlopen(info.dli_fname, RTLD_LAZY | RTLD_NOLOAD)) {
+      void* f = dlsym(handle, "cblas_sgemm");
+      dlclose(handle);
+      if (f) return reinterpret_cast<Sgemm>(f);
+    }
+  }
+  return nullptr;
+}
+
+Sgemm sgemm() {
+  static const Sgemm f = find_sgemm();
+  return f;
+}
+
+// y (M, N) = x (M, K) @ W.T, W dequantized a tile of rows at a time into one buffer.
+void many_rows(const Codes& c, const float* x, const std::vector<int64_t>& row_offset,
+               int64_t col_stride, float* y, int M) {
+  const int K = c.K, N = c.N;
+  std::vector<float> packed;  // x's rows contiguous, where they are not
+  const bool contiguous = col_stride == 1 && [&] {
+    for (int m = 0; m < M; ++m)
+      if (row_offset[m] != row_offset[0] + static_cast<int64_t>(m) * K) return false;
+    return true;
+  }();
+  const float* xa = x + (M ? row_offset[0] : 0);
+  if (!contiguous) {
+    packed.resize(static_cast<size_t>(M) * K);
+    for (int m = 0; m < M; ++m)
+      for (int k = 0; k < K; ++k) packed[static_cast<size_t>(m) * K + k] = x[row_offset[m] + k * col_stride];
+    xa = packed.data();
+  }
+  // About a megabyte of float32 weight rows a tile (in L2 while the BLAS reads them M times).
+  const int tile = std::max(16, std::min(N, ((1 << 18) / K) / 16 * 16));
+  std::vector<float> buffer(static_cast<size_t>(tile) * K);
+  Pool& p = pool();
+  for (int n0 = 0; n0 < N; n0 += tile) {
+    const int rows_here = std::min(tile, N - n0);
+    const int chunks = std::max(1, std::min(rows_here / 16, p.threads()));
+    const int per = (rows_here + chunks - 1) / chunks;
+    p.run(chunks, [&](int chunk) {
+      const int a = n0 + chunk * per, b = std::min(a + per, n0 + rows_here);
+      if (a < b) dequantize_any(c, a, b, buffer.data() + static_cast<size_t>(a - n0) * K);
+    });
+    // Row-major, x as is, the tile transposed: y[:, n0:n0 + rows_here] (ldc N).
+    sgemm()(101, 111, 112, M, rows_here, K, 1.f, xa, K, buffer.data(), K, 0.f, y + n0, N);
+  }
 }
 
 }  // namespace
 
-void qfserve::detail::quantized_rows(const uint8_t* w, const float* scales, const float* biases,
-                                     int bits, const float* x,
+void qfserve::detail::quantized_rows(const Codes& c, const float* x,
                                      const std::vector<int64_t>& row_offset, int64_t col_stride,
-                                     float* y, int M, int N, int K) {
-  if (bits == 4)
-    matmul<4>(w, scales, biases, x, row_offset, col_stride, y, M, N, K);
-  else
-    matmul<8>(w, scales, biases, x, row_offset, col_stride, y, M, N, K);
+                                     float* y, int M) {
+  if (M > kFewRows && sgemm() != nullptr) return many_rows(c, x, row_offset, col_stride, y, M);
+  switch (c.bits) {
+    case 4: return few_rows<4>(c, x, row_offset, col_stride, y, M);
+    case 5: return few_rows<5>(c, x, row_offset, col_stride, y, M);
+    case 6: return few_rows<6>(c, x, row_offset, col_stride, y, M);
+    default: return few_rows<8>(c, x, row_offset, col_stride, y, M);
+  }
+}
+
+void qfserve::detail::dequantize_codes(const Codes& c, float* out) {
+  Pool& p = pool();
+  const int chunks = std::max(1, std::min(c.N / 32, 4 * p.threads()));
+  const int per = (c.N + chunks - 1) / chunks;
+  p.run(chunks, [&](int chunk) {
+    const int a = chunk * per, b = std::min(a + per, c.N);
+    if (a < b) dequantize_any(c, a, b, out + static_cast<size_t>(a) * c.K);
+  });
+}
+
+qfserve::detail::Codes qfserve::detail::codes_of(const mx::array& w, const mx::array& scales,
+                                                 const mx::array& biases, int K) {
+  if (w.ndim() != 2 || scales.ndim() != 2 || biases.shape() != scales.shape() ||
+      w.dtype() != mx::uint32 || scales.dtype() != mx::float32 ||
+      biases.dtype() != mx::float32 || scales.shape(0) != w.shape(0) || scales.shape(1) < 1)
+    throw std::invalid_argument(
+        "codes must be uint32 w (N, K * bits / 32) with float32 scales and biases (N, groups)");
+  const int64_t group = K / scales.shape(1);
+  const int64_t bits = w.shape(1) * 32 / std::max(K, 1);
+  if (K < 1 || group * scales.shape(1) != K || (group != 32 && group != 64 && group != 128))
+    throw std::invalid_argument("the input's width " + std::to_string(K) +
+                                " must be 32, 64 or 128 times the scales' groups (" +
+                                std::to_string(scales.shape(1)) + ")");
+  if ((bits != 4 && bits != 5 && bits != 6 && bits != 8) || w.shape(1) * 32 != K * bits)
+    throw std::invalid_argument("codes of 4, 5, 6 or 8 bits: w has " +
+                                std::to_string(w.shape(1)) + " words a row for width " +
+                                std::to_string(K));
+  return {nullptr, nullptr, nullptr, static_cast<int>(bits), static_cast<int>(group),
+          static_cast<int>(w.shape(0)), K};
+}
+
+qfserve::detail::Codes qfserve::detail::bind(Codes c, const mx::array& w,
+                                             const mx::array& scales, const mx::array& biases) {
+  c.w = w.data<uint8_t>();
+  c.scales = scales.data<float>();
+  c.biases = biases.data<float>();
+  return c;
 }
 
 namespace {
 
-// ---------------------------------------------------------------------------------------
-// The MLX primitive: inputs x (..., K) float32 (any strides), w (N, K*bits/32) uint32,
-// scales and biases (N, K/32) float32, row-contiguous; output (..., N) float32. Taking any
-// leading shape and strides saves the reshape and copy ops around each call (a decode step
-// makes ~200 calls, and each MLX op costs microseconds on the CPU).
+void start(mx::Stream stream, const std::vector<mx::array>& inputs, mx::array& out) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream);
+  for (const auto& a : inputs) encoder.set_input_array(a);
+  encoder.set_output_array(out);
+}
+
+// The MLX primitive: inputs x (..., K) float32 (any strides), w, scales and biases
+// row-contiguous; output (..., N) float32. Taking any leading shape and strides saves the
+// reshape and copy ops around each call (a decode step makes ~200 calls, and each MLX op
+// costs microseconds on the CPU).
 class QuantizedMatmul : public mx::UnaryPrimitive {
  public:
-  QuantizedMatmul(mx::Stream stream, int bits) : mx::UnaryPrimitive(stream), bits_(bits) {}
+  QuantizedMatmul(mx::Stream stream, Codes codes) : mx::UnaryPrimitive(stream), codes_(codes) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     const mx::array& x = inputs[0];
-    const mx::array& w = inputs[1];
-    const mx::array& s = inputs[2];
-    const mx::array& b = inputs[3];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
+    start(stream(), inputs, out);
+    const Codes c = qfserve::detail::bind(codes_, inputs[1], inputs[2], inputs[3]);
+    const int M = static_cast<int>(x.size() / c.K);
     auto& encoder = mx::cpu::get_command_encoder(stream());
-    encoder.set_input_array(x);
-    encoder.set_input_array(w);
-    encoder.set_input_array(s);
-    encoder.set_input_array(b);
-    encoder.set_output_array(out);
-    const int K = static_cast<int>(x.shape(-1));
-    const int M = static_cast<int>(x.size() / K);
-    const int N = static_cast<int>(w.shape(0));
-    // Each row's offset from the strides of x's leading axes.
-    std::vector<int64_t> row_offset(M);
-    for (int m = 0; m < M; ++m) {
-      int64_t rest = m, offset = 0;
-      for (int axis = static_cast<int>(x.ndim()) - 2; axis >= 0; --axis) {
-        offset += (rest % x.shape(axis)) * x.strides()[axis];
-        rest /= x.shape(axis);
-      }
-      row_offset[m] = offset;
-    }
-    const int64_t col_stride = x.strides().back();
-    const int bits = bits_;
-    encoder.dispatch([x_ptr = x.data<float>(), w_ptr = w.data<uint8_t>(),
-                      s_ptr = s.data<float>(), b_ptr = b.data<float>(),
-                      y_ptr = out.data<float>(), row_offset = std::move(row_offset), col_stride,
-                      M, N, K, bits]() {
-      qfserve::detail::quantized_rows(w_ptr, s_ptr, b_ptr, bits, x_ptr, row_offset, col_stride,
-                                      y_ptr, M, N, K);
+    encoder.dispatch([x_ptr = x.data<float>(), y_ptr = out.data<float>(),
+                      row_offset = qfserve::row_starts(x), col_stride = x.strides().back(), c,
+                      M]() {
+      qfserve::detail::quantized_rows(c, x_ptr, row_offset, col_stride, y_ptr, M);
     });
   }
 
@@ -313,7 +405,8 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
   const char* name() const override { return "QfserveQuantizedMatmul"; }
 
   bool is_equivalent(const mx::Primitive& other) const override {
-    return bits_ == static_cast<const QuantizedMatmul&>(other).bits_;
+    const Codes& o = static_cast<const QuantizedMatmul&>(other).codes_;
+    return codes_.bits == o.bits && codes_.group == o.group;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
@@ -323,7 +416,38 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
   }
 
  private:
-  int bits_;
+  Codes codes_;  // the layout; pointers bound at each evaluation
+};
+
+class Dequantize : public mx::UnaryPrimitive {
+ public:
+  Dequantize(mx::Stream stream, Codes codes) : mx::UnaryPrimitive(stream), codes_(codes) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    start(stream(), inputs, out);
+    const Codes c = qfserve::detail::bind(codes_, inputs[0], inputs[1], inputs[2]);
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.dispatch(
+        [c, y_ptr = out.data<float>()]() { qfserve::detail::dequantize_codes(c, y_ptr); });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("qfserve's dequantize runs on the CPU only");
+  }
+
+  const char* name() const override { return "QfserveDequantize"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const Codes& o = static_cast<const Dequantize&>(other).codes_;
+    return codes_.bits == o.bits && codes_.group == o.group && codes_.K == o.K;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {{inputs[0].shape(0), codes_.K}};
+  }
+
+ private:
+  Codes codes_;
 };
 
 // Weights are loaded arrays, contiguous already: a copy op only for one that is not.
@@ -331,30 +455,41 @@ mx::array row_contiguous(const mx::array& a, mx::Stream stream) {
   return a.is_available() && a.flags().row_contiguous ? a : mx::contiguous(a, false, stream);
 }
 
+int width(int64_t words, int bits) { return static_cast<int>(words * 32 / std::max(bits, 1)); }
+
 }  // namespace
 
 namespace qfserve {
 
 mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
                            const mx::array& biases, int bits, mx::StreamOrDevice s) {
-  if (bits != 4 && bits != 8) throw std::invalid_argument("bits must be 4 or 8");
-  if (x.ndim() < 1 || w.ndim() != 2 || scales.ndim() != 2 || biases.ndim() != 2)
-    throw std::invalid_argument("x must have an axis, and w, scales and biases be 2-D");
-  const int K = static_cast<int>(x.shape(-1));
-  const int N = static_cast<int>(w.shape(0));
-  if (K % kGroup != 0 || w.shape(1) * 32 != K * bits || scales.shape(0) != N ||
-      scales.shape(1) != K / kGroup || biases.shape() != scales.shape())
-    throw std::invalid_argument("shapes do not match a group-32 quantized weight");
-  if (x.dtype() != mx::float32 || scales.dtype() != mx::float32 ||
-      biases.dtype() != mx::float32 || w.dtype() != mx::uint32)
-    throw std::invalid_argument("x, scales and biases must be float32 and w uint32");
+  if (x.ndim() < 1 || x.dtype() != mx::float32)
+    throw std::invalid_argument("x must be float32 with at least one axis");
   auto stream = mx::to_stream(s, mx::Device::cpu);
-  mx::Shape shape = x.shape();
-  shape.back() = N;
   std::vector<mx::array> inputs = {x, row_contiguous(w, stream), row_contiguous(scales, stream),
                                    row_contiguous(biases, stream)};
+  const int K = static_cast<int>(x.shape(-1));
+  const Codes codes = detail::codes_of(inputs[1], inputs[2], inputs[3], K);
+  if (codes.bits != bits)
+    throw std::invalid_argument("bits is " + std::to_string(bits) + " but the codes are " +
+                                std::to_string(codes.bits) + "-bit for x's width " +
+                                std::to_string(K));
+  mx::Shape shape = x.shape();
+  shape.back() = codes.N;
   return mx::array(std::move(shape), mx::float32,
-                   std::make_shared<QuantizedMatmul>(stream, bits), std::move(inputs));
+                   std::make_shared<QuantizedMatmul>(stream, codes), std::move(inputs));
+}
+
+mx::array dequantize(const mx::array& w, const mx::array& scales, const mx::array& biases,
+                     int bits, mx::StreamOrDevice s) {
+  auto stream = mx::to_stream(s, mx::Device::cpu);
+  std::vector<mx::array> inputs = {row_contiguous(w, stream), row_contiguous(scales, stream),
+                                   row_contiguous(biases, stream)};
+  if (w.ndim() != 2) throw std::invalid_argument("w must be 2-D");
+  const Codes codes = detail::codes_of(inputs[0], inputs[1], inputs[2], width(w.shape(1), bits));
+  if (codes.bits != bits) throw std::invalid_argument("bits must be 4, 5, 6 or 8");
+  return mx::array({codes.N, codes.K}, mx::float32, std::make_shared<Dequantize>(stream, codes),
+                   std::move(inputs));
 }
 
 }  // namespace qfserve

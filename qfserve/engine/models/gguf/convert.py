@@ -2,9 +2,10 @@
 
 The folder is ``<cache>/models/<name>/<sha256[:16]>-<variant>/`` (``<cache>`` is
 ``$QFSERVE_CACHE``, else ``$XDG_CACHE_HOME/qfserve``, else ``~/.cache/qfserve``), keyed by the
-file's hash so a changed file is converted again. ``variant`` is ``f32`` (every weight
-dequantized to float32: the fast path of MLX's CPU backend) or ``native`` (quantized tensors
-stay quantized: GPUs). The folder holds ``config.json``, ``model.safetensors``,
+file's hash so a changed file is converted again. ``variant`` is ``codes`` (what the server
+loads on every backend: quantized matrices as MLX affine codes at about the file's size, see
+:mod:`qfserve.engine.models.gguf.codes`) or ``f32`` (every weight dequantized to float32: a
+reference for tests). The folder holds ``config.json``, ``model.safetensors``,
 ``tokenizer.json``, ``tokenizer_config.json`` and ``generation_config.json``, so it loads
 unchanged with ``mlx_lm.load`` and ``mlx_lm.server``; ``qfserve.json`` records where it came
 from and the name it is served under. It is written to a temporary folder and renamed into
@@ -25,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from qfserve.calibrations.model_info import FINGERPRINT_KEY
+from qfserve.engine.models.gguf.codes import GROUP_SIZE
 from qfserve.engine.models.gguf.reader import (
-    GROUP_SIZE,
     GGUFError,
     GGUFFile,
     load_weights,
@@ -43,9 +44,7 @@ from qfserve.engine.models.gguf.tokenizer import (
 logger = logging.getLogger(__name__)
 
 MARKER = "qfserve.json"
-# A float32 folder's copy of the file's 4- and 8-bit codes (qfserve.engine.models.quantized).
-QUANTIZED_FILE = "quantized.safetensors"
-MARKER_FORMAT = 3  # 3: float32 folders also hold the quantized codes
+MARKER_FORMAT = 4  # 4: every quantized type kept as codes, no float32 copy
 GGUF_MAGIC = b"GGUF"
 
 
@@ -92,19 +91,12 @@ def file_sha256(path: Path) -> str:
     return sha
 
 
-def default_dequantize() -> bool:
-    """Dequantize to float32 on MLX's CPU backend (its quantized matmul is ~2x slower there)."""
-    import mlx.core as mx
-
-    return bool(mx.default_device().type == mx.DeviceType.cpu)
-
-
 def converted_folder(
     path: str | Path,
     *,
     name: str | None = None,
     model_id: str | None = None,
-    dequantize: bool | None = None,
+    dequantize: bool = False,
 ) -> Path:
     """The mlx-lm folder of a GGUF file, converting it on first use.
 
@@ -112,7 +104,7 @@ def converted_folder(
         path: The GGUF file.
         name: The id the server lists it under (default: the file name without ``.gguf``).
         model_id: The id its calibrated Q-Filters are registered under (default: ``name``).
-        dequantize: Store float32 weights; default :func:`default_dequantize`.
+        dequantize: Store float32 weights (a reference for tests); default: codes.
     Returns:
         The folder, ready for ``mlx_lm.load``.
     Raises:
@@ -123,10 +115,9 @@ def converted_folder(
     path = Path(path).expanduser().resolve()
     name = name or (path.name[:-5] if path.name.lower().endswith(".gguf") else path.name)
     model_id = model_id or name
-    dequantize = default_dequantize() if dequantize is None else dequantize
     sha = file_sha256(path)
     folder = (
-        cache_root() / "models" / _safe(name) / f"{sha[:16]}-{'f32' if dequantize else 'native'}"
+        cache_root() / "models" / _safe(name) / f"{sha[:16]}-{'f32' if dequantize else 'codes'}"
     )
     if _valid(folder, sha):
         return folder
@@ -151,7 +142,7 @@ def converted_folder(
                     "model_id": model_id,
                     "source": str(path),
                     "sha256": sha,
-                    "variant": "f32" if dequantize else "native",
+                    "variant": "f32" if dequantize else "codes",
                     "tensor_types": sorted(set(file.tensor_types.values())),
                 },
             )
@@ -201,7 +192,7 @@ def _write_folder(file: GGUFFile, out: Path, *, model_id: str, dequantize: bool)
         **file.config,
         "bos_token_id": token_id(file, "bos"),
         "eos_token_id": stops,
-        "torch_dtype": "float32" if dequantize else "float16",
+        "torch_dtype": "float32",
         FINGERPRINT_KEY: source_fingerprint(file),
     }
     _write_json_atomic(out / "config.json", config)
@@ -212,29 +203,32 @@ def _write_folder(file: GGUFFile, out: Path, *, model_id: str, dequantize: bool)
     )
     tokenizer.save(str(out / "tokenizer.json"))
     weights = load_weights(file, dequantize=dequantize)
-    bits = [
-        weights[k[: -len("scales")] + "weight"].shape[-1] * 32 // (v.shape[-1] * GROUP_SIZE)
-        for k, v in weights.items()
-        if k.endswith(".scales")
-    ]
-    if bits:  # mlx-lm quantizes the layers that have scales, reading each one's bits
-        config["quantization"] = {
-            "group_size": GROUP_SIZE,
-            "bits": max(set(bits), key=bits.count),
-            "mode": "affine",
-        }
+    quantization = _quantization(weights)
+    if quantization:  # mlx-lm quantizes the layers that have scales, at their own bits
+        config["quantization"] = quantization
         _write_json_atomic(out / "config.json", config)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
-    if dequantize and file.native:  # decode reads these (qfserve.engine.models.quantized)
-        quantized = load_weights(file, dequantize=False)
-        stems = {k[: -len(".scales")] for k in quantized if k.endswith(".scales")}
-        codes = {
-            k: v
-            for k, v in quantized.items()
-            if k.rsplit(".", 1)[0] in stems and not k.endswith(".bias")
-        }
-        if codes:
-            mx.save_safetensors(str(out / QUANTIZED_FILE), codes, metadata={"format": "mlx"})
+
+
+def _quantization(weights: dict[str, Any]) -> dict[str, Any]:
+    """mlx-lm's ``quantization`` config: the most common bits as the default, and an entry
+    for each layer of other bits (mlx-lm reads per-layer entries by the layer's path)."""
+    bits = {
+        key[: -len(".scales")]: weights[key[: -len("scales")] + "weight"].shape[-1]
+        * 32
+        // (value.shape[-1] * GROUP_SIZE)
+        for key, value in weights.items()
+        if key.endswith(".scales")
+    }
+    if not bits:
+        return {}
+    counts = list(bits.values())
+    common = max(set(counts), key=counts.count)
+    config: dict[str, Any] = {"group_size": GROUP_SIZE, "bits": common, "mode": "affine"}
+    for layer, b in sorted(bits.items()):
+        if b != common:
+            config[layer] = {"group_size": GROUP_SIZE, "bits": b, "mode": "affine"}
+    return config
 
 
 def _check_loads(file: GGUFFile, folder: Path) -> None:

@@ -1,18 +1,16 @@
 """Read a GGUF file into an mlx-lm config and weights: a table of names and one conversion.
 
-Metadata and tensor types come from llama.cpp's ``gguf`` package (``GGUFReader``), which also
-validates the file's structure. Tensor data comes from ``mx.load`` when every tensor is of a
-type MLX reads natively (F32, F16, Q4_0, Q4_1, Q8_0: the quantized ones arrive as MLX affine
-``weight`` / ``scales`` / ``biases`` with group size 32); otherwise every tensor is
-dequantized to float32 with ``gguf.quants.dequantize``. Types neither can read are refused.
+Metadata, tensor types and tensor bytes come from llama.cpp's ``gguf`` package
+(``GGUFReader``), which also validates the file's structure. Quantized matrices become MLX
+affine codes (:mod:`qfserve.engine.models.gguf.codes`: the file's own codes where the layouts
+map, a measured 8-bit requantization where they do not), so the folder holds the weights at
+about the file's size; float tensors keep their type. Types the ``gguf`` package cannot read
+are refused.
 
-Two details of llama.cpp's conversion are undone here:
-
-* Q/K rows of ``llama`` files are permuted for llama.cpp's interleaved-pair RoPE; they are put
-  back in the Hugging Face order so the folder is a plain Llama checkpoint (mlx-lm's default,
-  non-traditional RoPE).
-* ``mx.load`` gives float16 scales and biases; ``mx.dequantize`` with them rounds in float16
-  (up to 3.4e-3 off llama.cpp's own dequantization). Casting them to float32 first is exact.
+One detail of llama.cpp's conversion is undone here: Q/K rows of ``llama`` files are permuted
+for llama.cpp's interleaved-pair RoPE; they are put back in the Hugging Face order (codes,
+scales and biases alike: the permutation moves whole rows) so the folder is a plain Llama
+checkpoint (mlx-lm's default, non-traditional RoPE).
 """
 
 from __future__ import annotations
@@ -24,11 +22,10 @@ from typing import Any
 
 import numpy as np
 
+from qfserve.engine.models.gguf.codes import FLOAT_TYPES, pack, tensor_codes
+
 # Architectures we map, to (mlx-lm model_type, Q/K rows permuted by llama.cpp's converter).
 ARCHITECTURES = {"llama": ("llama", True), "qwen2": ("qwen2", False)}
-# Tensor types mx.load reads itself (F16/F32 as floats, the rest as MLX affine quantization).
-MLX_NATIVE_TYPES = frozenset({"F32", "F16", "Q4_0", "Q4_1", "Q8_0"})
-GROUP_SIZE = 32  # every GGUF type MLX reads natively uses blocks of 32
 
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -79,11 +76,6 @@ class GGUFFile:
     @property
     def architecture(self) -> str:
         return str(self.metadata["general.architecture"])
-
-    @property
-    def native(self) -> bool:
-        """Every tensor can be read by ``mx.load``."""
-        return set(self.tensor_types.values()) <= MLX_NATIVE_TYPES
 
 
 def open_gguf(path: str | Path) -> GGUFFile:
@@ -251,7 +243,7 @@ def _check_tensors(file: GGUFFile, config: dict[str, Any]) -> None:
     import gguf.quants
 
     # The types gguf.quants.dequantize implements (F32 / F16 it views directly).
-    readable = MLX_NATIVE_TYPES | {t.name for t in getattr(gguf.quants, "_type_traits", {})}
+    readable = FLOAT_TYPES | {t.name for t in getattr(gguf.quants, "_type_traits", {})}
     n_layers = config["num_hidden_layers"]
     for name, type_name in file.tensor_types.items():
         target = mlx_name(name)
@@ -286,81 +278,53 @@ def load_weights(file: GGUFFile, *, dequantize: bool) -> dict[str, Any]:
 
     Args:
         file: From :func:`open_gguf`.
-        dequantize: Turn every tensor into float32 (the CPU backend's fast path). Otherwise
-            MLX-native quantized tensors stay quantized (``weight`` / ``scales`` / ``biases``
-            with float32 scales and biases) and float tensors keep their type.
+        dequantize: Turn every tensor into float32 (a reference; the server keeps codes).
+            Otherwise every quantized matrix becomes MLX affine codes (``weight`` uint32,
+            float32 ``scales`` and ``biases``, group 32; :mod:`.codes` says which types keep
+            the file's own codes) and float tensors keep their type.
     Returns:
         ``{name: mx.array}``, ready for ``mx.save_safetensors``.
     """
     import mlx.core as mx
+    from gguf import GGUFReader
+    from gguf.quants import dequantize as gguf_dequantize
 
     n_heads = file.config["num_attention_heads"]
     n_kv_heads = file.config["num_key_value_heads"]
     _, permuted = ARCHITECTURES[file.architecture]
-    raw = _read_native(file) if file.native else _read_numpy(file)
     out: dict[str, Any] = {}
-    for name, parts in raw.items():
+    for tensor in GGUFReader(file.path).tensors:
+        name, type_name = tensor.name, tensor.tensor_type.name
         if name == "rope_freqs.weight":
             continue
-        if not file.native and not dequantize:  # float32 from gguf.quants: halve it
-            parts = {k: v.astype(mx.float16) for k, v in parts.items()}
-        if "scales" in parts:
-            parts = {k: v if k == "weight" else v.astype(mx.float32) for k, v in parts.items()}
-            if dequantize:
-                parts = {"weight": _dequantize(parts)}
-        elif dequantize:
-            parts = {k: v.astype(mx.float32) for k, v in parts.items()}
+        # GGUF lists dimensions fastest first; numpy wants them slowest first.
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        data = np.asarray(tensor.data)
+        parts: dict[str, np.ndarray]
+        if type_name in FLOAT_TYPES or len(shape) != 2 or dequantize:
+            values = gguf_dequantize(data, tensor.tensor_type).reshape(shape)
+            values = values.astype(
+                np.float16 if type_name == "F16" and not dequantize else np.float32
+            )
+            parts = {"bias" if name.endswith(".bias") else "weight": values}
+        else:
+            codes = tensor_codes(data, type_name, shape)
+            parts = {"q": codes.q, "scales": codes.scales, "biases": codes.biases}
         if permuted and name.startswith("blk.") and name.split(".")[2] in ("attn_q", "attn_k"):
             heads = n_heads if name.split(".")[2] == "attn_q" else n_kv_heads
             parts = {k: unpermute_rows(v, heads) for k, v in parts.items()}
         target = mlx_name(name)
         assert target is not None  # open_gguf refused the others
         stem = target.rsplit(".", 1)[0]
+        if "q" in parts:
+            bits = codes.bits
+            parts = {"weight": pack(np.ascontiguousarray(parts.pop("q")), bits), **parts}
         for suffix, value in parts.items():
-            out[target if suffix in ("weight", "bias") else f"{stem}.{suffix}"] = value
+            key = target if suffix in ("weight", "bias") else f"{stem}.{suffix}"
+            out[key] = mx.array(np.ascontiguousarray(value))
+            if type_name == "BF16" and not dequantize:  # numpy has no bfloat16
+                out[key] = out[key].astype(mx.bfloat16)
     return out
-
-
-def _dequantize(parts: dict[str, Any]) -> Any:
-    import mlx.core as mx
-
-    weight, scales = parts["weight"], parts["scales"]
-    bits = weight.shape[-1] * 32 // (scales.shape[-1] * GROUP_SIZE)
-    return mx.dequantize(weight, scales, parts["biases"], group_size=GROUP_SIZE, bits=bits).astype(
-        mx.float32
-    )
-
-
-def _read_native(file: GGUFFile) -> dict[str, dict[str, Any]]:
-    """``{gguf name: {"weight" | "bias" | "scales" | "biases": array}}`` from ``mx.load``."""
-    import mlx.core as mx
-
-    arrays = mx.load(str(file.path))
-    assert isinstance(arrays, dict)
-    grouped: dict[str, dict[str, Any]] = {}
-    for key, value in arrays.items():
-        stem, suffix = key.rsplit(".", 1)
-        if suffix in ("scales", "biases"):
-            grouped.setdefault(f"{stem}.weight", {})[suffix] = value
-        else:
-            grouped.setdefault(key, {})["weight" if suffix == "weight" else "bias"] = value
-    return grouped
-
-
-def _read_numpy(file: GGUFFile) -> dict[str, dict[str, Any]]:
-    """Every tensor dequantized to float32 by the ``gguf`` package."""
-    import mlx.core as mx
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
-
-    grouped: dict[str, dict[str, Any]] = {}
-    for tensor in GGUFReader(file.path).tensors:
-        data = dequantize(np.asarray(tensor.data), tensor.tensor_type).astype(np.float32)
-        # GGUF lists dimensions fastest first; numpy wants them slowest first.
-        data = data.reshape(tuple(int(d) for d in reversed(tensor.shape)))
-        kind = "bias" if tensor.name.endswith(".bias") else "weight"
-        grouped[tensor.name] = {kind: mx.array(data)}
-    return grouped
 
 
 def unpermute_rows(rows: Any, n_heads: int) -> Any:

@@ -1,0 +1,100 @@
+"""GGUF blocks as MLX affine codes (qfserve.engine.models.gguf.codes) against llama.cpp's own
+``gguf.quants.dequantize`` of the same bytes: exactly for the types whose codes are kept, within
+the documented rounding for the requantized ones; and MLX's own ``mx.dequantize`` reads the
+packed words as the same values."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.quants import dequantize
+
+from qfserve.engine.models.gguf.codes import (
+    EXACT_TYPES,
+    GROUP_SIZE,
+    pack,
+    tensor_codes,
+)
+from qfserve.engine.models.gguf.codes import (
+    dequantize as codes_dequantize,
+)
+
+# Where each type keeps its float16 fields (byte offsets in a block), for random blocks.
+HALVES = {
+    "Q4_0": (0,),
+    "Q4_1": (0, 2),
+    "Q5_0": (0,),
+    "Q5_1": (0, 2),
+    "Q8_0": (0,),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
+    "Q3_K": (108,),
+    "Q2_K": (80, 82),
+}
+BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q8_0": 8, "Q4_K": 4, "Q5_K": 5}
+
+
+def random_tensor(type_name: str, rows: int, k: int, seed: int, *, extreme: bool = False):
+    """Random bytes as a tensor of ``type_name`` (rows, k), its float16 fields finite (tiny
+    and huge ones where ``extreme``)."""
+    qtype = GGMLQuantizationType[type_name]
+    block, size = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows * k // block, size), dtype=np.uint8)
+    for offset in HALVES[type_name]:
+        if extreme:
+            halves = rng.choice(np.array([6e-8, 1e-5, 0.5, 3e3, 6e4, -6e4], np.float16), len(raw))
+        else:
+            halves = (rng.standard_normal(len(raw)) * 0.05).astype(np.float16)
+        raw[:, offset : offset + 2] = halves.view(np.uint8).reshape(-1, 2)
+    return raw.reshape(rows, k // block * size)
+
+
+@pytest.mark.parametrize("type_name", sorted(EXACT_TYPES))
+@pytest.mark.parametrize("extreme", [False, True])
+def test_kept_codes_dequantize_exactly_as_llama_cpp(type_name, extreme):
+    rows, k = 6, 512
+    data = random_tensor(type_name, rows, k, seed=len(type_name), extreme=extreme)
+    want = dequantize(data, GGMLQuantizationType[type_name]).reshape(rows, k)
+    codes = tensor_codes(data, type_name, (rows, k))
+    assert codes.bits == BITS[type_name]
+    assert codes.q.max() < (1 << codes.bits)
+    assert codes.scales.shape == (rows, k // GROUP_SIZE) and codes.scales.dtype == np.float32
+    np.testing.assert_array_equal(codes_dequantize(codes), want)
+
+
+@pytest.mark.parametrize("type_name", ["Q6_K", "Q3_K", "Q2_K"])
+def test_other_types_are_requantized_within_half_an_8_bit_step(type_name):
+    rows, k = 4, 512
+    data = random_tensor(type_name, rows, k, seed=7)
+    want = dequantize(data, GGMLQuantizationType[type_name]).reshape(rows, k)
+    codes = tensor_codes(data, type_name, (rows, k))
+    assert codes.bits == 8
+    got = codes_dequantize(codes)
+    groups = want.reshape(rows, -1, GROUP_SIZE)
+    step = (groups.max(-1) - groups.min(-1)) / 255  # (rows, groups)
+    err = np.abs(got - want).reshape(rows, -1, GROUP_SIZE).max(-1)
+    assert np.all(err <= step / 2 * (1 + 1e-5) + 1e-7)
+    if type_name == "Q6_K":  # a quarter of Q6_K's own step at most (1/63 of a sub-block's range)
+        sub = want.reshape(rows, -1, 16)
+        own = (sub.max(-1) - sub.min(-1)).reshape(rows, -1, 2).max(-1) / 63
+        assert np.all(err <= own / 4 * (1 + 1e-5) + 1e-7)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+def test_packed_words_are_what_mlx_dequantizes(bits):
+    rng = np.random.default_rng(bits)
+    q = rng.integers(0, 1 << bits, (5, 128), dtype=np.uint8)
+    scales = rng.standard_normal((5, 4)).astype(np.float32)
+    biases = rng.standard_normal((5, 4)).astype(np.float32)
+    words = pack(q, bits)
+    assert words.dtype == np.uint32 and words.shape == (5, 128 * bits // 32)
+    got = mx.dequantize(
+        mx.array(words), mx.array(scales), mx.array(biases), group_size=32, bits=bits
+    )
+    want = q.reshape(5, 4, 32) * scales[..., None] + biases[..., None]
+    np.testing.assert_allclose(np.array(got), want.reshape(5, 128), rtol=1e-6, atol=1e-6)
