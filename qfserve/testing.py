@@ -35,9 +35,24 @@ if TYPE_CHECKING:
 # The source checkout (this file is qfserve/testing.py): servers run from it, on its path.
 REPO = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"  # loopback only, always
-HEALTH = {"qfserve": "/health", "mlx_lm": "/v1/models", "llama_cpp": "/v1/models"}
+HEALTH = {
+    "qfserve": "/health",
+    "mlx_lm": "/v1/models",
+    "llama_cpp": "/v1/models",
+    "llama_server": "/health",
+}
 # llama-cpp-python may live in another environment (it compiles llama.cpp from source).
 LLAMA_PYTHON = os.environ.get("QFSERVE_LLAMA_PYTHON") or sys.executable
+# llama.cpp's own llama-server binary: $QFSERVE_LLAMA_SERVER, else where the project's
+# `llama-cpp-tools` script builds it from the sources llama-cpp-python's sdist vendors.
+LLAMA_TOOLS = Path(os.environ.get("QFSERVE_LLAMA_TOOLS", "~/.cache/llama-cpp-tools/build/bin"))
+
+
+def llama_tool(name: str) -> Path | None:
+    """A llama.cpp tool (``llama-server``, ``llama-quantize``) where built, else ``None``."""
+    override = os.environ.get("QFSERVE_LLAMA_SERVER") if name == "llama-server" else None
+    path = Path(override) if override else LLAMA_TOOLS.expanduser() / name
+    return path if path.is_file() and os.access(path, os.X_OK) else None
 
 
 def gguf_of(ref: str | Path | None) -> Path:
@@ -128,10 +143,18 @@ def stop_all(servers: Sequence[ServerProcess], timeout: float = 30.0) -> list[in
 
 
 def _command(kind: str, console_script: bool, log_level: str | None) -> list[str]:
+    threads = str(os.cpu_count() or 1)
     if kind == "llama_cpp":  # its own defaults but the threads: every core, as ours
-        threads = str(os.cpu_count() or 1)
         return [LLAMA_PYTHON, "-m", "llama_cpp.server", "--n_ctx", "0", "--n_threads", threads,
                 "--n_threads_batch", threads]  # fmt: skip
+    if kind == "llama_server":  # flags (-c, -np) follow; every core, as ours
+        binary = llama_tool("llama-server")
+        if binary is None:
+            raise ValueError(
+                "llama-server is not built: run bench/reference/llama_cpp_tools.sh or set "
+                "QFSERVE_LLAMA_SERVER"
+            )
+        return [str(binary), "-t", threads, "-tb", threads]
     if kind == "mlx_lm":
         if console_script:
             raise ValueError("console_script is for kind 'qfserve' only, got kind 'mlx_lm'")
@@ -156,7 +179,8 @@ def launch(
     """Start a server on :data:`HOST` and a free port without waiting for it.
 
     Args:
-        kind: ``"qfserve"``, ``"mlx_lm"`` or ``"llama_cpp"``.
+        kind: ``"qfserve"``, ``"mlx_lm"``, ``"llama_cpp"`` (llama-cpp-python's server) or
+            ``"llama_server"`` (llama.cpp's own binary, :func:`llama_tool`).
         model: ``--model`` (``None``: no ``--model``, the server's default model).
         flags: Further command-line flags, after the ones set here.
         log: File that receives the server's stdout and stderr (overwritten).
@@ -262,12 +286,18 @@ def start(
 
 
 @contextlib.contextmanager
-def serve(*kinds: str, model: Path, timeout: float = 120.0) -> Iterator[list[str]]:
-    """Start servers (``qfserve`` and/or ``mlx_lm``) on ephemeral loopback ports, together.
+def serving(
+    *kinds: str,
+    model: Path,
+    timeout: float = 120.0,
+    flags: Mapping[str, Sequence[str]] | None = None,
+) -> Iterator[list[ServerProcess]]:
+    """Start servers of ``kinds`` on ephemeral loopback ports, together, each with its
+    ``flags`` (by kind).
 
-    Yields their base URLs, in the order of ``kinds``, once every one answers its health
-    route within ``timeout`` seconds of them all being started; stops them all on exit and
-    removes their temporary logs.
+    Yields them, in the order of ``kinds``, once every one answers its health route within
+    ``timeout`` seconds of them all being started; stops them all on exit and removes their
+    temporary logs.
     """
     servers: list[ServerProcess] = []
     logs: list[Path] = []
@@ -276,12 +306,25 @@ def serve(*kinds: str, model: Path, timeout: float = 120.0) -> Iterator[list[str
             fd, name = tempfile.mkstemp(prefix=f"{kind}-", suffix=".log")
             os.close(fd)
             logs.append(Path(name))
-            servers.append(launch(kind, model, log=logs[-1], log_level="warning"))
+            extra = (flags or {}).get(kind, ())
+            servers.append(launch(kind, model, *extra, log=logs[-1], log_level="warning"))
         deadline = time.monotonic() + timeout
         for server in servers:
             wait_ready(server, deadline - time.monotonic())
-        yield [server.url for server in servers]
+        yield servers
     finally:
         stop_all(servers, 10)
         for log in logs:
             log.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def serve(
+    *kinds: str,
+    model: Path,
+    timeout: float = 120.0,
+    flags: Mapping[str, Sequence[str]] | None = None,
+) -> Iterator[list[str]]:
+    """:func:`serving`, yielding the servers' base URLs."""
+    with serving(*kinds, model=model, timeout=timeout, flags=flags) as started:
+        yield [server.url for server in started]

@@ -150,7 +150,12 @@ def write_tiny_gguf(
             stored = llama_cpp_permute(value, heads)
         else:
             stored = value
-        if stem in quantized and value.ndim == 2:
+        if stem in quantized and value.ndim == 2 and qtype.name in HALVES:
+            # gguf cannot quantize K-quants: random blocks of the type are the weight.
+            data = random_blocks(qtype.name, *value.shape, seed=len(decoded))
+            writer.add_tensor(name, data, raw_dtype=qtype)
+            decoded[hf_name] = dequantize(data, qtype).reshape(value.shape)
+        elif stem in quantized and value.ndim == 2:
             data = quantize(stored, qtype)
             writer.add_tensor(name, data, raw_dtype=qtype)
             # Quantization groups run along rows, so it commutes with the row permutation.
@@ -160,6 +165,35 @@ def write_tiny_gguf(
             decoded[hf_name] = value.astype(np.float32)
     _finish(writer)
     return decoded
+
+
+# Where K-quant blocks keep their float16 fields (byte offsets), for random blocks.
+HALVES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q3_K": (108,), "Q2_K": (80, 82)}
+
+
+def random_blocks(
+    type_name: str,
+    rows: int,
+    k: int,
+    seed: int,
+    *,
+    halves: tuple[int, ...] | None = None,
+    extreme: bool = False,
+) -> np.ndarray:
+    """Random bytes as a tensor of ``type_name`` (rows, k), its float16 fields finite (small,
+    or tiny and huge ones where ``extreme``); ``halves``: their offsets (default
+    :data:`HALVES`)."""
+    qtype = GGMLQuantizationType[type_name]
+    block, size = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows * k // block, size), dtype=np.uint8)
+    for offset in HALVES[type_name] if halves is None else halves:
+        if extreme:
+            values = rng.choice(np.array([6e-8, 1e-5, 0.5, 3e3, 6e4, -6e4], np.float16), len(raw))
+        else:
+            values = (rng.standard_normal(len(raw)) * 0.002).astype(np.float16)
+        raw[:, offset : offset + 2] = values.view(np.uint8).reshape(-1, 2)
+    return raw.reshape(rows, k // block * size)
 
 
 def write_other_architecture(path: Path, arch: str) -> Path:

@@ -22,7 +22,6 @@ from qfserve.engine.kv.attention import native_kernel
 from qfserve.engine.kv.blocked import block_attention
 from qfserve.engine.kv.config import CacheConfig
 from qfserve.engine.kv.factory import make_caches
-from qfserve.engine.models.quantized import DecodeLinear
 
 PARTS = ("matmul", "attention", "cache", "sample")  # a decode step's work, each timed alone
 sdpa = mx.fast.scaled_dot_product_attention
@@ -39,17 +38,20 @@ def timed(fn: Callable[[], Any]) -> Callable[[], float]:
     return run
 
 
+def _in_out(module: Any) -> tuple[int, int]:
+    """A projection's (input, output) widths, quantized (codes packed in words) or not."""
+    if isinstance(module, nn.QuantizedLinear | nn.QuantizedEmbedding):
+        return module.scales.shape[1] * module.group_size, module.weight.shape[0]
+    return module.weight.shape[1], module.weight.shape[0]
+
+
 def _linears(model: Any) -> list[tuple[int, int, Callable[[mx.array], mx.array]]]:
     """(in, out, apply) of every weight product one token runs through, the output last."""
-    modules = [m for _, m in model.named_modules()]
-    # A projection that decodes on its quantized codes is timed as served, not its float32 copy.
-    dense = {id(m.dense) for m in modules if isinstance(m, DecodeLinear)}
-    found = [(*m.weight.shape[::-1], m) for m in modules
-             if isinstance(m, DecodeLinear | nn.Linear | nn.QuantizedLinear)
-             and id(m) not in dense]  # fmt: skip
+    found = [(*_in_out(m), m) for _, m in model.named_modules()
+             if isinstance(m, nn.Linear | nn.QuantizedLinear)]  # fmt: skip
     if not any(name == "lm_head" for name, _ in model.named_modules()):  # tied output
         embed = model.model.embed_tokens
-        found.append((*embed.weight.shape[::-1], embed.as_linear))
+        found.append((*_in_out(embed), embed.as_linear))
     return found
 
 

@@ -1,14 +1,23 @@
-"""qfserve against llama.cpp's server (llama-cpp-python), on the same GGUF file and prompts.
+"""qfserve against llama.cpp's server, on the same GGUF file and prompts.
 
-Needs ``llama-cpp-python[server]`` in this Python or the one ``QFSERVE_LLAMA_PYTHON`` names;
-``--model`` must be a GGUF file or a catalog model (its GGUF).
+Theirs is llama.cpp's own ``llama-server`` where it is built (``bench/reference/
+llama_cpp_tools.sh``, or ``QFSERVE_LLAMA_SERVER``), else llama-cpp-python's server (in this
+Python or the one ``QFSERVE_LLAMA_PYTHON`` names); ``--model`` must be a GGUF file or a
+catalog model (its GGUF).
 """
 
 from __future__ import annotations
 
-from functools import partial
+from typing import Any
 
 from bench.studies import vs_mlx_lm
+from qfserve import testing as servers
 
-main = partial(vs_mlx_lm.compare, "llama_cpp", "vs_llama_cpp", __doc__)
-render = partial(vs_mlx_lm.render, title="Against llama.cpp's server on the same GGUF")
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    kind = "llama_server" if servers.llama_tool("llama-server") else "llama_cpp"
+    return vs_mlx_lm.compare(kind, "vs_llama_cpp", __doc__, argv)
+
+
+def render(d: dict[str, Any]) -> list[str]:
+    return vs_mlx_lm.render(d, title="Against llama.cpp's server on the same GGUF")

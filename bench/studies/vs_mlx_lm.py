@@ -21,6 +21,8 @@ THEIRS = {
     "unique prompt prefix)",
     "llama_cpp": "python -m llama_cpp.server on the GGUF file (llama-cpp-python, full cache, "
     "float16 KV, 2 threads; n_ctx the model's)",
+    "llama_server": "llama.cpp's llama-server on the GGUF file (-c the model's context, -np 1, "
+    "full cache, float16 KV, 2 threads)",
 }
 NONCES = itertools.count()  # numbers every request of the process: no two prompts alike
 PANELS = (("ttft_s", 1e3, "TTFT ms"), ("decode_tps", 1.0, "decode tokens/s"))  # key, scale, title
@@ -102,7 +104,9 @@ def compare(kind: str, key: str, doc: str | None, argv: list[str] | None) -> dic
     model = sm.folder if kind == "mlx_lm" else servers.gguf_of(args.model)
     rows = []
     sm.log(f"starting {kind} and qfserve")
-    with servers.serve(kind, "qfserve", model=model) as (theirs, ours), httpx.Client() as client:
+    flags = {"llama_server": ["-c", str(sm.context_length), "-np", "1"]}
+    with servers.serve(kind, "qfserve", model=model, flags=flags, timeout=300) as (theirs, ours), \
+            httpx.Client() as client:  # fmt: skip
         mine = {"model": client.get(ours + "/v1/models").json()["data"][0]["id"],
                 "max_tokens": args.max_tokens}  # fmt: skip
         sm.log(f"theirs {theirs}, ours {ours}; prompts {lengths}, {args.reps} reps")

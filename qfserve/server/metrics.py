@@ -81,6 +81,8 @@ class Metrics:
             ("batch", "Requests in the running batch (prefilling or decoding)"),
             ("kv_reserved_bytes", "KV bytes the running requests' caches can hold at most"),
             ("max_kv_bytes", "KV bytes the running requests may reserve together"),
+            ("weights_bytes", "Bytes of the model's weights as held (codes, scales, floats)"),
+            ("resident_bytes", "Resident memory of the server process"),
         ):
             Gauge(f"qfserve_{key}", what, registry=r).set_function(_total(worker, key))
         for key, what in (

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
@@ -180,6 +181,34 @@ def test_every_quantized_type_is_kept_as_codes_at_its_bits(tmp_path, qtype, bits
     vocab = decoded["model.embed_tokens.weight"].shape[0]
     ours, ref = served_logits(folder), reference_logits("llama", decoded, vocab)
     np.testing.assert_allclose(ours, ref, atol=2e-4, rtol=0)
+
+
+@pytest.mark.parametrize(("qtype", "bits"), [("Q4_K", 4), ("Q5_K", 5), ("Q6_K", 8)])
+def test_k_quants_are_served_on_their_codes(tmp_path, qtype, bits):
+    """A file with a K-quant tensor (random blocks of the type), loaded as the server loads
+    it: the kernel reads the layer at the codes' bits, and the logits are those of the
+    gguf package's dequantized weights (Q6_K, requantized to 8 bits, those of the requantized
+    values: the rounding itself is measured in test_gguf_codes)."""
+    from qfserve.engine.models.gguf.codes import dequantize, requantize
+    from qfserve.engine.models.loading import load_model
+    from qfserve.engine.models.quantized import detach
+
+    path = tmp_path / "k.gguf"
+    decoded = write_tiny_gguf(path, quantized=("ffn_down",), qtype=GGMLQuantizationType[qtype])
+    loaded = load_model(str(converted_folder(path)))
+    try:
+        down = loaded.model.model.layers[0].mlp.down_proj
+        assert isinstance(down, nn.QuantizedLinear) and down.bits == bits
+        vocab = decoded["model.embed_tokens.weight"].shape[0]
+        if qtype == "Q6_K":
+            for name in [n for n in decoded if "down_proj" in n]:
+                decoded[name] = dequantize(requantize(decoded[name]))
+        ours = np.array(loaded.model(mx.array([TOKENS]))[0])
+        ref = reference_logits("llama", decoded, vocab)
+        np.testing.assert_allclose(ours, ref, atol=2e-4, rtol=0)
+        assert (ours.argmax(-1) == ref.argmax(-1)).all()
+    finally:
+        detach(loaded.model)
 
 
 def test_llama3_rope_scaling_is_recovered_from_the_rope_freqs_tensor(tmp_path):

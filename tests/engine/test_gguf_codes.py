@@ -9,7 +9,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
-from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
 from qfserve.engine.models.gguf.codes import (
@@ -21,37 +20,16 @@ from qfserve.engine.models.gguf.codes import (
 from qfserve.engine.models.gguf.codes import (
     dequantize as codes_dequantize,
 )
+from tests.gguf_files import random_blocks
 
-# Where each type keeps its float16 fields (byte offsets in a block), for random blocks.
-HALVES = {
-    "Q4_0": (0,),
-    "Q4_1": (0, 2),
-    "Q5_0": (0,),
-    "Q5_1": (0, 2),
-    "Q8_0": (0,),
-    "Q4_K": (0, 2),
-    "Q5_K": (0, 2),
-    "Q6_K": (208,),
-    "Q3_K": (108,),
-    "Q2_K": (80, 82),
-}
+# Where the legacy types keep their float16 fields (byte offsets in a block).
+LEGACY_HALVES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,)}
 BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q8_0": 8, "Q4_K": 4, "Q5_K": 5}
 
 
 def random_tensor(type_name: str, rows: int, k: int, seed: int, *, extreme: bool = False):
-    """Random bytes as a tensor of ``type_name`` (rows, k), its float16 fields finite (tiny
-    and huge ones where ``extreme``)."""
-    qtype = GGMLQuantizationType[type_name]
-    block, size = GGML_QUANT_SIZES[qtype]
-    rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, (rows * k // block, size), dtype=np.uint8)
-    for offset in HALVES[type_name]:
-        if extreme:
-            halves = rng.choice(np.array([6e-8, 1e-5, 0.5, 3e3, 6e4, -6e4], np.float16), len(raw))
-        else:
-            halves = (rng.standard_normal(len(raw)) * 0.05).astype(np.float16)
-        raw[:, offset : offset + 2] = halves.view(np.uint8).reshape(-1, 2)
-    return raw.reshape(rows, k // block * size)
+    return random_blocks(type_name, rows, k, seed, halves=LEGACY_HALVES.get(type_name),
+                         extreme=extreme)  # fmt: skip
 
 
 @pytest.mark.parametrize("type_name", sorted(EXACT_TYPES))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,6 +63,19 @@ class LoadedModel:
     source: str
     context_length: int
     config: dict[str, Any] = field(default_factory=dict)
+
+
+def resident_bytes() -> int:
+    """The process's resident memory now (Linux ``/proc``; elsewhere its peak, from
+    ``getrusage``), Python, MLX and the server included."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
 def default_model_path() -> Path:
@@ -183,6 +197,8 @@ def load_model(ref: str | None) -> LoadedModel:
         mlx_lm.load(source, return_config=True),
     )
     _attach_codes(model, source)
+    from qfserve.engine.models.quantized import weight_bytes
+
     loaded = LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -198,7 +214,11 @@ def load_model(ref: str | None) -> LoadedModel:
     hf = getattr(tokenizer, "_tokenizer", None)
     if hf is not None and hasattr(hf, "model_max_length"):
         hf.model_max_length = sys.maxsize
-    logger.info("loaded %s from %s (context %d)", loaded.name, source, loaded.context_length)
+    logger.info(
+        "loaded %s from %s (context %d; weights %.1f MiB as held, resident %.1f MiB)",
+        loaded.name, source, loaded.context_length, weight_bytes(model) / 2**20,
+        resident_bytes() / 2**20,
+    )  # fmt: skip
     return loaded
 
 

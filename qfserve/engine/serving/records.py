@@ -34,10 +34,14 @@ _FROM_STATS = (
 
 def mlx_memory() -> dict[str, int]:
     """MLX allocator figures in bytes: held by arrays now, the peak since start, and freed
-    buffers kept for reuse. Counter reads only (safe off the worker thread)."""
+    buffers kept for reuse; and the process's resident memory. Counter reads only (safe off
+    the worker thread)."""
     import mlx.core as mx
 
+    from qfserve.engine.models.loading import resident_bytes
+
     return {
+        "resident_bytes": resident_bytes(),
         "mlx_active_bytes": int(mx.get_active_memory()),
         "mlx_peak_bytes": int(mx.get_peak_memory()),
         "mlx_cache_bytes": int(mx.get_cache_memory()),
@@ -123,6 +127,7 @@ class Ledger:
 
     def __init__(self, history: int, max_kv_bytes: int) -> None:
         self.max_kv_bytes = max_kv_bytes
+        self.weights_bytes = 0  # the served model's weights as held (set by serving())
         self._lock = threading.Lock()
         self._active: dict[str, Job] = {}
         self._history: deque[RequestRecord] = deque(maxlen=history)
@@ -181,6 +186,15 @@ class Ledger:
             records = [job.record for job in self._active.values()]
         return sum(r.kept_bytes for r in records), sum(r.full_seq_bytes for r in records)
 
+    def serving(self, loaded: Any, lockstep: Any) -> None:
+        """What the loaded model sets: its weights' bytes as held (after any split over
+        ranks) and, over several ranks, rank 0's KV limit on every rank."""
+        from qfserve.engine.models.quantized import weight_bytes
+
+        self.weights_bytes = weight_bytes(loaded.model)
+        if lockstep is not None:
+            self.max_kv_bytes = lockstep.max_kv_bytes
+
     def snapshot(self) -> dict[str, Any]:
         """Active and recent records plus totals (with MLX memory), as plain dicts."""
         with self._lock:
@@ -193,5 +207,6 @@ class Ledger:
         totals["batch"] = sum(r["state"] in ("prefill", "decode") for r in active)
         totals["kv_used_bytes"] = sum(r["kept_bytes"] for r in active)
         totals["max_kv_bytes"] = self.max_kv_bytes
+        totals["weights_bytes"] = self.weights_bytes
         totals.update(mlx_memory())
         return {"active": active, "history": history, "totals": totals}

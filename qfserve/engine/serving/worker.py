@@ -245,8 +245,7 @@ class Worker:
         self.loaded, self.calibration, self.lockstep = startup.load(
             self.config, self._loader, self.max_kv_bytes, on_lost=self._lost
         )
-        if self.lockstep is not None:  # rank 0's limit, on every rank
-            self.ledger.max_kv_bytes = self.lockstep.max_kv_bytes
+        self.ledger.serving(self.loaded, self.lockstep)
 
     def _make_scheduler(self) -> Any:
         assert self.loaded is not None and self.calibration is not None

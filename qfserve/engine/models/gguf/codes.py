@@ -25,9 +25,10 @@ The others do not map onto groups of 32 with one scale: ``Q6_K`` has 16 sub-bloc
 (MLX's smallest group is 32), ``Q2_K`` / ``Q3_K`` likewise, and the IQ types use
 non-uniform grids. They are dequantized by the ``gguf`` package and requantized to 8 bits in
 groups of 32 (:data:`REQUANTIZE_BITS`), each group from its own minimum to its maximum: the
-error is at most half a step of 1/255 of the group's range (for ``Q6_K``, whose own step is
-1/63 of a sub-block's range, about an eighth of that step; ``tests/engine/test_gguf_codes.py``
-measures it).
+error is at most half a step of 1/255 of the group's range. On SmolLM2's ``Q4_K_M`` file
+(made by ``llama-quantize``) that is 0.07 of ``Q6_K``'s own step in root mean square (its own
+rounding is 0.29), 0.45% of the weights' magnitude, and at worst 0.98 of a step, in a
+sub-block whose neighbour in the group has a much larger scale.
 """
 
 from __future__ import annotations
