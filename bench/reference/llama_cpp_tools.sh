@@ -18,7 +18,20 @@ if [ ! -x "$bin/llama-server" ] || [ ! -x "$bin/llama-quantize" ]; then
     tar xzf "$dest"/sdist/*.tar.gz -C "$dest" --wildcards '*/vendor/llama.cpp/*'
     mv "$dest"/llama_cpp_python-*/vendor/llama.cpp "$dest/src"
   fi
-  cmake -S "$dest/src" -B "$dest/build" -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
+  # The CPU's own instruction sets, but never AMX: a virtual machine may list AMX in its CPU
+  # flags without granting the tile state, and ggml's AMX kernels then die of SIGILL.
+  isa=(-DGGML_NATIVE=ON)
+  if [ "$(uname -m)" = x86_64 ]; then
+    has() { grep -m1 '^flags' /proc/cpuinfo | grep -qw "$1"; }
+    isa=(-DGGML_NATIVE=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
+    has avx2 && isa+=(-DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON)
+    has avx_vnni && isa+=(-DGGML_AVX_VNNI=ON)
+    has avx512f && isa+=(-DGGML_AVX512=ON)
+    has avx512vbmi && isa+=(-DGGML_AVX512_VBMI=ON)
+    has avx512_vnni && isa+=(-DGGML_AVX512_VNNI=ON)
+    has avx512_bf16 && isa+=(-DGGML_AVX512_BF16=ON)
+  fi
+  cmake -S "$dest/src" -B "$dest/build" "${isa[@]}" -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
         -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DCMAKE_BUILD_TYPE=Release >&2
   cmake --build "$dest/build" -j"$(nproc)" --target llama-server llama-quantize llama-bench >&2
 fi

@@ -86,6 +86,7 @@ def measure(run: Any, file: Path, context: int, lengths: list[int]) -> list[dict
     try:
         for kind in ("qfserve", "llama_server"):
             tic = time.perf_counter()
+            run.args.out.mkdir(parents=True, exist_ok=True)
             started.append(servers.start(kind, file, *flags[kind], log=run.args.out / f"{kind}.log",
                                          timeout=600, log_level="warning" if kind == "qfserve" else None))  # fmt: skip
             ready_s[kind] = time.perf_counter() - tic

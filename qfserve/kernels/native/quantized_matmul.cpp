@@ -27,6 +27,7 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
@@ -57,6 +58,8 @@ constexpr int kBlock = 32;  // codes unpacked at a time; a group is 1, 2 or 4 bl
 // Rows of x up to which the in-register product beats dequantize-and-sgemm (on SmolLM2's
 // shapes with OpenBLAS on 2 cores: at 8 rows it still reads 5x fewer bytes and wins).
 constexpr int kFewRows = 8;
+// Floats of weight dequantized at a time for the BLAS (16 MB): ~5% of SmolLM2's float32 copy.
+constexpr int64_t kTileFloats = int64_t{1} << 22;
 
 typedef uint8_t vb16 __attribute__((vector_size(16)));
 typedef uint8_t vb16_unaligned __attribute__((vector_size(16), aligned(1)));
@@ -79,26 +82,32 @@ inline void unpack_bytes(const uint8_t* w, uint8_t* out) {
 }
 
 #ifdef QF_VBMI
+// Byte j * 8 + k of the permute takes byte j * BITS + k of the block (pack j into 64-bit lane
+// j); of the multishift, bit offset k * BITS of its lane (code k of the pack).
+template <int BITS>
+struct Unpack {
+  alignas(32) static constexpr auto idx = [] {
+    std::array<uint8_t, 32> a{};
+    for (int i = 0; i < 32; ++i) a[i] = static_cast<uint8_t>(std::min(i / 8 * BITS + i % 8, 31));
+    return a;
+  }();
+  alignas(32) static constexpr auto shift = [] {
+    std::array<uint8_t, 32> a{};
+    for (int i = 0; i < 32; ++i) a[i] = static_cast<uint8_t>(i % 8 * BITS);
+    return a;
+  }();
+};
+
 // 8 codes are BITS bytes: byte-permute pack j into 64-bit lane j, then multishift takes
 // code k from bit k * BITS of its lane.
 template <int BITS>
 inline __m256i unpack_vbmi(const uint8_t* w) {
-  alignas(32) static const struct Tables {
-    uint8_t idx[32], shift[32];
-    Tables() {
-      for (int j = 0; j < 4; ++j)
-        for (int k = 0; k < 8; ++k) {
-          idx[j * 8 + k] = static_cast<uint8_t>(std::min(j * BITS + k, 31));
-          shift[j * 8 + k] = static_cast<uint8_t>(k * BITS);
-        }
-    }
-  } t;
   const __mmask32 mask = BITS == 8 ? 0xffffffffu : (1u << (4 * BITS)) - 1;
   const __m256i raw = _mm256_maskz_loadu_epi8(mask, w);  // never past the block
-  const __m256i lanes =
-      _mm256_permutexvar_epi8(_mm256_load_si256(reinterpret_cast<const __m256i*>(t.idx)), raw);
+  const __m256i lanes = _mm256_permutexvar_epi8(
+      _mm256_load_si256(reinterpret_cast<const __m256i*>(Unpack<BITS>::idx.data())), raw);
   const __m256i codes = _mm256_multishift_epi64_epi8(
-      _mm256_load_si256(reinterpret_cast<const __m256i*>(t.shift)), lanes);
+      _mm256_load_si256(reinterpret_cast<const __m256i*>(Unpack<BITS>::shift.data())), lanes);
   return _mm256_and_si256(codes, _mm256_set1_epi8(static_cast<char>((1 << BITS) - 1)));
 }
 #endif
@@ -298,9 +307,14 @@ void many_rows(const Codes& c, const float* x, const std::vector<int64_t>& row_o
       for (int k = 0; k < K; ++k) packed[static_cast<size_t>(m) * K + k] = x[row_offset[m] + k * col_stride];
     xa = packed.data();
   }
-  // About a megabyte of float32 weight rows a tile (in L2 while the BLAS reads them M times).
-  const int tile = std::max(16, std::min(N, ((1 << 18) / K) / 16 * 16));
-  std::vector<float> buffer(static_cast<size_t>(tile) * K);
+  // Tiles of up to kTileFloats: few enough sgemm calls that their start-up (the BLAS's threads
+  // waking) stays small beside the product; a small model's weight is one tile.
+  const int tile = std::max(16, std::min(N, static_cast<int>(kTileFloats / K) / 16 * 16));
+  // Kept between calls (one per calling thread, at most kTileFloats): a fresh one would be
+  // zeroed and page-faulted in on every product, about as long as dequantizing into it.
+  static thread_local std::vector<float> buffer;
+  if (buffer.size() < static_cast<size_t>(tile) * K) buffer.resize(static_cast<size_t>(tile) * K);
+  float* const buf = buffer.data();  // the pool's threads must not name their own buffer
   Pool& p = pool();
   for (int n0 = 0; n0 < N; n0 += tile) {
     const int rows_here = std::min(tile, N - n0);
@@ -308,10 +322,10 @@ void many_rows(const Codes& c, const float* x, const std::vector<int64_t>& row_o
     const int per = (rows_here + chunks - 1) / chunks;
     p.run(chunks, [&](int chunk) {
       const int a = n0 + chunk * per, b = std::min(a + per, n0 + rows_here);
-      if (a < b) dequantize_any(c, a, b, buffer.data() + static_cast<size_t>(a - n0) * K);
+      if (a < b) dequantize_any(c, a, b, buf + static_cast<size_t>(a - n0) * K);
     });
     // Row-major, x as is, the tile transposed: y[:, n0:n0 + rows_here] (ldc N).
-    sgemm()(101, 111, 112, M, rows_here, K, 1.f, xa, K, buffer.data(), K, 0.f, y + n0, N);
+    sgemm()(101, 111, 112, M, rows_here, K, 1.f, xa, K, buf, K, 0.f, y + n0, N);
   }
 }
 
