@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,19 +62,6 @@ class LoadedModel:
     source: str
     context_length: int
     config: dict[str, Any] = field(default_factory=dict)
-
-
-def resident_bytes() -> int:
-    """The process's resident memory now (Linux ``/proc``; elsewhere its peak, from
-    ``getrusage``), Python, MLX and the server included."""
-    try:
-        pages = int(Path("/proc/self/statm").read_text().split()[1])
-        return pages * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        import resource
-
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
 def default_model_path() -> Path:
@@ -197,6 +183,7 @@ def load_model(ref: str | None) -> LoadedModel:
         mlx_lm.load(source, return_config=True),
     )
     _attach_codes(model, source)
+    from qfserve.engine.models.memory import release_memory, resident_bytes
     from qfserve.engine.models.quantized import weight_bytes
 
     loaded = LoadedModel(
@@ -214,6 +201,7 @@ def load_model(ref: str | None) -> LoadedModel:
     hf = getattr(tokenizer, "_tokenizer", None)
     if hf is not None and hasattr(hf, "model_max_length"):
         hf.model_max_length = sys.maxsize
+    release_memory()  # what loading and attaching freed
     logger.info(
         "loaded %s from %s (context %d; weights %.1f MiB as held, resident %.1f MiB)",
         loaded.name, source, loaded.context_length, weight_bytes(model) / 2**20,

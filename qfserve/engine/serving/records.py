@@ -38,7 +38,7 @@ def mlx_memory() -> dict[str, int]:
     the worker thread)."""
     import mlx.core as mx
 
-    from qfserve.engine.models.loading import resident_bytes
+    from qfserve.engine.models.memory import resident_bytes
 
     return {
         "resident_bytes": resident_bytes(),

@@ -33,6 +33,7 @@ from mlx_lm.generate import GenerationBatch, generation_stream, make_stop_sequen
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from qfserve.engine.kv import kvzip
+from qfserve.engine.models.memory import release_memory
 from qfserve.engine.serving.batch import BatchCache
 from qfserve.engine.serving.jobs import Departure, KeptTurn
 from qfserve.engine.text.prompts import StopText, token_logprobs
@@ -163,8 +164,7 @@ class Scheduler:
                 # next token was queued by async_eval), nor any array (the last step's
                 # tokens and logprobs), and freed buffers go back.
                 self._batch = self._empty_batch()
-                mx.synchronize(generation_stream)
-                mx.clear_cache()
+                release_memory(after=generation_stream)
         departed, self._departed = self._departed, []
         return departed
 
