@@ -73,7 +73,9 @@ def ask(client: httpx.Client, url: str, run: Any, tokens: int, model: str) -> No
     r.raise_for_status()
 
 
-def measure(run: Any, file: Path, context: int, lengths: list[int]) -> list[dict[str, Any]]:
+def measure(
+    run: Any, file: Path, context: int, lengths: list[int], ours: list[str]
+) -> list[dict[str, Any]]:
     """Time to ready of each server alone (qfserve's conversion of the file done before, once,
     and timed), then RSS of both when ready and after each request length."""
     from qfserve.engine.models.gguf.convert import converted_folder
@@ -81,7 +83,10 @@ def measure(run: Any, file: Path, context: int, lengths: list[int]) -> list[dict
     tic = time.perf_counter()
     converted_folder(file)  # what a first start does once; later starts find the folder
     conversion_s = time.perf_counter() - tic
-    flags = {"qfserve": ["-c", str(context)], "llama_server": ["-c", str(context), "-np", "1"]}
+    flags = {
+        "qfserve": ["-c", str(context), *ours],
+        "llama_server": ["-c", str(context), "-np", "1"],
+    }
     rows, started, ready_s = [], [], {}
     try:
         for kind in ("qfserve", "llama_server"):
@@ -158,10 +163,12 @@ def products(run: Any, rows: list[int]) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     run = harness.start("memory", argv, __doc__ or "", context=(8192, 2048, "context (-c)"),
-                        lengths=([2048, 8000], [512], "request tokens"), reps=(7, 2, "rounds"),
+                        lengths=([2048, 8000], [512], "request tokens"), reps=7,
                         product_rows=([1, 8, 512], [1, 64], "rows of the timed products"),
                         flags={"--files": {"nargs": "+", "type": Path, "default": None,
-                                           "help": "GGUF files (default: see above)"}})  # fmt: skip
+                                           "help": "GGUF files (default: see above)"},
+                               "--qfserve-flags": {"default": "", "help": "more flags for "
+                                                   "qfserve (one string)"}})  # fmt: skip
     args = run.args
     files = args.files
     if not files:
@@ -169,11 +176,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         derived = q4_k_m(default, args.out / "derived")
         files = [default] + ([derived] if derived else [])
     result = {"products": products(run, args.product_rows)}
-    rows = [row for f in files for row in measure(run, Path(f), args.context, args.lengths)]
+    ours = args.qfserve_flags.split() if args.qfserve_flags else []
+    rows = [r for f in files for r in measure(run, Path(f), args.context, args.lengths, ours)]
     result |= {"settings": {"context": args.context, "lengths": args.lengths,
                            "files": [str(f) for f in files], "host": servers.HOST,
                            "theirs": "llama-server -c <context> -np 1 -t <cores>",
-                           "ours": "qfserve -c <context>, default settings"},
+                           "ours": f"qfserve -c <context> {' '.join(ours)}".strip()},
               "rows": rows}  # fmt: skip
     return run.save(result)
 

@@ -12,7 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType
+from gguf import GGMLQuantizationType, GGUFReader
 
 from qfserve.engine.models.gguf import GGUFError
 from qfserve.engine.models.gguf.convert import converted_folder
@@ -42,11 +42,21 @@ def reference_logits(
     return np.array(model(mx.array([TOKENS]))[0])
 
 
-def served_logits(folder) -> np.ndarray:
+def served_logits(folder, *, native: bool = False) -> np.ndarray:
+    """Logits of ``folder`` loaded by plain ``mlx_lm.load``, or as the server loads it."""
     import mlx_lm
 
-    model, _ = mlx_lm.load(str(folder))
-    return np.array(model(mx.array([TOKENS]))[0])
+    from qfserve.engine.models.loading import load_model
+    from qfserve.engine.models.quantized import detach
+
+    if not native:
+        model, _ = mlx_lm.load(str(folder))
+        return np.array(model(mx.array([TOKENS]))[0])
+    loaded = load_model(str(folder))
+    try:
+        return np.array(loaded.model(mx.array([TOKENS]))[0])
+    finally:
+        detach(loaded.model)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -69,10 +79,14 @@ def test_quantized_variant_keeps_q8_0_and_matches_closely(tmp_path):
     assert "model.layers.0.self_attn.q_proj.scales" in names  # stayed quantized
     assert "model.layers.0.self_attn.k_proj.scales" not in names  # was F32
     vocab = decoded["model.embed_tokens.weight"].shape[0]
-    ours, ref = served_logits(folder), reference_logits("llama", decoded, vocab)
-    # Quantized matmul accumulates in another order than dequantize-then-matmul.
+    ref = reference_logits("llama", decoded, vocab)
+    # Served (qfserve's kernel, float32 sums): another order of sums than dequantize-then-matmul.
+    ours = served_logits(folder, native=True)
     np.testing.assert_allclose(ours, ref, atol=2e-4, rtol=0)
-    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+    # Plain mlx_lm.load reads it too; MLX's own CPU product with float16 scales rounds in float16.
+    plain = served_logits(folder)
+    np.testing.assert_allclose(plain, ref, atol=2e-2, rtol=0)
+    assert (ours.argmax(-1) == ref.argmax(-1)).all() and (plain.argmax(-1) == ref.argmax(-1)).all()
 
 
 def test_folder_is_plain_mlx_lm_with_tokenizer_and_template(tmp_path):
@@ -175,21 +189,23 @@ def test_every_quantized_type_is_kept_as_codes_at_its_bits(tmp_path, qtype, bits
     assert weights[f"{stem}.weight"].dtype == mx.uint32
     bits_of = config["quantization"].get(stem, config["quantization"])["bits"]
     assert bits_of == bits
-    deq = mx.dequantize(weights[f"{stem}.weight"], weights[f"{stem}.scales"],
-                        weights[f"{stem}.biases"], group_size=32, bits=bits)  # fmt: skip
+    # float16 scales, exact for these types: widened, MLX's dequantize gives the file's values.
+    assert weights[f"{stem}.scales"].dtype == mx.float16
+    deq = mx.dequantize(weights[f"{stem}.weight"], weights[f"{stem}.scales"].astype(mx.float32),
+                        weights[f"{stem}.biases"].astype(mx.float32), group_size=32, bits=bits)  # fmt: skip
     np.testing.assert_array_equal(np.array(deq), decoded[f"{stem}.weight"])
     vocab = decoded["model.embed_tokens.weight"].shape[0]
-    ours, ref = served_logits(folder), reference_logits("llama", decoded, vocab)
+    ours, ref = served_logits(folder, native=True), reference_logits("llama", decoded, vocab)
     np.testing.assert_allclose(ours, ref, atol=2e-4, rtol=0)
 
 
 @pytest.mark.parametrize(("qtype", "bits"), [("Q4_K", 4), ("Q5_K", 5), ("Q6_K", 8)])
 def test_k_quants_are_served_on_their_codes(tmp_path, qtype, bits):
     """A file with a K-quant tensor (random blocks of the type), loaded as the server loads
-    it: the kernel reads the layer at the codes' bits, and the logits are those of the
-    gguf package's dequantized weights (Q6_K, requantized to 8 bits, those of the requantized
-    values: the rounding itself is measured in test_gguf_codes)."""
-    from qfserve.engine.models.gguf.codes import dequantize, requantize
+    it: the kernel reads the layer at the codes' bits, and the logits are those of the weights
+    the folder stores (the gguf package's values up to the float16 scales' rounding, and for
+    Q6_K the 8-bit requantization: both measured in test_gguf_codes)."""
+    from qfserve.engine.models.gguf.codes import dequantize, requantize, stored, tensor_codes
     from qfserve.engine.models.loading import load_model
     from qfserve.engine.models.quantized import detach
 
@@ -200,9 +216,16 @@ def test_k_quants_are_served_on_their_codes(tmp_path, qtype, bits):
         down = loaded.model.model.layers[0].mlp.down_proj
         assert isinstance(down, nn.QuantizedLinear) and down.bits == bits
         vocab = decoded["model.embed_tokens.weight"].shape[0]
-        if qtype == "Q6_K":
-            for name in [n for n in decoded if "down_proj" in n]:
-                decoded[name] = dequantize(requantize(decoded[name]))
+        for name in [n for n in decoded if "down_proj" in n]:
+            codes = requantize(decoded[name])
+            if qtype != "Q6_K":  # the file's own codes: read them back from the file
+                tensor = next(t for t in GGUFReader(path).tensors
+                              if t.name == f"blk.{name.split('.')[2]}.ffn_down.weight")  # fmt: skip
+                codes = tensor_codes(np.asarray(tensor.data), qtype, decoded[name].shape)
+            scales, biases = stored(codes)
+            codes = type(codes)(codes.q, scales.astype(np.float32), biases.astype(np.float32),
+                                codes.bits)  # fmt: skip
+            decoded[name] = dequantize(codes)
         ours = np.array(loaded.model(mx.array([TOKENS]))[0])
         ref = reference_logits("llama", decoded, vocab)
         np.testing.assert_allclose(ours, ref, atol=2e-4, rtol=0)

@@ -15,6 +15,7 @@ from qfserve.engine.models.gguf.codes import (
     EXACT_TYPES,
     GROUP_SIZE,
     pack,
+    stored,
     tensor_codes,
 )
 from qfserve.engine.models.gguf.codes import (
@@ -56,11 +57,12 @@ def test_other_types_are_requantized_within_half_an_8_bit_step(type_name):
     groups = want.reshape(rows, -1, GROUP_SIZE)
     step = (groups.max(-1) - groups.min(-1)) / 255  # (rows, groups)
     err = np.abs(got - want).reshape(rows, -1, GROUP_SIZE).max(-1)
-    assert np.all(err <= step / 2 * (1 + 1e-5) + 1e-7)
+    rounding = 4 * np.finfo(np.float32).eps * np.abs(groups).max(-1)  # float32 arithmetic
+    assert np.all(err <= step / 2 + rounding)
     if type_name == "Q6_K":  # a quarter of Q6_K's own step at most (1/63 of a sub-block's range)
         sub = want.reshape(rows, -1, 16)
         own = (sub.max(-1) - sub.min(-1)).reshape(rows, -1, 2).max(-1) / 63
-        assert np.all(err <= own / 4 * (1 + 1e-5) + 1e-7)
+        assert np.all(err <= own / 4 + rounding)
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
@@ -76,3 +78,27 @@ def test_packed_words_are_what_mlx_dequantizes(bits):
     )
     want = q.reshape(5, 4, 32) * scales[..., None] + biases[..., None]
     np.testing.assert_allclose(np.array(got), want.reshape(5, 128), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("type_name", sorted(EXACT_TYPES))
+def test_stored_scales_are_float16_exact_for_legacy_types_and_within_half_an_ulp_for_k(type_name):
+    """The folder's scales and biases: float16, exactly the file's for the legacy types (their
+    d and m are float16), within float16's half-ulp (2^-11 relative) for Q4_K / Q5_K."""
+    codes = tensor_codes(random_tensor(type_name, 8, 512, seed=3), type_name, (8, 512))
+    scales, biases = stored(codes)
+    assert scales.dtype == biases.dtype == np.float16
+    for kept, exact in ((scales, codes.scales), (biases, codes.biases)):
+        err = np.abs(kept.astype(np.float32) - exact)
+        if type_name.endswith("_K"):
+            assert np.all(err <= np.abs(exact) * 2.0**-11)
+        else:
+            np.testing.assert_array_equal(kept.astype(np.float32), exact)
+
+
+def test_stored_keeps_float32_where_float16_would_lose_more():
+    """Scales beyond float16's range, or so small they would be subnormal there, stay float32."""
+    for value in (1e5, 1e-7):
+        codes = tensor_codes(random_tensor("Q8_0", 2, 64, seed=1), "Q8_0", (2, 64))
+        codes = type(codes)(codes.q, codes.scales * 0 + value, codes.biases * 0, codes.bits)
+        scales, biases = stored(codes)
+        assert scales.dtype == biases.dtype == np.float32

@@ -91,7 +91,8 @@ def test_few_rows_and_many_read_the_codes(tiny, rows):
     module = tiny.model.model.layers[0].self_attn.q_proj
     assert isinstance(module, NativeQuantizedLinear)
     dense = np.array(
-        mx.dequantize(module.weight, module.scales, module.biases, group_size=module.group_size,
+        mx.dequantize(module.weight, module.scales.astype(mx.float32),
+                      module.biases.astype(mx.float32), group_size=module.group_size,
                       bits=module.bits), dtype=np.float64
     )  # fmt: skip
     x = mx.array(np.random.default_rng(rows).standard_normal((1, rows, dense.shape[1]), np.float32))

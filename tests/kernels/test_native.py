@@ -25,15 +25,16 @@ def unpack(
     return dense.reshape(q.shape)
 
 
-def codes(rng: np.random.Generator, n: int, k: int, bits: int, group: int = 32, scale=0.05):
+def codes(rng: np.random.Generator, n: int, k: int, bits: int, group: int = 32, scale=0.05,
+          dtype=np.float32):  # fmt: skip
     w = mx.array(rng.integers(0, 2**32, size=(n, k * bits // 32), dtype=np.uint32))
-    scales = mx.array((rng.uniform(0.02, 1, size=(n, k // group)) * scale).astype(np.float32))
-    biases = mx.array((rng.uniform(-4, 4, size=(n, k // group)) * scale).astype(np.float32))
+    scales = mx.array((rng.uniform(0.02, 1, size=(n, k // group)) * scale).astype(dtype))
+    biases = mx.array((rng.uniform(-4, 4, size=(n, k // group)) * scale).astype(dtype))
     return w, scales, biases
 
 
-def check(kernel, rng, *, bits, group, rows, n, k, scale=0.05):
-    w, scales, biases = codes(rng, n, k, bits, group, scale)
+def check(kernel, rng, *, bits, group, rows, n, k, scale=0.05, dtype=np.float32):
+    w, scales, biases = codes(rng, n, k, bits, group, scale, dtype)
     x = mx.array(rng.standard_normal((rows, k), dtype=np.float32))
     got = np.array(kernel.quantized_matmul(x, w, scales, biases, bits))
     dense = unpack(np.array(w), np.array(scales), np.array(biases), bits, group)
@@ -61,6 +62,25 @@ def test_mlx_group_sizes(kernel, bits, group, rows):
     """``mlx_lm.convert -q`` folders: groups of 64 and 128."""
     check(kernel, np.random.default_rng(group + rows + bits), bits=bits, group=group,
           rows=rows, n=130, k=384)  # fmt: skip
+
+
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
+@pytest.mark.parametrize("rows", [1, 6, 20])
+def test_float16_scales_and_biases(kernel, bits, rows):
+    """What the converted folders hold: float16 scales and biases, widened exactly."""
+    check(kernel, np.random.default_rng(bits * rows), bits=bits, group=32, rows=rows, n=200,
+          k=320, dtype=np.float16)  # fmt: skip
+    check(
+        kernel,
+        np.random.default_rng(7),
+        bits=bits,
+        group=32,
+        rows=rows,
+        n=40,
+        k=64,
+        scale=1e-6,
+        dtype=np.float16,
+    )  # fmt: skip  (subnormal halves)
 
 
 @pytest.mark.parametrize("scale", [1e-30, 1e25])
@@ -112,7 +132,8 @@ def test_strided_batched_inputs_and_compile(kernel):
         ({"bits": 3}, "bits is 3 but the codes are 4-bit"),
         ({"x": mx.zeros((1, 96))}, "width 96 must be 32, 64 or 128 times"),
         ({"x": mx.zeros((1, 64), dtype=mx.float16)}, "must be float32"),
-        ({"scales": mx.zeros((32, 3))}, "float32 scales and biases"),
+        ({"scales": mx.zeros((32, 3))}, "both float32 or both float16"),
+        ({"scales": mx.zeros((32, 2), dtype=mx.float16)}, "both float32 or both float16"),
         ({"scales": mx.zeros((32, 3)), "biases": mx.zeros((32, 3))}, "must be 32, 64 or 128"),
         ({"w": mx.zeros((32, 10), dtype=mx.uint32)}, "bits is 4 but the codes are 5-bit"),
         ({"w": mx.zeros((32, 14), dtype=mx.uint32)}, "codes of 4, 5, 6 or 8 bits"),

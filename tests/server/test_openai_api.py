@@ -298,3 +298,27 @@ def test_sdk_retrieves_the_model_and_404s_another(server):
     with pytest.raises(openai.NotFoundError) as exc:
         client.models.retrieve("org/other-model")
     assert exc.value.body["code"] == "model_not_found"
+
+
+def test_admin_reports_the_weights_as_held_and_the_resident_memory(server, tiny_model_dir):
+    """``weights_bytes`` is the served folder's tensors (the tiny model is float32: nothing
+    dequantized, nothing added); ``resident_bytes`` is the process's RSS as the OS reports it."""
+    import psutil
+    from safetensors.numpy import load_file
+
+    totals = httpx.get(f"{server.url}/admin/cache").json()["totals"]
+    stored = sum(
+        v.nbytes
+        for f in sorted(tiny_model_dir.glob("*.safetensors"))
+        for v in load_file(f).values()
+    )
+    assert totals["weights_bytes"] == stored
+    rss = psutil.Process(server.pid).memory_info().rss
+    assert abs(totals["resident_bytes"] - rss) < 0.1 * rss
+    gauges = dict(
+        line.rsplit(" ", 1)
+        for line in httpx.get(f"{server.url}/metrics").text.splitlines()
+        if line and not line.startswith("#")
+    )
+    assert float(gauges["qfserve_weights_bytes"]) == stored
+    assert float(gauges["qfserve_resident_bytes"]) > stored

@@ -7,7 +7,7 @@ from. On Metal those run on MLX's own quantized kernels. On MLX's CPU backend it
 each such layer a subclass whose products go to qfserve's native kernel
 (:mod:`qfserve.kernels.native`): few rows of activations (decode) are multiplied on the codes
 in registers, more (a prompt) a dequantized tile of the weight at a time through the BLAS.
-Either way only the codes stay resident: SmolLM2-135M holds ~115 MB of weights, not ~655 MB.
+Either way only the codes stay resident: SmolLM2-135M holds ~100 MB of weights, not ~655 MB.
 
 The same kernel module then also attends decode steps and prompt blocks
 (:func:`qfserve.engine.kv.attention.set_native`), where MLX's CPU attention repeats a
@@ -66,9 +66,17 @@ class NativeQuantizedLinear(nn.QuantizedLinear):
 class NativeQuantizedEmbedding(nn.QuantizedEmbedding):
     """An ``nn.QuantizedEmbedding`` whose use as the tied output projection runs on the
     native kernel (the largest product of a small model's step: SmolLM2's is 49,152 x 576);
-    looking tokens up dequantizes their rows only, as MLX's own class does."""
+    looking tokens up dequantizes their rows only, as MLX's own class does, in float32."""
 
     _qfserve_kernel: ModuleType
+
+    def __call__(self, ids: mx.array) -> mx.array:
+        # MLX's class dequantizes in the scales' type: float16 rows would make the whole
+        # model run in half precision on the CPU, off the kernel's path.
+        return mx.dequantize(
+            self["weight"][ids], self["scales"][ids].astype(mx.float32),
+            self["biases"][ids].astype(mx.float32), group_size=self.group_size, bits=self.bits,
+        )  # fmt: skip
 
     def as_linear(self, x: mx.array) -> mx.array:
         if x.dtype != mx.float32:
@@ -92,8 +100,8 @@ def _readable(module: Any) -> bool:
 
 
 def attach(model: nn.Module, kernel: ModuleType | None) -> int:
-    """Give every quantized layer the kernel reads its native subclass (scales and biases
-    widened to float32 where a folder stored them in half precision), and install the
+    """Give every quantized layer the kernel reads its native subclass (bfloat16 scales and
+    biases widened to float32: the kernel reads float32 and float16), and install the
     kernel's attention and fused layers; without a kernel, :func:`densify` the model.
 
     Returns:
@@ -109,8 +117,8 @@ def attach(model: nn.Module, kernel: ModuleType | None) -> int:
     for _, module in model.named_modules():
         native = _NATIVE.get(type(module))
         if native is not None and _readable(module):
-            for name in ("scales", "biases"):
-                if module[name].dtype != mx.float32:
+            if module["scales"].dtype not in (mx.float16, mx.float32):  # bfloat16
+                for name in ("scales", "biases"):
                     module[name] = module[name].astype(mx.float32)
             object.__setattr__(module, "_qfserve_kernel", kernel)
             module.__class__ = native

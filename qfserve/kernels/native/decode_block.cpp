@@ -15,7 +15,7 @@
 //                h = x + o(a); h + down(swiglu(gate(n), up(n))) with n = RMS norm of h.
 //
 // Weights are codes as quantized_matmul takes them (MLX's affine layout, 4, 5, 6 or 8 bits,
-// float32 scales and biases); each projection passes (w, scales, biases).
+// float32 or float16 scales and biases); each projection passes (w, scales, biases).
 
 #include <optional>
 #include <stdexcept>
@@ -42,7 +42,7 @@ bool same(const std::vector<Codes>& a, const std::vector<Codes>& b) {
   if (a.size() != b.size()) return false;
   for (size_t i = 0; i < a.size(); ++i)
     if (a[i].bits != b[i].bits || a[i].group != b[i].group || a[i].N != b[i].N ||
-        a[i].K != b[i].K)
+        a[i].K != b[i].K || a[i].half != b[i].half)
       return false;
   return true;
 }

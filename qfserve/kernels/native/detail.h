@@ -10,12 +10,14 @@
 namespace qfserve::detail {
 
 // A weight (N, K) in MLX's affine layout: bits 4, 5, 6 or 8, groups of 32, 64 or 128,
-// float32 scales and biases (N, K / group), row-contiguous (quantized_matmul.cpp).
+// scales and biases (N, K / group) both float32 or both float16 (`half`), row-contiguous
+// (quantized_matmul.cpp).
 struct Codes {
   const uint8_t* w;
-  const float* scales;
-  const float* biases;
+  const void* scales;
+  const void* biases;
   int bits, group, N, K;
+  bool half;
 };
 
 // The layout of (w, scales, biases) for an input of width K (pointers unset), checked;

@@ -1,6 +1,7 @@
 // A CPU matrix product for weights that stay quantized: MLX's affine layout (4, 5, 6 or 8
-// bits, groups of 32, 64 or 128, float32 scales and biases: what every GGUF type converts to,
-// and what `mlx_lm.convert -q` writes), float32 activations.
+// bits, groups of 32, 64 or 128, float32 or float16 scales and biases: what every GGUF type
+// converts to, and what `mlx_lm.convert -q` writes), float32 activations. A row's scales and
+// biases are widened to float32 once, before its codes are read.
 //
 // Why by hand: MLX's own CPU quantized_matmul is several times slower than a float32 matrix
 // product on the same weights (it is written for Metal first), so on the CPU the weights had
@@ -36,6 +37,8 @@
 #if defined(__AVX512VBMI__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define QF_VBMI 1
+#elif defined(__F16C__)
+#include <immintrin.h>
 #endif
 
 #include "detail.h"
@@ -157,14 +160,60 @@ inline void block_floats_ordered(const uint8_t* w, vf& f0, vf& f1) {
   }
 }
 
+// float16 (IEEE binary16 bits) to float32, exactly.
+inline float widen_half(uint16_t h) {
+#ifdef __F16C__
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000 | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: normalise
+    exp = 113;
+    while (!(man & 0x400)) {
+      man <<= 1;
+      --exp;
+    }
+    bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+
+// Row n's scales and biases as float32, into s and b (G each).
+inline void row_params(const Codes& c, int n, float* s, float* b) {
+  const int G = c.K / c.group;
+  const size_t at = static_cast<size_t>(n) * G;
+  if (!c.half) {
+    std::memcpy(s, static_cast<const float*>(c.scales) + at, G * sizeof(float));
+    std::memcpy(b, static_cast<const float*>(c.biases) + at, G * sizeof(float));
+    return;
+  }
+  const uint16_t* hs = static_cast<const uint16_t*>(c.scales) + at;
+  const uint16_t* hb = static_cast<const uint16_t*>(c.biases) + at;
+  for (int g = 0; g < G; ++g) {
+    s[g] = widen_half(hs[g]);
+    b[g] = widen_half(hb[g]);
+  }
+}
+
 template <int BITS, int MB>
 void rows(const Codes& c, const float* xp, const float* xs, float* y, int n0, int n1) {
   const int K = c.K, per = c.group / kBlock, G = K / c.group;
   const size_t row_bytes = static_cast<size_t>(K) * BITS / 8;
+  std::vector<float> params(2 * static_cast<size_t>(G));
+  float* const sn = params.data();
+  float* const bn = sn + G;
   for (int n = n0; n < n1; ++n) {
     const uint8_t* wn = c.w + n * row_bytes;
-    const float* sn = c.scales + static_cast<size_t>(n) * G;
-    const float* bn = c.biases + static_cast<size_t>(n) * G;
+    row_params(c, n, sn, bn);
     vf acc[MB];
     float bias_sum[MB];
     for (int m = 0; m < MB; ++m) {
@@ -240,12 +289,14 @@ template <int BITS>
 void dequantize_rows(const Codes& c, int n0, int n1, float* out) {
   const int K = c.K, per = c.group / kBlock, G = K / c.group;
   const size_t row_bytes = static_cast<size_t>(K) * BITS / 8;
+  std::vector<float> params(2 * static_cast<size_t>(G));
   for (int n = n0; n < n1; ++n) {
     const uint8_t* wn = c.w + n * row_bytes;
     float* on = out + static_cast<size_t>(n - n0) * K;
+    row_params(c, n, params.data(), params.data() + G);
     for (int g = 0; g < G; ++g) {
-      const vf s = splat(c.scales[static_cast<size_t>(n) * G + g]);
-      const vf b = splat(c.biases[static_cast<size_t>(n) * G + g]);
+      const vf s = splat(params[g]);
+      const vf b = splat(params[G + g]);
       for (int j = 0; j < per; ++j) {
         const int blk = g * per + j;
         vf f0, f1;
@@ -355,11 +406,13 @@ void qfserve::detail::dequantize_codes(const Codes& c, float* out) {
 
 qfserve::detail::Codes qfserve::detail::codes_of(const mx::array& w, const mx::array& scales,
                                                  const mx::array& biases, int K) {
+  const bool half = scales.dtype() == mx::float16;
   if (w.ndim() != 2 || scales.ndim() != 2 || biases.shape() != scales.shape() ||
-      w.dtype() != mx::uint32 || scales.dtype() != mx::float32 ||
-      biases.dtype() != mx::float32 || scales.shape(0) != w.shape(0) || scales.shape(1) < 1)
+      w.dtype() != mx::uint32 || (!half && scales.dtype() != mx::float32) ||
+      biases.dtype() != scales.dtype() || scales.shape(0) != w.shape(0) || scales.shape(1) < 1)
     throw std::invalid_argument(
-        "codes must be uint32 w (N, K * bits / 32) with float32 scales and biases (N, groups)");
+        "codes must be uint32 w (N, K * bits / 32) with scales and biases (N, groups), both "
+        "float32 or both float16");
   const int64_t group = K / scales.shape(1);
   const int64_t bits = w.shape(1) * 32 / std::max(K, 1);
   if (K < 1 || group * scales.shape(1) != K || (group != 32 && group != 64 && group != 128))
@@ -371,14 +424,14 @@ qfserve::detail::Codes qfserve::detail::codes_of(const mx::array& w, const mx::a
                                 std::to_string(w.shape(1)) + " words a row for width " +
                                 std::to_string(K));
   return {nullptr, nullptr, nullptr, static_cast<int>(bits), static_cast<int>(group),
-          static_cast<int>(w.shape(0)), K};
+          static_cast<int>(w.shape(0)), K, half};
 }
 
 qfserve::detail::Codes qfserve::detail::bind(Codes c, const mx::array& w,
                                              const mx::array& scales, const mx::array& biases) {
   c.w = w.data<uint8_t>();
-  c.scales = scales.data<float>();
-  c.biases = biases.data<float>();
+  c.scales = scales.data<void>();
+  c.biases = biases.data<void>();
   return c;
 }
 
@@ -420,7 +473,7 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     const Codes& o = static_cast<const QuantizedMatmul&>(other).codes_;
-    return codes_.bits == o.bits && codes_.group == o.group;
+    return codes_.bits == o.bits && codes_.group == o.group && codes_.half == o.half;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
@@ -453,7 +506,8 @@ class Dequantize : public mx::UnaryPrimitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     const Codes& o = static_cast<const Dequantize&>(other).codes_;
-    return codes_.bits == o.bits && codes_.group == o.group && codes_.K == o.K;
+    return codes_.bits == o.bits && codes_.group == o.group && codes_.K == o.K &&
+           codes_.half == o.half;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {

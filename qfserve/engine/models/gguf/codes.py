@@ -7,7 +7,10 @@ bit stream into ``uint32`` words (``mx.quantize``'s layout; ``mx.dequantize`` an
 ``mx.quantized_matmul`` read it on every backend, and qfserve's native CPU kernels read it
 too). llama.cpp's block layouts (``ggml-common.h``) are affine per block of 32 for most
 types, so their codes are kept as they are, only repacked, and the scales are computed in
-float32 exactly as llama.cpp dequantizes them:
+float32 exactly as llama.cpp dequantizes them, then stored in float16 where that rounds
+within float16's precision (:func:`stored`: exact for the legacy types; for Q4_K and Q5_K,
+whose ``d * sc`` needs up to 17 bits, a rounding of at most 2^-11 of each scale and bias,
+under 1% of a quantization step; MLX's own quantized models keep half-precision scales too):
 
 ============  ==========================================  ======  ==================
 GGUF type     llama.cpp's x                               bits    MLX scale, bias
@@ -120,6 +123,19 @@ def _k_quant(blocks: np.ndarray, type_name: str) -> Codes:
     return Codes(
         q.astype(np.uint8), d * sc.astype(np.float32), -(dmin * m.astype(np.float32)), bits
     )
+
+
+def stored(codes: Codes) -> tuple[np.ndarray, np.ndarray]:
+    """Scales and biases as the folder stores them: float16 where every one of them rounds
+    there within float16's own precision (half a unit in the last place, 2^-11 of the value:
+    exact for the legacy types, whose ``d`` and ``m`` are float16 already), else float32.
+    Half precision takes the scales' share of a 4-bit weight from 2 bits a value to 1."""
+    both = np.stack([codes.scales, codes.biases])
+    half = both.astype(np.float16)
+    wide = half.astype(np.float32)
+    if np.all(np.isfinite(wide)) and np.all(np.abs(wide - both) <= np.abs(both) * 2.0**-11):
+        return half[0], half[1]
+    return codes.scales, codes.biases
 
 
 def requantize(values: np.ndarray, bits: int = REQUANTIZE_BITS) -> Codes:

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from qfserve.engine.models.gguf.codes import FLOAT_TYPES, pack, tensor_codes
+from qfserve.engine.models.gguf.codes import FLOAT_TYPES, pack, stored, tensor_codes
 
 # Architectures we map, to (mlx-lm model_type, Q/K rows permuted by llama.cpp's converter).
 ARCHITECTURES = {"llama": ("llama", True), "qwen2": ("qwen2", False)}
@@ -280,8 +280,8 @@ def load_weights(file: GGUFFile, *, dequantize: bool) -> dict[str, Any]:
         file: From :func:`open_gguf`.
         dequantize: Turn every tensor into float32 (a reference; the server keeps codes).
             Otherwise every quantized matrix becomes MLX affine codes (``weight`` uint32,
-            float32 ``scales`` and ``biases``, group 32; :mod:`.codes` says which types keep
-            the file's own codes) and float tensors keep their type.
+            ``scales`` and ``biases`` in float16 or float32, group 32; :mod:`.codes` says
+            which types keep the file's own codes) and float tensors keep their type.
     Returns:
         ``{name: mx.array}``, ready for ``mx.save_safetensors``.
     """
@@ -309,7 +309,8 @@ def load_weights(file: GGUFFile, *, dequantize: bool) -> dict[str, Any]:
             parts = {"bias" if name.endswith(".bias") else "weight": values}
         else:
             codes = tensor_codes(data, type_name, shape)
-            parts = {"q": codes.q, "scales": codes.scales, "biases": codes.biases}
+            scales, biases = stored(codes)
+            parts = {"q": codes.q, "scales": scales, "biases": biases}
         if permuted and name.startswith("blk.") and name.split(".")[2] in ("attn_q", "attn_k"):
             heads = n_heads if name.split(".")[2] == "attn_q" else n_kv_heads
             parts = {k: unpermute_rows(v, heads) for k, v in parts.items()}
