@@ -44,7 +44,7 @@ from qfserve.engine.models.gguf.tokenizer import (
 logger = logging.getLogger(__name__)
 
 MARKER = "qfserve.json"
-MARKER_FORMAT = 4  # 4: every quantized type kept as codes, no float32 copy
+MARKER_FORMAT = 5  # 5: every quantized type kept as codes, float16 scales where exact enough
 GGUF_MAGIC = b"GGUF"
 
 
