@@ -21,6 +21,8 @@ STATEMENTS = {
     "decode": "Decode at 8k: budget 512 ≥ 2× faster per step than the full cache; peak memory flat in context with eviction",
     "vs_mlx_lm": "Against mlx_lm.server: parity with the full cache; ≥ 2× decode tokens/s at 8k",
     "vs_llama_cpp": "Against llama.cpp's server on the same GGUF: TTFT with Q-Filters ≤ 1× at every length, with the full cache ≤ 1.5× at 8k; Q-Filters (512) decode tokens/s ≥ 1× at 8k, ≥ 0.75× at 4k, ≥ 0.5× at 256 tokens",
+    "vs_llama_cpp_q4_k_m": "The same file as Q4_K_M (llama-quantize --allow-requantize), against llama.cpp's llama-server: Q-Filters (512) decode tokens/s ≥ 1× at 4k and ≥ 0.8× at 256 tokens; TTFT ≤ 1× at 2k and 8k",
+    "memory": "Resident memory after a 2k-token request, same GGUF and context as `llama-server -c 8192 -np 1`: ≤ 1.6× theirs and ≤ the file + the KV held + 350 MB, at Q4_1, at Q4_K_M and on a 1.1B-parameter Q4_K_M file",
     "batching": "Continuous batching: ≥ 3× aggregate decode tokens/s at 8 streams over one stream",
     "multiturn": "Multi-turn reuse (budget 512): TTFT at the last turn within 1.3× of turn 2's; KV bytes flat once the budget fills",
     "self_calibration": "Self-calibrated Q-Filters (no artifact): pass key at 8× within 5 points of the calibrated filters and well above the key-SVD fallback",
@@ -196,6 +198,38 @@ def vs_llama_cpp(folder: Path) -> tuple[str, bool]:
         and tps[mid]["ours_qfilters"] >= 0.75
         and tps[short]["ours_qfilters"] >= 0.5,
     )
+
+
+@_goal
+def vs_llama_cpp_q4_k_m(folder: Path) -> tuple[str, bool]:
+    rows = {r["prompt_tokens"]: r for r in _need(folder / "q4_k_m", "vs_llama_cpp")["rows"]}
+    tps = {n: by_arm(r["tps_ratios"]) for n, r in rows.items()}
+    ttft = {n: by_arm(r["ttft_ratios"]) for n, r in rows.items()}
+    short, mid = min(rows), min(rows, key=lambda n: abs(n - 4096))
+    long_ = [n for n in rows if n >= 2048]
+    aa = [tps[n]["theirs_b"]["median"] for n in rows]
+    return (
+        f"Q-Filters tokens/s {tps[mid]['ours_qfilters']['median']:.2f}× at {mid}, "
+        f"{tps[short]['ours_qfilters']['median']:.2f}× at {short}; TTFT with Q-Filters "
+        + ", ".join(f"{ttft[n]['ours_qfilters']['median']:.2f}× at {n}" for n in sorted(long_))
+        + f" (A/A {min(aa):.2f}-{max(aa):.2f}×)",
+        tps[mid]["ours_qfilters"]["median"] >= 1
+        and tps[short]["ours_qfilters"]["median"] >= 0.8
+        and all(ttft[n]["ours_qfilters"]["median"] <= 1 for n in long_),
+    )
+
+
+@_goal
+def memory(folder: Path) -> tuple[str, bool]:
+    rows = [r for r in _need(folder, "memory")["rows"] if r["when"] == 2048]
+    if not rows:
+        raise NotRun("no 2,048-token request in the run")
+    parts = [
+        f"{r['file'].removesuffix('.gguf')}: {r['ours_rss'] / 2**20:,.0f} MiB, "
+        f"{r['ratio']:.2f}× theirs, bound {r['bound'] / 2**20:,.0f} MiB"
+        for r in rows
+    ]
+    return "; ".join(parts), all(r["meets_ratio"] and r["meets_bound"] for r in rows)
 
 
 @_goal

@@ -503,21 +503,18 @@ def readme_headlines(results_dir: Path = RESULTS_DIR) -> list[str]:
                 "there, compressed as the prompt is read"
             )
         rows.append([what, result])
-    if llama := load(folder / "vs_llama_cpp.json"):
-        rows_by = sorted(llama["rows"], key=lambda r: r["prompt_tokens"])
-        arms = ("ours_full", "ours_qfilters")
-        ttft, tps = (
-            {arm: _slashed([by_arm(r[key])[arm]["median"] for r in rows_by]) for arm in arms}
-            for key in ("ttft_ratios", "tps_ratios")
-        )
-        sizes = " / ".join(f"{r['prompt_tokens']:,}" for r in rows_by)
-        what = f"against llama.cpp's server on the same GGUF, prompts of {sizes} tokens"
-        result = (
-            f"first token {ttft['ours_qfilters']}x llama.cpp's time with Q-Filters 512, "
-            f"{ttft['ours_full']}x with the full cache; decode tokens/s {tps['ours_qfilters']}x "
-            f"with Q-Filters 512, {tps['ours_full']}x with the full cache"
-        )
-        rows.append([what, result])
+    for sub, label in (("", "the same GGUF"), ("q4_k_m", "the same model as Q4_K_M")):
+        if llama := load(folder / sub / "vs_llama_cpp.json"):
+            rows.append(_against_llama(llama, label))
+    if memory := load(folder / "memory.json"):
+        cells = [
+            f"{r['file'].removesuffix('.gguf')} {r['ours_rss'] / MiB:,.0f} MiB against "
+            f"{r['theirs_rss'] / MiB:,.0f} ({r['ratio']:.2f}x)"
+            for r in memory["rows"]
+            if r["when"] == 2048
+        ]
+        what = "resident memory after a 2k-token request, against `llama-server -c 8192 -np 1`"
+        rows.append([what, "; ".join(cells)])
     if blas := load(folder / "blas" / "blas.json"):
         (pa, pb), (da, db) = (
             [by_arm(blas[k])[a]["median"] for a in ("pip_a", "pip_b")]
@@ -526,6 +523,24 @@ def readme_headlines(results_dir: Path = RESULTS_DIR) -> list[str]:
         what = "OpenBLAS from PyPI against the system's (prefill / decode throughput)"
         rows.append([what, f"{pa:.2f}x / {da:.2f}x (A/A {pb:.2f}x / {db:.2f}x)"])
     return table(["what", "result"], rows) if rows else []
+
+
+def _against_llama(llama: dict[str, Any], label: str) -> list[str]:
+    """A headline row of a ``vs-llama-cpp`` run: TTFT and decode ratios per prompt length."""
+    rows_by = sorted(llama["rows"], key=lambda r: r["prompt_tokens"])
+    arms = ("ours_full", "ours_qfilters")
+    ttft, tps = (
+        {arm: _slashed([by_arm(r[key])[arm]["median"] for r in rows_by]) for arm in arms}
+        for key in ("ttft_ratios", "tps_ratios")
+    )
+    sizes = " / ".join(f"{r['prompt_tokens']:,}" for r in rows_by)
+    what = f"against llama.cpp's server on {label}, prompts of {sizes} tokens"
+    result = (
+        f"first token {ttft['ours_qfilters']}x llama.cpp's time with Q-Filters 512, "
+        f"{ttft['ours_full']}x with the full cache; decode tokens/s {tps['ours_qfilters']}x "
+        f"with Q-Filters 512, {tps['ours_full']}x with the full cache"
+    )
+    return [what, result]
 
 
 def write_readme(readme: Path = README, results_dir: Path = RESULTS_DIR) -> bool:

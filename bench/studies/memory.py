@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     files = args.files
     if not files:
         default = servers.gguf_of(args.model)
-        derived = q4_k_m(default, args.out / "derived")
+        derived = None if args.quick else q4_k_m(default, args.out / "derived")
         files = [default] + ([derived] if derived else [])
     result = {"products": products(run, args.product_rows)}
     ours = args.qfserve_flags.split() if args.qfserve_flags else []

@@ -38,17 +38,21 @@ def missing(name: str) -> str:
     """Why ``name`` cannot run here ('' when it can)."""
     if name == "kvzip-parity" and not (KVPRESS_PYTHON and Path(KVPRESS_PYTHON).exists()):
         return "needs a Python with torch, transformers and kvpress: set QFSERVE_KVPRESS_PYTHON"
-    if name == "vs-llama-cpp":
+    if name in ("vs-llama-cpp", "memory"):
         import subprocess
 
-        from qfserve.testing import LLAMA_PYTHON
+        from qfserve.testing import LLAMA_PYTHON, llama_tool
 
+        if llama_tool("llama-server") is not None:
+            return ""
+        if name == "memory":
+            return "needs llama.cpp's llama-server: bench/reference/llama_cpp_tools.sh builds it"
         found = subprocess.run([LLAMA_PYTHON, "-c", "import llama_cpp.server"],
                                capture_output=True).returncode == 0  # fmt: skip
         if not found:
             return (
-                "needs llama-cpp-python[server] (the llama-cpp-reference extra, or a Python "
-                "with it named by QFSERVE_LLAMA_PYTHON)"
+                "needs llama.cpp's llama-server (bench/reference/llama_cpp_tools.sh) or "
+                "llama-cpp-python[server] (a Python with it named by QFSERVE_LLAMA_PYTHON)"
             )
     if name == "blas":
         from bench.studies.blas import missing as blas_missing
@@ -73,6 +77,8 @@ def argv_for(name: str, out: Path) -> list[str]:
         argv += ["--kvpress-python", KVPRESS_PYTHON]
     if name == "vs-llama-cpp":  # llama.cpp reads GGUF: the default model's, short
         argv += ["--model", "smollm2-135m-instruct", "--prompts", "64", "--reps", "1"]
+    if name == "memory":  # the default model's GGUF, a short context
+        argv += ["--model", "smollm2-135m-instruct"]
     return argv
 
 

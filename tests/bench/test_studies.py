@@ -69,6 +69,10 @@ CHECKS: dict[str, Callable[[dict[str, Any]], bool]] = {
                                for r in d["rows"]),
     "vs-llama-cpp": lambda d: all(_positive_medians(r["decode_tps"]) and _ratios(r["tps_ratios"])
                                   for r in d["rows"]),
+    "memory": lambda d: len(d["rows"]) >= 2
+    and all(r["ours_rss"] > r["weights_bytes"] > 0 and r["theirs_rss"] > 0 for r in d["rows"])
+    and all(_positive_medians(p["ms"]) and _ratios(list(p["ratios"].values()))
+            for p in d["products"]),
     "distributed": lambda d: all(_positive_medians(r["decode_tps"]) and _ratios(r["tps_ratios"])
                                  and r["ranks_view"]["ranks"] == d["settings"]["ranks"]
                                  # a rank holds 1/N of one process's rows' bytes

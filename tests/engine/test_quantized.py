@@ -226,3 +226,34 @@ def test_smollm2_greedy_text_is_unchanged_for_every_method(smollm2, method):
     with_codes = greedy(model)
     plain = float32_reference(loaded, greedy)
     assert with_codes == plain and len(set(plain)) > 3
+
+
+@pytest.mark.parametrize(("bits", "group"), [(4, 64), (6, 128), (8, 32)])
+def test_mlx_quantized_folders_read_their_codes_too(bits, group):
+    """A model quantized as ``mlx_lm.convert -q`` does (MLX's own ``nn.quantize``, its group
+    size and bits): attached, every layer reads its codes through the kernel, and the logits
+    are MLX's own quantized model's."""
+    from mlx.utils import tree_flatten
+
+    from qfserve.engine.models.gguf.convert import cache_root
+    from qfserve.engine.models.quantized import attach
+    from qfserve.kernels import native
+    from tests.tiny import make_tiny_model
+
+    model = make_tiny_model(0)
+    nn.quantize(model, group_size=group, bits=bits)
+    tokens = mx.array([[5, 9, 3, 7, 1, 2, 8, 4]])
+    want = np.array(model(tokens))
+    held = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    try:
+        assert attach(model, native.load(cache_root() / "native")) == len(
+            [
+                m
+                for _, m in model.named_modules()
+                if isinstance(m, nn.QuantizedLinear | nn.QuantizedEmbedding)
+            ]
+        )
+        assert wrapped(model) and weight_bytes(model) == held
+        np.testing.assert_allclose(np.array(model(tokens)), want, atol=1e-4, rtol=1e-4)
+    finally:
+        detach(model)

@@ -32,13 +32,14 @@
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
+#include <tuple>
 #include <vector>
 
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
 #if defined(__AVX512VBMI__) && defined(__AVX512VL__)
-#include <immintrin.h>
 #define QF_VBMI 1
-#elif defined(__F16C__)
-#include <immintrin.h>
 #endif
 
 #include "detail.h"
@@ -58,8 +59,9 @@ using namespace qfserve::simd;
 namespace {
 
 constexpr int kBlock = 32;  // codes unpacked at a time; a group is 1, 2 or 4 blocks
-// Rows of x up to which the in-register product beats dequantize-and-sgemm (on SmolLM2's
-// shapes with OpenBLAS on 2 cores: at 8 rows it still reads 5x fewer bytes and wins).
+// Rows of x up to which the product is taken in registers (decode steps of up to 8
+// sequences, which read each weight once from memory as codes); more rows (prompts) take
+// dequantized tiles through the BLAS, whose blocking wins once rows reuse each weight.
 constexpr int kFewRows = 8;
 // Floats of weight dequantized at a time for the BLAS (16 MB): ~5% of SmolLM2's float32 copy.
 constexpr int64_t kTileFloats = int64_t{1} << 22;
@@ -68,7 +70,22 @@ typedef uint8_t vb16 __attribute__((vector_size(16)));
 typedef uint8_t vb16_unaligned __attribute__((vector_size(16), aligned(1)));
 
 inline vb16 load16(const uint8_t* p) { return *reinterpret_cast<const vb16_unaligned*>(p); }
-inline vf widen(vb16 b) { return __builtin_convertvector(b, vf); }
+
+// 16 codes as 16 floats. GCC's __builtin_convertvector from bytes to floats is scalarised
+// (~1 ns a code); the widening instructions take one zero-extension and one conversion.
+inline vf widen(vb16 b) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<vf>(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(reinterpret_cast<__m128i>(b))));
+#elif defined(__AVX2__)
+  const __m128i v = reinterpret_cast<__m128i>(b);
+  alignas(64) float out[16];
+  _mm256_store_ps(out, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)));
+  _mm256_store_ps(out + 8, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))));
+  return load(out);
+#else
+  return __builtin_convertvector(b, vf);
+#endif
+}
 
 // The 32 codes of one block (4 * BITS bytes), in the elements' order, into out.
 template <int BITS>
@@ -127,9 +144,23 @@ inline void block_floats(const uint8_t* w, vf& f0, vf& f1) {
   }
 #endif
   if constexpr (BITS == 4) {  // x permuted: low nibbles (even elements), then high (odd)
+#if defined(__AVX512F__)
+    // One widening of the 16 bytes, then mask and shift the 32-bit lanes: widening uses the
+    // shuffle port, which two widenings a block would saturate.
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+    f0 = reinterpret_cast<vf>(_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0x0f))));
+    f1 = reinterpret_cast<vf>(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)));
+#elif defined(__SSE2__)
+    // x86 has no byte shift: GCC scalarises one on byte vectors; shift 16-bit lanes, mask.
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    f0 = widen(reinterpret_cast<vb16>(_mm_and_si128(b, mask)));
+    f1 = widen(reinterpret_cast<vb16>(_mm_and_si128(_mm_srli_epi16(b, 4), mask)));
+#else
     const vb16 b = load16(w);
     f0 = widen(b & 0x0f);
     f1 = widen(b >> 4);
+#endif
   } else if constexpr (BITS == 8) {
     f0 = widen(load16(w));
     f1 = widen(load16(w + 16));
@@ -187,53 +218,69 @@ inline float widen_half(uint16_t h) {
 #endif
 }
 
-// Row n's scales and biases as float32, into s and b (G each).
-inline void row_params(const Codes& c, int n, float* s, float* b) {
+// count float16 values at src as float32 at dst.
+inline void widen_halves(const uint16_t* src, float* dst, int count) {
+  int i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= count; i += 16)
+    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+#elif defined(__F16C__)
+  for (; i + 8 <= count; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#endif
+  for (; i < count; ++i) dst[i] = widen_half(src[i]);
+}
+
+// Rows [n, n + count)'s scales and biases as float32: in place for float32 ones, else
+// widened into buf (2 * count * G floats), all of them at once (contiguous, one vector
+// conversion per 16; a row at a time, SmolLM2's 18 groups a row, cost more than the row).
+inline std::pair<const float*, const float*> block_params(const Codes& c, int n, int count,
+                                                           float* buf) {
   const int G = c.K / c.group;
   const size_t at = static_cast<size_t>(n) * G;
-  if (!c.half) {
-    std::memcpy(s, static_cast<const float*>(c.scales) + at, G * sizeof(float));
-    std::memcpy(b, static_cast<const float*>(c.biases) + at, G * sizeof(float));
-    return;
-  }
-  const uint16_t* hs = static_cast<const uint16_t*>(c.scales) + at;
-  const uint16_t* hb = static_cast<const uint16_t*>(c.biases) + at;
-  for (int g = 0; g < G; ++g) {
-    s[g] = widen_half(hs[g]);
-    b[g] = widen_half(hb[g]);
-  }
+  if (!c.half)
+    return {static_cast<const float*>(c.scales) + at, static_cast<const float*>(c.biases) + at};
+  widen_halves(static_cast<const uint16_t*>(c.scales) + at, buf, count * G);
+  widen_halves(static_cast<const uint16_t*>(c.biases) + at, buf + count * G, count * G);
+  return {buf, buf + count * G};
 }
+
+constexpr int kParamRows = 32;  // rows whose scales are widened at a time
 
 template <int BITS, int MB>
 void rows(const Codes& c, const float* xp, const float* xs, float* y, int n0, int n1) {
-  const int K = c.K, per = c.group / kBlock, G = K / c.group;
+  const int K = c.K, G = K / c.group, N = c.N;
+  const int shift = c.group == 32 ? 0 : (c.group == 64 ? 1 : 2);  // block -> group
+  const uint8_t* const w = c.w;
   const size_t row_bytes = static_cast<size_t>(K) * BITS / 8;
-  std::vector<float> params(2 * static_cast<size_t>(G));
-  float* const sn = params.data();
-  float* const bn = sn + G;
+  std::vector<float> params(c.half ? 2 * static_cast<size_t>(kParamRows) * G : 0);
+  const float *block_s = nullptr, *block_b = nullptr;
   for (int n = n0; n < n1; ++n) {
-    const uint8_t* wn = c.w + n * row_bytes;
-    row_params(c, n, sn, bn);
+    const uint8_t* wn = w + n * row_bytes;
+    const int in_block = (n - n0) % kParamRows;
+    if (in_block == 0)
+      std::tie(block_s, block_b) =
+          block_params(c, n, std::min(kParamRows, n1 - n), params.data());
+    const float* sn = block_s + static_cast<size_t>(in_block) * G;
+    const float* bn = block_b + static_cast<size_t>(in_block) * G;
     vf acc[MB];
     float bias_sum[MB];
     for (int m = 0; m < MB; ++m) {
       acc[m] = vf{};
       bias_sum[m] = 0.f;
     }
-    for (int g = 0; g < G; ++g) {
-      const vf s = splat(sn[g]);
-      for (int j = 0; j < per; ++j) {
-        const int blk = g * per + j;
-        vf f0, f1;
-        block_floats<BITS>(wn + blk * (kBlock * BITS / 8), f0, f1);
-        for (int m = 0; m < MB; ++m) {
-          const float* xb = xp + static_cast<size_t>(m) * K + blk * kBlock;
-          acc[m] += (f0 * load(xb) + f1 * load(xb + 16)) * s;
-        }
+    for (int blk = 0; blk < K / kBlock; ++blk) {
+      const vf s = splat(sn[blk >> shift]);
+      vf f0, f1;
+      block_floats<BITS>(wn + blk * (kBlock * BITS / 8), f0, f1);
+      for (int m = 0; m < MB; ++m) {
+        const float* xb = xp + static_cast<size_t>(m) * K + blk * kBlock;
+        acc[m] += (f0 * load(xb) + f1 * load(xb + 16)) * s;
       }
-      for (int m = 0; m < MB; ++m) bias_sum[m] += bn[g] * xs[static_cast<size_t>(m) * G + g];
     }
-    for (int m = 0; m < MB; ++m) y[static_cast<size_t>(m) * c.N + n] = hsum(acc[m]) + bias_sum[m];
+    for (int g = 0; g < G; ++g)
+      for (int m = 0; m < MB; ++m) bias_sum[m] += bn[g] * xs[static_cast<size_t>(m) * G + g];
+    for (int m = 0; m < MB; ++m) y[static_cast<size_t>(m) * N + n] = hsum(acc[m]) + bias_sum[m];
   }
 }
 
@@ -293,10 +340,10 @@ void dequantize_rows(const Codes& c, int n0, int n1, float* out) {
   for (int n = n0; n < n1; ++n) {
     const uint8_t* wn = c.w + n * row_bytes;
     float* on = out + static_cast<size_t>(n - n0) * K;
-    row_params(c, n, params.data(), params.data() + G);
+    const auto [sn, bn] = block_params(c, n, 1, params.data());
     for (int g = 0; g < G; ++g) {
-      const vf s = splat(params[g]);
-      const vf b = splat(params[G + g]);
+      const vf s = splat(sn[g]);
+      const vf b = splat(bn[g]);
       for (int j = 0; j < per; ++j) {
         const int blk = g * per + j;
         vf f0, f1;
