@@ -15,7 +15,7 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFReader
 
 from qfserve.engine.models.gguf import GGUFError
-from qfserve.engine.models.gguf.convert import converted_folder
+from qfserve.engine.models.gguf.convert import cache_root, converted_folder
 from qfserve.engine.models.gguf.reader import open_gguf
 from tests.gguf_files import write_other_architecture, write_tiny_gguf, write_with_q8_1
 from tests.tiny import _CORPUS, SPECIAL_TOKENS, TINY_CONFIG, _train_tokenizer
@@ -23,9 +23,22 @@ from tests.tiny import _CORPUS, SPECIAL_TOKENS, TINY_CONFIG, _train_tokenizer
 TOKENS = [3, 17, 99, 250, 4, 8, 15, 16, 23, 42, 108, 7, 1, 300, 64, 5, 9, 77, 31, 200, 12, 2, 6, 11]
 
 
+# qfserve's own cache, where the native kernel is built once (each test converts in its own).
+NATIVE_CACHE = cache_root()
+
+
 @pytest.fixture(autouse=True)
 def _cache(tmp_path, monkeypatch):
     monkeypatch.setenv("QFSERVE_CACHE", str(tmp_path / "cache"))
+
+
+def load_served(folder):
+    """``folder`` loaded as the server loads it, the kernel from qfserve's own cache."""
+    from qfserve.engine.models.loading import load_model
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("QFSERVE_CACHE", str(NATIVE_CACHE))
+        return load_model(str(folder))
 
 
 def reference_logits(
@@ -46,13 +59,12 @@ def served_logits(folder, *, native: bool = False) -> np.ndarray:
     """Logits of ``folder`` loaded by plain ``mlx_lm.load``, or as the server loads it."""
     import mlx_lm
 
-    from qfserve.engine.models.loading import load_model
     from qfserve.engine.models.quantized import detach
 
     if not native:
         model, _ = mlx_lm.load(str(folder))
         return np.array(model(mx.array([TOKENS]))[0])
-    loaded = load_model(str(folder))
+    loaded = load_served(folder)
     try:
         return np.array(loaded.model(mx.array([TOKENS]))[0])
     finally:
@@ -206,12 +218,11 @@ def test_k_quants_are_served_on_their_codes(tmp_path, qtype, bits):
     the folder stores (the gguf package's values up to the float16 scales' rounding, and for
     Q6_K the 8-bit requantization: both measured in test_gguf_codes)."""
     from qfserve.engine.models.gguf.codes import dequantize, requantize, stored, tensor_codes
-    from qfserve.engine.models.loading import load_model
     from qfserve.engine.models.quantized import detach
 
     path = tmp_path / "k.gguf"
     decoded = write_tiny_gguf(path, quantized=("ffn_down",), qtype=GGMLQuantizationType[qtype])
-    loaded = load_model(str(converted_folder(path)))
+    loaded = load_served(converted_folder(path))
     try:
         down = loaded.model.model.layers[0].mlp.down_proj
         assert isinstance(down, nn.QuantizedLinear) and down.bits == bits
