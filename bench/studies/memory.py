@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -88,11 +89,11 @@ def measure(
         "llama_server": ["-c", str(context), "-np", "1"],
     }
     rows, started, ready_s = [], [], {}
+    logs = Path(tempfile.mkdtemp(prefix="memory-"))  # the servers' logs: read on failure only
     try:
         for kind in ("qfserve", "llama_server"):
             tic = time.perf_counter()
-            run.args.out.mkdir(parents=True, exist_ok=True)
-            started.append(servers.start(kind, file, *flags[kind], log=run.args.out / f"{kind}.log",
+            started.append(servers.start(kind, file, *flags[kind], log=logs / f"{kind}.log",
                                          timeout=600, log_level="warning" if kind == "qfserve" else None))  # fmt: skip
             ready_s[kind] = time.perf_counter() - tic
         (ours, theirs), pids = [p.url for p in started], [p.pid for p in started]
