@@ -26,9 +26,15 @@ def reader(smollm2_gguf) -> GGUFReader:
 
 @pytest.fixture(scope="module")
 def served(smollm2_folder):
-    import mlx_lm
+    """The folder as the server loads it (on the CPU, the native kernel on the codes; plain
+    ``mlx_lm.load`` runs MLX's own quantized product, which computes in the float16 of the
+    scales)."""
+    from qfserve.engine.models.loading import load_model
+    from qfserve.engine.models.quantized import detach
 
-    return mlx_lm.load(str(smollm2_folder))
+    loaded = load_model(str(smollm2_folder))
+    yield loaded.model, loaded.tokenizer
+    detach(loaded.model)
 
 
 def _field(reader: GGUFReader, key: str):
