@@ -44,7 +44,7 @@ from qfserve.engine.models.gguf.tokenizer import (
 logger = logging.getLogger(__name__)
 
 MARKER = "qfserve.json"
-MARKER_FORMAT = 5  # 5: every quantized type kept as codes, float16 scales where exact enough
+MARKER_FORMAT = 6  # 6: codes, float16 scales where exact enough, float32 on the output
 GGUF_MAGIC = b"GGUF"
 
 
