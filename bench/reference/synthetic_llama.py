@@ -30,10 +30,14 @@ def write_f16(path: Path, seed: int = 0) -> Path:
     source = GGUFReader(gguf_path(SMOLLM2_135M))
     writer = GGUFWriter(str(path), "llama")
     h, n = SHAPE["hidden"], SHAPE["layers"]
-    own = {"llama.block_count": n, "llama.embedding_length": h,
-           "llama.feed_forward_length": SHAPE["mlp"], "llama.attention.head_count": SHAPE["heads"],
-           "llama.attention.head_count_kv": SHAPE["kv_heads"], "llama.rope.dimension_count":
-           SHAPE["head_dim"]}  # fmt: skip
+    own = {
+        "llama.block_count": n,
+        "llama.embedding_length": h,
+        "llama.feed_forward_length": SHAPE["mlp"],
+        "llama.attention.head_count": SHAPE["heads"],
+        "llama.attention.head_count_kv": SHAPE["kv_heads"],
+        "llama.rope.dimension_count": SHAPE["head_dim"],
+    }
     for field in source.fields.values():
         if field.name.startswith("GGUF.") or field.name in ("general.architecture", *own):
             continue
@@ -54,9 +58,15 @@ def write_f16(path: Path, seed: int = 0) -> Path:
     writer.add_tensor("output_norm.weight", np.ones(h, np.float32))
     q, kv = SHAPE["heads"] * SHAPE["head_dim"], SHAPE["kv_heads"] * SHAPE["head_dim"]
     for i in range(n):
-        for name, rows, cols in (("attn_q", q, h), ("attn_k", kv, h), ("attn_v", kv, h),
-                                 ("attn_output", h, q), ("ffn_gate", SHAPE["mlp"], h),
-                                 ("ffn_up", SHAPE["mlp"], h), ("ffn_down", h, SHAPE["mlp"])):  # fmt: skip
+        for name, rows, cols in (
+            ("attn_q", q, h),
+            ("attn_k", kv, h),
+            ("attn_v", kv, h),
+            ("attn_output", h, q),
+            ("ffn_gate", SHAPE["mlp"], h),
+            ("ffn_up", SHAPE["mlp"], h),
+            ("ffn_down", h, SHAPE["mlp"]),
+        ):
             add(f"blk.{i}.{name}.weight", rows, cols)
         writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(h, np.float32))
         writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(h, np.float32))
@@ -81,8 +91,9 @@ def main(argv: list[str]) -> int:
             )
             return 2
         f16 = write_f16(out / "synthetic-llama-1.1b.F16.gguf")
-        subprocess.run([str(tool), str(f16), str(target), "Q4_K_M"], check=True,
-                       capture_output=True)  # fmt: skip
+        subprocess.run(
+            [str(tool), str(f16), str(target), "Q4_K_M"], check=True, capture_output=True
+        )
         f16.unlink()
     print(target)
     return 0

@@ -37,8 +37,17 @@ from qfserve import testing as servers
 
 MIB = 2**20
 GOAL_RATIO, GOAL_OVERHEAD = 1.6, 350 * 10**6
-HEADERS = ["file", "when", "ours RSS MiB", "theirs RSS MiB", "ratio", "ours weights MiB",
-           "ours KV MiB", "file + KV + 350 MB", "goals"]  # fmt: skip
+HEADERS = [
+    "file",
+    "when",
+    "ours RSS MiB",
+    "theirs RSS MiB",
+    "ratio",
+    "ours weights MiB",
+    "ours KV MiB",
+    "file + KV + 350 MB",
+    "goals",
+]
 LOAD_HEADERS = ["file", "file MB", "conversion s (once)", "ours ready s", "theirs ready s"]
 
 
@@ -62,14 +71,21 @@ def q4_k_m(source: Path, out: Path) -> Path | None:
     if target.is_file() or tool is None:
         return target if target.is_file() else None
     out.mkdir(parents=True, exist_ok=True)
-    subprocess.run([str(tool), "--allow-requantize", str(source), str(target), "Q4_K_M"],
-                   check=True, capture_output=True)  # fmt: skip
+    subprocess.run(
+        [str(tool), "--allow-requantize", str(source), str(target), "Q4_K_M"],
+        check=True,
+        capture_output=True,
+    )
     return target
 
 
 def ask(client: httpx.Client, url: str, run: Any, tokens: int, model: str) -> None:
-    body = {"model": model, "max_tokens": 8, "temperature": 0,
-            "messages": [{"role": "user", "content": chat_content(run, tokens, "")}]}  # fmt: skip
+    body = {
+        "model": model,
+        "max_tokens": 8,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": chat_content(run, tokens, "")}],
+    }
     r = client.post(url + "/v1/chat/completions", json=body, timeout=900)
     r.raise_for_status()
 
@@ -93,8 +109,16 @@ def measure(
     try:
         for kind in ("qfserve", "llama_server"):
             tic = time.perf_counter()
-            started.append(servers.start(kind, file, *flags[kind], log=logs / f"{kind}.log",
-                                         timeout=600, log_level="warning" if kind == "qfserve" else None))  # fmt: skip
+            started.append(
+                servers.start(
+                    kind,
+                    file,
+                    *flags[kind],
+                    log=logs / f"{kind}.log",
+                    timeout=600,
+                    log_level="warning" if kind == "qfserve" else None,
+                )
+            )
             ready_s[kind] = time.perf_counter() - tic
         (ours, theirs), pids = [p.url for p in started], [p.pid for p in started]
         with httpx.Client() as client:
@@ -105,32 +129,76 @@ def measure(
                     ask(client, ours, run, int(when), name)
                     ask(client, theirs, run, int(when), str(file))
                 rows.append(row(client, ours, file, when, pids, conversion_s, ready_s))
-                run.log(f"{file.name} {when}: ours {rows[-1]['ours_rss'] / MIB:.0f} MiB, "
-                        f"theirs {rows[-1]['theirs_rss'] / MIB:.0f} MiB")  # fmt: skip
+                run.log(
+                    f"{file.name} {when}: ours {rows[-1]['ours_rss'] / MIB:.0f} MiB, "
+                    f"theirs {rows[-1]['theirs_rss'] / MIB:.0f} MiB"
+                )
     finally:
         servers.stop_all(started, 10)
     return rows
 
 
-def row(client: httpx.Client, ours: str, file: Path, when: Any, pids: list[int],
-        conversion_s: float, ready_s: dict[str, float]) -> dict[str, Any]:  # fmt: skip
+def row(
+    client: httpx.Client,
+    ours: str,
+    file: Path,
+    when: Any,
+    pids: list[int],
+    conversion_s: float,
+    ready_s: dict[str, float],
+) -> dict[str, Any]:
     """Both servers' RSS now, and qfserve's own accounting of its weights and last KV."""
     admin = client.get(ours + "/admin/cache").json()
     totals, last = admin["totals"], (admin["history"] or [{}])[0]
     kv = int(last.get("kept_bytes", 0)) if when != "ready" else 0
     ours_rss, theirs_rss = harness.rss_bytes(pids[0]), harness.rss_bytes(pids[1])
     bound = file.stat().st_size + kv + GOAL_OVERHEAD
-    return {"file": file.name, "file_bytes": file.stat().st_size, "when": when,
-            "ours_rss": ours_rss, "theirs_rss": theirs_rss, "ratio": ours_rss / theirs_rss,
-            "weights_bytes": totals["weights_bytes"], "kv_bytes": kv, "bound": bound,
-            "meets_ratio": ours_rss <= GOAL_RATIO * theirs_rss, "meets_bound": ours_rss <= bound,
-            "conversion_s": conversion_s, "ours_ready_s": ready_s["qfserve"],
-            "theirs_ready_s": ready_s["llama_server"]}  # fmt: skip
+    return {
+        "file": file.name,
+        "file_bytes": file.stat().st_size,
+        "when": when,
+        "ours_rss": ours_rss,
+        "theirs_rss": theirs_rss,
+        "ratio": ours_rss / theirs_rss,
+        "weights_bytes": totals["weights_bytes"],
+        "kv_bytes": kv,
+        "bound": bound,
+        "meets_ratio": ours_rss <= GOAL_RATIO * theirs_rss,
+        "meets_bound": ours_rss <= bound,
+        "conversion_s": conversion_s,
+        "ours_ready_s": ready_s["qfserve"],
+        "theirs_ready_s": ready_s["llama_server"],
+    }
 
 
 PRODUCT_SHAPES = ((576, 576), (1536, 576), (576, 1536))  # SmolLM2's (out, in) products
-PRODUCT_HEADERS = ["(out, in)", "bits", "rows", "float32 ms", "codes ms", "MLX quantized ms",
-                   "codes / float32", "MLX / float32", "A/A"]  # fmt: skip
+PRODUCT_HEADERS = [
+    "(out, in)",
+    "bits",
+    "rows",
+    "float32 ms",
+    "codes ms",
+    "MLX quantized ms",
+    "codes / float32",
+    "MLX / float32",
+    "A/A",
+]
+
+
+def product_arms(kernel: Any, x: Any, codes: tuple, dense: Any, bits: int) -> dict[str, Any]:
+    """``x @ W.T`` three ways: float32 (twice, the A/A pair), the kernel on the codes, MLX's
+    own quantized product on them."""
+    import mlx.core as mx
+
+    f32 = timed(lambda: x @ dense.T)
+    return {
+        "float32_a": f32,
+        "codes": timed(lambda: kernel.quantized_matmul(x, *codes, bits)),
+        "mlx_quantized": timed(
+            lambda: mx.quantized_matmul(x, *codes, transpose=True, group_size=32, bits=bits)
+        ),
+        "float32_b": f32,
+    }
 
 
 def products(run: Any, rows: list[int]) -> list[dict[str, Any]]:
@@ -150,26 +218,39 @@ def products(run: Any, rows: list[int]) -> list[dict[str, Any]]:
         dense = mx.dequantize(w, scales, biases, group_size=32, bits=bits)
         x = mx.random.normal((m, k))
         mx.eval(w, scales, biases, dense, x)
-        f32 = timed(lambda: x @ dense.T)  # noqa: B023 - run within the iteration
-        arms = {"float32_a": f32,
-                "codes": timed(lambda: kernel.quantized_matmul(x, w, scales, biases, bits)),  # noqa: B023
-                "mlx_quantized": timed(lambda: mx.quantized_matmul(
-                    x, w, scales, biases, transpose=True, group_size=32, bits=bits)),  # noqa: B023
-                "float32_b": f32}  # fmt: skip
-        samples, stats, ratio = harness.compare_arms(run, arms, f"{n}x{k} {bits}b {m}", "float32_a")
-        out.append({"shape": [n, k], "bits": bits, "rows": m, "ms": stats,
-                    "ratios": {r["arm"]: r for r in ratio}})  # fmt: skip
+        arms = product_arms(kernel, x, (w, scales, biases), dense, bits)
+        _, stats, ratio = harness.compare_arms(run, arms, f"{n}x{k} {bits}b {m}", "float32_a")
+        out.append(
+            {
+                "shape": [n, k],
+                "bits": bits,
+                "rows": m,
+                "ms": stats,
+                "ratios": {r["arm"]: r for r in ratio},
+            }
+        )
     return out
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    run = harness.start("memory", argv, __doc__ or "", context=(8192, 2048, "context (-c)"),
-                        lengths=([2048, 8000], [512], "request tokens"), reps=7,
-                        product_rows=([1, 8, 512], [1, 64], "rows of the timed products"),
-                        flags={"--files": {"nargs": "+", "type": Path, "default": None,
-                                           "help": "GGUF files (default: see above)"},
-                               "--qfserve-flags": {"default": "", "help": "more flags for "
-                                                   "qfserve (one string)"}})  # fmt: skip
+    run = harness.start(
+        "memory",
+        argv,
+        __doc__ or "",
+        context=(8192, 2048, "context (-c)"),
+        lengths=([2048, 8000], [512], "request tokens"),
+        reps=7,
+        product_rows=([1, 8, 512], [1, 64], "rows of the timed products"),
+        flags={
+            "--files": {
+                "nargs": "+",
+                "type": Path,
+                "default": None,
+                "help": "GGUF files (default: see above)",
+            },
+            "--qfserve-flags": {"default": "", "help": "more flags for qfserve (one string)"},
+        },
+    )
     args = run.args
     files = args.files
     if not files:
@@ -179,11 +260,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = {"products": products(run, args.product_rows)}
     ours = args.qfserve_flags.split() if args.qfserve_flags else []
     rows = [r for f in files for r in measure(run, Path(f), args.context, args.lengths, ours)]
-    result |= {"settings": {"context": args.context, "lengths": args.lengths,
-                           "files": [str(f) for f in files], "host": servers.HOST,
-                           "theirs": "llama-server -c <context> -np 1 -t <cores>",
-                           "ours": f"qfserve -c <context> {' '.join(ours)}".strip()},
-              "rows": rows}  # fmt: skip
+    result |= {
+        "settings": {
+            "context": args.context,
+            "lengths": args.lengths,
+            "files": [str(f) for f in files],
+            "host": servers.HOST,
+            "theirs": "llama-server -c <context> -np 1 -t <cores>",
+            "ours": f"qfserve -c <context> {' '.join(ours)}".strip(),
+        },
+        "rows": rows,
+    }
     return run.save(result)
 
 
@@ -194,24 +281,55 @@ def render(d: dict[str, Any]) -> list[str]:
         f"({s['context']}); theirs: `{s['theirs']}`; ours: `{s['ours']}`. Goals: ours <= "
         f"{GOAL_RATIO}x theirs after the 2k request, and <= the file + the KV held + 350 MB."
     )
-    rows = [[r["file"], r["when"], f"{r['ours_rss'] / MIB:,.0f}", f"{r['theirs_rss'] / MIB:,.0f}",
-             f"{r['ratio']:.2f}x", f"{r['weights_bytes'] / MIB:,.0f}",
-             f"{r['kv_bytes'] / MIB:,.0f}", f"{r['bound'] / MIB:,.0f}",
-             ("ratio met" if r["meets_ratio"] else "ratio NOT met") + ", "
-             + ("bound met" if r["meets_bound"] else "bound NOT met")]
-            for r in d["rows"]]  # fmt: skip
+    rows = [
+        [
+            r["file"],
+            r["when"],
+            f"{r['ours_rss'] / MIB:,.0f}",
+            f"{r['theirs_rss'] / MIB:,.0f}",
+            f"{r['ratio']:.2f}x",
+            f"{r['weights_bytes'] / MIB:,.0f}",
+            f"{r['kv_bytes'] / MIB:,.0f}",
+            f"{r['bound'] / MIB:,.0f}",
+            ("ratio met" if r["meets_ratio"] else "ratio NOT met")
+            + ", "
+            + ("bound met" if r["meets_bound"] else "bound NOT met"),
+        ]
+        for r in d["rows"]
+    ]
     files = {r["file"]: r for r in d["rows"]}
-    load = [[f, f"{r['file_bytes'] / 1e6:,.0f}", f"{r['conversion_s']:.1f}",
-             f"{r['ours_ready_s']:.1f}", f"{r['theirs_ready_s']:.1f}"]
-            for f, r in files.items()]  # fmt: skip
-    cost = [[f"({p['shape'][0]}, {p['shape'][1]})", p["bits"], p["rows"],
-             ms(p["ms"]["float32_a"], 1e3, 3), ms(p["ms"]["codes"], 1e3, 3),
-             ms(p["ms"]["mlx_quantized"], 1e3, 3), ratio_cell(p["ratios"]["codes"]),
-             ratio_cell(p["ratios"]["mlx_quantized"]), ratio_cell(p["ratios"]["float32_b"])]
-            for p in d.get("products", [])]  # fmt: skip
-    return section("Resident memory against llama.cpp's server", d, intro, table(HEADERS, rows),
-                   "Start-up, each server alone (ours finds the converted folder):",
-                   table(LOAD_HEADERS, load),
-                   "What holding codes costs, per product (this process; medians [IQR] of "
-                   "interleaved rounds, ratios to the float32 product it replaced):",
-                   table(PRODUCT_HEADERS, cost))  # fmt: skip
+    load = [
+        [
+            f,
+            f"{r['file_bytes'] / 1e6:,.0f}",
+            f"{r['conversion_s']:.1f}",
+            f"{r['ours_ready_s']:.1f}",
+            f"{r['theirs_ready_s']:.1f}",
+        ]
+        for f, r in files.items()
+    ]
+    cost = [
+        [
+            f"({p['shape'][0]}, {p['shape'][1]})",
+            p["bits"],
+            p["rows"],
+            ms(p["ms"]["float32_a"], 1e3, 3),
+            ms(p["ms"]["codes"], 1e3, 3),
+            ms(p["ms"]["mlx_quantized"], 1e3, 3),
+            ratio_cell(p["ratios"]["codes"]),
+            ratio_cell(p["ratios"]["mlx_quantized"]),
+            ratio_cell(p["ratios"]["float32_b"]),
+        ]
+        for p in d.get("products", [])
+    ]
+    return section(
+        "Resident memory against llama.cpp's server",
+        d,
+        intro,
+        table(HEADERS, rows),
+        "Start-up, each server alone (ours finds the converted folder):",
+        table(LOAD_HEADERS, load),
+        "What holding codes costs, per product (this process; medians [IQR] of "
+        "interleaved rounds, ratios to the float32 product it replaced):",
+        table(PRODUCT_HEADERS, cost),
+    )

@@ -204,9 +204,12 @@ def load_model(ref: str | None) -> LoadedModel:
     release_memory()  # what loading and attaching freed
     logger.info(
         "loaded %s from %s (context %d; weights %.1f MiB as held, resident %.1f MiB)",
-        loaded.name, source, loaded.context_length, weight_bytes(model) / 2**20,
+        loaded.name,
+        source,
+        loaded.context_length,
+        weight_bytes(model) / 2**20,
         resident_bytes() / 2**20,
-    )  # fmt: skip
+    )
     return loaded
 
 

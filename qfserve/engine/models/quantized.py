@@ -46,9 +46,10 @@ def _product(module: Any, x: mx.array) -> mx.array:
     kernel: ModuleType = module._qfserve_kernel
     return cast(
         mx.array,
-        kernel.quantized_matmul(x, module["weight"], module["scales"], module["biases"],
-                                module.bits),
-    )  # fmt: skip
+        kernel.quantized_matmul(
+            x, module["weight"], module["scales"], module["biases"], module.bits
+        ),
+    )
 
 
 class NativeQuantizedLinear(nn.QuantizedLinear):
@@ -74,9 +75,12 @@ class NativeQuantizedEmbedding(nn.QuantizedEmbedding):
         # MLX's class dequantizes in the scales' type: float16 rows would make the whole
         # model run in half precision on the CPU, off the kernel's path.
         return mx.dequantize(
-            self["weight"][ids], self["scales"][ids].astype(mx.float32),
-            self["biases"][ids].astype(mx.float32), group_size=self.group_size, bits=self.bits,
-        )  # fmt: skip
+            self["weight"][ids],
+            self["scales"][ids].astype(mx.float32),
+            self["biases"][ids].astype(mx.float32),
+            group_size=self.group_size,
+            bits=self.bits,
+        )
 
     def as_linear(self, x: mx.array) -> mx.array:
         if x.dtype != mx.float32:
@@ -157,10 +161,13 @@ def densify(model: nn.Module) -> int:
         if not isinstance(module, nn.QuantizedLinear | nn.QuantizedEmbedding):
             continue
         weight = mx.dequantize(
-            module["weight"], module["scales"].astype(mx.float32),
-            module["biases"].astype(mx.float32), group_size=module.group_size,
-            bits=module.bits, mode=getattr(module, "mode", "affine"),
-        ).astype(mx.float32)  # fmt: skip
+            module["weight"],
+            module["scales"].astype(mx.float32),
+            module["biases"].astype(mx.float32),
+            group_size=module.group_size,
+            bits=module.bits,
+            mode=getattr(module, "mode", "affine"),
+        ).astype(mx.float32)
         if isinstance(module, nn.QuantizedEmbedding):
             plain: nn.Module = nn.Embedding(*weight.shape)
         else:
