@@ -7,10 +7,12 @@ map, a measured 8-bit requantization where they do not), so the folder holds the
 about the file's size; float tensors keep their type. Types the ``gguf`` package cannot read
 are refused.
 
-One detail of llama.cpp's conversion is undone here: Q/K rows of ``llama`` files are permuted
-for llama.cpp's interleaved-pair RoPE; they are put back in the Hugging Face order (codes,
-scales and biases alike: the permutation moves whole rows) so the folder is a plain Llama
-checkpoint (mlx-lm's default, non-traditional RoPE).
+Two details of llama.cpp's conversion are undone here (:mod:`.architectures` says which files
+have them): Q/K rows of ``llama`` files are permuted for llama.cpp's interleaved-pair RoPE;
+they are put back in the Hugging Face order (codes, scales and biases alike: the permutation
+moves whole rows) so the folder is a plain Llama checkpoint (mlx-lm's default,
+non-traditional RoPE). Gemma's norm weights are stored as ``1 + w``; mlx-lm's Gemma adds the
+1 itself.
 """
 
 from __future__ import annotations
@@ -22,27 +24,12 @@ from typing import Any
 
 import numpy as np
 
+from qfserve.engine.models.gguf import architectures
+from qfserve.engine.models.gguf.architectures import ARCHITECTURES, Architecture
 from qfserve.engine.models.gguf.codes import FLOAT_TYPES, pack, stored, tensor_codes
 
-# Architectures we map, to (mlx-lm model_type, Q/K rows permuted by llama.cpp's converter).
-ARCHITECTURES = {"llama": ("llama", True), "qwen2": ("qwen2", False)}
-
-_GLOBAL_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
+# ``tokenizer.ggml.*`` arrays kept apart from the metadata (large).
+VOCAB_ARRAYS = ("tokens", "token_type", "merges", "scores")
 # The output projection: its own tensor, or the embedding where the two are tied.
 OUTPUT_TENSORS = frozenset({"output.weight", "token_embd.weight"})
 _TENSOR_NAME = re.compile(r"^(?:blk\.(\d+)\.)?([a-z_]+)\.(weight|bias)$")
@@ -64,7 +51,8 @@ class GGUFFile:
     Attributes:
         path: The file.
         metadata: Every key-value field except the (large) vocabulary arrays, as Python values.
-        vocab: ``tokenizer.ggml.*`` arrays: ``tokens``, ``token_type``, ``merges`` (may be absent).
+        vocab: ``tokenizer.ggml.*`` arrays: ``tokens``, ``token_type``, ``merges``, ``scores``
+            (each may be absent).
         tensor_types: GGUF name -> GGML type name, e.g. ``"Q4_1"``.
         config: The mlx-lm ``config.json`` the file describes.
     """
@@ -78,6 +66,10 @@ class GGUFFile:
     @property
     def architecture(self) -> str:
         return str(self.metadata["general.architecture"])
+
+    @property
+    def arch(self) -> Architecture:
+        return ARCHITECTURES[self.architecture]
 
 
 def open_gguf(path: str | Path) -> GGUFFile:
@@ -105,7 +97,7 @@ def open_gguf(path: str | Path) -> GGUFFile:
         if key.startswith("GGUF."):
             continue
         value = field.contents()
-        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges"):
+        if key.startswith("tokenizer.ggml.") and key.rsplit(".", 1)[1] in VOCAB_ARRAYS:
             vocab[key.rsplit(".", 1)[1]] = list(value)
         else:
             metadata[key] = value
@@ -152,13 +144,13 @@ def _config(file: GGUFFile) -> dict[str, Any]:
     n_heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
     head_dim = int(get("attention.key_length", hidden // n_heads))
-    if int(get("rope.dimension_count", head_dim)) != head_dim:
+    spec = ARCHITECTURES[arch]
+    if spec.model_type != "phi3" and int(get("rope.dimension_count", head_dim)) != head_dim:
         raise GGUFError(path, "partial rotary embeddings (rope.dimension_count < head size)")
-    model_type, _ = ARCHITECTURES[arch]
     n_vocab = len(file.vocab.get("tokens", ())) or int(get("vocab_size"))
     config: dict[str, Any] = {
-        "model_type": model_type,
-        "architectures": ["Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM"],
+        "model_type": spec.model_type,
+        "architectures": [spec.hf_class],
         "hidden_size": hidden,
         "num_hidden_layers": int(get("block_count")),
         "intermediate_size": int(get("feed_forward_length")),
@@ -178,9 +170,7 @@ def _config(file: GGUFFile) -> dict[str, Any]:
         config["rope_scaling"] = {"type": "linear", "factor": float(get("rope.scaling.factor"))}
     if "rope_freqs.weight" in file.tensor_types:
         config["rope_scaling"] = _llama3_rope_scaling(file, head_dim, config["rope_theta"])
-    if model_type == "llama":
-        config["attention_bias"] = "blk.0.attn_q.bias" in file.tensor_types
-        config["mlp_bias"] = "blk.0.ffn_up.bias" in file.tensor_types
+    config.update(spec.extra(file, get, config))
     return config
 
 
@@ -231,7 +221,9 @@ def source_fingerprint(file: GGUFFile) -> str:
     from gguf import GGUFReader
 
     last = file.config["num_hidden_layers"] - 1
-    wanted = [f"blk.{i}.{n}.weight" for i in (0, last) for n in ("attn_q", "attn_k")]
+    stems = ("attn_q", "attn_k", "attn_qkv")  # Phi-3 keeps the three fused
+    wanted = [f"blk.{i}.{n}.weight" for i in (0, last) for n in stems]
+    wanted = [name for name in wanted if name in file.tensor_types]
     tensors = {t.name: t for t in GGUFReader(file.path).tensors if t.name in wanted}
     digest = hashlib.sha256()
     for name in wanted:
@@ -248,7 +240,7 @@ def _check_tensors(file: GGUFFile, config: dict[str, Any]) -> None:
     readable = FLOAT_TYPES | {t.name for t in getattr(gguf.quants, "_type_traits", {})}
     n_layers = config["num_hidden_layers"]
     for name, type_name in file.tensor_types.items():
-        target = mlx_name(name)
+        target = mlx_name(name, file.arch)
         if name == "rope_freqs.weight":  # folded into the config (see _llama3_rope_scaling)
             continue
         if target is None or (name.startswith("blk.") and int(name.split(".")[1]) >= n_layers):
@@ -261,18 +253,14 @@ def _check_tensors(file: GGUFFile, config: dict[str, Any]) -> None:
             )
 
 
-def mlx_name(gguf_name: str) -> str | None:
+def mlx_name(gguf_name: str, arch: Architecture | None = None) -> str | None:
     """The mlx-lm parameter name of a GGUF tensor, e.g. ``blk.3.attn_q.weight`` ->
-    ``model.layers.3.self_attn.q_proj.weight``; ``None`` for a name outside the table."""
+    ``model.layers.3.self_attn.q_proj.weight``; ``None`` for a name outside the table of
+    ``arch`` (default: Llama's)."""
     match = _TENSOR_NAME.match(gguf_name)
     if match is None:
         return None
-    layer, base, kind = match.groups()
-    if layer is None:
-        target = _GLOBAL_NAMES.get(base)
-        return None if target is None else f"{target}.{kind}"
-    target = _LAYER_NAMES.get(base)
-    return None if target is None else f"model.layers.{layer}.{target}.{kind}"
+    return architectures.mlx_name(arch or ARCHITECTURES["llama"], gguf_name, match)
 
 
 def load_weights(file: GGUFFile, *, dequantize: bool) -> dict[str, Any]:
@@ -293,7 +281,7 @@ def load_weights(file: GGUFFile, *, dequantize: bool) -> dict[str, Any]:
 
     n_heads = file.config["num_attention_heads"]
     n_kv_heads = file.config["num_key_value_heads"]
-    _, permuted = ARCHITECTURES[file.architecture]
+    spec = file.arch
     out: dict[str, Any] = {}
     for tensor in GGUFReader(file.path).tensors:
         name, type_name = tensor.name, tensor.tensor_type.name
@@ -317,10 +305,12 @@ def load_weights(file: GGUFFile, *, dequantize: bool) -> dict[str, Any]:
                 (codes.scales, codes.biases) if name in OUTPUT_TENSORS else stored(codes)
             )
             parts = {"q": codes.q, "scales": scales, "biases": biases}
-        if permuted and name.startswith("blk.") and name.split(".")[2] in ("attn_q", "attn_k"):
+        if spec.norm_shift and architectures.is_norm(name):  # stored as 1 + w
+            parts = {k: v - np.float32(spec.norm_shift) for k, v in parts.items()}
+        if spec.permuted and name.startswith("blk.") and name.split(".")[2] in ("attn_q", "attn_k"):
             heads = n_heads if name.split(".")[2] == "attn_q" else n_kv_heads
             parts = {k: unpermute_rows(v, heads) for k, v in parts.items()}
-        target = mlx_name(name)
+        target = mlx_name(name, spec)
         assert target is not None  # open_gguf refused the others
         stem = target.rsplit(".", 1)[0]
         if "q" in parts:

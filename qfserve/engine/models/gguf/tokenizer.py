@@ -4,7 +4,7 @@ GGUF stores a byte-level BPE vocabulary (``tokenizer.ggml.model = "gpt2"``) as i
 token types and merges, and names its pre-tokenizer (``tokenizer.ggml.pre``) rather than
 storing it; the names map to the pre-tokenizers the original ``tokenizer.json`` files use.
 Control tokens (type 3) are special tokens; the chat template is ``tokenizer.chat_template``.
-SentencePiece vocabularies (``"llama"``) are refused.
+SentencePiece vocabularies (``"llama"``) are built by :mod:`.spm`.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from qfserve.engine.models.gguf.reader import GGUFError, GGUFFile
+from qfserve.engine.models.gguf.spm import build_spm_tokenizer
 
 # llama.cpp's token types (gguf.TokenType).
 CONTROL, USER_DEFINED = 3, 4
@@ -83,9 +84,14 @@ def pre_tokenizer_name(file: GGUFFile) -> str:
 
 
 def adds_bos(file: GGUFFile) -> bool:
-    """``tokenizer.ggml.add_bos_token``; when absent, llama.cpp's default (Llama 3 adds it)."""
+    """``tokenizer.ggml.add_bos_token``; when absent, llama.cpp's default (SentencePiece
+    vocabularies and Llama 3 add it)."""
     value = file.metadata.get("tokenizer.ggml.add_bos_token")
-    return pre_tokenizer_name(file) == "llama-bpe" if value is None else bool(value)
+    if value is not None:
+        return bool(value)
+    return file.metadata.get("tokenizer.ggml.model") == "llama" or (
+        pre_tokenizer_name(file) == "llama-bpe"
+    )
 
 
 def build_tokenizer(file: GGUFFile) -> Any:
@@ -99,11 +105,15 @@ def build_tokenizer(file: GGUFFile) -> Any:
 
     meta = file.metadata
     kind = meta.get("tokenizer.ggml.model")
+    bos, bos_id = token_text(file, "bos"), token_id(file, "bos")
+    bos_pair = (bos, bos_id) if adds_bos(file) and bos is not None and bos_id is not None else None
+    if kind == "llama":
+        return build_spm_tokenizer(file, bos_pair)
     if kind != "gpt2":
-        what = "SentencePiece (" + repr(kind) + ")" if kind == "llama" else repr(kind)
         raise GGUFError(
             file.path,
-            f"unsupported tokenizer model {what}; qfserve reads byte-level BPE ('gpt2')",
+            f"unsupported tokenizer model {kind!r}; qfserve reads byte-level BPE ('gpt2') and "
+            "SentencePiece ('llama')",
         )
     pre = pre_tokenizer_name(file)
     if pre not in PRE_TOKENIZERS:
@@ -143,8 +153,7 @@ def build_tokenizer(file: GGUFFile) -> Any:
             if k == USER_DEFINED
         ]
     )
-    bos, bos_id = token_text(file, "bos"), token_id(file, "bos")
-    if adds_bos(file) and bos is not None and bos_id is not None:
+    if bos_pair is not None:
         tokenizer.post_processor = processors.TemplateProcessing(
             single=f"{bos}:0 $A:0",
             pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
