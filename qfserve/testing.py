@@ -55,6 +55,21 @@ def llama_tool(name: str) -> Path | None:
     return path if path.is_file() and os.access(path, os.X_OK) else None
 
 
+def llama_cpp_python() -> Any:
+    """The ``llama_cpp`` module (llama-cpp-python, the optional reference for tokens and
+    logits) or ``None``. Where llama.cpp's tools are built (:func:`llama_tool`), it runs on
+    their ``libllama``, so the package installs without compiling llama.cpp again:
+    ``CMAKE_ARGS=-DLLAMA_BUILD=OFF pip install llama-cpp-python`` (bench/reference/README.md)."""
+    lib = LLAMA_TOOLS.expanduser()
+    if "LLAMA_CPP_LIB_PATH" not in os.environ and (lib / "libllama.so").is_file():
+        os.environ["LLAMA_CPP_LIB_PATH"] = str(lib)
+    try:
+        import llama_cpp
+    except (ImportError, OSError, RuntimeError, FileNotFoundError):
+        return None
+    return llama_cpp
+
+
 def gguf_of(ref: str | Path | None) -> Path:
     """The GGUF file a ``--model`` value names: the file itself or a catalog model's."""
     from qfserve.engine.models.catalog import CATALOG, DEFAULT_MODEL, gguf_path

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# llama.cpp's own tools (llama-server, llama-quantize, llama-bench), the reference of the
-# memory and speed studies, built once from the llama.cpp sources that llama-cpp-python's
-# sdist vendors (PyPI only; ~11 min on 2 cores). Prints the folder holding them, which is
+# llama.cpp's own tools (llama-server, llama-quantize, llama-bench) and llama-cpp-python on
+# their libllama: the references of the memory, speed and parity studies, built once from the
+# llama.cpp sources that llama-cpp-python's sdist vendors (PyPI only; ~11 min on 2 cores).
+# Prints the folder holding the tools, which is
 # where qfserve.testing.llama_tool looks by default ($QFSERVE_LLAMA_TOOLS overrides it).
 # Usage: bench/reference/llama_cpp_tools.sh [DEST]   (default DEST: ~/.cache/llama-cpp-tools)
 set -euo pipefail
@@ -34,5 +35,10 @@ if [ ! -x "$bin/llama-server" ] || [ ! -x "$bin/llama-quantize" ]; then
   cmake -S "$dest/src" -B "$dest/build" "${isa[@]}" -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
         -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DCMAKE_BUILD_TYPE=Release >&2
   cmake --build "$dest/build" -j"$(nproc)" --target llama-server llama-quantize llama-bench >&2
+fi
+# llama-cpp-python, the reference for tokens and logits (qfserve.testing.llama_cpp_python),
+# on the libllama just built: no second compile of llama.cpp.
+if ! python3 -c 'import llama_cpp' 2>/dev/null; then
+  CMAKE_ARGS="-DLLAMA_BUILD=OFF" python3 -m pip install -q "$dest"/sdist/*.tar.gz diskcache >&2 || true
 fi
 echo "$bin"

