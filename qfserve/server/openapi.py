@@ -56,6 +56,15 @@ class KVCacheInfo(Out):
     full_seq_bytes: int
     compression_ratio: float
     evictions: int
+    evicting_layers: int = Field(
+        0, description="layers whose cache evicts (full-attention layers, when the method evicts)"
+    )
+    window_layers: int = Field(
+        0, description="sliding-window layers: mlx-lm's rotating caches, never evicted"
+    )
+    window_bytes: int = Field(
+        0, description="bytes the sliding-window layers hold (in kept_bytes and full_seq_bytes)"
+    )
 
 
 class ModelCard(Out):

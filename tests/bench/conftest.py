@@ -30,6 +30,7 @@ REGISTRY_FILTERS = {
     "multiturn-recall",
     "kvzip-reuse",
     "niah-served",
+    "long-context",
 }  # no --calibration
 KVPRESS_PYTHON = os.environ.get("QFSERVE_KVPRESS_PYTHON", "")
 

@@ -44,6 +44,10 @@ CHECKS: dict[str, Callable[[dict[str, Any]], bool]] = {
             for v in row),
     # Default settings: every row while it fits, the full cache's answers; a small
     # --max-kv-bytes evicts (the longest documents) and says so.
+    # The full arm keeps every byte; each evicting arm a fraction (no sliding layers here).
+    "long-context": lambda d: all(c["bytes_ratio"] == 1.0 for c in d["results"]["full"].values())
+    and all(c["bytes_ratio"] < 0.6 and c["window_mib"] == 0
+            for arm, by in d["results"].items() if arm != "full" for c in by.values()),
     "niah-served": lambda d: all(v["ran"] == ["full"] for v in d["accuracy"]["auto"].values())
     and [v["accuracy"] for v in d["accuracy"]["auto"].values()]
     == [v["accuracy"] for v in d["accuracy"]["full"].values()]

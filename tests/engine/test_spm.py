@@ -12,12 +12,27 @@ from qfserve.testing import llama_cpp_python
 from tests.gguf_families import SPM_SPECIAL, SPM_USER_DEFINED, spm_vocabulary, write_spm_gguf
 
 CORPUS = [
-    "Hello world", " Hello  world", "  leading spaces", "trailing   ", "tabs\tand\t\ttabs",
-    "newlines\n\nand\n\n\nmore\n", "digits 1234567890 3.14159 -42", "café naïve über",
-    "Unicode 日本語 한국어 🙂👍🏽 Привет мир مرحبا", "<start_of_turn>user\nHi<end_of_turn>\n",
-    "<b>bold</b> text", "mixed   \n  \t whitespace", "", " ", "\n", "x\r\ny\rz",
-    "The quick brown fox jumps over the lazy dog.", "def f(x):\n    return x**2  # comment",
-    "special <s> inside </s> and <unk>", "a" * 40, "\u200b zero width \u00a0nbsp",
+    "Hello world",
+    " Hello  world",
+    "  leading spaces",
+    "trailing   ",
+    "tabs\tand\t\ttabs",
+    "newlines\n\nand\n\n\nmore\n",
+    "digits 1234567890 3.14159 -42",
+    "café naïve über",
+    "Unicode 日本語 한국어 🙂👍🏽 Привет мир مرحبا",
+    "<start_of_turn>user\nHi<end_of_turn>\n",
+    "<b>bold</b> text",
+    "mixed   \n  \t whitespace",
+    "",
+    " ",
+    "\n",
+    "x\r\ny\rz",
+    "The quick brown fox jumps over the lazy dog.",
+    "def f(x):\n    return x**2  # comment",
+    "special <s> inside </s> and <unk>",
+    "a" * 40,
+    "\u200b zero width \u00a0nbsp",
 ]
 
 

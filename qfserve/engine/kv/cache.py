@@ -312,7 +312,7 @@ class EvictionCache(RaggedHeads, SavedState):
 
     def stats(self) -> CacheStats:
         if self.keys is None or self.values is None:
-            return CacheStats(filter_source=self.scorer.source)
+            return CacheStats(filter_source=self.scorer.source, evicting_layers=1)
         row = _row_bytes(self.keys, self.values)
         kept = self.size()
         held = kept  # rows per head the arrays hold
@@ -328,6 +328,7 @@ class EvictionCache(RaggedHeads, SavedState):
             evictions=self.evictions,
             filter_source=self.scorer.source,
             filter_bytes=self.scorer.nbytes,
+            evicting_layers=1,
         )
 
 

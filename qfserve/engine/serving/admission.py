@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 from qfserve.engine.kv.config import CacheConfig, default_recent, fit_chunk
+from qfserve.engine.kv.layout import layout
 from qfserve.engine.serving.jobs import Admission, Job
 
 if TYPE_CHECKING:
@@ -38,14 +39,19 @@ def default_max_kv_bytes() -> int:
 
 
 def _shape(model: Any, config: dict[str, Any]) -> tuple[int, int, int]:
-    """(layers, KV heads, head_dim) from the model's arguments, else its ``config.json``."""
+    """(full-attention layers, KV heads, head_dim) from the model's arguments, else its
+    ``config.json`` (sliding-window layers: :func:`window_bytes`)."""
     args = getattr(model, "args", None)
 
     def field(name: str, default: Any = None) -> Any:
         value = getattr(args, name, None) if args is not None else None
         return config.get(name, default) if value is None else value
 
-    layers = len(getattr(model, "layers", ())) or int(field("num_hidden_layers"))
+    layers = (
+        layout(model).full_layers
+        if getattr(model, "layers", None)
+        else int(field("num_hidden_layers"))
+    )
     heads = int(field("num_attention_heads"))
     kv_heads = int(field("num_key_value_heads") or heads)
     head_dim = int(field("head_dim") or int(field("hidden_size")) // heads)
@@ -66,6 +72,14 @@ def kv_row_bytes(model: Any, config: dict[str, Any], cache: CacheConfig | None =
             + (1 if cache.budget_mode == "adaptive" else 0)
         )
     return layers * kv_heads * per_head
+
+
+def window_bytes(model: Any, config: dict[str, Any], tokens: int) -> int:
+    """Bytes the sliding-window layers hold after ``tokens`` positions (mlx-lm's rotating
+    caches: keys and values of their last ``window`` rows, never evicted)."""
+    _, kv_heads, head_dim = _shape(model, config)
+    rows = layout(model).window_rows(tokens) if getattr(model, "layers", None) else 0
+    return rows * kv_heads * 2 * head_dim * _activation_bytes(model)
 
 
 def _activation_bytes(model: Any) -> int:
@@ -104,7 +118,8 @@ def kv_need(
     _, kv_heads, _ = _shape(loaded.model, loaded.config)
     rows = rows_needed(cache, kv_heads, prompt_tokens, max_tokens)
     param = "qfilters_budget" if cache.evicts else "max_tokens"
-    return rows * row, param
+    windows = window_bytes(loaded.model, loaded.config, prompt_tokens + max_tokens)
+    return rows * row + windows, param
 
 
 def hold_need(loaded: Any, cache: CacheConfig, prompt_tokens: int, max_tokens: int) -> int | None:
@@ -117,7 +132,8 @@ def hold_need(loaded: Any, cache: CacheConfig, prompt_tokens: int, max_tokens: i
     from qfserve.engine.kv.kvzip import DEFAULT_CHUNK, REPEAT_ROWS
 
     rows = total + min(total, DEFAULT_CHUNK) + REPEAT_ROWS
-    return rows * kv_row_bytes(loaded.model, loaded.config, cache)
+    windows = window_bytes(loaded.model, loaded.config, total)
+    return rows * kv_row_bytes(loaded.model, loaded.config, cache) + windows
 
 
 def kvzip_limit(
@@ -130,8 +146,10 @@ def kvzip_limit(
     the limit is their mean."""
     from qfserve.engine.kv.kvzip import DEFAULT_CHUNK, REPEAT_ROWS
 
-    row = kv_row_bytes(loaded.model, loaded.config, cache)
-    fit = max_kv_bytes // row - REPEAT_ROWS
+    row = max(1, kv_row_bytes(loaded.model, loaded.config, cache))
+    # The sliding layers' windows fill first (a long prompt's are full): the rest is the limit's.
+    windows = window_bytes(loaded.model, loaded.config, 2**31)
+    fit = (max_kv_bytes - windows) // row - REPEAT_ROWS
     read = prefill_chunk + 1  # a read may take one token more: no one-token chunk is left
     # At most: the limit, a chunk read past it, and a pass over those unscored rows.
     limit = fit // 2 - read
@@ -146,7 +164,7 @@ def kvzip_limit(
     if limit <= kept:
         return None
     peak = limit + read + min(DEFAULT_CHUNK, limit + read) + REPEAT_ROWS
-    return limit, peak * row
+    return limit, peak * row + windows
 
 
 def resolve_auto(
@@ -171,9 +189,10 @@ def resolve_auto(
     )
     if kv_need(loaded, full, prompt_tokens, max_tokens)[0] <= max_kv_bytes:
         return full
-    row = kv_row_bytes(loaded.model, loaded.config, template)
-    fits = max_kv_bytes // row - 1  # - the decode step's free slot
-    share = max_kv_bytes // max(1, config.max_batch) // row - 1
+    row = max(1, kv_row_bytes(loaded.model, loaded.config, template))
+    room = max_kv_bytes - window_bytes(loaded.model, loaded.config, total)  # sliding layers'
+    fits = room // row - 1  # - the decode step's free slot
+    share = room // max(1, config.max_batch) // row - 1
     budget = max(1, min(fits, max(share, MIN_AUTO_BUDGET)))
     recent = auto.recent if auto.recent is not None else default_recent(budget, template.n_sink)
     chunk = (
@@ -227,7 +246,7 @@ def prepare(
             # A kept turn compressed without a limit may hold more than a pass leaves
             # (a position's bytes over every layer, divided by the layers: a layer-row's).
             layers = _shape(loaded.model, loaded.config)[0]
-            layer_row = kv_row_bytes(loaded.model, loaded.config, request.cache) // layers
+            layer_row = kv_row_bytes(loaded.model, loaded.config, request.cache) // max(1, layers)
             need = fit[1] + kvzip.beyond_keep(caches) * layer_row
     if need > max_kv_bytes:
         raise PromptError(

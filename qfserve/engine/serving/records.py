@@ -29,6 +29,9 @@ _FROM_STATS = (
     "full_seq_bytes",
     "compression_ratio",
     "evictions",
+    "evicting_layers",
+    "window_layers",
+    "window_bytes",
 )
 
 
@@ -72,6 +75,9 @@ class RequestRecord:
     full_seq_bytes: int = 0
     compression_ratio: float = 1.0
     evictions: int = 0
+    evicting_layers: int = 0
+    window_layers: int = 0
+    window_bytes: int = 0
     created: float = field(default_factory=time.time)
     finished: float | None = None
     error: str | None = None  # why it failed or was cancelled
@@ -113,6 +119,9 @@ class RequestRecord:
             "full_seq_bytes": self.full_seq_bytes,
             "compression_ratio": self.compression_ratio,
             "evictions": self.evictions,
+            "evicting_layers": self.evicting_layers,
+            "window_layers": self.window_layers,
+            "window_bytes": self.window_bytes,
         }
 
 

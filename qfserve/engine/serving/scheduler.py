@@ -274,13 +274,7 @@ class Scheduler:
                 self._decoding.pop(r.uid)
                 leaving.append(r.uid)  # a stop string: still in mlx-lm's batch
                 seq.job.emit(done)
-                turn = None
-                if self._keeps and seq.job.request.reuse and r.finish_reason is not None:
-                    # Ended by EOS or max_tokens, so the caches hold every token the client
-                    # gets back (a stop string cuts what it gets: not worth keeping).
-                    self._settle(seq)
-                    tokens = [*seq.prompt, *seq.generated]
-                    turn = KeptTurn(seq.job.request, tokens, seq.caches)
+                turn = self._turn(seq, r.finish_reason)
                 self._departed.append(Departure(seq.record, "done", turn))
         if leaving:
             self._remove(leaving)
@@ -334,16 +328,20 @@ class Scheduler:
             self._repeat = kvzip.RepeatPrompt.for_tokenizer(self.loaded.tokenizer)
         return self._repeat
 
-    def _settle(self, seq: Sequence) -> None:
-        """A kvzip turn that answered on its full cache is compressed before it is kept, so
-        the next turn continues a bounded cache scored without knowing its question. The
-        pass runs here, in one go, between two decode steps of the others."""
-        if not kvzip.holding(seq.caches):
-            return
-        kvzip.hold(seq.caches, False)
-        if kvzip.needs_pass(seq.caches):
-            tokens = [*seq.prompt, *seq.generated][: seq.caches[0].offset]
-            kvzip.compress(self.loaded.model, seq.caches, tokens, self.repeat, group=self._group)
+    def _turn(self, seq: Sequence, finish_reason: str | None) -> KeptTurn | None:
+        """What a finished request leaves for its next turn: only one ended by EOS or
+        max_tokens, whose caches hold every token the client got (a stop string cuts what
+        it gets). A kvzip turn is compressed first (:func:`kvzip.settle`); should that fail,
+        the answer stands and only the turn is lost."""
+        if not (self._keeps and seq.job.request.reuse and finish_reason is not None):
+            return None
+        tokens = [*seq.prompt, *seq.generated]
+        try:
+            kvzip.settle(self.loaded.model, seq.caches, tokens, self.repeat, group=self._group)
+        except Exception:  # noqa: BLE001 - answered already
+            logger.exception("request %s: its turn could not be kept", seq.job.id)
+            return None
+        return KeptTurn(seq.job.request, tokens, seq.caches)
 
     # -- leaving -------------------------------------------------------------------------
 

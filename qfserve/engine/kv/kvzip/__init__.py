@@ -28,7 +28,7 @@ O(budget) single-row eviction: the rows KVzip chose stay, generated rows beyond 
 window go first.
 """
 
-from qfserve.engine.kv.kvzip.reconstruction import Reconstruction, compress
+from qfserve.engine.kv.kvzip.reconstruction import Reconstruction, compress, settle
 from qfserve.engine.kv.kvzip.scorer import (
     DEFAULT_BLOCK,
     DEFAULT_CHUNK,
@@ -68,4 +68,5 @@ __all__ = [
     "needs_pass",
     "over_limit",
     "set_limit",
+    "settle",
 ]

@@ -8,7 +8,7 @@ from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import create_attention_mask
+from mlx_lm.models.cache import RotatingKVCache, create_attention_mask
 
 from qfserve.engine.kv import blocked
 from qfserve.engine.kv.attention import native_kernel
@@ -18,6 +18,9 @@ from qfserve.engine.kv.kvzip.scorer import (
     REPEAT_ROWS,
     KVzipScorer,
     RepeatPrompt,
+    hold,
+    holding,
+    needs_pass,
 )
 from qfserve.engine.kv.kvzip.shares import evict
 
@@ -146,6 +149,16 @@ class _ReconstructionView:
         return out
 
 
+def _window_copy(cache: RotatingKVCache) -> RotatingKVCache:
+    """A sliding-window layer's stand-in for one chunk of the pass: a copy of its rotating
+    cache (arrays shared, never written: MLX arrays are values), so the pass's rows are read
+    with the layer's own window and dropped with the copy. Nothing in it is scored."""
+    copy = RotatingKVCache(max_size=cache.max_size, keep=cache.keep)
+    if cache.keys is not None:
+        copy.state = cache.state  # keys, values, offset, keep, max_size and write index
+    return copy
+
+
 class Reconstruction:
     """The reconstruction pass over one request's caches, run in steps of ``limit`` tokens
     (the scheduler interleaves it with decoding, as it does prefill chunks).
@@ -179,18 +192,23 @@ class Reconstruction:
         if chunk < 1:
             raise ValueError(f"chunk must be >= 1, got {chunk}")
         scored = [c for c in caches if isinstance(getattr(c, "scorer", None), KVzipScorer)]
-        if scored and len(scored) != len(caches):
-            raise ValueError("kvzip needs every layer's cache to be an eviction cache")
+        windows = [c for c in caches if isinstance(c, RotatingKVCache)]
+        if scored and len(scored) + len(windows) != len(caches):
+            raise ValueError(
+                "kvzip needs every full-attention layer's cache to be an eviction cache"
+            )
         for cache in scored:
             if cache.offset != len(tokens):
                 raise ValueError(f"the caches hold {cache.offset} tokens, got {len(tokens)}")
             cache.prepare_compress()
         self.model = model
         self.caches = scored
+        self._layers = caches  # the model's caches in order: scored, or sliding windows
         self.first = first_unscored(scored, len(tokens), group)
         self._plan = repeat.chunks(tokens, chunk, self.first) if scored else []
         self._views = [_ReconstructionView(c, self.first) for c in scored]
         self._fed = 0  # ids of the current chunk fed so far
+        self._stand_ins: list[Any] = []  # per layer for the current chunk
 
     @property
     def done(self) -> bool:
@@ -208,6 +226,11 @@ class Reconstruction:
             if self._fed == 0:
                 for view in self._views:
                     view.begin(start, end)
+                views = iter(self._views)
+                self._stand_ins = [
+                    _window_copy(c) if isinstance(c, RotatingKVCache) else next(views)
+                    for c in self._layers
+                ]
             rest = len(ids) - self._fed
             n = rest if rest <= limit - fed + REPEAT_ROWS else limit - fed
             block = mx.array(ids[self._fed : self._fed + n])[None]
@@ -216,7 +239,7 @@ class Reconstruction:
             try:  # the pass's queries are not traffic to learn filters from
                 for tap in taps:
                     tap.offer = None
-                self.model(block, cache=self._views)
+                self.model(block, cache=self._stand_ins)
             finally:
                 for tap, offer in zip(taps, offers, strict=True):
                     tap.offer = offer
@@ -271,3 +294,17 @@ def compress(
     run = Reconstruction(model, caches, tokens, repeat, chunk=chunk, group=group)
     while not run.done:
         run.step(block)
+
+
+def settle(
+    model: Any, caches: list[Any], tokens: Sequence[int], repeat: RepeatPrompt, *, group: Any = None
+) -> None:
+    """A kvzip turn that answered on its full cache is compressed before it is kept, so the
+    next turn continues a bounded cache scored without knowing its question (the whole pass
+    in one go; a no-op for other caches). ``tokens``: the prompt and the answer."""
+    if not holding(caches):
+        return
+    hold(caches, False)
+    if needs_pass(caches):
+        seen = max(int(c.offset) for c in caches)
+        compress(model, caches, tokens[:seen], repeat, group=group)

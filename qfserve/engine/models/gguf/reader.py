@@ -144,7 +144,7 @@ def _config(file: GGUFFile) -> dict[str, Any]:
     n_heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
     head_dim = int(get("attention.key_length", hidden // n_heads))
-    spec = ARCHITECTURES[arch]
+    spec = ARCHITECTURES[str(arch)]
     if spec.model_type != "phi3" and int(get("rope.dimension_count", head_dim)) != head_dim:
         raise GGUFError(path, "partial rotary embeddings (rope.dimension_count < head size)")
     n_vocab = len(file.vocab.get("tokens", ())) or int(get("vocab_size"))

@@ -79,7 +79,7 @@ def build_spm_tokenizer(file: GGUFFile, bos: tuple[str, int] | None) -> Any:
         byte_fallback=True,
     )
     tokenizer = Tokenizer(bpe)
-    steps = [normalizers.Replace(Regex(" "), SPACE)]
+    steps: list[Any] = [normalizers.Replace(Regex(" "), SPACE)]
     if add_space_prefix(file):  # per fragment between added tokens, as llama.cpp prefixes
         steps.insert(0, normalizers.Prepend(SPACE))
     tokenizer.normalizer = normalizers.Sequence(steps)

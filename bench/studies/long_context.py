@@ -1,0 +1,126 @@
+"""The needle and KV bytes at long context through the server, for models whose layers mix
+sliding windows and global attention (Gemma 3: five layers of six see the last 512 tokens).
+
+Only the global layers grow with the prompt, so only they evict; the sliding layers' windows
+count in every arm's bytes (``kv_cache``'s ``window_bytes``). Arms: ``full``; ``<method>-<r>x``,
+``kv_method`` at ``qfilters_budget`` = prompt tokens / r on the global layers, without reuse
+(so kvzip compresses before it answers). Per prompt: the needle answered or not, and
+``kept_bytes`` / ``full_seq_bytes`` as the server reports them.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.data import stdlib_prose
+from bench.harness import start
+from bench.report import section, table
+from bench.studies.niah import make_doc
+from bench.studies.retrieval import accuracy_plot, first_number_is
+from qfserve import testing
+
+STUDY = "long_context"
+ARMS = ("full", "qfilters-4x", "kvzip-4x", "streaming-4x", "qfilters-8x", "kvzip-8x")
+COLOURS = {"full": "black", "qfilters-4x": "tab:blue", "kvzip-4x": "goldenrod",
+           "streaming-4x": "tab:grey", "qfilters-8x": "tab:cyan",
+           "kvzip-8x": "darkgoldenrod"}  # fmt: skip
+
+
+def body(arm: str, tokens: int) -> dict[str, Any]:
+    """The request's eviction fields for ``arm`` on a prompt of ``tokens``."""
+    if arm == "full":
+        return {"kv_method": "full"}
+    method, ratio = arm.rsplit("-", 1)
+    budget = max(64, tokens // int(ratio.rstrip("x")))
+    return {"kv_method": method, "qfilters_budget": budget, "qfilters_reuse": False}
+
+
+def ask(url: str, model: str, doc: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+    request = {"model": model, "prompt": doc["prompt"], "max_tokens": len(doc["answer"]) + 2,
+               "temperature": 0, **fields}  # fmt: skip
+    began = time.perf_counter()
+    resp = httpx.post(f"{url}/v1/completions", json=request, timeout=7200)
+    resp.raise_for_status()
+    out = resp.json()
+    kv = out["kv_cache"]
+    return {"correct": first_number_is(out["choices"][0]["text"], doc["number"]),
+            "seconds": time.perf_counter() - began,
+            **{k: kv[k] for k in ("method", "budget", "tokens_kept", "kept_bytes",
+                                  "full_seq_bytes", "window_bytes", "evicting_layers",
+                                  "window_layers")}}  # fmt: skip
+
+
+def summarize(records: list[dict[str, Any]], lengths: list[int]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for arm in ARMS:
+        for n in lengths:
+            hits = [r for r in records if r["arm"] == arm and r["length"] == n]
+            if not hits:
+                continue
+            kept = sum(r["kept_bytes"] for r in hits) / len(hits)
+            full = sum(r["full_seq_bytes"] for r in hits) / len(hits)
+            out.setdefault(arm, {})[str(n)] = {
+                "accuracy": sum(r["correct"] for r in hits) / len(hits),
+                "n": len(hits),
+                "kept_mib": kept / 2**20,
+                "full_mib": full / 2**20,
+                "bytes_ratio": kept / full if full else 1.0,
+                "window_mib": hits[0]["window_bytes"] / 2**20,
+                "seconds": sum(r["seconds"] for r in hits) / len(hits),
+            }
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    run = start(STUDY, argv, __doc__, docs=(2, 1, "documents per length"),
+                lengths=([2048, 4096, 8192, 16384, 32768], [256, 512]),
+                flags={"--arms": {"nargs": "+", "default": list(ARMS), "choices": ARMS,
+                                  "help": "arms to run (default: all)"}})  # fmt: skip
+    args = run.args
+    paragraphs = list(stdlib_prose())
+    logs = Path(tempfile.mkdtemp(prefix="long-context-"))
+    server = testing.start("qfserve", run.folder, log=logs / "server.log", timeout=600)
+    room = run.context_length - 16
+
+    def measure(arm: str, n: int, d: int) -> dict[str, Any]:
+        doc = make_doc(run.tokenizer, paragraphs, min(n, room), 0.5, d)
+        (card,) = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"]
+        return {"arm": arm, "length": n, "doc": d, "tokens": doc["tokens"],
+                **ask(server.url, card["id"], doc, body(arm, doc["tokens"]))}  # fmt: skip
+
+    todo = [(a, n, d) for n in args.lengths for d in range(args.docs) for a in args.arms]
+    try:
+        records = run.logged(("arm", "length", "doc"), todo, measure, "answers")
+    finally:
+        testing.stop_all([server], 15)
+    results = summarize(records, args.lengths)
+    series = {arm: {n: v["accuracy"] for n, v in by.items()} for arm, by in results.items()}
+    title = f"{run.identity['path']}: the needle at long context"
+    style = lambda arm: {"color": COLOURS[arm], "label": arm}  # noqa: E731
+    plot = accuracy_plot(series, args.lengths, args.out, STUDY, title, style, "", "prompt tokens")
+    return run.save({"docs": args.docs, "lengths": args.lengths, "arms": args.arms,
+                     "results": results, "records": records, "plots": [plot]})  # fmt: skip
+
+
+def render(d: dict[str, Any]) -> list[str]:
+    intro = (f"{d['docs']} document(s) per length, the needle at half depth, greedy, through "
+             "`/v1/completions`; `<method>-<r>x`: `qfilters_budget` = prompt tokens / r on the "
+             "global layers, `qfilters_reuse: false`. Each cell: needle accuracy, then KV "
+             "bytes kept / the full cache's (sliding-window layers counted in both).")  # fmt: skip
+    lengths = d["lengths"]
+    rows = []
+    for arm, by in d["results"].items():
+        cells = []
+        for n in lengths:
+            c = by.get(str(n))
+            cells.append("-" if c is None else
+                         f"{c['accuracy']:.2f} · {c['kept_mib']:.1f}/{c['full_mib']:.1f} MiB "
+                         f"({c['bytes_ratio']:.2f})")  # fmt: skip
+        rows.append([arm, *cells])
+    return section("The needle and KV bytes at long context", d, intro,
+                   table(["arm", *[f"{n:,}" for n in lengths]], rows))  # fmt: skip
