@@ -35,6 +35,8 @@ STUDIES = {s.name: s for s in (
     Study("stability", "quality", "how stable is the calibration across samples and texts?"),
     Study("niah", "quality", "a needle sentence in English prose, depth x length"),
     Study("niah-served", "quality", "the needle through the server with default settings", True),
+    Study("llama-parity", "quality", "greedy text and log-probs against llama.cpp on the same file",
+          True, "llama-cpp-python on llama.cpp's libllama (bench/reference/llama_cpp_tools.sh)"),
     Study("long-context", "quality", "needle and KV bytes at 2k-32k on sliding + global layers",
           True),
     Study("selfcal-text", "quality", "whose queries make a prompt-calibrated filter work?", True),

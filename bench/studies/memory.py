@@ -64,15 +64,20 @@ def timed(fn: Any) -> Any:
 
 
 def q4_k_m(source: Path, out: Path) -> Path | None:
-    """``source`` requantized to Q4_K_M by llama.cpp's own ``llama-quantize`` (kept in
-    ``out``), or ``None`` where the tool is not built."""
+    """``source`` requantized to Q4_K_M (:func:`requantized`)."""
+    return requantized(source, out, "Q4_K_M")
+
+
+def requantized(source: Path, out: Path, kind: str) -> Path | None:
+    """``source`` requantized to ``kind`` (``Q4_K_M``, ``F32`` ...) by llama.cpp's own
+    ``llama-quantize`` (kept in ``out``), or ``None`` where the tool is not built."""
     tool = servers.llama_tool("llama-quantize")
-    target = out / f"{source.stem.rsplit('.', 1)[0]}.Q4_K_M.gguf"
+    target = out / f"{source.stem.rsplit('.', 1)[0]}.{kind}.gguf"
     if target.is_file() or tool is None:
         return target if target.is_file() else None
     out.mkdir(parents=True, exist_ok=True)
     subprocess.run(
-        [str(tool), "--allow-requantize", str(source), str(target), "Q4_K_M"],
+        [str(tool), "--allow-requantize", str(source), str(target), kind],
         check=True,
         capture_output=True,
     )

@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from qfserve.engine.models.blas import blas_summary, reexec_with_openblas
 from qfserve.server.serve import follow, port_problem, serve
@@ -30,9 +31,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     reexec_with_openblas()  # must precede any MLX import
     if argv and argv[0] == "calibrate":
         from qfserve.calibrations.cli import main as calibrate
-        from qfserve.engine.models.loading import resolve_model_ref
+        from qfserve.engine.models.loading import load_model, resolve_model_ref
 
-        return calibrate(argv[1:], resolve_model=resolve_model_ref) or 0
+        def load(source: str) -> tuple[Any, Any, dict[str, Any]]:
+            loaded = load_model(source)
+            return loaded.model, loaded.tokenizer, loaded.config
+
+        return calibrate(argv[1:], resolve_model=resolve_model_ref, load=load) or 0
     from pydantic import ValidationError
 
     try:

@@ -119,13 +119,13 @@ def converted_folder(
     folder = (
         cache_root() / "models" / _safe(name) / f"{sha[:16]}-{'f32' if dequantize else 'codes'}"
     )
-    if _valid(folder, sha):
+    if _valid(folder, sha, model_id):
         return folder
     file = open_gguf(path)
     folder.parent.mkdir(parents=True, exist_ok=True)
     # One conversion per name at a time: a second process waits, then finds the folder.
     with locked(folder.parent / ".lock"):
-        if _valid(folder, sha):
+        if _valid(folder, sha, model_id):
             return folder
         for stale in folder.parent.glob(".converting-*"):  # left by a killed conversion
             shutil.rmtree(stale, ignore_errors=True)
@@ -154,7 +154,7 @@ def converted_folder(
     return folder
 
 
-def _valid(folder: Path, sha: str) -> bool:
+def _valid(folder: Path, sha: str, model_id: str) -> bool:
     try:
         recorded = json.loads((folder / MARKER).read_text())
     except (OSError, ValueError):
@@ -163,6 +163,7 @@ def _valid(folder: Path, sha: str) -> bool:
         isinstance(recorded, dict)
         and recorded.get("sha256") == sha
         and recorded.get("format") == MARKER_FORMAT
+        and recorded.get("model_id") == model_id  # the calibration id its config carries
     )
 
 
