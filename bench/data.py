@@ -175,7 +175,10 @@ def prompt_tokens(run: Any, n: int) -> list[int]:
 def chat_content(run: Any, n_tokens: int, nonce: str = "") -> str:
     """User content whose chat-templated prompt is about ``n_tokens`` long."""
     message = [{"role": "user", "content": nonce}]
-    overhead = len(run.tokenizer.apply_chat_template(message, add_generation_prompt=True))
+    if getattr(run.tokenizer, "chat_template", None):
+        overhead = len(run.tokenizer.apply_chat_template(message, add_generation_prompt=True))
+    else:  # a base model: each server wraps the turn in its own fallback (a few tokens)
+        overhead = len(run.tokenizer.encode(nonce))
     return nonce + run.tokenizer.decode(prompt_tokens(run, max(1, n_tokens - overhead)))
 
 

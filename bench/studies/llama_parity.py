@@ -51,6 +51,15 @@ def llama_greedy(reference: Any, ids: list[int], n: int) -> tuple[list[int], np.
     return out, _log_softmax(logits)[np.arange(n), out]
 
 
+def llama_forced(reference: Any, ids: list[int], tokens: list[int]) -> np.ndarray:
+    """llama.cpp's log-probabilities of ``tokens`` after ``ids`` (teacher-forced)."""
+    reference.reset()
+    reference.eval(ids + tokens[:-1])
+    n = len(tokens)
+    logits = np.array(reference.scores[len(ids) - 1 : len(ids) + n - 1], dtype=np.float64)
+    return _log_softmax(logits)[np.arange(n), tokens]
+
+
 def ours_greedy(model: Any, ids: list[int], n: int, theirs: list[int]) -> tuple[list[int], Any]:
     """Our greedy ``n`` tokens, and our log-probabilities of ``theirs`` (teacher-forced)."""
     import mlx.core as mx
@@ -97,7 +106,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             rows.append({"prompt": prompt, "pair": f"qfserve vs llama.cpp ({ref})",
                          **compare(mine, tokens, my_lp, lp)})  # fmt: skip
         if "f32 copy" in theirs:  # llama.cpp against itself: the floor
-            (a, lp_a), (b, lp_b) = theirs["file"], theirs["f32 copy"]
+            (a, lp_a), (b, _) = theirs["file"], theirs["f32 copy"]
+            lp_b = llama_forced(refs["f32 copy"], ids, a)  # of the file's tokens, as ours
             rows.append({"prompt": prompt, "pair": "llama.cpp (file) vs llama.cpp (f32 copy)",
                          **compare(a, b, lp_a, lp_b)})  # fmt: skip
     pairs = {}
