@@ -7,6 +7,7 @@ a call, 60 calls in a decode step of SmolLM2-135M), ``mx.fast.rms_norm`` a fallb
 (~60 us a row, ~1.3 ms for 512), and mlx-lm's compiled ``swiglu`` a scalar exp (~40 us for one
 row, ~20 ms for a 512-token block: a third of a prefill chunk). :func:`install` swaps each
 layer's plain ``nn.RoPE`` and ``nn.RMSNorm`` for :class:`NativeRoPE` and :class:`NativeRMSNorm`
+(Gemma's ``1 + weight`` norm for :class:`NativeOffsetRMSNorm`)
 and the ``swiglu`` its MLP calls for the kernel's, each the same arithmetic in one op, falling
 back to MLX's own off the CPU or off float32. Other ropes (scaled, YaRN, Llama 3's), norms and
 activations keep MLX's.
@@ -98,6 +99,30 @@ class NativeRMSNorm(nn.Module):
         return cast(mx.array, self._kernel.rms_norm(x, weight, self.plain.eps))
 
 
+class NativeOffsetRMSNorm(nn.Module):
+    """Gemma's RMSNorm, whose scale is ``1 + weight`` (``plain``), through the native kernel:
+    the scale added once here rather than at every call."""
+
+    def __init__(self, plain: nn.Module, kernel: ModuleType) -> None:
+        super().__init__()
+        self.plain = plain
+        self._kernel = kernel
+        self._scale = 1.0 + plain.weight
+        mx.eval(self._scale)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if not _native(x) or self._scale.dtype != mx.float32:
+            return cast(mx.array, self.plain(x))
+        return cast(mx.array, self._kernel.rms_norm(x, self._scale, self.plain.eps))
+
+
+def _offset_norms() -> tuple[type, ...]:
+    """The norm classes that scale by ``1 + weight`` (mlx-lm's Gemma 3)."""
+    from mlx_lm.models import gemma3_text
+
+    return (gemma3_text.RMSNorm,)
+
+
 def _swiglu(kernel: ModuleType, original: Callable[..., mx.array]) -> Callable[..., mx.array]:
     def swiglu(gate: mx.array, x: mx.array) -> mx.array:
         if _native(gate) and x.dtype == mx.float32 and gate.shape == x.shape:
@@ -131,12 +156,18 @@ def install(model: nn.Module, kernel: ModuleType) -> int:
             setattr(holder, name, NativeRoPE(rope, kernel))
             swapped += 1
     modules = model.named_modules()
-    inside = {id(m.plain) for _, m in modules if isinstance(m, NativeRMSNorm)}  # installed
-    norms = [(n, m) for n, m in modules if type(m) is nn.RMSNorm and id(m) not in inside]
+    natives = (NativeRMSNorm, NativeOffsetRMSNorm)
+    inside = {id(m.plain) for _, m in modules if isinstance(m, natives)}  # installed
+    offset = _offset_norms()
+    norms = [
+        (n, NativeRMSNorm(m, kernel) if type(m) is nn.RMSNorm else NativeOffsetRMSNorm(m, kernel))
+        for n, m in modules
+        if (type(m) is nn.RMSNorm or type(m) in offset) and id(m) not in inside
+    ]
     if norms:
         from mlx.utils import tree_unflatten
 
-        model.update_modules(tree_unflatten([(n, NativeRMSNorm(m, kernel)) for n, m in norms]))
+        model.update_modules(tree_unflatten(norms))
         swapped += len(norms)
     for module in _mlp_modules(model):
         original = getattr(module, "swiglu", None)
@@ -155,7 +186,8 @@ def remove(model: nn.Module) -> int:
         if isinstance(rope, NativeRoPE):
             setattr(holder, name, rope.plain)
             restored += 1
-    norms = [(n, m.plain) for n, m in model.named_modules() if isinstance(m, NativeRMSNorm)]
+    natives = (NativeRMSNorm, NativeOffsetRMSNorm)
+    norms = [(n, m.plain) for n, m in model.named_modules() if isinstance(m, natives)]
     if norms:
         from mlx.utils import tree_unflatten
 
