@@ -20,10 +20,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter
-from gguf.quants import dequantize, quantize
 from mlx.utils import tree_flatten
 
-from tests.gguf_files import HALVES, _finish, random_blocks
+from tests.gguf_files import _finish, add_matrix
 from tests.tiny import SPECIAL_TOKENS, _train_tokenizer
 
 # Per family: (GGUF architecture, mlx-lm config overrides).
@@ -165,14 +164,8 @@ def write_family_gguf(
     for hf_name, value in ((k, np.array(v)) for k, v in tree_flatten(model.parameters())):
         name = gguf_name(arch, hf_name)
         stem = name.split(".")[-2]
-        if stem in quantized and value.ndim == 2 and qtype.name in HALVES:
-            data = random_blocks(qtype.name, *value.shape, seed=len(decoded))
-            writer.add_tensor(name, data, raw_dtype=qtype)
-            decoded[hf_name] = dequantize(data, qtype).reshape(value.shape)
-        elif stem in quantized and value.ndim == 2:
-            data = quantize(value, qtype)
-            writer.add_tensor(name, data, raw_dtype=qtype)
-            decoded[hf_name] = dequantize(data, qtype)
+        if stem in quantized and value.ndim == 2:
+            decoded[hf_name] = add_matrix(writer, name, value, value, qtype, seed=len(decoded))
         else:
             stored = value + 1 if arch == "gemma3" and name.endswith("norm.weight") else value
             writer.add_tensor(name, stored.astype(np.float32))

@@ -150,21 +150,33 @@ def write_tiny_gguf(
             stored = llama_cpp_permute(value, heads)
         else:
             stored = value
-        if stem in quantized and value.ndim == 2 and qtype.name in HALVES:
-            # gguf cannot quantize K-quants: random blocks of the type are the weight.
-            data = random_blocks(qtype.name, *value.shape, seed=len(decoded))
-            writer.add_tensor(name, data, raw_dtype=qtype)
-            decoded[hf_name] = dequantize(data, qtype).reshape(value.shape)
-        elif stem in quantized and value.ndim == 2:
-            data = quantize(stored, qtype)
-            writer.add_tensor(name, data, raw_dtype=qtype)
-            # Quantization groups run along rows, so it commutes with the row permutation.
-            decoded[hf_name] = dequantize(quantize(value, qtype), qtype)
+        if stem in quantized and value.ndim == 2:
+            decoded[hf_name] = add_matrix(writer, name, stored, value, qtype, seed=len(decoded))
         else:
             writer.add_tensor(name, stored.astype(np.float32))
             decoded[hf_name] = value.astype(np.float32)
     _finish(writer)
     return decoded
+
+
+def add_matrix(
+    writer: GGUFWriter,
+    name: str,
+    stored: np.ndarray,
+    value: np.ndarray,
+    qtype: GGMLQuantizationType,
+    seed: int,
+) -> np.ndarray:
+    """Write ``stored`` (``value``'s rows as the file keeps them) quantized to ``qtype``;
+    return what ``value`` decodes to. K-quants, which ``gguf`` cannot quantize, are random
+    blocks of the type instead."""
+    if qtype.name in HALVES:
+        data = random_blocks(qtype.name, *value.shape, seed=seed)
+        writer.add_tensor(name, data, raw_dtype=qtype)
+        return np.asarray(dequantize(data, qtype)).reshape(value.shape)
+    writer.add_tensor(name, quantize(stored, qtype), raw_dtype=qtype)
+    # Quantization groups run along rows, so it commutes with the row permutation.
+    return np.asarray(dequantize(quantize(value, qtype), qtype))
 
 
 # Where K-quant blocks keep their float16 fields (byte offsets), for random blocks.
