@@ -31,6 +31,7 @@ REGISTRY_FILTERS = {
     "kvzip-reuse",
     "niah-served",
     "long-context",
+    "llama-parity",
 }  # no --calibration
 KVPRESS_PYTHON = os.environ.get("QFSERVE_KVPRESS_PYTHON", "")
 
@@ -59,6 +60,11 @@ def missing(name: str) -> str:
         from bench.studies.blas import missing as blas_missing
 
         return blas_missing()
+    if name == "llama-parity":
+        from qfserve.testing import llama_cpp_python
+
+        if llama_cpp_python() is None:
+            return "needs llama-cpp-python (bench/reference/llama_cpp_tools.sh)"
     if name == "kernel-cuda":
         if importlib.util.find_spec("torch") is None or importlib.util.find_spec("cupy") is None:
             return "needs torch and cupy with an NVIDIA GPU"
@@ -79,6 +85,8 @@ def argv_for(name: str, out: Path) -> list[str]:
     if name == "vs-llama-cpp":  # llama.cpp reads GGUF: the default model's, short
         argv += ["--model", "smollm2-135m-instruct", "--prompts", "64", "--reps", "1"]
     if name == "memory":  # the default model's GGUF, a short context
+        argv += ["--model", "smollm2-135m-instruct"]
+    if name == "llama-parity":  # llama.cpp reads GGUF: the default model's
         argv += ["--model", "smollm2-135m-instruct"]
     return argv
 

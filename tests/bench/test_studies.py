@@ -44,6 +44,11 @@ CHECKS: dict[str, Callable[[dict[str, Any]], bool]] = {
             for v in row),
     # Default settings: every row while it fits, the full cache's answers; a small
     # --max-kv-bytes evicts (the longest documents) and says so.
+    # Every pair compared on every prompt; a budget above the prompt keeps the full cache's text.
+    "llama-parity": lambda d: all(v["of"] == len({r["prompt"] for r in d["rows"]})
+                                  for v in d["pairs"].values())
+    and all(0 <= v["mean_abs_dlogprob"] < 1 for v in d["pairs"].values())
+    and all(k == len({r["prompt"] for r in d["rows"]}) for k in d["methods"].values()),
     # The full arm keeps every byte; each evicting arm a fraction (no sliding layers here).
     "long-context": lambda d: all(c["bytes_ratio"] == 1.0 for c in d["results"]["full"].values())
     and all(c["bytes_ratio"] < 0.6 and c["window_mib"] == 0
