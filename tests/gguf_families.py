@@ -19,10 +19,10 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGMLQuantizationType
 from mlx.utils import tree_flatten
 
-from tests.gguf_files import _finish, add_matrix
+from tests.gguf_files import _finish, add_matrix, hparams_writer
 from tests.tiny import SPECIAL_TOKENS, _train_tokenizer
 
 # Per family: (GGUF architecture, mlx-lm config overrides).
@@ -136,18 +136,7 @@ def write_family_gguf(
     cfg = {**FAMILIES[arch], "vocab_size": len(tokens), "tie_word_embeddings": tied}
     head_dim = cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
 
-    writer = GGUFWriter(str(path), arch)
-    writer.add_name("tiny test model")  # llama.cpp patches "phi3"-named vocabularies by name
-    writer.add_block_count(cfg["num_hidden_layers"])
-    writer.add_context_length(2048)
-    writer.add_embedding_length(cfg["hidden_size"])
-    writer.add_feed_forward_length(cfg["intermediate_size"])
-    writer.add_head_count(cfg["num_attention_heads"])
-    writer.add_head_count_kv(cfg["num_key_value_heads"])
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    writer.add_rope_freq_base(cfg["rope_theta"])
+    writer = hparams_writer(path, arch, cfg, head_dim)
     if arch == "phi3":
         writer.add_rope_dimension_count(head_dim)
     if arch == "gemma3":
@@ -217,17 +206,8 @@ def write_spm_gguf(path: Path, *, add_space_prefix: bool, seed: int = 0) -> int:
     tokens, scores, types = spm_vocabulary()
     cfg = {**TINY_CONFIG, "vocab_size": len(tokens)}
     model = make_tiny_model(seed, vocab_size=len(tokens))
-    writer = GGUFWriter(str(path), "llama")
-    writer.add_name("tiny test model")
-    writer.add_block_count(cfg["num_hidden_layers"])
-    writer.add_context_length(cfg["max_position_embeddings"])
-    writer.add_embedding_length(cfg["hidden_size"])
-    writer.add_feed_forward_length(cfg["intermediate_size"])
-    writer.add_head_count(cfg["num_attention_heads"])
-    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer = hparams_writer(path, "llama", cfg, cfg["head_dim"])
     writer.add_rope_dimension_count(cfg["head_dim"])
-    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    writer.add_rope_freq_base(cfg["rope_theta"])
     writer.add_tokenizer_model("llama")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)

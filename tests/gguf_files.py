@@ -114,19 +114,8 @@ def write_tiny_gguf(
                     0, 0.1, rows
                 ).astype(np.float32)
 
-    writer = GGUFWriter(str(path), arch)
-    writer.add_name("tiny test model")
-    writer.add_block_count(cfg["num_hidden_layers"])
-    writer.add_context_length(cfg["max_position_embeddings"])
-    writer.add_embedding_length(cfg["hidden_size"])
-    writer.add_feed_forward_length(cfg["intermediate_size"])
-    writer.add_head_count(cfg["num_attention_heads"])
-    writer.add_head_count_kv(cfg["num_key_value_heads"])
-    writer.add_key_length(cfg["head_dim"])
-    writer.add_value_length(cfg["head_dim"])
+    writer = hparams_writer(path, arch, cfg, cfg["head_dim"])
     writer.add_rope_dimension_count(cfg["head_dim"])
-    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    writer.add_rope_freq_base(cfg["rope_theta"])
     writer.add_tokenizer_model(tokenizer_model)
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
@@ -157,6 +146,24 @@ def write_tiny_gguf(
             decoded[hf_name] = value.astype(np.float32)
     _finish(writer)
     return decoded
+
+
+def hparams_writer(path: Path, arch: str, cfg: dict[str, Any], head_dim: int) -> GGUFWriter:
+    """A writer of ``arch`` holding the hyperparameters every family's file has, from the
+    mlx-lm config ``cfg``. Named so that llama.cpp patches no vocabulary by model name."""
+    writer = GGUFWriter(str(path), arch)
+    writer.add_name("tiny test model")
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_context_length(cfg.get("max_position_embeddings", 2048))
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_rope_freq_base(cfg["rope_theta"])
+    return writer
 
 
 def add_matrix(
