@@ -26,11 +26,17 @@ from qfserve import testing
 
 STUDY = "llama_parity"
 PROMPTS = (
-    "The capital of France is", "Once upon a time, in a small village,", "def fibonacci(n):",
-    "The three laws of thermodynamics are", "In 1969, the first humans", "Water boils at",
-    "The best way to learn a new language is", "Photosynthesis is the process by which",
-    "Here is a list of prime numbers: 2, 3, 5,", "The meaning of life is",
-)  # fmt: skip
+    "The capital of France is",
+    "Once upon a time, in a small village,",
+    "def fibonacci(n):",
+    "The three laws of thermodynamics are",
+    "In 1969, the first humans",
+    "Water boils at",
+    "The best way to learn a new language is",
+    "Photosynthesis is the process by which",
+    "Here is a list of prime numbers: 2, 3, 5,",
+    "The meaning of life is",
+)
 METHODS = ("qfilters", "kvzip", "streaming", "knorm", "snapkv", "tova")
 
 
@@ -78,13 +84,21 @@ def ours_greedy(model: Any, ids: list[int], n: int, theirs: list[int]) -> tuple[
 
 def compare(a: list[int], b: list[int], lp_a: np.ndarray, lp_b: np.ndarray) -> dict[str, Any]:
     first = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
-    return {"identical": a == b, "first_difference": first,
-            "mean_abs_dlogprob": float(np.abs(lp_a - lp_b).mean())}  # fmt: skip
+    return {
+        "identical": a == b,
+        "first_difference": first,
+        "mean_abs_dlogprob": float(np.abs(lp_a - lp_b).mean()),
+    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    run = start(STUDY, argv, __doc__, tokens=(64, 8, "greedy tokens per prompt"),
-                prompts=(len(PROMPTS), 2, "prompts"))  # fmt: skip
+    run = start(
+        STUDY,
+        argv,
+        __doc__,
+        tokens=(64, 8, "greedy tokens per prompt"),
+        prompts=(len(PROMPTS), 2, "prompts"),
+    )
     args = run.args
     llama_cpp = testing.llama_cpp_python()
     file = testing.gguf_of(args.model)
@@ -93,8 +107,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     f32 = requantized(file, args.out / "derived", "F32")
     files = {"file": file, **({"f32 copy": f32} if f32 is not None else {})}
     n = args.tokens
-    refs = {k: llama_cpp.Llama(str(p), n_ctx=512, logits_all=True, verbose=False)
-            for k, p in files.items()}  # fmt: skip
+    refs = {
+        k: llama_cpp.Llama(str(p), n_ctx=512, logits_all=True, verbose=False)
+        for k, p in files.items()
+    }
     rows: list[dict[str, Any]] = []
     for prompt in PROMPTS[: args.prompts]:
         ids = refs["file"].tokenize(prompt.encode(), add_bos=True)
@@ -103,22 +119,41 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         theirs = {k: llama_greedy(r, ids, n) for k, r in refs.items()}
         for ref, (tokens, lp) in theirs.items():
             mine, my_lp = ours_greedy(run.model, ids, n, tokens)
-            rows.append({"prompt": prompt, "pair": f"qfserve vs llama.cpp ({ref})",
-                         **compare(mine, tokens, my_lp, lp)})  # fmt: skip
+            rows.append(
+                {
+                    "prompt": prompt,
+                    "pair": f"qfserve vs llama.cpp ({ref})",
+                    **compare(mine, tokens, my_lp, lp),
+                }
+            )
         if "f32 copy" in theirs:  # llama.cpp against itself: the floor
             (a, lp_a), (b, _) = theirs["file"], theirs["f32 copy"]
             lp_b = llama_forced(refs["f32 copy"], ids, a)  # of the file's tokens, as ours
-            rows.append({"prompt": prompt, "pair": "llama.cpp (file) vs llama.cpp (f32 copy)",
-                         **compare(a, b, lp_a, lp_b)})  # fmt: skip
+            rows.append(
+                {
+                    "prompt": prompt,
+                    "pair": "llama.cpp (file) vs llama.cpp (f32 copy)",
+                    **compare(a, b, lp_a, lp_b),
+                }
+            )
     pairs = {}
     for pair in dict.fromkeys(r["pair"] for r in rows):
         mine = [r for r in rows if r["pair"] == pair]
-        pairs[pair] = {"identical": sum(r["identical"] for r in mine), "of": len(mine),
-                       "mean_abs_dlogprob": float(np.mean([r["mean_abs_dlogprob"]
-                                                           for r in mine]))}  # fmt: skip
+        pairs[pair] = {
+            "identical": sum(r["identical"] for r in mine),
+            "of": len(mine),
+            "mean_abs_dlogprob": float(np.mean([r["mean_abs_dlogprob"] for r in mine])),
+        }
     methods = methods_match(run, args.prompts, n)
-    return run.save({"tokens": n, "files": {k: str(p) for k, p in files.items()},
-                     "pairs": pairs, "rows": rows, "methods": methods})  # fmt: skip
+    return run.save(
+        {
+            "tokens": n,
+            "files": {k: str(p) for k, p in files.items()},
+            "pairs": pairs,
+            "rows": rows,
+            "methods": methods,
+        }
+    )
 
 
 def methods_match(run: Any, prompts: int, n: int) -> dict[str, int]:
@@ -130,29 +165,45 @@ def methods_match(run: Any, prompts: int, n: int) -> dict[str, int]:
         (card,) = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"]
 
         def text(prompt: str, fields: dict[str, Any]) -> str:
-            body = {"model": card["id"], "prompt": prompt, "max_tokens": n, "temperature": 0,
-                    "qfilters_reuse": False, **fields}  # fmt: skip
+            body = {
+                "model": card["id"],
+                "prompt": prompt,
+                "max_tokens": n,
+                "temperature": 0,
+                "qfilters_reuse": False,
+                **fields,
+            }
             r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=900)
             r.raise_for_status()
             return str(r.json()["choices"][0]["text"])
 
         full = {p: text(p, {"kv_method": "full"}) for p in PROMPTS[:prompts]}
-        return {m: sum(text(p, {"kv_method": m, "qfilters_budget": 4096}) == full[p]
-                       for p in full) for m in METHODS}  # fmt: skip
+        return {
+            m: sum(text(p, {"kv_method": m, "qfilters_budget": 4096}) == full[p] for p in full)
+            for m in METHODS
+        }
     finally:
         testing.stop_all([server], 15)
 
 
 def render(d: dict[str, Any]) -> list[str]:
-    intro = (f"{d['tokens']} greedy tokens per prompt; mean |Δ log-prob| of llama.cpp's chosen "
-             "tokens. The file's own arithmetic in llama.cpp rounds activations to 8 bits "
-             "before quantized products; the f32 copy does not (the floor row compares "
-             "llama.cpp with itself).")  # fmt: skip
-    rows = [[pair, f"{v['identical']}/{v['of']}", f"{v['mean_abs_dlogprob']:.4f}"]
-            for pair, v in d["pairs"].items()]  # fmt: skip
+    intro = (
+        f"{d['tokens']} greedy tokens per prompt; mean |Δ log-prob| of llama.cpp's chosen "
+        "tokens. The file's own arithmetic in llama.cpp rounds activations to 8 bits "
+        "before quantized products; the f32 copy does not (the floor row compares "
+        "llama.cpp with itself)."
+    )
+    rows = [
+        [pair, f"{v['identical']}/{v['of']}", f"{v['mean_abs_dlogprob']:.4f}"]
+        for pair, v in d["pairs"].items()
+    ]
     n = len({r["prompt"] for r in d["rows"]})
     methods = [[m, f"{k}/{n}"] for m, k in d["methods"].items()]
-    return section("Greedy text against llama.cpp on the same file", d, intro,
-                   table(["pair", "identical continuations", "mean |Δ log-prob|"], rows),
-                   "Through the server, a budget above the prompt: greedy text equal to the "
-                   "full cache's", table(["method", "prompts"], methods))  # fmt: skip
+    return section(
+        "Greedy text against llama.cpp on the same file",
+        d,
+        intro,
+        table(["pair", "identical continuations", "mean |Δ log-prob|"], rows),
+        "Through the server, a budget above the prompt: greedy text equal to the full cache's",
+        table(["method", "prompts"], methods),
+    )

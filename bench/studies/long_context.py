@@ -26,9 +26,14 @@ from qfserve import testing
 
 STUDY = "long_context"
 ARMS = ("full", "qfilters-4x", "kvzip-4x", "streaming-4x", "qfilters-8x", "kvzip-8x")
-COLOURS = {"full": "black", "qfilters-4x": "tab:blue", "kvzip-4x": "goldenrod",
-           "streaming-4x": "tab:grey", "qfilters-8x": "tab:cyan",
-           "kvzip-8x": "darkgoldenrod"}  # fmt: skip
+COLOURS = {
+    "full": "black",
+    "qfilters-4x": "tab:blue",
+    "kvzip-4x": "goldenrod",
+    "streaming-4x": "tab:grey",
+    "qfilters-8x": "tab:cyan",
+    "kvzip-8x": "darkgoldenrod",
+}
 
 
 def body(arm: str, tokens: int) -> dict[str, Any]:
@@ -41,18 +46,35 @@ def body(arm: str, tokens: int) -> dict[str, Any]:
 
 
 def ask(url: str, model: str, doc: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
-    request = {"model": model, "prompt": doc["prompt"], "max_tokens": len(doc["answer"]) + 2,
-               "temperature": 0, **fields}  # fmt: skip
+    request = {
+        "model": model,
+        "prompt": doc["prompt"],
+        "max_tokens": len(doc["answer"]) + 2,
+        "temperature": 0,
+        **fields,
+    }
     began = time.perf_counter()
     resp = httpx.post(f"{url}/v1/completions", json=request, timeout=7200)
     resp.raise_for_status()
     out = resp.json()
     kv = out["kv_cache"]
-    return {"correct": first_number_is(out["choices"][0]["text"], doc["number"]),
-            "seconds": time.perf_counter() - began,
-            **{k: kv[k] for k in ("method", "budget", "tokens_kept", "kept_bytes",
-                                  "full_seq_bytes", "window_bytes", "evicting_layers",
-                                  "window_layers")}}  # fmt: skip
+    return {
+        "correct": first_number_is(out["choices"][0]["text"], doc["number"]),
+        "seconds": time.perf_counter() - began,
+        **{
+            k: kv[k]
+            for k in (
+                "method",
+                "budget",
+                "tokens_kept",
+                "kept_bytes",
+                "full_seq_bytes",
+                "window_bytes",
+                "evicting_layers",
+                "window_layers",
+            )
+        },
+    }
 
 
 def summarize(records: list[dict[str, Any]], lengths: list[int]) -> dict[str, dict[str, Any]]:
@@ -77,10 +99,21 @@ def summarize(records: list[dict[str, Any]], lengths: list[int]) -> dict[str, di
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    run = start(STUDY, argv, __doc__, docs=(2, 1, "documents per length"),
-                lengths=([2048, 4096, 8192, 16384, 32768], [256, 512]),
-                flags={"--arms": {"nargs": "+", "default": list(ARMS), "choices": ARMS,
-                                  "help": "arms to run (default: all)"}})  # fmt: skip
+    run = start(
+        STUDY,
+        argv,
+        __doc__,
+        docs=(2, 1, "documents per length"),
+        lengths=([2048, 4096, 8192, 16384, 32768], [256, 512]),
+        flags={
+            "--arms": {
+                "nargs": "+",
+                "default": list(ARMS),
+                "choices": ARMS,
+                "help": "arms to run (default: all)",
+            }
+        },
+    )
     args = run.args
     paragraphs = list(stdlib_prose())
     logs = Path(tempfile.mkdtemp(prefix="long-context-"))
@@ -90,8 +123,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     def measure(arm: str, n: int, d: int) -> dict[str, Any]:
         doc = make_doc(run.tokenizer, paragraphs, min(n, room), 0.5, d)
         (card,) = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"]
-        return {"arm": arm, "length": n, "doc": d, "tokens": doc["tokens"],
-                **ask(server.url, card["id"], doc, body(arm, doc["tokens"]))}  # fmt: skip
+        return {
+            "arm": arm,
+            "length": n,
+            "doc": d,
+            "tokens": doc["tokens"],
+            **ask(server.url, card["id"], doc, body(arm, doc["tokens"])),
+        }
 
     todo = [(a, n, d) for n in args.lengths for d in range(args.docs) for a in args.arms]
     try:
@@ -103,24 +141,41 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     title = f"{run.identity['path']}: the needle at long context"
     style = lambda arm: {"color": COLOURS[arm], "label": arm}  # noqa: E731
     plot = accuracy_plot(series, args.lengths, args.out, STUDY, title, style, "", "prompt tokens")
-    return run.save({"docs": args.docs, "lengths": args.lengths, "arms": args.arms,
-                     "results": results, "records": records, "plots": [plot]})  # fmt: skip
+    return run.save(
+        {
+            "docs": args.docs,
+            "lengths": args.lengths,
+            "arms": args.arms,
+            "results": results,
+            "records": records,
+            "plots": [plot],
+        }
+    )
 
 
 def render(d: dict[str, Any]) -> list[str]:
-    intro = (f"{d['docs']} document(s) per length, the needle at half depth, greedy, through "
-             "`/v1/completions`; `<method>-<r>x`: `qfilters_budget` = prompt tokens / r on the "
-             "global layers, `qfilters_reuse: false`. Each cell: needle accuracy, then KV "
-             "bytes kept / the full cache's (sliding-window layers counted in both).")  # fmt: skip
+    intro = (
+        f"{d['docs']} document(s) per length, the needle at half depth, greedy, through "
+        "`/v1/completions`; `<method>-<r>x`: `qfilters_budget` = prompt tokens / r on the "
+        "global layers, `qfilters_reuse: false`. Each cell: needle accuracy, then KV "
+        "bytes kept / the full cache's (sliding-window layers counted in both)."
+    )
     lengths = d["lengths"]
     rows = []
     for arm, by in d["results"].items():
         cells = []
         for n in lengths:
             c = by.get(str(n))
-            cells.append("-" if c is None else
-                         f"{c['accuracy']:.2f} · {c['kept_mib']:.1f}/{c['full_mib']:.1f} MiB "
-                         f"({c['bytes_ratio']:.2f})")  # fmt: skip
+            cells.append(
+                "-"
+                if c is None
+                else f"{c['accuracy']:.2f} · {c['kept_mib']:.1f}/{c['full_mib']:.1f} MiB "
+                f"({c['bytes_ratio']:.2f})"
+            )
         rows.append([arm, *cells])
-    return section("The needle and KV bytes at long context", d, intro,
-                   table(["arm", *[f"{n:,}" for n in lengths]], rows))  # fmt: skip
+    return section(
+        "The needle and KV bytes at long context",
+        d,
+        intro,
+        table(["arm", *[f"{n:,}" for n in lengths]], rows),
+    )

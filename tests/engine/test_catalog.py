@@ -36,11 +36,19 @@ def split_model(tmp_path, monkeypatch) -> CatalogModel:
     folder = catalog.downloads_dir()
     folder.mkdir(parents=True)
     notice = wheel(folder, "m-notices", {"m/data/TERMS.txt": b"terms"})
-    parts = [wheel(folder, f"m-part{i}", {f"m{i}/data/m.gguf.part": c})
-             for i, c in enumerate(CHUNKS)]  # fmt: skip
-    return CatalogModel(name="m", model_id="org/m", wheels=(notice, *parts),
-                        file_name="m.gguf", gguf_sha256=sha(b"".join(CHUNKS)), size_mb=1,
-                        licence="test terms", notices=("m/data/TERMS.txt",))  # fmt: skip
+    parts = [
+        wheel(folder, f"m-part{i}", {f"m{i}/data/m.gguf.part": c}) for i, c in enumerate(CHUNKS)
+    ]
+    return CatalogModel(
+        name="m",
+        model_id="org/m",
+        wheels=(notice, *parts),
+        file_name="m.gguf",
+        gguf_sha256=sha(b"".join(CHUNKS)),
+        size_mb=1,
+        licence="test terms",
+        notices=("m/data/TERMS.txt",),
+    )
 
 
 def test_chunks_are_assembled_in_order_and_the_notices_extracted(split_model):

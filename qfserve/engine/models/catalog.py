@@ -95,10 +95,12 @@ SMOLLM2_135M = CatalogModel(
     size_mb=93,
     licence="Apache-2.0",
 )
-_GEMMA_PARTS = ("2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
-                "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
-                "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
-                "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38")  # fmt: skip
+_GEMMA_PARTS = (
+    "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+    "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+    "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+    "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38",
+)
 GEMMA3_270M = CatalogModel(
     name="gemma-3-270m",
     model_id="google/gemma-3-270m",

@@ -105,7 +105,8 @@ def build_spm_tokenizer(file: GGUFFile, bos: tuple[str, int] | None) -> Any:
     if bos is not None:
         text, index = bos
         tokenizer.post_processor = processors.TemplateProcessing(
-            single=f"{text}:0 $A:0", pair=f"{text}:0 $A:0 {text}:1 $B:1",
+            single=f"{text}:0 $A:0",
+            pair=f"{text}:0 $A:0 {text}:1 $B:1",
             special_tokens=[(text, index)],
-        )  # fmt: skip
+        )
     return tokenizer
