@@ -59,7 +59,7 @@ def llama_cpp_python() -> Any:
     """The ``llama_cpp`` module (llama-cpp-python, the optional reference for tokens and
     logits) or ``None``. Where llama.cpp's tools are built (:func:`llama_tool`), it runs on
     their ``libllama``, so the package installs without compiling llama.cpp again:
-    ``CMAKE_ARGS=-DLLAMA_BUILD=OFF pip install llama-cpp-python`` (bench/reference/README.md)."""
+    ``CMAKE_ARGS=-DLLAMA_BUILD=OFF pip install llama-cpp-python`` (bench/reference/llama_cpp_tools.sh)."""
     lib = LLAMA_TOOLS.expanduser()
     if "LLAMA_CPP_LIB_PATH" not in os.environ and (lib / "libllama.so").is_file():
         os.environ["LLAMA_CPP_LIB_PATH"] = str(lib)

@@ -24,6 +24,11 @@ CACHE_PARAMS = {
 }
 
 
+def http_param(name: str | None) -> str | None:
+    """The request field an engine setting's name stands for (other names are fields)."""
+    return CACHE_PARAMS.get(name, name) if name else None
+
+
 class EvictionFields(Strict):
     """qfserve's extensions: how this request's KV caches evict (server flags are defaults)."""
 

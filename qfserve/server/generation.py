@@ -25,7 +25,7 @@ from qfserve.engine.serving.jobs import Job, WorkerUnavailable
 from qfserve.engine.serving.worker import Worker
 from qfserve.engine.text.requests import Delta, Event, Failed, Finished, Started, TokenLogprob
 from qfserve.server.errors import APIError
-from qfserve.server.eviction import CACHE_PARAMS
+from qfserve.server.eviction import http_param
 from qfserve.server.formats import ResponseFormat, dump, kv_cache, usage
 from qfserve.server.metrics import Metrics
 from qfserve.server.openapi import KVCacheInfo
@@ -56,8 +56,9 @@ def failure(event: Failed) -> APIError:
     status = _FAILED_STATUS[event.kind]
     headers = {"Retry-After": "5"} if status == 503 else None
     code = {400: "invalid_value", 503: "unavailable", 499: "cancelled"}.get(status, "internal")
-    param = CACHE_PARAMS.get(event.param, event.param) if event.param else None
-    return APIError(status, event.message, param=param, code=code, headers=headers)
+    return APIError(
+        status, event.message, param=http_param(event.param), code=code, headers=headers
+    )
 
 
 class Stream(EventSourceResponse):

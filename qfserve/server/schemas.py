@@ -29,7 +29,7 @@ from qfserve.server.compat import (
     refused,
 )
 from qfserve.server.errors import APIError
-from qfserve.server.eviction import CACHE_PARAMS, EvictionFields
+from qfserve.server.eviction import EvictionFields, http_param
 from qfserve.server.messages import (
     ChatMessage,
     NamedToolChoice,
@@ -102,8 +102,8 @@ class GenerationBody(EvictionFields):
         try:
             return request_cache(config, sent)
         except ConfigError as exc:
-            given = [CACHE_PARAMS[k] for k, v in sent.items() if v is not None]
-            param = CACHE_PARAMS.get(exc.param)
+            given = [http_param(k) for k, v in sent.items() if v is not None]
+            param = http_param(exc.param)
             raise APIError(
                 400,
                 f"invalid eviction settings: {exc}",

@@ -9,8 +9,9 @@ import asyncio
 import pytest
 
 from qfserve.engine.kv.config import CacheConfig, default_recent
+from qfserve.engine.kv.memory import kv_need, kv_row_bytes
 from qfserve.engine.models.loading import load_model
-from qfserve.engine.serving.admission import MIN_AUTO_BUDGET, kv_need, kv_row_bytes, resolve_auto
+from qfserve.engine.serving.admission import MIN_AUTO_BUDGET, resolve_auto
 from qfserve.engine.serving.config import EngineConfig, request_cache
 from qfserve.engine.text.requests import Failed, Finished, GenerationRequest, SamplingParams
 from tests.workers import serving, worker_for
@@ -72,7 +73,7 @@ def test_resolution_by_memory(loaded):
     template, _, auto = request_cache(EngineConfig(), {})
     prompt = 1_000
     full = CacheConfig(method="full", budget=prompt + MAX_TOKENS)
-    need = kv_need(loaded, full, prompt, MAX_TOKENS)[0]
+    need = kv_need(loaded, full, prompt, MAX_TOKENS)
     kept = resolve_auto(loaded, template, auto, prompt, MAX_TOKENS, EngineConfig(), need)
     assert kept.method == "full" and kept.budget == prompt + MAX_TOKENS
     # One byte short: evicted, to the largest budget the share holds (at least 512 rows
@@ -85,7 +86,7 @@ def test_resolution_by_memory(loaded):
     small = 300 * row
     cut = resolve_auto(loaded, template, auto, prompt, MAX_TOKENS, EngineConfig(max_batch=1), small)
     assert cut.budget == 299 and cut.recent == 74 and cut.chunk == 8
-    assert kv_need(loaded, cut, prompt, MAX_TOKENS)[0] <= small
+    assert kv_need(loaded, cut, prompt, MAX_TOKENS) <= small
 
 
 def test_a_request_that_fits_answers_as_the_full_cache(loaded):

@@ -252,11 +252,11 @@ def test_max_batch_bounds_what_runs_at_once(loaded):
 
 
 def test_admission_by_kv_memory_waits_then_refuses_what_can_never_fit(loaded):
-    from qfserve.engine.serving.admission import kv_need, kv_row_bytes
+    from qfserve.engine.kv.memory import kv_need, kv_row_bytes
 
     config = CacheConfig(method="qfilters", budget=64, recent=16)
     reqs = [request(loaded, 1, config, max_tokens=8) for _ in range(3)]
-    need, _ = kv_need(loaded, config, len(reqs[0].prompt), 8)
+    need = kv_need(loaded, config, len(reqs[0].prompt), 8)
     # budget + the free slot, per layer and KV head: keys and values in float32, plus the
     # cache's float32 score and int32 slot order per row
     n_layers, kv_heads = len(loaded.model.layers), loaded.config["num_key_value_heads"]
@@ -287,7 +287,7 @@ def test_admission_by_kv_memory_waits_then_refuses_what_can_never_fit(loaded):
     # Two fit at once; the third starts only after one of them finished.
     first_done = min(order.index((i, "Finished")) for i in (0, 1))
     assert order.index((2, "Started")) > first_done
-    for final, param in zip(finals[3:], ("qfilters_budget", "max_tokens"), strict=True):
+    for final, param in zip(finals[3:], ("budget", "max_tokens"), strict=True):
         assert isinstance(final, Failed) and final.kind == "invalid_request"
         assert final.param == param and "--max-kv-bytes" in final.message
     assert worker.snapshot()["totals"]["kv_reserved_bytes"] == 0
@@ -340,11 +340,11 @@ def test_a_newcomer_prefills_one_chunk_per_step_while_the_batch_decodes(loaded):
 
 
 def test_a_request_waiting_for_kv_memory_is_failed_when_the_worker_stops(loaded):
-    from qfserve.engine.serving.admission import kv_need
+    from qfserve.engine.kv.memory import kv_need
 
     config = CacheConfig(method="qfilters", budget=64, recent=16)
     reqs = [request(loaded, 1, config, max_tokens=200) for _ in range(2)]
-    need, _ = kv_need(loaded, config, len(reqs[0].prompt), 200)
+    need = kv_need(loaded, config, len(reqs[0].prompt), 200)
 
     async def go(worker):
         loop = asyncio.get_running_loop()
@@ -365,6 +365,7 @@ def test_a_request_waiting_for_kv_memory_is_failed_when_the_worker_stops(loaded)
 def test_prompts_that_end_within_the_step_join_together_and_long_ones_keep_their_chunks(loaded):
     """A step reads up to ``prefill_chunk`` prompt tokens: short prompts that end within them
     join the batch in the same step, and a long one is cut into the same chunks as alone."""
+    from qfserve.engine.kv.methods import MethodContext, Reservation, policy_for
     from qfserve.engine.serving.jobs import Admission, Job
     from qfserve.engine.serving.records import RequestRecord
     from qfserve.engine.serving.scheduler import Scheduler
@@ -380,9 +381,13 @@ def test_prompts_that_end_within_the_step_join_together_and_long_ones_keep_their
             sampling=SamplingParams(max_tokens=3, temperature=0.0),
             cache=config,
         )
-        job = Job(req, RequestRecord.opened(f"r{i}", loaded.name, "completion", config), loop)
+        job = Job(
+            req, RequestRecord.opened(f"r{i}", loaded.name, "completion", config.method), loop
+        )
         caches = make_caches(loaded.model, config)
-        scheduler.add(Admission(job, list(req.prompt), 3, caches, need=0))
+        policy = policy_for(config, caches, MethodContext(loaded.model, loaded.tokenizer))
+        plain = Reservation(0, "budget")
+        scheduler.add(Admission(job, list(req.prompt), 3, config, caches, policy, plain))
     long_one = scheduler.sequences()[2]
     seen = []  # after each step: (requests decoding or done, the long prompt's tokens read)
     while len(scheduler):

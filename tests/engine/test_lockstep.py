@@ -34,7 +34,7 @@ def request() -> GenerationRequest:
 
 
 def job(job_id: str, *, deferred: bool = True, loop=None) -> Job:
-    record = RequestRecord.opened(job_id, "m", "chat", request().cache)
+    record = RequestRecord.opened(job_id, "m", "chat", request().cache.method)
     return Job(request(), record, loop, deferred=deferred)
 
 

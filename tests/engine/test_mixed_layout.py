@@ -18,9 +18,9 @@ from qfserve.engine.kv.config import CacheConfig
 from qfserve.engine.kv.factory import make_caches
 from qfserve.engine.kv.kvzip import RepeatPrompt, compress
 from qfserve.engine.kv.layout import layout
+from qfserve.engine.kv.memory import kv_need, need_param
 from qfserve.engine.kv.stats import summarize
 from qfserve.engine.reuse import disk
-from qfserve.engine.serving.admission import kv_need
 from tests.gguf_families import FAMILIES, make_family_model
 
 WINDOW = FAMILIES["gemma3"]["sliding_window"]  # 8
@@ -76,11 +76,12 @@ def test_a_budget_above_the_prompt_decodes_as_the_full_cache(model):
 
 def test_admission_counts_the_windows_once_and_the_global_rows_by_the_budget(model):
     loaded = SimpleNamespace(model=model, config={})
-    full, _ = kv_need(loaded, CacheConfig(method="full"), 1000, 24)
+    full = kv_need(loaded, CacheConfig(method="full"), 1000, 24)
     assert full == 5 * WINDOW * ROW + 1024 * ROW
-    evicting, param = kv_need(loaded, CacheConfig(budget=64, recent=16), 1000, 24)
+    evicting = CacheConfig(budget=64, recent=16)
     per_row = ROW + 8  # its score and slot order
-    assert (evicting, param) == (5 * WINDOW * ROW + 65 * per_row, "qfilters_budget")
+    assert kv_need(loaded, evicting, 1000, 24) == 5 * WINDOW * ROW + 65 * per_row
+    assert need_param(evicting) == "budget"
 
 
 def test_mixed_caches_round_trip_through_disk(model, tmp_path):

@@ -237,7 +237,7 @@ def test_saved_caches_survive_a_restart(loaded, tmp_path, caplog, method):
     fingerprint = first.fingerprint.encode()
     other.write_bytes(saved[0].read_bytes().replace(fingerprint, b"f" * len(fingerprint)))
     with started(loaded) as second:
-        assert len(second.prompt_cache) == 2
+        assert len(second.prompt_cache.kept) == 2
         prompt1 = loaded.tokenizer.encode(opening)
         vocab = {loaded.tokenizer.decode([i]): i for i in range(len(loaded.tokenizer.vocab))}
         first_ids = [vocab[p] for p in ask(second, request(prompt1, config, reuse=False))[0]]
@@ -333,12 +333,12 @@ def test_a_kvzip_turn_answers_on_its_full_cache_and_is_kept_compressed(worker, l
 
 
 def test_a_kvzip_turn_over_the_memory_it_may_hold_compresses_its_prompt(loaded):
-    from qfserve.engine.serving.admission import hold_need, kv_need
+    from qfserve.engine.kv.kvzip.policy import kvzip_need, whole_need
 
     config = CacheConfig(method="kvzip", budget=48, recent=8)
     prompt = loaded.tokenizer.encode(" ".join([OPENING] * 10))
-    bounded, _ = kv_need(loaded, config, len(prompt), TURN_TOKENS)
-    held = hold_need(loaded, config, len(prompt), TURN_TOKENS)
+    bounded = kvzip_need(loaded, config, len(prompt), TURN_TOKENS)
+    held = whole_need(loaded, config, len(prompt), TURN_TOKENS)
     assert held is not None and bounded < held
     with serving(worker_for(loaded, prompt_cache_size=4, max_kv_bytes=held - 1)) as w:
         _, final = ask(w, request(prompt, config))
@@ -347,16 +347,17 @@ def test_a_kvzip_turn_over_the_memory_it_may_hold_compresses_its_prompt(loaded):
 
 def test_a_kvzip_prompt_longer_than_memory_allows_is_compressed_as_it_is_read(loaded, monkeypatch):
     from qfserve.engine.kv import kvzip
-    from qfserve.engine.serving.admission import kv_need, kv_row_bytes, kvzip_limit
+    from qfserve.engine.kv.kvzip.policy import compress_as_read, kvzip_need
+    from qfserve.engine.kv.memory import kv_row_bytes
 
     config = CacheConfig(method="kvzip", budget=48, recent=8)
     prompt = loaded.tokenizer.encode(" ".join([OPENING] * 40))
     row = kv_row_bytes(loaded.model, loaded.config, config)
     # Room for twice the limit and a read (a 16-token chunk, or 17 where one would be left).
     max_kv_bytes = row * (2 * (config.budget + 40 + 17) + kvzip.REPEAT_ROWS)
-    limit, need = kvzip_limit(loaded, config, max_kv_bytes, 16)
+    limit, need = compress_as_read(loaded, config, max_kv_bytes, 16)
     assert limit == config.budget + 40 and need <= max_kv_bytes
-    assert kv_need(loaded, config, len(prompt), TURN_TOKENS)[0] > max_kv_bytes
+    assert kvzip_need(loaded, config, len(prompt), TURN_TOKENS) > max_kv_bytes
     passes = []
     init = kvzip.Reconstruction.__init__
 
@@ -387,14 +388,15 @@ def test_what_layers_keep_between_passes_and_a_pass_fit_what_a_limit_reserved(
     run a pass over that read and the rows no pass scored (a kept turn's last generated
     ones, ``recent + 1``). Both fit the bytes admission reserved for the request."""
     from qfserve.engine.kv import kvzip
-    from qfserve.engine.serving.admission import kv_row_bytes, kvzip_limit
+    from qfserve.engine.kv.kvzip.policy import compress_as_read
+    from qfserve.engine.kv.memory import kv_row_bytes
 
     config = CacheConfig(method="kvzip", budget=48, recent=8)
     row = kv_row_bytes(loaded.model, loaded.config, config)
     chunk, repeat = kvzip.DEFAULT_CHUNK, kvzip.REPEAT_ROWS
     fitted = 0
     for tokens in (400, 1200, 12_000):
-        fit = kvzip_limit(loaded, config, row * tokens, prefill_chunk)
+        fit = compress_as_read(loaded, config, row * tokens, prefill_chunk)
         if fit is None:
             continue
         fitted += 1
@@ -413,7 +415,8 @@ def test_a_compress_as_read_limit_leaves_room_for_the_longest_adaptive_head(load
     """Under adaptive budgets a compressed layer is padded to its longest head: a limit
     between the budget and that head's rows would be over as soon as a pass ended."""
     from qfserve.engine.kv.kvzip import REPEAT_ROWS
-    from qfserve.engine.serving.admission import kv_row_bytes, kvzip_limit
+    from qfserve.engine.kv.kvzip.policy import compress_as_read
+    from qfserve.engine.kv.memory import kv_row_bytes
 
     adaptive = CacheConfig(method="kvzip", budget=48, recent=8, budget_mode="adaptive", floor=0.5)
     per_head = replace(adaptive, budget_mode="per_head")
@@ -423,7 +426,7 @@ def test_a_compress_as_read_limit_leaves_room_for_the_longest_adaptive_head(load
 
     def limit_at(config: CacheConfig, rows: int):
         """The limit on a server whose memory fits ``rows`` and a 16-token read twice."""
-        return kvzip_limit(loaded, config, row * (2 * (rows + 17) + REPEAT_ROWS), 16)
+        return compress_as_read(loaded, config, row * (2 * (rows + 17) + REPEAT_ROWS), 16)
 
     assert longest > 60 and limit_at(per_head, 60)[0] >= 60
     assert limit_at(adaptive, 60) is None and limit_at(adaptive, longest) is None
@@ -439,15 +442,15 @@ def test_a_prompt_compressed_as_it_is_read_holds_no_more_than_it_reserved(
     rows and the pass's own stay within the bytes admission reserved for the turn."""
     from qfserve.engine.kv import kvzip
     from qfserve.engine.kv.kvzip import reconstruction
-    from qfserve.engine.serving.admission import kv_row_bytes
-    from qfserve.engine.serving.records import Ledger
+    from qfserve.engine.kv.memory import kv_row_bytes
+    from qfserve.engine.serving.admission import Admitter
 
     config = CacheConfig(method="kvzip", budget=48, recent=8, budget_mode="global")
     layer_row = kv_row_bytes(loaded.model, loaded.config, config) // len(loaded.model.layers)
     prompt = loaded.tokenizer.encode(" ".join([OPENING] * 30))
     prompt = prompt[: (len(prompt) - 1) // prefill_chunk * prefill_chunk + 2]  # k reads, then 1
     reserved, peaks, views = [], [], []
-    reserve, init = Ledger.reserve, reconstruction.Reconstruction.__init__
+    reserve, init = Admitter._reserve, reconstruction.Reconstruction.__init__
     update = reconstruction._ReconstructionView.update_and_fetch
 
     def noted(self, record, need, *, alone):
@@ -466,7 +469,7 @@ def test_a_prompt_compressed_as_it_is_read_holds_no_more_than_it_reserved(
         peaks[-1] = max(peaks[-1], sum(view.size() for view in views) * layer_row)
         return out
 
-    monkeypatch.setattr(Ledger, "reserve", noted)
+    monkeypatch.setattr(Admitter, "_reserve", noted)
     monkeypatch.setattr(reconstruction.Reconstruction, "__init__", tracked)
     monkeypatch.setattr(reconstruction._ReconstructionView, "update_and_fetch", measured)
     row = kv_row_bytes(loaded.model, loaded.config, config)

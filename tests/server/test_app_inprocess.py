@@ -127,7 +127,7 @@ def test_a_dying_worker_fails_waiting_requests_fast():
         release.wait(10)
         raise SystemExit("simulated crash")  # a BaseException: the thread dies
 
-    worker._start = crash
+    worker.admitter.start = crash
     worker.start()
     deadline = time.monotonic() + 30
     while not worker.ready:

@@ -13,6 +13,7 @@ BudgetMode = Literal["per_head", "adaptive", "global"]
 METHODS: tuple[str, ...] = ("qfilters", "kvzip", "knorm", "streaming", "snapkv", "tova", "full")
 QUERY_AWARE: tuple[str, ...] = ("snapkv", "tova")  # read the model's queries to evict
 TAPPED: tuple[str, ...] = (*QUERY_AWARE, "kvzip")  # need the layers' query taps
+POSITIONED: tuple[str, ...] = ("kvzip",)  # keep each row's true position and token score
 KERNEL_MODES: tuple[str, ...] = ("auto", "on", "off")
 BUDGET_MODES: tuple[str, ...] = ("per_head", "adaptive", "global")
 DEFAULT_METHOD: Method = "qfilters"
@@ -179,6 +180,12 @@ class CacheConfig:
         if self.budget_mode == "global":
             return self.n_sink + self.recent
         return min(self.budget, max(self.n_sink + self.recent, math.ceil(self.floor * self.budget)))
+
+    @property
+    def keeps_positions(self) -> bool:
+        """The caches keep each row's true position and per-token score beside its rank
+        (chunks rank by them; a pass maps rows to the context by them)."""
+        return self.evicts and (self.chunk > 1 or self.method in POSITIONED)
 
     @property
     def evicts(self) -> bool:

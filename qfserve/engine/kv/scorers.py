@@ -2,8 +2,8 @@
 
 When to evict, what is protected and how rows are gathered live in :mod:`qfserve.engine.kv.evict` and
 :mod:`qfserve.engine.kv.cache`; a scorer only maps a block of keys to one float32 score per row. Scores
-are computed once, when a key is inserted, and never recomputed. A NaN score (from a NaN key)
-ranks lowest; :mod:`qfserve.engine.kv.evict` handles it.
+are computed once, when a key is inserted, except by a ``dynamic`` scorer (TOVA), which
+re-scores every stored row after each insertion through ``rescore``. A NaN score (from a NaN key) ranks lowest; :mod:`qfserve.engine.kv.evict` handles it.
 """
 
 from __future__ import annotations

@@ -1,27 +1,36 @@
-"""Admission by KV memory: what a request's caches can hold, known before it starts.
+"""Admission by KV memory: a queued request made ready for the batch, once, on the worker.
 
-An evicting cache never holds more than its budget (plus the one free slot of the decode
-step's slot layout), so its KV bytes are bounded by its settings alone; a full cache holds
-its prompt and its completion. The worker admits a request only while the sum of what the
+:class:`Admitter` encodes the prompt, resolves an ``auto`` budget from its length
+(:func:`resolve_auto`), builds or restores the caches and their method's policy
+(:mod:`qfserve.engine.kv.methods`), and reserves the KV bytes the policy says they can hold
+(:mod:`qfserve.engine.kv.memory`). A request is admitted only while the sum of what the
 running ones can hold, plus its own, fits ``max_kv_bytes``; one that can never fit is refused
-with the parameter to lower. Transient rows (a prefill chunk, before the block eviction
-trims it) are activations of that step, not cache, and are not reserved.
+naming the setting to lower. Every request that ends before it runs ends through
+:meth:`Admitter.fail`, and every reservation is freed by :meth:`Admitter.close`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
-from qfserve.engine.kv.config import CacheConfig, default_recent, fit_chunk
-from qfserve.engine.kv.layout import layout
+from qfserve.engine.kv.config import CacheConfig, ConfigError, default_recent, fit_chunk
+from qfserve.engine.kv.memory import kv_need, kv_row_bytes, window_bytes
+from qfserve.engine.kv.methods import MethodContext, policy_for
 from qfserve.engine.serving.jobs import Admission, Job
+from qfserve.engine.text.prompts import PromptError, encode_prompt
+from qfserve.engine.text.requests import Failed, Started
 
 if TYPE_CHECKING:
     from qfserve.engine.serving.config import EngineConfig
-    from qfserve.engine.text.requests import GenerationRequest
+    from qfserve.engine.serving.records import Ledger, RequestRecord, State
+    from qfserve.engine.serving.turns import Turns
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_KV_SHARE = 0.25  # of physical memory, when --max-kv-bytes is not given
 # The smallest budget an auto request is evicted to, memory allowing: on SmolLM2 the
@@ -36,135 +45,6 @@ def default_max_kv_bytes() -> int:
     except (ValueError, OSError, AttributeError):  # not POSIX: 4 GiB
         total = 16 * 2**30
     return int(total * DEFAULT_KV_SHARE)
-
-
-def _shape(model: Any, config: dict[str, Any]) -> tuple[int, int, int]:
-    """(full-attention layers, KV heads, head_dim) from the model's arguments, else its
-    ``config.json`` (sliding-window layers: :func:`window_bytes`)."""
-    args = getattr(model, "args", None)
-
-    def field(name: str, default: Any = None) -> Any:
-        value = getattr(args, name, None) if args is not None else None
-        return config.get(name, default) if value is None else value
-
-    layers = (
-        layout(model).full_layers
-        if getattr(model, "layers", None)
-        else int(field("num_hidden_layers"))
-    )
-    heads = int(field("num_attention_heads"))
-    kv_heads = int(field("num_key_value_heads") or heads)
-    head_dim = int(field("head_dim") or int(field("hidden_size")) // heads)
-    return layers, kv_heads, head_dim
-
-
-def kv_row_bytes(model: Any, config: dict[str, Any], cache: CacheConfig | None = None) -> int:
-    """Bytes one position occupies in one request's caches, over layers and KV heads: keys
-    and values, plus an evicting cache's own per-row arrays (its float32 score and int32
-    slot order; with chunks, per-token scores and positions; with adaptive budgets, the
-    padding mask)."""
-    layers, kv_heads, head_dim = _shape(model, config)
-    per_head = 2 * head_dim * _activation_bytes(model)
-    if cache is not None and cache.evicts:
-        per_head += (
-            8
-            + (8 if cache.chunk > 1 or cache.method == "kvzip" else 0)
-            + (1 if cache.budget_mode == "adaptive" else 0)
-        )
-    return layers * kv_heads * per_head
-
-
-def window_bytes(model: Any, config: dict[str, Any], tokens: int) -> int:
-    """Bytes the sliding-window layers hold after ``tokens`` positions (mlx-lm's rotating
-    caches: keys and values of their last ``window`` rows, never evicted)."""
-    _, kv_heads, head_dim = _shape(model, config)
-    rows = layout(model).window_rows(tokens) if getattr(model, "layers", None) else 0
-    return rows * kv_heads * 2 * head_dim * _activation_bytes(model)
-
-
-def _activation_bytes(model: Any) -> int:
-    """Bytes per element of the keys the model writes (its norm weights' float type)."""
-    from mlx.utils import tree_flatten
-
-    for entry in tree_flatten(model.parameters()):
-        name, p = cast("tuple[str, Any]", entry)
-        if "norm" in name and hasattr(p, "dtype"):
-            return int(p.dtype.size)
-    return 4
-
-
-def rows_needed(cache: CacheConfig, n_kv_heads: int, prompt_tokens: int, max_tokens: int) -> int:
-    """Rows per KV head the request's caches hold at most."""
-    if not cache.evicts:
-        return prompt_tokens + max_tokens
-    if cache.budget_mode == "adaptive":  # the longest head, padded: every other at its floor
-        rows = n_kv_heads * cache.budget - (n_kv_heads - 1) * cache.floor_rows
-    else:
-        rows = cache.budget
-    rows = min(rows + 1, prompt_tokens + max_tokens)  # + the decode step's free slot
-    if cache.method == "kvzip" and prompt_tokens > cache.budget:
-        # The reconstruction pass holds the whole prompt plus one chunk of its own rows.
-        from qfserve.engine.kv.kvzip import DEFAULT_CHUNK, REPEAT_ROWS
-
-        rows = max(rows, prompt_tokens + min(prompt_tokens, DEFAULT_CHUNK) + REPEAT_ROWS)
-    return rows
-
-
-def kv_need(
-    loaded: Any, cache: CacheConfig, prompt_tokens: int, max_tokens: int
-) -> tuple[int, str]:
-    """(bytes the request's caches hold at most, the parameter that sets them)."""
-    row = kv_row_bytes(loaded.model, loaded.config, cache)
-    _, kv_heads, _ = _shape(loaded.model, loaded.config)
-    rows = rows_needed(cache, kv_heads, prompt_tokens, max_tokens)
-    param = "qfilters_budget" if cache.evicts else "max_tokens"
-    windows = window_bytes(loaded.model, loaded.config, prompt_tokens + max_tokens)
-    return rows * row + windows, param
-
-
-def hold_need(loaded: Any, cache: CacheConfig, prompt_tokens: int, max_tokens: int) -> int | None:
-    """Bytes a kvzip request holds when its turn runs on its full cache and is compressed
-    only when kept for the next turn: every row, then the reconstruction pass's chunk
-    beside them (``None``: the request never holds more than its budget)."""
-    total = prompt_tokens + max_tokens
-    if cache.method != "kvzip" or total <= cache.budget:
-        return None
-    from qfserve.engine.kv.kvzip import DEFAULT_CHUNK, REPEAT_ROWS
-
-    rows = total + min(total, DEFAULT_CHUNK) + REPEAT_ROWS
-    windows = window_bytes(loaded.model, loaded.config, total)
-    return rows * kv_row_bytes(loaded.model, loaded.config, cache) + windows
-
-
-def kvzip_limit(
-    loaded: Any, cache: CacheConfig, max_kv_bytes: int, prefill_chunk: int
-) -> tuple[int, int] | None:
-    """Rows a kvzip prompt too long for ``max_kv_bytes`` may hold before what is read so far
-    is compressed, and the bytes it then needs: that many rows, a prefill chunk read beside
-    them, and the pass's chunk (``None``: not even what a compressed layer keeps fits
-    beside those). Layers are counted together (:func:`qfserve.engine.kv.kvzip.over_limit`):
-    the limit is their mean."""
-    from qfserve.engine.kv.kvzip import DEFAULT_CHUNK, REPEAT_ROWS
-
-    row = max(1, kv_row_bytes(loaded.model, loaded.config, cache))
-    # The sliding layers' windows fill first (a long prompt's are full): the rest is the limit's.
-    windows = window_bytes(loaded.model, loaded.config, 2**31)
-    fit = (max_kv_bytes - windows) // row - REPEAT_ROWS
-    read = prefill_chunk + 1  # a read may take one token more: no one-token chunk is left
-    # At most: the limit, a chunk read past it, and a pass over those unscored rows.
-    limit = fit // 2 - read
-    if limit + read > DEFAULT_CHUNK:
-        limit = fit - read - DEFAULT_CHUNK
-    _, kv_heads, _ = _shape(loaded.model, loaded.config)
-    # What a compressed layer keeps, padded to its longest head (rows shared across layers
-    # are capped to fit instead: qfserve.engine.kv.kvzip.shares).
-    kept = cache.budget
-    if cache.budget_mode == "adaptive":
-        kept = kv_heads * cache.budget - (kv_heads - 1) * cache.floor_rows
-    if limit <= kept:
-        return None
-    peak = limit + read + min(DEFAULT_CHUNK, limit + read) + REPEAT_ROWS
-    return limit, peak * row + windows
 
 
 def resolve_auto(
@@ -187,7 +67,7 @@ def resolve_auto(
     full = dataclasses.replace(
         template, method="full", budget=max(total, 1), recent=0, chunk=1, budget_mode="per_head"
     )
-    if kv_need(loaded, full, prompt_tokens, max_tokens)[0] <= max_kv_bytes:
+    if kv_need(loaded, full, prompt_tokens, max_tokens) <= max_kv_bytes:
         return full
     row = max(1, kv_row_bytes(loaded.model, loaded.config, template))
     room = max_kv_bytes - window_bytes(loaded.model, loaded.config, total)  # sliding layers'
@@ -201,57 +81,181 @@ def resolve_auto(
     return dataclasses.replace(template, budget=budget, recent=recent, chunk=chunk)
 
 
-def prepare(
-    job: Job,
-    loaded: Any,
-    caches_for: Callable[[CacheConfig], list[Any]],
-    fetch: Callable[[tuple[Any, ...], list[int]], tuple[list[Any] | None, int]] | None,
-    key_for: Callable[[GenerationRequest], tuple[Any, ...]],
-    max_kv_bytes: int,
-    config: EngineConfig,
-) -> Admission:
-    """A queued job made ready for the batch: its prompt encoded, an ``auto`` budget
-    resolved (:func:`resolve_auto`; the job then carries the settings that run), its caches
-    (a kept turn's copy from ``fetch`` when one holds a prefix of the prompt, else
-    ``caches_for``) and the KV bytes they need. A kvzip prompt too long to hold whole within
-    ``max_kv_bytes`` is set to compress as it is read, whenever its rows reach what fits.
+class Admitter:
+    """Prepares queued requests for the batch and holds their KV reservations.
 
-    Raises:
-        PromptError: the prompt cannot be encoded, or its caches can never fit.
-        ConfigError: the request's cache settings do not suit this model.
+    Args:
+        ledger: The records of live requests (closed here for requests that end).
+        max_kv_bytes: What the running requests may reserve together.
+        config: The engine's settings (the ``auto`` budget's share, prefill chunk).
     """
-    from qfserve.engine.kv import kvzip
-    from qfserve.engine.text.prompts import PromptError, encode_prompt
 
-    request = job.request
-    prompt, max_tokens = encode_prompt(loaded, request)
-    job.record.prompt_tokens = len(prompt)
-    if request.auto is not None:
-        cache = resolve_auto(
-            loaded, request.cache, request.auto, len(prompt), max_tokens, config, max_kv_bytes
-        )
-        if request.cache.evicts and not cache.evicts:
-            # Settings this model cannot honour are refused whether or not eviction runs.
-            caches_for(request.cache)
-        request = job.request = dataclasses.replace(request, cache=cache, auto=None)
+    def __init__(self, ledger: Ledger, max_kv_bytes: int, config: EngineConfig) -> None:
+        self.ledger = ledger
+        self.max_kv_bytes = max_kv_bytes
+        self.config = config
+        self.turns: Turns | None = None  # kept turns requests continue, where reuse is on
+        self._lock = threading.Lock()
+        self._reserved: dict[str, int] = {}
+        self._next: Admission | None = None  # the oldest request, prepared, waiting for memory
+        self._serving: tuple[Any, MethodContext, Callable[[CacheConfig], list[Any]]] | None = None
+
+    def serve(
+        self, loaded: Any, context: MethodContext, caches_for: Callable[[CacheConfig], list[Any]]
+    ) -> None:
+        """Admit requests to ``loaded``, their caches built by ``caches_for``."""
+        self._serving = (loaded, context, caches_for)
+
+    @property
+    def waiting(self) -> int:
+        """Requests prepared and waiting for memory (0 or 1: none overtakes the oldest)."""
+        return int(self._next is not None)
+
+    def admit(
+        self, scheduler: Any, max_batch: int, take: Callable[[bool], Job | None], *, wait: bool
+    ) -> None:
+        """Move queued requests (``take``: the next, ``wait``: block briefly for the first)
+        into ``scheduler``'s batch while it has room and their KV memory fits. The oldest
+        request that does not fit yet waits for running ones to finish; none overtakes it."""
+        while len(scheduler) < max_batch:
+            if self._next is None:
+                job = take(wait)
+                if job is None:
+                    return
+                wait = False
+                self._next = self.start(job)
+                if self._next is None:
+                    continue
+            admission = self._next
+            job = admission.job
+            if job.cancelled:
+                self._next = None
+                failure = job.failure or Failed("cancelled", "the request was cancelled")
+                self.fail(job, failure, "cancelled")
+                continue
+            if not self.reserve(admission, alone=not len(scheduler)):
+                return
+            self._next = None
+            if self.turns is not None:  # kept caches give way to running requests
+                self.turns.shrink()
+            job.emit(Started(prompt_tokens=len(admission.prompt), max_tokens=admission.max_tokens))
+            scheduler.add(admission)
+
+    def forget(self) -> None:
+        """Drop the request waiting for memory (the worker is stopping and tells it)."""
+        self._next = None
+
+    def start(self, job: Job) -> Admission | None:
+        """``job`` made ready for the batch (:meth:`prepare` on the served model)."""
+        assert self._serving is not None, "serve() first"
+        loaded, context, caches_for = self._serving
+        turns = self.turns if job.request.reuse else None
+        return self.prepare(job, loaded, context, caches_for, turns)
+
+    def prepare(
+        self,
+        job: Job,
+        loaded: Any,
+        context: MethodContext,
+        caches_for: Callable[[CacheConfig], list[Any]],
+        turns: Turns | None,
+    ) -> Admission | None:
+        """A queued job made ready for the batch, or ``None`` with the job ended here
+        (cancelled, its prompt cannot be encoded, its settings do not suit this model, or
+        its caches can never fit). ``turns``: kept turns it may continue, and will be kept
+        in (reuse on)."""
+        if job.cancelled:
+            if job.failure is not None:
+                job.emit(job.failure)
+            self.close(job.record, "cancelled")
+            return None
+        try:
+            return self._prepare(job, loaded, context, caches_for, turns)
+        except (PromptError, ConfigError) as exc:  # ConfigError: settings this model cannot honour
+            self.fail(job, Failed("invalid_request", str(exc), exc.param))
+        except Exception as exc:  # noqa: BLE001 - one request failing must not stop the worker
+            logger.exception("request %s failed", job.id)
+            self.fail(job, Failed("internal", f"generation failed: {type(exc).__name__}: {exc}"))
+        return None
+
+    def _prepare(
+        self,
+        job: Job,
+        loaded: Any,
+        context: MethodContext,
+        caches_for: Callable[[CacheConfig], list[Any]],
+        turns: Turns | None,
+    ) -> Admission:
+        request, config = job.request, self.config
+        prompt, max_tokens = encode_prompt(loaded, request)
+        job.record.prompt_tokens = len(prompt)
+        cache = request.cache
+        if request.auto is not None:  # the template's budget is resolved here, once
+            cache = resolve_auto(
+                loaded, cache, request.auto, len(prompt), max_tokens, config, self.max_kv_bytes
+            )
+            if request.cache.evicts and not cache.evicts:
+                # Settings this model cannot honour are refused whether or not eviction runs.
+                caches_for(request.cache)
         job.record.configure(cache)
-    caches, cached = fetch(key_for(request), prompt) if fetch is not None else (None, 0)
-    if caches is None:
-        caches = caches_for(request.cache)
-    need, param = kv_need(loaded, request.cache, len(prompt), max_tokens)
-    if need > max_kv_bytes and request.cache.method == "kvzip":
-        fit = kvzip_limit(loaded, request.cache, max_kv_bytes, config.prefill_chunk)
-        if fit is not None:
-            kvzip.set_limit(caches, fit[0], config.prefill_chunk)
-            # A kept turn compressed without a limit may hold more than a pass leaves
-            # (a position's bytes over every layer, divided by the layers: a layer-row's).
-            layers = _shape(loaded.model, loaded.config)[0]
-            layer_row = kv_row_bytes(loaded.model, loaded.config, request.cache) // max(1, layers)
-            need = fit[1] + kvzip.beyond_keep(caches) * layer_row
-    if need > max_kv_bytes:
-        raise PromptError(
-            f"this request's KV cache can hold {need} bytes, more than the server's "
-            f"--max-kv-bytes {max_kv_bytes}; lower {param}",
-            param,
+        caches, cached = (
+            (None, 0) if turns is None else turns.fetch(turns.key(request, cache), prompt)
         )
-    return Admission(job, prompt, max_tokens, caches, need, cached)
+        if caches is None:
+            caches = caches_for(cache)
+        policy = policy_for(cache, caches, context)
+        reservation = policy.reserve(
+            loaded,
+            len(prompt),
+            max_tokens,
+            max_kv_bytes=self.max_kv_bytes,
+            prefill_chunk=config.prefill_chunk,
+            kept=turns is not None,
+        )
+        if reservation.need > self.max_kv_bytes:
+            raise PromptError(
+                f"this request's KV cache can hold {reservation.need} bytes, more than the "
+                f"server's --max-kv-bytes {self.max_kv_bytes}; lower "
+                + ("its budget" if reservation.param == "budget" else reservation.param),
+                reservation.param,
+            )
+        return Admission(job, prompt, max_tokens, cache, caches, policy, reservation, cached)
+
+    def reserve(self, admission: Admission, *, alone: bool) -> bool:
+        """Reserve the admission's KV bytes if they fit beside the others' (``alone``:
+        nothing else runs, so it is admitted regardless): the preferred reservation where
+        it fits, else the one it needs. Its policy is told which."""
+        reservation = admission.reservation
+        if reservation.prefer is not None and self._reserve(
+            admission.job.record, reservation.prefer, alone=False
+        ):
+            admission.policy.admitted(True)
+            return True
+        if not self._reserve(admission.job.record, reservation.need, alone=alone):
+            return False
+        admission.policy.admitted(False)
+        return True
+
+    def _reserve(self, record: RequestRecord, need: int, *, alone: bool) -> bool:
+        with self._lock:
+            if not alone and sum(self._reserved.values()) + need > self.max_kv_bytes:
+                return False
+            self._reserved[record.id] = need
+        record.kv_reserved_bytes = need
+        return True
+
+    def reserved(self) -> int:
+        """KV bytes the admitted requests have reserved."""
+        with self._lock:
+            return sum(self._reserved.values())
+
+    def close(self, record: RequestRecord, state: State) -> None:
+        """The request ended in ``state``: its KV freed, its record closed."""
+        with self._lock:
+            self._reserved.pop(record.id, None)
+        self.ledger.close(record, state)
+
+    def fail(self, job: Job, event: Failed, state: State = "error") -> None:
+        """Tell the client ``event`` and close the request in ``state``."""
+        job.emit(event)
+        self.close(job.record, state)

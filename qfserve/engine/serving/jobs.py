@@ -13,10 +13,14 @@ import asyncio
 import contextlib
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qfserve.engine.serving.records import RequestRecord, State
 from qfserve.engine.text.requests import Event, Failed, GenerationRequest
+
+if TYPE_CHECKING:
+    from qfserve.engine.kv.config import CacheConfig
+    from qfserve.engine.kv.methods import Policy, Reservation
 
 
 class WorkerUnavailable(RuntimeError):
@@ -107,14 +111,17 @@ class Job:
 
 @dataclass
 class Admission:
-    """A request prepared for the batch: its prompt encoded, its caches built (a reused one
-    holds the first ``cached`` prompt tokens) and the KV bytes it needs reserved."""
+    """A request prepared for the batch: its prompt encoded, the cache settings it runs with
+    (an ``auto`` budget resolved), its caches built (a reused one holds the first ``cached``
+    prompt tokens), their method's policy and the KV bytes to reserve."""
 
     job: Job
     prompt: list[int]
     max_tokens: int
+    cache: CacheConfig
     caches: list[Any]
-    need: int
+    policy: Policy
+    reservation: Reservation
     cached: int = 0
 
 
@@ -124,6 +131,7 @@ class KeptTurn:
     got back, so the next turn may continue them (multi-turn reuse)."""
 
     request: GenerationRequest
+    cache: CacheConfig  # the settings it ran with
     tokens: list[int]  # prompt then generated, as the caches hold them
     caches: list[Any]
 

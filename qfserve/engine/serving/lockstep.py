@@ -263,7 +263,9 @@ class Lockstep:
             tick = self.tick(None, held)
             arrived = []
             for job_id, request in tick.arrivals:  # a follower's copy: nobody listens to it
-                record = RequestRecord.opened(job_id, self.model, request.kind, request.cache)
+                record = RequestRecord.opened(
+                    job_id, self.model, request.kind, request.cache.method
+                )
                 arrived.append(Job(request, record, None, deferred=True))
                 ledger.open(arrived[-1])
         self.apply(tick, arrived)

@@ -1,5 +1,5 @@
-"""What the server reports about its requests: one record per request, totals, KV reservations
-and the MLX memory probe. Counts only, never prompt text or token ids.
+"""What the server reports about its requests: one record per request, totals and the MLX
+memory probe. Counts only, never prompt text or token ids.
 
 The worker thread writes records; the event loop reads :meth:`Ledger.snapshot` for the admin
 endpoint and the metrics. Everything shared goes through the ledger's lock.
@@ -83,14 +83,13 @@ class RequestRecord:
     error: str | None = None  # why it failed or was cancelled
 
     @classmethod
-    def opened(cls, id: str, model: str, kind: str, config: CacheConfig) -> RequestRecord:
-        """The record of a request just submitted, with its cache settings."""
-        record = cls(id=id, model=model, kind=kind, method="", budget=0, recent=0, n_sink=0)
-        record.configure(config)
-        return record
+    def opened(cls, id: str, model: str, kind: str, method: str) -> RequestRecord:
+        """The record of a request just submitted with ``method``; its settings are recorded
+        once admission resolves them (:meth:`configure`)."""
+        return cls(id=id, model=model, kind=kind, method=method, budget=0, recent=0, n_sink=0)
 
     def configure(self, config: CacheConfig) -> None:
-        """Record the cache settings the request runs with (an auto budget, once resolved)."""
+        """Record the cache settings the request runs with (an ``auto`` budget resolved)."""
         self.method, self.budget, self.recent = config.method, config.budget, config.recent
         self.n_sink, self.chunk, self.budget_mode = config.n_sink, config.chunk, config.budget_mode
 
@@ -127,20 +126,17 @@ class RequestRecord:
 
 class Ledger:
     """The one list of live requests (queued, waiting for memory or in the batch), a bounded
-    history of finished ones, totals and KV reservations.
+    history of finished ones and totals.
 
     Args:
         history: Finished records kept.
-        max_kv_bytes: What the running requests may reserve together.
     """
 
-    def __init__(self, history: int, max_kv_bytes: int) -> None:
-        self.max_kv_bytes = max_kv_bytes
+    def __init__(self, history: int) -> None:
         self.weights_bytes = 0  # the served model's weights as held (set by serving())
         self._lock = threading.Lock()
         self._active: dict[str, Job] = {}
         self._history: deque[RequestRecord] = deque(maxlen=history)
-        self._reserved: dict[str, int] = {}
         self._totals = dict.fromkeys(("requests", "done", "cancelled", "error", *_COUNTED), 0)
 
     def open(self, job: Job) -> None:
@@ -160,30 +156,14 @@ class Ledger:
             return list(self._active.values())
 
     def close(self, record: RequestRecord, state: State) -> None:
-        """The request ended in ``state``: into the history and the totals; its KV freed."""
+        """The request ended in ``state``: into the history and the totals."""
         record.state, record.finished = state, time.time()
         with self._lock:
             self._active.pop(record.id, None)
-            self._reserved.pop(record.id, None)
             self._history.append(record)
             self._totals[state] += 1
             for name in _COUNTED:
                 self._totals[name] += getattr(record, name)
-
-    def reserve(self, record: RequestRecord, need: int, *, alone: bool) -> bool:
-        """Reserve ``need`` KV bytes if they fit beside the others' (``alone``: nothing else
-        runs, so it is admitted regardless)."""
-        with self._lock:
-            if not alone and sum(self._reserved.values()) + need > self.max_kv_bytes:
-                return False
-            self._reserved[record.id] = need
-        record.kv_reserved_bytes = need
-        return True
-
-    def reserved(self) -> int:
-        """KV bytes the admitted requests have reserved."""
-        with self._lock:
-            return sum(self._reserved.values())
 
     def idle(self) -> bool:
         with self._lock:
@@ -195,14 +175,11 @@ class Ledger:
             records = [job.record for job in self._active.values()]
         return sum(r.kept_bytes for r in records), sum(r.full_seq_bytes for r in records)
 
-    def serving(self, loaded: Any, lockstep: Any) -> None:
-        """What the loaded model sets: its weights' bytes as held (after any split over
-        ranks) and, over several ranks, rank 0's KV limit on every rank."""
+    def serving(self, loaded: Any) -> None:
+        """The loaded model's weights' bytes as held (after any split over ranks)."""
         from qfserve.engine.models.quantized import weight_bytes
 
         self.weights_bytes = weight_bytes(loaded.model)
-        if lockstep is not None:
-            self.max_kv_bytes = lockstep.max_kv_bytes
 
     def snapshot(self) -> dict[str, Any]:
         """Active and recent records plus totals (with MLX memory), as plain dicts."""
@@ -210,12 +187,10 @@ class Ledger:
             active = [asdict(job.record) for job in self._active.values()]
             history = [asdict(r) for r in reversed(self._history)]
             totals: dict[str, Any] = dict(self._totals)
-            totals["kv_reserved_bytes"] = sum(self._reserved.values())
         totals["active"] = len(active)
         totals["queued"] = sum(r["state"] == "queued" for r in active)
         totals["batch"] = sum(r["state"] in ("prefill", "decode") for r in active)
         totals["kv_used_bytes"] = sum(r["kept_bytes"] for r in active)
-        totals["max_kv_bytes"] = self.max_kv_bytes
         totals["weights_bytes"] = self.weights_bytes
         totals.update(mlx_memory())
         return {"active": active, "history": history, "totals": totals}

@@ -32,7 +32,6 @@ import mlx.core as mx
 from mlx_lm.generate import GenerationBatch, generation_stream, make_stop_sequences
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
-from qfserve.engine.kv import kvzip
 from qfserve.engine.models.memory import release_memory
 from qfserve.engine.serving.batch import BatchCache
 from qfserve.engine.serving.jobs import Departure, KeptTurn
@@ -41,6 +40,8 @@ from qfserve.engine.text.requests import Delta, Failed, Finished, FinishReason
 from qfserve.engine.text.sampling import request_sampler
 
 if TYPE_CHECKING:
+    from qfserve.engine.kv.config import CacheConfig
+    from qfserve.engine.kv.methods import Policy, Work
     from qfserve.engine.models.loading import LoadedModel
     from qfserve.engine.serving.jobs import Admission, Job
     from qfserve.engine.serving.records import RequestRecord, State
@@ -57,7 +58,9 @@ class Sequence:
     job: Job
     prompt: list[int]
     max_tokens: int
+    cache: CacheConfig  # the settings it runs with
     caches: list[Any]
+    policy: Policy  # what its method does beyond a score (qfserve.engine.kv.methods)
     detokenizer: Any
     stop: StopText | None
     read: int = 0  # prompt tokens the caches hold so far (a reused cache starts with some)
@@ -65,9 +68,7 @@ class Sequence:
     uid: int = -1
     cached: int = 0  # prompt tokens a reused cache already held
     generated: list[int] = field(default_factory=list)
-    # kvzip: the pass under way (the prompt over budget, once read; or what is read so far,
-    # under memory pressure), qfserve.engine.kv.kvzip
-    reconstruction: kvzip.Reconstruction | None = None
+    work: Work | None = None  # the method's work under way, stepped as prefill chunks are
 
     @property
     def record(self) -> RequestRecord:
@@ -83,7 +84,7 @@ class Scheduler:
     Args:
         loaded: The model and tokenizer.
         keeps: Turns that end normally and ask for reuse are handed back with their caches
-            (a kvzip turn held whole is compressed first).
+            (after their method's :meth:`qfserve.engine.kv.methods.Policy.before_keep`).
         max_backlog: Events a client may leave untaken before it is cancelled (``None``: not
             checked here; under lockstep the leader's worker checks it between steps).
         prefill_chunk: Prompt tokens per prefill step.
@@ -96,7 +97,6 @@ class Scheduler:
         keeps: bool = False,
         max_backlog: int | None,
         prefill_chunk: int,
-        group: Any = None,
     ) -> None:
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
@@ -109,8 +109,6 @@ class Scheduler:
         self._batch = self._empty_batch()
         self._decoding: dict[int, Sequence] = {}
         self._uids = 0
-        self._repeat: kvzip.RepeatPrompt | None = None  # built for the first kvzip request
-        self._group = group  # the ranks the model is split over: kvzip's passes agree on it
 
     def _empty_batch(self) -> GenerationBatch:
         return GenerationBatch.empty(self.loaded.model, make_sampler(0.0))
@@ -130,7 +128,9 @@ class Scheduler:
                 job=job,
                 prompt=admission.prompt,
                 max_tokens=admission.max_tokens,
+                cache=admission.cache,
                 caches=admission.caches,
+                policy=admission.policy,
                 detokenizer=self.loaded.tokenizer.detokenizer,
                 stop=StopText(stop) if stop else None,
                 read=admission.cached,
@@ -169,42 +169,35 @@ class Scheduler:
         return departed
 
     def _prefill_chunk(self, seq: Sequence, limit: int) -> int:
-        """Read up to ``limit`` more of the oldest prompt (it joins the batch once read, or
-        leaves the queue failed); returns the tokens it read."""
+        """Read up to ``limit`` more of the oldest prompt, or step its method's work (it joins
+        the batch once both are done, or leaves the queue failed); returns the tokens spent."""
         n = 0
         try:
             todo = len(seq.prompt) - 1 - seq.read  # the last token starts the decoding
-            run = seq.reconstruction
-            if run is not None:  # a kvzip pass under way; its tokens count as prefill's do
-                n = run.step(limit)
-                if not run.done:
+            work = seq.work
+            if work is not None:  # its tokens count as a prefill chunk's do
+                n = work.step(limit)
+                if not work.done:
                     return n
-                seq.reconstruction = None
+                seq.work = None
             elif todo > 0:
-                # No one-token chunk: a decode step to the caches (kvzip's prompt: cut, no pass)
+                # No one-token chunk: a decode step to the caches (a pass's prompt: cut)
                 n = todo if todo - min(limit, todo) == 1 else min(limit, todo)
                 chunk = mx.array(seq.prompt[seq.read : seq.read + n])[None]
                 self.loaded.model(chunk, cache=seq.caches)
                 mx.eval([c.state for c in seq.caches])
                 seq.read += n
                 todo -= n
-                if todo > 0 and kvzip.over_limit(seq.caches):
-                    # The whole prompt would not fit the memory it may hold: compress what
-                    # is read so far, then read on.
-                    seq.reconstruction = kvzip.Reconstruction(
-                        self.loaded.model, seq.caches, seq.prompt[: seq.read], self.repeat,
-                        group=self._group,
-                    )  # fmt: skip
+                if todo > 0:
+                    seq.work = seq.policy.after_read(seq.prompt[: seq.read])
             if todo > 0:
                 return n
-            if kvzip.needs_pass(seq.caches):
-                run = seq.reconstruction = kvzip.Reconstruction(
-                    self.loaded.model, seq.caches, seq.prompt[:-1], self.repeat, group=self._group
-                )
-                n += run.step(limit - n)
-                if not run.done:
+            work = seq.work = seq.policy.before_decode(seq.prompt[:-1])
+            if work is not None:
+                n += work.step(limit - n)
+                if not work.done:
                     return n
-                seq.reconstruction = None
+                seq.work = None
             self._prefilling.popleft()
             self._join(seq)
         except Exception as exc:  # noqa: BLE001 - one request failing must not stop the others
@@ -317,31 +310,24 @@ class Scheduler:
             finish_reason=reason,
             prompt_tokens=len(seq.prompt),
             completion_tokens=seq.tokens,
-            kv_cache=record.kv_cache(seq.job.request.cache, seq.job.request.budget_source),
+            kv_cache=record.kv_cache(seq.cache, seq.job.request.budget_source),
             cached_tokens=seq.cached,
         )
-
-    @property
-    def repeat(self) -> kvzip.RepeatPrompt:
-        """The tokenizer's reconstruction prompts (built for the first kvzip request)."""
-        if self._repeat is None:
-            self._repeat = kvzip.RepeatPrompt.for_tokenizer(self.loaded.tokenizer)
-        return self._repeat
 
     def _turn(self, seq: Sequence, finish_reason: str | None) -> KeptTurn | None:
         """What a finished request leaves for its next turn: only one ended by EOS or
         max_tokens, whose caches hold every token the client got (a stop string cuts what
-        it gets). A kvzip turn is compressed first (:func:`kvzip.settle`); should that fail,
-        the answer stands and only the turn is lost."""
+        it gets), after its method's last word on them (:meth:`Policy.before_keep`); should
+        that fail, the answer stands and only the turn is lost."""
         if not (self._keeps and seq.job.request.reuse and finish_reason is not None):
             return None
         tokens = [*seq.prompt, *seq.generated]
         try:
-            kvzip.settle(self.loaded.model, seq.caches, tokens, self.repeat, group=self._group)
+            seq.policy.before_keep(tokens)
         except Exception:  # noqa: BLE001 - answered already
             logger.exception("request %s: its turn could not be kept", seq.job.id)
             return None
-        return KeptTurn(seq.job.request, tokens, seq.caches)
+        return KeptTurn(seq.job.request, seq.cache, tokens, seq.caches)
 
     # -- leaving -------------------------------------------------------------------------
 

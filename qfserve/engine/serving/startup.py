@@ -7,17 +7,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from qfserve.engine.filters.model import ModelFilters
 from qfserve.engine.models.loading import LoadedModel, served_as
 from qfserve.engine.serving.config import EngineConfig
 
 if TYPE_CHECKING:
-    from qfserve.engine.reuse.kept import KeptCaches
     from qfserve.engine.serving.lockstep import Lockstep
     from qfserve.engine.serving.scheduler import Scheduler
+    from qfserve.engine.serving.turns import Turns
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +56,7 @@ def load(
 def check_split_defaults(config: EngineConfig, ranks: int) -> None:
     """Refuse, at start-up, server defaults that share rows across KV heads: over several
     ranks each holds only its own heads, so every request that sent nothing would fail."""
+    from qfserve.engine.kv.config import fit_budget_mode
     from qfserve.engine.models.sharding import ShardingError
 
     if config.budget_mode != "per_head":
@@ -64,11 +64,13 @@ def check_split_defaults(config: EngineConfig, ranks: int) -> None:
             f"--budget-mode {config.budget_mode} shares rows across KV heads, which are split "
             f"over {ranks} ranks: serve with --budget-mode per_head"
         )
-    if config.kv_method == "kvzip":
+    mode = fit_budget_mode(config.budget_mode, config.kv_method)
+    if mode != "per_head":  # the default method's own default mode
         raise ShardingError(
-            f"--kv-method kvzip shares rows across layers and heads by default, which are split "
-            f"over {ranks} ranks: serve another default method (requests may still send kvzip "
-            "with qfilters_budget_mode 'per_head')"
+            f"--kv-method {config.kv_method} shares rows across layers and heads by default "
+            f"(budget mode {mode}), which are split over {ranks} ranks: serve another default "
+            f"method (requests may still send {config.kv_method} with qfilters_budget_mode "
+            "'per_head')"
         )
 
 
@@ -83,43 +85,15 @@ def decision_settings(config: EngineConfig) -> str:
     return repr([(f.name, getattr(config, f.name)) for f in fields if f.name not in _RANK_LOCAL])
 
 
-def make_kept(
-    config: EngineConfig,
-    fingerprint: str,
-    max_kv_bytes: int,
-    lockstep: Lockstep | None,
-    caches_for: Callable[[Any], list[Any]],
-) -> KeptCaches | None:
-    """The caches finished turns are kept in (``None``: reuse is off). Over several ranks
-    each keeps its own heads' rows, in a folder of its own, within its share of the bytes."""
-    if not config.prompt_cache_size:
-        return None
-    from qfserve.engine.reuse.kept import KeptCaches
-
-    folder = Path(config.prompt_cache_dir) if config.prompt_cache_dir else None
-    ranks = 1 if lockstep is None else lockstep.size
-    if folder is not None and lockstep is not None:  # its heads' rows, for this many ranks
-        folder = folder / f"rank-{lockstep.rank}-of-{lockstep.size}"
-    max_bytes = (config.prompt_cache_bytes or max_kv_bytes) // ranks
-    kept = KeptCaches(config.prompt_cache_size, max_bytes, folder, fingerprint, caches_for)
-    loaded = repr(sorted((repr(key), tokens) for key, tokens in kept.cache.stored()))
-    if lockstep is not None and not lockstep.same_everywhere(loaded):
-        # A file one rank could not read (or save) would make it miss where others hit.
-        logger.warning("the ranks loaded different saved prompt caches: none is used")
-        kept.shrink(0)
-    return kept
-
-
 def make_scheduler(
     loaded: LoadedModel,
     config: EngineConfig,
-    *,
-    keeps: bool,
+    turns: Turns | None,
     lockstep: Lockstep | None,
     max_batch: int,
 ) -> tuple[Scheduler, int]:
-    """The scheduler, and the batch size it can run (1 where a batch cannot mask its
-    members' padding per head)."""
+    """The scheduler (handing back turns to keep where ``turns`` keeps them), and the batch
+    size it can run (1 where a batch cannot mask its members' padding per head)."""
     from qfserve.engine.serving.scheduler import Scheduler
 
     if max_batch > 1:
@@ -132,10 +106,9 @@ def make_scheduler(
             max_batch = 1
     scheduler = Scheduler(
         loaded,
-        keeps=keeps,
+        keeps=turns is not None,
         # Under lockstep a slow reader is cancelled between steps, on every rank at once.
         max_backlog=None if lockstep is not None else config.max_backlog,
         prefill_chunk=config.prefill_chunk,
-        group=None if lockstep is None else lockstep.group,
     )
     return scheduler, max_batch

@@ -176,7 +176,7 @@ def _limited(caches: list[Any]) -> list[Any]:
 def set_limit(caches: list[Any], rows: int, prefill_chunk: int) -> None:
     """Compress the prompt read so far whenever the layers hold more than ``rows`` rows a
     layer, read ``prefill_chunk`` tokens at a time (one more where that would leave one:
-    what the request reserved, :func:`qfserve.engine.serving.admission.kvzip_limit`).
+    what the request reserved, :func:`qfserve.engine.kv.kvzip.policy.compress_as_read`).
 
     After a pass the layers may keep more than ``rows`` (their ``keep_limit``, which their
     padded rows are held to: :mod:`qfserve.engine.kv.kvzip.shares`). The reservation holds
