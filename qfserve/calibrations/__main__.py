@@ -1,4 +1,4 @@
-"""``python -m calibrations ...``: the same as ``qfserve calibrate ...``."""
+"""``python -m qfserve.calibrations ...``: the same as ``qfserve calibrate ...``."""
 
 import sys
 

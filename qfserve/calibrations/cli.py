@@ -4,7 +4,7 @@ Usage::
 
     qfserve calibrate --model <hf-id-or-folder> [--text FILE ...] [--sequences N]
         [--tokens T] [--samples-per-head S] [--out DIR] [--seed N]
-    python -m calibrations --model ...      # the same, without the server installed
+    python -m qfserve.calibrations --model ...      # the same, without the server installed
 
 Loads the model with ``mlx_lm.load``, runs it over the calibration text (default: the
 Python standard library's sources, see :mod:`qfserve.calibrations.corpus`), samples its post-RoPE

@@ -1,8 +1,19 @@
-"""Fused GPU kernels for the eviction step, with a plain-MLX path that gives the same bits;
-and, in :mod:`qfserve.kernels.native`, the CPU kernels of a decode step (built on the machine).
+"""qfserve's kernels: the eviction step fused for GPUs, and the native CPU kernels that
+prefill, decode and KVzip's reconstruction pass run on.
 
-Public entry points (imported lazily, so ``qfserve.kernels.sources`` and ``qfserve.kernels.cpu_model`` load on a
-machine without MLX):
+* GPU (Metal, CUDA): the eviction step in two launches, :mod:`.qfilters_score` (Q-Filters
+  scores) and :mod:`.qfilters_apply` (keep ``budget`` rows per group), each beside a plain-MLX
+  reference that is also the CPU path; their source text, written once for both backends
+  (:mod:`.sources`); the backend, chosen once (:mod:`.backend`); and a numpy model of the
+  apply kernel, step by step (:mod:`.cpu_model`).
+* CPU, in :mod:`.native` (MLX primitives in C++, built on the machine on first use): products
+  on quantized weights' codes (decode rows, and a prompt's tiles into the BLAS), attention of
+  a decode step and of a prompt block (with KVzip's reconstruction scores from the same
+  logits), RoPE, RMS norm, SwiGLU, a decode step's transformer block in two ops and an
+  eviction cache's decode step.
+
+The GPU path's entry points (imported lazily, so :mod:`.sources` and :mod:`.cpu_model` load on
+a machine without MLX):
 
 * :func:`fused_evict` — keep ``budget`` rows per (b, h) group (dispatch 2, apply).
 * :func:`qfilter_scores` — Q-Filters scores, protected rows +inf (dispatch 1, score).

@@ -4,7 +4,8 @@ CI has no GPU, so this is how the kernel's *algorithm* is tested there: threadgr
 thread owning a contiguous run of rows, the per-thread counts of strictly-above and tied rows,
 the Hillis-Steele scan over them (with its barriers), the two admission tiers, the slot each
 survivor is written to, and the copy. Every step below names the phase of
-:data:`qfserve.kernels.sources.APPLY` it models. No MLX import: ``bench/kernel_cuda.py`` uses it too.
+:data:`qfserve.kernels.sources.APPLY` it models. No MLX import:
+``bench/studies/kernel_cuda.py`` uses it too.
 """
 
 from __future__ import annotations

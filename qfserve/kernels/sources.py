@@ -3,8 +3,8 @@
 Each kernel body is written once in a small neutral dialect (``QF_*`` tokens for barriers,
 shared memory, thread indices and the SIMD sum) and rendered for a backend by :func:`render`,
 so the Metal and CUDA kernels share every line of the algorithm and cannot drift apart.
-This module imports nothing but the standard library: ``bench/kernel_cuda.py`` reads the CUDA
-text from here on machines that have CUDA but no MLX (:func:`cuda_module_source`).
+This module imports nothing but the standard library: ``bench/studies/kernel_cuda.py`` reads
+the CUDA text from here on machines that have CUDA but no MLX (:func:`cuda_module_source`).
 
 The bodies follow the calling convention of ``mx.fast.metal_kernel`` / ``mx.fast.cuda_kernel``:
 inputs and outputs are flat row-major buffers named as in the specs below, and ``T``, ``TV``,
