@@ -20,6 +20,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for s in STUDIES.values():
             needs = f" (needs {s.needs})" if s.needs else ""
             print(f"  {s.name:<{width}}  {s.section:<7}  {s.question}{needs}")
+            if s.modes:
+                print(f"  {'':<{width}}           {s.option} {'|'.join(m for m, _ in s.modes)}")
         return 0 if argv else 2
     try:
         chosen = study(argv[0])
@@ -31,7 +33,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from qfserve.engine.models.blas import reexec_with_openblas
 
     reexec_with_openblas()
-    chosen.module().main(argv[1:])
+    chosen.main(argv[1:])
     return 0
 
 

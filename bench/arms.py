@@ -22,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from bench.data import split_files
-from bench.harness import progress
+from bench.resume import progress
 from qfserve.calibrations.capture import capture_queries
 from qfserve.calibrations.compute import compute_filters, query_scales
 from qfserve.calibrations.corpus import make_sequences, read_documents
@@ -54,8 +54,13 @@ class Arm:
         if self.method == "full":
             return "full"
         window = "" if self.window is None else f"w{self.window}"
-        tags = (f"c{self.chunk}" * (self.chunk > 1), "ada" * self.adaptive, window, self.traffic,
-                "global" * self.shared)  # fmt: skip
+        tags = (
+            f"c{self.chunk}" * (self.chunk > 1),
+            "ada" * self.adaptive,
+            window,
+            self.traffic,
+            "global" * self.shared,
+        )
         method = f"{self.method}{'-' * (self.sign < 0)}"
         return "/".join([method, f"r{int(round(self.recent_frac * 100))}", *filter(None, tags)])
 
@@ -150,19 +155,34 @@ ARM_FLAGS = {
 
 def add_arm_arguments(p: Any) -> None:
     """The options that add arms (:func:`select_arms`), and ``--only`` to keep named ones."""
-    p.add_argument("--chunks", type=int, nargs="+", default=[],
-                   help="also run calibrated Q-Filters keeping whole chunks of these sizes")  # fmt: skip
+    p.add_argument(
+        "--chunks",
+        type=int,
+        nargs="+",
+        default=[],
+        help="also run calibrated Q-Filters keeping whole chunks of these sizes",
+    )
     for flag, about in ARM_FLAGS.items():
         p.add_argument(flag, action="store_true", help=about)
-    p.add_argument("--snapkv-windows", type=int, nargs="+", default=[],
-                   help="with --query-aware, also run SnapKV with these observation windows")  # fmt: skip
+    p.add_argument(
+        "--snapkv-windows",
+        type=int,
+        nargs="+",
+        default=[],
+        help="with --query-aware, also run SnapKV with these observation windows",
+    )
     p.add_argument("--only", nargs="+", default=None, help="run only these arm names")
 
 
 def add_traffic_argument(p: Any) -> None:
     """``--traffic-artifacts NAME=PATH ...``: filters learned from traffic, as arms or scorers."""
-    p.add_argument("--traffic-artifacts", nargs="+", default=[], metavar="NAME=PATH",
-                   help="also run Q-Filters from these artifacts learned from traffic")  # fmt: skip
+    p.add_argument(
+        "--traffic-artifacts",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="also run Q-Filters from these artifacts learned from traffic",
+    )
 
 
 def select_arms(arms: list[Arm], args: Any) -> list[Arm]:

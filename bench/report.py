@@ -9,9 +9,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.cli import RESULTS_DIR, MiB
 from bench.goals import by_arm, grid_mean, has_results, load, render_goals
-from bench.harness import RESULTS_DIR, MiB
-from bench.studies import STUDIES, study
+from bench.studies import STUDIES, owner
 
 PAGE = Path(__file__).resolve().parent / "RESULTS.md"
 README = PAGE.parents[1] / "README.md"
@@ -38,7 +38,6 @@ MODELS = {
     "smollm2/batching_16": f"{SMOL}: continuous batching up to 16 streams (256-token prompts), after the packed batch's in-place joins and leaves, chunks of 8 by default",
     "smollm2/multiturn_repeats": f"{SMOL}: multi-turn reuse over repeated conversations",
     "smollm2/niah_served": f"{SMOL}: the needle through the server with default settings",
-    "smollm2/blas": f"{SMOL}: OpenBLAS from PyPI against the system's",
     "qfserve-tiny": "qfserve-tiny (the bundled 6-layer test model: what CI's smoke runs use; kept where it still says something)",
 }
 
@@ -113,7 +112,7 @@ def section(title: str, data: dict[str, Any], *blocks: str | list[str]) -> list[
     """A study's section of the page: its heading (the run, then a quality study's model and
     filters or a speed study's machine), ``blocks`` (a line or a list of lines each) a blank
     line apart, then its plots (a speed study's followed by a blank line)."""
-    quality = study(data["benchmark"]).section == "quality"
+    quality = owner(data["benchmark"]).section == "quality"
     run = f"`{data['command']}` — {data['when']}, {data.get('runtime_s', '?')} s"
     if quality:
         model, cal = data["model"], data.get("calibration") or {}
@@ -161,7 +160,7 @@ def ratio_cell(row: dict[str, Any]) -> str:
 
 # -- section headlines -------------------------------------------------------------------
 
-QUALITY_HEADLINES = ("geometry", "attention", "perplexity", "retrieval", "stability", "niah")
+QUALITY_HEADLINES = ("attention", "perplexity", "retrieval", "niah")
 QUALITY_INTRO = (
     "Held-out data only: evaluation-split standard-library files and generated documents from the "
     "training package's evaluation seeds; calibration on training-split files. Budgets are matched "
@@ -203,13 +202,6 @@ def quality_headlines(results_dir: Path) -> list[str]:
             "",
         ]
     lines += ["Headlines (all from the tables below):", ""]
-    if s := data.get("geometry", {}).get("summary"):
-        lines.append(
-            f"- Geometry: {s['share_heads_positive'] * s['heads']:.0f}/{s['heads']} query heads "
-            f"have a positive mean held-out projection on their filter; median top-component "
-            f"energy {s['top_energy']['median']:.2f}, median drift ratio "
-            f"{s['drift_ratio']['median']:.0f}×."
-        )
     if "attention" in data:
         rho = data["attention"]["results"]["all"].items()
         parts = "; ".join(
@@ -246,17 +238,6 @@ def quality_headlines(results_dir: Path) -> list[str]:
                 "- Pass-key answer NLL (nats/token, mean over lengths and compressions; lower is "
                 "better): " + ", ".join(f"{k} {v:.3f}" for k, v in nll.items()) + "."
             )
-    if "stability" in data:
-        rows = data["stability"]["rows"]
-        first, last = rows[0], rows[-1]
-        lines.append(
-            f"- Calibration stability: median per-head cosine between calibrations on disjoint "
-            f"texts {first['cos_A_n_vs_B_n']['median']:.3f} at {first['samples_per_head']} "
-            f"samples/head, {last['cos_A_n_vs_B_n']['median']:.3f} at "
-            f"{last['samples_per_head']}; perplexity change at budget "
-            f"{data['stability']['budget']} with {first['samples_per_head']} samples "
-            f"{100 * first['ppl_change_A_r0']:+.1f}% (recent 0)."
-        )
     return lines
 
 
@@ -364,9 +345,9 @@ def speed_headlines(results: dict[str, dict[str, Any]]) -> list[str]:
 # -- the page ----------------------------------------------------------------------------
 
 
-def render_study(name: str, data: dict[str, Any]) -> list[str]:
-    """One study's section of the page, by its module's ``render`` (none: no lines)."""
-    render = getattr(study(name).module(), "render", None)
+def render_study(file: str, data: dict[str, Any]) -> list[str]:
+    """The section of the page for ``<file>.json``, by its mode's ``render`` (none: no lines)."""
+    render = getattr(owner(file).module(file), "render", None)
     return [] if render is None else render(data)
 
 
@@ -374,18 +355,20 @@ def render_section(folder: Path, section: str, title: str, *, missing: bool) -> 
     """A model's ``quality`` or ``speed`` section: headlines, then every registered study of
     it in the registry's order (``missing``: a line for each that has not run here)."""
     studies = [s for s in STUDIES.values() if s.section == section]
-    results = {s.key: d for s in studies if (d := load(folder / f"{s.key}.json")) is not None}
+    files = [(s, f) for s in studies for f in s.files]
+    results = {f: d for _, f in files if (d := load(folder / f"{f}.json")) is not None}
     if section == "quality":
         lines = [f"## {title}", "", *quality_headlines(folder), ""]
     elif results or missing:
         lines = [f"## {title}", "", SPEED_INTRO, "", *speed_headlines(results)]
     else:
         return []
-    for s in studies:
-        if s.key in results:
-            lines += render_study(s.name, results[s.key]) + [""] * (section == "quality")
-        elif missing and not s.subfolder and hasattr(s.module(), "render"):
-            lines += [f"*{s.key}: no results yet (`python -m bench {s.name}`).*", ""]
+    for s, f in files:
+        if f in results:
+            lines += render_study(f, results[f]) + [""] * (section == "quality")
+        elif missing and not s.elsewhere(f) and hasattr(s.module(f), "render"):
+            command = " ".join(["python -m bench", s.name, *s.mode(f)])
+            lines += [f"*{f}: no results yet (`{command}`).*", ""]
     return lines
 
 
@@ -406,7 +389,8 @@ def render(results_dir: Path = RESULTS_DIR) -> str:
         "# qfserve benchmark results",
         "",
         f"Rendered by `python -m bench.report` on {time.strftime('%Y-%m-%d')} from "
-        "`bench/results/<model>/*.json`; each section names the command and date of its run.",
+        "`bench/results/<model>/*.json`; each section names the command and date of its run. "
+        "Settled studies, kept as text: [ARCHIVE.md](ARCHIVE.md).",
         "",
         *render_goals(results_dir / next(iter(MODELS))),
     ]
@@ -527,7 +511,7 @@ def readme_headlines(results_dir: Path = RESULTS_DIR) -> list[str]:
 
 
 def _against_llama(llama: dict[str, Any], label: str) -> list[str]:
-    """A headline row of a ``vs-llama-cpp`` run: TTFT and decode ratios per prompt length."""
+    """A headline row of a ``vs --against llama-cpp`` run: TTFT and decode ratios per prompt length."""
     rows_by = sorted(llama["rows"], key=lambda r: r["prompt_tokens"])
     arms = ("ours_full", "ours_qfilters")
     ttft, tps = (

@@ -10,13 +10,11 @@ cd "$(dirname "$0")/.."
 which="${1:-all}"
 run() { echo "== python -m bench $*"; python -m bench "$@"; }
 if [[ "$which" == quality || "$which" == all ]]; then
-    run geometry --calibration registry
     run attention --calibration registry
     run retrieval --calibration registry --lengths 1024 4096 8192 \
         --ratios 2 4 8 16 32 --per-bin 2 --recent-fracs 0.25
-    run niah --calibration registry
+    run retrieval --haystack prose --calibration registry
     run perplexity --calibration registry
-    run stability
     run multiturn-recall
 fi
 if [[ "$which" == selfcal || "$which" == all ]]; then
@@ -41,9 +39,6 @@ if [[ "$which" == selfcal || "$which" == all ]]; then
         --per-bin 2 --recent-fracs 0.25 --self-calibrated --query-aware --snapkv-windows 8 \
         --no-prefill-check --out bench/results/smollm2/query_aware/8k --only qfilters/r25 \
         self/r25 fallback/r25 snapkv/r25 snapkv/r25/w8 tova/r25 knorm/r25 streaming/r0
-    # Why the prompt's own filters lose the synthetic pass key: the same recipe fed the
-    # document's queries, another text's, or the artifact, on repetitive and natural filler.
-    run selfcal-text --calibration registry --out "$out"
     # What the server learns from traffic without an artifact (its default), and how those
     # filters retrieve and predict attention beside the others.
     t=bench/results/smollm2/traffic
@@ -64,22 +59,22 @@ if [[ "$which" == selfcal || "$which" == all ]]; then
 fi
 if [[ "$which" == speed || "$which" == all ]]; then
     run decode
-    run ttft
-    run server-overhead
-    run vs-mlx-lm
-    run vs-llama-cpp --prompts 256 2048 4096 8096 || echo "vs-llama-cpp needs llama-cpp-python[server]"
+    run prefill-cost --mode ttft
+    run vs --against in-process
+    run vs --against mlx-lm
+    run vs --against llama-cpp --prompts 256 2048 4096 8096 || echo "vs --against llama-cpp needs llama-cpp-python[server]"
     run distributed
     run batching
     # After the packed step's in-place joins and leaves: 256-token prompts, two rounds a row.
     run batching --prompts 256 --streams 1 8 16 --reps 2 \
         --out bench/results/smollm2/batching_16
-    run batch-step
-    run selfcal-prefill
+    run decode --mode batch
+    run prefill-cost --mode selfcal
     run multiturn
     # The reused arm alone over five more conversations: its turn-20/turn-2 ratio's spread.
     run multiturn --conversations 5 --arms qfilters_reuse \
         --out bench/results/smollm2/multiturn_repeats
-    run bandwidth
+    run decode --mode bandwidth
     run structured --reps 5 --tokens 40
 fi
 if [[ "$which" == refinements || "$which" == all ]]; then
@@ -90,9 +85,9 @@ if [[ "$which" == refinements || "$which" == all ]]; then
           qfilters/r25/c16 qfilters/r25/ada qfilters/r25/c8/ada knorm/r25 streaming/r0)
     run retrieval --calibration registry --lengths 2048 4096 --ratios 2 4 8 16 \
         --per-bin 2 --recent-fracs 0.25 --out "$out" "${arms[@]}"
-    run niah --calibration registry --lengths 2048 4096 --ratios 2 4 8 16 \
+    run retrieval --haystack prose --calibration registry --lengths 2048 4096 --ratios 2 4 8 16 \
         --out "$out" "${arms[@]}"
     run perplexity --calibration registry --out "$out" "${arms[@]}"
-    run refine-step
+    run decode --mode refine
 fi
-run bench.report
+python -m bench.report

@@ -1,74 +1,182 @@
 """The registry of studies: each a module here with its data, its measurement (``main(argv)``)
 and its section of ``bench/RESULTS.md`` (``render(data)``, from the JSON ``main`` wrote);
-importing this package imports no study (nor MLX)."""
+importing this package imports no study (nor MLX).
+
+A study that asks one question of several setups is one entry with modes: a package whose
+modules each measure one mode and write one JSON file, named as before the modes were joined,
+so every earlier result still renders. Settled studies live on as text in ``bench/ARCHIVE.md``.
+"""
 
 from __future__ import annotations
 
+import argparse
 import importlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 
 @dataclass(frozen=True)
 class Study:
-    """One registered study; the smoke test skips it, saying so, when it ``needs`` more."""
+    """One registered study; the smoke test skips a mode, saying so, when it ``needs`` more."""
 
-    name: str  # on the command line; its module and its JSON file are named ``key``
+    name: str  # on the command line; its module is named ``key``
     section: str  # ``quality`` (held-out accuracy, likelihood) or ``speed`` (time, memory)
     question: str  # what it answers, in one line
-    subfolder: bool = False  # run_all.sh runs it into a subfolder: not listed as missing
+    subfolder: bool | tuple[str, ...] = False  # run_all.sh runs it (or these files) elsewhere
     needs: str = ""  # what it needs beyond the package
+    option: str = ""  # the flag that picks a mode (``--mode``)
+    modes: tuple[
+        tuple[str, str], ...
+    ] = ()  # (mode, the JSON file it writes); the first is the default
 
     @property
     def key(self) -> str:
         return self.name.replace("-", "_")
 
-    def module(self) -> ModuleType:
-        return importlib.import_module(f"bench.studies.{self.key}")
+    @property
+    def files(self) -> tuple[str, ...]:
+        """The JSON files (without ``.json``) its modes write, in the registry's order."""
+        return tuple(file for _, file in self.modes) or (self.key,)
+
+    def module(self, file: str | None = None) -> ModuleType:
+        """The module that measures and renders ``file`` (default: the first mode's)."""
+        part = f".{file or self.files[0]}" if self.modes else ""
+        return importlib.import_module(f"bench.studies.{self.key}{part}")
+
+    def elsewhere(self, file: str) -> bool:
+        """Whether ``run_all.sh`` writes ``file`` into a subfolder (not listed as missing)."""
+        return self.subfolder is True or file in (self.subfolder or ())
+
+    def mode(self, file: str) -> list[str]:
+        """The arguments that pick the mode writing ``file`` (none for a single-mode study)."""
+        return [self.option, dict((f, m) for m, f in self.modes)[file]] if self.modes else []
+
+    def file_for(self, argv: Sequence[str]) -> str:
+        """The JSON file the mode chosen in ``argv`` writes."""
+        if not self.modes:
+            return self.key
+        p = argparse.ArgumentParser(add_help=False)
+        p.add_argument(self.option, choices=[m for m, _ in self.modes], default=self.modes[0][0])
+        chosen = getattr(p.parse_known_args(list(argv))[0], self.option.lstrip("-"))
+        return dict(self.modes)[chosen]
+
+    def main(self, argv: Sequence[str]) -> Any:
+        return self.module(self.file_for(argv)).main(list(argv))
 
 
-STUDIES = {s.name: s for s in (
-    Study("geometry", "quality", "are the queries anisotropic, and does the filter's sign hold?"),
-    Study("attention", "quality", "does each scorer's score predict the attention a key receives?"),
-    Study("perplexity", "quality", "streaming perplexity per budget and arm, code and prose"),
-    Study("retrieval", "quality", "pass-key accuracy by length, compression and needle depth"),
-    Study("stability", "quality", "how stable is the calibration across samples and texts?"),
-    Study("niah", "quality", "a needle sentence in English prose, depth x length"),
-    Study("niah-served", "quality", "the needle through the server with default settings", True),
-    Study("llama-parity", "quality", "greedy text and log-probs against llama.cpp on the same file",
-          True, "llama-cpp-python on llama.cpp's libllama (bench/reference/llama_cpp_tools.sh)"),
-    Study("long-context", "quality", "needle and KV bytes at 2k-32k on sliding + global layers",
-          True),
-    Study("selfcal-text", "quality", "whose queries make a prompt-calibrated filter work?", True),
-    Study("multiturn-recall", "quality", "a pass key from turn 1, asked turns later"),
-    Study("traffic", "quality", "Q-Filters learned from traffic, as a server learns them", True),
-    Study("kvzip-parity", "quality", "our KVzip against NVIDIA kvpress's KVzipPress", True,
-          "a Python with torch, transformers and kvpress (--kvpress-python)"),
-    Study("kvzip-reuse", "quality", "KVzip through the prompt cache: facts asked turns later",
-          True),
-    Study("decode", "speed", "decode ms/step, eviction overhead and memory against context"),
-    Study("ttft", "speed", "time to first token, eviction against the full cache"),
-    Study("server-overhead", "speed", "streamed HTTP against the worker against in-process"),
-    Study("vs-mlx-lm", "speed", "qfserve against mlx_lm.server on the same prompts"),
-    Study("vs-llama-cpp", "speed", "qfserve against llama.cpp's server on the same GGUF", True,
-          "llama-server (bench/reference/llama_cpp_tools.sh) or llama-cpp-python[server]"),
-    Study("memory", "speed", "resident memory against llama-server on the same GGUF and context",
-          True, "llama.cpp's llama-server (bench/reference/llama_cpp_tools.sh)"),
-    Study("distributed", "speed", "one process against the model split over ranks (lockstep)"),
-    Study("bandwidth", "speed", "memory bandwidth against the bytes a decode step reads"),
-    Study("structured", "speed", "what a JSON-schema constraint costs per token"),
-    Study("batching", "speed", "continuous batching: aggregate tok/s and TTFT per stream count"),
-    Study("multiturn", "speed", "multi-turn chat: TTFT, KV bytes and RSS per turn, with reuse"),
-    Study("batch-step", "speed", "one batched decode step: our caches against mlx-lm's"),
-    Study("selfcal-prefill", "speed", "self-calibration's cost on a prefill"),
-    Study("refine-step", "speed", "the decode step of chunked and head-adaptive caches"),
-    Study("blas", "speed", "OpenBLAS from PyPI against the system's, side by side", True,
-          "both the pip (ngsolve-openblas) and the system (libopenblas0-pthread) OpenBLAS"),
-    Study("profile", "speed", "a decode step and a prefill chunk, by kind of work"),
-    Study("kvzip-cost", "speed", "KVzip's reconstruction pass against a plain prefill", True),
-    Study("kernel-cuda", "speed", "the fused eviction kernel on an NVIDIA GPU: parity, timing",
-          True, "an NVIDIA GPU with torch and cupy"),
-)}  # fmt: skip
+def _modes(*files: str, **named: str) -> tuple[tuple[str, str], ...]:
+    return tuple((f.replace("_", "-"), f) for f in files) + tuple(
+        (m.replace("_", "-"), f) for m, f in named.items()
+    )
+
+
+LLAMA_TOOLS = "bench/reference/llama_cpp_tools.sh"
+
+STUDIES = {
+    s.name: s
+    for s in (
+        Study(
+            "attention", "quality", "does each scorer's score predict the attention a key receives?"
+        ),
+        Study("perplexity", "quality", "streaming perplexity per budget and arm, code and prose"),
+        # The needle is the question; the haystack (a synthetic pass key or English prose) an axis.
+        Study(
+            "retrieval",
+            "quality",
+            "needle accuracy by length, compression and depth, in filler or in prose",
+            option="--haystack",
+            modes=_modes(passkey="retrieval", prose="niah"),
+        ),
+        Study(
+            "niah-served", "quality", "the needle through the server with default settings", True
+        ),
+        Study(
+            "long-context",
+            "quality",
+            "needle and KV bytes at 2k-32k on sliding + global layers",
+            True,
+        ),
+        # Both ask what a later turn still finds: a pass key in a chat, or facts in a document
+        # read once and compressed by KVzip in the prompt cache.
+        Study(
+            "multiturn-recall",
+            "quality",
+            "what turn 1 said, asked turns later: a pass key in a chat, facts in a document",
+            subfolder=("kvzip_reuse",),
+            option="--conversation",
+            modes=_modes(chat="multiturn_recall", document="kvzip_reuse"),
+        ),
+        Study(
+            "traffic", "quality", "Q-Filters learned from traffic, as a server learns them", True
+        ),
+        # Both run the same inputs through a reference implementation and compare what comes out.
+        Study(
+            "parity",
+            "quality",
+            "our outputs against a reference implementation on the same inputs",
+            True,
+            f"llama-cpp-python on llama.cpp's libllama ({LLAMA_TOOLS}); kvpress: a Python with "
+            "torch, transformers and kvpress (--kvpress-python)",
+            option="--against",
+            modes=_modes(llama_cpp="llama_parity", kvpress="kvzip_parity"),
+        ),
+        # One decode step, timed from every side: against the full cache and context (step),
+        # batched, chunked and head-adaptive, by kind of work, and against memory bandwidth.
+        Study(
+            "decode",
+            "speed",
+            "the decode step: eviction against the full cache, batched, refined, profiled, bandwidth",
+            option="--mode",
+            modes=_modes(
+                step="decode",
+                batch="batch_step",
+                refine="refine_step",
+                profile="profile",
+                bandwidth="bandwidth",
+            ),
+        ),
+        # What a prompt costs before the first token: eviction's, self-calibration's, KVzip's pass.
+        Study(
+            "prefill-cost",
+            "speed",
+            "what eviction, self-calibration and KVzip's pass add to a prefill",
+            True,
+            option="--mode",
+            modes=_modes(ttft="ttft", selfcal="selfcal_prefill", kvzip="kvzip_cost"),
+        ),
+        # Our server against another way of serving the same model: mlx-lm's server,
+        # llama.cpp's (speed or resident memory), or our own worker and in-process loop.
+        Study(
+            "vs",
+            "speed",
+            "qfserve against mlx-lm's or llama.cpp's server, or its own worker in-process",
+            True,
+            f"llama-server ({LLAMA_TOOLS}) or llama-cpp-python[server] for llama-cpp",
+            option="--against",
+            modes=_modes(
+                mlx_lm="vs_mlx_lm",
+                llama_cpp="vs_llama_cpp",
+                llama_cpp_memory="memory",
+                in_process="server_overhead",
+            ),
+        ),
+        Study("distributed", "speed", "one process against the model split over ranks (lockstep)"),
+        Study("structured", "speed", "what a JSON-schema constraint costs per token"),
+        Study(
+            "batching", "speed", "continuous batching: aggregate tok/s and TTFT per stream count"
+        ),
+        Study("multiturn", "speed", "multi-turn chat: TTFT, KV bytes and RSS per turn, with reuse"),
+        Study(
+            "kernel-cuda",
+            "speed",
+            "the fused eviction kernel on an NVIDIA GPU: parity, timing",
+            True,
+            "an NVIDIA GPU with torch and cupy",
+        ),
+    )
+}
 
 
 def study(name: str) -> Study:
@@ -77,3 +185,11 @@ def study(name: str) -> Study:
     if found is None:
         raise ValueError(f"study must be one of {', '.join(STUDIES)}; got {name!r}")
     return found
+
+
+def owner(file: str) -> Study:
+    """The study whose mode writes ``<file>.json`` (a JSON's ``benchmark``)."""
+    for s in STUDIES.values():
+        if file in s.files:
+            return s
+    raise ValueError(f"no registered study writes {file}.json")

@@ -14,8 +14,11 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from bench.arms import add_traffic_argument
 from bench.data import recall_windows, stdlib_windows
-from bench.harness import color, progress, save_plot, start, subplots, summary
+from bench.plots import color, save_plot, subplots
 from bench.report import fmt, pct, section, spread_cell, table
+from bench.resume import progress
+from bench.run import start
+from bench.timing import summary
 from qfserve.calibrations.capture import QueryCapture
 from qfserve.calibrations.model_info import attention_modules
 from qfserve.engine.kv.config import DEFAULT_CALIB_TOKENS, DEFAULT_N_SINK
@@ -112,8 +115,11 @@ def sequence_correlations(
         scale = float(attn.scale)
         received = received_attention(queries, np.array(keys[0]), scale)
         own = self_filters(mx.array(queries[:, : L // 2]), n_kv)  # the first half's queries
-        by_filter = {"qfilters": filters[layer], "self": own,
-                     **{f"traffic/{k}": v[layer] for k, v in filters.learned.items()}}  # fmt: skip
+        by_filter = {
+            "qfilters": filters[layer],
+            "self": own,
+            **{f"traffic/{k}": v[layer] for k, v in filters.learned.items()},
+        }
         scores = scores_for(keys, queries, scale, by_filter)
         for s, name in enumerate(scorers):
             for k in range(n_kv):
@@ -136,10 +142,16 @@ def head_stats(rho: np.ndarray) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    study = start(STUDY, argv, __doc__, calibration=True, options=[add_traffic_argument],
-                  length=(1024, 160, "tokens per sequence"),
-                  sequences=(12, 1, "held-out sequences per kind"),
-                  flags={"--lengths": {"type": int, "nargs": "+", "help": "several in one run"}})  # fmt: skip
+    study = start(
+        STUDY,
+        argv,
+        __doc__,
+        calibration=True,
+        options=[add_traffic_argument],
+        length=(1024, 160, "tokens per sequence"),
+        sequences=(12, 1, "held-out sequences per kind"),
+        flags={"--lengths": {"type": int, "nargs": "+", "help": "several in one run"}},
+    )
     args = study.args
     lengths, n_seq = args.lengths or [args.length], args.sequences
     model, filters, corpus = study.model, study.filters, study.corpus
@@ -182,11 +194,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     fig.colorbar(im, ax=ax[0, 1])
     save_plot(fig, args.out, STUDY, study.title("does the score predict attention?"))
 
-    data = {"length": lengths[0] if len(lengths) == 1 else lengths,
-            "sequences": {k: len(v) for k, v in datasets.items()},
-            "keys": f"positions {DEFAULT_N_SINK} .. L/2-1",
-            "queries": "positions L/2 .. L-1, all query heads of the KV group",
-            "fallback_calib_tokens": DEFAULT_CALIB_TOKENS, "snapkv_windows": SNAPKV_WINDOWS}  # fmt: skip
+    data = {
+        "length": lengths[0] if len(lengths) == 1 else lengths,
+        "sequences": {k: len(v) for k, v in datasets.items()},
+        "keys": f"positions {DEFAULT_N_SINK} .. L/2-1",
+        "queries": "positions L/2 .. L-1, all query heads of the KV group",
+        "fallback_calib_tokens": DEFAULT_CALIB_TOKENS,
+        "snapkv_windows": SNAPKV_WINDOWS,
+    }
     return study.save(
         {"data": data, "scorers": list(scorers), "results": results, "plots": [f"{STUDY}.png"]}
     )
@@ -204,15 +219,33 @@ def render(data: dict[str, Any]) -> list[str]:
     blocks: list[str | list[str]] = [intro]
     if len(lengths) > 1:  # one row per scorer, a column per length (both kinds of data)
         keys = [f"all@{n}" for n in lengths] + ["all"]
-        rows = [[scorer, *(f"{fmt(results[k][scorer]['mean_rho'], 2)} "
-                           f"({pct(results[k][scorer]['share_heads_positive'])})" for k in keys)]
-                for scorer in results["all"]]  # fmt: skip
-        blocks += ["Mean ρ over KV heads (share of heads with ρ > 0), by sequence length:",
-                   table(["scorer", *[f"{n} tokens" for n in lengths], "all sequences pooled"], rows),
-                   "By data and length:"]  # fmt: skip
-    rows = [[dataset, scorer, fmt(r["mean_rho"]), pct(r["share_heads_positive"]),
-             spread_cell(r["per_head_spread"])]
-            for dataset, res in results.items() for scorer, r in res.items()]  # fmt: skip
+        rows = [
+            [
+                scorer,
+                *(
+                    f"{fmt(results[k][scorer]['mean_rho'], 2)} "
+                    f"({pct(results[k][scorer]['share_heads_positive'])})"
+                    for k in keys
+                ),
+            ]
+            for scorer in results["all"]
+        ]
+        blocks += [
+            "Mean ρ over KV heads (share of heads with ρ > 0), by sequence length:",
+            table(["scorer", *[f"{n} tokens" for n in lengths], "all sequences pooled"], rows),
+            "By data and length:",
+        ]
+    rows = [
+        [
+            dataset,
+            scorer,
+            fmt(r["mean_rho"]),
+            pct(r["share_heads_positive"]),
+            spread_cell(r["per_head_spread"]),
+        ]
+        for dataset, res in results.items()
+        for scorer, r in res.items()
+    ]
     blocks.append(table(["data", "scorer", "mean ρ", "heads ρ > 0", "per-head [q1–q3]"], rows))
     if res := results.get("all"):
         per_layer = zip(*(r["per_head"] for r in res.values()), strict=True)

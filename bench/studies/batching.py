@@ -12,9 +12,10 @@ from typing import Any
 import httpx
 import numpy as np
 
-from bench import harness
+from bench import clients, plots, timing
 from bench.data import chat_content, eos_ban
 from bench.report import section, table
+from bench.run import start
 from bench.studies.multiturn import start_servers
 
 ARMS = ("serial", "batched_a", "theirs", "batched_b")
@@ -34,7 +35,7 @@ MIXES = (  # what qfserve's streams ask for, in turn
 NONCES = itertools.count()
 
 
-def steady_rate(streams: list[tuple[float, harness.StreamTiming]]) -> float | None:
+def steady_rate(streams: list[tuple[float, clients.StreamTiming]]) -> float | None:
     """Text chunks per second, all streams together, while every one of them is decoding
     (None when no such span exists: one stream ended before another began)."""
     times = [[sent + t for t in timing.chunk_times] for sent, timing in streams]
@@ -48,13 +49,17 @@ def burst(sm: Any, client: httpx.Client, url: str, name: str, n: int, c: int):
     """An arm sending ``c`` streams of about ``n`` prompt tokens at once to ``url``."""
     ours = name != "theirs"
 
-    def one(i: int) -> tuple[float, harness.StreamTiming]:
+    def one(i: int) -> tuple[float, clients.StreamTiming]:
         content = chat_content(sm, n, f"[{next(NONCES):05d}-{name[:6]}] ")
-        body = {"model": sm.loaded.name if ours else str(sm.folder),
-                "messages": [{"role": "user", "content": content}],
-                "max_tokens": sm.args.max_tokens, "temperature": 0, "logit_bias": eos_ban(sm),
-                **(MIXES[i % len(MIXES)] if ours else {})}  # fmt: skip
-        return time.perf_counter(), harness.stream_chat(client, url, body)
+        body = {
+            "model": sm.loaded.name if ours else str(sm.folder),
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": sm.args.max_tokens,
+            "temperature": 0,
+            "logit_bias": eos_ban(sm),
+            **(MIXES[i % len(MIXES)] if ours else {}),
+        }
+        return time.perf_counter(), clients.stream_chat(client, url, body)
 
     def run() -> dict:
         tic = time.perf_counter()
@@ -82,62 +87,90 @@ def write(sm: Any, rows: list[dict], complete: bool) -> dict[str, Any]:
 
     def speedup(n: int, key: str) -> dict[int, float] | None:
         """Batched tokens/s at each stream count over one stream, at prompt ``n``."""
-        mine = {r["streams"]: r[key]["batched_a"]["median"] for r in rows
-                if r["prompt_tokens"] == n and r[key]["batched_a"]}  # fmt: skip
+        mine = {
+            r["streams"]: r[key]["batched_a"]["median"]
+            for r in rows
+            if r["prompt_tokens"] == n and r[key]["batched_a"]
+        }
         return None if 1 not in mine else {c: v / mine[1] for c, v in mine.items()}
 
     result = {
         "complete": complete,
         "settings": {
-            "reps": a.reps, "max_tokens": a.max_tokens, "streams": a.streams, "prompts": a.prompts,
-            "mixes_ours": list(MIXES), "temperature": 0, "eos_banned": True,
-            "serial": "qfserve --max-batch 1", "batched": "qfserve --max-batch 16",
+            "reps": a.reps,
+            "max_tokens": a.max_tokens,
+            "streams": a.streams,
+            "prompts": a.prompts,
+            "mixes_ours": list(MIXES),
+            "temperature": 0,
+            "eos_banned": True,
+            "serial": "qfserve --max-batch 1",
+            "batched": "qfserve --max-batch 16",
             "theirs": "python -m mlx_lm.server (its defaults: batched decoding, full KVCache)",
         },
         "rows": rows,
         "speedup_over_one_stream": {n: speedup(n, "tokens_per_s") for n in a.prompts},
         "steady_speedup_over_one_stream": {n: speedup(n, "steady_tokens_per_s") for n in a.prompts},
-    }  # fmt: skip
-    fig, axes = harness.subplots(1, 2, figsize=(10, 3.8))
-    for ax, key, title in zip(axes[0], ("tokens_per_s", "ttft_p99_s"),
-                              ("aggregate decode tokens/s", "TTFT p99 (s)"), strict=True):  # fmt: skip
+    }
+    fig, axes = plots.subplots(1, 2, figsize=(10, 3.8))
+    for ax, key, title in zip(
+        axes[0],
+        ("tokens_per_s", "ttft_p99_s"),
+        ("aggregate decode tokens/s", "TTFT p99 (s)"),
+        strict=True,
+    ):
         for n, arm in itertools.product(sorted({r["prompt_tokens"] for r in rows}), ARMS):
             mine = [r for r in rows if r["prompt_tokens"] == n]
-            ax.plot([r["streams"] for r in mine], [r[key][arm]["median"] for r in mine], "o-",
-                    label=f"{arm}, prompt {n}")  # fmt: skip
+            ax.plot(
+                [r["streams"] for r in mine],
+                [r[key][arm]["median"] for r in mine],
+                "o-",
+                label=f"{arm}, prompt {n}",
+            )
         yscale = "log" if "ttft" in key else "linear"
         ax.set(title=title, xlabel="concurrent streams", yscale=yscale)
-        harness.log2_axis(ax, sorted({r["streams"] for r in rows}))
+        plots.log2_axis(ax, sorted({r["streams"] for r in rows}))
         ax.legend(fontsize=8)
-    result["plots"] = [harness.save_plot(fig, a.out, "batching")]
+    result["plots"] = [plots.save_plot(fig, a.out, "batching")]
     return sm.save(result, echo=complete)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    sm = harness.start("batching", argv, __doc__, reps=1, max_tokens=(64, 8),
-                       streams=([1, 4, 8, 16], [1, 2, 4]), prompts=([256, 2048], [32, 96]))  # fmt: skip
+    sm = start(
+        "batching",
+        argv,
+        __doc__,
+        reps=1,
+        max_tokens=(64, 8),
+        streams=([1, 4, 8, 16], [1, 2, 4]),
+        prompts=([256, 2048], [32, 96]),
+    )
     rows: list[dict] = []
     with contextlib.ExitStack() as stack:
         sm.log("starting qfserve (--max-batch 1 and 16) and mlx_lm.server")
-        procs = start_servers(stack, sm.folder, {
-            "serial": ("qfserve", "--max-batch", "1", "--max-queue", "64"),
-            "batched": ("qfserve", "--max-batch", "16", "--max-queue", "64"),
-            "theirs": ("mlx_lm",),
-        })  # fmt: skip
+        procs = start_servers(
+            stack,
+            sm.folder,
+            {
+                "serial": ("qfserve", "--max-batch", "1", "--max-queue", "64"),
+                "batched": ("qfserve", "--max-batch", "16", "--max-queue", "64"),
+                "theirs": ("mlx_lm",),
+            },
+        )
         client = stack.enter_context(httpx.Client(limits=httpx.Limits(max_connections=64)))
         urls = {a: procs[a.removesuffix("_a").removesuffix("_b")].url for a in ARMS}
         for n, c in itertools.product(sm.args.prompts, sm.args.streams):
             arms = {a: burst(sm, client, urls[a], a, n, c) for a in ARMS}
             label = f"prompt {n}, {c} streams"
-            runs = harness.interleave(  # one warm-up round, before the first burst only
+            runs = timing.interleave(  # one warm-up round, before the first burst only
                 arms, sm.args.reps, warmup=int(not rows), progress=sm.log.rounds(label)
             )
             row: dict = {"prompt_tokens": n, "streams": c}
             for key in (*COLUMNS, "wall_s"):
                 values = {a: [r[key] for r in v] for a, v in runs.items()}
-                row[key] = {a: None if None in v else harness.summary(v) for a, v in values.items()}
+                row[key] = {a: None if None in v else timing.summary(v) for a, v in values.items()}
                 if None not in row[key].values():  # else: an arm had no steady span
-                    row[f"{key}_ratios"] = harness.ratios(values, "serial", ARMS[1:])
+                    row[f"{key}_ratios"] = timing.ratios(values, "serial", ARMS[1:])
             rows.append(row)
             write(sm, rows, complete=False)
             speeds = ", ".join(f"{a} {row['tokens_per_s'][a]['median']:.1f} tok/s" for a in ARMS)
@@ -161,8 +194,11 @@ def render(d: dict[str, Any]) -> list[str]:
         stats = (row.get(key) or {}).get(arm)
         return "" if stats is None else f"{stats['median']:.2f}"
 
-    rows = [[r["prompt_tokens"], r["streams"], a, *(median(r, k, a) for k in COLUMNS)]
-            for r in d["rows"] for a in r["tokens_per_s"]]  # fmt: skip
+    rows = [
+        [r["prompt_tokens"], r["streams"], a, *(median(r, k, a) for k in COLUMNS)]
+        for r in d["rows"]
+        for a in r["tokens_per_s"]
+    ]
     blocks: list[str | list[str]] = [
         intro,
         table(["prompt", "streams", "arm", *COLUMNS.values()], rows),
@@ -171,7 +207,10 @@ def render(d: dict[str, Any]) -> list[str]:
         ("speedup_over_one_stream", "decode"),
         ("steady_speedup_over_one_stream", "steady decode"),
     ):
-        blocks += [f"Prompt {n}: batched {what} tokens/s over one stream: "
-                   + ", ".join(f"{c} streams {v:.2f}×" for c, v in sp.items())
-                   for n, sp in (d.get(key) or {}).items() if sp]  # fmt: skip
+        blocks += [
+            f"Prompt {n}: batched {what} tokens/s over one stream: "
+            + ", ".join(f"{c} streams {v:.2f}×" for c, v in sp.items())
+            for n, sp in (d.get(key) or {}).items()
+            if sp
+        ]
     return section("Continuous batching: concurrent streams", d, *blocks)

@@ -13,7 +13,9 @@ from functools import partial
 
 import numpy as np
 
-from bench.harness import interleave, parse, parser, summaries, write_results
+from bench.cli import parse, parser
+from bench.run import write_results
+from bench.timing import interleave, summaries
 from qfserve.kernels import sources
 from qfserve.kernels.cpu_model import fused_evict_model
 
@@ -142,8 +144,11 @@ def main(argv: list[str] | None = None) -> dict:
             s_np = s.cpu().numpy()
             kept = np.arange(GROUPS)[:, None], argsort_keep(s_np, BUDGET, N_SINK, RECENT)
             # Bit for bit: keys and values as float16 bits, scores as float32 bits.
-            expected = [(keys.cpu().numpy()[kept], np.uint16),
-                        (values.cpu().numpy()[kept], np.uint16), (s_np[kept], np.uint32)]  # fmt: skip
+            expected = [
+                (keys.cpu().numpy()[kept], np.uint16),
+                (values.cpu().numpy()[kept], np.uint16),
+                (s_np[kept], np.uint32),
+            ]
             parity[kind] = all(
                 np.array_equal(g.cpu().numpy().view(bits), w.view(bits))
                 for g, (w, bits) in zip(got, expected, strict=True)
@@ -158,28 +163,42 @@ def main(argv: list[str] | None = None) -> dict:
         }
         samples = interleave(arms, reps=args.reps, warmup=5)
         base = samples["topk_sort_gather"]
-        results.append({
-            "rows": L,
-            "parity_bitwise": parity,
-            "score_kernel_allclose": scores_close,
-            "microseconds": summaries(samples),
-            "speedup_vs_topk_median": {
-                name: statistics.median(b / a for a, b in zip(v, base, strict=True))
-                for name, v in samples.items()
-            },
-        })  # fmt: skip
+        results.append(
+            {
+                "rows": L,
+                "parity_bitwise": parity,
+                "score_kernel_allclose": scores_close,
+                "microseconds": summaries(samples),
+                "speedup_vs_topk_median": {
+                    name: statistics.median(b / a for a, b in zip(v, base, strict=True))
+                    for name, v in samples.items()
+                },
+            }
+        )
         print(json.dumps(results[-1]["microseconds"], indent=1))
         print(f"L={L} parity={parity} scores_close={scores_close}")
 
     payload = {
-        "machine": {"platform": platform.platform(), "gpu": torch.cuda.get_device_name(),
-                    "torch": torch.__version__, "cupy": cupy.__version__},
-        "config": {"groups": GROUPS, "budget": BUDGET, "head_dim": HEAD_DIM, "n_sink": N_SINK,
-                   "recent": RECENT, "dtype": "float16", "threads": sources.DEFAULT_THREADS,
-                   "max_budget": sources.MAX_BUDGET, "reps": args.reps,
-                   "timing": "CUDA events around each call, arms interleaved; A/A pair = topk twice"},
+        "machine": {
+            "platform": platform.platform(),
+            "gpu": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "cupy": cupy.__version__,
+        },
+        "config": {
+            "groups": GROUPS,
+            "budget": BUDGET,
+            "head_dim": HEAD_DIM,
+            "n_sink": N_SINK,
+            "recent": RECENT,
+            "dtype": "float16",
+            "threads": sources.DEFAULT_THREADS,
+            "max_budget": sources.MAX_BUDGET,
+            "reps": args.reps,
+            "timing": "CUDA events around each call, arms interleaved; A/A pair = topk twice",
+        },
         "results": results,
-    }  # fmt: skip
+    }
     payload = write_results("kernel_cuda", args, argv, payload)
     if not all(all(r["parity_bitwise"].values()) for r in results):
         sys.exit("kernel_cuda: parity FAILED (see the JSON)")

@@ -18,10 +18,10 @@ from typing import Any
 import httpx
 
 from bench.data import stdlib_prose
-from bench.harness import start
 from bench.report import section, table
-from bench.studies.niah import make_doc
-from bench.studies.retrieval import accuracy_plot, first_number_is
+from bench.run import start
+from bench.studies.retrieval.niah import make_doc
+from bench.studies.retrieval.retrieval import accuracy_plot, first_number_is
 from qfserve import testing
 
 STUDY = "long_context"

@@ -11,17 +11,28 @@ from typing import Any
 
 import httpx
 
-from bench import harness
+from bench import clients
+from bench.cli import MiB, parse, parser
+from bench.clients import rss_bytes
 from bench.data import prose_windows
-from bench.harness import MiB, open_run, parse, parser, rss_bytes, save_plot, subplots, summary
+from bench.plots import save_plot, subplots
 from bench.report import section, table
+from bench.run import open_run
+from bench.timing import summary
 from qfserve import testing as servers
 
 ARMS = ("qfilters_reuse", "qfilters_fresh", "full_reuse", "theirs")
-SERVING = {"qfilters_reuse": "reuse", "qfilters_fresh": "fresh", "full_reuse": "reuse",
-           "theirs": "theirs"}  # fmt: skip
-LAUNCHES = {"reuse": ("qfserve",), "fresh": ("qfserve", "--prompt-cache-size", "0"),
-            "theirs": ("mlx_lm",)}  # fmt: skip
+SERVING = {
+    "qfilters_reuse": "reuse",
+    "qfilters_fresh": "fresh",
+    "full_reuse": "reuse",
+    "theirs": "theirs",
+}
+LAUNCHES = {
+    "reuse": ("qfserve",),
+    "fresh": ("qfserve", "--prompt-cache-size", "0"),
+    "theirs": ("mlx_lm",),
+}
 
 
 def start_servers(
@@ -44,24 +55,30 @@ def chat_turn(client: httpx.Client, url: str, body: dict[str, Any]) -> dict[str,
     """One streamed turn: TTFT on the client, the answer, and the final usage and kv_cache."""
     tic = time.perf_counter()
     ttft, text, usage, kv = None, "", {}, None
-    for event in harness.chat_events(client, url, body, timeout=900):
+    for event in clients.chat_events(client, url, body, timeout=900):
         for choice in event.get("choices") or ():
             piece = (choice.get("delta") or {}).get("content") or ""
             if piece and ttft is None:
                 ttft = time.perf_counter() - tic
             text += piece
         usage, kv = event.get("usage") or usage, event.get("kv_cache") or kv
-    return {"ttft_s": ttft if ttft is not None else time.perf_counter() - tic, "answer": text,
-            "prompt_tokens": usage.get("prompt_tokens"),
-            "completion_tokens": usage.get("completion_tokens"),
-            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
-            "kept_bytes": None if kv is None else kv["kept_bytes"]}  # fmt: skip
+    return {
+        "ttft_s": ttft if ttft is not None else time.perf_counter() - tic,
+        "answer": text,
+        "prompt_tokens": usage.get("prompt_tokens"),
+        "completion_tokens": usage.get("completion_tokens"),
+        "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
+        "kept_bytes": None if kv is None else kv["kept_bytes"],
+    }
 
 
 def plot(result: dict[str, Any], out: Path) -> list[str]:
     fig, axes = subplots(1, 3, figsize=(14, 3.8))
-    panels = {"ttft_s": ("TTFT (s)", 1, "log"), "kept_bytes": ("KV MiB kept (qfserve)", MiB, "linear"),
-              "rss_bytes": ("server RSS MiB", MiB, "linear")}  # fmt: skip
+    panels = {
+        "ttft_s": ("TTFT (s)", 1, "log"),
+        "kept_bytes": ("KV MiB kept (qfserve)", MiB, "linear"),
+        "rss_bytes": ("server RSS MiB", MiB, "linear"),
+    }
     for ax, (key, (title, scale, yscale)) in zip(axes[0], panels.items(), strict=True):
         for arm, turns in result["turns"].items():
             if None not in (values := [t[key] for t in turns]):  # mlx_lm reports no KV
@@ -72,9 +89,16 @@ def plot(result: dict[str, Any], out: Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = parser(__doc__, reps=1, turns=(20, 4), turn_tokens=(150, 40), max_tokens=(48, 8),
-               budget=(512, 64, "Q-Filters budget"), conversations=(1, 1, "repeats with other "
-               "prose"))  # fmt: skip
+    p = parser(
+        __doc__,
+        file="multiturn",
+        reps=1,
+        turns=(20, 4),
+        turn_tokens=(150, 40),
+        max_tokens=(48, 8),
+        budget=(512, 64, "Q-Filters budget"),
+        conversations=(1, 1, "repeats with other prose"),
+    )
     p.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS), help="(default all)")
     args = parse(p, argv)
     if args.conversations < 1:
@@ -82,13 +106,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     arms = [a for a in ARMS if a in args.arms]
     sm = open_run("multiturn", args, argv)
     tok, n_tokens = sm.tokenizer, args.turn_tokens  # consecutive prose, evenly spaced starts
-    conversations = [[f"Turn {k + 1}. Read on: "
-                      + tok.decode(ids[k * n_tokens : (k + 1) * n_tokens].tolist())
-                      for k in range(args.turns)]
-                     for ids in prose_windows(tok, n_tokens * args.turns, args.conversations)]  # fmt: skip
+    conversations = [
+        [
+            f"Turn {k + 1}. Read on: " + tok.decode(ids[k * n_tokens : (k + 1) * n_tokens].tolist())
+            for k in range(args.turns)
+        ]
+        for ids in prose_windows(tok, n_tokens * args.turns, args.conversations)
+    ]
     qfilters = {"kv_method": "qfilters", "qfilters_budget": args.budget}
-    extra = {"qfilters_reuse": qfilters, "qfilters_fresh": qfilters,
-             "full_reuse": {"kv_method": "full"}, "theirs": {}}  # fmt: skip
+    extra = {
+        "qfilters_reuse": qfilters,
+        "qfilters_fresh": qfilters,
+        "full_reuse": {"kv_method": "full"},
+        "theirs": {},
+    }
     runs: list[dict[str, list[dict[str, Any]]]] = []
     with contextlib.ExitStack() as stack:
         needed = sorted({SERVING[a] for a in arms})
@@ -102,9 +133,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 for arm in arms:
                     proc = procs[SERVING[arm]]
                     history[arm].append({"role": "user", "content": user})
-                    body = {"model": str(sm.folder) if arm == "theirs" else sm.loaded.name,
-                            "messages": history[arm], "max_tokens": args.max_tokens,
-                            "temperature": 0, **extra[arm]}  # fmt: skip
+                    body = {
+                        "model": str(sm.folder) if arm == "theirs" else sm.loaded.name,
+                        "messages": history[arm],
+                        "max_tokens": args.max_tokens,
+                        "temperature": 0,
+                        **extra[arm],
+                    }
                     t = chat_turn(client, proc.url, body)
                     history[arm].append({"role": "assistant", "content": t.pop("answer")})
                     turns[arm].append({**t, "turn": k, "rss_bytes": rss_bytes(proc.pid)})
@@ -118,10 +153,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         a: [None if len(run[a]) < 2 else run[a][-1]["ttft_s"] / run[a][1]["ttft_s"] for run in runs]
         for a in arms
     }
-    settings = {"turns": args.turns, "turn_tokens": args.turn_tokens, "max_tokens": args.max_tokens,
-                "budget": args.budget, "temperature": 0, "conversations": len(runs),
-                "arms": {a: {"server": SERVING[a], **extra[a]} for a in arms},
-                "theirs": "python -m mlx_lm.server (its prompt cache on, full KVCache)"}  # fmt: skip
+    settings = {
+        "turns": args.turns,
+        "turn_tokens": args.turn_tokens,
+        "max_tokens": args.max_tokens,
+        "budget": args.budget,
+        "temperature": 0,
+        "conversations": len(runs),
+        "arms": {a: {"server": SERVING[a], **extra[a]} for a in arms},
+        "theirs": "python -m mlx_lm.server (its prompt cache on, full KVCache)",
+    }
     result = {
         "settings": settings,
         "turns": runs[0],  # the first conversation
@@ -149,9 +190,17 @@ def render(d: dict[str, Any]) -> list[str]:
         for t in d["turns"][a]:
             if t["turn"] in picks:
                 cached, kept = t["cached_tokens"], t["kept_bytes"]
-                rows.append([t["turn"], a, t["prompt_tokens"], "—" if cached is None else cached,
-                             f"{t['ttft_s']:.2f}", "—" if kept is None else f"{kept / MiB:.1f}",
-                             f"{t['rss_bytes'] / MiB:.0f}"])  # fmt: skip
+                rows.append(
+                    [
+                        t["turn"],
+                        a,
+                        t["prompt_tokens"],
+                        "—" if cached is None else cached,
+                        f"{t['ttft_s']:.2f}",
+                        "—" if kept is None else f"{kept / MiB:.1f}",
+                        f"{t['rss_bytes'] / MiB:.0f}",
+                    ]
+                )
     headers = ["turn", "arm", "prompt", "cached", "TTFT s", "KV MiB", "RSS MiB"]
     by_conversation = d.get("last_over_second_ttft_by_conversation", {})
     n = s.get("conversations", 1)

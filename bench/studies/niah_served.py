@@ -17,16 +17,21 @@ from typing import Any
 import httpx
 
 from bench.data import stdlib_prose
-from bench.harness import start
 from bench.report import section, table
-from bench.studies.niah import make_doc
-from bench.studies.retrieval import accuracy_plot, first_number_is
+from bench.run import start
+from bench.studies.retrieval.niah import make_doc
+from bench.studies.retrieval.retrieval import accuracy_plot, first_number_is
 from qfserve import testing
 
 STUDY = "niah_served"
 ARMS = ("auto", "full", "auto-small", "kvzip", "kvzip-small")
-COLOURS = {"auto": "tab:blue", "full": "black", "auto-small": "tab:red",
-           "kvzip": "goldenrod", "kvzip-small": "darkgoldenrod"}  # fmt: skip
+COLOURS = {
+    "auto": "tab:blue",
+    "full": "black",
+    "auto-small": "tab:red",
+    "kvzip": "goldenrod",
+    "kvzip-small": "darkgoldenrod",
+}
 SMALL_TOKENS = 2048  # the small server's --max-kv-bytes holds a full cache this long
 SMALL_KVZIP_BUDGET = 256  # below the rows a prompt may hold there before it is compressed
 
@@ -34,14 +39,21 @@ SMALL_KVZIP_BUDGET = 256  # below the rows a prompt may hold there before it is 
 def ask(url: str, doc: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
     """One greedy answer and what its ``kv_cache`` says ran."""
     (card,) = httpx.get(f"{url}/v1/models", timeout=30).json()["data"]
-    request = {"model": card["id"], "prompt": doc["prompt"], "max_tokens": len(doc["answer"]) + 2,
-               "temperature": 0, **body}  # fmt: skip
+    request = {
+        "model": card["id"],
+        "prompt": doc["prompt"],
+        "max_tokens": len(doc["answer"]) + 2,
+        "temperature": 0,
+        **body,
+    }
     resp = httpx.post(f"{url}/v1/completions", json=request, timeout=3600)
     resp.raise_for_status()
     out = resp.json()
     kv = out["kv_cache"]
-    return {"correct": first_number_is(out["choices"][0]["text"], doc["number"]),
-            **{k: kv[k] for k in ("method", "budget", "budget_source", "evictions")}}  # fmt: skip
+    return {
+        "correct": first_number_is(out["choices"][0]["text"], doc["number"]),
+        **{k: kv[k] for k in ("method", "budget", "budget_source", "evictions")},
+    }
 
 
 def summarize(records: list[dict[str, Any]], lengths: list[int]) -> dict[str, dict[str, Any]]:
@@ -50,16 +62,28 @@ def summarize(records: list[dict[str, Any]], lengths: list[int]) -> dict[str, di
     for arm in ARMS:
         for n in lengths:
             if hits := [r for r in records if r["arm"] == arm and r["length"] == n]:
-                ran = sorted({f"{r['method']}@{r['budget']}" if r["evictions"] else r["method"]
-                              for r in hits})  # fmt: skip
-                out[arm][str(n)] = {"accuracy": sum(r["correct"] for r in hits) / len(hits),
-                                    "n": len(hits), "ran": ran}  # fmt: skip
+                ran = sorted(
+                    {
+                        f"{r['method']}@{r['budget']}" if r["evictions"] else r["method"]
+                        for r in hits
+                    }
+                )
+                out[arm][str(n)] = {
+                    "accuracy": sum(r["correct"] for r in hits) / len(hits),
+                    "n": len(hits),
+                    "ran": ran,
+                }
     return out
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    run = start(STUDY, argv, __doc__, docs=(5, 2, "documents per length"),
-                lengths=([1024, 2048, 4096, 8192], [256, 512]))  # fmt: skip
+    run = start(
+        STUDY,
+        argv,
+        __doc__,
+        docs=(5, 2, "documents per length"),
+        lengths=([1024, 2048, 4096, 8192], [256, 512]),
+    )
     args = run.args
     from qfserve.engine.serving.admission import kv_row_bytes
     from qfserve.engine.serving.config import EngineConfig
@@ -101,8 +125,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "qfilters_reuse": False,
             },
         }
-        return {"arm": arm, "length": n, "doc": d, "tokens": doc["tokens"],
-                **ask(servers[arm.endswith("-small")].url, doc, body.get(arm, {}))}  # fmt: skip
+        return {
+            "arm": arm,
+            "length": n,
+            "doc": d,
+            "tokens": doc["tokens"],
+            **ask(servers[arm.endswith("-small")].url, doc, body.get(arm, {})),
+        }
 
     todo = [(a, n, d) for n in args.lengths for d in range(args.docs) for a in ARMS]
     try:
@@ -114,23 +143,42 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     title = f"{run.identity['path']}: the needle with default settings"
     style = lambda arm: {"color": COLOURS[arm], "label": arm}  # noqa: E731
     plot = accuracy_plot(series, args.lengths, args.out, STUDY, title, style, "", "prompt tokens")
-    return run.save({"docs": args.docs, "lengths": args.lengths, "small_kv_bytes": small,
-                     "small_tokens": small // row, "small_kvzip_budget": kvzip_budget,
-                     "accuracy": accuracy, "records": records,
-                     "plots": [plot]})  # fmt: skip
+    return run.save(
+        {
+            "docs": args.docs,
+            "lengths": args.lengths,
+            "small_kv_bytes": small,
+            "small_tokens": small // row,
+            "small_kvzip_budget": kvzip_budget,
+            "accuracy": accuracy,
+            "records": records,
+            "plots": [plot],
+        }
+    )
 
 
 def render(d: dict[str, Any]) -> list[str]:
-    intro = (f"{d['docs']} documents per length, the needle at half depth; greedy. `auto`: "
-             "no eviction field (`--budget auto`); `full`: `kv_method: full`; `auto-small`: "
-             f"the same request on a server whose `--max-kv-bytes` holds {d['small_tokens']:,} "
-             "tokens of full cache; `kvzip-small`: `kv_method: kvzip` at "
-             f"{d.get('small_kvzip_budget', '?')} rows without reuse on that server, every prompt compressed "
-             "as it is read; `kvzip`: the same on the default server without reuse, one pass "
-             "over the whole prompt before the answer. Accuracy (what ran):")  # fmt: skip
-    rows = [[arm, *(f"{by[str(n)]['accuracy']:.2f} ({', '.join(by[str(n)]['ran'])})"
-                    if str(n) in by else "-" for n in d["lengths"])]
-            for arm, by in d["accuracy"].items()]  # fmt: skip
+    intro = (
+        f"{d['docs']} documents per length, the needle at half depth; greedy. `auto`: "
+        "no eviction field (`--budget auto`); `full`: `kv_method: full`; `auto-small`: "
+        f"the same request on a server whose `--max-kv-bytes` holds {d['small_tokens']:,} "
+        "tokens of full cache; `kvzip-small`: `kv_method: kvzip` at "
+        f"{d.get('small_kvzip_budget', '?')} rows without reuse on that server, every prompt compressed "
+        "as it is read; `kvzip`: the same on the default server without reuse, one pass "
+        "over the whole prompt before the answer. Accuracy (what ran):"
+    )
+    rows = [
+        [
+            arm,
+            *(
+                f"{by[str(n)]['accuracy']:.2f} ({', '.join(by[str(n)]['ran'])})"
+                if str(n) in by
+                else "-"
+                for n in d["lengths"]
+            ),
+        ]
+        for arm, by in d["accuracy"].items()
+    ]
     headers = ["arm", *[f"{n:,}" for n in d["lengths"]]]
     title = "The needle through the server with default settings"
     return section(title, d, intro, table(headers, rows))

@@ -12,11 +12,13 @@ from typing import Any
 
 import numpy as np
 
-from bench import harness
+from bench import plots
 from bench.arms import Arm, add_arm_arguments, full_nll, select_arms, standard_arms, streaming_nll
 from bench.data import prose_windows, recall_windows, stdlib_windows
-from bench.harness import Run, measured, resume, start, summary
 from bench.report import arm_label, arm_order, fmt, pct, section, spread_cell, table
+from bench.resume import measured, resume
+from bench.run import Run, start
+from bench.timing import summary
 from qfserve.engine.kv.kvzip import compress
 from qfserve.engine.serving.config import DEFAULT_PREFILL_CHUNK
 
@@ -61,15 +63,26 @@ def run_arm(
         )
         nlls.append(nll)
         max_rows = max(max_rows, most)
-    record = {"budget": budget, "recent": config.recent, "n_sink": config.n_sink,
-              "rows_kept_at_end": budget,  # check_budget raised otherwise
-              "max_rows_any_step": max_rows,
-              "filter_source": arm.source(arm.caches(model, budget, filters))}  # fmt: skip
+    record = {
+        "budget": budget,
+        "recent": config.recent,
+        "n_sink": config.n_sink,
+        "rows_kept_at_end": budget,  # check_budget raised otherwise
+        "max_rows_any_step": max_rows,
+        "filter_source": arm.source(arm.caches(model, budget, filters)),
+    }
     return np.concatenate(nlls, axis=0), record
 
 
-def evaluate(study: Run, tokens: np.ndarray, arms: list[Arm], budgets: list[int], desc: str,
-             log: Any, block: int | None) -> dict[str, Any]:  # fmt: skip
+def evaluate(
+    study: Run,
+    tokens: np.ndarray,
+    arms: list[Arm],
+    budgets: list[int],
+    desc: str,
+    log: Any,
+    block: int | None,
+) -> dict[str, Any]:
     """Perplexities, ratios to full and gap closed of every (budget, arm) on one batch; with
     ``log``, each (budget, arm) is read back from it (same data, shape and feeding) or added."""
     L, shape = tokens.shape[1], list(tokens.shape)
@@ -80,8 +93,15 @@ def evaluate(study: Run, tokens: np.ndarray, arms: list[Arm], budgets: list[int]
 
     def measure(budget: int, name: str) -> dict[str, Any]:
         nll, record = run_arm(study, tokens, by_name[name], budget, block)
-        return {"dataset": desc, "shape": shape, "budget": budget, "arm": name,
-                "prompt_block": block, "record": record, "nll": nll[:, L // 2 :]}  # fmt: skip
+        return {
+            "dataset": desc,
+            "shape": shape,
+            "budget": budget,
+            "arm": name,
+            "prompt_block": block,
+            "record": record,
+            "nll": nll[:, L // 2 :],
+        }
 
     records = measured(log, done, [(b, n) for b in budgets for n in by_name], measure, desc)
     nlls = {(r["budget"], r["arm"]): np.asarray(r["nll"], dtype=np.float32) for r in records}
@@ -122,36 +142,52 @@ def plot(results: dict[str, Any], study: Run) -> list[str]:
         budgets = sorted(res["budgets"])
         names_run = sorted(res["budgets"][budgets[0]])
         fracs = sorted({recent(n) for n in names_run if not n.startswith("streaming")})
-        fig, ax = harness.subplots(1, len(fracs), figsize=(5 * len(fracs), 3.8), sharey=True)
+        fig, ax = plots.subplots(1, len(fracs), figsize=(5 * len(fracs), 3.8), sharey=True)
         for a, frac in zip(ax[0], fracs, strict=True):
             a.axhline(res["full"]["ppl"], color="black", ls="--", label="full")
             shown = [n for n in names_run if n.startswith("streaming") or recent(n) == frac]
             for i, name in enumerate(shown):
-                a.plot(budgets, [res["budgets"][b][name]["ppl"] for b in budgets],
-                       styles[i % len(styles)], color=harness.COLORS[name.split("/")[0].rstrip("-")],
-                       label=arm_label(name))  # fmt: skip
-            harness.log2_axis(a, budgets, logy=True)
+                a.plot(
+                    budgets,
+                    [res["budgets"][b][name]["ppl"] for b in budgets],
+                    styles[i % len(styles)],
+                    color=plots.COLORS[name.split("/")[0].rstrip("-")],
+                    label=arm_label(name),
+                )
+            plots.log2_axis(a, budgets, logy=True)
             a.set_xlabel("budget (rows per layer and KV head)")
             a.set_title(f"recent = {'0' if frac == 0 else 'budget/4'}", fontsize=9)
         ax[0, 0].set_ylabel("perplexity (2nd half of each sequence)")
         ax[0, 0].legend(fontsize=7)
         title = f"streaming perplexity, {dataset}"
-        names.append(
-            harness.save_plot(fig, study.args.out, f"{STUDY}_{dataset}", study.title(title))
-        )
+        names.append(plots.save_plot(fig, study.args.out, f"{STUDY}_{dataset}", study.title(title)))
     return names
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    prompt = {"action": "store_true", "help": f"read the first half as a prompt, in "
-              f"{PROMPT_BLOCK}-token blocks that evict at once, then decode the second half"}  # fmt: skip
-    study = start(STUDY, argv, __doc__, calibration=True, options=[add_arm_arguments],
-                  flags={"--prompt": prompt}, length=(2048, 96, "tokens per sequence"),
-                  sequences=(4, 2, "sequences per data set"), budgets=([256, 512, 1024], [16, 32]),
-                  datasets=(["stdlib", "prose"], ["stdlib", "prose"], "stdlib, recall or prose"),
-                  recent_fracs=([0.25], [0.0, 0.25], "recent windows as fractions of the budget"),
-                  methods=(["qfilters", "knorm"], list(METHODS), "evicting arms beside "
-                           f"streaming (of {', '.join(METHODS)})"))  # fmt: skip
+    prompt = {
+        "action": "store_true",
+        "help": f"read the first half as a prompt, in "
+        f"{PROMPT_BLOCK}-token blocks that evict at once, then decode the second half",
+    }
+    study = start(
+        STUDY,
+        argv,
+        __doc__,
+        calibration=True,
+        options=[add_arm_arguments],
+        flags={"--prompt": prompt},
+        length=(2048, 96, "tokens per sequence"),
+        sequences=(4, 2, "sequences per data set"),
+        budgets=([256, 512, 1024], [16, 32]),
+        datasets=(["stdlib", "prose"], ["stdlib", "prose"], "stdlib, recall or prose"),
+        recent_fracs=([0.25], [0.0, 0.25], "recent windows as fractions of the budget"),
+        methods=(
+            ["qfilters", "knorm"],
+            list(METHODS),
+            f"evicting arms beside streaming (of {', '.join(METHODS)})",
+        ),
+    )
     args = study.args
     length, n_seq = args.length, args.sequences
     budgets = [b for b in args.budgets if b <= length // 2]
@@ -162,28 +198,49 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "recall": lambda: recall_windows(study.corpus, length, n_seq),
         "prose": lambda: prose_windows(study.tokenizer, length, n_seq),
     }
-    arms = [a for a in standard_arms(tuple(args.recent_fracs))
-            if a.method in ("full", "streaming") or a.name.split("/")[0] in args.methods]  # fmt: skip
+    arms = [
+        a
+        for a in standard_arms(tuple(args.recent_fracs))
+        if a.method in ("full", "streaming") or a.name.split("/")[0] in args.methods
+    ]
     arms = select_arms(arms, args)
     log = None if args.quick else args.out / f"{STUDY}.jsonl"
     block = PROMPT_BLOCK if args.prompt else None
     batches = {dataset: make[dataset]() for dataset in args.datasets}
-    results = {dataset: evaluate(study, tokens, arms, budgets, dataset, log, block)
-               for dataset, tokens in batches.items()}  # fmt: skip
+    results = {
+        dataset: evaluate(study, tokens, arms, budgets, dataset, log, block)
+        for dataset, tokens in batches.items()
+    }
     if args.prompt:
-        prefill = (f"the first half, as a prompt in {PROMPT_BLOCK}-token blocks that each evict "
-                   "at once (--prompt)")  # fmt: skip
+        prefill = (
+            f"the first half, as a prompt in {PROMPT_BLOCK}-token blocks that each evict "
+            "at once (--prompt)"
+        )
     else:
-        prefill = ("the first min(budget, calib_tokens - 1) tokens (fallback) or budget tokens "
-                   "(others) go in as one block: identical stored rows")  # fmt: skip
+        prefill = (
+            "the first min(budget, calib_tokens - 1) tokens (fallback) or budget tokens "
+            "(others) go in as one block: identical stored rows"
+        )
     full_arm = (
         "one forward pass over each sequence (what a full cache decodes, up to float rounding)"
     )
-    data = {"length": length, "scored": f"tokens {length // 2 + 1} .. {length - 1} (second half)",
-            "batches": {k: list(v.shape) for k, v in batches.items()}, "full_arm": full_arm,
-            "prefill": prefill, "kinds": KINDS}  # fmt: skip
-    return study.save({"data": data, "budgets": budgets, "arms": [a.name for a in arms],
-                       "results": results, "plots": plot(results, study)})  # fmt: skip
+    data = {
+        "length": length,
+        "scored": f"tokens {length // 2 + 1} .. {length - 1} (second half)",
+        "batches": {k: list(v.shape) for k, v in batches.items()},
+        "full_arm": full_arm,
+        "prefill": prefill,
+        "kinds": KINDS,
+    }
+    return study.save(
+        {
+            "data": data,
+            "budgets": budgets,
+            "arms": [a.name for a in arms],
+            "results": results,
+            "plots": plot(results, study),
+        }
+    )
 
 
 def render(data: dict[str, Any]) -> list[str]:
@@ -198,9 +255,18 @@ def render(data: dict[str, Any]) -> list[str]:
     )
     blocks: list[str | list[str]] = [intro]
     for dataset, res in data["results"].items():
-        rows = [[budget, arm_label(name), fmt(r["ppl"]), spread_cell(r["ratio_to_full"]),
-                 pct(r["gap_closed_vs_streaming"]), r["max_rows_any_step"]]
-                for budget, arms in res["budgets"].items() for name in arm_order(arms)
-                for r in [arms[name]]]  # fmt: skip
+        rows = [
+            [
+                budget,
+                arm_label(name),
+                fmt(r["ppl"]),
+                spread_cell(r["ratio_to_full"]),
+                pct(r["gap_closed_vs_streaming"]),
+                r["max_rows_any_step"],
+            ]
+            for budget, arms in res["budgets"].items()
+            for name in arm_order(arms)
+            for r in [arms[name]]
+        ]
         blocks += [f"**{dataset}** (full cache: {res['full']['ppl']:.3f})", table(HEADERS, rows)]
     return section("Streaming generation perplexity", data, *blocks)

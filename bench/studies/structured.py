@@ -13,8 +13,9 @@ import numpy as np
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
-from bench.harness import interleave, ratio_row, start, summaries, summary
 from bench.report import ms, section, table
+from bench.run import start
+from bench.timing import interleave, ratio_row, summaries, summary
 from qfserve.engine.text.structured import GrammarProcessor, JSONConstraint
 
 SCHEMA = {
@@ -26,8 +27,11 @@ SCHEMA = {
     },
     "required": ["title", "summary", "tags"],
 }
-RATIOS = {"schema/free": "schema", "free_again/free (A/A)": "free_again",
-          "schema_outlines/free": "schema_outlines"}  # fmt: skip
+RATIOS = {
+    "schema/free": "schema",
+    "free_again/free (A/A)": "free_again",
+    "schema_outlines/free": "schema_outlines",
+}
 
 
 def outlines_processor(tokenizer: Any) -> Any:
@@ -60,8 +64,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     messages = [{"role": "user", "content": "Describe the Python language as JSON."}]
     prompt = mx.array(sm.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
     inside: dict[str, list[float]] = {}  # library: ms per token in its processor, each run
-    grammars = {"llguidance": lambda: GrammarProcessor(sm.tokenizer, JSONConstraint(json.dumps(SCHEMA))),
-                "outlines-core": lambda: outlines_processor(sm.tokenizer)}  # fmt: skip
+    grammars = {
+        "llguidance": lambda: GrammarProcessor(sm.tokenizer, JSONConstraint(json.dumps(SCHEMA))),
+        "outlines-core": lambda: outlines_processor(sm.tokenizer),
+    }
 
     def run(library: str | None) -> float:
         """ms per decode step after the first token, constrained by ``library``'s processor."""
@@ -75,8 +81,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             spent[0] += time.perf_counter() - t
             return out
 
-        steps = generate_step(prompt, sm.model, max_tokens=args.tokens, sampler=make_sampler(0.0),
-                              logits_processors=[timed] if grammar else [])  # fmt: skip
+        steps = generate_step(
+            prompt,
+            sm.model,
+            max_tokens=args.tokens,
+            sampler=make_sampler(0.0),
+            logits_processors=[timed] if grammar else [],
+        )
         next(steps)  # the prefill and first token: not a decode step
         tic, spent[0] = time.perf_counter(), 0.0
         n = sum(1 for _ in steps)
@@ -86,18 +97,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             inside.setdefault(library, []).append(spent[0] / n * 1000)
         return (time.perf_counter() - tic) / n * 1000
 
-    arms = {"free": lambda: run(None), "free_again": lambda: run(None),
-            "schema": lambda: run("llguidance")}  # fmt: skip
+    arms = {
+        "free": lambda: run(None),
+        "free_again": lambda: run(None),
+        "schema": lambda: run("llguidance"),
+    }
     if importlib.util.find_spec("outlines_core") is not None:
         arms["schema_outlines"] = lambda: run("outlines-core")
     samples = interleave(arms, args.reps, progress=sm.log.rounds("arms"))
     ratios = {k: ratio_row(samples, a, "free") for k, a in RATIOS.items() if a in samples}
     by_library = {lib: summary(v[-args.reps :]) for lib, v in inside.items()}  # no warm-up
-    return sm.save({"steps": args.tokens, "reps": args.reps, "schema": SCHEMA,
-                    "ms_per_token": summaries(samples), "ratios": ratios,
-                    "processor_ms_per_token": by_library["llguidance"],
-                    "processor_ms_per_token_by_library": by_library,
-                    "grammar_engine": "llguidance"})  # fmt: skip
+    return sm.save(
+        {
+            "steps": args.tokens,
+            "reps": args.reps,
+            "schema": SCHEMA,
+            "ms_per_token": summaries(samples),
+            "ratios": ratios,
+            "processor_ms_per_token": by_library["llguidance"],
+            "processor_ms_per_token_by_library": by_library,
+            "grammar_engine": "llguidance",
+        }
+    )
 
 
 def render(d: dict[str, Any]) -> list[str]:

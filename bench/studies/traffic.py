@@ -15,9 +15,9 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from bench.data import passkey_docs, prose_windows, stdlib_windows
-from bench.harness import save_plot, start, subplots
+from bench.plots import save_plot, subplots
 from bench.report import fmt, pct, section, table
-from bench.studies.stability import cosines
+from bench.run import start
 from qfserve.calibrations.artifact import read_calibration
 from qfserve.engine.filters.traffic import DEFAULT_MIN_PROMPTS, TrafficCalibration
 from qfserve.engine.kv.selfcal import install_query_taps, remove_query_taps
@@ -30,6 +30,11 @@ INSTRUCTIONS = (
     "Find the bugs in this, if any.",
     "Translate this into plain English for a beginner.",
 )
+
+
+def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Per (layer, KV head) cosine of two unit filter sets ``(n_layers, n_kv, D)``."""
+    return np.einsum("lkd,lkd->lk", a.astype(np.float64), b.astype(np.float64))
 
 
 def chat_traffic(study: Any, n: int, lengths: tuple[int, ...]) -> list[list[int]]:
@@ -70,8 +75,11 @@ def serve(model: Any, prompts: list[list[int]], pool: TrafficCalibration) -> tup
             fed += len(prompt[at : at + CHUNK])
             path = pool.flush()
             if path is not None:
-                return path, {"prompts": n, "tokens": fed,
-                              "seconds": round(time.perf_counter() - started, 1)}  # fmt: skip
+                return path, {
+                    "prompts": n,
+                    "tokens": fed,
+                    "seconds": round(time.perf_counter() - started, 1),
+                }
     raise RuntimeError(
         f"{len(prompts)} prompts ({fed} tokens) were not enough to write an artifact "
         f"({pool.prompts} prompts counted, {pool.tokens_seen} tokens pooled per layer)"
@@ -80,9 +88,15 @@ def serve(model: Any, prompts: list[list[int]], pool: TrafficCalibration) -> tup
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     kinds = {"nargs": "+", "default": ["chat", "passkey"], "choices": ("chat", "passkey")}
-    study = start(STUDY, argv, __doc__, calibration=True, flags={"--traffic": kinds},
-                  max_prompts=(64, 6, "traffic offered at most"),
-                  min_prompts=(DEFAULT_MIN_PROMPTS, 3, "prompts pooled at least"))  # fmt: skip
+    study = start(
+        STUDY,
+        argv,
+        __doc__,
+        calibration=True,
+        flags={"--traffic": kinds},
+        max_prompts=(64, 6, "traffic offered at most"),
+        min_prompts=(DEFAULT_MIN_PROMPTS, 3, "prompts pooled at least"),
+    )
     args = study.args
     quick, max_prompts = args.quick, args.max_prompts
     model, identity, calibrated = study.model, study.identity, np.asarray(study.filters)
@@ -95,25 +109,37 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for kind in args.traffic:
         prompts = makers[kind]()
         pool = TrafficCalibration(
-            install_query_taps(model), n_kv_heads=identity["n_kv_heads"],
-            model_id=identity["model_id"], fingerprint=identity["fingerprint"],
-            out_dir=args.out / kind, min_prompts=args.min_prompts, **samples,
-        )  # fmt: skip
+            install_query_taps(model),
+            n_kv_heads=identity["n_kv_heads"],
+            model_id=identity["model_id"],
+            fingerprint=identity["fingerprint"],
+            out_dir=args.out / kind,
+            min_prompts=args.min_prompts,
+            **samples,
+        )
         try:
             path, took = serve(model, prompts, pool)
         finally:
             remove_query_taps(model)
         learned = read_calibration(path)
         cos = cosines(learned.filters, calibrated)  # [layer][kv head], to the calibrated filter
-        results[kind] = {**took, "artifact": str(path.relative_to(args.out)),
-                         "artifact_text": learned.metadata.get("text"),
-                         "samples_per_head": learned.metadata.get("samples_per_head"),
-                         "cosine_mean": float(cos.mean()), "cosine_min": float(cos.min()),
-                         "same_sign_share": float((cos > 0).mean()), "cosine": cos.tolist()}  # fmt: skip
-    data = {"chat": "chat-templated requests: an instruction, then an evaluation-split stdlib "
-            "window or a stdlib docstring-prose window of 256/512/1024 tokens in turn",
-            "passkey": "retrieval's pass-key generator at 768 tokens (evaluation seeds)",
-            "prefill_chunk": CHUNK, "min_prompts": args.min_prompts}  # fmt: skip
+        results[kind] = {
+            **took,
+            "artifact": str(path.relative_to(args.out)),
+            "artifact_text": learned.metadata.get("text"),
+            "samples_per_head": learned.metadata.get("samples_per_head"),
+            "cosine_mean": float(cos.mean()),
+            "cosine_min": float(cos.min()),
+            "same_sign_share": float((cos > 0).mean()),
+            "cosine": cos.tolist(),
+        }
+    data = {
+        "chat": "chat-templated requests: an instruction, then an evaluation-split stdlib "
+        "window or a stdlib docstring-prose window of 256/512/1024 tokens in turn",
+        "passkey": "retrieval's pass-key generator at 768 tokens (evaluation seeds)",
+        "prefill_chunk": CHUNK,
+        "min_prompts": args.min_prompts,
+    }
     plot_name = plot(results, args.out, identity["checkpoint"])
     return study.save({"data": data, "results": results, "plots": [plot_name]})
 
@@ -135,13 +161,25 @@ def plot(results: dict[str, Any], out: Path, checkpoint: str) -> str:
 
 def render(data: dict[str, Any]) -> list[str]:
     d = data["data"]
-    intro = ("The server's own pooling (`qfserve.engine.filters.traffic`) fed held-out traffic in "
-             f"{d['prefill_chunk']}-token prefill chunks until it wrote its artifact; the learned "
-             "filters against the registry's calibrated ones (cosine per layer and KV head). "
-             f"`chat`: {d['chat']}; `passkey`: {d['passkey']}.")  # fmt: skip
-    rows = [[kind, r["prompts"], r["tokens"], r["seconds"], fmt(r["cosine_mean"]),
-             fmt(r["cosine_min"]), pct(r["same_sign_share"]), r["artifact"]]
-            for kind, r in data["results"].items()]  # fmt: skip
+    intro = (
+        "The server's own pooling (`qfserve.engine.filters.traffic`) fed held-out traffic in "
+        f"{d['prefill_chunk']}-token prefill chunks until it wrote its artifact; the learned "
+        "filters against the registry's calibrated ones (cosine per layer and KV head). "
+        f"`chat`: {d['chat']}; `passkey`: {d['passkey']}."
+    )
+    rows = [
+        [
+            kind,
+            r["prompts"],
+            r["tokens"],
+            r["seconds"],
+            fmt(r["cosine_mean"]),
+            fmt(r["cosine_min"]),
+            pct(r["same_sign_share"]),
+            r["artifact"],
+        ]
+        for kind, r in data["results"].items()
+    ]
     headers = ["traffic", "prompts", "tokens", "s", "mean cosine", "min cosine", "same sign"]
     return section(
         "Q-Filters learned from traffic", data, intro, table([*headers, "artifact"], rows)

@@ -20,8 +20,11 @@ def _cell(acc: float, n: int = 6) -> dict:
 def test_attention_goal_needs_the_threshold_and_both_baselines(tmp_path: Path) -> None:
     def run(q: float, knorm: float) -> str:
         pooled = {"qfilters": q, "knorm": knorm, "recency": 0.1}
-        _write(tmp_path, "attention", {"results": {"all": {
-            k: {"mean_rho": v} for k, v in pooled.items()}}})  # fmt: skip
+        _write(
+            tmp_path,
+            "attention",
+            {"results": {"all": {k: {"mean_rho": v} for k, v in pooled.items()}}},
+        )
         return attention(tmp_path)[2]
 
     assert run(0.65, 0.3) == "**met**"
@@ -32,15 +35,23 @@ def test_attention_goal_needs_the_threshold_and_both_baselines(tmp_path: Path) -
 def test_retrieval_goal_pools_4k_and_8k_and_requires_beating_baselines(tmp_path: Path) -> None:
     def arms(q: list[float], k: list[float]) -> dict:
         ratios = (8, 16, 32)
-        return {"arms": {
-            "qfilters/r25": {str(r): _cell(a) for r, a in zip(ratios, q, strict=True)},
-            "knorm/r25": {str(r): _cell(a) for r, a in zip(ratios, k, strict=True)},
-            "streaming/r0": {str(r): _cell(0.0) for r in ratios},
-        }}  # fmt: skip
+        return {
+            "arms": {
+                "qfilters/r25": {str(r): _cell(a) for r, a in zip(ratios, q, strict=True)},
+                "knorm/r25": {str(r): _cell(a) for r, a in zip(ratios, k, strict=True)},
+                "streaming/r0": {str(r): _cell(0.0) for r in ratios},
+            }
+        }
 
     good = arms([1.0, 1.0, 1.0], [0.5, 0.5, 0.5])
-    _write(tmp_path, "retrieval", {"ratios": [8, 16, 32], "results": {
-        "1024": arms([0.0] * 3, [1.0] * 3), "4096": good, "8192": good}})  # fmt: skip
+    _write(
+        tmp_path,
+        "retrieval",
+        {
+            "ratios": [8, 16, 32],
+            "results": {"1024": arms([0.0] * 3, [1.0] * 3), "4096": good, "8192": good},
+        },
+    )
     goal, measured, verdict = retrieval(tmp_path)
     assert verdict == "**met**"  # the 1k documents are not part of the goal
     assert "8×: 1.00 (K-norm 0.50, streaming 0.00)" in measured
@@ -51,18 +62,26 @@ def test_retrieval_goal_pools_4k_and_8k_and_requires_beating_baselines(tmp_path:
 
 def test_decode_goal_reads_the_longest_context(tmp_path: Path) -> None:
     def mem(context: int, arm: str, peak: int) -> dict:
-        return {"context": context, "arm": arm, "prefill_peak_bytes": peak,
-                "decode_peak_bytes": peak // 2}  # fmt: skip
+        return {
+            "context": context,
+            "arm": arm,
+            "prefill_peak_bytes": peak,
+            "decode_peak_bytes": peak // 2,
+        }
 
     sweep = [
         {
             "context": c,
             "ratios": [{"arm": "full_b", "median": 1.0}, {"arm": "b512", "median": ratio}],
-        }  # fmt: skip
+        }
         for c, ratio in ((1024, 0.9), (8192, 0.4))
     ]
-    memory = [mem(1024, "b512", 100), mem(8192, "b512", 110), mem(1024, "full", 100),
-              mem(8192, "full", 800)]  # fmt: skip
+    memory = [
+        mem(1024, "b512", 100),
+        mem(8192, "b512", 110),
+        mem(1024, "full", 100),
+        mem(8192, "full", 800),
+    ]
     _write(tmp_path, "decode", {"sweep": sweep, "memory": memory})
     goal, measured, verdict = decode(tmp_path)
     assert verdict == "**met**" and "at 8192: 2.50×" in measured
@@ -82,29 +101,55 @@ def test_missing_studies_say_not_run(tmp_path: Path) -> None:
 
 def test_batching_goal_is_the_8_stream_speedup(tmp_path: Path) -> None:
     def row(streams: int, ours: float, theirs: float) -> dict:
-        return {"prompt_tokens": 256, "streams": streams, "tokens_per_s": {
-            "batched_a": {"median": ours}, "theirs": {"median": theirs}}}  # fmt: skip
+        return {
+            "prompt_tokens": 256,
+            "streams": streams,
+            "tokens_per_s": {"batched_a": {"median": ours}, "theirs": {"median": theirs}},
+        }
 
     def run(speedup: float) -> str:
-        _write(tmp_path, "batching", {"rows": [row(1, 5.0, 5.0), row(8, 5 * speedup, 30.0)],
-               "speedup_over_one_stream": {"256": {"1": 1.0, "8": speedup}}})  # fmt: skip
+        _write(
+            tmp_path,
+            "batching",
+            {
+                "rows": [row(1, 5.0, 5.0), row(8, 5 * speedup, 30.0)],
+                "speedup_over_one_stream": {"256": {"1": 1.0, "8": speedup}},
+            },
+        )
         return batching(tmp_path)[2]
 
     assert run(3.2) == "**met**"
     assert run(1.5) == "**not met**"
     # A later run in batching_16/ is shown after the first and decides the verdict.
-    _write(tmp_path / "batching_16", "batching", {"rows": [row(1, 5.0, 5.0), row(8, 16.0, 30.0)],
-           "speedup_over_one_stream": {"256": {"1": 1.0, "8": 3.2}}})  # fmt: skip
+    _write(
+        tmp_path / "batching_16",
+        "batching",
+        {
+            "rows": [row(1, 5.0, 5.0), row(8, 16.0, 30.0)],
+            "speedup_over_one_stream": {"256": {"1": 1.0, "8": 3.2}},
+        },
+    )
     measured, verdict = batching(tmp_path)[1:]
     assert verdict == "**met**" and measured.index("1.50×") < measured.index("latest run")
 
 
 def test_multiturn_goal_needs_flat_kv_and_the_ttft_ratio(tmp_path: Path) -> None:
     def run(ttft: list[float], kept: list[int]) -> str:
-        turns = {"qfilters_reuse": [{"kept_bytes": k} for k in kept],
-                 "full_reuse": [{"kept_bytes": 2**20 * (i + 1)} for i in range(len(kept))]}  # fmt: skip
-        _write(tmp_path, "multiturn", {"turns": turns, "last_over_second_ttft": {
-            "qfilters_reuse": ttft[-1] / ttft[1], "qfilters_fresh": 9.0}})  # fmt: skip
+        turns = {
+            "qfilters_reuse": [{"kept_bytes": k} for k in kept],
+            "full_reuse": [{"kept_bytes": 2**20 * (i + 1)} for i in range(len(kept))],
+        }
+        _write(
+            tmp_path,
+            "multiturn",
+            {
+                "turns": turns,
+                "last_over_second_ttft": {
+                    "qfilters_reuse": ttft[-1] / ttft[1],
+                    "qfilters_fresh": 9.0,
+                },
+            },
+        )
         return multiturn(tmp_path)[2]
 
     assert run([1.0, 2.0, 2.2, 2.4], [10, 20, 30, 30]) == "**met**"
@@ -116,17 +161,33 @@ def test_multiturn_goal_judges_repeated_conversations_of_the_same_settings(tmp_p
     settings = {"turns": 4, "turn_tokens": 150, "max_tokens": 48, "budget": 512, "temperature": 0}
     model = {"weights_sha1": "abc"}
     turns = {"qfilters_reuse": [{"kept_bytes": k} for k in (10, 20, 30, 30)]}
-    _write(tmp_path, "multiturn", {"turns": turns, "settings": settings, "model": model,
-                                   "last_over_second_ttft": {"qfilters_reuse": 1.5}})  # fmt: skip
+    _write(
+        tmp_path,
+        "multiturn",
+        {
+            "turns": turns,
+            "settings": settings,
+            "model": model,
+            "last_over_second_ttft": {"qfilters_reuse": 1.5},
+        },
+    )
     assert multiturn(tmp_path)[2] == "**not met**"  # one conversation, 1.5x
     repeats = tmp_path / "multiturn_repeats"
     repeats.mkdir()
 
     def run(each: list[float], **changed) -> tuple[str, str]:
-        _write(repeats, "multiturn", {
-            "turns": turns, "settings": {**settings, **changed}, "model": model, "quick": False,
-            "last_over_second_ttft": {"qfilters_reuse": sorted(each)[len(each) // 2]},
-            "last_over_second_ttft_by_conversation": {"qfilters_reuse": each}})  # fmt: skip
+        _write(
+            repeats,
+            "multiturn",
+            {
+                "turns": turns,
+                "settings": {**settings, **changed},
+                "model": model,
+                "quick": False,
+                "last_over_second_ttft": {"qfilters_reuse": sorted(each)[len(each) // 2]},
+                "last_over_second_ttft_by_conversation": {"qfilters_reuse": each},
+            },
+        )
         _, measured, verdict = multiturn(tmp_path)
         return measured, verdict
 
@@ -138,8 +199,9 @@ def test_multiturn_goal_judges_repeated_conversations_of_the_same_settings(tmp_p
 
 def test_multiturn_goal_reads_a_run_without_the_fresh_and_full_arms(tmp_path: Path) -> None:
     turns = {"qfilters_reuse": [{"kept_bytes": k} for k in (10, 20, 30, 30)]}
-    _write(tmp_path, "multiturn", {"turns": turns,
-                                   "last_over_second_ttft": {"qfilters_reuse": 1.2}})  # fmt: skip
+    _write(
+        tmp_path, "multiturn", {"turns": turns, "last_over_second_ttft": {"qfilters_reuse": 1.2}}
+    )
     _, measured, verdict = multiturn(tmp_path)
     assert verdict == "**met**" and "without" not in measured and "full cache" not in measured
     _write(tmp_path, "multiturn", {"turns": {"theirs": []}, "last_over_second_ttft": {}})

@@ -13,6 +13,7 @@ import pytest
 
 from bench.report import render_study
 from bench.studies import STUDIES
+from tests.bench.conftest import CASES
 
 
 def _share(x: float | None) -> bool:
@@ -28,117 +29,177 @@ def _ratios(rows: list[dict[str, Any]]) -> bool:
 
 
 CHECKS: dict[str, Callable[[dict[str, Any]], bool]] = {
-    "geometry": lambda d: d["summary"]["heads"] == len(d["heads"]) > 0
-    and all(-1 <= h["cos_to_calibrated"] <= 1 and _share(h["share_positive"]) for h in d["heads"]),
-    "attention": lambda d: all(-1 <= r["mean_rho"] <= 1 and _share(r["share_heads_positive"])
-                               for res in d["results"].values() for r in res.values()),
-    "perplexity": lambda d: all(r["ppl"] > 1 and r["max_rows_any_step"] <= int(b)
-                                for res in d["results"].values()
-                                for b, arms in res["budgets"].items() for r in arms.values()),
-    "retrieval": lambda d: all(_share(c["accuracy"]) and c["answer_nll_mean"] > 0
-                               for res in d["results"].values()
-                               for cells in res["arms"].values() for c in cells.values()),
-    "stability": lambda d: d["rows"][-1]["cos_A_n_vs_A_ref"]["median"] == pytest.approx(1.0),
-    "niah": lambda d: {r["target_depth"] for r in d["records"]} == set(d["depths"])
-    and all(_share(v) for g in d["grid"].values() for rows in g.values() for row in rows
-            for v in row),
+    "attention": lambda d: all(
+        -1 <= r["mean_rho"] <= 1 and _share(r["share_heads_positive"])
+        for res in d["results"].values()
+        for r in res.values()
+    ),
+    "perplexity": lambda d: all(
+        r["ppl"] > 1 and r["max_rows_any_step"] <= int(b)
+        for res in d["results"].values()
+        for b, arms in res["budgets"].items()
+        for r in arms.values()
+    ),
+    "retrieval": lambda d: all(
+        _share(c["accuracy"]) and c["answer_nll_mean"] > 0
+        for res in d["results"].values()
+        for cells in res["arms"].values()
+        for c in cells.values()
+    ),
+    "niah": lambda d: (
+        {r["target_depth"] for r in d["records"]} == set(d["depths"])
+        and all(
+            _share(v)
+            for g in d["grid"].values()
+            for rows in g.values()
+            for row in rows
+            for v in row
+        )
+    ),
     # Default settings: every row while it fits, the full cache's answers; a small
     # --max-kv-bytes evicts (the longest documents) and says so.
     # Every pair compared on every prompt; a budget above the prompt keeps the full cache's text.
-    "llama-parity": lambda d: all(v["of"] == len({r["prompt"] for r in d["rows"]})
-                                  for v in d["pairs"].values())
-    and all(0 <= v["mean_abs_dlogprob"] < 1 for v in d["pairs"].values())
-    and all(k == len({r["prompt"] for r in d["rows"]}) for k in d["methods"].values()),
+    "llama_parity": lambda d: (
+        all(v["of"] == len({r["prompt"] for r in d["rows"]}) for v in d["pairs"].values())
+        and all(0 <= v["mean_abs_dlogprob"] < 1 for v in d["pairs"].values())
+        and all(k == len({r["prompt"] for r in d["rows"]}) for k in d["methods"].values())
+    ),
     # The full arm keeps every byte; each evicting arm a fraction (no sliding layers here).
-    "long-context": lambda d: all(c["bytes_ratio"] == 1.0 for c in d["results"]["full"].values())
-    and all(c["bytes_ratio"] < 0.6 and c["window_mib"] == 0
-            for arm, by in d["results"].items() if arm != "full" for c in by.values()),
-    "niah-served": lambda d: all(v["ran"] == ["full"] for v in d["accuracy"]["auto"].values())
-    and [v["accuracy"] for v in d["accuracy"]["auto"].values()]
-    == [v["accuracy"] for v in d["accuracy"]["full"].values()]
-    and any("@" in m for m in d["accuracy"]["auto-small"][str(max(d["lengths"]))]["ran"])
-    and all(r["budget_source"] == "auto" for r in d["records"] if r["arm"].startswith("auto"))
-    and all(v["ran"] == [f"kvzip@{d['small_kvzip_budget']}"]
-            for arm in ("kvzip", "kvzip-small") for v in d["accuracy"][arm].values()),
-    "selfcal-text": lambda d: all(_share(c["needle_rows_kept"]) for res in d["results"].values()
-                                  for cells in res["arms"].values() for c in cells.values()),
-    "multiturn-recall": lambda d: set(d["accuracy"]) == set(d["key_nll"]) and "full/reuse" in d["accuracy"]
-    and all(_share(v) for by in d["accuracy"].values() for v in by.values()),
-    "traffic": lambda d: all(r["prompts"] >= d["data"]["min_prompts"] and -1 <= r["cosine_mean"] <= 1
-                             for r in d["results"].values()),
-    "kvzip-parity": lambda d: all(_share(v) for by in d["accuracy"].values() for v in by.values()),
-    "kvzip-reuse": lambda d: d["every_later_turn_reused"] is True
-    and all(_share(v) for by in d["accuracy"].values() for v in by.values()),
-    "decode": lambda d: all(_positive_medians(r["ms_per_step"]) and _ratios(r["ratios"])
-                            for r in d["sweep"]) and d["kv_bytes_per_token"] > 0,
-    "ttft": lambda d: all(_positive_medians(r["ttft_s"]) and _ratios(r["ratios"]) for r in d["rows"]),
-    "server-overhead": lambda d: all(_positive_medians(r["ttft_s"]) and _ratios(r["ttft_ratios"])
-                                     for r in d["rows"]),
-    "vs-mlx-lm": lambda d: all(_positive_medians(r["decode_tps"]) and _ratios(r["tps_ratios"])
-                               for r in d["rows"]),
-    "vs-llama-cpp": lambda d: all(_positive_medians(r["decode_tps"]) and _ratios(r["tps_ratios"])
-                                  for r in d["rows"]),
-    "memory": lambda d: len(d["rows"]) >= 2
-    and all(r["ours_rss"] > r["weights_bytes"] > 0 and r["theirs_rss"] > 0 for r in d["rows"])
-    and all(_positive_medians(p["ms"]) and _ratios(list(p["ratios"].values()))
-            for p in d["products"]),
-    "distributed": lambda d: all(_positive_medians(r["decode_tps"]) and _ratios(r["tps_ratios"])
-                                 and r["ranks_view"]["ranks"] == d["settings"]["ranks"]
-                                 # a rank holds 1/N of one process's rows' bytes
-                                 and r["kv_bytes_per_rank"]["ranks"][0] * d["settings"]["ranks"]
-                                 == r["kv_bytes_per_rank"]["one_a"][0] for r in d["rows"]),
-    "bandwidth": lambda d: d["bandwidth"]["copy_gbps"]["median"] > 0
-    and all(0 < r["percent_of_bandwidth"] for r in d["decode"]),
-    "structured": lambda d: d["ratios"]["schema/free"]["median"] > 0
-    and 0 < d["processor_ms_per_token"]["median"] < d["ms_per_token"]["schema"]["median"],
-    "batching": lambda d: d["complete"] is True
-    and all(_positive_medians(r["tokens_per_s"]) for r in d["rows"]),
+    "long_context": lambda d: (
+        all(c["bytes_ratio"] == 1.0 for c in d["results"]["full"].values())
+        and all(
+            c["bytes_ratio"] < 0.6 and c["window_mib"] == 0
+            for arm, by in d["results"].items()
+            if arm != "full"
+            for c in by.values()
+        )
+    ),
+    "niah_served": lambda d: (
+        all(v["ran"] == ["full"] for v in d["accuracy"]["auto"].values())
+        and [v["accuracy"] for v in d["accuracy"]["auto"].values()]
+        == [v["accuracy"] for v in d["accuracy"]["full"].values()]
+        and any("@" in m for m in d["accuracy"]["auto-small"][str(max(d["lengths"]))]["ran"])
+        and all(r["budget_source"] == "auto" for r in d["records"] if r["arm"].startswith("auto"))
+        and all(
+            v["ran"] == [f"kvzip@{d['small_kvzip_budget']}"]
+            for arm in ("kvzip", "kvzip-small")
+            for v in d["accuracy"][arm].values()
+        )
+    ),
+    "multiturn_recall": lambda d: (
+        set(d["accuracy"]) == set(d["key_nll"])
+        and "full/reuse" in d["accuracy"]
+        and all(_share(v) for by in d["accuracy"].values() for v in by.values())
+    ),
+    "traffic": lambda d: all(
+        r["prompts"] >= d["data"]["min_prompts"] and -1 <= r["cosine_mean"] <= 1
+        for r in d["results"].values()
+    ),
+    "kvzip_parity": lambda d: all(_share(v) for by in d["accuracy"].values() for v in by.values()),
+    "kvzip_reuse": lambda d: (
+        d["every_later_turn_reused"] is True
+        and all(_share(v) for by in d["accuracy"].values() for v in by.values())
+    ),
+    "decode": lambda d: (
+        all(_positive_medians(r["ms_per_step"]) and _ratios(r["ratios"]) for r in d["sweep"])
+        and d["kv_bytes_per_token"] > 0
+    ),
+    "ttft": lambda d: all(
+        _positive_medians(r["ttft_s"]) and _ratios(r["ratios"]) for r in d["rows"]
+    ),
+    "server_overhead": lambda d: all(
+        _positive_medians(r["ttft_s"]) and _ratios(r["ttft_ratios"]) for r in d["rows"]
+    ),
+    "vs_mlx_lm": lambda d: all(
+        _positive_medians(r["decode_tps"]) and _ratios(r["tps_ratios"]) for r in d["rows"]
+    ),
+    "vs_llama_cpp": lambda d: all(
+        _positive_medians(r["decode_tps"]) and _ratios(r["tps_ratios"]) for r in d["rows"]
+    ),
+    "memory": lambda d: (
+        len(d["rows"]) >= 2
+        and all(r["ours_rss"] > r["weights_bytes"] > 0 and r["theirs_rss"] > 0 for r in d["rows"])
+        and all(
+            _positive_medians(p["ms"]) and _ratios(list(p["ratios"].values()))
+            for p in d["products"]
+        )
+    ),
+    "distributed": lambda d: all(
+        _positive_medians(r["decode_tps"])
+        and _ratios(r["tps_ratios"])
+        and r["ranks_view"]["ranks"] == d["settings"]["ranks"]
+        # a rank holds 1/N of one process's rows' bytes
+        and r["kv_bytes_per_rank"]["ranks"][0] * d["settings"]["ranks"]
+        == r["kv_bytes_per_rank"]["one_a"][0]
+        for r in d["rows"]
+    ),
+    "bandwidth": lambda d: (
+        d["bandwidth"]["copy_gbps"]["median"] > 0
+        and all(0 < r["percent_of_bandwidth"] for r in d["decode"])
+    ),
+    "structured": lambda d: (
+        d["ratios"]["schema/free"]["median"] > 0
+        and 0 < d["processor_ms_per_token"]["median"] < d["ms_per_token"]["schema"]["median"]
+    ),
+    "batching": lambda d: (
+        d["complete"] is True and all(_positive_medians(r["tokens_per_s"]) for r in d["rows"])
+    ),
     "multiturn": lambda d: all(t["ttft_s"] > 0 for turns in d["turns"].values() for t in turns),
-    "batch-step": lambda d: all(_ratios(r["ratios"]) for r in d["rows"]),
-    "selfcal-prefill": lambda d: _ratios(d["ratios"]),
-    "refine-step": lambda d: all(_ratios(r["ratios"]) for r in d["rows"]),
-    "profile": lambda d: all(_positive_medians(v["ms"]) and v["rows"] > 0
-                             for v in d["decode"].values())
-    and d["decode"]["qfilters"]["rows"] <= d["settings"]["budget"]
-    and _positive_medians(d["prefill_ms"]),
-    "kvzip-cost": lambda d: _ratios(d["prefill_ratios"]) and _ratios(d["decode_ratios"])
-    and d["settings"]["kept_rows_after_prefill"]["kvzip"] <= d["settings"]["budget"],
-    "kernel-cuda": lambda d: len(d["results"]) > 0
-    and all(all(r["parity_bitwise"].values()) and r["score_kernel_allclose"]
-            and _positive_medians(r["microseconds"]) for r in d["results"]),
-    # Each server preloaded the library its arm names, and said so in its start-up log.
-    "blas": lambda d: all(d["settings"]["named_in_start_up_log"].values())
-    and d["settings"]["libraries"]["pip_a"] != d["settings"]["libraries"]["system"]
-    and _ratios(d["prefill_ratios"]) and _ratios(d["decode_ratios"]),
-}  # fmt: skip
+    "batch_step": lambda d: all(_ratios(r["ratios"]) for r in d["rows"]),
+    "selfcal_prefill": lambda d: _ratios(d["ratios"]),
+    "refine_step": lambda d: all(_ratios(r["ratios"]) for r in d["rows"]),
+    "profile": lambda d: (
+        all(_positive_medians(v["ms"]) and v["rows"] > 0 for v in d["decode"].values())
+        and d["decode"]["qfilters"]["rows"] <= d["settings"]["budget"]
+        and _positive_medians(d["prefill_ms"])
+    ),
+    "kvzip_cost": lambda d: (
+        _ratios(d["prefill_ratios"])
+        and _ratios(d["decode_ratios"])
+        and d["settings"]["kept_rows_after_prefill"]["kvzip"] <= d["settings"]["budget"]
+    ),
+    "kernel_cuda": lambda d: (
+        len(d["results"]) > 0
+        and all(
+            all(r["parity_bitwise"].values())
+            and r["score_kernel_allclose"]
+            and _positive_medians(r["microseconds"])
+            for r in d["results"]
+        )
+    ),
+}
 
 
-def test_every_registered_study_has_a_check() -> None:
-    assert set(CHECKS) == set(STUDIES)
+def test_every_mode_of_every_registered_study_has_a_check() -> None:
+    assert set(CHECKS) == {f for _, f in CASES}
 
 
-@pytest.mark.parametrize("name", list(STUDIES))
-def test_study_runs_quick_and_renders(name: str, quick: Callable, results: Any) -> None:
-    data = quick(name)
+@pytest.mark.parametrize(("name", "file"), CASES)
+def test_study_runs_quick_and_renders(name: str, file: str, quick: Callable, results: Any) -> None:
+    data = quick(file)
     s = STUDIES[name]
-    assert data["benchmark"] == s.key and data["section"] == s.section and data["quick"] is True
-    assert data["command"].startswith(f"python -m bench {name} --quick")
+    assert data["benchmark"] == file and data["section"] == s.section and data["quick"] is True
+    assert data["command"].startswith(" ".join(["python -m bench", name, *s.mode(file), "--quick"]))
     if name != "kernel-cuda":  # the kernel alone, on random rows: no model
         assert data["model"]["weights_sha1"] and data["machine"]["cpu_count"] >= 1
     for plot in data.get("plots", []):
         assert (results / plot).stat().st_size > 1000
-    assert CHECKS[name](data)
-    if hasattr(s.module(), "render"):
-        text = "\n".join(render_study(name, data))
+    assert CHECKS[file](data)
+    if hasattr(s.module(file), "render"):
+        text = "\n".join(render_study(file, data))
         assert text.startswith("### ") and "Quick" in text
 
 
 def test_the_command_line_lists_every_study_and_rejects_others() -> None:
-    listed = subprocess.run([sys.executable, "-m", "bench", "--list"], capture_output=True,
-                            text=True, check=True).stdout  # fmt: skip
+    listed = subprocess.run(
+        [sys.executable, "-m", "bench", "--list"], capture_output=True, text=True, check=True
+    ).stdout
     assert all(f"  {name} " in listed for name in STUDIES)
-    wrong = subprocess.run([sys.executable, "-m", "bench", "no-such-study"], capture_output=True,
-                           text=True)  # fmt: skip
+    # each study with modes lists them after its option, the default first
+    assert "--haystack passkey|prose" in listed and "--mode step|batch|refine" in listed
+    wrong = subprocess.run(
+        [sys.executable, "-m", "bench", "no-such-study"], capture_output=True, text=True
+    )
     assert wrong.returncode == 2 and "study must be one of" in wrong.stderr
 
 
@@ -148,9 +209,23 @@ def test_perplexity_reads_a_prompt_compressed_by_kvzip(results: Any) -> None:
     share the rows)."""
     from bench.studies.perplexity import main
 
-    data = main(["--quick", "--prompt", "--kvzip", "--calibration", "fresh", "--out",
-                 str(results / "perplexity-kvzip"), "--datasets", "stdlib",
-                 "--only", "qfilters/r25", "kvzip/r25", "kvzip/r25/global"])  # fmt: skip
+    data = main(
+        [
+            "--quick",
+            "--prompt",
+            "--kvzip",
+            "--calibration",
+            "fresh",
+            "--out",
+            str(results / "perplexity-kvzip"),
+            "--datasets",
+            "stdlib",
+            "--only",
+            "qfilters/r25",
+            "kvzip/r25",
+            "kvzip/r25/global",
+        ]
+    )
     budgets = data["results"]["stdlib"]["budgets"]
     assert {a for arms in budgets.values() for a in arms} >= {"kvzip/r25", "kvzip/r25/global"}
     for b, arms in budgets.items():

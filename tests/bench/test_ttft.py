@@ -8,16 +8,22 @@ import json
 def test_ttft_keeps_earlier_rows_of_the_same_settings(tmp_path):
     """A run at one prompt length keeps the other lengths an earlier full run measured on
     the same weights and settings, and replaces its own; other settings start afresh."""
-    from bench.harness import machine
-    from bench.studies.ttft import earlier_rows
+    from bench.run import machine
+    from bench.studies.prefill_cost.ttft import earlier_rows
 
     here = {**machine(), "load_average": [9.0, 9.0, 9.0]}  # the load may differ
 
     def run(prompts, reps=2, sha="abc", quick=False, cores=here["cpu_count"]):
         rows = [{"prompt_tokens": n, "ttft_s": {"full_a": n}} for n in prompts]
-        return {"quick": quick, "settings": {"reps": reps}, "rows": rows,
-                "model": {"weights_sha1": sha, "path": "/m"}, "machine": {**here, "cpu_count": cores},
-                "command": f"ttft {prompts}", "when": "2026-12-01T00:00:00"}  # fmt: skip
+        return {
+            "quick": quick,
+            "settings": {"reps": reps},
+            "rows": rows,
+            "model": {"weights_sha1": sha, "path": "/m"},
+            "machine": {**here, "cpu_count": cores},
+            "command": f"ttft {prompts}",
+            "when": "2026-12-01T00:00:00",
+        }
 
     path = tmp_path / "ttft.json"
     path.write_text(json.dumps(run([1024, 2048])))

@@ -19,9 +19,9 @@ from typing import Any
 import httpx
 import numpy as np
 
-from bench.harness import start
 from bench.report import section, table
-from bench.studies.memory import requantized
+from bench.run import start
+from bench.studies.vs.memory import requantized
 from qfserve import testing
 
 STUDY = "llama_parity"

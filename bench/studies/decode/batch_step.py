@@ -11,9 +11,11 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from bench.arms import make_caches, prefill
 from bench.data import prompt_tokens
-from bench.harness import interleave, log2_axis, ratio_row, save_plot, start, subplots, summaries
+from bench.plots import log2_axis, save_plot, subplots
 from bench.report import section, table
-from bench.studies.profile import timed
+from bench.run import start
+from bench.studies.decode.profile import timed
+from bench.timing import interleave, ratio_row, summaries
 from qfserve.engine.kv.attention import install_head_masks
 from qfserve.engine.kv.config import CacheConfig
 from qfserve.engine.serving.batch import BatchCache
@@ -59,18 +61,30 @@ def measure(sm, B: int) -> dict[str, Any]:
     def updates(caches: list[Any]) -> Any:
         return timed(lambda: [c.update_and_fetch(kv, kv) for c in caches])
 
-    arms = {"ours": step(ours), "theirs": step(theirs), "ours_chunked": step(chunked),
-            "ours_again": step(ours), "ours_updates": updates(ours),
-            "theirs_updates": updates(theirs)}  # fmt: skip
+    arms = {
+        "ours": step(ours),
+        "theirs": step(theirs),
+        "ours_chunked": step(chunked),
+        "ours_again": step(ours),
+        "ours_updates": updates(ours),
+        "theirs_updates": updates(theirs),
+    }
     runs = interleave(arms, a.reps, progress=sm.log.rounds(f"batch {B}"))
     pairs = (("ours", "theirs"), ("ours_again", "ours"), ("ours_chunked", "ours"))
     return {"batch": B, "step_s": summaries(runs), "ratios": [ratio_row(runs, *p) for p in pairs]}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    sm = start("batch_step", argv, __doc__, reps=7, batches=([1, 4, 8, 16], [1, 2]),
-               prompt=(512, 48, "tokens per prompt"), budget=(256, 16),
-               chunk=(8, 4, "the chunked arm's"))  # fmt: skip
+    sm = start(
+        "batch_step",
+        argv,
+        __doc__,
+        reps=7,
+        batches=([1, 4, 8, 16], [1, 2]),
+        prompt=(512, 48, "tokens per prompt"),
+        budget=(256, 16),
+        chunk=(8, 4, "the chunked arm's"),
+    )
     args = sm.args
     install_head_masks(sm.model)
     rows = [measure(sm, B) for B in args.batches]
@@ -81,13 +95,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 a: r["batch"] * one[a] / r["step_s"][a]["median"] for a in one
             }
     result = {
-        "settings": {"batches": args.batches, "prompt": args.prompt, "budget": args.budget,
-                     "chunk": args.chunk, "reps": args.reps,
-                     "ours": "BatchCache over per-request Q-Filters EvictionCaches",
-                     "ours_chunked": f"the same with chunk {args.chunk}",
-                     "theirs": "mlx-lm BatchKVCache.merge of KVCaches with budget rows"},
+        "settings": {
+            "batches": args.batches,
+            "prompt": args.prompt,
+            "budget": args.budget,
+            "chunk": args.chunk,
+            "reps": args.reps,
+            "ours": "BatchCache over per-request Q-Filters EvictionCaches",
+            "ours_chunked": f"the same with chunk {args.chunk}",
+            "theirs": "mlx-lm BatchKVCache.merge of KVCaches with budget rows",
+        },
         "rows": rows,
-    }  # fmt: skip
+    }
     fig, [[ax]] = subplots(figsize=(6, 3.8))
     for a in PLOTTED:
         ax.plot(args.batches, [r["step_s"][a]["median"] * 1e3 for r in rows], "o-", label=a)
@@ -108,9 +127,14 @@ def render(d: dict[str, Any]) -> list[str]:
     rows = []
     for r in d["rows"]:
         scale = r.get("tokens_per_s_over_batch_1", {})  # only when batch 1 ran
-        rows.append([r["batch"], *(f"{r['step_s'][a]['median'] * 1e3:.1f}" for a in PLOTTED),
-                     *(f"{x['median']:.2f}" for x in r["ratios"]),
-                     *(f"{scale[a]:.2f}×" if a in scale else "—" for a in ("ours", "theirs"))])  # fmt: skip
+        rows.append(
+            [
+                r["batch"],
+                *(f"{r['step_s'][a]['median'] * 1e3:.1f}" for a in PLOTTED),
+                *(f"{x['median']:.2f}" for x in r["ratios"]),
+                *(f"{scale[a]:.2f}×" if a in scale else "—" for a in ("ours", "theirs")),
+            ]
+        )
     headers = ["batch", "ours ms", "theirs ms", "ours updates ms", "theirs updates ms"]
     headers += ["ours/theirs", "A/A", "chunked/ours", "ours tok/s ×", "theirs tok/s ×"]
     title = "One decode step of a batch: per-request caches against mlx-lm's"

@@ -14,19 +14,42 @@ import numpy as np
 from bench.arms import Arm, add_arm_arguments, select_arms
 from bench.data import stdlib_prose
 from bench.goals import grid_mean
-from bench.harness import save_plot, start, subplots
+from bench.plots import save_plot, subplots
 from bench.report import arm_label, arm_order, fmt, section, table
-from bench.studies.retrieval import RULE, answers, by_arm
+from bench.run import start
+from bench.studies.retrieval.retrieval import RULE, answers, by_arm
 
 STUDY = "niah"
 CITIES = (
-    "Lisbon", "Nairobi", "Osaka", "Quito", "Tallinn", "Hanoi", "Accra", "Perth", "Bergen",
-    "Cusco", "Dakar", "Tbilisi", "Malmo", "Recife", "Gdansk", "Kyoto", "Tunis", "Austin",
-)  # fmt: skip
+    "Lisbon",
+    "Nairobi",
+    "Osaka",
+    "Quito",
+    "Tallinn",
+    "Hanoi",
+    "Accra",
+    "Perth",
+    "Bergen",
+    "Cusco",
+    "Dakar",
+    "Tbilisi",
+    "Malmo",
+    "Recife",
+    "Gdansk",
+    "Kyoto",
+    "Tunis",
+    "Austin",
+)
 INTRO = "Read the text below. A special magic number is hidden in it; remember it.\n\n"
 # Full cache, then every method with a recent window of budget/4 (and the fallback's ablation).
-ARMS = (Arm("full"), Arm("qfilters", 0.25), Arm("knorm", 0.25), Arm("streaming", 0.0),
-        Arm("fallback", 0.25), Arm("fallback", 0.25, sign=-1))  # fmt: skip
+ARMS = (
+    Arm("full"),
+    Arm("qfilters", 0.25),
+    Arm("knorm", 0.25),
+    Arm("streaming", 0.0),
+    Arm("fallback", 0.25),
+    Arm("fallback", 0.25, sign=-1),
+)
 
 
 def make_doc(
@@ -73,16 +96,24 @@ def make_doc(
     if len(prompt) > length:
         raise ValueError(f"length {length} is too short for the needle and question")
     answer = tokenizer.encode(" " + number)[-len(tokenizer.encode(number)) :]
-    return {"prompt": prompt, "number": number, "answer": answer, "depth": where,
-            "tokens": len(prompt)}  # fmt: skip
+    return {
+        "prompt": prompt,
+        "number": number,
+        "answer": answer,
+        "depth": where,
+        "tokens": len(prompt),
+    }
 
 
 def grid_of(records: list[dict], names: list[str], lengths: list[int], depths: list[float]) -> dict:
     """``grid[arm][ratio]`` = accuracy matrix ``[depth][length]`` (None where not run)."""
 
     def accuracy(name: str, key: str, n: int, d: float) -> float | None:
-        hits = [r["arms"][name][key]["correct"] for r in records if r["length"] == n
-                and r["target_depth"] == d and key in r["arms"].get(name, {})]  # fmt: skip
+        hits = [
+            r["arms"][name][key]["correct"]
+            for r in records
+            if r["length"] == n and r["target_depth"] == d and key in r["arms"].get(name, {})
+        ]
         return float(np.mean(hits)) if hits else None
 
     grid: dict[str, dict[str, list[list[float | None]]]] = {}
@@ -105,9 +136,12 @@ def plot(
     for a in ax.flat:
         a.axis("off")
     panels = [(ax[0, 0], grid["full"]["-"], "full cache")]
-    panels += [(ax[row, col], grid[name][str(r)], f"{arm_label(name)}\n{r}x")
-               for row, name in enumerate(names, start=1) for col, r in enumerate(ratios)
-               if str(r) in grid[name]]  # fmt: skip
+    panels += [
+        (ax[row, col], grid[name][str(r)], f"{arm_label(name)}\n{r}x")
+        for row, name in enumerate(names, start=1)
+        for col, r in enumerate(ratios)
+        if str(r) in grid[name]
+    ]
     for a, cells, label in panels:
         a.axis("on")
         a.imshow(np.array(cells, dtype=float), vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
@@ -119,10 +153,17 @@ def plot(
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    study = start(STUDY, argv, __doc__, calibration=True, options=[add_arm_arguments],
-                  lengths=([1024, 2048, 4096, 8192], [256], "prompt tokens"),
-                  depths=([0.0, 0.25, 0.5, 0.75, 1.0], [0.0, 1.0], "needle depths, 0..1"),
-                  ratios=([2, 4, 8, 16, 32], [4]), per_cell=(1, 1, "documents per depth x length"))  # fmt: skip
+    study = start(
+        STUDY,
+        argv,
+        __doc__,
+        calibration=True,
+        options=[add_arm_arguments],
+        lengths=([1024, 2048, 4096, 8192], [256], "prompt tokens"),
+        depths=([0.0, 0.25, 0.5, 0.75, 1.0], [0.0, 1.0], "needle depths, 0..1"),
+        ratios=([2, 4, 8, 16, 32], [4]),
+        per_cell=(1, 1, "documents per depth x length"),
+    )
     args = study.args
     arms = select_arms(list(ARMS), args)
     depths, ratios, per_cell = args.depths, args.ratios, args.per_cell
@@ -135,10 +176,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for arm, _, key, budget, _, source, right, nll in answers(
             study, {**doc, "key": doc["number"]}, by_arm(arms, ratios), len(doc["answer"]) + 2
         ):
-            cells.setdefault(arm.name, {})[key] = {"correct": right, "answer_nll": nll,
-                                                   "budget": budget, "filter_source": source}  # fmt: skip
-        return {"length": n, "target_depth": d, "index": i, "depth": doc["depth"],
-                "tokens": doc["tokens"], "model": study.identity["path"], "arms": cells}  # fmt: skip
+            cells.setdefault(arm.name, {})[key] = {
+                "correct": right,
+                "answer_nll": nll,
+                "budget": budget,
+                "filter_source": source,
+            }
+        return {
+            "length": n,
+            "target_depth": d,
+            "index": i,
+            "depth": doc["depth"],
+            "tokens": doc["tokens"],
+            "model": study.identity["path"],
+            "arms": cells,
+        }
 
     todo = [(n, d, i) for n in lengths for d in depths for i in range(per_cell)]
     records = study.logged(("length", "target_depth", "index"), todo, measure, "documents")
@@ -150,17 +202,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "scoring": "first number of the greedy continuation equals the needle's",
         "docs_per_cell": per_cell,
     }
-    return study.save({"data": data, "lengths": lengths, "depths": depths, "ratios": ratios,
-                       "arms": [a.name for a in arms], "budget_rule": RULE, "grid": grid,
-                       "records": records, "plots": [f"{STUDY}.png"]})  # fmt: skip
+    return study.save(
+        {
+            "data": data,
+            "lengths": lengths,
+            "depths": depths,
+            "ratios": ratios,
+            "arms": [a.name for a in arms],
+            "budget_rule": RULE,
+            "grid": grid,
+            "records": records,
+            "plots": [f"{STUDY}.png"],
+        }
+    )
 
 
 def render(data: dict[str, Any]) -> list[str]:
     d, lengths, depths, ratios = data["data"], data["lengths"], data["depths"], data["ratios"]
-    intro = (f'Haystack: {d["haystack"]}; needle: "{d["needle"]}", asked at the end; '
-             f"{d['scoring']}. {d['docs_per_cell']} document(s) per depth x length "
-             f"({', '.join(map(str, lengths))} tokens; depths {', '.join(f'{x:.0%}' for x in depths)}); "
-             f"{data['budget_rule']}. Exact match, mean over the grid:")  # fmt: skip
+    intro = (
+        f'Haystack: {d["haystack"]}; needle: "{d["needle"]}", asked at the end; '
+        f"{d['scoring']}. {d['docs_per_cell']} document(s) per depth x length "
+        f"({', '.join(map(str, lengths))} tokens; depths {', '.join(f'{x:.0%}' for x in depths)}); "
+        f"{data['budget_rule']}. Exact match, mean over the grid:"
+    )
     grid, keys = data["grid"], ["-", *map(str, ratios)]
     cell = lambda n, k: "" if (m := grid_mean(data, n, k)) is None else fmt(m, 2)  # noqa: E731
     rows = [[arm_label(n), *(cell(n, k) for k in keys)] for n in arm_order(grid) if grid[n]]

@@ -11,10 +11,11 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
-from bench import harness
+from bench import cli, plots, timing
 from bench.arms import caches_for, kv_stats
 from bench.data import prompt_tokens
 from bench.report import ms, ratio_cell, section, table
+from bench.run import machine, start
 from qfserve.engine.kv.attention import set_blocked
 
 # What must match for an earlier run's rows to sit beside this one's: not the load, nor the
@@ -30,8 +31,13 @@ def ttft_timer(sm, arm, tokens: list[int], kept: dict, blocked: bool):
         try:
             tic = time.perf_counter()
             caches = caches_for(sm, arm)
-            gen = generate_step(mx.array(tokens), sm.model, max_tokens=1,
-                                sampler=make_sampler(0.0), prompt_cache=caches)  # fmt: skip
+            gen = generate_step(
+                mx.array(tokens),
+                sm.model,
+                max_tokens=1,
+                sampler=make_sampler(0.0),
+                prompt_cache=caches,
+            )
             next(gen)  # yields y.item(): the token is evaluated
             seconds = time.perf_counter() - tic
             gen.close()
@@ -48,7 +54,7 @@ def earlier_rows(path, result: dict, measured: set[int]) -> list[dict]:
     machine, kept beside this run's, each saying which command measured it."""
     if result["quick"] or not path.is_file():
         return []
-    now, old = harness.machine(), json.loads(path.read_text())
+    now, old = machine(), json.loads(path.read_text())
     same = (
         not old.get("quick")
         and old.get("settings") == result["settings"]
@@ -62,16 +68,25 @@ def earlier_rows(path, result: dict, measured: set[int]) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    sm = harness.start("ttft", argv, __doc__, reps=5,
-                       prompts=([1024, 2048, 4096], [64, 256], "prompt tokens"),
-                       budgets=([256, 512], [32, 128], "Q-Filters budgets"))  # fmt: skip
+    sm = start(
+        "ttft",
+        argv,
+        __doc__,
+        reps=5,
+        prompts=([1024, 2048, 4096], [64, 256], "prompt tokens"),
+        budgets=([256, 512], [32, 128], "Q-Filters budgets"),
+    )
     args = sm.args
     sm.log(
         f"model {sm.loaded.name}, prompts {args.prompts}, budgets {args.budgets}, reps {args.reps}"
     )
     # (arm, cache, blocked attention): full twice (A/A), each budget, full on MLX's attention
-    specs = [("full_a", "full", True), ("full_b", "full", True),
-             *((f"b{b}", b, True) for b in args.budgets), ("full_mlx", "full", False)]  # fmt: skip
+    specs = [
+        ("full_a", "full", True),
+        ("full_b", "full", True),
+        *((f"b{b}", b, True) for b in args.budgets),
+        ("full_mlx", "full", False),
+    ]
     rows = []
     for n in args.prompts:
         tokens = prompt_tokens(sm, n)
@@ -79,19 +94,33 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         arms = {
             name: ttft_timer(sm, arm, tokens, kept[name], blocked) for name, arm, blocked in specs
         }
-        _, stats, ratios = harness.compare_arms(sm, arms, f"prompt {n}", "full_a")
-        rows.append({"prompt_tokens": n, "beyond_trained_context": n > sm.context_length,
-                     "ttft_s": stats, "ratios": ratios, "kv_after_prefill": kept})  # fmt: skip
+        _, stats, ratios = timing.compare_arms(sm, arms, f"prompt {n}", "full_a")
+        rows.append(
+            {
+                "prompt_tokens": n,
+                "beyond_trained_context": n > sm.context_length,
+                "ttft_s": stats,
+                "ratios": ratios,
+                "kv_after_prefill": kept,
+            }
+        )
     result = {
-        "command": harness.command_line("ttft", argv),  # earlier_rows compares these with older runs
+        "command": cli.command_line("ttft", argv),  # earlier_rows compares these with older runs
         "quick": args.quick,
         "model": sm.describe(),
-        "settings": {"reps": args.reps, "budgets": list(args.budgets), "method": "qfilters",
-                     "n_sink": 4, "recent": 0, "prefill_step_size": 2048, "sampler": "greedy",
-                     "timed": "make_caches + generate_step until the first token is yielded",
-                     "attention": "blocked CPU attention; full_mlx: MLX's own"},
+        "settings": {
+            "reps": args.reps,
+            "budgets": list(args.budgets),
+            "method": "qfilters",
+            "n_sink": 4,
+            "recent": 0,
+            "prefill_step_size": 2048,
+            "sampler": "greedy",
+            "timed": "make_caches + generate_step until the first token is yielded",
+            "attention": "blocked CPU attention; full_mlx: MLX's own",
+        },
         "rows": rows,
-    }  # fmt: skip
+    }
     for row in rows:
         row["measured_by"] = {"command": result["command"], "when": time.strftime("%Y-%m-%d")}
     rows += earlier_rows(args.out / "ttft.json", result, {r["prompt_tokens"] for r in rows})
@@ -99,9 +128,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     labels = {"full_a": "full", **{f"b{b}": f"Q-Filters b{b}" for b in args.budgets}}
     series = {v: [r["ttft_s"][k] for r in rows] for k, v in labels.items()}
     x, trained = [r["prompt_tokens"] for r in rows], sm.identity["max_context"]
-    result["plots"] = [harness.context_plot(args.out, "ttft", x, series, trained, 1e3, logy=True,
-                                            xlabel="prompt tokens", ylabel="TTFT ms (median, IQR)",
-                                            title="Time to first token")]  # fmt: skip
+    result["plots"] = [
+        plots.context_plot(
+            args.out,
+            "ttft",
+            x,
+            series,
+            trained,
+            1e3,
+            logy=True,
+            xlabel="prompt tokens",
+            ylabel="TTFT ms (median, IQR)",
+            title="Time to first token",
+        )
+    ]
     return sm.save(result)
 
 
@@ -120,10 +160,16 @@ def render(d: dict[str, Any]) -> list[str]:
         t, rr = r["ttft_s"], {x["arm"]: x for x in r["ratios"]}
         beyond = " (beyond trained context)" if r["beyond_trained_context"] else ""
         by = r.get("measured_by", {"command": d["command"], "when": d["when"][:10]})
-        rows.append([f"{r['prompt_tokens']}{beyond}", ms(t["full_a"], 1e3, 1), ratio_cell(rr["full_b"]),
-                     *(cell(t, rr, f"b{b}") for b in budgets),
-                     cell(t, rr, "full_mlx") if "full_mlx" in t else "not run",  # an older run's
-                     f"`{by['command']}`, {by['when']}"])  # fmt: skip
+        rows.append(
+            [
+                f"{r['prompt_tokens']}{beyond}",
+                ms(t["full_a"], 1e3, 1),
+                ratio_cell(rr["full_b"]),
+                *(cell(t, rr, f"b{b}") for b in budgets),
+                cell(t, rr, "full_mlx") if "full_mlx" in t else "not run",  # an older run's
+                f"`{by['command']}`, {by['when']}",
+            ]
+        )
     headers = ["prompt tokens", "full ms", "A/A", *(f"budget {b}: ms (ratio)" for b in budgets)]
     headers += ["full, MLX's attention: ms (ratio)", "measured by"]
     return section("Time to first token, eviction vs full", d, intro, table(headers, rows))

@@ -15,11 +15,12 @@ import mlx.core as mx
 from mlx_lm import stream_generate
 from mlx_lm.sample_utils import make_sampler
 
-from bench import harness
+from bench import plots
 from bench.arms import make_caches, prefill, token_nll
 from bench.data import prose_windows
-from bench.harness import Run, measured, resume, start
 from bench.report import section, table
+from bench.resume import measured, resume
+from bench.run import Run, start
 from qfserve.engine.kv.config import CacheConfig
 from qfserve.engine.serving.config import DEFAULT_PREFILL_CHUNK
 from qfserve.engine.text.prompts import encode_prompt
@@ -69,8 +70,12 @@ class Chat:
         """The server's prompt for ``messages``: feed what the caches lack of it, score
         ``key`` if asked, then answer."""
         model, tok = self.sm.model, self.sm.tokenizer
-        request = GenerationRequest(kind="chat", messages=tuple(messages),
-                                    sampling=SamplingParams(temperature=0.0), cache=CacheConfig())  # fmt: skip
+        request = GenerationRequest(
+            kind="chat",
+            messages=tuple(messages),
+            sampling=SamplingParams(temperature=0.0),
+            cache=CacheConfig(),
+        )
         prompt = encode_prompt(self.sm.loaded, request)[0]
         reused = len(self.held) if self.held and prompt[: len(self.held)] == self.held else 0
         self.misses += bool(self.held) and not reused
@@ -82,15 +87,29 @@ class Chat:
         if key is not None:  # on a copy: the conversation goes on from the unscored caches
             logits = model(mx.array([[prompt[-1], *key[:-1]]]), cache=copy.deepcopy(self.caches))
             key_nll = float(token_nll(logits, mx.array([key])).mean())
-        tokens = [g.token for g in stream_generate(model, tok, prompt[-1:], max_tokens=max_tokens,
-                                                   sampler=make_sampler(0.0), prompt_cache=self.caches)]  # fmt: skip
+        tokens = [
+            g.token
+            for g in stream_generate(
+                model,
+                tok,
+                prompt[-1:],
+                max_tokens=max_tokens,
+                sampler=make_sampler(0.0),
+                prompt_cache=self.caches,
+            )
+        ]
         # stream_generate feeds each token it returns, the last (EOS included) too.
         self.held = [*prompt, *tokens]
         eos = set(tok.eos_token_ids)
         kept = [c.size() for c in self.caches if hasattr(c, "size")]
-        return {"answer": tok.decode([t for t in tokens if t not in eos]),
-                "prompt_tokens": len(prompt), "cached_tokens": reused,
-                "completion_tokens": len(tokens), "tokens_kept": max(kept), "key_nll": key_nll}  # fmt: skip
+        return {
+            "answer": tok.decode([t for t in tokens if t not in eos]),
+            "prompt_tokens": len(prompt),
+            "cached_tokens": reused,
+            "completion_tokens": len(tokens),
+            "tokens_kept": max(kept),
+            "key_nll": key_nll,
+        }
 
 
 def history(users: list[str], answers: list[str], k: int) -> list[dict[str, str]]:
@@ -103,23 +122,32 @@ def history(users: list[str], answers: list[str], k: int) -> list[dict[str, str]
 
 def plot(accuracy: dict, key_nll: dict, out: Any) -> list[str]:
     names = list(accuracy)
-    fig, axes = harness.subplots(1, 2, figsize=(max(10, 1.2 * len(names)), 4))
+    fig, axes = plots.subplots(1, 2, figsize=(max(10, 1.2 * len(names)), 4))
     for ax, values, title in (
         (axes[0, 0], accuracy, "pass key from turn 1: accuracy"),
         (axes[0, 1], key_nll, "the key's NLL as the answer (nats/token)"),
     ):
         by_ask = [{f"asked at turn {k}": v for k, v in values[n].items()} for n in names]
-        harness.grouped_bars(ax, names, by_ask, title)
+        plots.grouped_bars(ax, names, by_ask, title)
         ax.set_xticks(range(len(names)), names, rotation=40, ha="right", fontsize=8)
     axes[0, 0].set_ylim(0, 1.05)
-    return [harness.save_plot(fig, out, STUDY)]
+    return [plots.save_plot(fig, out, STUDY)]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     methods = ["qfilters", "knorm", "streaming"]
-    sm = start(STUDY, argv, __doc__, turns=(20, 4), ask=([5, 10, 20], [2, 4]),
-               budgets=([256, 512], [64]), methods=(methods, methods), conversations=1,
-               turn_tokens=(150, 40), max_tokens=(24, 8))  # fmt: skip
+    sm = start(
+        STUDY,
+        argv,
+        __doc__,
+        turns=(20, 4),
+        ask=([5, 10, 20], [2, 4]),
+        budgets=([256, 512], [64]),
+        methods=(methods, methods),
+        conversations=1,
+        turn_tokens=(150, 40),
+        max_tokens=(24, 8),
+    )
     args = sm.args
     ask, n_conv, max_tokens = sorted(set(args.ask)), args.conversations, args.max_tokens
     tok = sm.tokenizer
@@ -151,15 +179,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 for k in ask
             ]
         by_turn = {t["turn"]: t for t in turns}
-        return {"conversation": c, "arm": name, "key": keys[c], "settings": design,
-                "turns": turns, "misses": chat.misses,
-                "right": [keys[c] in by_turn[k]["answer"] for k in ask],
-                "key_nll": [by_turn[k]["key_nll"] for k in ask]}  # fmt: skip
+        return {
+            "conversation": c,
+            "arm": name,
+            "key": keys[c],
+            "settings": design,
+            "turns": turns,
+            "misses": chat.misses,
+            "right": [keys[c] in by_turn[k]["answer"] for k in ask],
+            "key_nll": [by_turn[k]["key_nll"] for k in ask],
+        }
 
     log = args.out / f"{STUDY}.jsonl"
     # Rows are read back only for the same design, sizes, seed (the keys and texts) and model.
-    design = [args.turns, ask, args.turn_tokens, max_tokens, SETTINGS_TAG, args.seed,
-              sm.identity["weights_sha1"]]  # fmt: skip
+    design = [
+        args.turns,
+        ask,
+        args.turn_tokens,
+        max_tokens,
+        SETTINGS_TAG,
+        args.seed,
+        sm.identity["weights_sha1"],
+    ]
     done = resume(
         log, lambda r: (r["conversation"], r["arm"]), keep=lambda r: r["settings"] == design
     )
@@ -174,21 +215,36 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         }
 
     accuracy, key_nll = per_ask("right"), per_ask("key_nll")
-    settings = {"turns": args.turns, "ask": ask, "turn_tokens": args.turn_tokens,
-                "max_tokens": max_tokens, "conversations": n_conv, "budgets": args.budgets,
-                "methods": args.methods, "recent": "budget/4 (streaming: 0)",
-                "fresh": "the reuse arm's transcript, prefilled whole at each ask turn",
-                "prefill_chunk": DEFAULT_PREFILL_CHUNK, "temperature": 0}  # fmt: skip
+    settings = {
+        "turns": args.turns,
+        "ask": ask,
+        "turn_tokens": args.turn_tokens,
+        "max_tokens": max_tokens,
+        "conversations": n_conv,
+        "budgets": args.budgets,
+        "methods": args.methods,
+        "recent": "budget/4 (streaming: 0)",
+        "fresh": "the reuse arm's transcript, prefilled whole at each ask turn",
+        "prefill_chunk": DEFAULT_PREFILL_CHUNK,
+        "temperature": 0,
+    }
     # Turns that continued the caches, and turns that could not (a reply that does not
     # tokenise back the same: that turn prefilled the whole history instead).
     hits = {
         n: sum(t["cached_tokens"] > 0 for r in rs for t in r["turns"]) for n, rs in by_arm.items()
     }
-    return sm.save({"settings": settings, "accuracy": accuracy, "key_nll": key_nll,
-                    "reuse_hits": hits,
-                    "reuse_misses": {n: sum(r["misses"] for r in rs) for n, rs in by_arm.items()},
-                    "plots": plot(accuracy, key_nll, args.out), "rows": rows},
-                   model=sm.describe())  # fmt: skip
+    return sm.save(
+        {
+            "settings": settings,
+            "accuracy": accuracy,
+            "key_nll": key_nll,
+            "reuse_hits": hits,
+            "reuse_misses": {n: sum(r["misses"] for r in rs) for n, rs in by_arm.items()},
+            "plots": plot(accuracy, key_nll, args.out),
+            "rows": rows,
+        },
+        model=sm.describe(),
+    )
 
 
 def render(data: dict[str, Any]) -> list[str]:
@@ -200,8 +256,17 @@ def render(data: dict[str, Any]) -> list[str]:
         f"for the whole chat; fresh: {st['fresh']}. Each cell: accuracy / the key's mean NLL "
         "as the answer (nats per token, teacher-forced)."
     )
-    rows = [[name, *[f"{data['accuracy'][name][str(k)]:.2f} / {data['key_nll'][name][str(k)]:.2f}"
-                     for k in ask], data["reuse_hits"][name], data["reuse_misses"][name]]
-            for name in data["accuracy"]]  # fmt: skip
+    rows = [
+        [
+            name,
+            *[
+                f"{data['accuracy'][name][str(k)]:.2f} / {data['key_nll'][name][str(k)]:.2f}"
+                for k in ask
+            ],
+            data["reuse_hits"][name],
+            data["reuse_misses"][name],
+        ]
+        for name in data["accuracy"]
+    ]
     headers = ["arm", *[f"turn {k}" for k in ask], "turns reused", "misses"]
     return section("A pass key from turn 1, asked turns later", data, intro, table(headers, rows))

@@ -18,10 +18,16 @@ import numpy as np
 
 from bench.arms import Arm, feed_block
 from bench.data import stdlib_prose
-from bench.harness import measured, read_jsonl, resume, start
 from bench.report import fmt, section
-from bench.studies.niah import CITIES
-from bench.studies.retrieval import accuracy_plot, first_number_is, prefill_block, ratio_table
+from bench.resume import measured, read_jsonl, resume
+from bench.run import start
+from bench.studies.retrieval.niah import CITIES
+from bench.studies.retrieval.retrieval import (
+    accuracy_plot,
+    first_number_is,
+    prefill_block,
+    ratio_table,
+)
 from qfserve.engine.models.catalog import SMOLLM2_135M, gguf_path
 
 STUDY = "kvzip_parity"
@@ -59,11 +65,15 @@ def chat_docs(tokenizer: Any, n: int, length: int, seed: int = 0) -> list[dict[s
         )
         cut = text.rindex(question)
         primer = f"The special magic number for {city} is"
-        docs.append({"id": f"{length}-{i}",
-                     "context_ids": tokenizer.encode(text[:cut], add_special_tokens=False),
-                     "question_ids": tokenizer.encode(text[cut:] + primer, add_special_tokens=False),
-                     "answer": number,
-                     "max_new_tokens": len(tokenizer.encode(" " + number)) + 3})  # fmt: skip
+        docs.append(
+            {
+                "id": f"{length}-{i}",
+                "context_ids": tokenizer.encode(text[:cut], add_special_tokens=False),
+                "question_ids": tokenizer.encode(text[cut:] + primer, add_special_tokens=False),
+                "answer": number,
+                "max_new_tokens": len(tokenizer.encode(" " + number)) + 3,
+            }
+        )
     return docs
 
 
@@ -86,8 +96,11 @@ def ours(study: Any, doc: dict[str, Any], ratios: list[int]) -> dict[str, dict[s
                 y = mx.argmax(model(y, cache=caches)[:, -1], axis=-1)[None]
                 tokens.append(int(y.item()))
             text = study.tokenizer.decode(tokens)
-            out[mode][str(ratio)] = {"text": text, "correct": first_number_is(text, doc["answer"]),
-                                     "kept": kept}  # fmt: skip
+            out[mode][str(ratio)] = {
+                "text": text,
+                "correct": first_number_is(text, doc["answer"]),
+                "kept": kept,
+            }
     return out
 
 
@@ -100,8 +113,11 @@ def _kept(cache: Any) -> list[list[int]]:
 
 def overlap(a: list[list[list[int]]], b: list[list[list[int]]]) -> dict[str, float]:
     """Mean over (layer, head) of |a & b| / |b| (recall of ``b``'s rows) and the Jaccard."""
-    pairs = [(set(ha), set(hb)) for la, lb in zip(a, b, strict=True)
-             for ha, hb in zip(la, lb, strict=True)]  # fmt: skip
+    pairs = [
+        (set(ha), set(hb))
+        for la, lb in zip(a, b, strict=True)
+        for ha, hb in zip(la, lb, strict=True)
+    ]
     return {
         "recall_of_kvpress": float(np.mean([len(a & b) / max(len(b), 1) for a, b in pairs])),
         "jaccard": float(np.mean([len(a & b) / max(len(a | b), 1) for a, b in pairs])),
@@ -109,9 +125,16 @@ def overlap(a: list[list[list[int]]], b: list[list[list[int]]]) -> dict[str, flo
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    study = start(STUDY, argv, __doc__, calibration=True, docs=(20, 2), ratios=[2, 4, 8],
-                  length=(1200, 1200, "context tokens per document"),
-                  flags={"--kvpress-python": {"required": True, "help": "a Python with kvpress"}})  # fmt: skip
+    study = start(
+        STUDY,
+        argv,
+        __doc__,
+        calibration=True,
+        docs=(20, 2),
+        ratios=[2, 4, 8],
+        length=(1200, 1200, "context tokens per document"),
+        flags={"--kvpress-python": {"required": True, "help": "a Python with kvpress"}},
+    )
     args = study.args
     # kvpress loads the GGUF file: --model's, or the catalog model's.
     gguf = Path(args.model) if str(args.model).endswith(".gguf") else gguf_path(SMOLLM2_135M)
@@ -122,15 +145,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     docs = chat_docs(study.tokenizer, args.docs, args.length, args.seed)
     (out / "docs.json").write_text(json.dumps(docs))
     log = out / "kvpress.jsonl"
-    subprocess.run([args.kvpress_python, str(REFERENCE), "--gguf", str(gguf), "--docs",
-                    str(out / "docs.json"), "--out", str(log), "--ratios", *map(str, args.ratios)],
-                   check=True)  # fmt: skip
+    subprocess.run(
+        [
+            args.kvpress_python,
+            str(REFERENCE),
+            "--gguf",
+            str(gguf),
+            "--docs",
+            str(out / "docs.json"),
+            "--out",
+            str(log),
+            "--ratios",
+            *map(str, args.ratios),
+        ],
+        check=True,
+    )
     # doc id -> kvpress mode -> record (one mode, kvpress's default: ratios across layers)
     theirs = {rec["id"]: {"global": rec} for rec in read_jsonl(log)}
     by_id = {doc["id"]: doc for doc in docs}
-    mine = measured(out / "ours.jsonl", resume(out / "ours.jsonl", lambda r: (r["id"],)),
-                    [(i,) for i in by_id], lambda i: {"id": i, "modes": ours(study, by_id[i], args.ratios)},
-                    "documents")  # fmt: skip
+    mine = measured(
+        out / "ours.jsonl",
+        resume(out / "ours.jsonl", lambda r: (r["id"],)),
+        [(i,) for i in by_id],
+        lambda i: {"id": i, "modes": ours(study, by_id[i], args.ratios)},
+        "documents",
+    )
     cells: dict[str, dict[str, list[Any]]] = defaultdict(lambda: defaultdict(list))
     for doc, rec in zip(docs, mine, strict=True):
         ref = theirs[doc["id"]]
@@ -144,16 +183,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 for name, kvpress in ref.items():
                     pair = cells[f"overlap/{mode}~{name}"][r]
                     pair.append(overlap(cell["kept"], kvpress["ratios"][r]["kept"]))
-    accuracy = {arm: {r: float(np.mean(v)) for r, v in by.items()}
-                for arm, by in cells.items() if not arm.startswith("overlap")}  # fmt: skip
-    overlaps = {arm: {r: {k: float(np.mean([o[k] for o in v])) for k in v[0]} for r, v in by.items()}
-                for arm, by in cells.items() if arm.startswith("overlap")}  # fmt: skip
+    accuracy = {
+        arm: {r: float(np.mean(v)) for r, v in by.items()}
+        for arm, by in cells.items()
+        if not arm.startswith("overlap")
+    }
+    overlaps = {
+        arm: {r: {k: float(np.mean([o[k] for o in v])) for k in v[0]} for r, v in by.items()}
+        for arm, by in cells.items()
+        if arm.startswith("overlap")
+    }
     title = f"{study.identity['path']}: KVzip, ours and kvpress's"
-    return study.save({"data": {"documents": len(docs), "context_tokens": args.length,
-                                "scoring": SCORING},
-                       "ratios": args.ratios, "accuracy": accuracy, "overlap": overlaps,
-                       "kvpress": {"script": str(REFERENCE.relative_to(REFERENCE.parents[2]))},
-                       "plots": [accuracy_plot(accuracy, args.ratios, args.out, STUDY, title)]})  # fmt: skip
+    return study.save(
+        {
+            "data": {"documents": len(docs), "context_tokens": args.length, "scoring": SCORING},
+            "ratios": args.ratios,
+            "accuracy": accuracy,
+            "overlap": overlaps,
+            "kvpress": {"script": str(REFERENCE.relative_to(REFERENCE.parents[2]))},
+            "plots": [accuracy_plot(accuracy, args.ratios, args.out, STUDY, title)],
+        }
+    )
 
 
 def render(d: dict[str, Any]) -> list[str]:
@@ -167,8 +217,12 @@ def render(d: dict[str, Any]) -> list[str]:
     accuracy = ratio_table(
         "arm", ratios, d["accuracy"], lambda by, r: fmt(by.get(str(r), by.get("-")), 2)
     )
-    kept = ratio_table("pair", ratios, pairs, lambda by, r: f"{by[str(r)]['recall_of_kvpress']:.2f}"
-                       f" / {by[str(r)]['jaccard']:.2f}")  # fmt: skip
+    kept = ratio_table(
+        "pair",
+        ratios,
+        pairs,
+        lambda by, r: f"{by[str(r)]['recall_of_kvpress']:.2f} / {by[str(r)]['jaccard']:.2f}",
+    )
     rows = (
         "Rows kept per (layer, KV head): share of kvpress's kept context rows ours keeps too / "
         "Jaccard index:"

@@ -15,21 +15,36 @@ import mlx.core as mx
 
 from bench.arms import decode_timer, prefill
 from bench.data import prompt_tokens
-from bench.harness import compare_arms, save_plot, start, subplots
+from bench.plots import save_plot, subplots
 from bench.report import ms, ratio_cell, section, table
+from bench.run import start
+from bench.timing import compare_arms
 from qfserve.engine.kv.attention import set_blocked
 from qfserve.engine.kv.config import CacheConfig
 from qfserve.engine.kv.factory import make_caches
 from qfserve.engine.kv.kvzip import DEFAULT_CHUNK, compress
 
-ARMS = {"full": "black", "qfilters": "tab:blue", "kvzip": "darkgoldenrod", "floor": "tan",
-        "full_again": "black", "full_mlx": "gray"}  # fmt: skip
+ARMS = {
+    "full": "black",
+    "qfilters": "tab:blue",
+    "kvzip": "darkgoldenrod",
+    "floor": "tan",
+    "full_again": "black",
+    "full_mlx": "gray",
+}
 EVICTING = ("qfilters", "kvzip")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    sm = start("kvzip_cost", argv, __doc__, reps=3, prompt=(2048, 200, "prompt tokens"),
-               budget=(256, 32), steps=(32, 4, "decode steps timed"))  # fmt: skip
+    sm = start(
+        "kvzip_cost",
+        argv,
+        __doc__,
+        reps=3,
+        prompt=(2048, 200, "prompt tokens"),
+        budget=(256, 32),
+        steps=(32, 4, "decode steps timed"),
+    )
     n, budget, steps = sm.args.prompt, sm.args.budget, sm.args.steps
     model, tokens = sm.model, prompt_tokens(sm, n)
     peaks: dict[str, int] = {}
@@ -61,10 +76,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     kept = {a: filled[a][0].size() for a in EVICTING}
     timers = {a: decode_timer(model, filled[a], steps, hold=False) for a in EVICTING}
     _, decode_ms, decode_ratios = compare_arms(sm, timers, "decode", "qfilters")
-    settings = {"prompt_tokens": n, "prefill_chunk": 512, "budget": budget, "recent": budget // 4,
-                "pass_tokens": len(fed), "reconstruction_chunk": DEFAULT_CHUNK,
-                "reps": sm.args.reps, "decode_steps": steps,
-                "kept_rows_after_prefill": kept}  # fmt: skip
+    settings = {
+        "prompt_tokens": n,
+        "prefill_chunk": 512,
+        "budget": budget,
+        "recent": budget // 4,
+        "pass_tokens": len(fed),
+        "reconstruction_chunk": DEFAULT_CHUNK,
+        "reps": sm.args.reps,
+        "decode_steps": steps,
+        "kept_rows_after_prefill": kept,
+    }
     fig, axes = subplots(1, 2, figsize=(9, 3.4))
     axes[0, 0].bar(list(ARMS), [prefill_s[a]["median"] for a in ARMS], color=list(ARMS.values()))
     axes[0, 0].set(ylabel="prefill seconds (median)", title=f"{n}-token prompt, budget {budget}")
@@ -72,10 +94,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         EVICTING, [decode_ms[a]["median"] for a in EVICTING], color=[ARMS[a] for a in EVICTING]
     )
     axes[0, 1].set(ylabel="ms per decode step (median)", title="decode at budget")
-    return sm.save({"settings": settings, "prefill_s": prefill_s, "prefill_ratios": prefill_ratios,
-                    "peak_memory_bytes": peaks, "decode_ms": decode_ms,
-                    "decode_ratios": decode_ratios,
-                    "plots": [save_plot(fig, sm.args.out, "kvzip_cost")]})  # fmt: skip
+    return sm.save(
+        {
+            "settings": settings,
+            "prefill_s": prefill_s,
+            "prefill_ratios": prefill_ratios,
+            "peak_memory_bytes": peaks,
+            "decode_ms": decode_ms,
+            "decode_ratios": decode_ratios,
+            "plots": [save_plot(fig, sm.args.out, "kvzip_cost")],
+        }
+    )
 
 
 def render(d: dict[str, Any]) -> list[str]:
@@ -90,8 +119,15 @@ def render(d: dict[str, Any]) -> list[str]:
         f"({s['decode_steps']} steps at budget) is kvzip's over Q-Filters'."
     )
     by_arm = {r["arm"]: r for r in d["prefill_ratios"]}
-    rows = [[a, f"{v['median']:.2f}", "1.00" if a == "full" else ratio_cell(by_arm[a]),
-             f"{d['peak_memory_bytes'][a] / 2**20:,.0f}"] for a, v in d["prefill_s"].items()]  # fmt: skip
+    rows = [
+        [
+            a,
+            f"{v['median']:.2f}",
+            "1.00" if a == "full" else ratio_cell(by_arm[a]),
+            f"{d['peak_memory_bytes'][a] / 2**20:,.0f}",
+        ]
+        for a, v in d["prefill_s"].items()
+    ]
     decode = ", ".join(f"{a} {ms(v)} ms" for a, v in d["decode_ms"].items())
     step = f"Decode step at budget: {decode}; kvzip / qfilters {ratio_cell(d['decode_ratios'][0])}."
     title = "KVzip's cost: the reconstruction pass against a plain prefill"

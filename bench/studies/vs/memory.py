@@ -30,9 +30,10 @@ from typing import Any
 
 import httpx
 
-from bench import harness
+from bench import clients, timing
 from bench.data import chat_content
 from bench.report import ms, ratio_cell, section, table
+from bench.run import start
 from qfserve import testing as servers
 
 MIB = 2**20
@@ -156,7 +157,7 @@ def row(
     admin = client.get(ours + "/admin/cache").json()
     totals, last = admin["totals"], (admin["history"] or [{}])[0]
     kv = int(last.get("kept_bytes", 0)) if when != "ready" else 0
-    ours_rss, theirs_rss = harness.rss_bytes(pids[0]), harness.rss_bytes(pids[1])
+    ours_rss, theirs_rss = clients.rss_bytes(pids[0]), clients.rss_bytes(pids[1])
     bound = file.stat().st_size + kv + GOAL_OVERHEAD
     return {
         "file": file.name,
@@ -224,7 +225,7 @@ def products(run: Any, rows: list[int]) -> list[dict[str, Any]]:
         x = mx.random.normal((m, k))
         mx.eval(w, scales, biases, dense, x)
         arms = product_arms(kernel, x, (w, scales, biases), dense, bits)
-        _, stats, ratio = harness.compare_arms(run, arms, f"{n}x{k} {bits}b {m}", "float32_a")
+        _, stats, ratio = timing.compare_arms(run, arms, f"{n}x{k} {bits}b {m}", "float32_a")
         out.append(
             {
                 "shape": [n, k],
@@ -238,7 +239,7 @@ def products(run: Any, rows: list[int]) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    run = harness.start(
+    run = start(
         "memory",
         argv,
         __doc__ or "",

@@ -16,8 +16,10 @@ import mlx.nn as nn
 
 from bench.arms import prefill
 from bench.data import prompt_tokens
-from bench.harness import interleave, save_plot, start, subplots, summaries
+from bench.plots import save_plot, subplots
 from bench.report import section, table
+from bench.run import start
+from bench.timing import interleave, summaries
 from qfserve.engine.kv.attention import native_kernel
 from qfserve.engine.kv.blocked import block_attention
 from qfserve.engine.kv.config import CacheConfig
@@ -47,8 +49,11 @@ def _in_out(module: Any) -> tuple[int, int]:
 
 def _linears(model: Any) -> list[tuple[int, int, Callable[[mx.array], mx.array]]]:
     """(in, out, apply) of every weight product one token runs through, the output last."""
-    found = [(*_in_out(m), m) for _, m in model.named_modules()
-             if isinstance(m, nn.Linear | nn.QuantizedLinear)]  # fmt: skip
+    found = [
+        (*_in_out(m), m)
+        for _, m in model.named_modules()
+        if isinstance(m, nn.Linear | nn.QuantizedLinear)
+    ]
     if not any(name == "lm_head" for name, _ in model.named_modules()):  # tied output
         embed = model.model.embed_tokens
         found.append((*_in_out(embed), embed.as_linear))
@@ -136,14 +141,20 @@ def prefill_arms(model: Any, tokens: list[int], chunk: int) -> dict:
 
 
 def in_ms(samples: dict[str, list[float]]) -> dict[str, dict[str, float]]:
-    """:func:`~bench.harness.summaries` of seconds, in milliseconds."""
+    """:func:`~bench.timing.summaries` of seconds, in milliseconds."""
     return summaries({k: [v * 1e3 for v in vs] for k, vs in samples.items()})
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    sm = start("profile", argv, __doc__, reps=5, budget=(512, 64),
-               context=(4096, 256, "tokens in the cache when decoding"),
-               chunk=(512, 64, "prefill chunk tokens"))  # fmt: skip
+    sm = start(
+        "profile",
+        argv,
+        __doc__,
+        reps=5,
+        budget=(512, 64),
+        context=(4096, 256, "tokens in the cache when decoding"),
+        chunk=(512, 64, "prefill chunk tokens"),
+    )
     if sm.args.chunk >= sm.args.context:  # the chunk is timed after the context's other rows
         raise SystemExit(f"--chunk ({sm.args.chunk}) must be below --context ({sm.args.context})")
     args, tokens = sm.args, prompt_tokens(sm, sm.args.context)
@@ -164,19 +175,36 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         axes[0, 0].bar([f"{name}\nstep"], [median["step"]], color="black")
         bottom = 0.0
         for j, part in enumerate(PARTS):
-            axes[0, 0].bar([f"{name}\nparts"], [median[part]], bottom=bottom,
-                           label=part if i == 0 else None, color=f"C{j}")  # fmt: skip
+            axes[0, 0].bar(
+                [f"{name}\nparts"],
+                [median[part]],
+                bottom=bottom,
+                label=part if i == 0 else None,
+                color=f"C{j}",
+            )
             bottom += median[part]
     axes[0, 0].set(ylabel="ms (median)", title=f"decode step at {args.context} tokens")
     axes[0, 0].legend(fontsize=7)
-    axes[0, 1].bar(list(prefill_ms), [v["median"] for v in prefill_ms.values()],
-                   color=["black", "C0", "C1", "C1", "C2"][: len(prefill_ms)])  # fmt: skip
+    axes[0, 1].bar(
+        list(prefill_ms),
+        [v["median"] for v in prefill_ms.values()],
+        color=["black", "C0", "C1", "C1", "C2"][: len(prefill_ms)],
+    )
     axes[0, 1].set(ylabel="ms (median)", title=f"prefill chunk of {args.chunk}")
     axes[0, 1].tick_params(axis="x", labelsize=7)
-    return sm.save({"settings": {"context": args.context, "budget": args.budget,
-                                 "chunk": args.chunk, "reps": args.reps},
-                    "decode": decode, "prefill_ms": prefill_ms,
-                    "plots": [save_plot(fig, args.out, "profile")]})  # fmt: skip
+    return sm.save(
+        {
+            "settings": {
+                "context": args.context,
+                "budget": args.budget,
+                "chunk": args.chunk,
+                "reps": args.reps,
+            },
+            "decode": decode,
+            "prefill_ms": prefill_ms,
+            "plots": [save_plot(fig, args.out, "profile")],
+        }
+    )
 
 
 def render(d: dict[str, Any]) -> list[str]:

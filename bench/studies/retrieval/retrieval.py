@@ -17,7 +17,7 @@ import numpy as np
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
-from bench import harness
+from bench import plots
 from bench.arms import (
     READS_QUERIES,
     Arm,
@@ -30,8 +30,10 @@ from bench.arms import (
     streaming_nll,
 )
 from bench.data import passkey_docs
-from bench.harness import Run, color, start, summary
+from bench.plots import color
 from bench.report import arm_label, arm_order, fmt, section, table
+from bench.run import Run, start
+from bench.timing import summary
 from qfserve.engine.kv.config import DEFAULT_N_SINK, CacheConfig
 from qfserve.engine.kv.factory import make_caches
 from qfserve.engine.kv.kvzip import RepeatPrompt, compress
@@ -142,8 +144,12 @@ def answers(
     filter source, right, answer NLL)``, right when the first number is ``doc["key"]``."""
     prompt, methods = doc["prompt"], {arm.method for arm, _ in configs}
     # One prefill with what the arms read: the block's queries, kvzip's scores.
-    block = prefill_block(study.model, prompt, queries=bool(methods & set(READS_QUERIES)),
-                          kvzip=study.repeat if "kvzip" in methods else None)  # fmt: skip
+    block = prefill_block(
+        study.model,
+        prompt,
+        queries=bool(methods & set(READS_QUERIES)),
+        kvzip=study.repeat if "kvzip" in methods else None,
+    )
     for arm, ratio, key, budget in cells(configs, len(prompt)):
         tokens, source = run_arm(study, prompt, block, arm, budget, max_tokens)
         right = first_number_is(study.tokenizer.decode(tokens), doc["key"])
@@ -180,10 +186,16 @@ def cell_stats(outcomes: list[tuple[bool, int, float]]) -> dict[str, Any]:
     by_depth = [
         [c for c, bb in zip(correct, bins, strict=True) if bb == b] for b in range(len(BINS))
     ]
-    return {"accuracy": k / n, "n": n, "ci95": wilson(k, n), "answer_nll": summary(nll),
-            "answer_nll_mean": float(np.mean(nll)),
-            "by_depth": {label: float(np.mean(v)) if v else None
-                         for label, v in zip(BINS, by_depth, strict=True)}}  # fmt: skip
+    return {
+        "accuracy": k / n,
+        "n": n,
+        "ci95": wilson(k, n),
+        "answer_nll": summary(nll),
+        "answer_nll_mean": float(np.mean(nll)),
+        "by_depth": {
+            label: float(np.mean(v)) if v else None for label, v in zip(BINS, by_depth, strict=True)
+        },
+    }
 
 
 def length_results(docs: list[dict[str, Any]], records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -195,11 +207,15 @@ def length_results(docs: list[dict[str, Any]], records: list[dict[str, Any]]) ->
             hits.setdefault(name, {}).setdefault(key, []).append((correct, rec["bin"], nll))
             if budget is not None:
                 budgets.setdefault(key, []).append(budget)
-    return {"docs": len(docs), "mean_prompt_tokens": float(np.mean([len(d["prompt"]) for d in docs])),
-            "depths": [round(d["depth"], 3) for d in docs],
-            "budget_by_ratio": {k: sorted(set(v)) for k, v in budgets.items()},
-            "arms": {name: {k: cell_stats(o) for k, o in by_ratio.items()}
-                     for name, by_ratio in hits.items()}}  # fmt: skip
+    return {
+        "docs": len(docs),
+        "mean_prompt_tokens": float(np.mean([len(d["prompt"]) for d in docs])),
+        "depths": [round(d["depth"], 3) for d in docs],
+        "budget_by_ratio": {k: sorted(set(v)) for k, v in budgets.items()},
+        "arms": {
+            name: {k: cell_stats(o) for k, o in by_ratio.items()} for name, by_ratio in hits.items()
+        },
+    }
 
 
 def ratio_row(name: str, results: Any, metric: str, keys: list[str], digits: int) -> list[str]:
@@ -223,12 +239,19 @@ def depth_means(results: dict[str, Any], name: str, bins: Any = BINS) -> list[fl
 
 def ratio_table(first: str, ratios: list[int], rows: dict[str, Any], cell: Any) -> list[str]:
     """A table with a row per entry of ``rows`` and a column per ratio: ``cell(value, ratio)``."""
-    return table([first, *[f"{r}×" for r in ratios]],
-                 [[name, *(cell(by, r) for r in ratios)] for name, by in rows.items()])  # fmt: skip
+    return table(
+        [first, *[f"{r}×" for r in ratios]],
+        [[name, *(cell(by, r) for r in ratios)] for name, by in rows.items()],
+    )
 
 
-def ratio_panel(a: Any, series: dict[str, dict[str, float]], xs: list[int],
-                style: Callable[[str], dict] = lambda name: {"label": name}, unit: str = "x") -> None:  # fmt: skip
+def ratio_panel(
+    a: Any,
+    series: dict[str, dict[str, float]],
+    xs: list[int],
+    style: Callable[[str], dict] = lambda name: {"label": name},
+    unit: str = "x",
+) -> None:
     """Each series' values against ``xs`` (keys ``str(x)``, log-2 axis); one without eviction
     (key ``-``) as a dashed line across."""
     for name, by in series.items():
@@ -241,22 +264,32 @@ def ratio_panel(a: Any, series: dict[str, dict[str, float]], xs: list[int],
     a.set_xticks(xs, [f"{x}{unit}" for x in xs])
 
 
-def accuracy_plot(series: dict[str, dict[str, float]], xs: list[int], out: Path, name: str,
-                  title: str, style: Callable[[str], dict] = lambda n: {"label": n},
-                  unit: str = "x", xlabel: str = "compression") -> str:  # fmt: skip
+def accuracy_plot(
+    series: dict[str, dict[str, float]],
+    xs: list[int],
+    out: Path,
+    name: str,
+    title: str,
+    style: Callable[[str], dict] = lambda n: {"label": n},
+    unit: str = "x",
+    xlabel: str = "compression",
+) -> str:
     """One panel of :func:`ratio_panel` for accuracies, saved as ``<out>/<name>.png``."""
-    fig, ax = harness.subplots()
+    fig, ax = plots.subplots()
     ratio_panel(ax[0, 0], series, xs, style, unit)
     ax[0, 0].set(xlabel=xlabel, ylabel="accuracy", ylim=(-0.05, 1.05))
     ax[0, 0].legend(fontsize=7)
-    return harness.save_plot(fig, out, name, title)
+    return plots.save_plot(fig, out, name, title)
 
 
 def arm_style(arm: Arm) -> dict[str, Any]:
     """An arm's line: its method's colour, squares and dashes with a recent window."""
-    return {"marker": "o" if arm.recent_frac == 0 else "s", "color": color(arm.method, arm.traffic),
-            "linestyle": ":" if arm.sign < 0 else "-" if arm.recent_frac == 0 else "--",
-            "label": arm_label(arm.name)}  # fmt: skip
+    return {
+        "marker": "o" if arm.recent_frac == 0 else "s",
+        "color": color(arm.method, arm.traffic),
+        "linestyle": ":" if arm.sign < 0 else "-" if arm.recent_frac == 0 else "--",
+        "label": arm_label(arm.name),
+    }
 
 
 def plot(
@@ -264,7 +297,7 @@ def plot(
 ) -> None:
     """Accuracy and answer NLL against compression a column per length; accuracy by depth."""
     styles = {a.name: arm_style(a) for a in arms}
-    fig, ax = harness.subplots(2, len(results), figsize=(3.6 * len(results), 6.4), sharey="row")
+    fig, ax = plots.subplots(2, len(results), figsize=(3.6 * len(results), 6.4), sharey="row")
     for col, (n, res) in enumerate(results.items()):
         for row, key in enumerate(("accuracy", "answer_nll_mean")):
             series = {name: {k: c[key] for k, c in by.items()} for name, by in res["arms"].items()}
@@ -275,38 +308,53 @@ def plot(
     ax[0, 0].set_ylabel("pass-key accuracy")
     ax[1, 0].set_ylabel("answer NLL (nats/token)")
     ax[0, 0].legend(fontsize=6)
-    harness.save_plot(fig, out, STUDY, title)
-    fig, [[ax]] = harness.subplots(figsize=(7, 3.4))
+    plots.save_plot(fig, out, STUDY, title)
+    fig, [[ax]] = plots.subplots(figsize=(7, 3.4))
     names = [a.name for a in arms]
     means = [dict(zip(BINS, depth_means(results, name), strict=True)) for name in names]
-    harness.grouped_bars(
+    plots.grouped_bars(
         ax, names, [{f"needle in {b}": m or 0.0 for b, m in by.items()} for by in means], ""
     )
     ax.set_xticks(range(len(names)), names, rotation=30, fontsize=7)
     ax.set_ylabel("accuracy (mean over lengths, ratios)")
-    harness.save_plot(fig, out, f"{STUDY}_depth", "pass-key accuracy by needle depth")
+    plots.save_plot(fig, out, f"{STUDY}_depth", "pass-key accuracy by needle depth")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     study = start(
-        STUDY, argv, __doc__, calibration=True, options=[add_arm_arguments, add_traffic_argument],
+        STUDY,
+        argv,
+        __doc__,
+        calibration=True,
+        options=[add_arm_arguments, add_traffic_argument],
         lengths=([256, 512, 1024, 2048], [320], "document tokens"),
-        ratios=([2, 4, 8, 16, 32], [2, 8]), per_bin=(5, 1, "documents per depth bin"),
+        ratios=([2, 4, 8, 16, 32], [2, 8]),
+        per_bin=(5, 1, "documents per depth bin"),
         recent_fracs=([0.0, 0.25], [0.0, 0.25], "recent windows as fractions of the budget"),
-        flags={"--filler": {"default": "classic", "choices": ("classic", "prose", "code")},
-               "--no-prefill-check": {"action": "store_true", "help": "skip running the first "
-               "document's arms the direct way (at 8k tokens a prefill per arm and ratio)"}},
-    )  # fmt: skip
+        flags={
+            "--filler": {"default": "classic", "choices": ("classic", "prose", "code")},
+            "--no-prefill-check": {
+                "action": "store_true",
+                "help": "skip running the first "
+                "document's arms the direct way (at 8k tokens a prefill per arm and ratio)",
+            },
+        },
+    )
     args, identity, ratios = study.args, study.identity, study.args.ratios
     lengths = [n for n in args.lengths if n <= (identity["max_context"] or n)]
     arms = select_arms(standard_arms(tuple(args.recent_fracs)), args)
     configs = [(a, None) for a in arms if a.method == "full"]
     configs += [(a, r) for r in ratios for a in arms if a.method != "full"]
-    docs = {n: passkey_docs(study.corpus, n, args.per_bin, len(BINS), filler_kind=args.filler)
-            for n in lengths}  # fmt: skip
+    docs = {
+        n: passkey_docs(study.corpus, n, args.per_bin, len(BINS), filler_kind=args.filler)
+        for n in lengths
+    }
     # Logged documents are read back for the same arms, ratios, filler and learned filters.
-    signature: dict[str, Any] = {"arms": [a.name for a in arms], "ratios": ratios,
-                                 "filler": args.filler}  # fmt: skip
+    signature: dict[str, Any] = {
+        "arms": [a.name for a in arms],
+        "ratios": ratios,
+        "filler": args.filler,
+    }
     if learned := study.calibration.get("traffic_artifacts"):
         signature["learned"] = {k: v["sha1"] for k, v in sorted(learned.items())}
 
@@ -329,22 +377,40 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         str(n): length_results(docs[n], [r for r in records if r["length"] == n]) for n in lengths
     }
     plot(results, arms, ratios, args.out, study.title("pass-key retrieval"))
-    data = {"generator": "training.data.passkey_eval_set (eval seeds, eval-split filler)",
-            "filler": args.filler, "docs_per_depth_bin": args.per_bin, "depth_bins": list(BINS),
-            "scoring": "first number in the greedy continuation equals the key"}  # fmt: skip
-    rule = ("budget = round(prompt tokens / ratio); every arm the same; skipped when it leaves "
-            "no evictable row (n_sink + recent >= budget)")  # fmt: skip
-    return study.save({"data": data, "lengths": lengths, "ratios": ratios,
-                       "arms": [a.name for a in arms], "budget_rule": rule,
-                       "shared_prefill_check": check,
-                       "prefill_check_skipped": args.no_prefill_check,
-                       "filter_sources": {name: sorted(v) for name, v in sources.items()},
-                       "results": results,
-                       "plots": [f"{STUDY}.png", f"{STUDY}_depth.png"]})  # fmt: skip
+    data = {
+        "generator": "training.data.passkey_eval_set (eval seeds, eval-split filler)",
+        "filler": args.filler,
+        "docs_per_depth_bin": args.per_bin,
+        "depth_bins": list(BINS),
+        "scoring": "first number in the greedy continuation equals the key",
+    }
+    rule = (
+        "budget = round(prompt tokens / ratio); every arm the same; skipped when it leaves "
+        "no evictable row (n_sink + recent >= budget)"
+    )
+    return study.save(
+        {
+            "data": data,
+            "lengths": lengths,
+            "ratios": ratios,
+            "arms": [a.name for a in arms],
+            "budget_rule": rule,
+            "shared_prefill_check": check,
+            "prefill_check_skipped": args.no_prefill_check,
+            "filter_sources": {name: sorted(v) for name, v in sources.items()},
+            "results": results,
+            "plots": [f"{STUDY}.png", f"{STUDY}_depth.png"],
+        }
+    )
 
 
 def render(data: dict[str, Any]) -> list[str]:
-    check, d, ratios, results = data["shared_prefill_check"], data["data"], data["ratios"], data["results"]  # fmt: skip
+    check, d, ratios, results = (
+        data["shared_prefill_check"],
+        data["data"],
+        data["ratios"],
+        data["results"],
+    )
     full_acc = [r["arms"]["full"]["-"]["accuracy"] for r in results.values() if "full" in r["arms"]]
     blocks: list[str | list[str]] = []
     if full_acc and max(full_acc) == 0:
@@ -362,19 +428,42 @@ def render(data: dict[str, Any]) -> list[str]:
     names = arm_order(n for r in results.values() for n in r["arms"])
     keys, headers = ["-", *map(str, ratios)], ["arm", "no eviction", *[f"{r}×" for r in ratios]]
     for n, res in results.items():
-        blocks.append(f"**{n}-token documents** ({res['docs']} docs, mean prompt "
-                      f"{res['mean_prompt_tokens']:.0f} tokens)")  # fmt: skip
-        blocks.append(table(headers, [ratio_row(name, [res], "accuracy", keys, 2)
-                                      for name in names if res["arms"].get(name)]))  # fmt: skip
-    if any("answer_nll_mean" in c for r in results.values()
-           for cells in r["arms"].values() for c in cells.values()):  # fmt: skip
+        blocks.append(
+            f"**{n}-token documents** ({res['docs']} docs, mean prompt "
+            f"{res['mean_prompt_tokens']:.0f} tokens)"
+        )
+        blocks.append(
+            table(
+                headers,
+                [
+                    ratio_row(name, [res], "accuracy", keys, 2)
+                    for name in names
+                    if res["arms"].get(name)
+                ],
+            )
+        )
+    if any(
+        "answer_nll_mean" in c
+        for r in results.values()
+        for cells in r["arms"].values()
+        for c in cells.values()
+    ):
         rows = [ratio_row(name, results.values(), "answer_nll_mean", keys, 3) for name in names]
-        blocks += ["Answer NLL (nats per answer token, teacher-forced through each arm's cache; "
-                   "lower is better; mean over documents and lengths) — graded where accuracy is "
-                   "at the floor:", table(headers, rows)]  # fmt: skip
+        blocks += [
+            "Answer NLL (nats per answer token, teacher-forced through each arm's cache; "
+            "lower is better; mean over documents and lengths) — graded where accuracy is "
+            "at the floor:",
+            table(headers, rows),
+        ]
     bins = d["depth_bins"]
-    rows = [[arm_label(name), *("" if m is None else fmt(m, 2) for m in depth_means(results, name, bins))]
-            for name in names if any(r["arms"].get(name) for r in results.values())]  # fmt: skip
+    rows = [
+        [
+            arm_label(name),
+            *("" if m is None else fmt(m, 2) for m in depth_means(results, name, bins)),
+        ]
+        for name in names
+        if any(r["arms"].get(name) for r in results.values())
+    ]
     blocks += ["By needle depth (mean over lengths and compressions):"]
     blocks.append(table(["arm", *[f"needle in {b}" for b in bins]], rows))
     return section("Pass-key retrieval", data, *blocks)

@@ -11,9 +11,10 @@ from typing import Any
 
 import httpx
 
-from bench import harness
+from bench import clients, plots, timing
 from bench.data import chat_content, eos_ban
 from bench.report import ms, ratio_cell, section, table
+from bench.run import start
 from qfserve import testing as servers
 
 THEIRS = {
@@ -35,32 +36,35 @@ def chat_arm(run: Any, client: httpx.Client, url: str, prompt: int, **body: Any)
     can answer it."""
     body = {"temperature": 0, "logit_bias": eos_ban(run), **body}
 
-    def send() -> harness.StreamTiming:
+    def send() -> clients.StreamTiming:
         content = chat_content(run, prompt, f"[{next(NONCES):04d}] ")
-        return harness.stream_chat(
+        return clients.stream_chat(
             client, url, {**body, "messages": [{"role": "user", "content": content}]}
         )
 
     return send
 
 
-def per_arm(runs: dict[str, list[harness.StreamTiming]], attr: str) -> dict[str, list[Any]]:
+def per_arm(runs: dict[str, list[clients.StreamTiming]], attr: str) -> dict[str, list[Any]]:
     """Each arm's ``attr`` of its timings, round by round."""
     return {arm: [getattr(t, attr) for t in timings] for arm, timings in runs.items()}
 
 
-def distinct(runs: dict[str, list[harness.StreamTiming]], attr: str) -> dict[str, list[Any]]:
+def distinct(runs: dict[str, list[clients.StreamTiming]], attr: str) -> dict[str, list[Any]]:
     """Each arm's distinct values of ``attr`` (one each when every round was alike)."""
     return {arm: sorted(set(values)) for arm, values in per_arm(runs, attr).items()}
 
 
-def speeds(runs: dict[str, list[harness.StreamTiming]], reference: str) -> dict[str, Any]:
+def speeds(runs: dict[str, list[clients.StreamTiming]], reference: str) -> dict[str, Any]:
     """TTFT and decode tok/s per arm, and the other arms' paired ratios to ``reference``."""
     ttft, tps = per_arm(runs, "ttft"), per_arm(runs, "decode_tps")
     others = [arm for arm in runs if arm != reference]
-    return {"ttft_s": harness.summaries(ttft), "decode_tps": harness.summaries(tps),
-            "ttft_ratios": harness.ratios(ttft, reference, others),
-            "tps_ratios": harness.ratios(tps, reference, others)}  # fmt: skip
+    return {
+        "ttft_s": timing.summaries(ttft),
+        "decode_tps": timing.summaries(tps),
+        "ttft_ratios": timing.ratios(ttft, reference, others),
+        "tps_ratios": timing.ratios(tps, reference, others),
+    }
 
 
 def speed_rows(d: dict[str, Any], tps_digits: int = 0) -> list[list[Any]]:
@@ -68,9 +72,17 @@ def speed_rows(d: dict[str, Any], tps_digits: int = 0) -> list[list[Any]]:
     rows = []
     for r in d["rows"]:
         tr, sr = ({x["arm"]: ratio_cell(x) for x in r[k]} for k in ("ttft_ratios", "tps_ratios"))
-        rows += [[r["prompt_tokens"], a, ms(r["ttft_s"][a], 1e3, 1),
-                  ms(r["decode_tps"][a], 1.0, tps_digits), tr.get(a, "—"), sr.get(a, "—")]
-                 for a in r["ttft_s"]]  # fmt: skip
+        rows += [
+            [
+                r["prompt_tokens"],
+                a,
+                ms(r["ttft_s"][a], 1e3, 1),
+                ms(r["decode_tps"][a], 1.0, tps_digits),
+                tr.get(a, "—"),
+                sr.get(a, "—"),
+            ]
+            for a in r["ttft_s"]
+        ]
     return rows
 
 
@@ -80,11 +92,11 @@ def speed_plot(
     """``panels`` (a key of the rows, its scale and title: TTFT and decode tok/s of
     :func:`speeds` rows by default) side by side, a group of bars per prompt."""
     groups = [f"prompt {r['prompt_tokens']}" for r in result["rows"]]
-    fig, axes = harness.subplots(1, 2, figsize=(10, 3.8))
+    fig, axes = plots.subplots(1, 2, figsize=(10, 3.8))
     for ax, (key, scale, what) in zip(axes[0], panels, strict=True):
         stats = [r[key] for r in result["rows"]]
-        harness.grouped_bars(ax, groups, stats, f"{what} (median, IQR)", scale, style)
-    return [harness.save_plot(fig, out, name, title)]
+        plots.grouped_bars(ax, groups, stats, f"{what} (median, IQR)", scale, style)
+    return [plots.save_plot(fig, out, name, title)]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -93,10 +105,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def compare(kind: str, key: str, doc: str | None, argv: list[str] | None) -> dict[str, Any]:
     """Interleave ``kind``'s server (theirs) and qfserve on the same model and prompts."""
-    sm = harness.start(key, argv, doc or "", reps=3, max_tokens=(64, 8),
-                       budget=(512, 32, "Q-Filters budget"),
-                       prompts=(None, [64, 200], "prompt tokens (default: 256 and the context - "
-                                "max_tokens - 32)"))  # fmt: skip
+    sm = start(
+        key,
+        argv,
+        doc or "",
+        reps=3,
+        max_tokens=(64, 8),
+        budget=(512, 32, "Q-Filters budget"),
+        prompts=(None, [64, 200], "prompt tokens (default: 256 and the context - max_tokens - 32)"),
+    )
     args = sm.args
     # Long: as close to the context as prompt + max_tokens (+ the nonce) allow.
     lengths = args.prompts or [256, sm.context_length - args.max_tokens - 32]
@@ -105,30 +122,51 @@ def compare(kind: str, key: str, doc: str | None, argv: list[str] | None) -> dic
     rows = []
     sm.log(f"starting {kind} and qfserve")
     flags = {"llama_server": ["-c", str(sm.context_length), "-np", "1"]}
-    with servers.serve(kind, "qfserve", model=model, flags=flags, timeout=300) as (theirs, ours), \
-            httpx.Client() as client:  # fmt: skip
-        mine = {"model": client.get(ours + "/v1/models").json()["data"][0]["id"],
-                "max_tokens": args.max_tokens}  # fmt: skip
+    with (
+        servers.serve(kind, "qfserve", model=model, flags=flags, timeout=300) as (theirs, ours),
+        httpx.Client() as client,
+    ):
+        mine = {
+            "model": client.get(ours + "/v1/models").json()["data"][0]["id"],
+            "max_tokens": args.max_tokens,
+        }
         sm.log(f"theirs {theirs}, ours {ours}; prompts {lengths}, {args.reps} reps")
         for n in lengths:
             them = chat_arm(sm, client, theirs, n, model=str(model), max_tokens=args.max_tokens)
-            arms = {"theirs_a": them,
-                    "ours_full": chat_arm(sm, client, ours, n, **mine, kv_method="full"),
-                    "ours_qfilters": chat_arm(sm, client, ours, n, **mine, kv_method="qfilters",
-                                              qfilters_budget=args.budget),
-                    "theirs_b": them}  # fmt: skip
-            runs = harness.interleave(arms, args.reps, progress=sm.log.rounds(f"prompt {n}"))
-            rows.append({"prompt_tokens": n, "prompt_tokens_seen": distinct(runs, "prompt_tokens"),
-                         "completion_tokens": distinct(runs, "completion_tokens"),
-                         **speeds(runs, "theirs_a"),
-                         "kv_cache_ours_qfilters": runs["ours_qfilters"][-1].kv_cache})  # fmt: skip
+            arms = {
+                "theirs_a": them,
+                "ours_full": chat_arm(sm, client, ours, n, **mine, kv_method="full"),
+                "ours_qfilters": chat_arm(
+                    sm, client, ours, n, **mine, kv_method="qfilters", qfilters_budget=args.budget
+                ),
+                "theirs_b": them,
+            }
+            runs = timing.interleave(arms, args.reps, progress=sm.log.rounds(f"prompt {n}"))
+            rows.append(
+                {
+                    "prompt_tokens": n,
+                    "prompt_tokens_seen": distinct(runs, "prompt_tokens"),
+                    "completion_tokens": distinct(runs, "completion_tokens"),
+                    **speeds(runs, "theirs_a"),
+                    "kv_cache_ours_qfilters": runs["ours_qfilters"][-1].kv_cache,
+                }
+            )
     result = {
-        "settings": {"reps": args.reps, "max_tokens": args.max_tokens, "budget": args.budget,
-                     "n_sink": 4, "recent": args.budget // 4, "temperature": 0,
-                     "eos_banned": True, "endpoint": "/v1/chat/completions (stream, include_usage)",
-                     "theirs": THEIRS[kind], "model_served": str(model), "host": servers.HOST},
+        "settings": {
+            "reps": args.reps,
+            "max_tokens": args.max_tokens,
+            "budget": args.budget,
+            "n_sink": 4,
+            "recent": args.budget // 4,
+            "temperature": 0,
+            "eos_banned": True,
+            "endpoint": "/v1/chat/completions (stream, include_usage)",
+            "theirs": THEIRS[kind],
+            "model_served": str(model),
+            "host": servers.HOST,
+        },
         "rows": rows,
-    }  # fmt: skip
+    }
     result["plots"] = speed_plot(result, args.out, key)
     return sm.save(result)
 

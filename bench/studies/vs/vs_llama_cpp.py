@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.studies import vs_mlx_lm
+from bench.studies.vs import vs_mlx_lm
 from qfserve import testing as servers
 
 

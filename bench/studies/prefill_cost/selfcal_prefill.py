@@ -9,19 +9,31 @@ from typing import Any
 
 from bench.arms import prefill
 from bench.data import prompt_tokens
-from bench.harness import compare_arms, save_plot, start, subplots
+from bench.plots import save_plot, subplots
 from bench.report import section, table
+from bench.run import start
+from bench.timing import compare_arms
 from qfserve.engine.kv.config import CacheConfig
 from qfserve.engine.kv.factory import make_caches
 from qfserve.engine.kv.selfcal import install_query_taps, remove_query_taps
 
-ARMS = {"calibrated": "tab:blue", "self": "tab:purple", "fallback": "tab:orange",
-        "calibrated_again": "tab:blue"}  # fmt: skip
+ARMS = {
+    "calibrated": "tab:blue",
+    "self": "tab:purple",
+    "fallback": "tab:orange",
+    "calibrated_again": "tab:blue",
+}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    sm = start("selfcal_prefill", argv, __doc__, reps=3, prompt=(4096, 256, "prompt tokens"),
-               budget=(512, 32))  # fmt: skip
+    sm = start(
+        "selfcal_prefill",
+        argv,
+        __doc__,
+        reps=3,
+        prompt=(4096, 256, "prompt tokens"),
+        budget=(512, 32),
+    )
     n, budget = sm.args.prompt, sm.args.budget
     model, tokens = sm.model, prompt_tokens(sm, n)
     config = CacheConfig(method="qfilters", budget=budget, recent=budget // 4)
@@ -41,15 +53,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         sm, {a: partial(prefill_seconds, a) for a in ARMS}, "prefill", "calibrated"
     )
     remove_query_taps(model)
-    settings = {"prompt_tokens": n, "prefill_chunk": 512, "budget": budget, "recent": budget // 4,
-                "reps": sm.args.reps, "filter_sources": sources}  # fmt: skip
+    settings = {
+        "prompt_tokens": n,
+        "prefill_chunk": 512,
+        "budget": budget,
+        "recent": budget // 4,
+        "reps": sm.args.reps,
+        "filter_sources": sources,
+    }
     fig, [[ax]] = subplots(figsize=(5, 3.4))
     ax.bar(list(ARMS), [prefill_s[a]["median"] for a in ARMS], color=list(ARMS.values()))
     ax.set(ylabel="prefill seconds (median)", title=f"{n}-token prompt, budget {budget}")
     ax.tick_params(axis="x", labelsize=8)
-    return sm.save({"settings": settings, "prefill_s": prefill_s,
-                    "tokens_per_s": {a: n / s["median"] for a, s in prefill_s.items()},
-                    "ratios": ratios, "plots": [save_plot(fig, sm.args.out, "selfcal_prefill")]})  # fmt: skip
+    return sm.save(
+        {
+            "settings": settings,
+            "prefill_s": prefill_s,
+            "tokens_per_s": {a: n / s["median"] for a, s in prefill_s.items()},
+            "ratios": ratios,
+            "plots": [save_plot(fig, sm.args.out, "selfcal_prefill")],
+        }
+    )
 
 
 def render(d: dict[str, Any]) -> list[str]:

@@ -13,19 +13,28 @@ from typing import Any
 
 import numpy as np
 
-from bench import harness
+from bench import clients
 from bench.arms import Arm
-from bench.harness import color, start
+from bench.plots import color
 from bench.report import arm_label, fmt, section
-from bench.studies.kvzip_parity import prose
-from bench.studies.niah import CITIES
-from bench.studies.retrieval import accuracy_plot, first_number_is, ratio_table
+from bench.run import start
+from bench.studies.parity.kvzip_parity import prose
+from bench.studies.retrieval.niah import CITIES
+from bench.studies.retrieval.retrieval import accuracy_plot, first_number_is, ratio_table
 from qfserve.engine.text.requests import Delta, GenerationRequest, SamplingParams
 
 STUDY = "kvzip_reuse"
 FACTS = 5
-ARMS = {a.name: a for a in (Arm("full"), Arm("qfilters", 0.25), Arm("snapkv", 0.25),
-                            Arm("streaming", 0.0), Arm("kvzip", 0.25, shared=True))}  # fmt: skip
+ARMS = {
+    a.name: a
+    for a in (
+        Arm("full"),
+        Arm("qfilters", 0.25),
+        Arm("snapkv", 0.25),
+        Arm("streaming", 0.0),
+        Arm("kvzip", 0.25, shared=True),
+    )
+}
 
 
 def make_doc(tokenizer: Any, length: int, index: int) -> dict[str, Any]:
@@ -64,8 +73,13 @@ def converse(
     for text, max_tokens, expected in turns(doc):
         prompt = [*prompt, *tokenizer.encode(text, add_special_tokens=False)]
         sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=True)
-        request = GenerationRequest(kind="completion", prompt=tuple(prompt), sampling=sampling,
-                                    cache=arm.config(budget), reuse=True)  # fmt: skip
+        request = GenerationRequest(
+            kind="completion",
+            prompt=tuple(prompt),
+            sampling=sampling,
+            cache=arm.config(budget),
+            reuse=True,
+        )
         pieces, final = asyncio.run(_ask(worker, request))
         ids = [vocab[piece] for piece in pieces]
         prompt = [*prompt, *ids]
@@ -79,15 +93,21 @@ def converse(
 
 async def _ask(worker: Any, request: GenerationRequest) -> tuple[list[str], Any]:
     pieces: list[str] = []
-    async for event in harness.worker_events(worker, request):
+    async for event in clients.worker_events(worker, request):
         if isinstance(event, Delta):
             pieces.extend(lp.token for lp in event.logprobs)
     return pieces, event  # the request's Finished
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    study = start(STUDY, argv, __doc__, docs=(6, 1), length=(1500, 200, "document tokens"),
-                  ratios=([2, 4, 8], [4]))  # fmt: skip
+    study = start(
+        STUDY,
+        argv,
+        __doc__,
+        docs=(6, 1),
+        length=(1500, 200, "document tokens"),
+        ratios=([2, 4, 8], [4]),
+    )
     args, ratios = study.args, study.args.ratios
     tokenizer, loaded = study.tokenizer, study.loaded
 
@@ -95,15 +115,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         doc = make_doc(tokenizer, args.length, d)
         tokens = len(tokenizer.encode(doc["text"]))
         budget = None if ratio == "-" else round(tokens / int(ratio))
-        worker = harness.start_worker(study, model=loaded.name, prompt_cache_size=4)
+        worker = clients.start_worker(study, model=loaded.name, prompt_cache_size=4)
         try:
-            return {"doc": d, "arm": name, "ratio": ratio, "budget": budget, "doc_tokens": tokens,
-                    **converse(worker, tokenizer, doc, ARMS[name], budget)}  # fmt: skip
+            return {
+                "doc": d,
+                "arm": name,
+                "ratio": ratio,
+                "budget": budget,
+                "doc_tokens": tokens,
+                **converse(worker, tokenizer, doc, ARMS[name], budget),
+            }
         finally:
             worker.stop()
 
-    todo = [(d, name, str(r)) for d in range(args.docs) for name, arm in ARMS.items()
-            for r in (["-"] if arm.method == "full" else ratios)]  # fmt: skip
+    todo = [
+        (d, name, str(r))
+        for d in range(args.docs)
+        for name, arm in ARMS.items()
+        for r in (["-"] if arm.method == "full" else ratios)
+    ]
     records = study.logged(("doc", "arm", "ratio"), todo, measure, "conversations")
     correct: dict[str, dict[str, list[bool]]] = {}
     for rec in records:
@@ -111,15 +141,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     accuracy = {a: {r: float(np.mean(v)) for r, v in by.items()} for a, by in correct.items()}
     style = lambda arm: {"color": color(arm.partition("/")[0]), "label": arm_label(arm)}  # noqa: E731
     title = f"{study.identity['path']}: questions in later turns"
-    return study.save({"data": {"documents": args.docs, "document_tokens": args.length,
-                                "facts": FACTS,
-                                "scoring": "first number of the greedy answer equals the city's"},
-                       "ratios": ratios, "arms": list(ARMS),
-                       "budget_rule": "budget = round(document tokens / ratio), recent = budget/4",
-                       "every_later_turn_reused": all(all(c > 0 for c in r["cached"][1:])
-                                                      for r in records),
-                       "accuracy": accuracy, "records": records,
-                       "plots": [accuracy_plot(accuracy, ratios, args.out, STUDY, title, style)]})  # fmt: skip
+    return study.save(
+        {
+            "data": {
+                "documents": args.docs,
+                "document_tokens": args.length,
+                "facts": FACTS,
+                "scoring": "first number of the greedy answer equals the city's",
+            },
+            "ratios": ratios,
+            "arms": list(ARMS),
+            "budget_rule": "budget = round(document tokens / ratio), recent = budget/4",
+            "every_later_turn_reused": all(all(c > 0 for c in r["cached"][1:]) for r in records),
+            "accuracy": accuracy,
+            "records": records,
+            "plots": [accuracy_plot(accuracy, ratios, args.out, STUDY, title, style)],
+        }
+    )
 
 
 def render(d: dict[str, Any]) -> list[str]:

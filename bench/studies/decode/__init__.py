@@ -1,0 +1,2 @@
+"""decode: the decode step, one module per ``--mode``: ``step`` (``decode.py``), ``batch``,
+``refine``, ``profile`` and ``bandwidth``."""
