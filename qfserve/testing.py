@@ -160,8 +160,17 @@ def stop_all(servers: Sequence[ServerProcess], timeout: float = 30.0) -> list[in
 def _command(kind: str, console_script: bool, log_level: str | None) -> list[str]:
     threads = str(os.cpu_count() or 1)
     if kind == "llama_cpp":  # its own defaults but the threads: every core, as ours
-        return [LLAMA_PYTHON, "-m", "llama_cpp.server", "--n_ctx", "0", "--n_threads", threads,
-                "--n_threads_batch", threads]  # fmt: skip
+        return [
+            LLAMA_PYTHON,
+            "-m",
+            "llama_cpp.server",
+            "--n_ctx",
+            "0",
+            "--n_threads",
+            threads,
+            "--n_threads_batch",
+            threads,
+        ]
     if kind == "llama_server":  # flags (-c, -np) follow; every core, as ours
         binary = llama_tool("llama-server")
         if binary is None:
@@ -253,11 +262,20 @@ def launch_ranks(
     base = dict(os.environ if env is None else env)
     base.setdefault("OPENBLAS_NUM_THREADS", str(rank_threads(size)))
     return [
-        launch("qfserve", model, *flags, log=logs / f"rank{rank}.log",
-               env={**base, **(rank_env or {}).get(rank, {}), "MLX_RANK": str(rank),
-                    "MLX_HOSTFILE": str(hostfile)})
+        launch(
+            "qfserve",
+            model,
+            *flags,
+            log=logs / f"rank{rank}.log",
+            env={
+                **base,
+                **(rank_env or {}).get(rank, {}),
+                "MLX_RANK": str(rank),
+                "MLX_HOSTFILE": str(hostfile),
+            },
+        )
         for rank in range(size)
-    ]  # fmt: skip
+    ]
 
 
 def wait_ready(server: ServerProcess, timeout: float = 120.0) -> None:

@@ -69,8 +69,11 @@ def compat_table() -> str:
     extensions."""
     rows = ["| parameter | fate | what happens |", "| --- | --- | --- |"]
     only_completions = {k: v for k, v in COMPLETION_FATES.items() if CHAT_FATES.get(k) != v}
-    for fates, suffix in ((CHAT_FATES, ""), (only_completions, " (completions)"),
-                          (EXTENSION_FATES, "")):  # fmt: skip
+    for fates, suffix in (
+        (CHAT_FATES, ""),
+        (only_completions, " (completions)"),
+        (EXTENSION_FATES, ""),
+    ):
         for name, (fate, what) in fates.items():
             label = name if name.endswith(")") else name + suffix
             rows.append(f"| `{label}` | {fate} | {what.replace('|', chr(92) + '|')} |")

@@ -173,9 +173,11 @@ class Generation:
                 )
                 # Each format pairs its own choice model with its body model.
                 body = self.fmt.body(
-                    **self._envelope(chunk=False), choices=[choice],  # type: ignore[list-item]
-                    usage=usage(event), kv_cache=kv_cache(event),
-                )  # fmt: skip
+                    **self._envelope(chunk=False),
+                    choices=[choice],  # type: ignore[list-item]
+                    usage=usage(event),
+                    kv_cache=kv_cache(event),
+                )
                 return Response(dump(body), media_type="application/json")
             elif isinstance(event, Failed):
                 self._count("error")
@@ -229,7 +231,7 @@ class Generation:
                                 choices=[],
                                 usage=usage(event),
                                 kv_cache=kv_cache(event),
-                            )  # fmt: skip
+                            )
                         )
                     done = True
                     yield "[DONE]"

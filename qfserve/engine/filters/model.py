@@ -51,9 +51,13 @@ class ModelFilters:
     """
 
     def __init__(
-        self, loaded: LoadedModel, *, self_calibration: str = DEFAULT_SELF_CALIBRATION,
-        traffic_samples: int | None = None, traffic_prompts: int | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        loaded: LoadedModel,
+        *,
+        self_calibration: str = DEFAULT_SELF_CALIBRATION,
+        traffic_samples: int | None = None,
+        traffic_prompts: int | None = None,
+    ) -> None:
         check_mode(self_calibration)
         self.loaded = loaded
         self.self_calibration = self_calibration
@@ -120,8 +124,11 @@ class ModelFilters:
         if self._traffic is not None:
             self._traffic.stop()
             self._traffic = None
-            logger.warning("over %d ranks Q-Filters are not learned from traffic: calibrate "
-                           "the model (qfserve calibrate) for them", size)  # fmt: skip
+            logger.warning(
+                "over %d ranks Q-Filters are not learned from traffic: calibrate "
+                "the model (qfserve calibrate) for them",
+                size,
+            )
         for name in ("filters", "query_scale"):
             full = getattr(self, name)
             if full is not None:
@@ -151,8 +158,9 @@ class ModelFilters:
         self._traffic = None
         if filters is not None:
             self.filters, self.query_scale, self.source = filters, scale, source
-            logger.info("Q-Filters for %s: calibrated from traffic (%s)", self.loaded.model_id,
-                        path)  # fmt: skip
+            logger.info(
+                "Q-Filters for %s: calibrated from traffic (%s)", self.loaded.model_id, path
+            )
 
     def _start_learning(self, samples: int | None, prompts: int | None) -> None:
         from qfserve.engine.filters.traffic import TrafficCalibration

@@ -131,8 +131,11 @@ def install_head_masks(model: nn.Module) -> None:
         ValueError: the model's attention does not go through mlx-lm's
             ``scaled_dot_product_attention``, so ragged caches cannot be masked.
     """
-    modules = {type(layer.self_attn).__module__ for layer in getattr(model, "layers", [])
-               if hasattr(layer, "self_attn")}  # fmt: skip
+    modules = {
+        type(layer.self_attn).__module__
+        for layer in getattr(model, "layers", [])
+        if hasattr(layer, "self_attn")
+    }
     if not modules:
         raise ValueError("head-adaptive budgets need a model whose layers have self_attn")
     for name in modules:

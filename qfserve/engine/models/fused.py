@@ -82,9 +82,16 @@ def _parts(block: Any, kernel: ModuleType) -> _Parts | None:
         return None
     q, k, v, o, gate, up, down = cast(list[list[mx.array]], projections)
     (w1, eps1), (w2, eps2) = cast(tuple[tuple[mx.array, float], ...], norms)
-    return _Parts(kernel, attn.rope, (q, k, v), (o, gate, up, down),
-                  (w1, eps1, w2, eps2), (attn.n_heads, attn.n_kv_heads), attn.scale,
-                  module)  # fmt: skip
+    return _Parts(
+        kernel,
+        attn.rope,
+        (q, k, v),
+        (o, gate, up, down),
+        (w1, eps1, w2, eps2),
+        (attn.n_heads, attn.n_kv_heads),
+        attn.scale,
+        module,
+    )
 
 
 class _FusedBlock:
@@ -106,17 +113,26 @@ class _FusedBlock:
             return cast(mx.array, super().__call__(x, mask, cache))  # type: ignore[misc]
         rope = p.rope.plain
         q, k, v = p.kernel.decode_qkv(
-            x, *p.qkv, p.rope.inv_freqs, offset_array(cache.offset), *p.heads, rope.dims,
-            traditional=rope.traditional, scale=rope.scale, norm=p.norms[0], eps=p.norms[1],
-        )  # fmt: skip
+            x,
+            *p.qkv,
+            p.rope.inv_freqs,
+            offset_array(cache.offset),
+            *p.heads,
+            rope.dims,
+            traditional=rope.traditional,
+            scale=rope.scale,
+            norm=p.norms[0],
+            eps=p.norms[1],
+        )
         keys, values = cache.update_and_fetch(k, v)
         # Looked up at each call: the attention hook (qfserve.engine.kv.attention) wraps it.
         out = p.attention.scaled_dot_product_attention(
             q, keys, values, cache=cache, scale=p.scale, mask=mask
         )
         o, gate, up, down = p.tail
-        return cast(mx.array, p.kernel.decode_tail(out, x, o, p.norms[2], p.norms[3],
-                                                   gate, up, down))  # fmt: skip
+        return cast(
+            mx.array, p.kernel.decode_tail(out, x, o, p.norms[2], p.norms[3], gate, up, down)
+        )
 
 
 _KNOWN = (llama.TransformerBlock,)

@@ -203,6 +203,9 @@ def remove(model: nn.Module) -> int:
 
 def _mlp_modules(model: nn.Module) -> list[ModuleType]:
     """The Python modules that define ``model``'s MLP blocks (they call ``swiglu`` by name)."""
-    names = {type(layer.mlp).__module__ for layer in getattr(model, "layers", [])
-             if hasattr(layer, "mlp")}  # fmt: skip
+    names = {
+        type(layer.mlp).__module__
+        for layer in getattr(model, "layers", [])
+        if hasattr(layer, "mlp")
+    }
     return [sys.modules[n] for n in sorted(names) if n in sys.modules]

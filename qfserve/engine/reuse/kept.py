@@ -154,9 +154,13 @@ class KeptCaches:
     """
 
     def __init__(
-        self, size: int, max_bytes: int, folder: Path | None, fingerprint: str,
+        self,
+        size: int,
+        max_bytes: int,
+        folder: Path | None,
+        fingerprint: str,
         fresh: Callable[[CacheConfig], list[Any]],
-    ) -> None:  # fmt: skip
+    ) -> None:
         from qfserve.engine.reuse import disk as persist
 
         self.cache = PromptCache(size, max_bytes)
@@ -207,9 +211,12 @@ class KeptCaches:
     def _publish(self) -> None:
         cache = self.cache
         self.view = {
-            "enabled": True, "entries": cache.entries(), "bytes": cache.nbytes,
-            "hits": cache.hits, "misses": cache.misses,
-        }  # fmt: skip
+            "enabled": True,
+            "entries": cache.entries(),
+            "bytes": cache.nbytes,
+            "hits": cache.hits,
+            "misses": cache.misses,
+        }
 
 
 def _settings(key: tuple[Any, ...]) -> dict[str, Any]:

@@ -81,8 +81,10 @@ class Watch:
                 conn.settimeout(None)
                 self._ranks[conn] = int.from_bytes(conn.recv(4) or b"\0", "big")
         except OSError as exc:  # a timeout: some follower never connected
-            self._on_lost(f"{self._followers - len(self._ranks)} of {size} ranks never "
-                          f"connected to rank 0 ({exc})")  # fmt: skip
+            self._on_lost(
+                f"{self._followers - len(self._ranks)} of {size} ranks never "
+                f"connected to rank 0 ({exc})"
+            )
             return
         finally:
             self._server.close()

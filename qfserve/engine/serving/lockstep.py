@@ -126,8 +126,11 @@ class Lockstep:
         digest = (
             "none" if filters is None else hashlib.sha1(np.array(filters).tobytes()).hexdigest()
         )
-        agreed = {"weights": calibration.fingerprint, "settings": settings,
-                  "filters": f"{calibration.source} {digest}"}  # fmt: skip
+        agreed = {
+            "weights": calibration.fingerprint,
+            "settings": settings,
+            "filters": f"{calibration.source} {digest}",
+        }
         # The filters were resolved (and checked) against the whole model: split them too.
         calibration.shard(group.rank(), group.size())
         shard(loaded, group)
