@@ -18,12 +18,12 @@ from mlx_lm.sample_utils import make_sampler
 
 from qfserve.calibrations.model_info import model_fingerprint
 from qfserve.engine.filters.artifact import resolve_calibration
+from qfserve.engine.kv.batch import PackedBatch
 from qfserve.engine.kv.config import CacheConfig
 from qfserve.engine.kv.factory import make_caches
 from qfserve.engine.kv.kvzip import RepeatPrompt, compress
 from qfserve.engine.models.loading import default_model_path, load_model
 from qfserve.engine.serving.config import DEFAULT_PREFILL_CHUNK
-from qfserve.engine.serving.packed import PackedBatch
 from qfserve.engine.text.requests import Delta, Failed, Finished, GenerationRequest, SamplingParams
 from tests.workers import final_event, serving, worker_for
 
@@ -39,7 +39,7 @@ SETTINGS = [  # method, budget, recent, budget_mode: every kind of cache in one 
     CacheConfig(method="snapkv", budget=88, recent=16),  # row of the batch's queries
     CacheConfig(method="kvzip", budget=72, recent=8),  # reconstructs its prompt first
 ]
-PACKED = [  # only caches the batch packs into shared arrays (qfserve.engine.serving.packed); the first (89
+PACKED = [  # only caches the batch packs into shared arrays (qfserve.engine.kv.batch.packed); the first (89
     CacheConfig(method="qfilters", budget=100, recent=8),  # tokens) fills while decoding
     CacheConfig(method="full"),
     CacheConfig(method="streaming", budget=48, recent=0, n_sink=4),

@@ -196,10 +196,10 @@ def test_the_native_step_keeps_the_rows_mlx_keeps(method, chunk):
     (growing, then at the budget; chunked caches with their per-token scores): with the
     native eviction step, the same tokens, rows and positions as with MLX's."""
     from qfserve.engine.kv import attention
+    from qfserve.engine.kv.batch import BatchCache
     from qfserve.engine.kv.config import CacheConfig
     from qfserve.engine.kv.factory import make_caches
     from qfserve.engine.models.gguf.convert import cache_root
-    from qfserve.engine.serving.batch import BatchCache
     from qfserve.kernels import native
     from tests.tiny import make_tiny_model
 

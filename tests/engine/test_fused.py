@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
 
+from qfserve.engine.kv.batch import BatchCache
 from qfserve.engine.kv.config import CacheConfig
 from qfserve.engine.kv.factory import make_caches
 from qfserve.engine.models import fused
 from qfserve.engine.models.quantized import detach
-from qfserve.engine.serving.batch import BatchCache
 from tests.gguf_files import load_converted_tiny
 from tests.kernels.conftest import _buildable
 

@@ -117,7 +117,7 @@ def test_buffers_grow_by_steps_not_to_a_large_budget():
 def test_replacing_the_rows_lets_go_of_the_buffers():
     """A trim, a restore or a packed batch lending the rows drops the growth buffers: they
     are neither held nor counted after it."""
-    from qfserve.engine.serving.lent import Lent
+    from qfserve.engine.kv.batch import Lent
 
     cache = make("qfilters", 1, True)
     for row in rows(8, 10):

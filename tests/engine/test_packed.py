@@ -2,7 +2,7 @@
 
 Twin sets of caches receive the same prefill and the same decode rows: one set steps alone
 (each cache's own ``update_and_fetch``, the reference), the other through
-:class:`qfserve.engine.serving.batch.BatchCache`, which packs them (:mod:`qfserve.engine.serving.packed`). Every step's
+:class:`qfserve.engine.kv.batch.BatchCache`, which packs them (:mod:`qfserve.engine.kv.batch.packed`). Every step's
 returned rows, and every member's state once given back, must be identical: same slots,
 same scores, same victims, same counters.
 """
@@ -13,11 +13,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from qfserve.engine.kv.batch import BatchCache, Lent, PackedBatch, can_pack
 from qfserve.engine.kv.cache import EvictionCache, FullKVCache
 from qfserve.engine.kv.scorers import KeySVDScorer, KNormScorer, QFilterScorer, RecencyScorer
-from qfserve.engine.serving.batch import BatchCache
-from qfserve.engine.serving.lent import Lent
-from qfserve.engine.serving.packed import PackedBatch, can_pack
 
 H, D = 2, 8
 
@@ -228,7 +226,9 @@ def test_a_huge_budget_reserves_only_what_its_rows_need():
     k, _ = batch.update_and_fetch(*rows(np.random.default_rng(0), 3))
     packed = batch._packed
     assert packed is not None and packed.keys.shape[2] == 256  # one growth step, not 10**12
-    assert k.shape[2] == max(packed.held) < 256  # attention reads only the slots held
+    assert (
+        k.shape[2] == max(r.held for r in packed.rows) < 256
+    )  # attention reads only the slots held
 
 
 @pytest.mark.parametrize("chunk", [1, 4])
@@ -249,7 +249,7 @@ def test_a_growing_batch_evaluates_each_step_with_the_next(chunk):
         new = mx.random.normal((1, H, 1, D))
         mx.eval(batch.update_and_fetch(new, new))
     packed = batch._packed
-    assert packed is not None and packed.held[0] < packed.caps[0]  # still growing
+    assert packed is not None and packed.rows[0].held < packed.rows[0].cap  # still growing
     with tempfile.NamedTemporaryFile(suffix=".dot") as f:
         mx.export_to_dot(f.name, packed.scores, packed.order)
         ops = re.findall(r'label ="?([A-Za-z]+)', Path(f.name).read_text())

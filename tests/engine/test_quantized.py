@@ -14,6 +14,7 @@ from gguf import GGMLQuantizationType
 from mlx_lm.generate import generate_step
 
 from qfserve.engine.kv import attention
+from qfserve.engine.kv.batch import BatchCache
 from qfserve.engine.kv.config import METHODS, CacheConfig
 from qfserve.engine.kv.factory import make_caches
 from qfserve.engine.kv.kvzip import RepeatPrompt, compress
@@ -26,7 +27,6 @@ from qfserve.engine.models.quantized import (
     detach,
     weight_bytes,
 )
-from qfserve.engine.serving.batch import BatchCache
 from tests.gguf_files import load_converted_tiny
 from tests.kernels.conftest import _buildable
 

@@ -17,7 +17,7 @@ import mlx.core as mx
 @dataclass(frozen=True)
 class ScoreForm:
     """A scorer's per-row score as one of the few operations a packed decode step batches
-    over many requests (:mod:`qfserve.engine.serving.packed`), giving each member the score
+    over many requests (:mod:`qfserve.engine.kv.batch.packed`), giving each member the score
     its own :meth:`Scorer.score` would: ``project`` (``keys . direction``, times ``scale``
     where given), ``norm`` (minus the key's L2 norm) or ``position`` (its absolute position).
     """

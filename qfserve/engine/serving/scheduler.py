@@ -10,7 +10,7 @@ chunk's tokens at most, and each joins the batch when its prompt is done.
 
 Decoding reuses mlx-lm's ``GenerationBatch`` (per-request samplers, logits processors, EOS
 matching and ``max_tokens``; ``filter``/``extend`` as requests leave and join) over
-:class:`qfserve.engine.serving.batch.BatchCache`, which keeps each request's own eviction caches. Prompts are
+:class:`qfserve.engine.kv.batch.BatchCache`, which keeps each request's own eviction caches. Prompts are
 prefilled here, one request at a time on its own caches, rather than by mlx-lm's
 ``PromptProcessingBatch``: that one right-pads a batch of prompts into shared batch caches
 and rolls the padding away afterwards (``prepare``/``finalize``), which an eviction cache
@@ -32,8 +32,8 @@ import mlx.core as mx
 from mlx_lm.generate import GenerationBatch, generation_stream, make_stop_sequences
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
+from qfserve.engine.kv.batch import BatchCache
 from qfserve.engine.models.memory import release_memory
-from qfserve.engine.serving.batch import BatchCache
 from qfserve.engine.serving.jobs import Departure, KeptTurn
 from qfserve.engine.text.prompts import StopText, token_logprobs
 from qfserve.engine.text.requests import Delta, Failed, Finished, FinishReason

@@ -69,7 +69,7 @@ def check_split_defaults(config: EngineConfig, ranks: int) -> None:
         raise ShardingError(
             f"--kv-method {config.kv_method} shares rows across layers and heads by default "
             f"(budget mode {mode}), which are split over {ranks} ranks: serve another default "
-            f"method (requests may still send {config.kv_method} with qfilters_budget_mode "
+            f"method (requests may still send {config.kv_method} with budget mode "
             "'per_head')"
         )
 

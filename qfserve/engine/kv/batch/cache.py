@@ -15,7 +15,7 @@ That general path costs a copy of the batch's kept rows per layer and step (the 
 and some twenty small MLX operations per member; on a CPU their dispatch, not the bytes,
 is what grows with the batch. So while every member is a cache whose decode step it knows
 (eviction caches whose score it knows, chunked or not, and full caches), the batch
-holds their rows in one set of arrays (:class:`qfserve.engine.serving.packed.PackedBatch`) and steps them
+holds their rows in one set of arrays (:class:`qfserve.engine.kv.batch.PackedBatch`) and steps them
 with the same few operations whatever its size. Members leave and join it there (a gather
 or a concatenation per array); a member that cannot be packed joining makes every member
 take its rows back and the batch step each on its own.
@@ -30,16 +30,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from qfserve.engine.serving.packed import PackedBatch, can_pack
-
-
-def _pad_rows(x: mx.array, n: int) -> mx.array:
-    """Append ``n`` zero rows along the sequence axis (axis 2)."""
-    if n == 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[2] = (0, n)
-    return mx.pad(x, widths)
+from qfserve.engine.kv.batch.packed import PackedBatch, can_pack, pad_slots
 
 
 class BatchCache:
@@ -84,7 +75,7 @@ class BatchCache:
         if self._packed is not None:
             k, v, self.head_mask = self._packed.step(keys, values)
             return k, v
-        outs = []
+        outs: list[tuple[mx.array, mx.array]] = []
         for i, m in enumerate(self.members):
             tap = getattr(getattr(m, "scorer", None), "tap", None)
             if tap is not None:  # a scorer that reads queries sees its own request's row
@@ -103,11 +94,10 @@ class BatchCache:
             )
         ks, vs, hms = [], [], []
         for (k, v), hm in zip(outs, masks, strict=True):
-            pad = S - k.shape[2]
             real = mx.ones(k.shape[:3], dtype=mx.bool_) if hm is None else hm
-            ks.append(_pad_rows(k, pad))
-            vs.append(_pad_rows(v, pad))
-            hms.append(_pad_rows(real, pad))
+            ks.append(pad_slots(k, S))
+            vs.append(pad_slots(v, S))
+            hms.append(pad_slots(real, S))
         self.head_mask = mx.concatenate(hms, axis=0)
         return mx.concatenate(ks, axis=0), mx.concatenate(vs, axis=0)
 

@@ -1,6 +1,6 @@
 """The decode step of a whole batch in one set of arrays: :class:`PackedBatch`.
 
-Stepping every member's own cache (:class:`qfserve.engine.serving.batch.BatchCache`'s general
+Stepping every member's own cache (:class:`qfserve.engine.kv.batch.BatchCache`'s general
 path) costs about twenty small MLX operations per member, layer and step, and on a CPU their
 dispatch outweighs the step's arithmetic. Here the members' rows live in one right-padded set
 of arrays while the membership holds still, and a step is one call whatever the batch size
@@ -23,15 +23,16 @@ and mlx-lm's ``KVCache`` (our ``FullKVCache``); any other batch steps each membe
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
+from qfserve.engine.kv.batch.lent import Lent
 from qfserve.engine.kv.cache import EvictionCache, FullKVCache
 from qfserve.engine.kv.evict import chunk_scores, select_victim, write_and_select
 from qfserve.engine.kv.scorers import ScoreForm
-from qfserve.engine.serving.lent import Lent
 
 _INF = float("inf")
 _STEP = 256  # slots added at a time when a growing member needs more (as mlx-lm's KVCache)
@@ -60,7 +61,7 @@ def _arrays(cache: Any) -> list[mx.array]:
     return [a for a in (getattr(cache, n, None) for n in names) if isinstance(a, mx.array)]
 
 
-def _pad(x: mx.array, rows: int) -> mx.array:
+def pad_slots(x: mx.array, rows: int) -> mx.array:
     """Zero rows appended along the slot axis (axis 2) up to ``rows``."""
     if x.shape[2] == rows:
         return x
@@ -69,88 +70,80 @@ def _pad(x: mx.array, rows: int) -> mx.array:
     return mx.pad(x, widths)
 
 
+@dataclass
+class _Member:
+    """What the packed step keeps of one member beside the shared arrays."""
+
+    cache: Any
+    cap: float  # slots it holds at most: budget + 1 where it evicts, else unbounded
+    held: int  # slots in use
+    offset: int  # its next position
+    chunk: int  # 1, or the chunk its stored rows rank by at the budget
+    form: ScoreForm | None  # its scorer's batched form; None: it scores nothing
+
+    @property
+    def evicts(self) -> bool:
+        return self.cap != _INF
+
+    def needed(self) -> int:
+        """Slots it needs for its next row: room to grow by whole steps, up to its
+        ``budget + 1`` (a large budget on a short request reserves nothing it does not use)."""
+        grown = -(-(self.held + 1) // _STEP) * _STEP
+        return int(min(self.cap, grown))
+
+
 class PackedBatch:
-    """One layer's caches of a decode batch, held in shared arrays (see the module doc)."""
+    """One layer's caches of a decode batch, held in shared arrays (see the module doc).
+
+    ``rows`` keeps one :class:`_Member` per member, in batch order, beside the arrays.
+    """
 
     def __init__(self, members: list[Any]) -> None:
         if not members or not all(can_pack(m) for m in members):
             raise ValueError("every member must be a packable cache (see can_pack)")
-        self.members = list(members)  # its own list: the batch cache keeps another
-        self.caps: list[float] = []  # slots an evicting member holds at most (budget + 1)
-        self.held: list[int] = []
-        self.offsets: list[int] = [m.offset for m in members]
-        self.chunks: list[int] = [getattr(m, "chunk", 1) for m in members]
+        self.rows: list[_Member] = []
         keys: list[Any] = []
         values: list[Any] = []
         scores: list[Any] = []
         order: list[Any] = []
         free: list[Any] = []
         tokens: list[Any] = []  # per-token scores (the ranks but for chunked members)
-        forms: list[ScoreForm | None] = []  # None: a member that scores nothing
-        m: Any
         for m in members:
-            k, v = m.keys, m.values
-            _, H, rows, _ = k.shape
-            if isinstance(m, EvictionCache):
-                cap: float = m.budget + 1
-                s = m.scores
-                t = s if m.chunk == 1 else m.token_scores
-                if m.free is not None:  # slot layout: every slot is held, one is free
-                    o, f = m.order, m.free
-                elif m.chunk > 1:  # temporal order; chunks need the true positions
-                    o, f = m.positions, mx.full((1, H, 1), rows, dtype=mx.uint32)
-                else:  # temporal order: ranks in time as the slot layout would give them
-                    o = mx.broadcast_to(mx.arange(m.offset - rows, m.offset, dtype=mx.int32),
-                                        (1, H, rows))  # fmt: skip
-                    f = mx.full((1, H, 1), rows, dtype=mx.uint32)
-                form = m.scorer.form()
-                assert form is not None  # can_pack checked it
-                forms.append(form)
-            else:  # a full cache: grows, never evicts
-                cap = _INF
-                rows = m.offset
-                k, v = k[..., :rows, :], v[..., :rows, :]
-                s = t = mx.zeros((1, H, rows), dtype=mx.float32)
-                o = mx.zeros((1, H, rows), dtype=mx.int32)
-                f = mx.full((1, H, 1), rows, dtype=mx.uint32)
-                forms.append(None)
-            self.caps.append(cap)
-            self.held.append(rows)
-            keys.append(k)
-            values.append(v)
-            scores.append(s)
-            order.append(o)
-            free.append(f)
-            tokens.append(t)
-        C = max(self._needed(i) for i in range(len(members)))
-        self.keys = mx.concatenate([_pad(x, C) for x in keys])  # (B, H, C, D)
-        self.values = mx.concatenate([_pad(x, C) for x in values])  # (B, H, C, Dv)
-        self.scores = mx.concatenate([_pad(x, C) for x in scores])  # (B, H, C) raw
-        self.order = mx.concatenate([_pad(x, C) for x in order])  # (B, H, C) int32
+            member, arrays = _taken(m)
+            self.rows.append(member)
+            for out, array in zip((keys, values, scores, order, free, tokens), arrays, strict=True):
+                out.append(array)
+        C = max(r.needed() for r in self.rows)
+        self.keys = mx.concatenate([pad_slots(x, C) for x in keys])  # (B, H, C, D)
+        self.values = mx.concatenate([pad_slots(x, C) for x in values])  # (B, H, C, Dv)
+        self.scores = mx.concatenate([pad_slots(x, C) for x in scores])  # (B, H, C) raw
+        self.order = mx.concatenate([pad_slots(x, C) for x in order])  # (B, H, C) int32
         self.free = mx.concatenate(free)  # (B, H, 1) uint32: where each next row goes
         self.token_scores = None  # (B, H, C) raw per-token scores, with chunked members only
-        if any(c > 1 for c in self.chunks):
-            self.token_scores = mx.concatenate([_pad(x, C) for x in tokens])
-        self.forms = forms
+        if self._chunked:
+            self.token_scores = mx.concatenate([pad_slots(x, C) for x in tokens])
         self.detached: set[int] = set()  # members already given their rows (extract)
         self._set_members()
-        for i in range(len(members)):
-            self._lend(i)
+        for r in self.rows:
+            self._lend(r)
+
+    @property
+    def members(self) -> list[Any]:
+        """The members' caches, in batch order."""
+        return [r.cache for r in self.rows]
+
+    @property
+    def _chunked(self) -> bool:
+        return any(r.chunk > 1 for r in self.rows)
 
     def _set_members(self) -> None:
-        """The per-member constants of the step, from the member lists."""
-        self._set_scoring(self.forms)
-        rows = [[getattr(m, name, 0) for m in self.members] for name in ("n_sink", "recent")]
-        self.n_sink = mx.array(rows[0], mx.int32)[:, None, None]
-        self.recent = mx.array(rows[1], mx.int32)[:, None, None]
-        caps = [min(c, _MAX_SLOTS) for c in self.caps]  # a full cache never evicts
+        """The per-member constants of the step, from the member records."""
+        self._set_scoring([r.form for r in self.rows])
+        caches = self.members
+        self.n_sink = mx.array([getattr(m, "n_sink", 0) for m in caches], mx.int32)[:, None, None]
+        self.recent = mx.array([getattr(m, "recent", 0) for m in caches], mx.int32)[:, None, None]
+        caps = [min(r.cap, _MAX_SLOTS) for r in self.rows]  # a full cache never evicts
         self.cap_slots = mx.array(caps, mx.int32)[:, None, None]
-
-    def _needed(self, i: int) -> int:
-        """Slots member ``i`` needs for its next row: room to grow by whole steps, up to its
-        ``budget + 1`` (a large budget on a short request reserves nothing it does not use)."""
-        grown = -(-(self.held[i] + 1) // _STEP) * _STEP
-        return int(min(self.caps[i], grown))
 
     def _set_scoring(self, forms: list[ScoreForm | None]) -> None:
         kinds = [_NONE if f is None else f.kind for f in forms]
@@ -161,8 +154,10 @@ class PackedBatch:
         if "project" in self.kinds:
             H, D = self.keys.shape[1], self.keys.shape[3]
             zero, one = mx.zeros((H, D), dtype=mx.float32), mx.ones((H, 1), dtype=mx.float32)
-            dirs = [zero if f is None or f.direction is None else f.direction.reshape(H, D)
-                    for f in forms]  # fmt: skip
+            dirs = [
+                zero if f is None or f.direction is None else f.direction.reshape(H, D)
+                for f in forms
+            ]
             scaled = any(f is not None and f.scale is not None for f in forms)
             scales = mx.stack([one if f is None or f.scale is None else f.scale for f in forms])
             self.projection = ScoreForm("project", mx.stack(dirs), scales if scaled else None)
@@ -197,26 +192,25 @@ class PackedBatch:
         """
         if self.detached:
             raise ValueError("a member was given its rows back: filter the batch first")
-        B = len(self.members)
-        C = max(self._needed(i) for i in range(B))
+        C = max(r.needed() for r in self.rows)
         if C > self.keys.shape[2]:  # a growing member needs more slots
-            self.keys, self.values = _pad(self.keys, C), _pad(self.values, C)
-            self.scores, self.order = _pad(self.scores, C), _pad(self.order, C)
+            self.keys, self.values = pad_slots(self.keys, C), pad_slots(self.values, C)
+            self.scores, self.order = pad_slots(self.scores, C), pad_slots(self.order, C)
             if self.token_scores is not None:
-                self.token_scores = _pad(self.token_scores, C)
+                self.token_scores = pad_slots(self.token_scores, C)
         C = self.keys.shape[2]
-        positions = mx.array(self.offsets, dtype=mx.int32)[:, None, None]  # (B, 1, 1)
-        held = [int(min(h + 1, c)) for h, c in zip(self.held, self.caps, strict=True)]
+        offsets = [r.offset for r in self.rows]
+        positions = mx.array(offsets, dtype=mx.int32)[:, None, None]  # (B, 1, 1)
+        held = [int(min(r.held + 1, r.cap)) for r in self.rows]
         held_now = mx.array(held, dtype=mx.int32)[:, None, None]
-        evict = [h == c for h, c in zip(held, self.caps, strict=True)]
+        evict = [h == r.cap for h, r in zip(held, self.rows, strict=True)]
         # A chunked member reaching its budget ranks its stored rows by chunk before the
         # selection (_write_and_grow); every other step is one call (native where built),
         # whose victim a member still growing does not take.
-        ranks_chunks = self.token_scores is not None and any(
-            c > 1 and n < cap == h
-            for c, n, cap, h in zip(self.chunks, self.held, self.caps, held, strict=True)
-        )
-        if not ranks_chunks:
+        reaching = [
+            r.chunk > 1 and r.held < r.cap == h for r, h in zip(self.rows, held, strict=True)
+        ]
+        if self.token_scores is None or not any(reaching):
             state = (self.keys, self.values, self.scores, self.order, self.free)
             tokens_off = self.token_scores is None
             # A projection is scored in the step, where no per-token scores need it apart.
@@ -225,22 +219,30 @@ class PackedBatch:
             first_recent = positions + 1 - self.recent
             # A growing member's next slot is its next one; the step computes it too, so each
             # step evaluates the last one's scores (kept lazy, they would chain to the end).
-            self.keys, self.values, self.scores, self.order, self.free, *tokens = write_and_select(
-                *state, row, positions, first_recent, self.n_sink, held_now, ranked=False,
-                token_scores=self.token_scores, caps=self.cap_slots,
-            )  # fmt: skip
+            out = write_and_select(
+                *state,
+                row,
+                positions,
+                first_recent,
+                self.n_sink,
+                held_now,
+                ranked=False,
+                token_scores=self.token_scores,
+                caps=self.cap_slots,
+            )
+            self.keys, self.values, self.scores, self.order, self.free, *tokens = out
             self.token_scores = tokens[0] if tokens else None
         else:
-            row = (keys, values, self._score(keys, positions))
-            self._write_and_grow(*row, positions, held, held_now, evict)
-        for i, m in enumerate(self.members):
-            m.offset += 1
-            self.offsets[i] += 1
-            if evict[i]:
-                m.evictions += 1
-            if held[i] != self.held[i]:
-                self.held[i] = held[i]
-                self._lend(i)
+            score = self._score(keys, positions)
+            self._write_and_grow(keys, values, score, positions, reaching, held_now, evict)
+        for r, now, evicted in zip(self.rows, held, evict, strict=True):
+            r.cache.offset += 1
+            r.offset += 1
+            if evicted:
+                r.cache.evictions += 1
+            if now != r.held:
+                r.held = now
+                self._lend(r)
         # Attention reads the slots some member holds, not the room grown ahead of them (a
         # growing member reserves whole steps of slots: reading them all would double the
         # width of a batch whose caches just passed a step).
@@ -250,11 +252,18 @@ class PackedBatch:
             return self.keys, self.values, mask
         return self.keys[:, :, :width], self.values[:, :, :width], mask
 
-    def _write_and_grow(self, keys: mx.array, values: mx.array, score: mx.array,
-                        positions: mx.array, held: list[int], held_now: mx.array,
-                        evict: list[bool]) -> None:  # fmt: skip
-        """A step where a chunked member reaches its budget: the writes, its stored rows
-        ranked by chunk, then the selection."""
+    def _write_and_grow(
+        self,
+        keys: mx.array,
+        values: mx.array,
+        score: mx.array,
+        positions: mx.array,
+        reaching: list[bool],
+        held_now: mx.array,
+        evict: list[bool],
+    ) -> None:
+        """A step where a chunked member reaches its budget (``reaching``): the writes, its
+        stored rows ranked by chunk, then the selection."""
         assert self.token_scores is not None
         slot, free = self.free[..., None], self.free  # (B, H, 1, 1), (B, H, 1)
         self.keys = mx.put_along_axis(self.keys, slot, keys, axis=2)
@@ -264,14 +273,14 @@ class PackedBatch:
         self.order = mx.put_along_axis(
             self.order, free, mx.broadcast_to(positions, free.shape), axis=2
         )
-        for i, n in enumerate(self.held):
-            if self.chunks[i] > 1 and n < self.caps[i] == held[i]:
+        for i, (r, ranks) in enumerate(zip(self.rows, reaching, strict=True)):
+            if ranks:
                 # Its stored rows (slots 0 .. n-1, in time) now rank by their chunk's mean;
                 # the row just written at slot n keeps its own score.
+                n = r.held
                 self.scores[i : i + 1, :, :n] = chunk_scores(
-                    self.token_scores[i : i + 1, :, :n], self.order[i : i + 1, :, :n],
-                    self.chunks[i],
-                )  # fmt: skip
+                    self.token_scores[i : i + 1, :, :n], self.order[i : i + 1, :, :n], r.chunk
+                )
         # Each row's own sinks, recent window and held slots; NaN ranks lowest.
         ranked = mx.nan_to_num(self.scores, nan=-_INF, posinf=_INF, neginf=-_INF)
         first_recent = positions + 1 - self.recent
@@ -285,21 +294,20 @@ class PackedBatch:
         grow = mx.broadcast_to(held_now.astype(mx.uint32), victim.shape)
         return grow if not any(evict) else mx.where(mx.array(evict)[:, None, None], victim, grow)
 
-    def _lend(self, i: int) -> None:
-        """Member ``i``'s arrays become placeholders of the shapes it holds now."""
-        m: Any = self.members[i]  # its arrays' annotations do not foresee a placeholder
-        held = self.held[i]
+    def _lend(self, r: _Member) -> None:
+        """A member's arrays become placeholders of the shapes it holds now."""
+        m: Any = r.cache  # its arrays' annotations do not foresee a placeholder
         _, H, _, D = self.keys.shape
-        m.keys = Lent((1, H, held, D), self.keys.dtype)
-        m.values = Lent((1, H, held, self.values.shape[3]), self.values.dtype)
-        if self.caps[i] == _INF:  # a full cache has nothing else
+        m.keys = Lent((1, H, r.held, D), self.keys.dtype)
+        m.values = Lent((1, H, r.held, self.values.shape[3]), self.values.dtype)
+        if not r.evicts:  # a full cache has nothing else
             return
-        m.scores = Lent((1, H, held), mx.float32)
-        if self.chunks[i] > 1:
-            m.token_scores = Lent((1, H, held), mx.float32)
-            m.positions = Lent((1, H, held), mx.int32)
-        if held == self.caps[i]:  # the slot layout
-            m.order = Lent((1, H, held), mx.int32)
+        m.scores = Lent((1, H, r.held), mx.float32)
+        if r.chunk > 1:
+            m.token_scores = Lent((1, H, r.held), mx.float32)
+            m.positions = Lent((1, H, r.held), mx.int32)
+        if r.held == r.cap:  # the slot layout
+            m.order = Lent((1, H, r.held), mx.int32)
             m.free = Lent((1, H, 1), mx.uint32)
 
     # Membership, mlx-lm's batch protocol: a finished member is extracted (its rows given back),
@@ -319,20 +327,18 @@ class PackedBatch:
         kept = set(keep)
         if self.detached & kept:  # checked before anyone is given their rows back
             raise ValueError("a detached member cannot stay in the batch")
-        self._give_back([i for i in range(len(self.members)) if i not in kept])
+        self._give_back([i for i in range(len(self.rows)) if i not in kept])
         if not keep:
-            self.members = []
+            self.rows = []
             return
         idx = mx.array(keep, dtype=mx.int32)
-        for name in ("caps", "held", "offsets", "chunks", "forms", "members"):
-            setattr(self, name, [getattr(self, name)[i] for i in keep])
-        C = max(self._needed(i) for i in range(len(keep)))  # what the rest need, no more
+        self.rows = [self.rows[i] for i in keep]
+        C = max(r.needed() for r in self.rows)  # what the rest need, no more
         self.keys, self.values = self.keys[idx, :, :C], self.values[idx, :, :C]
         self.scores, self.order = self.scores[idx, :, :C], self.order[idx, :, :C]
         self.free = self.free[idx]
         if self.token_scores is not None:
-            chunked = any(c > 1 for c in self.chunks)
-            self.token_scores = self.token_scores[idx, :, :C] if chunked else None
+            self.token_scores = self.token_scores[idx, :, :C] if self._chunked else None
         self.detached = set()
         self._set_members()
 
@@ -343,7 +349,7 @@ class PackedBatch:
         C = max(self.keys.shape[2], other.keys.shape[2])
 
         def join(a: mx.array, b: mx.array) -> mx.array:
-            return mx.concatenate([_pad(a, C), _pad(b, C)])
+            return mx.concatenate([pad_slots(a, C), pad_slots(b, C)])
 
         if self.token_scores is not None or other.token_scores is not None:
             mine = self.scores if self.token_scores is None else self.token_scores
@@ -352,15 +358,14 @@ class PackedBatch:
         self.keys, self.values = join(self.keys, other.keys), join(self.values, other.values)
         self.scores, self.order = join(self.scores, other.scores), join(self.order, other.order)
         self.free = mx.concatenate([self.free, other.free])
-        for name in ("caps", "held", "offsets", "chunks", "forms", "members"):
-            getattr(self, name).extend(getattr(other, name))
-        other.members = []
+        self.rows.extend(other.rows)
+        other.rows = []
         self._set_members()
 
     def release(self) -> None:
         """Give every member its rows back (copies) in the layout it would have alone."""
-        self._give_back(range(len(self.members)))
-        self.members = []
+        self._give_back(range(len(self.rows)))
+        self.rows = []
 
     def _give_back(self, which: Any) -> None:
         """Members ``which`` get their rows back (copies), as they would hold them alone.
@@ -372,21 +377,22 @@ class PackedBatch:
         for i in which:
             if i in self.detached:
                 continue
-            m = self.members[i]
+            r = self.rows[i]
+            m = r.cache
             given.append(m)
-            held = self.held[i]
+            held = r.held
 
             def rows(x: mx.array, i: int = i, held: int = held) -> mx.array:
                 return mx.contiguous(x[i : i + 1, :, :held])
 
             m.keys, m.values = rows(self.keys), rows(self.values)
-            if not isinstance(m, EvictionCache):
+            if not r.evicts:
                 continue
-            chunked = self.chunks[i] > 1
+            chunked = r.chunk > 1
             if chunked:
                 assert self.token_scores is not None
                 m.token_scores, m.positions = rows(self.token_scores), rows(self.order)
-            if held == self.caps[i]:
+            if held == r.cap:
                 m.scores = mx.nan_to_num(rows(self.scores), nan=-_INF, posinf=_INF, neginf=-_INF)
                 m.order = m.positions if chunked else rows(self.order)
                 m.free = mx.contiguous(self.free[i : i + 1])
@@ -398,3 +404,30 @@ class PackedBatch:
     def state(self) -> tuple[mx.array, ...]:
         extra = () if self.token_scores is None else (self.token_scores,)
         return self.keys, self.values, self.scores, self.order, self.free, *extra
+
+
+def _taken(m: Any) -> tuple[_Member, tuple[Any, ...]]:
+    """A member's record and its arrays in the packed layout: keys, values, ranks, order,
+    next slot and per-token scores."""
+    k, v = m.keys, m.values
+    _, H, rows, _ = k.shape
+    if not isinstance(m, EvictionCache):  # a full cache: grows, never evicts
+        rows = m.offset
+        k, v = k[..., :rows, :], v[..., :rows, :]
+        zeros = mx.zeros((1, H, rows), dtype=mx.float32)
+        order = mx.zeros((1, H, rows), dtype=mx.int32)
+        free = mx.full((1, H, 1), rows, dtype=mx.uint32)
+        return _Member(m, _INF, rows, m.offset, 1, None), (k, v, zeros, order, free, zeros)
+    s = m.scores
+    t = s if m.chunk == 1 else m.token_scores
+    if m.free is not None:  # slot layout: every slot is held, one is free
+        o, f = m.order, m.free
+    elif m.chunk > 1:  # temporal order; chunks need the true positions
+        o, f = m.positions, mx.full((1, H, 1), rows, dtype=mx.uint32)
+    else:  # temporal order: ranks in time as the slot layout would give them
+        in_time = mx.arange(m.offset - rows, m.offset, dtype=mx.int32)
+        o = mx.broadcast_to(in_time, (1, H, rows))
+        f = mx.full((1, H, 1), rows, dtype=mx.uint32)
+    form = m.scorer.form()
+    assert form is not None  # can_pack checked it
+    return _Member(m, m.budget + 1, rows, m.offset, m.chunk, form), (k, v, s, o, f, t)
