@@ -1,5 +1,6 @@
 """How a study talks to a model being served: a streamed chat request over HTTP (SSE),
-timed per chunk; the engine's in-process worker; a process's resident memory."""
+timed per chunk; a needle document's greedy completion; the engine's in-process worker; a
+process's resident memory."""
 
 from __future__ import annotations
 
@@ -78,6 +79,55 @@ def stream_chat(client: Any, url: str, body: dict[str, Any]) -> StreamTiming:
         kv,
         tuple(times),
     )
+
+
+def served_model(client: Any, url: str) -> str:
+    """The id of the model the server at ``url`` serves (``client``: httpx or a client)."""
+    return str(client.get(url + "/v1/models", timeout=30).json()["data"][0]["id"])
+
+
+def needle_answer(
+    url: str, doc: dict[str, Any], fields: dict[str, Any], timeout: float
+) -> tuple[bool, dict[str, Any], float]:
+    """A greedy ``/v1/completions`` of a needle document (:func:`bench.data.needle_doc`) with
+    the request's eviction ``fields``: whether it answered the needle's number, the response's
+    ``kv_cache`` and the seconds from sending the request."""
+    import httpx
+
+    from bench.data import first_number_is
+
+    request = {
+        "model": served_model(httpx, url),
+        "prompt": doc["prompt"],
+        "max_tokens": len(doc["answer"]) + 2,
+        "temperature": 0,
+        **fields,
+    }
+    began = time.perf_counter()
+    resp = httpx.post(f"{url}/v1/completions", json=request, timeout=timeout)
+    resp.raise_for_status()
+    out = resp.json()
+    correct = first_number_is(out["choices"][0]["text"], doc["number"])
+    return correct, out["kv_cache"], time.perf_counter() - began
+
+
+def needle_records(
+    run: Run, arms: Any, lengths: list[int], docs: int, send: Any
+) -> list[dict[str, Any]]:
+    """Each arm's record on ``docs`` needle documents per length (the needle at half depth;
+    the prompt and its answer fit the context), its fields from ``send(arm, doc)``; logged
+    as they come, so that a stopped run resumes."""
+    from bench.data import needle_doc, stdlib_prose
+
+    paragraphs = list(stdlib_prose())
+    room = run.context_length - 16  # the prompt and its answer fit (8k: 8,176 tokens at most)
+
+    def measure(arm: str, n: int, d: int) -> dict[str, Any]:
+        doc = needle_doc(run.tokenizer, paragraphs, min(n, room), 0.5, d)
+        return {"arm": arm, "length": n, "doc": d, "tokens": doc["tokens"], **send(arm, doc)}
+
+    todo = [(a, n, d) for n in lengths for d in range(docs) for a in arms]
+    return run.logged(("arm", "length", "doc"), todo, measure, "answers")
 
 
 def start_worker(run: Run, **config: Any) -> Any:

@@ -1,10 +1,13 @@
 """The text the studies read, offline and fixed for a Python version: the training package's
-evaluation split, the standard library's docstring prose, and its sources as speed prompts."""
+evaluation split, the standard library's docstring prose (and needles hidden in it), and its
+sources as speed prompts."""
 
 from __future__ import annotations
 
 import ast
 import inspect
+import random
+import re
 import sysconfig
 from functools import lru_cache
 from pathlib import Path
@@ -143,6 +146,102 @@ def prose_windows(tokenizer: Any, length: int, n: int) -> np.ndarray:
             i += 1
         windows.append(ids[:length])
     return np.asarray(windows, dtype=np.int64)
+
+
+# -- needles ----------------------------------------------------------------------------
+
+CITIES = (
+    "Lisbon",
+    "Nairobi",
+    "Osaka",
+    "Quito",
+    "Tallinn",
+    "Hanoi",
+    "Accra",
+    "Perth",
+    "Bergen",
+    "Cusco",
+    "Dakar",
+    "Tbilisi",
+    "Malmo",
+    "Recife",
+    "Gdansk",
+    "Kyoto",
+    "Tunis",
+    "Austin",
+)
+NEEDLE_INTRO = "Read the text below. A special magic number is hidden in it; remember it.\n\n"
+
+
+def prose_run(tokenizer: Any, rng: random.Random, length: int) -> list[str]:
+    """Consecutive :func:`stdlib_prose` paragraphs from a random one on, about
+    ``length`` tokens together."""
+    paragraphs = stdlib_prose()
+    chosen, start = [], rng.randrange(len(paragraphs))
+    while len(tokenizer.encode("\n\n".join(chosen))) < length:
+        chosen.append(paragraphs[(start + len(chosen)) % len(paragraphs)])
+    return chosen
+
+
+def needle_doc(
+    tokenizer: Any, paragraphs: list[str], length: int, depth: float, index: int
+) -> dict[str, Any]:
+    """A prompt of at most ``length`` tokens (a few percent under, at a sentence end) of
+    ``paragraphs`` with the needle, "The special magic number for <city> is <7 digits>.", at
+    ``depth`` of the haystack and the question at the end: ``prompt``, ``number``, ``answer``
+    (its ids), ``depth`` (where it went) and ``tokens``."""
+    rng = random.Random(f"niah-{length}-{depth}-{index}")
+    city = rng.choice(CITIES)
+    number = str(rng.randrange(1_000_000, 10_000_000))
+    needle = f"The special magic number for {city} is {number}."
+    question = (
+        f"\n\nWhat is the special magic number for {city}? The special magic number for {city} is"
+    )
+    reserve = len(tokenizer.encode(NEEDLE_INTRO + needle + question)) + 8
+    start = rng.randrange(len(paragraphs))
+
+    def build(room: int) -> tuple[list[int], float]:
+        chosen: list[str] = []
+        sizes: list[int] = []
+        while not chosen or sum(sizes) < room:
+            chosen.append(paragraphs[(start + len(chosen)) % len(paragraphs)])
+            sizes.append(len(tokenizer.encode(chosen[-1] + "\n\n")))
+        # Cut the last paragraph at a word so the haystack fits (it still ends a sentence).
+        words = chosen[-1].split()
+        while sum(sizes) > max(room, 1) and len(words) > 1:
+            words = words[: max(1, len(words) * 3 // 4)]
+            chosen[-1] = " ".join(words).rstrip(".,;:") + "."
+            sizes[-1] = len(tokenizer.encode(chosen[-1] + "\n\n"))
+        # The needle goes between paragraphs, at the boundary nearest to `depth` of the tokens.
+        cumulative = np.concatenate([[0], np.cumsum(sizes)])
+        slot = int(np.argmin(np.abs(cumulative - depth * cumulative[-1])))
+        parts = [*chosen[:slot], needle, *chosen[slot:]]
+        prompt = tokenizer.encode(NEEDLE_INTRO + "\n\n".join(parts) + question)
+        return prompt, float(cumulative[slot] / max(cumulative[-1], 1))
+
+    # Joined paragraphs tokenise differently from their sum: shrink the room by the overshoot
+    # until the prompt fits, never past the model's context.
+    room = length - reserve
+    prompt, where = build(room)
+    while len(prompt) > length and room > 1:
+        room = max(1, room - (len(prompt) - length + 4))
+        prompt, where = build(room)
+    if len(prompt) > length:
+        raise ValueError(f"length {length} is too short for the needle and question")
+    answer = tokenizer.encode(" " + number)[-len(tokenizer.encode(number)) :]
+    return {
+        "prompt": prompt,
+        "number": number,
+        "answer": answer,
+        "depth": where,
+        "tokens": len(prompt),
+    }
+
+
+def first_number_is(text: str, key: str) -> bool:
+    """Whether the first number in ``text`` is ``key``: how the needle studies score."""
+    found = re.search(r"\d+", text)
+    return bool(found and found.group() == key)
 
 
 # -- the speed studies' prompts --------------------------------------------------------

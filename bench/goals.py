@@ -48,6 +48,18 @@ def by_arm(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return {r["arm"]: r for r in rows}
 
 
+def medians(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Each arm's median in a study's ratio rows."""
+    return {r["arm"]: r["median"] for r in rows}
+
+
+def _by_length(rows: list[dict[str, Any]]) -> tuple[dict[int, dict[str, float]], ...]:
+    """Per prompt length of a ``vs`` study's rows: each arm's TTFT and tokens/s ratio."""
+    return tuple(
+        {r["prompt_tokens"]: medians(r[key]) for r in rows} for key in ("ttft_ratios", "tps_ratios")
+    )
+
+
 def grid_mean(niah: dict[str, Any], arm: str, key: str) -> float | None:
     """The needle study's exact match of ``arm`` at ``key`` (a ratio or ``-``) over its grid."""
     vals = [v for row in niah["grid"].get(arm, {}).get(key) or [] for v in row if v is not None]
@@ -167,8 +179,7 @@ def decode(folder: Path) -> tuple[str, bool]:
 @_goal
 def vs_mlx_lm(folder: Path) -> tuple[str, bool]:
     top = max(_need(folder, "vs_mlx_lm")["rows"], key=lambda r: r["prompt_tokens"])
-    tps = {r["arm"]: r["median"] for r in top["tps_ratios"]}
-    ttft = {r["arm"]: r["median"] for r in top["ttft_ratios"]}
+    tps, ttft = medians(top["tps_ratios"]), medians(top["ttft_ratios"])
     return (
         f"at {top['prompt_tokens']} prompt tokens: full TTFT {ttft['ours_full']:.2f}×, "
         f"tokens/s {tps['ours_full']:.2f}×; Q-Filters tokens/s {tps['ours_qfilters']:.2f}× "
@@ -179,9 +190,7 @@ def vs_mlx_lm(folder: Path) -> tuple[str, bool]:
 
 @_goal
 def vs_llama_cpp(folder: Path) -> tuple[str, bool]:
-    rows = sorted(_need(folder, "vs_llama_cpp")["rows"], key=lambda r: r["prompt_tokens"])
-    ttft = {r["prompt_tokens"]: {a["arm"]: a["median"] for a in r["ttft_ratios"]} for r in rows}
-    tps = {r["prompt_tokens"]: {a["arm"]: a["median"] for a in r["tps_ratios"]} for r in rows}
+    ttft, tps = _by_length(_need(folder, "vs_llama_cpp")["rows"])
     short, longest = min(tps), max(tps)
     mid = min(tps, key=lambda n: abs(n - 4096))
     evicting = [ttft[n]["ours_qfilters"] for n in ttft]
@@ -202,20 +211,18 @@ def vs_llama_cpp(folder: Path) -> tuple[str, bool]:
 
 @_goal
 def vs_llama_cpp_q4_k_m(folder: Path) -> tuple[str, bool]:
-    rows = {r["prompt_tokens"]: r for r in _need(folder / "q4_k_m", "vs_llama_cpp")["rows"]}
-    tps = {n: by_arm(r["tps_ratios"]) for n, r in rows.items()}
-    ttft = {n: by_arm(r["ttft_ratios"]) for n, r in rows.items()}
-    short, mid = min(rows), min(rows, key=lambda n: abs(n - 4096))
-    long_ = [n for n in rows if n >= 2048]
-    aa = [tps[n]["theirs_b"]["median"] for n in rows]
+    ttft, tps = _by_length(_need(folder / "q4_k_m", "vs_llama_cpp")["rows"])
+    short, mid = min(tps), min(tps, key=lambda n: abs(n - 4096))
+    long_ = [n for n in tps if n >= 2048]
+    aa = [tps[n]["theirs_b"] for n in tps]
     return (
-        f"Q-Filters tokens/s {tps[mid]['ours_qfilters']['median']:.2f}× at {mid}, "
-        f"{tps[short]['ours_qfilters']['median']:.2f}× at {short}; TTFT with Q-Filters "
-        + ", ".join(f"{ttft[n]['ours_qfilters']['median']:.2f}× at {n}" for n in sorted(long_))
+        f"Q-Filters tokens/s {tps[mid]['ours_qfilters']:.2f}× at {mid}, "
+        f"{tps[short]['ours_qfilters']:.2f}× at {short}; TTFT with Q-Filters "
+        + ", ".join(f"{ttft[n]['ours_qfilters']:.2f}× at {n}" for n in sorted(long_))
         + f" (A/A {min(aa):.2f}-{max(aa):.2f}×)",
-        tps[mid]["ours_qfilters"]["median"] >= 1
-        and tps[short]["ours_qfilters"]["median"] >= 0.8
-        and all(ttft[n]["ours_qfilters"]["median"] <= 1 for n in long_),
+        tps[mid]["ours_qfilters"] >= 1
+        and tps[short]["ours_qfilters"] >= 0.8
+        and all(ttft[n]["ours_qfilters"] <= 1 for n in long_),
     )
 
 
@@ -348,7 +355,7 @@ def traffic_calibration(folder: Path) -> tuple[str, bool | str]:
 @_goal
 def self_calibration_cost(folder: Path) -> tuple[str, bool]:
     data = _need(folder, "selfcal_prefill")
-    own, aa = (by_arm(data["ratios"])[a]["median"] for a in ("self", "calibrated_again"))
+    own, aa = (medians(data["ratios"])[a] for a in ("self", "calibrated_again"))
     return f"{data['settings']['prompt_tokens']} tokens: {own:.3f}× (A/A {aa:.3f}×)", own <= 1.10
 
 

@@ -123,3 +123,55 @@ def grouped_bars(
     ax.set_xticks(range(len(groups)), groups)
     ax.set(title=title)
     ax.legend(fontsize=8)
+
+
+def ratio_panel(
+    a: Any,
+    series: dict[str, dict[str, float]],
+    xs: list[int],
+    style: Callable[[str], dict] = lambda name: {"label": name},
+    unit: str = "x",
+) -> None:
+    """Each series' values against ``xs`` (keys ``str(x)``, log-2 axis); one without eviction
+    (key ``-``) as a dashed line across."""
+    for name, by in series.items():
+        kw = {"marker": "o", **style(name)}
+        if "-" in by:
+            a.axhline(by["-"], color="black", ls="--", label=kw["label"])
+        elif shown := [x for x in xs if str(x) in by]:
+            a.plot(shown, [by[str(x)] for x in shown], **kw)
+    a.set_xscale("log", base=2)
+    a.set_xticks(xs, [f"{x}{unit}" for x in xs])
+
+
+def accuracy_plot(
+    series: dict[str, dict[str, float]],
+    xs: list[int],
+    out: Path,
+    name: str,
+    title: str,
+    style: Callable[[str], dict] = lambda n: {"label": n},
+    unit: str = "x",
+    xlabel: str = "compression",
+) -> str:
+    """One panel of :func:`ratio_panel` for accuracies, saved as ``<out>/<name>.png``."""
+    fig, ax = subplots()
+    ratio_panel(ax[0, 0], series, xs, style, unit)
+    ax[0, 0].set(xlabel=xlabel, ylabel="accuracy", ylim=(-0.05, 1.05))
+    ax[0, 0].legend(fontsize=7)
+    return save_plot(fig, out, name, title)
+
+
+def lengths_plot(
+    results: dict[str, dict[str, Any]],
+    lengths: list[int],
+    out: Path,
+    name: str,
+    title: str,
+    colours: dict[str, str],
+) -> str:
+    """Each arm's accuracy (``results[arm][str(length)]["accuracy"]``) against prompt tokens,
+    in its colour: :func:`accuracy_plot` of the needle through a server."""
+    series = {arm: {n: v["accuracy"] for n, v in by.items()} for arm, by in results.items()}
+    style = lambda arm: {"color": colours[arm], "label": arm}  # noqa: E731
+    return accuracy_plot(series, lengths, out, name, title, style, "", "prompt tokens")

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.cli import RESULTS_DIR, MiB
-from bench.goals import by_arm, grid_mean, has_results, load, render_goals
+from bench.goals import by_arm, grid_mean, has_results, load, medians, render_goals
 from bench.studies import STUDIES, owner
 
 PAGE = Path(__file__).resolve().parent / "RESULTS.md"
@@ -106,6 +106,20 @@ def pct(x: Any) -> str:
 def table(headers: list[str], rows: list[list[Any]]) -> list[str]:
     out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     return out + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+
+
+def ratio_table(first: str, ratios: list[int], rows: dict[str, Any], cell: Any) -> list[str]:
+    """A table with a row per entry of ``rows`` and a column per ratio: ``cell(value, ratio)``."""
+    return table(
+        [first, *[f"{r}×" for r in ratios]],
+        [[name, *(cell(by, r) for r in ratios)] for name, by in rows.items()],
+    )
+
+
+def accuracy_table(ratios: list[int], rows: dict[str, Any]) -> list[str]:
+    """:func:`ratio_table` of accuracies by ratio, an arm without eviction (``-``) in every
+    column."""
+    return ratio_table("arm", ratios, rows, lambda by, r: fmt(by.get(str(r), by.get("-")), 2))
 
 
 def section(title: str, data: dict[str, Any], *blocks: str | list[str]) -> list[str]:
@@ -445,7 +459,7 @@ def readme_headlines(results_dir: Path = RESULTS_DIR) -> list[str]:
         )
         rows.append([what, f"ours {ours}, kvpress {theirs}"])
     if cost := load(folder / "kvzip" / "kvzip_cost.json"):
-        pre = {r["arm"]: r["median"] for r in cost["prefill_ratios"]}
+        pre = medians(cost["prefill_ratios"])
         step = by_arm(cost["decode_ratios"])["kvzip"]
         step_text = "unchanged" if step["q1"] <= 1 <= step["q3"] else f"{step['median']:.2f}x"
         result = (
@@ -515,7 +529,7 @@ def _against_llama(llama: dict[str, Any], label: str) -> list[str]:
     rows_by = sorted(llama["rows"], key=lambda r: r["prompt_tokens"])
     arms = ("ours_full", "ours_qfilters")
     ttft, tps = (
-        {arm: _slashed([by_arm(r[key])[arm]["median"] for r in rows_by]) for arm in arms}
+        {arm: _slashed([medians(r[key])[arm] for r in rows_by]) for arm in arms}
         for key in ("ttft_ratios", "tps_ratios")
     )
     sizes = " / ".join(f"{r['prompt_tokens']:,}" for r in rows_by)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +30,18 @@ def interleave(
         if progress is not None:
             progress(rep + 1, warmup + reps)
     return samples
+
+
+def timed(fn: Callable[[], Any]) -> Callable[[], float]:
+    """An arm returning the seconds one evaluation of ``fn()`` (MLX arrays) takes."""
+    import mlx.core as mx  # here, not at import: the report imports no MLX
+
+    def run() -> float:
+        tic = time.perf_counter()
+        mx.eval(fn())
+        return time.perf_counter() - tic
+
+    return run
 
 
 def summary(values: Sequence[float | None]) -> dict[str, float]:

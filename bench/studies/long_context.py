@@ -11,17 +11,13 @@ count in every arm's bytes (``kv_cache``'s ``window_bytes``). Arms: ``full``; ``
 from __future__ import annotations
 
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-from bench.data import stdlib_prose
+from bench.clients import needle_answer, needle_records
+from bench.plots import lengths_plot
 from bench.report import section, table
 from bench.run import start
-from bench.studies.retrieval.niah import make_doc
-from bench.studies.retrieval.retrieval import accuracy_plot, first_number_is
 from qfserve import testing
 
 STUDY = "long_context"
@@ -34,6 +30,16 @@ COLOURS = {
     "qfilters-8x": "tab:cyan",
     "kvzip-8x": "darkgoldenrod",
 }
+KV_FIELDS = (  # what each record keeps of the response's kv_cache
+    "method",
+    "budget",
+    "tokens_kept",
+    "kept_bytes",
+    "full_seq_bytes",
+    "window_bytes",
+    "evicting_layers",
+    "window_layers",
+)
 
 
 def body(arm: str, tokens: int) -> dict[str, Any]:
@@ -43,38 +49,6 @@ def body(arm: str, tokens: int) -> dict[str, Any]:
     method, ratio = arm.rsplit("-", 1)
     budget = max(64, tokens // int(ratio.rstrip("x")))
     return {"kv_method": method, "qfilters_budget": budget, "qfilters_reuse": False}
-
-
-def ask(url: str, model: str, doc: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
-    request = {
-        "model": model,
-        "prompt": doc["prompt"],
-        "max_tokens": len(doc["answer"]) + 2,
-        "temperature": 0,
-        **fields,
-    }
-    began = time.perf_counter()
-    resp = httpx.post(f"{url}/v1/completions", json=request, timeout=7200)
-    resp.raise_for_status()
-    out = resp.json()
-    kv = out["kv_cache"]
-    return {
-        "correct": first_number_is(out["choices"][0]["text"], doc["number"]),
-        "seconds": time.perf_counter() - began,
-        **{
-            k: kv[k]
-            for k in (
-                "method",
-                "budget",
-                "tokens_kept",
-                "kept_bytes",
-                "full_seq_bytes",
-                "window_bytes",
-                "evicting_layers",
-                "window_layers",
-            )
-        },
-    }
 
 
 def summarize(records: list[dict[str, Any]], lengths: list[int]) -> dict[str, dict[str, Any]]:
@@ -115,32 +89,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         },
     )
     args = run.args
-    paragraphs = list(stdlib_prose())
     logs = Path(tempfile.mkdtemp(prefix="long-context-"))
     server = testing.start("qfserve", run.folder, log=logs / "server.log", timeout=600)
-    room = run.context_length - 16
 
-    def measure(arm: str, n: int, d: int) -> dict[str, Any]:
-        doc = make_doc(run.tokenizer, paragraphs, min(n, room), 0.5, d)
-        (card,) = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"]
-        return {
-            "arm": arm,
-            "length": n,
-            "doc": d,
-            "tokens": doc["tokens"],
-            **ask(server.url, card["id"], doc, body(arm, doc["tokens"])),
-        }
+    def send(arm: str, doc: dict[str, Any]) -> dict[str, Any]:
+        correct, kv, seconds = needle_answer(server.url, doc, body(arm, doc["tokens"]), 7200)
+        return {"correct": correct, "seconds": seconds, **{k: kv[k] for k in KV_FIELDS}}
 
-    todo = [(a, n, d) for n in args.lengths for d in range(args.docs) for a in args.arms]
     try:
-        records = run.logged(("arm", "length", "doc"), todo, measure, "answers")
+        records = needle_records(run, args.arms, args.lengths, args.docs, send)
     finally:
         testing.stop_all([server], 15)
     results = summarize(records, args.lengths)
-    series = {arm: {n: v["accuracy"] for n, v in by.items()} for arm, by in results.items()}
     title = f"{run.identity['path']}: the needle at long context"
-    style = lambda arm: {"color": COLOURS[arm], "label": arm}  # noqa: E731
-    plot = accuracy_plot(series, args.lengths, args.out, STUDY, title, style, "", "prompt tokens")
+    plot = lengths_plot(results, args.lengths, args.out, STUDY, title, COLOURS)
     return run.save(
         {
             "docs": args.docs,

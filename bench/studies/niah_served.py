@@ -14,13 +14,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-from bench.data import stdlib_prose
+from bench.clients import needle_answer, needle_records
+from bench.plots import lengths_plot
 from bench.report import section, table
 from bench.run import start
-from bench.studies.retrieval.niah import make_doc
-from bench.studies.retrieval.retrieval import accuracy_plot, first_number_is
 from qfserve import testing
 
 STUDY = "niah_served"
@@ -34,26 +31,7 @@ COLOURS = {
 }
 SMALL_TOKENS = 2048  # the small server's --max-kv-bytes holds a full cache this long
 SMALL_KVZIP_BUDGET = 256  # below the rows a prompt may hold there before it is compressed
-
-
-def ask(url: str, doc: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
-    """One greedy answer and what its ``kv_cache`` says ran."""
-    (card,) = httpx.get(f"{url}/v1/models", timeout=30).json()["data"]
-    request = {
-        "model": card["id"],
-        "prompt": doc["prompt"],
-        "max_tokens": len(doc["answer"]) + 2,
-        "temperature": 0,
-        **body,
-    }
-    resp = httpx.post(f"{url}/v1/completions", json=request, timeout=3600)
-    resp.raise_for_status()
-    out = resp.json()
-    kv = out["kv_cache"]
-    return {
-        "correct": first_number_is(out["choices"][0]["text"], doc["number"]),
-        **{k: kv[k] for k in ("method", "budget", "budget_source", "evictions")},
-    }
+KV_FIELDS = ("method", "budget", "budget_source", "evictions")  # kept of each kv_cache
 
 
 def summarize(records: list[dict[str, Any]], lengths: list[int]) -> dict[str, dict[str, Any]]:
@@ -94,7 +72,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     kvzip_budget, chunk = (
         (16, ["--prefill-chunk", "32"]) if args.quick else (SMALL_KVZIP_BUDGET, [])
     )
-    paragraphs = list(stdlib_prose())
     logs = Path(tempfile.mkdtemp(prefix="niah-served-"))
     servers = [
         testing.start("qfserve", run.folder, log=logs / "default.log", timeout=300),
@@ -108,41 +85,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             timeout=300,
         ),
     ]
-    room = run.context_length - 16  # the prompt and its answer fit (8k: 8,176 tokens at most)
+    kvzip = {"kv_method": "kvzip", "qfilters_budget": kvzip_budget, "qfilters_reuse": False}
+    bodies = {"full": {"kv_method": "full"}, "kvzip": kvzip, "kvzip-small": kvzip}
 
-    def measure(arm: str, n: int, d: int) -> dict[str, Any]:
-        doc = make_doc(run.tokenizer, paragraphs, min(n, room), 0.5, d)
-        body = {
-            "full": {"kv_method": "full"},
-            "kvzip": {
-                "kv_method": "kvzip",
-                "qfilters_budget": kvzip_budget,
-                "qfilters_reuse": False,
-            },
-            "kvzip-small": {
-                "kv_method": "kvzip",
-                "qfilters_budget": kvzip_budget,
-                "qfilters_reuse": False,
-            },
-        }
-        return {
-            "arm": arm,
-            "length": n,
-            "doc": d,
-            "tokens": doc["tokens"],
-            **ask(servers[arm.endswith("-small")].url, doc, body.get(arm, {})),
-        }
+    def send(arm: str, doc: dict[str, Any]) -> dict[str, Any]:
+        url = servers[arm.endswith("-small")].url
+        correct, kv, _ = needle_answer(url, doc, bodies.get(arm, {}), 3600)
+        return {"correct": correct, **{k: kv[k] for k in KV_FIELDS}}
 
-    todo = [(a, n, d) for n in args.lengths for d in range(args.docs) for a in ARMS]
     try:
-        records = run.logged(("arm", "length", "doc"), todo, measure, "answers")
+        records = needle_records(run, ARMS, args.lengths, args.docs, send)
     finally:
         testing.stop_all(servers, 15)
     accuracy = summarize(records, args.lengths)
-    series = {arm: {n: v["accuracy"] for n, v in by.items()} for arm, by in accuracy.items()}
     title = f"{run.identity['path']}: the needle with default settings"
-    style = lambda arm: {"color": COLOURS[arm], "label": arm}  # noqa: E731
-    plot = accuracy_plot(series, args.lengths, args.out, STUDY, title, style, "", "prompt tokens")
+    plot = lengths_plot(accuracy, args.lengths, args.out, STUDY, title, COLOURS)
     return run.save(
         {
             "docs": args.docs,

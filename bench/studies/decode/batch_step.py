@@ -1,5 +1,5 @@
 """One decode step of a batch: ``B`` prompts' Q-Filters caches in a
-:class:`~qfserve.engine.serving.batch.BatchCache` (also chunked) against mlx-lm's
+:class:`~qfserve.engine.kv.batch.BatchCache` (also chunked) against mlx-lm's
 ``BatchKVCache`` of the same rows; the model step and the cache updates alone, interleaved."""
 
 from __future__ import annotations
@@ -14,11 +14,10 @@ from bench.data import prompt_tokens
 from bench.plots import log2_axis, save_plot, subplots
 from bench.report import section, table
 from bench.run import start
-from bench.studies.decode.profile import timed
-from bench.timing import interleave, ratio_row, summaries
+from bench.timing import interleave, ratio_row, summaries, timed
 from qfserve.engine.kv.attention import install_head_masks
+from qfserve.engine.kv.batch import BatchCache
 from qfserve.engine.kv.config import CacheConfig
-from qfserve.engine.serving.batch import BatchCache
 
 PLOTTED = ("ours", "theirs", "ours_updates", "theirs_updates")
 

@@ -13,7 +13,7 @@ from bench import clients, plots, timing
 from bench.arms import caches_for, decode_timer, kv_stats, prefill
 from bench.cli import MiB
 from bench.data import prompt_tokens
-from bench.report import ms, ratio_cell, section, table
+from bench.report import by_arm, ms, ratio_cell, section, table
 from bench.run import start
 
 
@@ -180,7 +180,7 @@ def render(d: dict[str, Any]) -> list[str]:
     )
     rows = []
     for r in d["sweep"]:
-        step, rr = r["ms_per_step"], {x["arm"]: x for x in r["ratios"]}
+        step, rr = r["ms_per_step"], by_arm(r["ratios"])
         beyond = " (beyond trained context)" if r["beyond_trained_context"] else ""
         rows.append(
             [

@@ -19,7 +19,7 @@ from bench.data import prompt_tokens
 from bench.plots import save_plot, subplots
 from bench.report import section, table
 from bench.run import start
-from bench.timing import interleave, summaries
+from bench.timing import interleave, summaries, timed
 from qfserve.engine.kv.attention import native_kernel
 from qfserve.engine.kv.blocked import block_attention
 from qfserve.engine.kv.config import CacheConfig
@@ -27,17 +27,6 @@ from qfserve.engine.kv.factory import make_caches
 
 PARTS = ("matmul", "attention", "cache", "sample")  # a decode step's work, each timed alone
 sdpa = mx.fast.scaled_dot_product_attention
-
-
-def timed(fn: Callable[[], Any]) -> Callable[[], float]:
-    """A callable returning the seconds one evaluation of ``fn()`` takes."""
-
-    def run() -> float:
-        tic = time.perf_counter()
-        mx.eval(fn())
-        return time.perf_counter() - tic
-
-    return run
 
 
 def _in_out(module: Any) -> tuple[int, int]:

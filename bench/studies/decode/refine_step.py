@@ -10,7 +10,7 @@ import mlx.core as mx
 from bench.arms import decode_timer, prefill
 from bench.data import prompt_tokens
 from bench.plots import grouped_bars, save_plot, subplots
-from bench.report import section, table
+from bench.report import by_arm, section, table
 from bench.run import start
 from bench.timing import compare_arms
 from qfserve.engine.filters.artifact import resolve_calibration
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     grouped_bars(
         ax,
         [f"b{r['budget']}" for r in rows],
-        [{x["arm"]: x for x in r["ratios"]} for r in rows],
+        [by_arm(r["ratios"]) for r in rows],
         "decode step / plain Q-Filters (median, IQR)",
     )
     ax.axhline(1.0, color="grey", ls=":")

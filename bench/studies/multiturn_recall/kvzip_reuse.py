@@ -15,12 +15,10 @@ import numpy as np
 
 from bench import clients
 from bench.arms import Arm
-from bench.plots import color
-from bench.report import arm_label, fmt, section
+from bench.data import CITIES, first_number_is, prose_run
+from bench.plots import accuracy_plot, color
+from bench.report import accuracy_table, arm_label, section
 from bench.run import start
-from bench.studies.parity.kvzip_parity import prose
-from bench.studies.retrieval.niah import CITIES
-from bench.studies.retrieval.retrieval import accuracy_plot, first_number_is, ratio_table
 from qfserve.engine.text.requests import Delta, GenerationRequest, SamplingParams
 
 STUDY = "kvzip_reuse"
@@ -40,7 +38,7 @@ ARMS = {
 def make_doc(tokenizer: Any, length: int, index: int) -> dict[str, Any]:
     """About ``length`` tokens of prose with :data:`FACTS` facts at spread depths."""
     rng = random.Random(f"reuse-{length}-{index}")
-    chosen = prose(tokenizer, rng, length)
+    chosen = prose_run(tokenizer, rng, length)
     cities = rng.sample(CITIES, FACTS)
     facts = [(c, str(rng.randrange(1_000_000, 10_000_000))) for c in cities]
     for k, (city, number) in reversed(list(enumerate(facts))):
@@ -169,7 +167,5 @@ def render(d: dict[str, Any]) -> list[str]:
         f"{d['every_later_turn_reused']}. Accuracy:"
     )
     rows = {arm_label(a): by for a, by in d["accuracy"].items()}
-    accuracy = ratio_table(
-        "arm", d["ratios"], rows, lambda by, r: fmt(by.get(str(r), by.get("-")), 2)
-    )
+    accuracy = accuracy_table(d["ratios"], rows)
     return section("KVzip through the prompt cache: facts asked turns later", d, intro, accuracy)

@@ -17,17 +17,12 @@ import mlx.core as mx
 import numpy as np
 
 from bench.arms import Arm, feed_block
-from bench.data import stdlib_prose
-from bench.report import fmt, section
+from bench.data import CITIES, first_number_is, prose_run
+from bench.plots import accuracy_plot
+from bench.report import accuracy_table, ratio_table, section
 from bench.resume import measured, read_jsonl, resume
 from bench.run import start
-from bench.studies.retrieval.niah import CITIES
-from bench.studies.retrieval.retrieval import (
-    accuracy_plot,
-    first_number_is,
-    prefill_block,
-    ratio_table,
-)
+from bench.studies.retrieval.retrieval import prefill_block
 from qfserve.engine.models.catalog import SMOLLM2_135M, gguf_path
 
 STUDY = "kvzip_parity"
@@ -37,23 +32,13 @@ MODES = ("global", "adaptive", "per_head")
 SCORING = "first number of the greedy answer equals the needle's"
 
 
-def prose(tokenizer: Any, rng: random.Random, length: int) -> list[str]:
-    """Consecutive :func:`~bench.data.stdlib_prose` paragraphs from a random one on, about
-    ``length`` tokens together."""
-    paragraphs = stdlib_prose()
-    chosen, start = [], rng.randrange(len(paragraphs))
-    while len(tokenizer.encode("\n\n".join(chosen))) < length:
-        chosen.append(paragraphs[(start + len(chosen)) % len(paragraphs)])
-    return chosen
-
-
 def chat_docs(tokenizer: Any, n: int, length: int, seed: int = 0) -> list[dict[str, Any]]:
     """``n`` chat documents of about ``length`` context tokens (see the module doc)."""
     docs = []
     for i in range(n):
         rng = random.Random(f"parity-{seed}-{length}-{i}")
         city, number = rng.choice(CITIES), str(rng.randrange(1_000_000, 10_000_000))
-        chosen = prose(tokenizer, rng, length)
+        chosen = prose_run(tokenizer, rng, length)
         chosen.insert(
             rng.randrange(len(chosen) + 1), f"The special magic number for {city} is {number}."
         )
@@ -214,9 +199,7 @@ def render(d: dict[str, Any]) -> list[str]:
         "Accuracy:"
     )
     pairs = {k.removeprefix("overlap/"): by for k, by in d["overlap"].items()}
-    accuracy = ratio_table(
-        "arm", ratios, d["accuracy"], lambda by, r: fmt(by.get(str(r), by.get("-")), 2)
-    )
+    accuracy = accuracy_table(ratios, d["accuracy"])
     kept = ratio_table(
         "pair",
         ratios,

@@ -16,7 +16,7 @@ import mlx.core as mx
 from bench.arms import decode_timer, prefill
 from bench.data import prompt_tokens
 from bench.plots import save_plot, subplots
-from bench.report import ms, ratio_cell, section, table
+from bench.report import by_arm, ms, ratio_cell, section, table
 from bench.run import start
 from bench.timing import compare_arms
 from qfserve.engine.kv.attention import set_blocked
@@ -118,12 +118,12 @@ def render(d: dict[str, Any]) -> list[str]:
         "prompt over the full cache, the least an exact pass can cost); the decode step "
         f"({s['decode_steps']} steps at budget) is kvzip's over Q-Filters'."
     )
-    by_arm = {r["arm"]: r for r in d["prefill_ratios"]}
+    ratios = by_arm(d["prefill_ratios"])
     rows = [
         [
             a,
             f"{v['median']:.2f}",
-            "1.00" if a == "full" else ratio_cell(by_arm[a]),
+            "1.00" if a == "full" else ratio_cell(ratios[a]),
             f"{d['peak_memory_bytes'][a] / 2**20:,.0f}",
         ]
         for a, v in d["prefill_s"].items()

@@ -14,7 +14,7 @@ from mlx_lm.sample_utils import make_sampler
 from bench import cli, plots, timing
 from bench.arms import caches_for, kv_stats
 from bench.data import prompt_tokens
-from bench.report import ms, ratio_cell, section, table
+from bench.report import by_arm, ms, ratio_cell, section, table
 from bench.run import machine, start
 from qfserve.engine.kv.attention import set_blocked
 
@@ -157,7 +157,7 @@ def render(d: dict[str, Any]) -> list[str]:
 
     rows = []
     for r in d["rows"]:
-        t, rr = r["ttft_s"], {x["arm"]: x for x in r["ratios"]}
+        t, rr = r["ttft_s"], by_arm(r["ratios"])
         beyond = " (beyond trained context)" if r["beyond_trained_context"] else ""
         by = r.get("measured_by", {"command": d["command"], "when": d["when"][:10]})
         rows.append(

@@ -6,13 +6,12 @@ a set depth, the question at the end; one prefill for every arm, as in the pass-
 
 from __future__ import annotations
 
-import random
 from typing import Any
 
 import numpy as np
 
 from bench.arms import Arm, add_arm_arguments, select_arms
-from bench.data import stdlib_prose
+from bench.data import needle_doc, stdlib_prose
 from bench.goals import grid_mean
 from bench.plots import save_plot, subplots
 from bench.report import arm_label, arm_order, fmt, section, table
@@ -20,27 +19,6 @@ from bench.run import start
 from bench.studies.retrieval.retrieval import RULE, answers, by_arm
 
 STUDY = "niah"
-CITIES = (
-    "Lisbon",
-    "Nairobi",
-    "Osaka",
-    "Quito",
-    "Tallinn",
-    "Hanoi",
-    "Accra",
-    "Perth",
-    "Bergen",
-    "Cusco",
-    "Dakar",
-    "Tbilisi",
-    "Malmo",
-    "Recife",
-    "Gdansk",
-    "Kyoto",
-    "Tunis",
-    "Austin",
-)
-INTRO = "Read the text below. A special magic number is hidden in it; remember it.\n\n"
 # Full cache, then every method with a recent window of budget/4 (and the fallback's ablation).
 ARMS = (
     Arm("full"),
@@ -50,59 +28,6 @@ ARMS = (
     Arm("fallback", 0.25),
     Arm("fallback", 0.25, sign=-1),
 )
-
-
-def make_doc(
-    tokenizer: Any, paragraphs: list[str], length: int, depth: float, index: int
-) -> dict[str, Any]:
-    """A prompt of at most ``length`` tokens (a few percent under, at a sentence end) with the
-    needle at ``depth`` of the haystack."""
-    rng = random.Random(f"niah-{length}-{depth}-{index}")
-    city = rng.choice(CITIES)
-    number = str(rng.randrange(1_000_000, 10_000_000))
-    needle = f"The special magic number for {city} is {number}."
-    question = (
-        f"\n\nWhat is the special magic number for {city}? The special magic number for {city} is"
-    )
-    reserve = len(tokenizer.encode(INTRO + needle + question)) + 8
-    start = rng.randrange(len(paragraphs))
-
-    def build(room: int) -> tuple[list[int], float]:
-        chosen: list[str] = []
-        sizes: list[int] = []
-        while not chosen or sum(sizes) < room:
-            chosen.append(paragraphs[(start + len(chosen)) % len(paragraphs)])
-            sizes.append(len(tokenizer.encode(chosen[-1] + "\n\n")))
-        # Cut the last paragraph at a word so the haystack fits (it still ends a sentence).
-        words = chosen[-1].split()
-        while sum(sizes) > max(room, 1) and len(words) > 1:
-            words = words[: max(1, len(words) * 3 // 4)]
-            chosen[-1] = " ".join(words).rstrip(".,;:") + "."
-            sizes[-1] = len(tokenizer.encode(chosen[-1] + "\n\n"))
-        # The needle goes between paragraphs, at the boundary nearest to `depth` of the tokens.
-        cumulative = np.concatenate([[0], np.cumsum(sizes)])
-        slot = int(np.argmin(np.abs(cumulative - depth * cumulative[-1])))
-        parts = [*chosen[:slot], needle, *chosen[slot:]]
-        prompt = tokenizer.encode(INTRO + "\n\n".join(parts) + question)
-        return prompt, float(cumulative[slot] / max(cumulative[-1], 1))
-
-    # Joined paragraphs tokenise differently from their sum: shrink the room by the overshoot
-    # until the prompt fits, never past the model's context.
-    room = length - reserve
-    prompt, where = build(room)
-    while len(prompt) > length and room > 1:
-        room = max(1, room - (len(prompt) - length + 4))
-        prompt, where = build(room)
-    if len(prompt) > length:
-        raise ValueError(f"length {length} is too short for the needle and question")
-    answer = tokenizer.encode(" " + number)[-len(tokenizer.encode(number)) :]
-    return {
-        "prompt": prompt,
-        "number": number,
-        "answer": answer,
-        "depth": where,
-        "tokens": len(prompt),
-    }
 
 
 def grid_of(records: list[dict], names: list[str], lengths: list[int], depths: list[float]) -> dict:
@@ -171,7 +96,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     paragraphs = list(stdlib_prose())
 
     def measure(n: int, d: float, i: int) -> dict[str, Any]:
-        doc = make_doc(study.tokenizer, paragraphs, n, d, i)
+        doc = needle_doc(study.tokenizer, paragraphs, n, d, i)
         cells: dict[str, dict[str, Any]] = {}
         for arm, _, key, budget, _, source, right, nll in answers(
             study, {**doc, "key": doc["number"]}, by_arm(arms, ratios), len(doc["answer"]) + 2

@@ -7,8 +7,7 @@ the first document against a direct ``generate_step``.
 from __future__ import annotations
 
 import math
-import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +28,8 @@ from bench.arms import (
     standard_arms,
     streaming_nll,
 )
-from bench.data import passkey_docs
-from bench.plots import color
+from bench.data import first_number_is, passkey_docs
+from bench.plots import color, ratio_panel
 from bench.report import arm_label, arm_order, fmt, section, table
 from bench.run import Run, start
 from bench.timing import summary
@@ -78,12 +77,6 @@ def decode(model: Any, prompt: list[int], caches: list[Any], max_tokens: int) ->
     """Greedy tokens from ``generate_step`` with ``prompt_cache=caches``."""
     steps = generate_step(mx.array(prompt), model, prompt_cache=caches, max_tokens=max_tokens)
     return [int(token) for token, _ in steps]
-
-
-def first_number_is(text: str, key: str) -> bool:
-    """Whether the first number in ``text`` is ``key``: how the needle studies score."""
-    found = re.search(r"\d+", text)
-    return bool(found and found.group() == key)
 
 
 def prefill_block(
@@ -235,51 +228,6 @@ def depth_means(results: dict[str, Any], name: str, bins: Any = BINS) -> list[fl
         vals = [c["by_depth"][b] for c in cells if c["by_depth"].get(b) is not None]
         means.append(sum(vals) / len(vals) if vals else None)
     return means
-
-
-def ratio_table(first: str, ratios: list[int], rows: dict[str, Any], cell: Any) -> list[str]:
-    """A table with a row per entry of ``rows`` and a column per ratio: ``cell(value, ratio)``."""
-    return table(
-        [first, *[f"{r}×" for r in ratios]],
-        [[name, *(cell(by, r) for r in ratios)] for name, by in rows.items()],
-    )
-
-
-def ratio_panel(
-    a: Any,
-    series: dict[str, dict[str, float]],
-    xs: list[int],
-    style: Callable[[str], dict] = lambda name: {"label": name},
-    unit: str = "x",
-) -> None:
-    """Each series' values against ``xs`` (keys ``str(x)``, log-2 axis); one without eviction
-    (key ``-``) as a dashed line across."""
-    for name, by in series.items():
-        kw = {"marker": "o", **style(name)}
-        if "-" in by:
-            a.axhline(by["-"], color="black", ls="--", label=kw["label"])
-        elif shown := [x for x in xs if str(x) in by]:
-            a.plot(shown, [by[str(x)] for x in shown], **kw)
-    a.set_xscale("log", base=2)
-    a.set_xticks(xs, [f"{x}{unit}" for x in xs])
-
-
-def accuracy_plot(
-    series: dict[str, dict[str, float]],
-    xs: list[int],
-    out: Path,
-    name: str,
-    title: str,
-    style: Callable[[str], dict] = lambda n: {"label": n},
-    unit: str = "x",
-    xlabel: str = "compression",
-) -> str:
-    """One panel of :func:`ratio_panel` for accuracies, saved as ``<out>/<name>.png``."""
-    fig, ax = plots.subplots()
-    ratio_panel(ax[0, 0], series, xs, style, unit)
-    ax[0, 0].set(xlabel=xlabel, ylabel="accuracy", ylim=(-0.05, 1.05))
-    ax[0, 0].legend(fontsize=7)
-    return plots.save_plot(fig, out, name, title)
 
 
 def arm_style(arm: Arm) -> dict[str, Any]:

@@ -32,8 +32,9 @@ import httpx
 
 from bench import clients, timing
 from bench.data import chat_content
-from bench.report import ms, ratio_cell, section, table
+from bench.report import by_arm, ms, ratio_cell, section, table
 from bench.run import start
+from bench.timing import timed
 from qfserve import testing as servers
 
 MIB = 2**20
@@ -50,23 +51,6 @@ HEADERS = [
     "goals",
 ]
 LOAD_HEADERS = ["file", "file MB", "conversion s (once)", "ours ready s", "theirs ready s"]
-
-
-def timed(fn: Any) -> Any:
-    """An arm: the seconds one evaluation of ``fn()`` takes."""
-    import mlx.core as mx
-
-    def arm() -> float:
-        tic = time.perf_counter()
-        mx.eval(fn())
-        return time.perf_counter() - tic
-
-    return arm
-
-
-def q4_k_m(source: Path, out: Path) -> Path | None:
-    """``source`` requantized to Q4_K_M (:func:`requantized`)."""
-    return requantized(source, out, "Q4_K_M")
 
 
 def requantized(source: Path, out: Path, kind: str) -> Path | None:
@@ -232,7 +216,7 @@ def products(run: Any, rows: list[int]) -> list[dict[str, Any]]:
                 "bits": bits,
                 "rows": m,
                 "ms": stats,
-                "ratios": {r["arm"]: r for r in ratio},
+                "ratios": by_arm(ratio),
             }
         )
     return out
@@ -261,7 +245,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     files = args.files
     if not files:
         default = servers.gguf_of(args.model)
-        derived = None if args.quick else q4_k_m(default, args.out / "derived")
+        derived = None if args.quick else requantized(default, args.out / "derived", "Q4_K_M")
         files = [default] + ([derived] if derived else [])
     result = {"products": products(run, args.product_rows)}
     ours = args.qfserve_flags.split() if args.qfserve_flags else []
