@@ -36,12 +36,15 @@ from qfserve.calibrations.corpus import (
     read_documents,
     stdlib_files,
 )
+from qfserve.calibrations.kvzap.train import DEFAULT_TEXTS as DEFAULT_KVZAP_TEXTS
+from qfserve.calibrations.kvzap.train import DEFAULT_TOKENS as DEFAULT_KVZAP_TOKENS
 from qfserve.calibrations.model_info import attention_shape, max_context, model_fingerprint
 from qfserve.calibrations.registry import (
     artifact_name,
     default_output_dir,
     model_id_for,
     search_path,
+    surrogate_name,
 )
 
 if TYPE_CHECKING:
@@ -119,6 +122,26 @@ def build_parser(prog: str = "qfserve calibrate") -> argparse.ArgumentParser:
         help=f"output folder (default: {default_output_dir()}, which qfserve searches)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of text order and sampling")
+    p.add_argument(
+        "--kvzap",
+        action="store_true",
+        help="train the model's KVzap surrogates (kv_method kvzap) instead of its Q-Filters: a "
+        "linear and an MLP surrogate per layer, on --kvzap-texts texts of the standard "
+        "library's sources, measured on held-out prose (installed packages' descriptions); "
+        "the one that ranks held-out keys better is written as <out>/<model-id>.kvzap",
+    )
+    p.add_argument(
+        "--kvzap-texts",
+        type=_positive_int,
+        default=DEFAULT_KVZAP_TEXTS,
+        help=f"training texts for --kvzap (default {DEFAULT_KVZAP_TEXTS})",
+    )
+    p.add_argument(
+        "--kvzap-tokens",
+        type=_positive_int,
+        default=DEFAULT_KVZAP_TOKENS,
+        help=f"tokens per --kvzap text (default {DEFAULT_KVZAP_TOKENS})",
+    )
     return p
 
 
@@ -172,6 +195,8 @@ def main(
     except Exception as e:  # no such folder/id, no network, unsupported architecture
         print(f"error: cannot load model {args.model!r}: {e}", file=sys.stderr)
         return 1
+    if args.kvzap:
+        return _kvzap(args, model, tokenizer, model_id, model_fingerprint(model, config))
     try:
         n_layers, n_kv_heads, head_dim = attention_shape(model)
     except ValueError as e:
@@ -234,6 +259,46 @@ def main(
             f"note: {out_dir} is not on qfserve's search path; set QFSERVE_CALIBRATIONS="
             f"{out_dir} (or copy the file to {default_output_dir()}) for the server to use it"
         )
+    return 0
+
+
+def _kvzap(args: Any, model: Any, tokenizer: Any, model_id: str, fingerprint: str) -> int:
+    """Train, measure and write the model's KVzap surrogates (``--kvzap``)."""
+    from qfserve.calibrations.kvzap.surrogate import save_surrogate
+    from qfserve.calibrations.kvzap.train import held_out_documents, train_surrogates
+
+    files = args.text or stdlib_files(args.seed)
+    start = time.perf_counter()
+    print(
+        f"training KVzap surrogates for {model_id!r}: {args.kvzap_texts} texts of "
+        f"{args.kvzap_tokens} tokens"
+    )
+    try:
+        with tqdm(total=args.kvzap_texts, unit="text", desc="KVzip+ targets") as bar:
+            trained = train_surrogates(
+                model,
+                tokenizer,
+                read_documents(files),
+                held_out_documents(),
+                texts=args.kvzap_texts,
+                tokens=args.kvzap_tokens,
+                seed=args.seed,
+                progress=bar.update,
+            )
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    for form, s in trained.items():
+        print(
+            f"  {form}: held-out Spearman median {s.fidelity['spearman_median']:.3f} "
+            f"({s.nbytes / 2**20:.1f} MiB)"
+        )
+    best = max(trained.values(), key=lambda s: s.fidelity["spearman_median"])
+    best.model_id, best.fingerprint = model_id, fingerprint
+    best.fidelity["forms"] = {f: s.fidelity["spearman_median"] for f, s in trained.items()}
+    out_dir = args.out if args.out is not None else default_output_dir()
+    path = save_surrogate(out_dir / surrogate_name(model_id), best)
+    print(f"done in {time.perf_counter() - start:.1f}s; wrote {path} ({best.form})")
     return 0
 
 

@@ -32,6 +32,7 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 BUILTIN_DIR = PACKAGE_DIR / "artifacts"
 ALIASES_FILE = PACKAGE_DIR / "aliases.json"
 SUFFIX = ".safetensors"
+SURROGATE_SUFFIX = ".kvzap"  # KVzap's surrogates (safetensors inside; not a Q-Filters artifact)
 _MAX_ALIAS_HOPS = 8
 
 
@@ -70,6 +71,24 @@ def artifact_name(model_id: str) -> str:
         raise ValueError(f"model_id must be a non-empty id, got {model_id!r}")
     stem = re.sub(r"[^A-Za-z0-9._-]", "_", model_id.strip("/").replace("/", "--"))
     return stem + SUFFIX
+
+
+def surrogate_name(model_id: str) -> str:
+    """The file name of ``model_id``'s KVzap surrogates: ``org--name.kvzap``."""
+    return artifact_name(model_id)[: -len(SUFFIX)] + SURROGATE_SUFFIX
+
+
+def find_surrogate(
+    model_id: str, *, search_dirs: Sequence[str | Path] | None = None
+) -> Path | None:
+    """The KVzap surrogate file for ``model_id`` (or the model it is an alias of), searched
+    as Q-Filters artifacts are; ``None`` when there is none."""
+    dirs = search_path(search_dirs)
+    for candidate in _alias_chain(model_id, aliases(search_dirs)):
+        for d in dirs:
+            if (d / surrogate_name(candidate)).is_file():
+                return d / surrogate_name(candidate)
+    return None
 
 
 def aliases(search_dirs: Sequence[str | Path] | None = None) -> dict[str, str]:

@@ -11,7 +11,7 @@ from pydantic import Field
 from qfserve.engine.kv.config import METHODS
 from qfserve.server.messages import Strict
 
-KVMethod = Literal["qfilters", "kvzip", "knorm", "streaming", "snapkv", "tova", "full"]
+KVMethod = Literal["qfilters", "kvzip", "kvzap", "knorm", "streaming", "snapkv", "tova", "full"]
 assert set(METHODS) == set(KVMethod.__args__)  # type: ignore[attr-defined]
 CACHE_PARAMS = {
     "method": "kv_method",
@@ -93,7 +93,9 @@ class EvictionFields(Strict):
         Field(
             description="Eviction method: qfilters (calibrated projection), kvzip (a prompt "
             "over its budget is scored by the attention a reconstruction of it pays each key: "
-            "one extra pass over the prompt), knorm, streaming (sinks + recent), snapkv or tova (query-aware references: they read the model's "
+            "one extra pass over the prompt), kvzap (that attention predicted from each key's "
+            "hidden state by the model's learned surrogates: no extra pass), knorm, streaming "
+            "(sinks + recent), snapkv or tova (query-aware references: they read the model's "
             "queries to evict) or full (no eviction). Default: --kv-method."
         ),
     ] = None

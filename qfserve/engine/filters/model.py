@@ -62,6 +62,7 @@ class ModelFilters:
         self.loaded = loaded
         self.self_calibration = self_calibration
         self.filters: Any = None
+        self.kvzap: Any = None  # qfserve.calibrations.kvzap.surrogate.Surrogate, where one exists
         self.query_scale: Any = None
         self.source = "none"
         self._traffic: Any = None  # qfserve.engine.filters.traffic.TrafficCalibration while pooling
@@ -82,7 +83,16 @@ class ModelFilters:
             )
             if self.filters is None and self_calibration != "off":
                 self._start_learning(traffic_samples, traffic_prompts)
+            self.kvzap = _surrogate(loaded.model_id, self.fingerprint)
         logger.info("Q-Filters for %s: %s", loaded.model_id, self.source)
+        if self.kvzap is not None:
+            fidelity = self.kvzap.fidelity.get("spearman_median")
+            logger.info(
+                "KVzap surrogates for %s: %s (held-out Spearman %s)",
+                loaded.model_id,
+                self.kvzap.form,
+                "n/a" if fidelity is None else f"{fidelity:.2f}",
+            )
 
     @property
     def learning(self) -> bool:
@@ -107,6 +117,7 @@ class ModelFilters:
             filters=self.filters if calibrated else None,
             query_scale=self.query_scale if config.method == "qfilters" else None,
             self_calibrate=self.source == "self",
+            surrogate=self.kvzap if config.method == "kvzap" else None,
         )
 
     def shard(self, rank: int, size: int) -> None:
@@ -177,3 +188,17 @@ class ModelFilters:
             logger.warning("no self-calibration for %s: %s", self.loaded.model_id, exc)
         else:
             self.source = "self" if self.self_calibration == "prompt" else "fallback"
+
+
+def _surrogate(model_id: str, fingerprint: str) -> Any:
+    """The model's KVzap surrogates from the registry, or ``None`` where it has none.
+
+    Raises:
+        qfserve.calibrations.kvzap.surrogate.SurrogateError: a file exists but must not be
+            used (another model's weights, damaged): refused at start-up, naming the file.
+    """
+    from qfserve.calibrations.kvzap.surrogate import read_surrogate
+    from qfserve.calibrations.registry import find_surrogate, model_id_for
+
+    path = find_surrogate(model_id_for(model_id))
+    return None if path is None else read_surrogate(path, fingerprint=fingerprint)

@@ -6,11 +6,20 @@ import math
 from dataclasses import dataclass
 from typing import Literal, cast
 
-Method = Literal["qfilters", "kvzip", "knorm", "streaming", "snapkv", "tova", "full"]
+Method = Literal["qfilters", "kvzip", "kvzap", "knorm", "streaming", "snapkv", "tova", "full"]
 KernelMode = Literal["auto", "on", "off"]
 BudgetMode = Literal["per_head", "adaptive", "global"]
 
-METHODS: tuple[str, ...] = ("qfilters", "kvzip", "knorm", "streaming", "snapkv", "tova", "full")
+METHODS: tuple[str, ...] = (
+    "qfilters",
+    "kvzip",
+    "kvzap",
+    "knorm",
+    "streaming",
+    "snapkv",
+    "tova",
+    "full",
+)
 QUERY_AWARE: tuple[str, ...] = ("snapkv", "tova")  # read the model's queries to evict
 TAPPED: tuple[str, ...] = (*QUERY_AWARE, "kvzip")  # need the layers' query taps
 POSITIONED: tuple[str, ...] = ("kvzip",)  # keep each row's true position and token score
@@ -84,7 +93,9 @@ class CacheConfig:
 
     Args:
         method: ``qfilters`` (projection on a per-head filter), ``kvzip`` (the attention a
-            reconstruction of the context pays each key, :mod:`qfserve.engine.kv.kvzip`), ``knorm``
+            reconstruction of the context pays each key, :mod:`qfserve.engine.kv.kvzip`),
+            ``kvzap`` (that attention as a learned surrogate predicts it from the key's hidden
+            state, :mod:`qfserve.engine.kv.kvzap`), ``knorm``
             (keep small-norm keys), ``streaming`` (sinks + most recent rows), ``snapkv`` / ``tova`` (query-aware
             references, :mod:`qfserve.engine.kv.query_aware`) or ``full`` (no eviction).
         budget: Rows kept per layer and KV head, sinks and recent rows included.

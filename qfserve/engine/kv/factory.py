@@ -10,9 +10,12 @@ import numpy as np
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from qfserve import kernels
+from qfserve.calibrations.kvzap.hidden import install_hidden_taps
+from qfserve.calibrations.kvzap.surrogate import Surrogate
 from qfserve.engine.kv.attention import install_head_masks
 from qfserve.engine.kv.cache import EvictionCache, FullKVCache
 from qfserve.engine.kv.config import QUERY_AWARE, TAPPED, CacheConfig, ConfigError
+from qfserve.engine.kv.kvzap import kvzap_scorer
 from qfserve.engine.kv.kvzip import KVzipScorer
 from qfserve.engine.kv.query_aware import SnapKVScorer, TOVAScorer
 from qfserve.engine.kv.scorers import (
@@ -30,11 +33,17 @@ def make_scorer(
     layer_filters: mx.array | None,
     layer_scale: mx.array | None = None,
     tap: QueryTap | None = None,
+    kvzap: tuple[Any, tuple[mx.array, ...]] | None = None,
 ) -> Scorer:
     """The scorer for one layer: calibrated filters ``(H, D)`` when given (scaled to expected
     logits by ``(H,)`` query scales under adaptive budgets), else filters from the request's
     own queries through the layer's ``tap``, else the key-SVD fallback; or the method's
-    (``kvzip`` ranks generated rows by the calibrated filters, else by K-norm)."""
+    (``kvzip`` ranks generated rows by the calibrated filters, else by K-norm; ``kvzap`` by
+    its surrogate: ``kvzap`` is the layer's hidden-state tap and weights)."""
+    if config.method == "kvzap":
+        if kvzap is None:
+            raise ValueError("method 'kvzap' needs the layer's hidden-state tap and surrogate")
+        return kvzap_scorer(*kvzap)
     if config.method == "kvzip":
         if tap is None:
             raise ValueError("method 'kvzip' needs the layer's query tap")
@@ -105,6 +114,29 @@ def _adaptive_scale(
     return scale
 
 
+def _kvzap_taps(
+    model: nn.Module, config: CacheConfig, surrogate: Surrogate | None, n_layers: int
+) -> list[Any] | None:
+    """Every layer's hidden-state tap where ``config`` runs KVzap (``None`` elsewhere)."""
+    if config.method != "kvzap":
+        return None
+    if surrogate is None:
+        raise ConfigError(
+            "method",
+            "kvzap needs the model's KVzap surrogates and none were found for this model "
+            "(make them with `qfserve calibrate --kvzap`)",
+        )
+    if surrogate.n_layers != n_layers:
+        raise ConfigError(
+            "method",
+            f"the KVzap surrogates hold {surrogate.n_layers} layers, the model {n_layers}",
+        )
+    try:
+        return install_hidden_taps(model)
+    except ValueError as exc:
+        raise ConfigError("method", f"kvzap needs each layer's input norm: {exc}") from None
+
+
 def make_caches(
     model: nn.Module,
     config: CacheConfig,
@@ -112,6 +144,7 @@ def make_caches(
     filters: mx.array | np.ndarray | None = None,
     query_scale: mx.array | np.ndarray | None = None,
     self_calibrate: bool = False,
+    surrogate: Surrogate | None = None,
 ) -> list[Any]:
     """One cache per layer, built the way mlx-lm does, with plain ``KVCache`` layers replaced.
 
@@ -129,6 +162,7 @@ def make_caches(
         self_calibrate: Without ``filters``, Q-Filters come from the request's own prompt
             queries (:mod:`qfserve.engine.kv.selfcal`) instead of the key-SVD fallback, where the
             model's attention lets its queries be tapped.
+        surrogate: The model's KVzap surrogates (``kvzap`` only).
     Returns:
         A list to pass as ``prompt_cache=`` to mlx-lm's generation functions.
     Raises:
@@ -151,8 +185,10 @@ def make_caches(
         filters = mx.array(filters, dtype=mx.float32)
         _check_filters(filters, caches, model)
     scale = None
+    hidden = _kvzap_taps(model, config, surrogate, len(caches))
     if config.evicts and config.budget_mode != "per_head":
-        if config.method != "kvzip":  # kvzip's scores are attention weights: comparable
+        # kvzip's scores are attention weights, kvzap's their logs: comparable across heads
+        if config.method not in ("kvzip", "kvzap"):
             scale = _adaptive_scale(config, filters, query_scale)
         try:
             install_head_masks(model)
@@ -183,6 +219,7 @@ def make_caches(
             None if filters is None else filters[i],
             None if scale is None else scale[i],
             None if taps is None else taps[i],
+            None if hidden is None else (hidden[i], surrogate.layer(i)),  # type: ignore[union-attr]
         )
         caches[i] = EvictionCache(
             scorer,

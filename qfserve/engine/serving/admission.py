@@ -130,8 +130,7 @@ class Admitter:
             job = admission.job
             if job.cancelled:
                 self._next = None
-                failure = job.failure or Failed("cancelled", "the request was cancelled")
-                self.fail(job, failure, "cancelled")
+                self.cancel(job)
                 continue
             if not self.reserve(admission, alone=not len(scheduler)):
                 return
@@ -165,9 +164,7 @@ class Admitter:
         its caches can never fit). ``turns``: kept turns it may continue, and will be kept
         in (reuse on)."""
         if job.cancelled:
-            if job.failure is not None:
-                job.emit(job.failure)
-            self.close(job.record, "cancelled")
+            self.cancel(job)
             return None
         try:
             return self._prepare(job, loaded, context, caches_for, turns)
@@ -259,3 +256,8 @@ class Admitter:
         """Tell the client ``event`` and close the request in ``state``."""
         job.emit(event)
         self.close(job.record, state)
+
+    def cancel(self, job: Job) -> None:
+        """A cancelled request leaves before it runs: its client (if it still listens) is
+        told why, as the scheduler tells one that leaves the batch."""
+        self.fail(job, job.failure or Failed("cancelled", "the request was cancelled"), "cancelled")

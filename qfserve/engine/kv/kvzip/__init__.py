@@ -28,16 +28,13 @@ O(budget) single-row eviction: the rows KVzip chose stay, generated rows beyond 
 window go first.
 """
 
+from qfserve.calibrations.repeat import PREV_TAIL, REPEAT_FIRST, REPEAT_NEXT, RepeatPrompt
 from qfserve.engine.kv.kvzip.reconstruction import Reconstruction, compress, settle
 from qfserve.engine.kv.kvzip.scorer import (
     DEFAULT_BLOCK,
     DEFAULT_CHUNK,
-    PREV_TAIL,
-    REPEAT_FIRST,
-    REPEAT_NEXT,
     REPEAT_ROWS,
     KVzipScorer,
-    RepeatPrompt,
     beyond_keep,
     generated_tier,
     hold,

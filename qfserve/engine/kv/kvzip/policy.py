@@ -15,12 +15,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from qfserve.calibrations.repeat import RepeatPrompt
 from qfserve.engine.kv.config import CacheConfig
 from qfserve.engine.kv.kvzip.reconstruction import Reconstruction, settle
 from qfserve.engine.kv.kvzip.scorer import (
     DEFAULT_CHUNK,
     REPEAT_ROWS,
-    RepeatPrompt,
     beyond_keep,
     hold,
     needs_pass,

@@ -10,6 +10,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import RotatingKVCache, create_attention_mask
 
+from qfserve.calibrations.repeat import RepeatPrompt
 from qfserve.engine.kv import blocked
 from qfserve.engine.kv.attention import native_kernel
 from qfserve.engine.kv.kvzip.scorer import (
@@ -17,7 +18,6 @@ from qfserve.engine.kv.kvzip.scorer import (
     DEFAULT_CHUNK,
     REPEAT_ROWS,
     KVzipScorer,
-    RepeatPrompt,
     hold,
     holding,
     needs_pass,

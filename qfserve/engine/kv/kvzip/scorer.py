@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -13,10 +11,7 @@ import mlx.core as mx
 from qfserve.engine.kv.scorers import AlwaysReady, Scorer
 from qfserve.engine.kv.selfcal import QueryTap
 
-REPEAT_FIRST = "\n\nRepeat the previous context exactly."
-REPEAT_NEXT = "\n\nRepeat the part of the previous context exactly, starting with"
 DEFAULT_CHUNK = 2048  # context tokens reconstructed at once (kvpress's and the paper's)
-PREV_TAIL = 8  # tokens of the previous chunk that open the next chunk's prompt
 REPEAT_ROWS = 64  # at most the repeat prompt, the previous tail and the template's suffix
 DEFAULT_BLOCK = 512  # reconstruction tokens per forward pass (bounds the score matrices)
 
@@ -72,57 +67,6 @@ class KVzipScorer(AlwaysReady):
 
     def score(self, keys: mx.array, start: int) -> mx.array:
         return generated_tier(self.inner.score(keys, start))
-
-
-@dataclass(frozen=True)
-class RepeatPrompt:
-    """The token ids that open each reconstruction chunk, for one tokenizer.
-
-    Args:
-        first: ``REPEAT_FIRST``'s ids.
-        next: ``REPEAT_NEXT``'s ids (the previous chunk's tail follows them).
-        suffix: What the chat template puts between a user turn and the reply (``"\\n"``
-            without a template), as kvpress derives it.
-    """
-
-    first: tuple[int, ...]
-    next: tuple[int, ...]
-    suffix: tuple[int, ...]
-
-    @classmethod
-    def for_tokenizer(cls, tokenizer: Any) -> RepeatPrompt:
-        """Derive the ids from ``tokenizer`` (mlx-lm's wrapper or a ``transformers`` one)."""
-        suffix_text = "\n"
-        if getattr(tokenizer, "chat_template", None):
-            dummy = "dummy context"
-            separator = "\n" + "#" * len(dummy)
-            text = tokenizer.apply_chat_template(
-                [{"role": "user", "content": dummy + separator}],
-                add_generation_prompt=True,
-                tokenize=False,
-            )
-            suffix_text = text.split(separator)[-1]
-
-        def ids(text: str) -> tuple[int, ...]:
-            return tuple(tokenizer.encode(text, add_special_tokens=False))
-
-        return cls(ids(REPEAT_FIRST), ids(REPEAT_NEXT), ids(suffix_text))
-
-    def chunks(
-        self, tokens: Sequence[int], chunk: int, first: int = 0
-    ) -> list[tuple[int, int, list[int]]]:
-        """``(start, end, ids)`` per chunk of ``tokens[first:]``: the context span it
-        reconstructs and the ids fed for it (prompt, suffix, the span's tokens)."""
-        out = []
-        for start in range(first, len(tokens), chunk):
-            end = min(start + chunk, len(tokens))
-            lead = (
-                self.first
-                if start == 0
-                else (*self.next, *tokens[max(0, start - PREV_TAIL) : start])
-            )
-            out.append((start, end, [*lead, *self.suffix, *tokens[start:end]]))
-        return out
 
 
 def needs_pass(caches: list[Any]) -> bool:
