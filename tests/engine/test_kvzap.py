@@ -263,3 +263,27 @@ def test_kvzap_without_surrogates_is_refused_naming_the_method(model):
     with pytest.raises(ConfigError, match="qfserve calibrate --kvzap") as err:
         make_caches(model, CacheConfig(method="kvzap", budget=16, recent=4))
     assert err.value.param == "method"
+
+
+def test_fused_decode_steps_are_scored_by_the_surrogate_too():
+    """On the served model the decode step of a block is one fused native op, which computes
+    the input norm itself: the tapped norm must still hand the row to the scorer (else the
+    row would rank by the fallback, below every prompt row)."""
+    from qfserve.engine.models.loading import load_model
+
+    loaded = load_model(None)
+    if not any(type(b).__name__.startswith("Fused") for b in loaded.model.layers):
+        pytest.skip("the native kernels are not built here: no fused decode block")
+    args = loaded.model.args
+    s = random_surrogate(
+        "linear", L=args.num_hidden_layers, D=args.hidden_size, H=args.num_key_value_heads
+    )
+    config = CacheConfig(method="kvzap", budget=24, recent=4)
+    caches = make_caches(loaded.model, config, surrogate=s)
+    prompt = loaded.tokenizer.encode("The pass key is 4821. Remember it well, and keep it. " * 3)
+    loaded.model(mx.array(prompt)[None], cache=caches)
+    for token in (11, 12, 13, 14):
+        loaded.model(mx.array([[token]]), cache=caches)
+    for cache in caches:
+        assert cache.evictions > 0
+        assert float(mx.min(cache.scores).item()) > -1e3  # no row ranked by the fallback

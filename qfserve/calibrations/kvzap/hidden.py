@@ -16,7 +16,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-_MARK = "_qfserve_hidden_tap"
+HIDDEN_TAP = "_qfserve_hidden_tap"  # the attribute a tapped norm keeps its tap in
+_MARK = HIDDEN_TAP
 _CLASSES: dict[type, type] = {}
 
 

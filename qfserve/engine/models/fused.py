@@ -31,6 +31,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import llama
 
+from qfserve.calibrations.kvzap.hidden import HIDDEN_TAP
 from qfserve.engine.models import native_layers
 from qfserve.engine.models.native_layers import NativeRMSNorm, NativeRoPE, offset_array
 
@@ -61,7 +62,8 @@ def _codes(linear: Any) -> list[mx.array] | None:
 
 
 def _norm(module: Any) -> tuple[mx.array, float] | None:
-    if type(module) is not NativeRMSNorm or module.weight.dtype != mx.float32:
+    kind = getattr(type(module), "_qfserve_untapped", type(module))  # a KVzap tap: the same norm
+    if kind is not NativeRMSNorm or module.weight.dtype != mx.float32:
         return None
     return module.weight, float(module.plain.eps)
 
@@ -112,6 +114,10 @@ class _FusedBlock:
         ):
             return cast(mx.array, super().__call__(x, mask, cache))  # type: ignore[misc]
         rope = p.rope.plain
+        if getattr(cast(Any, self).input_layernorm, HIDDEN_TAP, None) is not None:
+            # A KVzap scorer reads the norm's output for the row it scores: the tapped
+            # module computes it (one op) and keeps it; the fused op computes its own.
+            cast(Any, self).input_layernorm(x)
         q, k, v = p.kernel.decode_qkv(
             x,
             *p.qkv,
