@@ -26,6 +26,8 @@ from bench.resume import progress
 from qfserve.calibrations.capture import capture_queries
 from qfserve.calibrations.compute import compute_filters, query_scales
 from qfserve.calibrations.corpus import make_sequences, read_documents
+from qfserve.calibrations.kvzap.hidden import HiddenTap
+from qfserve.calibrations.kvzap.surrogate import Surrogate
 from qfserve.engine.filters.artifact import resolve_filters
 from qfserve.engine.kv import kvzip
 from qfserve.engine.kv.cache import EvictionCache
@@ -86,9 +88,21 @@ class Arm:
             budget_mode="global" if self.shared else "adaptive" if self.adaptive else "per_head",
         )
 
-    def caches(self, model: Any, budget: int | None, filters: np.ndarray | None) -> list[Any]:
-        """Fresh caches (``filters`` for the calibrated arms, their ``learned`` for traffic)."""
+    def caches(
+        self,
+        model: Any,
+        budget: int | None,
+        filters: np.ndarray | None,
+        *,
+        surrogate: Surrogate | None = None,
+    ) -> list[Any]:
+        """Fresh caches (``filters`` for the calibrated arms, their ``learned`` for traffic;
+        the model's KVzap ``surrogate`` for kvzap)."""
         config = self.config(budget)
+        if self.method == "kvzap":
+            if surrogate is None:
+                raise ValueError("the kvzap arm needs the model's KVzap surrogates, got None")
+            return make_caches(model, config, surrogate=surrogate)
         if self.method == "traffic":
             filters = getattr(filters, "learned", {}).get(self.traffic)
             if filters is None:
@@ -114,21 +128,48 @@ class Arm:
 READS_QUERIES = ("self", "snapkv", "tova", "kvzip")  # arms whose caches take the block's queries
 
 
-def feed_block(caches: list[Any], block: list[tuple[Any, ...]]) -> None:
-    """Hand one prompt block, computed once for every arm, to an arm's fresh caches: per layer
-    ``(keys, values)``, then the block's rotated queries (query taps) and kvzip's pass scores."""
+@dataclass(frozen=True)
+class LayerBlock:
+    """One layer's share of a prompt block computed once for every arm: ``keys`` and
+    ``values`` ``(1, H, N, D)``, and what some arms read besides: the rotated ``queries``
+    ``(1, H_q, N, D)`` (query taps), kvzip's reconstruction-pass ``scores`` per row, and the
+    input norm's ``hidden`` states ``(1, N, hidden)`` (kvzap's surrogate input)."""
+
+    keys: mx.array
+    values: mx.array
+    queries: mx.array | None = None
+    scores: mx.array | None = None
+    hidden: mx.array | None = None
+
+    def arrays(self) -> list[mx.array]:
+        """The arrays it holds (to evaluate them together)."""
+        return [
+            a
+            for a in (self.keys, self.values, self.queries, self.scores, self.hidden)
+            if a is not None
+        ]
+
+
+def feed_block(caches: list[Any], block: list[LayerBlock]) -> None:
+    """Hand one prompt block, computed once for every arm, to an arm's fresh caches: each
+    layer's keys and values, with its queries or hidden states set on the scorer's tap first
+    (a kvzap scorer reads them as the rows are written), then kvzip's pass scores."""
     deferred = []
-    for cache, (keys, values, *extra) in zip(caches, block, strict=True):
+    for cache, layer in zip(caches, block, strict=True):
         tap = getattr(getattr(cache, "scorer", None), "tap", None)
-        if tap is not None:
-            if not extra:
+        if isinstance(tap, HiddenTap):
+            if layer.hidden is None:
+                raise ValueError("a kvzap arm needs the block's hidden states")
+            tap.hidden = layer.hidden
+        elif tap is not None:
+            if layer.queries is None:
                 raise ValueError("an arm that reads queries needs the block's queries")
-            tap.queries = extra[0]
-        cache.update_and_fetch(keys, values)
-        if isinstance(cache, EvictionCache) and cache.defers(keys.shape[2]):
-            if len(extra) < 2:
+            tap.queries = layer.queries
+        cache.update_and_fetch(layer.keys, layer.values)
+        if isinstance(cache, EvictionCache) and cache.defers(layer.keys.shape[2]):
+            if layer.scores is None:
                 raise ValueError("a kvzip arm needs the block's reconstruction scores")
-            deferred.append((cache, extra[1]))
+            deferred.append((cache, layer.scores))
     if deferred:  # as the pass ends: every layer at once (they may share the rows)
         kvzip.evict([c for c, _ in deferred], [s for _, s in deferred])
 
@@ -150,6 +191,8 @@ ARM_FLAGS = {
     "--self-calibrated": "also run Q-Filters from each prompt's own queries",
     "--query-aware": "also run SnapKV and TOVA, which read the model's queries",
     "--kvzip": "also run KVzip: per head, across a layer's heads, across layers",
+    "--kvzap": "also run KVzap: each row scored as it is written by the model's learned "
+    "surrogates (the registry's, or trained afresh per --calibration)",
 }
 
 
@@ -202,6 +245,8 @@ def select_arms(arms: list[Arm], args: Any) -> list[Arm]:
         extra += [("snapkv", {"window": w}) for w in getattr(args, "snapkv_windows", [])]
     if getattr(args, "kvzip", False):
         extra += [("kvzip", {}), ("kvzip", {"adaptive": True}), ("kvzip", {"shared": True})]
+    if getattr(args, "kvzap", False):
+        extra.append(("kvzap", {}))
     out = [*arms, *(Arm(m, a.recent_frac, **knobs) for m, knobs in extra for a in plain)]
     if args.only:
         if unknown := set(args.only) - {a.name for a in out}:

@@ -51,8 +51,9 @@ def parser(
             "--calibration",
             choices=("auto", "registry", "fresh"),
             default="auto",
-            help="calibrated filters: the registry's artifact if one exists (auto), "
-            "only the registry, or always calibrate afresh on held-in training text",
+            help="calibrated filters (and --kvzap's surrogates): the registry's artifact if "
+            "one exists (auto), only the registry, or always calibrate afresh on held-in "
+            "training text",
         )
     for name, spec in sized.items():
         full, quick, *about = spec if isinstance(spec, tuple) else (spec, spec)

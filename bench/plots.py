@@ -16,6 +16,7 @@ COLORS = {
     "snapkv": "tab:olive",
     "tova": "tab:cyan",
     "kvzip": "darkgoldenrod",
+    "kvzap": "teal",
     "fallback": "tab:orange",
     "knorm": "tab:green",
     "streaming": "tab:red",

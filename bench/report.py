@@ -60,6 +60,7 @@ METHOD_NAMES = {  # the other arms' methods (the first part of bench.arms.Arm.na
     "traffic": "Q-Filters learned from traffic",
     "snapkv": "SnapKV",
     "tova": "TOVA",
+    "kvzap": "KVzap (learned surrogate)",
     "fallback": "key-SVD fallback",
     "fallback-": "key-SVD fallback sign-flipped (ablation)",
     "knorm": "K-norm",
@@ -139,6 +140,12 @@ def section(title: str, data: dict[str, Any], *blocks: str | list[str]) -> list[
                 f" Filters: {cal['source']} calibration, {cal.get('samples_per_head')} samples "
                 f"per head on {cal.get('text')}; disjoint from the evaluation text: "
                 f"{cal.get('disjoint_from_eval')}."
+            )
+        if zap := cal.get("kvzap"):
+            run += (
+                f" KVzap surrogates: {zap['source']} ({zap['form']}, held-out Spearman "
+                f"{fmt(zap.get('spearman_median'), 2)}); disjoint from the evaluation text: "
+                f"{zap.get('disjoint_from_eval')}."
             )
         notes = []
         quick = "**Quick (smoke-test) run: sizes too small to read anything into.**"

@@ -34,6 +34,7 @@ class Run:
     started: float = field(default_factory=time.perf_counter)
     calibrated: Any = None  # (n_layers, n_kv_heads, head_dim) filters the study calibrated
     calibration: dict[str, Any] | None = None  # where they came from
+    surrogate: Any = None  # the model's KVzap surrogates, for kvzap arms (--kvzap)
 
     @property
     def model(self) -> Any:
@@ -154,7 +155,8 @@ def open_run(
     name: str, args: argparse.Namespace, argv: Sequence[str] | None, *, calibrate: bool = False
 ) -> Run:
     """Load ``args.model`` with the server's loader (a GGUF file or catalog name becomes its
-    converted folder); with ``calibrate``, calibrated filters per ``--calibration`` too."""
+    converted folder); with ``calibrate``, calibrated filters per ``--calibration`` too (and,
+    with ``--kvzap``, the model's KVzap surrogates)."""
     from qfserve.engine.models.loading import load_model, resolve_model_ref
 
     started = time.perf_counter()  # the JSON's runtime_s counts from here
@@ -173,6 +175,17 @@ def open_run(
             seed=args.seed,
             traffic=getattr(args, "traffic_artifacts", None),
         )
+        if getattr(args, "kvzap", False):
+            from bench.surrogates import surrogate_for
+
+            run.surrogate, run.calibration["kvzap"] = surrogate_for(
+                run.model,
+                run.tokenizer,
+                run.identity,
+                mode=args.calibration,
+                quick=args.quick,
+                seed=args.seed,
+            )
     return run
 
 

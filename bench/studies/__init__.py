@@ -141,10 +141,12 @@ STUDIES = {
         Study(
             "prefill-cost",
             "speed",
-            "what eviction, self-calibration and KVzip's pass add to a prefill",
+            "what eviction, self-calibration, KVzip's pass and KVzap's scores add to a prefill",
             True,
             option="--mode",
-            modes=_modes(ttft="ttft", selfcal="selfcal_prefill", kvzip="kvzip_cost"),
+            modes=_modes(
+                ttft="ttft", selfcal="selfcal_prefill", kvzip="kvzip_cost", kvzap="kvzap_cost"
+            ),
         ),
         # Our server against another way of serving the same model: mlx-lm's server,
         # llama.cpp's (speed or resident memory), or our own worker and in-process loop.

@@ -5,7 +5,9 @@
 small server, where every prompt is compressed as it is read (what fits holds no whole prompt
 and its pass);
 ``kvzip``: the same request on the default server, one pass over the whole prompt before the
-answer (``qfilters_reuse: false``: a turn kept for reuse answers on its full cache instead).
+answer (``qfilters_reuse: false``: a turn kept for reuse answers on its full cache instead);
+``kvzap`` and ``kvzap-small``: ``kv_method: kvzap`` at the same budget on each server, every row
+scored by the model's surrogate as it is written (no pass).
 """
 
 from __future__ import annotations
@@ -21,13 +23,15 @@ from bench.run import start
 from qfserve import testing
 
 STUDY = "niah_served"
-ARMS = ("auto", "full", "auto-small", "kvzip", "kvzip-small")
+ARMS = ("auto", "full", "auto-small", "kvzip", "kvzip-small", "kvzap", "kvzap-small")
 COLOURS = {
     "auto": "tab:blue",
     "full": "black",
     "auto-small": "tab:red",
     "kvzip": "goldenrod",
     "kvzip-small": "darkgoldenrod",
+    "kvzap": "tab:green",
+    "kvzap-small": "darkgreen",
 }
 SMALL_TOKENS = 2048  # the small server's --max-kv-bytes holds a full cache this long
 SMALL_KVZIP_BUDGET = 256  # below the rows a prompt may hold there before it is compressed
@@ -63,7 +67,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         lengths=([1024, 2048, 4096, 8192], [256, 512]),
     )
     args = run.args
-    from qfserve.engine.serving.admission import kv_row_bytes
+    from qfserve.engine.kv.memory import kv_row_bytes
     from qfserve.engine.serving.config import EngineConfig
 
     row = kv_row_bytes(run.model, run.loaded.config, EngineConfig().cache_defaults())
@@ -86,15 +90,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ),
     ]
     kvzip = {"kv_method": "kvzip", "qfilters_budget": kvzip_budget, "qfilters_reuse": False}
-    bodies = {"full": {"kv_method": "full"}, "kvzip": kvzip, "kvzip-small": kvzip}
+    kvzap = {**kvzip, "kv_method": "kvzap"}
+    bodies = {
+        "full": {"kv_method": "full"},
+        "kvzip": kvzip,
+        "kvzip-small": kvzip,
+        "kvzap": kvzap,
+        "kvzap-small": kvzap,
+    }
 
     def send(arm: str, doc: dict[str, Any]) -> dict[str, Any]:
         url = servers[arm.endswith("-small")].url
         correct, kv, _ = needle_answer(url, doc, bodies.get(arm, {}), 3600)
         return {"correct": correct, **{k: kv[k] for k in KV_FIELDS}}
 
+    from qfserve.calibrations.registry import find_surrogate, model_id_for
+
+    arms = ARMS
+    if find_surrogate(model_id_for(run.loaded.model_id)) is None:  # kvzap would be refused
+        arms = tuple(a for a in ARMS if not a.startswith("kvzap"))
+        print("no KVzap surrogates for this model: the kvzap arms do not run")
     try:
-        records = needle_records(run, ARMS, args.lengths, args.docs, send)
+        records = needle_records(run, arms, args.lengths, args.docs, send)
     finally:
         testing.stop_all(servers, 15)
     accuracy = summarize(records, args.lengths)
@@ -122,7 +139,9 @@ def render(d: dict[str, Any]) -> list[str]:
         "tokens of full cache; `kvzip-small`: `kv_method: kvzip` at "
         f"{d.get('small_kvzip_budget', '?')} rows without reuse on that server, every prompt compressed "
         "as it is read; `kvzip`: the same on the default server without reuse, one pass "
-        "over the whole prompt before the answer. Accuracy (what ran):"
+        "over the whole prompt before the answer; `kvzap`, `kvzap-small`: `kv_method: kvzap` "
+        "at the same budget on each server, rows scored by the model's surrogate as they are "
+        "written. Accuracy (what ran):"
     )
     rows = [
         [

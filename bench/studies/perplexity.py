@@ -43,18 +43,19 @@ def run_arm(
 ) -> tuple[np.ndarray, dict[str, Any]]:
     """``(B, L-1)`` streaming NLL of one arm at one budget, and its budget record. With
     ``block`` the first half is a prompt read in blocks, which a kvzip arm compresses with
-    its reconstruction pass, one sequence at a time."""
+    its reconstruction pass. kvzip and kvzap arms run one sequence at a time (a tap offers a
+    scorer only a batch of one's queries or hidden states)."""
     model, filters = study.model, study.filters
     config = arm.config(budget)
     prefill = tokens.shape[1] // 2 if block else arm.block(budget)
     rows = [tokens]
-    if arm.method == "kvzip":
-        if not block:
-            raise ValueError("kvzip compresses a prompt: run its arms with --prompt")
-        rows = [tokens[b : b + 1] for b in range(tokens.shape[0])]  # the pass is per request
+    if arm.method == "kvzip" and not block:
+        raise ValueError("kvzip compresses a prompt: run its arms with --prompt")
+    if arm.method in ("kvzip", "kvzap"):  # kvzip's pass, kvzap's hidden tap: one request each
+        rows = [tokens[b : b + 1] for b in range(tokens.shape[0])]
     nlls, max_rows = [], 0
     for seq in rows:
-        caches = arm.caches(model, budget, filters)
+        caches = arm.caches(model, budget, filters, surrogate=study.surrogate)
         after = None
         if arm.method == "kvzip":
             after = partial(compress, model, caches, seq[0, :prefill].tolist(), study.repeat)
@@ -69,7 +70,7 @@ def run_arm(
         "n_sink": config.n_sink,
         "rows_kept_at_end": budget,  # check_budget raised otherwise
         "max_rows_any_step": max_rows,
-        "filter_source": arm.source(arm.caches(model, budget, filters)),
+        "filter_source": arm.source(arm.caches(model, budget, filters, surrogate=study.surrogate)),
     }
     return np.concatenate(nlls, axis=0), record
 

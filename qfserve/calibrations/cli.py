@@ -296,6 +296,11 @@ def _kvzap(args: Any, model: Any, tokenizer: Any, model_id: str, fingerprint: st
     best = max(trained.values(), key=lambda s: s.fidelity["spearman_median"])
     best.model_id, best.fingerprint = model_id, fingerprint
     best.fidelity["forms"] = {f: s.fidelity["spearman_median"] for f, s in trained.items()}
+    best.fidelity["text"] = (
+        "files given with --text"
+        if args.text
+        else describe_stdlib(args.seed, best.fidelity["train_texts"])
+    )
     out_dir = args.out if args.out is not None else default_output_dir()
     path = save_surrogate(out_dir / surrogate_name(model_id), best)
     print(f"done in {time.perf_counter() - start:.1f}s; wrote {path} ({best.form})")

@@ -22,11 +22,13 @@ from bench.studies import STUDIES, owner
 
 # Every JSON file a study's mode writes: (study, file), in the registry's order.
 CASES = [(s.name, f) for s in STUDIES.values() for f in s.files]
-# Arguments beyond --quick, by file: retrieval shares one prefill, queries included, across
-# every kind of arm, in either haystack.
+# Arguments beyond --quick, by file: retrieval shares one prefill, queries and hidden states
+# included, across every kind of arm, in either haystack; kvzap's surrogates are trained in
+# seconds (a linear one from two 64-token texts) where the registry has none.
 EXTRA = {
-    "retrieval": ["--self-calibrated", "--query-aware", "--kvzip"],
-    "niah": ["--self-calibrated", "--query-aware", "--kvzip"],
+    "retrieval": ["--self-calibrated", "--query-aware", "--kvzip", "--kvzap"],
+    "niah": ["--self-calibrated", "--query-aware", "--kvzip", "--kvzap"],
+    "perplexity": ["--kvzap"],
 }
 REGISTRY_FILTERS = {
     "multiturn_recall",

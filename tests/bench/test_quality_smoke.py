@@ -29,12 +29,21 @@ def test_calibration_is_fresh_and_disjoint_from_eval(quick: Callable, results: P
 
 def test_every_perplexity_arm_kept_exactly_its_budget(quick: Callable, results: Path) -> None:
     data = quick("perplexity")
+    assert {"kvzap/r0", "kvzap/r25"} <= set(data["arms"])  # --kvzap
     for res in data["results"].values():
         for budget, arms in res["budgets"].items():
             assert set(arms) == set(data["arms"]) - {"full"}
-            for r in arms.values():
+            for name, r in arms.items():
                 assert r["rows_kept_at_end"] == int(budget)
                 assert r["max_rows_any_step"] <= int(budget)
+                assert (r["filter_source"] == "kvzap") == name.startswith("kvzap")
+
+
+def test_kvzap_surrogates_are_trained_on_training_split_text(quick: Callable) -> None:
+    for file in ("perplexity", "retrieval", "niah"):
+        zap = quick(file)["calibration"]["kvzap"]
+        assert zap["source"] == "fresh" and zap["disjoint_from_eval"] is True
+        assert zap["form"] == "linear" and -1 <= zap["spearman_median"] <= 1
 
 
 def test_retrieval_shared_prefill_matches_generate_step(quick: Callable, results: Path) -> None:
@@ -44,7 +53,7 @@ def test_retrieval_shared_prefill_matches_generate_step(quick: Callable, results
     check = data["shared_prefill_check"]
     assert check["arms"] > 0 and check["identical"] == check["arms"], check["mismatches"]
     names = {name.split("/")[0] for res in data["results"].values() for name in res["arms"]}
-    assert {"self", "snapkv", "tova"} <= names
+    assert {"self", "snapkv", "tova", "kvzap"} <= names
     for res in data["results"].values():
         for cells in res["arms"].values():
             for c in cells.values():
@@ -175,6 +184,7 @@ def test_niah_places_the_needle_and_resumes(
 
     data = quick("niah")
     assert {r["target_depth"] for r in data["records"]} == set(data["depths"])
+    assert "kvzap/r25" in data["grid"]  # --kvzap, beside kvzip and Q-Filters
     for r in data["records"]:
         assert abs(r["depth"] - r["target_depth"]) < 0.35  # paragraph boundaries are coarse
         assert abs(r["tokens"] - r["length"]) <= 0.25 * r["length"]
@@ -493,3 +503,37 @@ def test_attention_over_lengths_scores_traffic_and_snapkv(results: Path, tiny_mo
         np.testing.assert_allclose(
             res["traffic/same"]["per_head"], res["qfilters"]["per_head"], atol=1e-6
         )
+
+
+def test_kvzip_reuse_runs_kvzap_through_the_worker(
+    results: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--conversation document --kvzap``: the worker finds the model's surrogates in the
+    registry as a server does (here a quick one trained for qfserve-tiny, in a folder on
+    ``$QFSERVE_CALIBRATIONS``), and the kvzap conversation keeps its budget every turn."""
+    from bench.cli import BUNDLED
+    from bench.run import identity
+    from bench.studies.multiturn_recall.kvzip_reuse import main
+    from bench.surrogates import surrogate_for
+    from qfserve.calibrations.kvzap.surrogate import save_surrogate
+    from qfserve.calibrations.registry import find_surrogate, model_id_for, surrogate_name
+    from qfserve.engine.models.loading import load_model, resolve_model_ref
+
+    folder = Path(resolve_model_ref(BUNDLED))
+    loaded = load_model(str(folder))
+    found = identity(loaded, folder)
+    surrogate, _ = surrogate_for(loaded.model, loaded.tokenizer, found, mode="fresh", quick=True)
+    model_id, registry = model_id_for(found["model_id"]), results / "kvzap-registry"
+    save_surrogate(registry / surrogate_name(model_id), surrogate)
+    out = results / "kvzip-reuse-kvzap"
+    monkeypatch.delenv("QFSERVE_CALIBRATIONS", raising=False)
+    if find_surrogate(model_id) is None:  # none on this machine's search path: refused
+        with pytest.raises(ValueError, match="qfserve calibrate --kvzap"):
+            main(["--quick", "--kvzap", "--out", str(out)])
+    monkeypatch.setenv("QFSERVE_CALIBRATIONS", str(registry))
+    data = main(["--quick", "--kvzap", "--out", str(out)])
+    assert "kvzap/r25" in data["arms"] and "kvzap/r25" in data["accuracy"]
+    assert data["every_later_turn_reused"] is True
+    for r in data["records"]:
+        if r["arm"] == "kvzap/r25":
+            assert r["kept"] == [r["budget"]] * len(r["kept"])

@@ -158,6 +158,12 @@ CHECKS: dict[str, Callable[[dict[str, Any]], bool]] = {
         and _ratios(d["decode_ratios"])
         and d["settings"]["kept_rows_after_prefill"]["kvzip"] <= d["settings"]["budget"]
     ),
+    "kvzap_cost": lambda d: (
+        _ratios(d["prefill_ratios"])
+        and _ratios(d["decode_ratios"])
+        and {r["arm"] for r in d["decode_ratios"]} == {"qfilters_again", "kvzap"}
+        and d["settings"]["surrogate"]["bytes"] > 0
+    ),
     "kernel_cuda": lambda d: (
         len(d["results"]) > 0
         and all(

@@ -19,6 +19,7 @@ from bench.data import CITIES, first_number_is, prose_run
 from bench.plots import accuracy_plot, color
 from bench.report import accuracy_table, arm_label, section
 from bench.run import start
+from qfserve.calibrations.registry import find_surrogate, model_id_for
 from qfserve.engine.text.requests import Delta, GenerationRequest, SamplingParams
 
 STUDY = "kvzip_reuse"
@@ -33,6 +34,7 @@ ARMS = {
         Arm("kvzip", 0.25, shared=True),
     )
 }
+KVZAP = Arm("kvzap", 0.25)  # with --kvzap: the surrogates the worker finds in the registry
 
 
 def make_doc(tokenizer: Any, length: int, index: int) -> dict[str, Any]:
@@ -102,12 +104,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         STUDY,
         argv,
         __doc__,
+        flags={
+            "--kvzap": {
+                "action": "store_true",
+                "help": "also run KVzap, with the model's surrogates from the registry (as "
+                "the server loads them)",
+            }
+        },
         docs=(6, 1),
         length=(1500, 200, "document tokens"),
         ratios=([2, 4, 8], [4]),
     )
     args, ratios = study.args, study.args.ratios
     tokenizer, loaded = study.tokenizer, study.loaded
+    arms = dict(ARMS)
+    if args.kvzap:
+        model_id = model_id_for(study.identity["model_id"])
+        if find_surrogate(model_id) is None:
+            raise ValueError(
+                f"--kvzap needs KVzap surrogates for {model_id!r} in the registry (the worker "
+                "loads them from there): make them with `qfserve calibrate --kvzap`"
+            )
+        arms[KVZAP.name] = KVZAP
 
     def measure(d: int, name: str, ratio: str) -> dict[str, Any]:
         doc = make_doc(tokenizer, args.length, d)
@@ -121,7 +139,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "ratio": ratio,
                 "budget": budget,
                 "doc_tokens": tokens,
-                **converse(worker, tokenizer, doc, ARMS[name], budget),
+                **converse(worker, tokenizer, doc, arms[name], budget),
             }
         finally:
             worker.stop()
@@ -129,7 +147,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     todo = [
         (d, name, str(r))
         for d in range(args.docs)
-        for name, arm in ARMS.items()
+        for name, arm in arms.items()
         for r in (["-"] if arm.method == "full" else ratios)
     ]
     records = study.logged(("doc", "arm", "ratio"), todo, measure, "conversations")
@@ -148,7 +166,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "scoring": "first number of the greedy answer equals the city's",
             },
             "ratios": ratios,
-            "arms": list(ARMS),
+            "arms": list(arms),
             "budget_rule": "budget = round(document tokens / ratio), recent = budget/4",
             "every_later_turn_reused": all(all(c > 0 for c in r["cached"][1:]) for r in records),
             "accuracy": accuracy,

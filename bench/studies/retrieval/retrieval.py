@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from bench import plots
 from bench.arms import (
     READS_QUERIES,
     Arm,
+    LayerBlock,
     add_arm_arguments,
     add_traffic_argument,
     check_budget,
@@ -33,6 +35,7 @@ from bench.plots import color, ratio_panel
 from bench.report import arm_label, arm_order, fmt, section, table
 from bench.run import Run, start
 from bench.timing import summary
+from qfserve.calibrations.kvzap.hidden import install_hidden_taps
 from qfserve.engine.kv.config import DEFAULT_N_SINK, CacheConfig
 from qfserve.engine.kv.factory import make_caches
 from qfserve.engine.kv.kvzip import RepeatPrompt, compress
@@ -80,26 +83,35 @@ def decode(model: Any, prompt: list[int], caches: list[Any], max_tokens: int) ->
 
 
 def prefill_block(
-    model: Any, prompt: list[int], *, queries: bool = False, kvzip: RepeatPrompt | None = None
-) -> list[tuple[mx.array, ...]]:
-    """Each layer's keys and values for ``prompt[:-1]`` (one block, full cache), then with
-    ``queries`` its rotated queries and with ``kvzip`` the reconstruction pass's row scores
-    (budget-free: the pass runs once per document for every kvzip arm and ratio)."""
+    model: Any,
+    prompt: list[int],
+    *,
+    queries: bool = False,
+    hidden: bool = False,
+    kvzip: RepeatPrompt | None = None,
+) -> list[LayerBlock]:
+    """Each layer's keys and values for ``prompt[:-1]`` (one block, full cache), with
+    ``queries`` its rotated queries, with ``hidden`` its input norm's output (kvzap) and with
+    ``kvzip`` the reconstruction pass's row scores (budget-free: the pass runs once per
+    document for every kvzip arm and ratio)."""
     n = len(prompt) - 1
     taps = install_query_taps(model) if queries or kvzip is not None else None
+    norms = install_hidden_taps(model) if hidden else None
     if kvzip is not None:  # a budget above the block: the pass scores rows, evicts none
         cache = make_caches(model, CacheConfig(method="kvzip", budget=n + 1))
     else:
         cache = make_prompt_cache(model)
     model(mx.array(prompt[:-1])[None], cache=cache)
-    kv: list[tuple[mx.array, ...]] = [(c.keys[..., :n, :], c.values[..., :n, :]) for c in cache]
+    block = [LayerBlock(c.keys[..., :n, :], c.values[..., :n, :]) for c in cache]
     if taps is not None:
-        kv = [(*layer, tap.take(n)) for layer, tap in zip(kv, taps, strict=True)]
+        block = [replace(b, queries=tap.take(n)) for b, tap in zip(block, taps, strict=True)]
+    if norms is not None:  # taken before the reconstruction pass runs the layers again
+        block = [replace(b, hidden=tap.take(n)) for b, tap in zip(block, norms, strict=True)]
     if kvzip is not None:
         compress(model, cache, prompt[:-1], kvzip)
-        kv = [(*layer, c.token_scores) for layer, c in zip(kv, cache, strict=True)]
-    mx.eval(kv)
-    return kv
+        block = [replace(b, scores=c.token_scores) for b, c in zip(block, cache, strict=True)]
+    mx.eval([b.arrays() for b in block])
+    return block
 
 
 def run_arm(
@@ -107,7 +119,7 @@ def run_arm(
 ) -> tuple[list[int], str]:
     """Generated tokens of one arm and its filters' source (``block=None``: prefilled the
     direct way)."""
-    caches = arm.caches(study.model, budget, study.filters)
+    caches = arm.caches(study.model, budget, study.filters, surrogate=study.surrogate)
     if block is None:
         tokens = decode(study.model, prompt, caches, max_tokens)
     else:
@@ -121,7 +133,7 @@ def answer_nll(
     study: Run, prompt: list[int], answer: list[int], block: Any, arm: Arm, budget: int | None
 ) -> float:
     """Mean NLL per answer token, teacher-forced one token per step after the prompt."""
-    caches = arm.caches(study.model, budget, study.filters)
+    caches = arm.caches(study.model, budget, study.filters, surrogate=study.surrogate)
     feed_block(caches, block)
     tokens = np.array([[prompt[-1], *answer]])
     # budget=None: the rows are checked against the whole document just below.
@@ -136,11 +148,12 @@ def answers(
     """Each arm at each ratio on one prompt prefilled once: ``(arm, ratio, key, budget, tokens,
     filter source, right, answer NLL)``, right when the first number is ``doc["key"]``."""
     prompt, methods = doc["prompt"], {arm.method for arm, _ in configs}
-    # One prefill with what the arms read: the block's queries, kvzip's scores.
+    # One prefill with what the arms read: the block's queries, hidden states, kvzip's scores.
     block = prefill_block(
         study.model,
         prompt,
         queries=bool(methods & set(READS_QUERIES)),
+        hidden="kvzap" in methods,
         kvzip=study.repeat if "kvzip" in methods else None,
     )
     for arm, ratio, key, budget in cells(configs, len(prompt)):
