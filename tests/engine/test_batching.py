@@ -38,6 +38,7 @@ SETTINGS = [  # method, budget, recent, budget_mode: every kind of cache in one 
     CacheConfig(method="tova", budget=56, recent=8),  # the query-aware ones read their own
     CacheConfig(method="snapkv", budget=88, recent=16),  # row of the batch's queries
     CacheConfig(method="kvzip", budget=72, recent=8),  # reconstructs its prompt first
+    CacheConfig(method="kvzap", budget=64, recent=8),  # scored from its own row's hidden state
 ]
 PACKED = [  # only caches the batch packs into shared arrays (qfserve.engine.kv.batch.packed); the first (89
     CacheConfig(method="qfilters", budget=100, recent=8),  # tokens) fills while decoding
@@ -61,6 +62,16 @@ def calibration(loaded):
     )
     assert source == "calibrated"
     return filters, scale
+
+
+def surrogate(loaded):
+    """The served model's shipped KVzap surrogates (what the worker loads)."""
+    from qfserve.calibrations.kvzap.surrogate import read_surrogate
+    from qfserve.calibrations.registry import find_surrogate, model_id_for
+
+    path = find_surrogate(model_id_for(loaded.model_id))
+    assert path is not None, "the served model ships its KVzap surrogates"
+    return read_surrogate(path)
 
 
 def prompt_of(loaded, i: int) -> tuple[int, ...]:
@@ -107,6 +118,7 @@ def alone(loaded, calibration, req: GenerationRequest) -> tuple[list[int], list[
         req.cache,
         filters=filters if req.cache.method in ("qfilters", "kvzip") else None,
         query_scale=scale if calibrated else None,
+        surrogate=surrogate(loaded) if req.cache.method == "kvzap" else None,
     )
     prompt = list(req.prompt)
     if req.cache.method == "kvzip":  # read the prompt, reconstruct it, then generate

@@ -86,7 +86,7 @@ def conversation(
     return out
 
 
-@pytest.mark.parametrize("method", ["full", "streaming", "knorm", "qfilters", "kvzip"])
+@pytest.mark.parametrize("method", ["full", "streaming", "knorm", "qfilters", "kvzip", "kvzap"])
 def test_reuse_under_the_budget_changes_no_token(worker, loaded, method):
     config = CacheConfig(method=method, budget=1024, recent=16)
     fresh = conversation(worker, loaded, config, 5, reuse=False)
@@ -211,7 +211,7 @@ def test_saved_entries_keep_their_name_and_old_files_read_as_unnamed(loaded, tmp
     assert persist.load(old, "fp", fresh)[0] == cache_key("tiny", config, "none")
 
 
-@pytest.mark.parametrize("method", ["qfilters", "kvzip"])
+@pytest.mark.parametrize("method", ["qfilters", "kvzip", "kvzap"])
 def test_saved_caches_survive_a_restart(loaded, tmp_path, caplog, method):
     from qfserve.engine.reuse import disk as persist
 
