@@ -1,6 +1,6 @@
 """KVzap's surrogates: per layer, the log KVzip+ score of each KV head from a key's hidden state.
 
-Two forms, as kvpress trains them (``kvzap/train.py``): ``linear`` (``x W + b``, fitted by
+Two forms, as kvpress's KVzap training script does: ``linear`` (``x W + b``, fitted by
 ridge regression in closed form, kvpress's ``Ridge()`` with ``alpha = 1``) and ``mlp``
 (``gelu(x W1 + b1) W2 + b2``, hidden 512, exact GELU; trained by AdamW on the mean squared
 error, :func:`train_mlp`). Layers that do not evict (sliding windows) hold zeros and are marked

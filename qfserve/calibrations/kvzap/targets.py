@@ -10,7 +10,7 @@ KV head ``g``, a key ``i`` of the first context, and each query ``t`` of the rep
 where ``a`` is the model's own attention probability (softmax over every causal key), ``v_i``
 the value of ``i`` in ``g``, ``W_O^h`` the columns of the output projection that read head
 ``h``, and ``x_t`` the hidden state that enters the layer's attention at ``t`` (after the
-input norm). The target is ``log(score)``. This is kvpress's KVzap target (``kvzap/data.py``)
+input norm). The target is ``log(score)``. This is the target kvpress's KVzap trains on (its data script)
 on the reconstruction prompt our own KVzip pass uses: the attention a key receives while the
 model says the context again, weighted by what its value adds to the residual stream. The
 surrogate's input is ``x_i``, the hidden state the key itself is written from.
