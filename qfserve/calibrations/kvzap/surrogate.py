@@ -112,9 +112,9 @@ def forward(x: mx.array, weights: Sequence[mx.array]) -> mx.array:
     ``w2``, ``b2``)."""
     if len(weights) == 2:
         w, b = weights
-        return x @ w + b
+        return mx.addmm(b, x, w)  # one op: a decode step runs this once a layer
     w1, b1, w2, b2 = weights
-    return nn.gelu(x @ w1 + b1) @ w2 + b2
+    return mx.addmm(b2, nn.gelu(mx.addmm(b1, x, w1)), w2)
 
 
 class RidgeSums:

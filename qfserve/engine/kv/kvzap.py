@@ -50,8 +50,9 @@ class KVzapScorer(AlwaysReady):
         if hidden is None:  # no hidden state for these rows: below every surrogate score
             norms = mx.sqrt(mx.square(keys.astype(mx.float32)).sum(axis=-1))
             return _BELOW - norms
-        scores = forward(hidden.astype(mx.float32), self.weights)  # (1, N, H)
-        return scores.transpose(0, 2, 1)
+        if hidden.dtype != mx.float32:
+            hidden = hidden.astype(mx.float32)
+        return forward(hidden, self.weights).transpose(0, 2, 1)  # (1, N, H) -> (1, H, N)
 
 
 def kvzap_scorer(tap: Any, weights: tuple[mx.array, ...]) -> KVzapScorer:
