@@ -145,29 +145,14 @@ class Admitter:
         self._next = None
 
     def start(self, job: Job) -> Admission | None:
-        """``job`` made ready for the batch (:meth:`prepare` on the served model)."""
-        assert self._serving is not None, "serve() first"
-        loaded, context, caches_for = self._serving
-        turns = self.turns if job.request.reuse else None
-        return self.prepare(job, loaded, context, caches_for, turns)
-
-    def prepare(
-        self,
-        job: Job,
-        loaded: Any,
-        context: MethodContext,
-        caches_for: Callable[[CacheConfig], list[Any]],
-        turns: Turns | None,
-    ) -> Admission | None:
-        """A queued job made ready for the batch, or ``None`` with the job ended here
-        (cancelled, its prompt cannot be encoded, its settings do not suit this model, or
-        its caches can never fit). ``turns``: kept turns it may continue, and will be kept
-        in (reuse on)."""
+        """``job`` made ready for the batch on the served model, or ``None`` with the job
+        ended here (cancelled, its prompt cannot be encoded, its settings do not suit this
+        model, or its caches can never fit)."""
         if job.cancelled:
             self.cancel(job)
             return None
         try:
-            return self._prepare(job, loaded, context, caches_for, turns)
+            return self._prepare(job)
         except (PromptError, ConfigError) as exc:  # ConfigError: settings this model cannot honour
             self.fail(job, Failed("invalid_request", str(exc), exc.param))
         except Exception as exc:  # noqa: BLE001 - one request failing must not stop the worker
@@ -175,14 +160,12 @@ class Admitter:
             self.fail(job, Failed("internal", f"generation failed: {type(exc).__name__}: {exc}"))
         return None
 
-    def _prepare(
-        self,
-        job: Job,
-        loaded: Any,
-        context: MethodContext,
-        caches_for: Callable[[CacheConfig], list[Any]],
-        turns: Turns | None,
-    ) -> Admission:
+    def _prepare(self, job: Job) -> Admission:
+        """Encode, resolve an ``auto`` budget, fetch (reuse on: from the kept turns) or build
+        the caches and their policy, and size what they reserve."""
+        assert self._serving is not None, "serve() first"
+        loaded, context, caches_for = self._serving
+        turns = self.turns if job.request.reuse else None
         request, config = job.request, self.config
         prompt, max_tokens = encode_prompt(loaded, request)
         job.record.prompt_tokens = len(prompt)

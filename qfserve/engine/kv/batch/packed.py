@@ -77,7 +77,6 @@ class _Member:
     cache: Any
     cap: float  # slots it holds at most: budget + 1 where it evicts, else unbounded
     held: int  # slots in use
-    offset: int  # its next position
     chunk: int  # 1, or the chunk its stored rows rank by at the budget
     form: ScoreForm | None  # its scorer's batched form; None: it scores nothing
 
@@ -199,7 +198,7 @@ class PackedBatch:
             if self.token_scores is not None:
                 self.token_scores = pad_slots(self.token_scores, C)
         C = self.keys.shape[2]
-        offsets = [r.offset for r in self.rows]
+        offsets = [r.cache.offset for r in self.rows]  # each member's next position
         positions = mx.array(offsets, dtype=mx.int32)[:, None, None]  # (B, 1, 1)
         held = [int(min(r.held + 1, r.cap)) for r in self.rows]
         held_now = mx.array(held, dtype=mx.int32)[:, None, None]
@@ -237,7 +236,6 @@ class PackedBatch:
             self._write_and_grow(keys, values, score, positions, reaching, held_now, evict)
         for r, now, evicted in zip(self.rows, held, evict, strict=True):
             r.cache.offset += 1
-            r.offset += 1
             if evicted:
                 r.cache.evictions += 1
             if now != r.held:
@@ -417,7 +415,7 @@ def _taken(m: Any) -> tuple[_Member, tuple[Any, ...]]:
         zeros = mx.zeros((1, H, rows), dtype=mx.float32)
         order = mx.zeros((1, H, rows), dtype=mx.int32)
         free = mx.full((1, H, 1), rows, dtype=mx.uint32)
-        return _Member(m, _INF, rows, m.offset, 1, None), (k, v, zeros, order, free, zeros)
+        return _Member(m, _INF, rows, 1, None), (k, v, zeros, order, free, zeros)
     s = m.scores
     t = s if m.chunk == 1 else m.token_scores
     if m.free is not None:  # slot layout: every slot is held, one is free
@@ -430,4 +428,4 @@ def _taken(m: Any) -> tuple[_Member, tuple[Any, ...]]:
         f = mx.full((1, H, 1), rows, dtype=mx.uint32)
     form = m.scorer.form()
     assert form is not None  # can_pack checked it
-    return _Member(m, m.budget + 1, rows, m.offset, m.chunk, form), (k, v, s, o, f, t)
+    return _Member(m, m.budget + 1, rows, m.chunk, form), (k, v, s, o, f, t)
