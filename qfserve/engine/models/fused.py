@@ -35,8 +35,9 @@ from qfserve.calibrations.kvzap.hidden import HIDDEN_TAP
 from qfserve.engine.models import native_layers
 from qfserve.engine.models.native_layers import NativeRMSNorm, NativeRoPE, offset_array
 
-# Sequences a fused decode step takes (the kernel's few-row path multiplies them in registers).
-MAX_ROWS = 8
+# Sequences a fused decode step takes: the rows the kernel multiplies in registers
+# (``kFewRows`` in ``quantized_matmul.cpp``); more would take its prompt path anyway.
+MAX_ROWS = 32
 
 
 @dataclass(frozen=True)
