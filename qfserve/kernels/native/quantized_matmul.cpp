@@ -273,10 +273,10 @@ void rows(const Codes& c, const float* xp, const float* xs, float* y, int n0, in
           block_params(c, n, std::min(kParamRows, n1 - n), params.data());
     const float* sn = block_s + static_cast<size_t>(in_block) * G;
     const float* bn = block_b + static_cast<size_t>(in_block) * G;
-    vf acc[MB];
+    vf acc[MB], acc1[MB];  // two chains a row: the block's halves add independently
     float bias_sum[MB];
     for (int m = 0; m < MB; ++m) {
-      acc[m] = vf{};
+      acc[m] = acc1[m] = vf{};
       bias_sum[m] = 0.f;
     }
     for (int blk = 0; blk < K / kBlock; ++blk) {
@@ -287,12 +287,14 @@ void rows(const Codes& c, const float* xp, const float* xs, float* y, int n0, in
       f1 *= s;
       for (int m = 0; m < MB; ++m) {
         const float* xb = xp + static_cast<size_t>(m) * K + blk * kBlock;
-        acc[m] += f0 * load(xb) + f1 * load(xb + 16);
+        acc[m] += f0 * load(xb);
+        acc1[m] += f1 * load(xb + 16);
       }
     }
     for (int g = 0; g < G; ++g)
       for (int m = 0; m < MB; ++m) bias_sum[m] += bn[g] * xs[static_cast<size_t>(m) * G + g];
-    for (int m = 0; m < MB; ++m) y[static_cast<size_t>(m) * N + n] = hsum(acc[m]) + bias_sum[m];
+    for (int m = 0; m < MB; ++m)
+      y[static_cast<size_t>(m) * N + n] = hsum(acc[m] + acc1[m]) + bias_sum[m];
   }
 }
 
