@@ -1,5 +1,7 @@
 """Continuous batching: aggregate decode tokens/s and TTFT under 1-16 concurrent streams,
-qfserve batching against qfserve one request at a time and ``mlx_lm.server``."""
+qfserve batching against qfserve one request at a time, llama.cpp's ``llama-server`` on the
+same GGUF file (continuous batching, ``-np`` our ``--max-batch``; where it is built:
+``bench/reference/llama_cpp_tools.sh``) and, with ``--mlx-lm``, ``mlx_lm.server``."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import contextlib
 import itertools
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -17,8 +20,9 @@ from bench.data import chat_content, eos_ban
 from bench.report import section, table
 from bench.run import start
 from bench.studies.multiturn import start_servers
+from qfserve import testing as servers
 
-ARMS = ("serial", "batched_a", "theirs", "batched_b")
+MAX_BATCH = 16  # qfserve's --max-batch and llama-server's -np
 COLUMNS = {  # what each burst measures, and its column in the table
     "tokens_per_s": "decode tok/s",
     "steady_tokens_per_s": "steady tok/s",
@@ -45,14 +49,14 @@ def steady_rate(streams: list[tuple[float, clients.StreamTiming]]) -> float | No
     return sum(sum(lo < t <= hi for t in ts) for ts in times) / (hi - lo)
 
 
-def burst(sm: Any, client: httpx.Client, url: str, name: str, n: int, c: int):
+def burst(sm: Any, client: httpx.Client, url: str, name: str, n: int, c: int, model: str):
     """An arm sending ``c`` streams of about ``n`` prompt tokens at once to ``url``."""
-    ours = name != "theirs"
+    ours = name in ("serial", "batched_a", "batched_b")
 
     def one(i: int) -> tuple[float, clients.StreamTiming]:
         content = chat_content(sm, n, f"[{next(NONCES):05d}-{name[:6]}] ")
         body = {
-            "model": sm.loaded.name if ours else str(sm.folder),
+            "model": model,
             "messages": [{"role": "user", "content": content}],
             "max_tokens": sm.args.max_tokens,
             "temperature": 0,
@@ -81,7 +85,7 @@ def burst(sm: Any, client: httpx.Client, url: str, name: str, n: int, c: int):
     return run
 
 
-def write(sm: Any, rows: list[dict], complete: bool) -> dict[str, Any]:
+def write(sm: Any, rows: list[dict], arms: tuple[str, ...], complete: bool) -> dict[str, Any]:
     """The results so far: written after every row, so a stopped run keeps its rows."""
     a = sm.args
 
@@ -94,6 +98,16 @@ def write(sm: Any, rows: list[dict], complete: bool) -> dict[str, Any]:
         }
         return None if 1 not in mine else {c: v / mine[1] for c, v in mine.items()}
 
+    def against(n: int, key: str) -> dict[int, float] | None:
+        """Batched tokens/s over llama-server's at each stream count, at prompt ``n``."""
+        if "llama" not in arms:
+            return None
+        return {
+            r["streams"]: r[key]["batched_a"]["median"] / r[key]["llama"]["median"]
+            for r in rows
+            if r["prompt_tokens"] == n and r[key]["batched_a"] and r[key]["llama"]
+        }
+
     result = {
         "complete": complete,
         "settings": {
@@ -101,16 +115,21 @@ def write(sm: Any, rows: list[dict], complete: bool) -> dict[str, Any]:
             "max_tokens": a.max_tokens,
             "streams": a.streams,
             "prompts": a.prompts,
+            "arms": list(arms),
             "mixes_ours": list(MIXES),
             "temperature": 0,
             "eos_banned": True,
             "serial": "qfserve --max-batch 1",
-            "batched": "qfserve --max-batch 16",
+            "batched": f"qfserve --max-batch {MAX_BATCH}",
+            "llama": f"llama.cpp's llama-server -np {MAX_BATCH} -c {MAX_BATCH} x (prompt + "
+            "tokens), continuous batching, on the same GGUF file",
             "theirs": "python -m mlx_lm.server (its defaults: batched decoding, full KVCache)",
         },
         "rows": rows,
         "speedup_over_one_stream": {n: speedup(n, "tokens_per_s") for n in a.prompts},
         "steady_speedup_over_one_stream": {n: speedup(n, "steady_tokens_per_s") for n in a.prompts},
+        "over_llama": {n: against(n, "tokens_per_s") for n in a.prompts},
+        "steady_over_llama": {n: against(n, "steady_tokens_per_s") for n in a.prompts},
     }
     fig, axes = plots.subplots(1, 2, figsize=(10, 3.8))
     for ax, key, title in zip(
@@ -119,7 +138,7 @@ def write(sm: Any, rows: list[dict], complete: bool) -> dict[str, Any]:
         ("aggregate decode tokens/s", "TTFT p99 (s)"),
         strict=True,
     ):
-        for n, arm in itertools.product(sorted({r["prompt_tokens"] for r in rows}), ARMS):
+        for n, arm in itertools.product(sorted({r["prompt_tokens"] for r in rows}), arms):
             mine = [r for r in rows if r["prompt_tokens"] == n]
             ax.plot(
                 [r["streams"] for r in mine],
@@ -135,11 +154,36 @@ def write(sm: Any, rows: list[dict], complete: bool) -> dict[str, Any]:
     return sm.save(result, echo=complete)
 
 
+def launches(sm: Any) -> tuple[dict[str, tuple[str, ...]], Path | None]:
+    """The servers the run starts (qfserve twice, llama-server where it is built and the model
+    is a GGUF file, mlx-lm's with ``--mlx-lm``) and the GGUF file llama-server serves."""
+    ours = ("--max-queue", "64")
+    found: dict[str, tuple[str, ...]] = {
+        "serial": ("qfserve", "--max-batch", "1", *ours),
+        "batched": ("qfserve", "--max-batch", str(MAX_BATCH), *ours),
+    }
+    try:
+        gguf = servers.gguf_of(sm.args.model)
+    except ValueError as no_file:
+        gguf = None
+        sm.log(f"no llama arm: {no_file}")
+    if gguf is not None and servers.llama_tool("llama-server") is None:
+        gguf = None
+        sm.log("no llama arm: llama-server is not built (bench/reference/llama_cpp_tools.sh)")
+    if gguf is not None:
+        slot = max(sm.args.prompts) + sm.args.max_tokens + 64
+        found["llama"] = ("llama_server", "-np", str(MAX_BATCH), "-c", str(MAX_BATCH * slot))
+    if sm.args.mlx_lm:
+        found["theirs"] = ("mlx_lm",)
+    return found, gguf
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     sm = start(
         "batching",
         argv,
         __doc__,
+        flags={"--mlx-lm": {"action": "store_true", "help": "also mlx_lm.server (theirs)"}},
         reps=1,
         max_tokens=(64, 8),
         streams=([1, 4, 8, 16], [1, 2, 4]),
@@ -147,43 +191,43 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     rows: list[dict] = []
     with contextlib.ExitStack() as stack:
-        sm.log("starting qfserve (--max-batch 1 and 16) and mlx_lm.server")
-        procs = start_servers(
-            stack,
-            sm.folder,
-            {
-                "serial": ("qfserve", "--max-batch", "1", "--max-queue", "64"),
-                "batched": ("qfserve", "--max-batch", "16", "--max-queue", "64"),
-                "theirs": ("mlx_lm",),
-            },
-        )
+        started, gguf = launches(sm)
+        sm.log(f"starting {', '.join(started)}")
+        procs = start_servers(stack, sm.folder, started, models={"llama": gguf})
         client = stack.enter_context(httpx.Client(limits=httpx.Limits(max_connections=64)))
-        urls = {a: procs[a.removesuffix("_a").removesuffix("_b")].url for a in ARMS}
+        arms = ("serial", "batched_a", *(a for a in ("llama", "theirs") if a in procs))
+        arms += ("batched_b",)
+        urls = {a: procs[a.removesuffix("_a").removesuffix("_b")].url for a in arms}
+        names = {a: str(sm.folder) for a in arms} | {"llama": str(gguf)}
+        names |= {a: sm.loaded.name for a in ("serial", "batched_a", "batched_b")}
         for n, c in itertools.product(sm.args.prompts, sm.args.streams):
-            arms = {a: burst(sm, client, urls[a], a, n, c) for a in ARMS}
+            bursts = {a: burst(sm, client, urls[a], a, n, c, names[a]) for a in arms}
             label = f"prompt {n}, {c} streams"
             runs = timing.interleave(  # one warm-up round, before the first burst only
-                arms, sm.args.reps, warmup=int(not rows), progress=sm.log.rounds(label)
+                bursts, sm.args.reps, warmup=int(not rows), progress=sm.log.rounds(label)
             )
             row: dict = {"prompt_tokens": n, "streams": c}
             for key in (*COLUMNS, "wall_s"):
                 values = {a: [r[key] for r in v] for a, v in runs.items()}
                 row[key] = {a: None if None in v else timing.summary(v) for a, v in values.items()}
                 if None not in row[key].values():  # else: an arm had no steady span
-                    row[f"{key}_ratios"] = timing.ratios(values, "serial", ARMS[1:])
+                    row[f"{key}_ratios"] = timing.ratios(values, "serial", arms[1:])
             rows.append(row)
-            write(sm, rows, complete=False)
-            speeds = ", ".join(f"{a} {row['tokens_per_s'][a]['median']:.1f} tok/s" for a in ARMS)
+            write(sm, rows, arms, complete=False)
+            speeds = ", ".join(f"{a} {row['tokens_per_s'][a]['median']:.1f} tok/s" for a in arms)
             sm.log(f"{label}: {speeds}")
-    return write(sm, rows, complete=True)
+    return write(sm, rows, arms, complete=True)
 
 
 def render(d: dict[str, Any]) -> list[str]:
     s = d["settings"]
+    arms = s.get("arms", list(d["rows"][0]["tokens_per_s"]) if d["rows"] else [])
     intro = (
         f"Streamed chat requests of one prompt length sent at once, greedy, {s['max_tokens']} "
         f"tokens (EOS banned); ours mix methods and budgets. Arms: {s['serial']} (serial), "
-        f"{s['batched']} (batched_a, and batched_b as the A/A copy), {s['theirs']} (theirs). "
+        f"{s['batched']} (batched_a, and batched_b as the A/A copy)"
+        + "".join(f", {s[a]} ({a})" for a in ("llama", "theirs") if a in arms and a in s)
+        + ". "
         "Decode tokens/s is aggregate: tokens after each stream's first, over the span from "
         "the first first token to the last stream's end; steady tokens/s counts only the "
         "span in which every stream is decoding (from the last first token to the first end)."
@@ -204,11 +248,13 @@ def render(d: dict[str, Any]) -> list[str]:
         table(["prompt", "streams", "arm", *COLUMNS.values()], rows),
     ]
     for key, what in (
-        ("speedup_over_one_stream", "decode"),
-        ("steady_speedup_over_one_stream", "steady decode"),
+        ("speedup_over_one_stream", "decode tokens/s over one stream"),
+        ("steady_speedup_over_one_stream", "steady decode tokens/s over one stream"),
+        ("over_llama", "decode tokens/s over llama-server's"),
+        ("steady_over_llama", "steady decode tokens/s over llama-server's"),
     ):
         blocks += [
-            f"Prompt {n}: batched {what} tokens/s over one stream: "
+            f"Prompt {n}: batched {what}: "
             + ", ".join(f"{c} streams {v:.2f}×" for c, v in sp.items())
             for n, sp in (d.get(key) or {}).items()
             if sp

@@ -36,16 +36,20 @@ LAUNCHES = {
 
 
 def start_servers(
-    stack: contextlib.ExitStack, folder: Path, launches: dict[str, tuple[str, ...]]
+    stack: contextlib.ExitStack,
+    folder: Path,
+    launches: dict[str, tuple[str, ...]],
+    models: dict[str, Path | None] | None = None,
 ) -> dict[str, servers.ServerProcess]:
-    """Each named server (``(kind, *flags)``, qfserve logging warnings only) on ``folder``,
-    ready; ``stack`` stops them all as it closes."""
+    """Each named server (``(kind, *flags)``, qfserve logging warnings only) on ``folder``
+    (or the model ``models`` names for it), ready; ``stack`` stops them all as it closes."""
     logs = Path(stack.enter_context(tempfile.TemporaryDirectory()))
     procs: dict[str, servers.ServerProcess] = {}
     stack.callback(lambda: servers.stop_all(list(procs.values()), 10))
     for name, (kind, *flags) in launches.items():
         quiet = {"log_level": "warning"} if kind == "qfserve" else {}
-        procs[name] = servers.launch(kind, folder, *flags, log=logs / f"{name}.log", **quiet)
+        model = (models or {}).get(name) or folder
+        procs[name] = servers.launch(kind, model, *flags, log=logs / f"{name}.log", **quiet)
     for proc in procs.values():
         servers.wait_ready(proc, 180)
     return procs
