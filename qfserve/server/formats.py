@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from qfserve.engine.text.requests import Finished, TokenLogprob
-from qfserve.engine.text.tools import parse_tool_calls
+from qfserve.engine.text.tools import parse_tool_calls, without_open_call
 from qfserve.server.openapi import (
     ChatChoice,
     ChatChunkChoice,
@@ -118,6 +118,8 @@ class ChatFormat:
         if not self.holds_text:
             return text, [], finish_reason
         content, calls = parse_tool_calls(text, self._names)
+        if finish_reason == "length":  # a call cut short: neither a call nor the answer
+            content = without_open_call(content)
         return content, calls, ("tool_calls" if calls and finish_reason else finish_reason)
 
     def choice(

@@ -17,7 +17,12 @@ from pydantic import ConfigDict, Field, model_validator
 from qfserve.engine.kv.config import BudgetSource, CacheConfig, ConfigError
 from qfserve.engine.serving.config import EngineConfig, request_cache
 from qfserve.engine.text.requests import GenerationRequest, SamplingParams
-from qfserve.engine.text.structured import GrammarError, JSONConstraint, ToolCallConstraint
+from qfserve.engine.text.structured import (
+    GrammarError,
+    JSONConstraint,
+    ToolCallConstraint,
+    strict_schema,
+)
 from qfserve.server.compat import (
     CHAT_FATES,
     COMPLETION_FATES,
@@ -78,6 +83,8 @@ class GenerationBody(EvictionFields):
             constraint = JSONConstraint(None)
         elif isinstance(fmt, JSONSchemaFormat):
             schema = fmt.json_schema.schema_
+            if schema is not None and fmt.json_schema.strict:
+                schema = strict_schema(schema)
             constraint = JSONConstraint(None if schema is None else json.dumps(schema))
         else:
             return None
@@ -297,8 +304,16 @@ class ChatCompletionRequest(SamplerExtensions, GenerationBody):
                     param="tool_choice",
                     code="invalid_value",
                 )
-        spec = [{"name": t.function.name, "parameters": t.function.parameters} for t in chosen]
-        constraint = ToolCallConstraint(json.dumps(spec))
+        constraint = ToolCallConstraint.of(
+            [
+                {
+                    "name": t.function.name,
+                    "parameters": t.function.parameters,
+                    "strict": t.function.strict,
+                }
+                for t in chosen
+            ]
+        )
         try:
             constraint.grammar()
         except GrammarError as exc:

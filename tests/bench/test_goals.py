@@ -99,38 +99,34 @@ def test_missing_studies_say_not_run(tmp_path: Path) -> None:
     assert render_goals(tmp_path / "nothing") == []
 
 
-def test_batching_goal_is_the_8_stream_speedup(tmp_path: Path) -> None:
-    def row(streams: int, ours: float, theirs: float) -> dict:
+def test_batching_goal_is_8_streams_over_one_and_over_llama_server(tmp_path: Path) -> None:
+    def row(streams: int, ours: float) -> dict:
         return {
             "prompt_tokens": 256,
             "streams": streams,
-            "tokens_per_s": {"batched_a": {"median": ours}, "theirs": {"median": theirs}},
+            "tokens_per_s": {"batched_a": {"median": ours}},
         }
 
-    def run(speedup: float) -> str:
+    def run(speedup: float, over: float, sixteen: float, arms=("batched_a", "llama")) -> tuple:
         _write(
             tmp_path,
             "batching",
             {
-                "rows": [row(1, 5.0, 5.0), row(8, 5 * speedup, 30.0)],
+                "settings": {"arms": list(arms)},
+                "rows": [row(1, 5.0), row(8, 5 * speedup), row(16, 5 * speedup * sixteen)],
                 "speedup_over_one_stream": {"256": {"1": 1.0, "8": speedup}},
+                "over_llama": {"256": {"8": over}},
             },
         )
-        return batching(tmp_path)[2]
+        return batching(tmp_path)[1:]
 
-    assert run(3.2) == "**met**"
-    assert run(1.5) == "**not met**"
-    # A later run in batching_16/ is shown after the first and decides the verdict.
-    _write(
-        tmp_path / "batching_16",
-        "batching",
-        {
-            "rows": [row(1, 5.0, 5.0), row(8, 16.0, 30.0)],
-            "speedup_over_one_stream": {"256": {"1": 1.0, "8": 3.2}},
-        },
-    )
-    measured, verdict = batching(tmp_path)[1:]
-    assert verdict == "**met**" and measured.index("1.50×") < measured.index("latest run")
+    assert run(3.2, 1.3, 1.0)[1] == "**met**"
+    assert run(3.2, 1.1, 1.0)[1] == "**not met**"  # under 1.2x llama-server's
+    assert run(2.5, 1.3, 1.0)[1] == "**not met**"  # under 3x one stream
+    assert run(3.2, 1.3, 0.9)[1] == "**not met**"  # 16 streams below 8
+    measured, _ = run(3.2, 1.3, 1.0)
+    assert "3.20× one stream" in measured and "1.30× llama-server's" in measured
+    assert run(3.2, 1.3, 1.0, arms=("batched_a",))[1] == "not run"  # no reference, no verdict
 
 
 def test_multiturn_goal_needs_flat_kv_and_the_ttft_ratio(tmp_path: Path) -> None:

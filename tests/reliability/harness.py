@@ -46,6 +46,7 @@ class Size:
     write_timeout: float
     shutdown_streams: int
     drain_timeout: float
+    model_files: int  # mutated GGUF files start-up is given (tests/reliability/model_fuzz.py)
 
 
 CI = Size(
@@ -64,6 +65,7 @@ CI = Size(
     write_timeout=3.0,
     shutdown_streams=16,
     drain_timeout=4.0,
+    model_files=1000,
 )
 FULL = Size(
     name="full",
@@ -81,6 +83,7 @@ FULL = Size(
     write_timeout=15.0,
     shutdown_streams=16,
     drain_timeout=10.0,
+    model_files=5000,
 )
 
 

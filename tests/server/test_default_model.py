@@ -181,3 +181,56 @@ def test_smollm2_calls_tools_through_the_generic_format(client):
     arguments = json.loads(call.function.arguments)
     jsonschema.validate(arguments, parameters)
     assert "paris" in arguments["city"].lower()
+
+
+CITIES = ("Paris", "Tokyo", "Lima", "Cairo", "Oslo", "Rome", "Delhi", "Sydney", "Boston", "Madrid")
+USUAL = {  # as most clients send it: no additionalProperties
+    "type": "object",
+    "properties": {"city": {"type": "string"}},
+    "required": ["city"],
+}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": USUAL,
+    },
+}
+
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.mark.parametrize("choice", ["required", NAMED], ids=["required", "named"])
+def test_forced_calls_with_the_usual_schema_close(client, choice):
+    """Compiled strictly, the usual schema gives SmolLM2 a call the SDK parses on every prompt
+    (before, the grammar let it nest undeclared properties until max_tokens)."""
+    for city in CITIES:
+        resp = client.chat.completions.create(
+            model="smollm2-135m-instruct",
+            messages=[{"role": "user", "content": f"What is the weather in {city}?"}],
+            tools=[WEATHER_TOOL],
+            tool_choice=choice,
+            temperature=0,
+            max_tokens=48,
+        )
+        message = resp.choices[0].message
+        assert resp.choices[0].finish_reason == "tool_calls", (city, message)
+        (call,) = message.tool_calls
+        arguments = json.loads(call.function.arguments)
+        assert set(arguments) == {"city"} and isinstance(arguments["city"], str), arguments
+        assert not message.content
+
+
+def test_auto_still_answers_in_text(client):
+    resp = client.chat.completions.create(
+        model="smollm2-135m-instruct",
+        messages=[{"role": "user", "content": "Write one sentence about the sea."}],
+        tools=[WEATHER_TOOL],
+        tool_choice="auto",
+        temperature=0,
+        max_tokens=32,
+    )
+    message = resp.choices[0].message
+    assert not message.tool_calls and message.content and "<tool_call>" not in message.content

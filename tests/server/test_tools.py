@@ -10,7 +10,7 @@ import httpx
 import jsonschema
 import pytest
 
-from qfserve.engine.text.tools import parse_tool_calls
+from qfserve.engine.text.tools import parse_tool_calls, without_open_call
 from qfserve.server.openapi import ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk
 from tests.server.conftest import MODEL_NAME, start_server, stop_server
 from tests.tiny import TOOL_CHAT_TEMPLATE, save_tiny_model
@@ -74,6 +74,47 @@ def test_forced_tool_call_streams(tool_server):
     calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
     assert [c.function.name for c in calls] == ["get_weather"]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["body", "stream"])
+def test_a_forced_call_cut_by_max_tokens_is_no_answer(tool_server, stream):
+    """A call max_tokens cut is neither a call nor the answer's content: ``length``, no
+    ``tool_calls``, no half-written ``<tool_call>`` text."""
+    kwargs = dict(
+        model=MODEL_NAME,
+        messages=MESSAGES,
+        tools=[WEATHER],
+        tool_choice="required",
+        temperature=0,
+        max_tokens=6,
+    )
+    client = tool_server.client()
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, **kwargs))
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        content = "".join(d.content or "" for d in deltas)
+        calls = [t for d in deltas for t in d.tool_calls or ()]
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+    else:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        content, calls, finish = (
+            choice.message.content or "",
+            choice.message.tool_calls,
+            choice.finish_reason,
+        )
+    assert finish == "length"
+    assert not calls
+    assert "<tool_call" not in content and content == ""
+
+
+def test_an_unclosed_call_is_cut_from_the_content():
+    assert without_open_call('Sure. <tool_call>{"name": "get_w') == "Sure."
+    assert without_open_call('<tool_call>{"name": "get_w') is None
+    closed = '<tool_call>{"name": "a"}</tool_call> then'
+    assert without_open_call(closed) == closed
+    assert without_open_call("no call") == "no call"
+    assert without_open_call("<tool_") is None and without_open_call("Sure <t") == "Sure"
+    assert without_open_call("a < b") == "a < b"
 
 
 def test_history_with_tool_calls_and_results_is_rendered(tool_server):

@@ -10,6 +10,13 @@ source, conversation name), its tokens, the model's weights fingerprint and each
 (``make_caches``), then restores each layer's state into them; a file for other weights, of
 another format or that does not restore is skipped, and the log names it. Files of format 1
 (before keys named their conversation) are read as unnamed entries.
+
+A server killed mid-write (``kill -9``, a power cut) must leave nothing a restart loads
+wrongly: an entry is written under a temporary name carrying the writer's process id, flushed
+to the disk, then renamed over its own name (atomic on POSIX), and the folder is flushed too.
+From format 3 the header carries a SHA-256 of every array's bytes, checked on load, so a file
+damaged afterwards (cut by a copy, a bad sector) is refused by name rather than restored. A
+temporary file whose writer is gone is removed when a server next opens the folder.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import mlx.core as mx
+import numpy as np
 
 from qfserve.engine.kv.config import CacheConfig
 from qfserve.engine.kv.scorers import KeySVDScorer
@@ -30,8 +38,9 @@ from qfserve.engine.kv.selfcal import SelfCalibratingScorer
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 2
+FORMAT = 3
 SUFFIX = ".qfcache.safetensors"
+TEMPORARY = ".tmp"  # a write in progress: <entry>.<pid>.tmp
 
 
 def entry_name(key: tuple[Any, ...], tokens: list[int]) -> str:
@@ -75,13 +84,70 @@ def save(
         "tokens": list(tokens),
         "fingerprint": fingerprint,
         "layers": layers,
+        "sha256": checksum(arrays),
     }
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / entry_name(key, tokens)
-    tmp = path.with_name(path.name + ".tmp.safetensors")
-    mx.save_safetensors(str(tmp), arrays, {"qfserve": json.dumps(header)})
-    os.replace(tmp, path)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}{TEMPORARY}")
+    try:
+        # mx.save_safetensors appends ".safetensors" to a name without it: write to an
+        # open file instead, which also lets it be flushed before the rename.
+        with tmp.open("wb") as out:
+            mx.save_safetensors(out, arrays, {"qfserve": json.dumps(header)})
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _sync_folder(folder)
     return path
+
+
+def checksum(arrays: dict[str, mx.array]) -> str:
+    """SHA-256 over the arrays' names, dtypes, shapes and bytes, in name order."""
+    digest = hashlib.sha256()
+    for name in sorted(arrays):
+        a = arrays[name]
+        digest.update(f"{name}:{a.dtype}:{list(a.shape)};".encode())
+        digest.update(memoryview(np.asarray(mx.contiguous(a).view(mx.uint8))))
+    return digest.hexdigest()
+
+
+def _sync_folder(folder: Path) -> None:
+    """Flush the folder's entries (the rename) to the disk, where the platform allows it."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def remove_orphans(folder: Path) -> list[Path]:
+    """Delete temporary files whose writing process is gone (killed mid-write); returns them.
+    Another live server's writes in progress are left alone."""
+    removed = []
+    for tmp in folder.glob(f"*{SUFFIX}.*{TEMPORARY}"):
+        pid = tmp.name.removesuffix(TEMPORARY).rsplit(".", 1)[-1]
+        if pid.isdigit() and _alive(int(pid)) and int(pid) != os.getpid():
+            continue
+        tmp.unlink(missing_ok=True)
+        removed.append(tmp)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def load(
@@ -95,10 +161,12 @@ def load(
     loaded = mx.load(str(path), return_metadata=True)
     arrays, meta = cast("tuple[dict[str, mx.array], dict[str, str]]", loaded)
     header = json.loads(meta["qfserve"])
-    if header.get("format") not in (1, FORMAT):
+    if header.get("format") not in (1, 2, FORMAT):
         raise ValueError(f"format {header.get('format')!r}, expected {FORMAT}")
     if header["fingerprint"] != fingerprint:
         raise ValueError("saved for other weights (the model's fingerprint differs)")
+    if header["format"] >= 3 and header.get("sha256") != checksum(arrays):
+        raise ValueError("its arrays do not match their checksum (the file is damaged)")
     key = tuple(header["key"]) + ((None,) if header["format"] == 1 else ())
     caches = fresh(settings_of(key))
     if len(caches) != len(header["layers"]):
@@ -139,6 +207,8 @@ def load_folder(
     for other weights stay where they are, for the server they belong to)."""
     if not folder.is_dir():
         return []
+    for tmp in remove_orphans(folder):
+        logger.warning("removed %s: a write its server did not finish", tmp)
 
     def mtime(path: Path) -> float:
         try:

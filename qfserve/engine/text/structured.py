@@ -50,11 +50,69 @@ class ToolCallConstraint:
 
     tools: str
 
+    @classmethod
+    def of(cls, tools: list[dict[str, Any]]) -> ToolCallConstraint:
+        """The constraint for ``[{"name", "parameters", "strict"}, ...]``: each parameters
+        schema compiled strictly (:func:`strict_schema`) unless its tool says
+        ``strict: false``."""
+        spec = [
+            {
+                "name": t["name"],
+                "parameters": t.get("parameters")
+                if t.get("strict") is False
+                else strict_schema(t.get("parameters") or {"type": "object"}),
+            }
+            for t in tools
+        ]
+        return cls(json.dumps(spec))
+
     def grammar(self) -> str:
         return compile_tool_grammar(self.tools)
 
 
 Constraint = JSONConstraint | ToolCallConstraint
+
+# Keywords whose value is one sub-schema, a list of them, or a map of names to them.
+_ONE = ("additionalProperties", "items", "contains", "not", "if", "then", "else")
+_MANY = ("prefixItems", "anyOf", "oneOf")
+_NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def strict_schema(schema: Any) -> Any:
+    """``schema`` with nothing allowed that it does not declare, as OpenAI's and vLLM's strict
+    mode compile it: an object schema that does not say ``additionalProperties`` (nor
+    ``patternProperties`` or ``unevaluatedProperties``) takes only its ``properties``, and a
+    tuple (``prefixItems``) that does not say ``items`` only its items.
+
+    JSON Schema's own default allows any undeclared property, and a small model forced to
+    call a tool whose schema leaves them open writes property after property until
+    ``max_tokens``. ``allOf`` branches are left as written: closing each would refuse what
+    the others declare.
+    """
+    if isinstance(schema, list):
+        return [strict_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _ONE:
+        if isinstance(out.get(key), dict | list):
+            out[key] = strict_schema(out[key])
+    for key in _MANY:
+        if isinstance(out.get(key), list):
+            out[key] = [strict_schema(s) for s in out[key]]
+    for key in _NAMED:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: strict_schema(s) for name, s in out[key].items()}
+    kinds = out.get("type")
+    is_object = (
+        "properties" in out or kinds == "object" or (isinstance(kinds, list) and "object" in kinds)
+    )
+    open_keys = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+    if is_object and not any(k in out for k in open_keys):
+        out["additionalProperties"] = False
+    if "prefixItems" in out and "items" not in out and "unevaluatedItems" not in out:
+        out["items"] = False
+    return out
 
 
 @lru_cache(maxsize=64)

@@ -82,6 +82,21 @@ def parse_tool_calls(
     return (content or None), calls
 
 
+def without_open_call(content: str | None) -> str | None:
+    """``content`` less a last ``<tool_call>`` block that never closed: a call ``max_tokens``
+    cut is not an answer, and half a call shown as text would be taken for one."""
+    if content is None:
+        return None
+    start = content.rfind("<tool_call>")
+    if start < 0 or "</tool_call>" in content[start:]:
+        # The tag itself may be what was cut ("<tool_"): the call had only begun.
+        tags = [k for k in range(2, len("<tool_call>")) if content.endswith("<tool_call>"[:k])]
+        if not tags:
+            return content
+        start = len(content) - tags[-1]
+    return content[:start].rstrip() or None
+
+
 def _bare_call(text: str, names: Collection[str]) -> dict[str, Any] | None:
     try:
         body = json.loads(text.strip())

@@ -121,7 +121,8 @@ def converted_folder(
     )
     if _valid(folder, sha, model_id):
         return folder
-    file = open_gguf(path)
+    with refusing(path):
+        file = open_gguf(path)
     folder.parent.mkdir(parents=True, exist_ok=True)
     # One conversion per name at a time: a second process waits, then finds the folder.
     with locked(folder.parent / ".lock"):
@@ -132,8 +133,9 @@ def converted_folder(
         logger.info("converting %s to an mlx-lm folder (once): %s", path, folder)
         tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=folder.parent))
         try:
-            _write_folder(file, tmp, model_id=model_id, dequantize=dequantize)
-            _check_loads(file, tmp)
+            with refusing(path):
+                _write_folder(file, tmp, model_id=model_id, dequantize=dequantize)
+                _check_loads(file, tmp)
             _write_json_atomic(
                 tmp / MARKER,
                 {
@@ -152,6 +154,24 @@ def converted_folder(
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return folder
+
+
+@contextlib.contextmanager
+def refusing(path: Path) -> Iterator[None]:
+    """Whatever a file's bytes make the readers raise is a refusal naming the file.
+
+    The checks in :mod:`.reader` and :mod:`.tokenizer` name what they refuse; bytes they do
+    not foresee (a string that is not UTF-8, merges naming pieces the vocabulary lacks, an
+    array of the wrong length) surface as the libraries' own errors (``gguf``'s,
+    ``tokenizers``', numpy's), which a user should see as one line about the file, not a
+    traceback. The disk's errors (``OSError``) and memory's stay what they are.
+    """
+    try:
+        yield
+    except (GGUFError, OSError, MemoryError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - see above: the file's bytes, not our code
+        raise GGUFError(path, f"cannot be read: {type(exc).__name__}: {exc}") from exc
 
 
 def _valid(folder: Path, sha: str, model_id: str) -> bool:

@@ -17,6 +17,7 @@ non-traditional RoPE). Gemma's norm weights are stored as ``1 + w``; mlx-lm's Ge
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -171,7 +172,42 @@ def _config(file: GGUFFile) -> dict[str, Any]:
     if "rope_freqs.weight" in file.tensor_types:
         config["rope_scaling"] = _llama3_rope_scaling(file, head_dim, config["rope_theta"])
     config.update(spec.extra(file, get, config))
+    _check_config(path, config)
     return config
+
+
+# Bounds no released model comes near, so a corrupt count is refused here rather than
+# allocated, divided by or overflowed later: what the largest GGUF files hold is a few times
+# below each.
+_LIMITS = {
+    "hidden_size": 1 << 17,
+    "num_hidden_layers": 1 << 12,
+    "intermediate_size": 1 << 20,
+    "num_attention_heads": 1 << 12,
+    "num_key_value_heads": 1 << 12,
+    "head_dim": 1 << 12,
+    "vocab_size": 1 << 22,
+    "max_position_embeddings": 1 << 26,
+}
+
+
+def _check_config(path: Path, config: dict[str, Any]) -> None:
+    """Every size positive and within :data:`_LIMITS`, heads dividing evenly, and the norm's
+    epsilon and RoPE's base finite and positive."""
+    for key, limit in _LIMITS.items():
+        value = config[key]
+        if not 0 < value <= limit:
+            raise GGUFError(path, f"{key} is {value}: outside 1 .. {limit}")
+    if config["num_attention_heads"] % config["num_key_value_heads"]:
+        raise GGUFError(
+            path,
+            f"{config['num_attention_heads']} attention heads do not share "
+            f"{config['num_key_value_heads']} key/value heads evenly",
+        )
+    for key in ("rms_norm_eps", "rope_theta"):
+        value = config[key]
+        if not (math.isfinite(value) and value > 0):
+            raise GGUFError(path, f"{key} is {value}: it must be finite and positive")
 
 
 # Llama 3.1 / 3.2 RoPE scaling as their config.json states it; GGUF keeps only the per-pair
@@ -317,6 +353,9 @@ def load_weights(file: GGUFFile, *, dequantize: bool) -> dict[str, Any]:
             bits = codes.bits
             parts = {"weight": pack(np.ascontiguousarray(parts.pop("q")), bits), **parts}
         for suffix, value in parts.items():
+            if value.dtype.kind == "f" and not np.isfinite(value).all():
+                what = "values" if suffix in ("weight", "bias") else suffix
+                raise GGUFError(file.path, f"tensor {name} has NaN or infinite {what}")
             key = target if suffix in ("weight", "bias") else f"{stem}.{suffix}"
             out[key] = mx.array(np.ascontiguousarray(value))
             if type_name == "BF16" and not dequantize:  # numpy has no bfloat16
