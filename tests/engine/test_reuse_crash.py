@@ -38,10 +38,17 @@ def entry(i: int) -> tuple[tuple, list[int], list[KVCache]]:
 
 
 WRITER = """
-import sys
+import os, stat, sys, time
 from tests.engine.test_reuse_crash import entry, persist
 from pathlib import Path
-folder, start = Path(sys.argv[1]), int(sys.argv[2])
+folder, start, paused = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "paused"
+flush = os.fsync
+def announced(fd):  # the entry's bytes are written, not yet flushed nor renamed
+    if paused and stat.S_ISREG(os.fstat(fd).st_mode):
+        print("flushing", flush=True)
+        time.sleep(5)
+    flush(fd)
+os.fsync = announced
 for i in range(start, start + 1000):
     key, tokens, caches = entry(i)
     print(i, flush=True)
@@ -70,10 +77,20 @@ def check_folder(folder: Path, limit: int = 10_000) -> int:
 
 
 def test_kill_9_mid_write_never_leaves_a_partial_entry(tmp_path):
+    """Every other kill lands at a random moment of a run of writes; the rest land once an
+    entry's bytes are written and before they are flushed and renamed (the writer says so)."""
     rng, written, cuts = random.Random(0), 0, 0
-    for _ in range(20):
+    for k in range(20):
+        paused = k % 2 == 1
         writer = subprocess.Popen(
-            [sys.executable, "-c", WRITER, str(tmp_path), str(written)],
+            [
+                sys.executable,
+                "-c",
+                WRITER,
+                str(tmp_path),
+                str(written),
+                "paused" if paused else "free",
+            ],
             stdout=subprocess.PIPE,
             text=True,
             cwd=Path(__file__).resolve().parents[2],
@@ -81,14 +98,18 @@ def test_kill_9_mid_write_never_leaves_a_partial_entry(tmp_path):
         assert writer.stdout is not None
         for _ in range(rng.randint(1, 3)):  # an entry is being written once its line is out
             started = int(writer.stdout.readline())
-        time.sleep(rng.uniform(0.0, 0.06))  # a write takes ~0.08 s here
+            if paused:
+                assert writer.stdout.readline().strip() == "flushing"
+                break
+        else:
+            time.sleep(rng.uniform(0.0, 0.06))  # a write takes some tens of ms here
         writer.send_signal(signal.SIGKILL)
         writer.wait()
         cuts += bool(list(tmp_path.glob(f"*{persist.TEMPORARY}")))
         written = started + 1
         check_folder(tmp_path, limit=3)  # the newest: any a kill could have touched
     assert check_folder(tmp_path) == len(list(tmp_path.glob("*" + persist.SUFFIX))) > 0
-    assert cuts >= 5, f"only {cuts} of 20 kills landed mid-write: the test did not test"
+    assert cuts >= 10, f"only {cuts} of 20 kills landed mid-write: the test did not test"
 
 
 def test_a_damaged_entry_is_refused_by_name(tmp_path, caplog):

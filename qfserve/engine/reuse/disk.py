@@ -109,7 +109,7 @@ def checksum(arrays: dict[str, mx.array]) -> str:
     for name in sorted(arrays):
         a = arrays[name]
         digest.update(f"{name}:{a.dtype}:{list(a.shape)};".encode())
-        digest.update(memoryview(np.asarray(mx.contiguous(a).view(mx.uint8))))
+        digest.update(np.asarray(mx.contiguous(a).view(mx.uint8)).tobytes())
     return digest.hexdigest()
 
 
