@@ -1,4 +1,5 @@
-"""``python -m tests.reliability [--full] [pytest args]``: the reliability suite.
+"""``python -m tests.reliability [--full] [pytest args]``: the reliability suite;
+``python -m tests.reliability soak [--minutes N]``: the soak (``tests/reliability/soak.py``).
 
 ``--full`` runs the issue's sizes (slow: tens of minutes on two cores) and writes the figures
 to ``bench/results/reliability.json``; without it, the CI size runs (what ``python3 -m pytest``
@@ -15,6 +16,10 @@ from tests.reliability.harness import ENV_SIZE, REPO
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["soak"]:  # a long run of mixed traffic (tests/reliability/soak.py)
+        from tests.reliability import soak
+
+        return soak.main(argv[1:])
     env = dict(os.environ)
     if "--full" in argv:
         env[ENV_SIZE] = "full"
