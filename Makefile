@@ -1,5 +1,5 @@
 # What CI runs (.ci/run), without the install step.
-.PHONY: check lint test
+.PHONY: check lint test sanitize fuzz soak
 check: lint test
 lint:
 	lint-imports
@@ -8,3 +8,11 @@ lint:
 	mypy
 test:
 	python3 -m pytest
+# Before a release (too long for CI): the native kernels under ASan + UBSan, the model-file
+# fuzzer at its full size, and an hour of mixed traffic.
+sanitize:
+	tests/kernels/sanitized.sh
+fuzz:
+	QFSERVE_RELIABILITY=full python3 -m pytest -q -s tests/reliability/test_model_files.py
+soak:
+	python3 -m tests.reliability soak --minutes 60

@@ -33,7 +33,22 @@ from qfserve import testing
 from tests.reliability.harness import REPO, Server, percentiles, sse_events, stop_server
 
 METHODS = ("qfilters", "kvzip", "kvzap", "knorm", "streaming", "snapkv", "tova", "full")
-WORDS = ["the", "cache", "keeps", "what", "the", "filter", "ranks", "highest", "and", "forgets", "the", "rest", "of", "it"]
+WORDS = [
+    "the",
+    "cache",
+    "keeps",
+    "what",
+    "the",
+    "filter",
+    "ranks",
+    "highest",
+    "and",
+    "forgets",
+    "the",
+    "rest",
+    "of",
+    "it",
+]
 WEATHER = {
     "type": "function",
     "function": {

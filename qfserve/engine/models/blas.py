@@ -181,8 +181,12 @@ def preload_env(blas: Blas, env: dict[str, str]) -> dict[str, str]:
     out = dict(env)
     if blas.origin != "mkl":
         out.setdefault("OPENBLAS_THREAD_TIMEOUT", OPENBLAS_THREAD_TIMEOUT)
-    if blas.path not in out.get("LD_PRELOAD", ""):
-        out["LD_PRELOAD"] = ":".join(p for p in (blas.path, out.get("LD_PRELOAD", "")) if p)
+    preloaded = out.get("LD_PRELOAD", "")
+    if blas.path not in preloaded:
+        # A sanitizer's runtime must stay first in the list (it refuses to run otherwise).
+        first = "libasan" in preloaded.split(":")[0]
+        order = (preloaded, blas.path) if first else (blas.path, preloaded)
+        out["LD_PRELOAD"] = ":".join(p for p in order if p)
     for folder in blas.lib_dirs:
         if folder not in out.get("LD_LIBRARY_PATH", "").split(":"):
             out["LD_LIBRARY_PATH"] = ":".join(

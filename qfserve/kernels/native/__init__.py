@@ -23,7 +23,9 @@ machine, so an upgrade of any of them builds again. Where it cannot be built (no
 no CMake, no nanobind, a platform other than Linux) or fails its check against numpy,
 :func:`load` says why once and returns ``None``, and callers keep the float32 path.
 ``QFSERVE_NATIVE=off`` turns it off; ``QFSERVE_NATIVE_THREADS`` sets the pool's threads
-(default: the machine's cores).
+(default: the machine's cores). ``QFSERVE_NATIVE_SANITIZE=1`` builds (and keys) a separate
+module under AddressSanitizer and UndefinedBehaviorSanitizer, for the kernel tests and a
+served session run by ``tests/kernels/sanitized.sh`` (Python must then preload libasan).
 """
 
 from __future__ import annotations
@@ -103,7 +105,12 @@ def build_key() -> str:
     for dist in ("mlx", "nanobind"):
         digest.update(_version(dist).encode())
     digest.update(f"{sys.version_info[:2]} {platform.machine()} {_cpu_flags()}".encode())
-    return digest.hexdigest()[:16]
+    return digest.hexdigest()[:16] + ("-sanitized" if sanitized() else "")
+
+
+def sanitized() -> bool:
+    """``QFSERVE_NATIVE_SANITIZE`` asks for the ASan + UBSan build."""
+    return os.environ.get("QFSERVE_NATIVE_SANITIZE", "").strip().lower() in ("1", "on", "true")
 
 
 def _load(cache_dir: Path) -> ModuleType:
@@ -152,6 +159,7 @@ def _build(folder: Path) -> Path:
             # The folder of the loaded MLX (mlx is a namespace package: a folder named mlx on
             # sys.path would join its __path__).
             f"-DMLX_ROOT={Path(mlx.core.__file__).parent}",
+            f"-DQFSERVE_SANITIZE={'ON' if sanitized() else 'OFF'}",
         ]
         for step in (configure, [cmake, "--build", tmp, "-j", str(os.cpu_count() or 1)]):
             try:
