@@ -167,7 +167,11 @@ STUDIES = {
         Study("distributed", "speed", "one process against the model split over ranks (lockstep)"),
         Study("structured", "speed", "what a JSON-schema constraint costs per token"),
         Study(
-            "batching", "speed", "continuous batching: aggregate tok/s and TTFT per stream count"
+            "batching",
+            "speed",
+            "continuous batching: aggregate tok/s and TTFT per stream count, and under an open load",
+            option="--load",
+            modes=_modes(burst="batching", open="open_load"),
         ),
         Study("multiturn", "speed", "multi-turn chat: TTFT, KV bytes and RSS per turn, with reuse"),
         Study(

@@ -144,6 +144,11 @@ CHECKS: dict[str, Callable[[dict[str, Any]], bool]] = {
     "batching": lambda d: (
         d["complete"] is True and all(_positive_medians(r["tokens_per_s"]) for r in d["rows"])
     ),
+    "open_load": lambda d: (
+        d["complete"] is True
+        and all(r["ours"]["answered"] == r["requests"] > 0 for r in d["rows"])
+        and all(r["ours"]["ttft_p95_s"] >= r["ours"]["ttft_p50_s"] > 0 for r in d["rows"])
+    ),
     "multiturn": lambda d: all(t["ttft_s"] > 0 for turns in d["turns"].values() for t in turns),
     "batch_step": lambda d: all(_ratios(r["ratios"]) for r in d["rows"]),
     "selfcal_prefill": lambda d: _ratios(d["ratios"]),

@@ -154,14 +154,18 @@ def write(sm: Any, rows: list[dict], arms: tuple[str, ...], complete: bool) -> d
     return sm.save(result, echo=complete)
 
 
-def launches(sm: Any) -> tuple[dict[str, tuple[str, ...]], Path | None]:
-    """The servers the run starts (qfserve twice, llama-server where it is built and the model
-    is a GGUF file, mlx-lm's with ``--mlx-lm``) and the GGUF file llama-server serves."""
+def launches(
+    sm: Any, *, slot: int, serial: bool = True, mlx_lm: bool = False
+) -> tuple[dict[str, tuple[str, ...]], Path | None]:
+    """The servers a run starts (qfserve batched, and one at a time with ``serial``;
+    llama-server with ``slot`` tokens a sequence where it is built and the model is a GGUF
+    file; mlx-lm's with ``mlx_lm``) and the GGUF file llama-server serves."""
     ours = ("--max-queue", "64")
     found: dict[str, tuple[str, ...]] = {
-        "serial": ("qfserve", "--max-batch", "1", *ours),
-        "batched": ("qfserve", "--max-batch", str(MAX_BATCH), *ours),
+        "batched": ("qfserve", "--max-batch", str(MAX_BATCH), *ours)
     }
+    if serial:
+        found = {"serial": ("qfserve", "--max-batch", "1", *ours), **found}
     try:
         gguf = servers.gguf_of(sm.args.model)
     except ValueError as no_file:
@@ -171,9 +175,8 @@ def launches(sm: Any) -> tuple[dict[str, tuple[str, ...]], Path | None]:
         gguf = None
         sm.log("no llama arm: llama-server is not built (bench/reference/llama_cpp_tools.sh)")
     if gguf is not None:
-        slot = max(sm.args.prompts) + sm.args.max_tokens + 64
         found["llama"] = ("llama_server", "-np", str(MAX_BATCH), "-c", str(MAX_BATCH * slot))
-    if sm.args.mlx_lm:
+    if mlx_lm:
         found["theirs"] = ("mlx_lm",)
     return found, gguf
 
@@ -191,7 +194,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     rows: list[dict] = []
     with contextlib.ExitStack() as stack:
-        started, gguf = launches(sm)
+        slot = max(sm.args.prompts) + sm.args.max_tokens + 64
+        started, gguf = launches(sm, slot=slot, mlx_lm=sm.args.mlx_lm)
         sm.log(f"starting {', '.join(started)}")
         procs = start_servers(stack, sm.folder, started, models={"llama": gguf})
         client = stack.enter_context(httpx.Client(limits=httpx.Limits(max_connections=64)))
