@@ -98,6 +98,61 @@ def run_arm(sm: Any, url: str, arm: str, model: str, plan: list[tuple[float, int
     }
 
 
+def join_stall(sm: Any, url: str, arm: str, model: str, lengths: tuple[int, ...]) -> dict:
+    """8 streams decoding, then a prompt of the longest length joins: the longest gap the
+    8 see between text chunks while it is read, against their median gap before it, and the
+    time one prefill chunk of 512 tokens takes alone (what the scheduler bounds a stall by)."""
+    longest, chunk = max(lengths), min(512, max(lengths) // 4)
+
+    def body(n: int, tokens: int, tag: str) -> dict[str, Any]:
+        content = chat_content(sm, n, f"[{arm}-{tag}] ")
+        return {
+            "model": model,
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": tokens,
+            "temperature": 0,
+            "logit_bias": eos_ban(sm),
+        }
+
+    with httpx.Client(timeout=600) as client:
+        alone = clients.stream_chat(client, url, body(chunk, 2, "chunk")).ttft
+    t0 = time.perf_counter()
+    joined: dict[str, float] = {}
+
+    def stream(i: int) -> tuple[float, clients.StreamTiming]:
+        began = time.perf_counter() - t0
+        with httpx.Client(timeout=600) as c:
+            return began, clients.stream_chat(c, url, body(32, 4 * sm.args.max_tokens, f"s{i}"))
+
+    def joiner() -> None:
+        time.sleep(3.0)
+        joined["sent"] = time.perf_counter() - t0
+        with httpx.Client(timeout=600) as c:
+            ttft = clients.stream_chat(c, url, body(longest, 2, "join")).ttft
+        joined["first"] = joined["sent"] + ttft
+
+    with ThreadPoolExecutor(9) as pool:
+        futures = [pool.submit(stream, i) for i in range(8)]
+        pool.submit(joiner).result()
+        streams = [f.result() for f in futures]
+    before, during = [], []
+    for began, timing in streams:
+        times = [began + t for t in timing.chunk_times]
+        for a, b in zip(times, times[1:], strict=False):
+            if b <= joined["sent"]:
+                before.append(b - a)
+            elif a < joined["first"]:
+                during.append(b - a)
+    return {
+        "join_tokens": longest,
+        "chunk_tokens": chunk,
+        "chunk_alone_s": alone,
+        "median_gap_before_s": float(np.median(before)) if before else None,
+        "max_gap_during_s": max(during) if during else None,
+        "joiner_ttft_s": joined["first"] - joined["sent"],
+    }
+
+
 def _pct(values: list[float], q: int) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
@@ -123,6 +178,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if "llama" in procs:
             arms["llama"] = procs["llama"].url
         names = {"ours": sm.loaded.name, "llama": str(gguf)}
+        joins = {}
+        for arm, url in arms.items():
+            joins[arm] = join_stall(sm, url, arm, names[arm], lengths)
+            sm.log(f"a {max(lengths)}-token prompt joining 8 streams of {arm}: {joins[arm]}")
         for rate in args.rates:
             plan = arrivals(rate, args.duration, int(rate * 1000), lengths)
             row: dict[str, Any] = {"rate": rate, "requests": len(plan)}
@@ -131,8 +190,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 row[arm] = run_arm(sm, url, arm, names[arm], plan)
                 sm.log(f"  {arm}: {_line(row[arm])}")
             rows.append(row)
-            write(sm, rows, list(arms), lengths, complete=False)
-    return write(sm, rows, list(arms), lengths, complete=True)
+            write(sm, rows, joins, list(arms), lengths, complete=False)
+    return write(sm, rows, joins, list(arms), lengths, complete=True)
 
 
 def _line(r: dict[str, Any]) -> str:
@@ -147,7 +206,12 @@ def _line(r: dict[str, Any]) -> str:
 
 
 def write(
-    sm: Any, rows: list[dict], arms: list[str], lengths: tuple[int, ...], complete: bool
+    sm: Any,
+    rows: list[dict],
+    joins: dict[str, dict],
+    arms: list[str],
+    lengths: tuple[int, ...],
+    complete: bool,
 ) -> dict[str, Any]:
     a = sm.args
     result: dict[str, Any] = {
@@ -163,6 +227,7 @@ def write(
             "llama": f"llama.cpp's llama-server -np {MAX_BATCH} on the same GGUF file",
         },
         "rows": rows,
+        "join": joins,
     }
     fig, axes = plots.subplots(1, 3, figsize=(14, 3.8))
     for ax, key, title in zip(
@@ -213,6 +278,12 @@ def render(d: dict[str, Any]) -> list[str]:
     ]
     headers = ["rate /s", "arm", "answered", "TTFT p50 s", "TTFT p95 s", "ITL p50 s"]
     headers += ["ITL p95 s", "tok/s", "drift", "kept up"]
-    return section(
-        "Open load: Poisson arrivals against llama-server", d, intro, table(headers, rows)
-    )
+    joins = [
+        f"A {j['join_tokens']}-token prompt joining 8 decoding streams ({arm}): their longest "
+        f"gap while it was read {f(j['max_gap_during_s'])} s (median gap before "
+        f"{f(j['median_gap_before_s'], 3)} s); one {j['chunk_tokens']}-token prefill alone "
+        f"{f(j['chunk_alone_s'])} s; the newcomer's first token after {f(j['joiner_ttft_s'])} s."
+        for arm, j in d.get("join", {}).items()
+    ]
+    title = "Open load: Poisson arrivals against llama-server"
+    return section(title, d, intro, table(headers, rows), *joins)
