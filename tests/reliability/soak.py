@@ -31,24 +31,9 @@ import psutil
 
 from qfserve import testing
 from tests.reliability.harness import REPO, Server, percentiles, sse_events, stop_server
+from tests.reliability.test_load import WORDS
 
 METHODS = ("qfilters", "kvzip", "kvzap", "knorm", "streaming", "snapkv", "tova", "full")
-WORDS = [
-    "the",
-    "cache",
-    "keeps",
-    "what",
-    "the",
-    "filter",
-    "ranks",
-    "highest",
-    "and",
-    "forgets",
-    "the",
-    "rest",
-    "of",
-    "it",
-]
 WEATHER = {
     "type": "function",
     "function": {
