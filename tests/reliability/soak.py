@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
 import tempfile
 import threading
@@ -149,6 +150,8 @@ class Soak:
             status, final = r.status_code, r.json() if r.status_code == 200 else None
         total = time.monotonic() - tic
         self._count(kind, str(status))
+        if status == 503:  # a full queue: wait as the server asks, as a client should
+            time.sleep(float(r.headers.get("retry-after", 1)))
         if status == 200:
             with self.lock:
                 self.latencies.append((tic - self.t0, ttft if ttft is not None else total, total))
@@ -253,11 +256,37 @@ def main(argv: list[str]) -> int:
     return 0 if result["summary"]["passed"] else 1
 
 
+def memory_figures(samples: list[dict], load_end: float) -> dict[str, Any]:
+    """RSS, open files and threads in the minute after warm-up (the first sixth of the load:
+    minute 10 of 60) against the load's last minute, medians for RSS and highs for the
+    counts; and the last sample, taken idle after the load."""
+
+    def window(lo: float, hi: float) -> list[dict]:
+        return [x for x in samples if lo <= x["t_s"] < hi]
+
+    warm, last = window(load_end / 6, load_end / 6 + 60), window(load_end - 60, load_end)
+    if not warm or not last:
+        return {}
+    rss = [statistics.median(x["rss_bytes"] for x in w) for w in (warm, last)]
+    idle = samples[-1]
+    return {
+        "rss_mib_after_warmup_and_at_end": [round(r / 2**20, 1) for r in rss],
+        "rss_growth": round(rss[1] / rss[0] - 1, 4),
+        "open_files_after_warmup_and_at_end": [
+            max(x["open_files"] for x in w) for w in (warm, last)
+        ],
+        "threads_after_warmup_and_at_end": [max(x["threads"] for x in w) for w in (warm, last)],
+        "kept_mib_after_warmup_and_at_end": [
+            round(max(x["kept_bytes"] for x in w) / 2**20, 1) for w in (warm, last)
+        ],
+        "idle_rss_mib": round(idle["rss_bytes"] / 2**20, 1),
+        "idle_open_files": idle["open_files"],
+        "idle_kv_used_bytes": idle["kv_used_bytes"],
+        "idle_kept_bytes": idle["kept_bytes"],
+    }
+
+
 def summarise(args: Any, soak: Soak, samples: list[dict], idle: float | None, status: int) -> dict:
-    end = samples[-1]["t_s"] if samples else 0.0
-    warm = [s for s in samples if s["t_s"] >= end / 6]
-    first, last = (warm[0], warm[-1]) if warm else ({}, {})
-    growth = last.get("rss_bytes", 0) / max(1, first.get("rss_bytes", 1)) - 1
     bad = {k: v for k, v in soak.statuses.items() if not (k.isdigit() and int(k) in OK_STATUSES)}
     minutes: dict[int, list[tuple[float, float, float]]] = {}
     for when, ttft, total in soak.latencies:
@@ -270,6 +299,7 @@ def summarise(args: Any, soak: Soak, samples: list[dict], idle: float | None, st
         }
         for m, v in sorted(minutes.items())
     }
+    memory = memory_figures(samples, args.minutes * 60)
     summary = {
         "minutes": args.minutes,
         "clients": args.clients,
@@ -277,28 +307,28 @@ def summarise(args: Any, soak: Soak, samples: list[dict], idle: float | None, st
         "statuses": dict(soak.statuses),
         "kinds": dict(soak.kinds),
         "unexpected_statuses": bad,
-        "rss_mib_after_warmup_and_at_end": [
-            round(first.get("rss_bytes", 0) / 2**20, 1),
-            round(last.get("rss_bytes", 0) / 2**20, 1),
-        ],
-        "rss_growth": round(growth, 4),
-        "open_files_after_warmup_and_at_end": [first.get("open_files"), last.get("open_files")],
-        "threads_after_warmup_and_at_end": [first.get("threads"), last.get("threads")],
+        **memory,
         "idle_after_s": idle,
-        "idle_kv_used_bytes": last.get("kv_used_bytes"),
-        "idle_kept_bytes": last.get("kept_bytes"),
         "exit_status": status,
     }
-    summary["passed"] = bool(
-        not bad
-        and growth <= 0.05
-        and last.get("open_files", 0) <= first.get("open_files", 0) + 2
-        and last.get("threads", 0) <= first.get("threads", 0) + 2
-        and idle is not None
-        and last.get("kv_used_bytes") == 0
-        and status == 0
-    )
+    summary["passed"] = verdict(summary)
     return {"summary": summary, "per_minute": per_minute, "samples": samples}
+
+
+def verdict(summary: dict[str, Any]) -> bool:
+    """Only 200, 400 and 503; RSS within 5% and open files and threads no higher at the
+    load's end than after warm-up; idle afterwards, holding no request's KV; a clean exit."""
+    files = summary.get("open_files_after_warmup_and_at_end", [0, 10**9])
+    threads = summary.get("threads_after_warmup_and_at_end", [0, 10**9])
+    return bool(
+        not summary["unexpected_statuses"]
+        and summary.get("rss_growth", 1.0) <= 0.05
+        and files[1] <= files[0] + 2
+        and threads[1] <= threads[0] + 2
+        and summary["idle_after_s"] is not None
+        and summary.get("idle_kv_used_bytes") == 0
+        and summary["exit_status"] == 0
+    )
 
 
 def plot(samples: list[dict], soak: Soak, path: Path) -> None:
