@@ -14,7 +14,7 @@ from qfserve.server.errors import install_error_handlers
 from qfserve.server.metrics import Metrics
 from qfserve.server.middleware import BodyLimitMiddleware, StatusCountMiddleware
 from qfserve.server.openapi import install_openapi
-from qfserve.server.routes import admin, chat, completions, health, metrics, models
+from qfserve.server.routes import admin, chat, completions, health, metrics, models, page, status
 from qfserve.server.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -41,9 +41,12 @@ def build_app(settings: Settings | None = None, *, worker: Worker | None = None)
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(StatusCountMiddleware, counter=app.state.metrics.responses)  # outermost
-    for module in (chat, completions, models, health, metrics):
+    for module in (chat, completions, models, health, metrics, status):
         app.include_router(module.router)
     if settings.admin_enabled:
         app.include_router(admin.router)
+    if not settings.no_webui:
+        app.include_router(page.router)
+        app.mount("/page", page.files(), name="page")
     install_openapi(app)
     return app

@@ -21,6 +21,7 @@ CACHE_PARAMS = {
     "chunk": "qfilters_chunk",
     "budget_mode": "qfilters_budget_mode",
     "floor": "qfilters_floor",
+    "positions": "kv_cache_detail",
 }
 
 
@@ -97,5 +98,15 @@ class EvictionFields(Strict):
             "hidden state by the model's learned surrogates: no extra pass), knorm, streaming "
             "(sinks + recent), snapkv or tova (query-aware references: they read the model's "
             "queries to evict) or full (no eviction). Default: --kv-method."
+        ),
+    ] = None
+    kv_cache_detail: Annotated[
+        bool | None,
+        Field(
+            description="Report, with the answer (the final stream chunk, or the body), which "
+            "prompt tokens the KV cache still holds: per token, how many layers x KV heads keep "
+            "its row (run-length coded), and the same counts over each message's characters. "
+            "Refused for kv_method full (it keeps everything) and for prompts over the "
+            "server's --kv-detail-max-tokens. Default: false.",
         ),
     ] = None

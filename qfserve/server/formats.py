@@ -23,6 +23,7 @@ from qfserve.server.openapi import (
     CompletionChoice,
     CompletionChunk,
     CompletionLogprobs,
+    KVCacheDetail,
     KVCacheInfo,
     Out,
     PromptTokensDetails,
@@ -77,6 +78,13 @@ def usage(event: Finished) -> Usage:
 
 def kv_cache(event: Finished) -> KVCacheInfo:
     return KVCacheInfo(**event.kv_cache)
+
+
+def kv_cache_detail(event: Finished) -> dict[str, Any]:
+    """The body fields of what the caches held, where the request asked for it."""
+    if event.kv_detail is None:
+        return {}
+    return {"kv_cache_detail": KVCacheDetail(**event.kv_detail)}
 
 
 def dump(model: Out) -> str:

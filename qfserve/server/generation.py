@@ -26,9 +26,9 @@ from qfserve.engine.serving.worker import Worker
 from qfserve.engine.text.requests import Delta, Event, Failed, Finished, Started, TokenLogprob
 from qfserve.server.errors import APIError
 from qfserve.server.eviction import http_param
-from qfserve.server.formats import ResponseFormat, dump, kv_cache, usage
+from qfserve.server.formats import ResponseFormat, dump, kv_cache, kv_cache_detail, usage
 from qfserve.server.metrics import Metrics
-from qfserve.server.openapi import KVCacheInfo
+from qfserve.server.openapi import KVCacheDetail, KVCacheInfo
 from qfserve.server.schemas import GenerationBody
 from qfserve.server.settings import Settings
 
@@ -177,6 +177,7 @@ class Generation:
                     choices=[choice],  # type: ignore[list-item]
                     usage=usage(event),
                     kv_cache=kv_cache(event),
+                    **kv_cache_detail(event),
                 )
                 return Response(dump(body), media_type="application/json")
             elif isinstance(event, Failed):
@@ -223,6 +224,7 @@ class Generation:
                         finish=finish,
                         usage=include_usage,
                         kv_cache=kv_cache(event),
+                        **kv_cache_detail(event),
                     )
                     if include_usage:
                         yield dump(
@@ -263,6 +265,7 @@ class Generation:
         first: bool = False,
         usage: bool = False,
         kv_cache: KVCacheInfo | None = None,
+        kv_cache_detail: KVCacheDetail | None = None,
     ) -> str:
         lp = list(logprobs) if self.logprobs and logprobs else None
         choice = self.fmt.chunk_choice(text, lp, finish, first=first)
@@ -271,6 +274,8 @@ class Generation:
             chunk.usage = None
         if kv_cache is not None:
             chunk.kv_cache = kv_cache
+        if kv_cache_detail is not None:
+            chunk.kv_cache_detail = kv_cache_detail
         return dump(chunk)
 
     def _saw_text(self) -> None:

@@ -67,6 +67,25 @@ class KVCacheInfo(Out):
     )
 
 
+class KVCacheDetail(Out):
+    """Which prompt tokens the caches still held when the answer ended (asked for with
+    ``kv_cache_detail: true``)."""
+
+    tokens: int = Field(description="prompt tokens")
+    layer_heads: int = Field(
+        description="(layer, KV head) pairs that hold rows per token: the largest count"
+    )
+    kept: list[list[int]] = Field(
+        description="over the prompt's tokens in order, runs [count, tokens]: how many "
+        "(layer, KV head) pairs still hold each token's row"
+    )
+    messages: list[list[list[int]] | None] = Field(
+        description="per message sent (a completion: its text prompt), runs [count, "
+        "characters] over its content's characters; null where the content was not text or "
+        "the chat template changed it"
+    )
+
+
 class ModelCard(Out):
     id: str
     object: Literal["model"] = "model"
@@ -147,6 +166,7 @@ class ChatCompletion(Out):
     choices: list[ChatChoice]
     usage: Usage
     kv_cache: KVCacheInfo
+    kv_cache_detail: KVCacheDetail | None = None
 
 
 class CompletionLogprobs(Out):
@@ -173,6 +193,7 @@ class Completion(Out):
     choices: list[CompletionChoice]
     usage: Usage
     kv_cache: KVCacheInfo
+    kv_cache_detail: KVCacheDetail | None = None
 
 
 class ChatDelta(Out):
@@ -198,6 +219,7 @@ class ChatCompletionChunk(Out):
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     kv_cache: KVCacheInfo | None = None
+    kv_cache_detail: KVCacheDetail | None = None
 
 
 class CompletionChunk(Out):
@@ -210,12 +232,16 @@ class CompletionChunk(Out):
     choices: list[CompletionChoice]
     usage: Usage | None = None
     kv_cache: KVCacheInfo | None = None
+    kv_cache_detail: KVCacheDetail | None = None
 
 
 class HealthStatus(Out):
     status: Literal["ok"]
     model: str
     queue_length: int
+    api_key_required: bool = Field(
+        description="the other routes want 'Authorization: Bearer <key>' (--api-key)"
+    )
 
 
 _ERRORS = {

@@ -105,6 +105,7 @@ class GenerationBody(EvictionFields):
             "chunk": self.qfilters_chunk,
             "budget_mode": self.qfilters_budget_mode,
             "floor": self.qfilters_floor,
+            "positions": self.kv_cache_detail,
         }
         try:
             return request_cache(config, sent)
@@ -166,6 +167,7 @@ class GenerationBody(EvictionFields):
                 messages=tuple(m.as_template_input() for m in self.messages),
                 constraint=constraint or tool_constraint,
                 tools=tools,
+                detail=bool(self.kv_cache_detail),
             )
         assert isinstance(self, CompletionRequest)
         return GenerationRequest(
@@ -178,6 +180,7 @@ class GenerationBody(EvictionFields):
             auto=auto,
             prompt=self.single_prompt(),
             constraint=constraint,
+            detail=bool(self.kv_cache_detail),
         )
 
     @model_validator(mode="after")

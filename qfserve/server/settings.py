@@ -58,6 +58,9 @@ class Settings(EngineConfig):
         None, "--admin-key", help="key for /admin/cache (default: --api-key)"
     )
     no_admin: bool = option(False, "--no-admin", help="remove the /admin/cache endpoint")
+    no_webui: bool = option(
+        False, "--no-webui", help="remove the chat page at / (llama-server's spelling)"
+    )
     max_body_bytes: int = option(
         DEFAULT_MAX_BODY_BYTES,
         "--max-body-bytes",

@@ -62,6 +62,8 @@ class EvictionCache(RaggedHeads, SavedState):
         floor: Head-adaptive budgets (:mod:`qfserve.engine.kv.adaptive`): block evictions keep
             ``budget * H`` rows per layer, every head at least ``floor``, stored padded with
             a per-head mask that attention applies (``None``: ``budget`` rows per head).
+        positions: Store every row's true position even where the method does not need it,
+            for :meth:`kept_positions` (the rows kept are the same).
         use_kernel: Evict blocks with the fused GPU kernel (see
             :func:`qfserve.kernels.resolve_kernel_mode`); the decode step's single-row eviction is
             O(budget) in plain MLX either way, and chunked blocks use plain MLX.
@@ -76,6 +78,7 @@ class EvictionCache(RaggedHeads, SavedState):
         recent: int = 0,
         chunk: int = 1,
         floor: int | None = None,
+        positions: bool = False,
         use_kernel: bool = False,
     ):
         if n_sink + recent >= budget:
@@ -95,6 +98,7 @@ class EvictionCache(RaggedHeads, SavedState):
         self.recent = recent
         self.chunk = chunk
         self.floor = floor
+        self.keep_positions = positions
         self.use_kernel = use_kernel
         self.keys: mx.array | None = None  # (B, H, S, D)
         self.values: mx.array | None = None  # (B, H, S, Dv)
@@ -265,6 +269,38 @@ class EvictionCache(RaggedHeads, SavedState):
             self._set_scores(scores)
         else:
             self._evict_block(self.keys, self.values, scores, self.positions)
+
+    def kept_positions(self) -> mx.array:
+        """The true position of each stored row, ``(B, H, S)`` int32 in the stored layout,
+        ``-1`` where a slot holds no row (the free slot, a ragged head's padding).
+
+        Raises:
+            ValueError: rows were evicted and their positions not kept (a cache made
+                without ``positions``, chunks or a scorer that tracks them).
+        """
+        if self.keys is None:
+            return mx.zeros((1, 0, 0), dtype=mx.int32)
+        if self.free is not None:  # slot layout: ``order`` holds true positions when tracked
+            if not self.tracks:
+                raise ValueError("this cache does not keep its rows' positions")
+            assert self.order is not None
+            slots = mx.arange(self.order.shape[-1], dtype=mx.uint32)
+            held = slots != self.free
+            positions = self.order
+        elif self.positions is not None:
+            positions = self.positions
+            held = mx.ones(positions.shape, dtype=mx.bool_)
+        elif self.evictions:
+            raise ValueError("this cache does not keep its rows' positions")
+        else:  # nothing dropped: the rows are positions offset - S .. offset - 1
+            S = self.keys.shape[2]
+            positions = mx.broadcast_to(
+                mx.arange(self.offset - S, self.offset, dtype=mx.int32), self.keys.shape[:3]
+            )
+            held = mx.ones(positions.shape, dtype=mx.bool_)
+        if self.valid is not None:
+            held = held & self.valid
+        return mx.where(held, positions, -1)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> Any:
         # The mask describes stored rows: every one of them is visible to the new block.

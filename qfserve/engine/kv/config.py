@@ -115,6 +115,9 @@ class CacheConfig:
         floor: Share of ``budget`` every head keeps under ``adaptive`` (``0 < floor <= 1``).
         kernel: Fused eviction kernel: ``auto`` (where a GPU backend exists), ``on``
             (require it) or ``off`` (pure MLX).
+        positions: Keep each row's true position whatever the method, so the request can
+            say which prompt tokens its caches still hold when it ends (``kv_cache_detail``).
+            The rows kept are the same; it costs a position and a score per row.
     """
 
     method: Method = DEFAULT_METHOD
@@ -127,6 +130,7 @@ class CacheConfig:
     budget_mode: BudgetMode = DEFAULT_BUDGET_MODE
     floor: float = DEFAULT_FLOOR
     kernel: KernelMode = "auto"
+    positions: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -175,6 +179,12 @@ class CacheConfig:
             raise ConfigError("floor", f"floor must be a number, got {self.floor!r}")
         if not 0 < self.floor <= 1:
             raise ConfigError("floor", f"floor must be in (0, 1], got {self.floor}")
+        if not isinstance(self.positions, bool):
+            raise ConfigError("positions", f"positions must be a boolean, got {self.positions!r}")
+        if self.positions and not self.evicts:
+            raise ConfigError(
+                "positions", "method 'full' keeps every row: there is nothing to report kept"
+            )
         if self.sign not in (1, -1) or isinstance(self.sign, bool):
             raise ConfigError("sign", f"sign must be +1 or -1, got {self.sign!r}")
         if self.method != "full" and self.n_sink + self.recent >= self.budget:
@@ -195,8 +205,9 @@ class CacheConfig:
     @property
     def keeps_positions(self) -> bool:
         """The caches keep each row's true position and per-token score beside its rank
-        (chunks rank by them; a pass maps rows to the context by them)."""
-        return self.evicts and (self.chunk > 1 or self.method in POSITIONED)
+        (chunks rank by them; a pass maps rows to the context by them; a request asked what
+        was kept)."""
+        return self.evicts and (self.chunk > 1 or self.method in POSITIONED or self.positions)
 
     @property
     def evicts(self) -> bool:

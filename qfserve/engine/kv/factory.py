@@ -228,6 +228,7 @@ def make_caches(
             recent=config.recent,
             chunk=config.chunk,
             floor=config.floor_rows if config.budget_mode != "per_head" else None,
+            positions=config.positions,
             use_kernel=use_kernel,
         )
     return caches

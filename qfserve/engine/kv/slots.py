@@ -45,6 +45,7 @@ class CacheFields:
     recent: int
     chunk: int
     floor: int | None
+    keep_positions: bool = False
     evictions: int
     _ragged_rows: int | None
     _keys: mx.array | None = None
@@ -73,9 +74,11 @@ class SlotLayout(CacheFields):
 
     @property
     def tracks(self) -> bool:
-        """Absolute positions are stored: with chunks, and for scorers that map rows to
-        positions (KVzip)."""
-        return self.chunk > 1 or getattr(self.scorer, "tracks_positions", False)
+        """Absolute positions are stored: with chunks, for scorers that map rows to
+        positions (KVzip), and where asked (``keep_positions``: :meth:`kept_positions`)."""
+        return (
+            self.chunk > 1 or self.keep_positions or getattr(self.scorer, "tracks_positions", False)
+        )
 
     def _set_scores(self, scores: mx.array | None, *, ranked: bool = False) -> None:
         """Store per-token ``scores`` (temporal order); once ``ranked`` (evicting), NaN maps

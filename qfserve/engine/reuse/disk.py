@@ -26,6 +26,7 @@ import json
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import astuple
 from pathlib import Path
 from typing import Any, cast
 
@@ -51,8 +52,10 @@ def entry_name(key: tuple[Any, ...], tokens: list[int]) -> str:
 
 def settings_of(key: tuple[Any, ...]) -> CacheConfig:
     """The cache settings a key was made from (:func:`qfserve.engine.reuse.kept.cache_key`)."""
-    names = list(CacheConfig.__dataclass_fields__)
-    return CacheConfig(**dict(zip(names, key[1:-2], strict=True)))
+    names, values = list(CacheConfig.__dataclass_fields__), key[1:-2]
+    if len(values) == len(names) - 1:  # saved before ``positions`` was a setting: off
+        values = (*values, False)
+    return CacheConfig(**dict(zip(names, values, strict=True)))
 
 
 def save(
@@ -168,7 +171,9 @@ def load(
     if header["format"] >= 3 and header.get("sha256") != checksum(arrays):
         raise ValueError("its arrays do not match their checksum (the file is damaged)")
     key = tuple(header["key"]) + ((None,) if header["format"] == 1 else ())
-    caches = fresh(settings_of(key))
+    settings = settings_of(key)
+    key = (key[0], *astuple(settings), *key[-2:])  # as this version's keys are made
+    caches = fresh(settings)
     if len(caches) != len(header["layers"]):
         raise ValueError(f"{len(header['layers'])} layers saved, the model has {len(caches)}")
     for i, (cache, layer) in enumerate(zip(caches, header["layers"], strict=True)):

@@ -65,7 +65,13 @@ def resolve_auto(
     ``chunk``, a :class:`qfserve.engine.kv.config.AutoBudget`)."""
     total = prompt_tokens + max_tokens
     full = dataclasses.replace(
-        template, method="full", budget=max(total, 1), recent=0, chunk=1, budget_mode="per_head"
+        template,
+        method="full",
+        budget=max(total, 1),
+        recent=0,
+        chunk=1,
+        budget_mode="per_head",
+        positions=False,  # a full cache holds every row: nothing to track
     )
     if kv_need(loaded, full, prompt_tokens, max_tokens) <= max_kv_bytes:
         return full
@@ -169,6 +175,12 @@ class Admitter:
         request, config = job.request, self.config
         prompt, max_tokens = encode_prompt(loaded, request)
         job.record.prompt_tokens = len(prompt)
+        if request.detail and len(prompt) > config.kv_detail_max_tokens:
+            raise PromptError(
+                f"kv_cache_detail reports on every prompt token: this prompt has {len(prompt)} "
+                f"tokens, over the server's --kv-detail-max-tokens {config.kv_detail_max_tokens}",
+                "kv_cache_detail",
+            )
         cache = request.cache
         if request.auto is not None:  # the template's budget is resolved here, once
             cache = resolve_auto(

@@ -46,6 +46,7 @@ DEFAULT_MAX_BACKLOG = 128
 DEFAULT_MAX_BATCH = 32  # as mlx_lm.server's decode concurrency (docs/reliability.md)
 DEFAULT_PREFILL_CHUNK = 512
 DEFAULT_PROMPT_CACHE_SIZE = 10
+DEFAULT_KV_DETAIL_MAX_TOKENS = 32768  # kv_cache_detail: at most a few hundred KB of JSON
 AUTO = "auto"
 
 
@@ -167,6 +168,12 @@ class EngineConfig:
         help="KV bytes the running requests' caches may hold together; a request waits until "
         "it fits (default: a quarter of physical memory)",
     )
+    kv_detail_max_tokens: int = option(
+        DEFAULT_KV_DETAIL_MAX_TOKENS,
+        "--kv-detail-max-tokens",
+        help="longest prompt a request may ask kv_cache_detail for (its size grows with the "
+        "prompt) (default: %(default)s)",
+    )
     prompt_cache_size: int = option(
         DEFAULT_PROMPT_CACHE_SIZE,
         "--prompt-cache-size",
@@ -210,7 +217,14 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if isinstance(self.budget, str):
             object.__setattr__(self, "budget", parse_budget(self.budget))
-        for name in ("max_queue", "max_batch", "prefill_chunk", "max_backlog", "history"):
+        for name in (
+            "max_queue",
+            "max_batch",
+            "prefill_chunk",
+            "max_backlog",
+            "history",
+            "kv_detail_max_tokens",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("max_kv_bytes", "prompt_cache_bytes", "ctx_size"):
@@ -279,5 +293,6 @@ def request_cache(
         chunk=chunk,
         budget_mode=mode,
         floor=sent.get("floor", config.floor),
+        positions=bool(sent.get("positions", False)),
     )
     return cache, cast(BudgetSource, source), auto

@@ -181,6 +181,15 @@ class Ledger:
 
         self.weights_bytes = weight_bytes(loaded.model)
 
+    def find(self, id: str) -> dict[str, Any] | None:
+        """One request's record (live or in the history), as a plain dict."""
+        with self._lock:
+            job = self._active.get(id)
+            if job is not None:
+                return asdict(job.record)
+            done = next((r for r in self._history if r.id == id), None)
+            return None if done is None else asdict(done)
+
     def snapshot(self) -> dict[str, Any]:
         """Active and recent records plus totals (with MLX memory), as plain dicts."""
         with self._lock:

@@ -23,6 +23,7 @@ Everything here runs on the worker thread that owns the model.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import deque
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from qfserve.engine.kv.batch import BatchCache
 from qfserve.engine.models.memory import release_memory
+from qfserve.engine.serving.detail import kv_cache_detail
 from qfserve.engine.serving.jobs import Departure, KeptTurn
 from qfserve.engine.text.prompts import StopText, token_logprobs
 from qfserve.engine.text.requests import Delta, Failed, Finished, FinishReason
@@ -250,6 +252,7 @@ class Scheduler:
                 self._fail(seq, exc, logged=True)
             return
         leaving: list[int] = []
+        finished: list[tuple[Sequence, Finished, str | None]] = []
         for r in responses:
             seq = self._decoding[r.uid]
             try:
@@ -266,11 +269,26 @@ class Scheduler:
             if done is not None:
                 self._decoding.pop(r.uid)
                 leaving.append(r.uid)  # a stop string: still in mlx-lm's batch
-                seq.job.emit(done)
-                turn = self._turn(seq, r.finish_reason)
-                self._departed.append(Departure(seq.record, "done", turn))
+                finished.append((seq, done, r.finish_reason))
         if leaving:
-            self._remove(leaving)
+            self._remove(leaving)  # packed members get their rows back: detail reads them
+        for seq, done, reason in finished:
+            seq.job.emit(self._detailed(seq, done))  # before the turn's last word on them
+            turn = self._turn(seq, reason)
+            self._departed.append(Departure(seq.record, "done", turn))
+
+    def _detailed(self, seq: Sequence, done: Finished) -> Finished:
+        """``done`` with what its caches hold where the request asked; the answer stands
+        without it should that fail."""
+        request = seq.job.request
+        if not request.detail:
+            return done
+        try:
+            detail = kv_cache_detail(seq.caches, seq.prompt, self.loaded.tokenizer, request)
+        except Exception:  # noqa: BLE001 - answered already
+            logger.exception("request %s: its kv_cache_detail failed", seq.job.id)
+            return done
+        return dataclasses.replace(done, kv_detail=detail)
 
     def _emit(
         self, seq: Sequence, token: int, logprobs: mx.array, finish: str | None

@@ -75,6 +75,8 @@ class GenerationRequest:
             ``--budget``, or ``auto`` (memory).
         auto: Set while an ``auto`` budget waits to be resolved from the prompt's length
             (``cache`` is then a template).
+        detail: Report which prompt tokens the caches still hold when it ends
+            (:mod:`qfserve.engine.serving.detail`).
     """
 
     kind: Kind
@@ -88,6 +90,7 @@ class GenerationRequest:
     cache_name: str | None = None
     budget_source: BudgetSource = "server"
     auto: AutoBudget | None = None
+    detail: bool = False
 
 
 @dataclass(frozen=True)
@@ -124,6 +127,7 @@ class Finished:
     completion_tokens: int
     kv_cache: dict[str, Any] = field(default_factory=dict)
     cached_tokens: int = 0  # prompt tokens a reused cache already held
+    kv_detail: dict[str, Any] | None = None  # what the caches hold, where the request asked
 
 
 @dataclass(frozen=True)

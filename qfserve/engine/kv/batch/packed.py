@@ -14,9 +14,10 @@ recent window and held slots). Each cache keeps the rows it keeps alone, in the 
 
 While packed a member is *lent*: its arrays are :class:`Lent` placeholders with their shape
 and size but no data (statistics stay current, rows are not held twice, computing with them
-fails loudly); :meth:`PackedBatch.release` writes the real rows back, copied. Chunked members
-(``chunk > 1``) decode as alone: per-token scores beside the ranks, true positions in
-``order``, stored rows ranked by chunk once at the budget, a decoded row by its own score.
+fails loudly); :meth:`PackedBatch.release` writes the real rows back, copied. Members that
+track positions (chunks, or a request asking what was kept) decode as alone: per-token scores
+beside the ranks, true positions in ``order``; chunked ones rank their stored rows by chunk
+once at the budget, a decoded row by its own score.
 What can be packed: eviction caches with heads not ragged and a scorer with a batched form,
 and mlx-lm's ``KVCache`` (our ``FullKVCache``); any other batch steps each member alone.
 """
@@ -50,7 +51,7 @@ def can_pack(cache: Any) -> bool:
         cache.keys is not None
         and cache.keys.shape[0] == 1
         and cache.scores is not None
-        and (cache.chunk == 1 or cache.token_scores is not None and cache.positions is not None)
+        and (not cache.tracks or cache.token_scores is not None and cache.positions is not None)
         and cache.valid is None
         and cache.scorer.form() is not None
     )
@@ -79,6 +80,7 @@ class _Member:
     held: int  # slots in use
     chunk: int  # 1, or the chunk its stored rows rank by at the budget
     form: ScoreForm | None  # its scorer's batched form; None: it scores nothing
+    tracked: bool = False  # per-token scores and true positions are kept (chunks, or asked)
 
     @property
     def evicts(self) -> bool:
@@ -106,7 +108,7 @@ class PackedBatch:
         scores: list[Any] = []
         order: list[Any] = []
         free: list[Any] = []
-        tokens: list[Any] = []  # per-token scores (the ranks but for chunked members)
+        tokens: list[Any] = []  # per-token scores (the ranks but for tracked members)
         for m in members:
             member, arrays = _taken(m)
             self.rows.append(member)
@@ -118,8 +120,8 @@ class PackedBatch:
         self.scores = mx.concatenate([pad_slots(x, C) for x in scores])  # (B, H, C) raw
         self.order = mx.concatenate([pad_slots(x, C) for x in order])  # (B, H, C) int32
         self.free = mx.concatenate(free)  # (B, H, 1) uint32: where each next row goes
-        self.token_scores = None  # (B, H, C) raw per-token scores, with chunked members only
-        if self._chunked:
+        self.token_scores = None  # (B, H, C) raw per-token scores, with tracked members only
+        if self._tracked:
             self.token_scores = mx.concatenate([pad_slots(x, C) for x in tokens])
         self.detached: set[int] = set()  # members already given their rows (extract)
         self._set_members()
@@ -132,8 +134,8 @@ class PackedBatch:
         return [r.cache for r in self.rows]
 
     @property
-    def _chunked(self) -> bool:
-        return any(r.chunk > 1 for r in self.rows)
+    def _tracked(self) -> bool:
+        return any(r.tracked for r in self.rows)
 
     def _set_members(self) -> None:
         """The per-member constants of the step, from the member records."""
@@ -301,7 +303,7 @@ class PackedBatch:
         if not r.evicts:  # a full cache has nothing else
             return
         m.scores = Lent((1, H, r.held), mx.float32)
-        if r.chunk > 1:
+        if r.tracked:
             m.token_scores = Lent((1, H, r.held), mx.float32)
             m.positions = Lent((1, H, r.held), mx.int32)
         if r.held == r.cap:  # the slot layout
@@ -336,7 +338,7 @@ class PackedBatch:
         self.scores, self.order = self.scores[idx, :, :C], self.order[idx, :, :C]
         self.free = self.free[idx]
         if self.token_scores is not None:
-            self.token_scores = self.token_scores[idx, :, :C] if self._chunked else None
+            self.token_scores = self.token_scores[idx, :, :C] if self._tracked else None
         self.detached = set()
         self._set_members()
 
@@ -386,13 +388,12 @@ class PackedBatch:
             m.keys, m.values = rows(self.keys), rows(self.values)
             if not r.evicts:
                 continue
-            chunked = r.chunk > 1
-            if chunked:
+            if r.tracked:
                 assert self.token_scores is not None
                 m.token_scores, m.positions = rows(self.token_scores), rows(self.order)
             if held == r.cap:
                 m.scores = mx.nan_to_num(rows(self.scores), nan=-_INF, posinf=_INF, neginf=-_INF)
-                m.order = m.positions if chunked else rows(self.order)
+                m.order = m.positions if r.tracked else rows(self.order)
                 m.free = mx.contiguous(self.free[i : i + 1])
             else:  # below its budget a chunked member's ranks are its token scores
                 m.scores = rows(self.scores)
@@ -417,10 +418,10 @@ def _taken(m: Any) -> tuple[_Member, tuple[Any, ...]]:
         free = mx.full((1, H, 1), rows, dtype=mx.uint32)
         return _Member(m, _INF, rows, 1, None), (k, v, zeros, order, free, zeros)
     s = m.scores
-    t = s if m.chunk == 1 else m.token_scores
+    t = m.token_scores if m.tracks else s
     if m.free is not None:  # slot layout: every slot is held, one is free
         o, f = m.order, m.free
-    elif m.chunk > 1:  # temporal order; chunks need the true positions
+    elif m.tracks:  # temporal order; chunks (and what was kept) need the true positions
         o, f = m.positions, mx.full((1, H, 1), rows, dtype=mx.uint32)
     else:  # temporal order: ranks in time as the slot layout would give them
         in_time = mx.arange(m.offset - rows, m.offset, dtype=mx.int32)
@@ -428,4 +429,4 @@ def _taken(m: Any) -> tuple[_Member, tuple[Any, ...]]:
         f = mx.full((1, H, 1), rows, dtype=mx.uint32)
     form = m.scorer.form()
     assert form is not None  # can_pack checked it
-    return _Member(m, m.budget + 1, rows, m.chunk, form), (k, v, s, o, f, t)
+    return _Member(m, m.budget + 1, rows, m.chunk, form, m.tracks), (k, v, s, o, f, t)
