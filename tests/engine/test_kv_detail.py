@@ -38,7 +38,23 @@ SETTINGS = [
     CacheConfig(method="tova", budget=44, recent=8),
     CacheConfig(method="snapkv", budget=52, recent=8),
 ]
-WORDS = ["the", "pass", "key", "is", "4821", "remember", "it", "well", "and", "keep", "the", "fox", "in", "the", "box"]
+WORDS = [
+    "the",
+    "pass",
+    "key",
+    "is",
+    "4821",
+    "remember",
+    "it",
+    "well",
+    "and",
+    "keep",
+    "the",
+    "fox",
+    "in",
+    "the",
+    "box",
+]
 
 
 @pytest.fixture(scope="module")
@@ -221,3 +237,24 @@ def test_a_full_cache_has_nothing_to_report():
     with pytest.raises(ConfigError) as err:
         CacheConfig(method="full", positions=True)
     assert err.value.param == "positions"
+
+
+@pytest.mark.parametrize("keep", [0, 4])
+def test_a_sliding_window_layer_holds_what_its_rows_say(keep):
+    """mlx-lm's rotating cache (Gemma 3's sliding layers) after a prompt block and decode
+    steps: the positions counted are the stamps its buffer holds."""
+    from mlx_lm.models.cache import RotatingKVCache
+
+    from qfserve.engine.kv.held import held_counts
+
+    cache = RotatingKVCache(max_size=16, keep=keep)
+    for n in (40, *([1] * 7)):
+        keys = _stamp(mx.zeros((1, 2, n, 8)), mx.array([cache.offset]))
+        cache.update_and_fetch(keys, mx.zeros((1, 2, n, 8)))
+    stamps = np.array(cache.keys[0, :, :, 0]).round().astype(np.int64)  # (H, max_size)
+    reference = np.zeros(cache.offset, dtype=np.int64)
+    for head in stamps:
+        reference += np.bincount(head, minlength=cache.offset)
+    counts, pairs = held_counts([cache], cache.offset)
+    assert pairs == 2
+    assert counts.tolist() == reference.tolist()

@@ -195,6 +195,8 @@ def test_keyboard_alone_sends_stops_and_opens_the_settings(watched):
     page.keyboard.type("Tell me a long story.")
     page.keyboard.press("Enter")
     expect(page.locator(".message.assistant .content")).not_to_have_text("")
+    # The memory figures follow the answer while it streams (GET /v1/status).
+    expect(page.locator("#m-seen")).not_to_have_text("–", timeout=10_000)
     page.keyboard.press("Escape")
     wait_answered(page)
     assert page.locator(".message.assistant .note").inner_text() == "stopped"
