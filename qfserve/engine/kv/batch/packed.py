@@ -62,6 +62,26 @@ def _arrays(cache: Any) -> list[mx.array]:
     return [a for a in (getattr(cache, n, None) for n in names) if isinstance(a, mx.array)]
 
 
+def stack_slots(parts: list[mx.array], rows: int) -> mx.array:
+    """Parts ``(B_i, H, S_i, ...)`` stacked along the batch axis (0), each zero-padded to
+    ``rows`` slots.
+
+    Why not ``concatenate`` of :func:`pad_slots`: that writes every part twice (its padded
+    copy, then the concatenation), and MLX's CPU copies of padded strided blocks are slow: a
+    long prompt joining a batch of short ones spent ~3 s over 30 layers there. One zeroed
+    array written into is about 4x faster."""
+    if len(parts) == 1:
+        return pad_slots(parts[0], rows)
+    first = parts[0]
+    shape = (sum(p.shape[0] for p in parts), first.shape[1], rows, *first.shape[3:])
+    out = mx.zeros(shape, dtype=first.dtype)
+    at = 0
+    for p in parts:
+        out[at : at + p.shape[0], :, : p.shape[2]] = p
+        at += p.shape[0]
+    return out
+
+
 def pad_slots(x: mx.array, rows: int) -> mx.array:
     """Zero rows appended along the slot axis (axis 2) up to ``rows``."""
     if x.shape[2] == rows:
@@ -115,14 +135,14 @@ class PackedBatch:
             for out, array in zip((keys, values, scores, order, free, tokens), arrays, strict=True):
                 out.append(array)
         C = max(r.needed() for r in self.rows)
-        self.keys = mx.concatenate([pad_slots(x, C) for x in keys])  # (B, H, C, D)
-        self.values = mx.concatenate([pad_slots(x, C) for x in values])  # (B, H, C, Dv)
-        self.scores = mx.concatenate([pad_slots(x, C) for x in scores])  # (B, H, C) raw
-        self.order = mx.concatenate([pad_slots(x, C) for x in order])  # (B, H, C) int32
+        self.keys = stack_slots(keys, C)  # (B, H, C, D)
+        self.values = stack_slots(values, C)  # (B, H, C, Dv)
+        self.scores = stack_slots(scores, C)  # (B, H, C) raw
+        self.order = stack_slots(order, C)  # (B, H, C) int32
         self.free = mx.concatenate(free)  # (B, H, 1) uint32: where each next row goes
         self.token_scores = None  # (B, H, C) raw per-token scores, with tracked members only
         if self._tracked:
-            self.token_scores = mx.concatenate([pad_slots(x, C) for x in tokens])
+            self.token_scores = stack_slots(tokens, C)
         self.detached: set[int] = set()  # members already given their rows (extract)
         self._set_members()
         for r in self.rows:
@@ -349,7 +369,7 @@ class PackedBatch:
         C = max(self.keys.shape[2], other.keys.shape[2])
 
         def join(a: mx.array, b: mx.array) -> mx.array:
-            return mx.concatenate([pad_slots(a, C), pad_slots(b, C)])
+            return stack_slots([a, b], C)
 
         if self.token_scores is not None or other.token_scores is not None:
             mine = self.scores if self.token_scores is None else self.token_scores
