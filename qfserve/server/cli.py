@@ -5,9 +5,11 @@ SIGTERM (or Ctrl-C) starts a drain: the socket stays open and new requests get 5
 in-flight ones finish for up to ``--drain-timeout`` seconds; those still running then end
 with an error (a stream: an ``error`` event and ``[DONE]``), and the process exits 0. A
 second signal stops at once. A model that is missing, cannot be fetched or cannot be served
-(a GGUF file qfserve does not read) exits 2 before the port is bound; one (or a calibration)
-that fails to load on the model thread exits 1. Under ``mlx.launch`` every rank runs the same
-command: rank 0 serves, the others follow its steps (:mod:`qfserve.engine.serving.lockstep`).
+(a GGUF file qfserve does not read) exits 2 before the port is bound, and so does one whose
+calibration file must not be used (damaged, another model's, the wrong shape), found on the
+model thread; each says so in one line naming the file. A model that fails to load otherwise
+exits 1. Under ``mlx.launch`` every rank runs the same command: rank 0 serves, the others
+follow its steps (:mod:`qfserve.engine.serving.lockstep`).
 """
 
 from __future__ import annotations

@@ -91,12 +91,20 @@ def follow(settings) -> NoReturn:
     worker.start()
     while worker.alive():
         time.sleep(0.2)
-    if worker.status != "stopped":
+    if worker.refused is not None:
+        refuse(worker.refused)
+    elif worker.status != "stopped":
         logger.error("rank %s stops: %s", os.environ.get("MLX_RANK", "?"), worker.error)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0 if worker.status == "stopped" else 1)  # no teardown, as serve()
+    code = 0 if worker.status == "stopped" else 2 if worker.refused is not None else 1
+    os._exit(code)  # no teardown, as serve()
+
+
+def refuse(reason: str) -> None:
+    """The one line a refused file gets, as the command line words a model it cannot read."""
+    print(f"qfserve: error: {reason}", file=sys.stderr, flush=True)
 
 
 class DrainingServer(uvicorn.Server):
@@ -139,8 +147,12 @@ class DrainingServer(uvicorn.Server):
             )
             self.announced = True
         if self.worker.status == "failed":
-            logger.error("qfserve cannot start: %s", self.worker.error)
-            self.exit_code = 1
+            if self.worker.refused is not None:  # a file it must not use, as for a model file
+                refuse(self.worker.refused)
+                self.exit_code = 2
+            else:
+                logger.error("qfserve cannot start: %s", self.worker.error)
+                self.exit_code = 1
             return True
         if self.signal_name is not None:
             logger.info("%s: draining for up to %.0f s", self.signal_name, self.drain_timeout)

@@ -1,6 +1,6 @@
 """Calibration faults: a truncated, a NaN, a wrong-shape and another model's artifact in one
 registry folder (``QFSERVE_CALIBRATIONS``). A server serves one model, so each fault is a
-server for that model that refuses to start (exit 1) naming the file, while a server for
+server for that model that refuses to start (exit 2, one line naming the file), while a server for
 another model with the same registry folder starts, uses its own artifact and serves."""
 
 from __future__ import annotations
@@ -91,10 +91,13 @@ def test_bad_artifacts_refuse_to_start_naming_the_file(registry, report):
             "names_file": path in log,
             "seconds": round(time.monotonic() - t0, 1),
             "message": next((line for line in log.splitlines() if path in line), "")[-300:],
+            "refusals": sum(line.startswith("qfserve: error:") for line in log.splitlines()),
+            "traceback": "Traceback" in log,
         }
     report.add("calibration_faults", results)
     for fault, r in results.items():
-        assert r["exit_code"] == 1 and r["names_file"], (fault, r)
+        assert r["exit_code"] == 2 and r["names_file"], (fault, r)
+        assert r["refusals"] == 1 and not r["traceback"], (fault, r)
 
 
 def test_another_model_with_the_same_registry_starts_and_serves(model, registry, report, tmp_path):

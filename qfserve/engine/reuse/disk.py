@@ -180,10 +180,15 @@ def load(
         if type(cache).__name__ != layer["class"]:
             raise ValueError(f"layer {i} was a {layer['class']}, now {type(cache).__name__}")
         numbers = layer.get("numbers", {})
+        if not isinstance(numbers, dict) or not all(
+            type(v) is int for v in numbers.values()
+        ):  # mlx-lm's caches keep only integers (an offset) beside their arrays
+            raise ValueError(f"layer {i}: its state's numbers are not integers")
         cache.state = tuple(
             numbers[str(j)] if str(j) in numbers else arrays[f"{i}.{j}"]
             for j in range(layer["n_state"])
         )
+        _check_rows(i, cache.state)
         if layer["meta_state"] is not None:
             cache.meta_state = tuple(layer["meta_state"])
         for name in ("direction", "filters"):
@@ -194,6 +199,18 @@ def load(
         ):
             cache.scorer.source = layer["source"]  # "fallback" where no prompt block came first
     return key, list(header["tokens"]), caches
+
+
+def _check_rows(i: int, state: Any) -> None:
+    """A restored layer's keys and values are rows: ``(B, H, S, D)`` arrays that agree (a
+    header that put anything else there would fail only at the next request's step)."""
+    if not state:
+        return
+    keys, values = state[0], state[1] if len(state) > 1 else None
+    if not (isinstance(keys, mx.array) and isinstance(values, mx.array)):
+        raise ValueError(f"layer {i}: its keys and values are not arrays")
+    if keys.ndim != 4 or values.ndim != 4 or keys.shape[:3] != values.shape[:3]:
+        raise ValueError(f"layer {i}: keys {keys.shape} and values {values.shape} are not rows")
 
 
 def _learned(scorer: Any) -> dict[str, mx.array]:

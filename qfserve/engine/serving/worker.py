@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
+from qfserve.calibrations.artifact import CalibrationError
 from qfserve.engine.filters.model import ModelFilters
 from qfserve.engine.kv.methods import MethodContext
 from qfserve.engine.models.loading import LoadedModel, load_model
@@ -74,6 +75,9 @@ class Worker:
         self._scheduler: Any = None  # serving.scheduler.Scheduler, built on the thread
         self.status: Literal["loading", "ready", "failed", "dead", "stopped"] = "loading"
         self.error: str | None = None
+        # A file the model thread refused at start-up (a calibration that must not be used):
+        # the process exits 2 with this one line, as for a model file it cannot read.
+        self.refused: str | None = None
         self.loaded: LoadedModel | None = None
         self.started_at = int(time.time())
         self.lockstep: Lockstep | None = None  # set at load when launched over several ranks
@@ -194,7 +198,10 @@ class Worker:
             scheduler = self._scheduler = self._make_scheduler()
         except BaseException as exc:  # noqa: BLE001 - report any load failure, then exit
             self.status, self.error = "failed", f"{type(exc).__name__}: {exc}"
-            logger.error("could not load the model: %s", self.error)
+            if isinstance(exc, CalibrationError):
+                self.refused = str(exc)  # said once, by whoever stops the process
+            else:
+                logger.error("could not load the model: %s", self.error)
             self._fail_waiting("the model failed to load")
             return
         if self.status == "loading":  # not dead already (a rank lost at start-up)
