@@ -174,25 +174,82 @@ def test_in_a_packed_batch_the_counts_are_the_rows_the_caches_hold(loaded, stamp
         assert counts == reference
 
 
-@pytest.mark.parametrize("config", [SETTINGS[0], SETTINGS[1], SETTINGS[2]], ids=str)
-def test_keeping_positions_keeps_the_same_rows(loaded, config):
-    """The detail's bookkeeping must not change the answer: same tokens with and without."""
+@pytest.fixture
+def rows_at_the_end(monkeypatch) -> list[list[int]]:
+    """For every request that ends (detail asked or not), the stamped rows its caches hold."""
+    seen: list[list[int]] = []
+    detailed = scheduler.Scheduler._detailed
 
-    def tokens(detail: bool) -> list[str]:
-        with serving(worker_for(loaded, max_batch=1)) as worker:
-            job_events: list[Any] = []
+    def spy(self, seq, done):
+        seen.append(read_off_rows(seq.caches, len(seq.prompt)))
+        return detailed(self, seq, done)
 
-            async def go():
-                job = worker.submit(request(3, config, detail=detail), asyncio.get_running_loop())
-                while not isinstance(e := await job.next_event(), (Finished, Failed)):
-                    job_events.append(getattr(e, "text", ""))
-                return e
+    monkeypatch.setattr(scheduler.Scheduler, "_detailed", spy)
+    return seen
 
-            final = asyncio.run(asyncio.wait_for(go(), 120))
-        assert isinstance(final, Finished)
-        return job_events
 
-    assert tokens(True) == tokens(False)
+@pytest.mark.parametrize("config", SETTINGS, ids=lambda c: f"{c.method}-{c.chunk}-{c.budget_mode}")
+def test_keeping_positions_keeps_the_same_rows(loaded, stamped, rows_at_the_end, config):
+    """The detail's bookkeeping must not change what is kept: the same rows, read off the
+    rows themselves, with and without it."""
+    with serving(worker_for(loaded, max_batch=1)) as worker:
+        for detail in (True, False):
+            assert isinstance(complete(worker, request(4, config, detail=detail)), Finished)
+    with_detail, without = rows_at_the_end
+    assert with_detail == without
+
+
+def test_a_batch_mixing_tracked_and_untracked_members_keeps_the_same_rows(
+    loaded, stamped, rows_at_the_end
+):
+    """Packed together, a member keeping positions and one not each keep what they keep
+    alone with the detail off."""
+    configs = [SETTINGS[0], SETTINGS[3], SETTINGS[4], SETTINGS[0]]
+    mixed = [request(i, c, detail=i % 2 == 0) for i, c in enumerate(configs)]
+
+    async def go(worker, requests):
+        loop = asyncio.get_running_loop()
+        jobs = [worker.submit(r, loop) for r in requests]
+        return await asyncio.wait_for(asyncio.gather(*(final_event(j) for j in jobs)), 300)
+
+    with serving(worker_for(loaded, max_batch=8)) as worker:
+        asyncio.run(go(worker, mixed))
+    batched = sorted(rows_at_the_end)
+    rows_at_the_end.clear()
+    with serving(worker_for(loaded, max_batch=1)) as worker:
+        for i, c in enumerate(configs):
+            complete(worker, request(i, c, detail=False))
+    assert batched == sorted(rows_at_the_end)
+    for counts, reference in stamped:
+        assert counts == reference
+
+
+@pytest.mark.parametrize("config", [SETTINGS[0], SETTINGS[2], SETTINGS[5]], ids=str)
+def test_a_second_turn_on_kept_caches_reports_the_rows_they_hold(
+    loaded, stamped, monkeypatch, config
+):
+    """Turn 2 continues turn 1's caches (decoded in the slot layout, then a new block): its
+    detail against the rows."""
+    seen: list[list[int]] = []
+    detailed = scheduler.Scheduler._detailed
+
+    def spy(self, seq, done):
+        seen.append([*seq.prompt, *seq.generated])
+        return detailed(self, seq, done)
+
+    monkeypatch.setattr(scheduler.Scheduler, "_detailed", spy)
+    prompt = tuple(loaded.tokenizer.encode(text_of(2)))
+    first = replace(request(2, config), prompt=prompt, reuse=True)
+    more = tuple(loaded.tokenizer.encode(" and then the fox ran home" * 6))
+    with serving(worker_for(loaded, max_batch=1)) as worker:
+        assert isinstance(complete(worker, first), Finished)
+        second = replace(first, prompt=(*seen[0], *more))
+        two = complete(worker, second)
+    assert isinstance(two, Finished) and two.kv_detail is not None
+    assert two.cached_tokens > len(prompt), "turn 2 did not continue turn 1's caches"
+    assert len(stamped) == 2
+    for counts, reference in stamped:
+        assert counts == reference
 
 
 def test_the_text_runs_cover_each_character_with_its_tokens_count(loaded):
@@ -212,6 +269,20 @@ def test_the_text_runs_cover_each_character_with_its_tokens_count(loaded):
         token = next(i for i, end in enumerate(reference_ends) if end > start + x)
         assert value == counts[token], (x, content[x])
     assert text_runs(counts, text, ends, ["not in the prompt", None]) == [None, None]
+
+
+def test_a_message_is_found_after_its_role_not_in_the_template_around_it(loaded):
+    """A user message saying "user" is its own text, not the template's role header."""
+    tokenizer = loaded.tokenizer
+    messages = [{"role": "user", "content": "user"}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    text, ends = token_ends(tokenizer, prompt)
+    counts = np.arange(len(prompt))
+    (found,) = text_runs(counts, text, ends, ["user"], ["user"])
+    first_user = text.find("user")
+    assert found is not None and text.find("user", first_user + 4) > first_user
+    token = next(i for i, end in enumerate(ends) if end > text.find("user", first_user + 4))
+    assert found[0][0] == counts[token]
 
 
 def test_runs_merge_equal_neighbours_and_skip_empty_lengths():

@@ -9,6 +9,7 @@ conversation the budget test ends with (the README's picture).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections.abc import Iterator
@@ -239,3 +240,84 @@ def test_with_an_api_key_the_page_asks_once_and_keeps_it_for_the_tab(browser, ke
     stored = page.evaluate("JSON.stringify(Object.assign({}, localStorage))")
     assert "sesame" not in stored
     w.clean()
+
+
+def test_escape_in_the_key_dialog_says_why_instead_of_hanging(browser, keyed):
+    w = Watched(browser, keyed)
+    page = w.page
+    page.goto(w.base + "/")
+    page.wait_for_selector("#key-dialog[open]")
+    page.keyboard.press("Escape")
+    expect(page.locator("#error")).to_contain_text("API key")
+    assert page.locator("#key-dialog[open]").count() == 0
+    w.clean()
+
+
+def test_an_answer_streaming_into_one_conversation_stays_out_of_another(watched):
+    page = watched.open()
+    settings(page, max_tokens="8")
+    send(page, "Hi")
+    wait_answered(page)
+    before = page.locator(".message.assistant .content").last.inner_text()
+    page.click("#new-chat")
+    settings(page, max_tokens="1500")
+    send(page, "Tell me a long story.")
+    expect(page.locator(".message.assistant .content")).not_to_have_text("")
+    page.locator("#conversations button.open").nth(1).click()  # back to the first
+    page.wait_for_timeout(600)  # tokens keep arriving for the other conversation
+    expect(page.locator(".message")).to_have_count(2)
+    assert page.locator(".message.assistant .content").last.inner_text() == before
+    page.click("#stop")
+    wait_answered(page)
+
+
+def test_shading_follows_characters_beyond_the_basic_plane(watched):
+    """Runs count code points (the server's characters); an emoji is two UTF-16 units in
+    the page, and must not shift the shading after it."""
+    page = watched.open()
+    text = "fox 🦊 and dog 🐶 ran"
+    runs = [[4, 4], [1, 2], [0, 8], [3, 2], [2, 3]]  # [count, code points]
+    final = {
+        "id": "chatcmpl-x", "object": "chat.completion.chunk", "created": 0, "model": "m",
+        "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}],
+        "kv_cache_detail": {"tokens": 9, "layer_heads": 4, "kept": [[4, 9]], "messages": [runs]},
+    }  # fmt: skip
+    first = {**final, "choices": [{"index": 0, "delta": {"content": "ok"}, "logprobs": None,
+                                   "finish_reason": None}]}  # fmt: skip
+    del first["kv_cache_detail"]
+    body = "".join(f"data: {json.dumps(c)}\n\n" for c in (first, final)) + "data: [DONE]\n\n"
+    page.route(
+        "**/v1/chat/completions",
+        lambda route: route.fulfill(
+            status=200, headers={"Content-Type": "text/event-stream"}, body=body
+        ),
+    )
+    send(page, text)
+    wait_answered(page)
+    spans = page.locator(".message.user .kept")
+    shown = [(int(spans.nth(i).get_attribute("data-count")), spans.nth(i).text_content())
+             for i in range(spans.count())]  # fmt: skip
+    chars, at, expected = list(text), 0, []
+    for count, n in runs:
+        expected.append((count, "".join(chars[at : at + n])))
+        at += n
+    assert shown == expected
+    held = page.locator(".message.user .held").inner_text()
+    assert held.startswith("the cache holds ") and "%" in held
+
+
+def test_on_a_server_that_keeps_every_row_the_page_does_not_ask_for_the_detail(
+    browser, tiny_model_dir, tmp_path
+):
+    srv = start_server(tiny_model_dir, tmp_path / "full.log", "--kv-method", "full")
+    try:
+        w = Watched(browser, srv)
+        page = w.open()
+        settings(page, max_tokens="8")
+        send(page, "Hello")
+        wait_answered(page)
+        assert page.locator("#error").is_hidden(), page.locator("#error").inner_text()
+        assert page.locator(".message.assistant .content").inner_text().strip()
+        w.clean()
+    finally:
+        stop_server(srv)

@@ -34,7 +34,17 @@ def test_the_page_is_served_with_a_policy_that_keeps_it_to_this_server(server):
         served = httpx.get(f"{server.url}/page/{name}")
         assert served.status_code == 200
         assert served.content == (FILES / name).read_bytes()
-    assert httpx.get(f"{server.url}/page/../settings.py").status_code == 404
+
+    # Sent as written (httpx would resolve the dots itself): the files' folder only.
+    def raw(path: str) -> int:
+        with httpx.Client() as client:
+            request = client.build_request("GET", server.url)
+            request.url = request.url.copy_with(raw_path=path.encode())
+            return client.send(request).status_code
+
+    assert raw("/page/%61pp.js") == 200  # the raw path reaches the server as sent
+    for escape in ("/page/%2e%2e/routes/page.py", "/page/..%2froutes/page.py", "/page/../app.py"):
+        assert raw(escape) == 404, escape
 
 
 def test_no_webui_removes_the_page(tiny_model_dir, tmp_path):

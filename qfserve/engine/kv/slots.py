@@ -198,6 +198,8 @@ class SlotLayout(CacheFields):
             self.order = mx.put_along_axis(
                 self.order, self.free, mx.array(position, dtype=mx.int32), axis=2
             )
+            if self.tracks:  # order holds the true positions: the tracked arrays follow it
+                self.positions, self.token_scores = self.order, ranked
             self.free = self._victim()
         else:
             form = self.scorer.form()

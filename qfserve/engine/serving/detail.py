@@ -61,16 +61,24 @@ def token_ends(tokenizer: Any, tokens: list[int], context: int = 8) -> tuple[str
 
 
 def text_runs(
-    counts: np.ndarray, text: str, ends: list[int], contents: list[str | None]
+    counts: np.ndarray,
+    text: str,
+    ends: list[int],
+    contents: list[str | None],
+    anchors: list[str | None] | None = None,
 ) -> list[list[list[int]] | None]:
-    """Per content string: runs of ``[count, characters]`` over its characters, found in
-    ``text`` in order after the previous one (``None`` where not found)."""
+    """Per content string: runs of ``[count, characters]`` (code points) over its
+    characters, found in ``text`` in order after the previous one (``None`` where not
+    found). Each content is looked for after its anchor where the anchor is found (a chat
+    message's role: a message saying "user" is its own text, not the template's header)."""
     out: list[list[list[int]] | None] = []
     cursor = 0
-    for content in contents:
+    for content, anchor in zip(contents, anchors or [None] * len(contents), strict=True):
         if content is None:
             out.append(None)
             continue
+        if anchor and (at := text.find(anchor, cursor)) >= 0:
+            cursor = at + len(anchor)
         start = text.find(content, cursor) if content else -1
         if start < 0:
             out.append(None if content else [])
@@ -89,15 +97,16 @@ def text_runs(
     return out
 
 
-def contents_of(request: Any) -> list[str | None]:
-    """The texts the client sent, in order: each chat message's string content (``None``
-    for other content), or a completion's text prompt (nothing for token ids)."""
+def contents_of(request: Any) -> tuple[list[str | None], list[str | None]]:
+    """The texts the client sent, in order, and what each follows in the prompt: each chat
+    message's string content (``None`` for other content) after its role, or a completion's
+    text prompt (nothing for token ids)."""
     if request.kind == "chat":
-        return [
-            m.get("content") if isinstance(m.get("content"), str) else None
-            for m in request.messages
+        contents = [m.get("content") for m in request.messages]
+        return [c if isinstance(c, str) else None for c in contents], [
+            m.get("role") for m in request.messages
         ]
-    return [request.prompt] if isinstance(request.prompt, str) else []
+    return ([request.prompt], [None]) if isinstance(request.prompt, str) else ([], [])
 
 
 def kv_cache_detail(
@@ -110,5 +119,5 @@ def kv_cache_detail(
         "tokens": len(prompt),
         "layer_heads": pairs,
         "kept": runs(counts),
-        "messages": text_runs(counts, text, ends, contents_of(request)),
+        "messages": text_runs(counts, text, ends, *contents_of(request)),
     }

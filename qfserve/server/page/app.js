@@ -12,7 +12,10 @@ const FIELDS = ["kv_method", "qfilters_budget", "qfilters_recent", "qfilters_chu
   "temperature", "top_p", "max_tokens", "system", "kv_cache_detail"];
 
 const $ = (id) => document.getElementById(id);
-const state = { conversations: [], current: null, model: null, controller: null, poll: null };
+const state = {
+  conversations: [], current: null, model: null, defaults: {},
+  controller: null, poll: null, polling: null, asking: null, streaming: null,
+};
 
 // -- storage ---------------------------------------------------------------------------
 
@@ -30,7 +33,13 @@ function load() {
 }
 
 function save() {
-  localStorage.setItem(STORE, JSON.stringify(state.conversations));
+  try {
+    localStorage.setItem(STORE, JSON.stringify(state.conversations));
+  } catch {
+    // Over the storage quota: the shading goes first, the conversations stay.
+    for (const c of state.conversations) for (const m of c.messages) delete m.kept;
+    try { localStorage.setItem(STORE, JSON.stringify(state.conversations)); } catch { /* full */ }
+  }
 }
 
 function saveSettings() {
@@ -63,20 +72,30 @@ function headers(json) {
 }
 
 function askKey() {
-  return new Promise((resolve) => {
+  // One prompt at a time; Escape (the dialog's cancel) rejects, and the caller says why.
+  if (state.asking) return state.asking;
+  state.asking = new Promise((resolve, reject) => {
     const dialog = $("key-dialog");
     const form = $("key-form");
-    const done = (event) => {
+    const finish = (ok) => {
+      form.removeEventListener("submit", submit);
+      dialog.removeEventListener("cancel", cancel);
+      if (dialog.open) dialog.close();
+      state.asking = null;
+      if (ok) resolve(); else reject(new Error("this server needs its API key"));
+    };
+    const submit = (event) => {
       event.preventDefault();
       sessionStorage.setItem(KEY, $("key").value.trim());
-      form.removeEventListener("submit", done);
-      dialog.close();
-      resolve();
+      finish(true);
     };
-    form.addEventListener("submit", done);
+    const cancel = (event) => { event.preventDefault(); finish(false); };
+    form.addEventListener("submit", submit);
+    dialog.addEventListener("cancel", cancel);
     dialog.showModal();
     $("key").focus();
   });
+  return state.asking;
 }
 
 async function api(path, options = {}) {
@@ -120,10 +139,12 @@ async function refreshStatus(requestId) {
   const response = await api("/v1/status" + query);
   if (!response.ok) return;
   const status = await response.json();
+  if (requestId && requestId !== state.polling) return; // the answer ended meanwhile
+  state.defaults = status.defaults || {};
   const m = status.memory;
   $("m-server").textContent = `${bytes(m.kv_used_bytes)} of ${bytes(m.max_kv_bytes)}`;
   $("server-meter").value = m.max_kv_bytes ? m.kv_used_bytes / m.max_kv_bytes : 0;
-  if (status.request) showCache(status.request);
+  if (status.request && state.current === state.streaming) showCache(status.request);
 }
 
 // -- streaming an answer -------------------------------------------------------------------
@@ -135,7 +156,9 @@ function settings() {
     if ($(name).value !== "") body[name] = parseInt($(name).value, 10);
   }
   for (const name of ["temperature", "top_p"]) if ($(name).value !== "") body[name] = parseFloat($(name).value);
-  if ($("kv_cache_detail").checked && body.kv_method !== "full") body.kv_cache_detail = true;
+  // A full cache keeps every row: there is nothing to show, and the server says so (400).
+  const method = body.kv_method || state.defaults.kv_method;
+  if ($("kv_cache_detail").checked && method !== "full") body.kv_cache_detail = true;
   return body;
 }
 
@@ -154,6 +177,8 @@ async function answer() {
   c.messages.push(reply);
   render();
   const controller = (state.controller = new AbortController());
+  state.streaming = c.id;
+  $("messages").setAttribute("aria-busy", "true");
   busy(true);
   showError(null);
   let requestId = null;
@@ -186,9 +211,12 @@ async function answer() {
           const choice = chunk.choices && chunk.choices[0];
           if (choice && choice.delta && choice.delta.content) {
             reply.content += choice.delta.content;
-            updateLast(reply);
+            if (state.current === c.id) updateLast(reply);
           }
-          if (chunk.kv_cache) { c.kv = chunk.kv_cache; showCache(chunk.kv_cache); }
+          if (chunk.kv_cache) {
+            c.kv = chunk.kv_cache;
+            if (state.current === c.id) showCache(chunk.kv_cache);
+          }
           if (chunk.kv_cache_detail) applyDetail(c, chunk.kv_cache_detail, offset);
           if (choice && choice.finish_reason) reply.finish = choice.finish_reason;
         }
@@ -201,6 +229,8 @@ async function answer() {
   } finally {
     stopPolling();
     state.controller = null;
+    state.streaming = null;
+    $("messages").setAttribute("aria-busy", "false");
     busy(false);
     if (c.title === "New chat" && c.messages.length) c.title = c.messages[0].content.slice(0, 40);
     save();
@@ -211,12 +241,14 @@ async function answer() {
 
 function startPolling(requestId) {
   stopPolling();
+  state.polling = requestId;
   state.poll = setInterval(() => refreshStatus(requestId).catch(() => {}), POLL_MS);
 }
 
 function stopPolling() {
   if (state.poll) clearInterval(state.poll);
   state.poll = null;
+  state.polling = null;
 }
 
 function applyDetail(c, detail, offset) {
@@ -264,6 +296,7 @@ function shaded(m) {
   const p = document.createElement("p");
   p.className = "content";
   if (!m.kept) { p.textContent = m.content; return p; }
+  const chars = Array.from(m.content); // the server counts code points, not UTF-16 units
   let at = 0;
   for (const [count, length] of m.kept) {
     const span = document.createElement("span");
@@ -271,12 +304,19 @@ function shaded(m) {
     span.dataset.count = count;
     span.title = `held by ${count} of ${m.heads} layer × KV-head caches`;
     span.style.backgroundColor = `rgba(11, 92, 173, ${(0.45 * count / m.heads).toFixed(3)})`;
-    span.textContent = m.content.slice(at, at + length);
+    span.textContent = chars.slice(at, at + length).join("");
     p.append(span);
     at += length;
   }
-  if (at < m.content.length) p.append(m.content.slice(at));
+  if (at < chars.length) p.append(chars.slice(at).join(""));
   return p;
+}
+
+function heldShare(m) {
+  // The same figure in words, for whoever cannot see the shading's colours.
+  let held = 0, total = 0;
+  for (const [count, length] of m.kept) { held += count * length; total += length; }
+  return total ? Math.round((100 * held) / (total * m.heads)) : 100;
 }
 
 function messageElement(m) {
@@ -286,6 +326,12 @@ function messageElement(m) {
   role.className = "role";
   role.textContent = m.role === "user" ? "You" : "Assistant";
   div.append(role, shaded(m));
+  if (m.kept) {
+    const held = document.createElement("p");
+    held.className = "note held";
+    held.textContent = `the cache holds ${heldShare(m)}% of this message's rows (layers × KV heads)`;
+    div.append(held);
+  }
   if (m.note) {
     const note = document.createElement("p");
     note.className = "note";
