@@ -38,23 +38,8 @@ SETTINGS = [
     CacheConfig(method="tova", budget=44, recent=8),
     CacheConfig(method="snapkv", budget=52, recent=8),
 ]
-WORDS = [
-    "the",
-    "pass",
-    "key",
-    "is",
-    "4821",
-    "remember",
-    "it",
-    "well",
-    "and",
-    "keep",
-    "the",
-    "fox",
-    "in",
-    "the",
-    "box",
-]
+TEXT = "A lantern hung by the mill and the miller kept the code 7719 in a tin by the door"
+WORDS = TEXT.split()
 
 
 @pytest.fixture(scope="module")
