@@ -92,8 +92,9 @@ void head(const float* q, const float* k, const float* v, const bool* mask, floa
     float* og = out + (static_cast<int64_t>(b) * L.Hq + h * G + g) * L.Dv;
     std::fill(og, og + L.Dv, 0.f);
     for (int j = 0; j < L.S; ++j) {
-      const float* vj = vh + j * L.v_s;
       const float w = pg[j];
+      if (w == 0.f) continue;  // masked (a shorter member's padding): its row is not read
+      const float* vj = vh + j * L.v_s;
       if (L.v_d == 1) {
         for (int d = 0; d < L.Dv; ++d) og[d] += w * vj[d];
       } else {
