@@ -7,6 +7,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from qfserve.engine.models.loading import LoadedModel
 from qfserve.engine.serving.worker import Worker
 from qfserve.server.errors import APIError
 from qfserve.server.metrics import Metrics
@@ -19,6 +20,15 @@ def get_settings(request: Request) -> Settings:
 
 def get_worker(request: Request) -> Worker:
     return request.app.state.worker
+
+
+def served_model(worker: Worker) -> LoadedModel:
+    """The model the worker serves; 503 (retry shortly) while it is still loading."""
+    if worker.loaded is None:
+        raise APIError(
+            503, "the model is still loading", code="unavailable", headers={"Retry-After": "5"}
+        )
+    return worker.loaded
 
 
 def get_metrics(request: Request) -> Metrics:

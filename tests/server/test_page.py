@@ -278,12 +278,15 @@ def test_shading_follows_characters_beyond_the_basic_plane(watched):
     text = "fox 🦊 and dog 🐶 ran"
     runs = [[4, 4], [1, 2], [0, 8], [3, 2], [2, 3]]  # [count, code points]
     final = {
-        "id": "chatcmpl-x", "object": "chat.completion.chunk", "created": 0, "model": "m",
+        "id": "chatcmpl-x",
+        "object": "chat.completion.chunk",
+        "created": 0,
+        "model": "m",
         "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}],
         "kv_cache_detail": {"tokens": 9, "layer_heads": 4, "kept": [[4, 9]], "messages": [runs]},
-    }  # fmt: skip
-    first = {**final, "choices": [{"index": 0, "delta": {"content": "ok"}, "logprobs": None,
-                                   "finish_reason": None}]}  # fmt: skip
+    }
+    delta = {"index": 0, "delta": {"content": "ok"}, "logprobs": None, "finish_reason": None}
+    first = {**final, "choices": [delta]}
     del first["kv_cache_detail"]
     body = "".join(f"data: {json.dumps(c)}\n\n" for c in (first, final)) + "data: [DONE]\n\n"
     page.route(
@@ -295,8 +298,10 @@ def test_shading_follows_characters_beyond_the_basic_plane(watched):
     send(page, text)
     wait_answered(page)
     spans = page.locator(".message.user .kept")
-    shown = [(int(spans.nth(i).get_attribute("data-count")), spans.nth(i).text_content())
-             for i in range(spans.count())]  # fmt: skip
+    shown = [
+        (int(spans.nth(i).get_attribute("data-count")), spans.nth(i).text_content())
+        for i in range(spans.count())
+    ]
     chars, at, expected = list(text), 0, []
     for count, n in runs:
         expected.append((count, "".join(chars[at : at + n])))

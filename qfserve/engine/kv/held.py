@@ -32,7 +32,7 @@ def layer_positions(cache: Any) -> np.ndarray | None:
         if held.shape[0] != 1:
             raise ValueError(f"one sequence per cache, got {held.shape[0]}")
         return np.asarray(held[0])
-    if isinstance(cache, RotatingKVCache):  # before KVCache: not its subclass, but be exact
+    if isinstance(cache, RotatingKVCache):
         H, n = _heads(cache), int(cache.offset)
         if n <= cache.max_size:
             row = np.arange(n)

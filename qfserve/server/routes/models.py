@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends
 
-from qfserve.server.dependencies import WorkerDep, require_api_key
-from qfserve.server.errors import APIError
+from qfserve.server.dependencies import WorkerDep, require_api_key, served_model
 from qfserve.server.generation import check_model
 from qfserve.server.openapi import ModelCard, ModelList, errors
 
@@ -14,11 +13,7 @@ router = APIRouter(dependencies=[Depends(require_api_key)])
 
 
 def _card(worker: WorkerDep) -> ModelCard:
-    loaded = worker.loaded
-    if loaded is None:
-        raise APIError(
-            503, "the model is still loading", code="unavailable", headers={"Retry-After": "5"}
-        )
+    loaded = served_model(worker)
     return ModelCard(
         id=loaded.name, created=worker.started_at, context_length=loaded.context_length
     )

@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import APIRouter, Depends
 
 from qfserve.engine.models.memory import resident_bytes
-from qfserve.server.dependencies import SettingsDep, WorkerDep, require_api_key
+from qfserve.server.dependencies import SettingsDep, WorkerDep, require_api_key, served_model
 from qfserve.server.errors import APIError
 from qfserve.server.openapi import errors
 
@@ -36,11 +36,7 @@ _REQUEST_FIELDS = (
 async def status(
     worker: WorkerDep, settings: SettingsDep, request: str | None = None
 ) -> dict[str, Any]:
-    loaded = worker.loaded
-    if loaded is None:
-        raise APIError(
-            503, "the model is still loading", code="unavailable", headers={"Retry-After": "5"}
-        )
+    loaded = served_model(worker)
     kept, full = worker.active_kv_bytes()
     body: dict[str, Any] = {
         "model": loaded.name,
