@@ -25,10 +25,11 @@ from qfserve.engine.models.quantized import (
     NativeQuantizedLinear,
     densify,
     detach,
+    kernel_of,
     weight_bytes,
 )
 from tests.gguf_files import load_converted_tiny
-from tests.kernels.conftest import _buildable
+from tests.kernels.conftest import _buildable, activations
 
 pytestmark = pytest.mark.skipif(bool(_buildable()), reason=str(_buildable()))
 QUANTIZED = ("attn_q", "attn_v", "ffn_up", "token_embd")
@@ -96,7 +97,9 @@ def test_few_rows_and_many_read_the_codes(tiny, rows):
                       bits=module.bits), dtype=np.float64
     )  # fmt: skip
     x = mx.array(np.random.default_rng(rows).standard_normal((1, rows, dense.shape[1]), np.float32))
-    np.testing.assert_allclose(np.array(module(x)), np.array(x, np.float64) @ dense.T, atol=2e-5)
+    with activations(module._qfserve_kernel, 0):  # float32 products: exact to rounding
+        got = np.array(module(x))
+    np.testing.assert_allclose(got, np.array(x, np.float64) @ dense.T, atol=2e-5)
 
 
 def test_greedy_text_equals_the_float32_models(tiny):
@@ -110,7 +113,13 @@ def test_greedy_text_equals_the_float32_models(tiny):
     with_codes, logprobs = greedy(loaded.model)
     plain, plain_logprobs = float32_reference(loaded, greedy)
     assert with_codes == plain and len(set(plain)) > 3
+    # The default decode activations (31-bit integers where the CPU has VNNI) keep float32's
+    # precision; so does the float path.
     np.testing.assert_allclose(logprobs, plain_logprobs, atol=1e-4)
+    with activations(kernel_of(loaded.model), 0):
+        float_path, float_logprobs = greedy(loaded.model)
+    assert float_path == plain
+    np.testing.assert_allclose(float_logprobs, plain_logprobs, atol=1e-4)
 
 
 def test_blocks_and_decode_steps_attend_through_the_native_kernels(tiny, monkeypatch):

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import sys
+from collections.abc import Iterator
+from types import ModuleType
 
 import pytest
 
@@ -29,3 +32,15 @@ def kernel():
     module = native.load(cache_root() / "native")
     assert module is not None, "the native kernel did not build (see the warning logged)"
     return module
+
+
+@contextlib.contextmanager
+def activations(kernel: ModuleType, bits: int) -> Iterator[None]:
+    """Few-row products on x rounded to ``bits`` (0: float32; integers where the CPU has
+    VNNI), the process's setting restored after."""
+    before = kernel.activation_bits()
+    kernel.activation_bits(bits if kernel.integer_activations else 0)
+    try:
+        yield
+    finally:
+        kernel.activation_bits(before)

@@ -1,7 +1,10 @@
 """The native quantized matmul against numpy: codes unpacked by hand from MLX's documented
 layout (a little-endian bit stream of ``bits``-bit codes, ``w = scale * q + bias`` per group),
 not by ``mx.dequantize``; few rows (in registers) and many (dequantized tiles through the
-BLAS), every bit width and group size, odd shapes and extreme scales."""
+BLAS), every bit width and group size, odd shapes and extreme scales. Few rows take integer
+activations (int16 by default, int8 on request) where the CPU has VNNI: those are held to
+numpy's own rounding of x per block, and the float path (``activation_bits(0)``) to float32
+rounding."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import numpy as np
 import pytest
 
 from qfserve.kernels import native
+from tests.kernels.conftest import activations
 
 
 def unpack(
@@ -36,7 +40,8 @@ def codes(rng: np.random.Generator, n: int, k: int, bits: int, group: int = 32, 
 def check(kernel, rng, *, bits, group, rows, n, k, scale=0.05, dtype=np.float32):
     w, scales, biases = codes(rng, n, k, bits, group, scale, dtype)
     x = mx.array(rng.standard_normal((rows, k), dtype=np.float32))
-    got = np.array(kernel.quantized_matmul(x, w, scales, biases, bits))
+    with activations(kernel, 0):
+        got = np.array(kernel.quantized_matmul(x, w, scales, biases, bits))
     dense = unpack(np.array(w), np.array(scales), np.array(biases), bits, group)
     want = np.array(x, dtype=np.float64) @ dense.T
     assert got.shape == (rows, n) and got.dtype == np.float32
@@ -108,22 +113,134 @@ def test_strided_batched_inputs_and_compile(kernel):
     dense = unpack(np.array(w), np.array(scales), np.array(biases), 4)
     base = mx.array(rng.standard_normal((3, 128, 5), dtype=np.float32))
     view = base.transpose(2, 0, 1)[1:4:2]  # (2, 3, 128): strided on every axis
-    got = np.array(kernel.quantized_matmul(view, w, scales, biases, 4))
+    with activations(kernel, 0):
+        got = np.array(kernel.quantized_matmul(view, w, scales, biases, 4))
     assert got.shape == (2, 3, 256)
     np.testing.assert_allclose(got, np.array(view, np.float64) @ dense.T, rtol=2e-5, atol=1e-4)
     x = mx.array(rng.standard_normal((128, 2), dtype=np.float32)).T  # (2, 128), not contiguous
     want = np.array(x, dtype=np.float64) @ dense.T
-    got = kernel.quantized_matmul(x, w, scales, biases, 4)
     compiled = mx.compile(lambda a: kernel.quantized_matmul(a, w, scales, biases, 4) * 2.0)
-    np.testing.assert_allclose(np.array(got), want, rtol=2e-5, atol=1e-4)
-    np.testing.assert_allclose(np.array(compiled(x)), 2 * want, rtol=2e-5, atol=2e-4)
+    with activations(kernel, 0):
+        got = np.array(kernel.quantized_matmul(x, w, scales, biases, 4))
+        twice = np.array(compiled(x))
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-4)
+    np.testing.assert_allclose(twice, 2 * want, rtol=2e-5, atol=2e-4)
     many = mx.array(rng.standard_normal((128, 30), dtype=np.float32)).T  # (30, 128) strided
+    with activations(kernel, 0):
+        got = np.array(kernel.quantized_matmul(many, w, scales, biases, 4))
     np.testing.assert_allclose(
-        np.array(kernel.quantized_matmul(many, w, scales, biases, 4)),
+        got,
         np.array(many, np.float64) @ dense.T,
         rtol=2e-5,
         atol=1e-4,
     )
+
+
+def rounded_reference(
+    x: np.ndarray,
+    w: np.ndarray,
+    scales: np.ndarray,
+    biases: np.ndarray,
+    bits: int,
+    group: int,
+    top: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """numpy's own rounding of x to integers per block of 32 (float32 arithmetic: step
+    max|x| / top, to nearest even) times the weight's scaled codes, plus the biases times x's
+    exact sums, in float64; and the bound on its difference from the product on x itself
+    (each element off by at most half its block's step, through the scaled codes only)."""
+    blocks = x.reshape(x.shape[0], -1, 32).astype(np.float32)
+    amax = np.abs(blocks).max(axis=-1, keepdims=True)
+    inv = np.where(amax > 0, np.float32(top) / np.where(amax > 0, amax, 1), np.float32(0))
+    q = np.rint(blocks * inv)
+    assert np.abs(q).max() <= top * (1 + 2.0**-22)  # float32's rounding of x * top / max
+    step = (amax / np.float32(top)).astype(np.float64)
+    rounded = (q.astype(np.float64) * step).reshape(x.shape)
+    bias = np.repeat(biases.astype(np.float64), group, axis=1)
+    scaled = unpack(w, scales, biases, bits, group) - bias
+    half_steps = np.repeat(0.5 * step.reshape(x.shape[0], -1), 32, axis=1)
+    return rounded @ scaled.T + x.astype(np.float64) @ bias.T, half_steps @ np.abs(scaled).T
+
+
+@pytest.mark.parametrize(
+    ("activation", "rows"),
+    [(8, 1), (8, 3), (8, 8), (8, 13), (8, 32), (16, 1), (16, 3), (16, 4), (32, 1), (32, 3)],
+)
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
+@pytest.mark.parametrize(("group", "k"), [(32, 128), (32, 160), (32, 576), (64, 192), (128, 384)])
+def test_integer_activations_match_numpys_rounding(kernel, activation, rows, bits, group, k):
+    """Decode steps' rows (int8: up to 32; int16: up to 4; int32: up to 3), x rounded per block
+    of 32 (VNNI):
+    the product on numpy's rounding of x within float32 tolerance, and the product on x itself
+    within the rounding's own bound. Odd block counts (160 and 192: a pair's second block
+    missing) and float16 scales included."""
+    if not kernel.integer_activations:
+        pytest.skip("this CPU has no AVX-512 VNNI: products keep float32 activations")
+    rng = np.random.default_rng(bits * 1000 + group + rows + k + activation)
+    dtype = np.float16 if rows % 2 else np.float32
+    w, scales, biases = codes(rng, 72, k, bits, group, dtype=dtype)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    x[:, 5] *= 40  # an outlier channel, as language models' hidden states have
+    if rows > 2:
+        x[2, :32] = 0  # a zero block
+    with activations(kernel, activation):
+        got = np.array(kernel.quantized_matmul(mx.array(x), w, scales, biases, bits))
+    top = {8: 127, 16: 32767, 32: 2**30 - 2**16}[activation]
+    w, scales, biases = np.array(w), np.array(scales), np.array(biases)
+    want, rounding = rounded_reference(x, w, scales, biases, bits, group, top)
+    dense = unpack(w, scales, biases, bits, group)
+    magnitude = np.abs(x.astype(np.float64)) @ np.abs(dense).T
+    assert np.all(np.abs(got - want) <= 4e-6 * np.sqrt(k) * magnitude + 1e-30)
+    exact = x.astype(np.float64) @ dense.T
+    assert np.all(np.abs(got - exact) <= rounding * (1 + 1e-4) + 4e-6 * np.sqrt(k) * magnitude)
+    if activation == 8:
+        assert np.abs(got - exact).max() > 1e-3  # it did round: the float path is far closer
+
+
+@pytest.mark.parametrize("scale", [1e-30, 1e25])
+@pytest.mark.parametrize(("activation", "within"), [(16, 1e-4), (32, 1e-6)])
+def test_integer_activations_extreme_scales(kernel, scale, activation, within):
+    """Weights' scales near float32's ends: the rounding stays relative to x alone."""
+    if not kernel.integer_activations:
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    rng = np.random.default_rng(11)
+    w, scales, biases = codes(rng, 64, 96, 5, scale=scale)
+    x = rng.standard_normal((3, 96)).astype(np.float32)
+    dense = unpack(np.array(w), np.array(scales), np.array(biases), 5)
+    with activations(kernel, activation):
+        got = np.array(kernel.quantized_matmul(mx.array(x), w, scales, biases, 5))
+    want = x.astype(np.float64) @ dense.T
+    bound = np.abs(x.astype(np.float64)) @ np.abs(dense).T
+    assert np.all(np.abs(got - want) <= within * bound)
+
+
+def test_activation_bits_switch_and_many_rows(kernel):
+    """The setting is process-wide and read back; a bad value is refused; more than 32 rows
+    (a prompt) never round x."""
+    with pytest.raises(ValueError, match="0 .float32., 8, 16 or 32 bits, not 12"):
+        kernel.activation_bits(12)
+    if not kernel.integer_activations:
+        assert kernel.activation_bits(16) == 0
+        return
+    rng = np.random.default_rng(9)
+    w, scales, biases = codes(rng, 64, 96, 5)
+    dense = unpack(np.array(w), np.array(scales), np.array(biases), 5)
+    x = rng.standard_normal((40, 96)).astype(np.float32)
+    with activations(kernel, 8):
+        assert kernel.activation_bits() == 8
+        got = np.array(kernel.quantized_matmul(mx.array(x), w, scales, biases, 5))
+    bound = np.abs(x.astype(np.float64)) @ np.abs(dense).T
+    assert np.all(np.abs(got - x.astype(np.float64) @ dense.T) <= 2e-6 * np.sqrt(96) * bound)
+    with activations(kernel, 16):  # more than 4 rows: int16 leaves them to the float path
+        sixteen = np.array(kernel.quantized_matmul(mx.array(x[:8]), w, scales, biases, 5))
+    with activations(kernel, 32):  # more than 3 rows: so does int32
+        wide = np.array(kernel.quantized_matmul(mx.array(x[:4]), w, scales, biases, 5))
+    with activations(kernel, 0):
+        assert kernel.activation_bits() == 0
+        plain = np.array(kernel.quantized_matmul(mx.array(x[:8]), w, scales, biases, 5))
+        plain_four = np.array(kernel.quantized_matmul(mx.array(x[:4]), w, scales, biases, 5))
+    np.testing.assert_array_equal(sixteen, plain)
+    np.testing.assert_array_equal(wide, plain_four)
 
 
 @pytest.mark.parametrize(

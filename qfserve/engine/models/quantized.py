@@ -16,6 +16,12 @@ activates (:mod:`qfserve.engine.models.native_layers`), where MLX on the CPU run
 several small ops, and runs a decode step's transformer block as two ops around its cache and
 attention (:mod:`qfserve.engine.models.fused`).
 
+A decode step's few rows of activations are rounded to integers per block of 32 where the CPU
+has AVX-512 VNNI (:func:`set_decode_activations`), so that the codes never become floats:
+31-bit integers by default (float32's precision; greedy text unchanged), int16 or int8
+(llama.cpp's arithmetic for its quantized types) on request, each faster and less exact
+(docs/models.md gives both).
+
 Where the kernel cannot be built, :func:`densify` turns the quantized layers into float32
 ones instead (MLX's float32 product is the fast one it has): the speed of the BLAS, at ~5x
 the memory.
@@ -39,6 +45,34 @@ logger = logging.getLogger(__name__)
 # What the native kernel reads (MLX's affine mode).
 KERNEL_BITS = frozenset({4, 5, 6, 8})
 KERNEL_GROUPS = frozenset({32, 64, 128})
+
+
+def kernel_of(model: nn.Module) -> ModuleType | None:
+    """The native kernel module ``model``'s quantized layers read through, if any."""
+    for _, module in model.named_modules():
+        kernel = getattr(module, "_qfserve_kernel", None)
+        if kernel is not None:
+            return cast(ModuleType, kernel)
+    return None
+
+
+def set_decode_activations(kernel: ModuleType | None, name: str) -> str:
+    """Round decode steps' activations to ``name`` in the kernel's products (one setting for
+    the process). Returns what is in effect: ``float32`` without a kernel or without VNNI.
+
+    Raises:
+        ValueError: ``name`` is not one of :data:`qfserve.kernels.native.ACTIVATIONS`.
+    """
+    from qfserve.kernels.native import ACTIVATIONS
+
+    if name not in ACTIVATIONS:
+        raise ValueError(
+            f"decode activations must be one of {', '.join(ACTIVATIONS)}, not {name!r}"
+        )
+    if kernel is None or not kernel.integer_activations:
+        return "float32"
+    kernel.activation_bits(ACTIVATIONS[name])
+    return name
 
 
 def _product(module: Any, x: mx.array) -> mx.array:

@@ -37,6 +37,7 @@ from qfserve.engine.kv.config import (
     fit_budget_mode,
     fit_chunk,
 )
+from qfserve.kernels.native import ACTIVATIONS, DEFAULT_ACTIVATIONS
 
 DEFAULT_MAX_QUEUE = 16
 DEFAULT_HISTORY = 64
@@ -208,6 +209,16 @@ class EngineConfig:
         help="prompt blocks' attention on the CPU: 'blocked' (query tiles through numpy, "
         "a 2,048-token prefill about 2.9x faster there) or 'mlx' (MLX's own); Metal always "
         "runs MLX's (default: %(default)s)",
+    )
+    decode_activations: str = option(
+        DEFAULT_ACTIVATIONS,
+        "--decode-activations",
+        choices=tuple(ACTIVATIONS),
+        help="what decode steps round activations to, per block of 32, before products on "
+        "quantized weights (CPUs with AVX-512 VNNI; others keep float32): 'int32' (float32's "
+        "precision, a one-sequence step ~1.25x faster), 'int16' (~1.35x; text may change at "
+        "near-ties), 'int8' (~1.4x and faster for batches too, llama.cpp's arithmetic, but "
+        "lossy on small models) or 'float32': docs/models.md (default: %(default)s)",
     )
     history: int = DEFAULT_HISTORY
     max_backlog: int = DEFAULT_MAX_BACKLOG

@@ -30,10 +30,21 @@ def load(
     """The served model, its filters and, launched over several ranks, its lockstep (the
     model and filters then split over them; ``on_lost`` is told when a rank dies)."""
     from qfserve.engine.kv.attention import set_blocked
+    from qfserve.engine.models.quantized import kernel_of, set_decode_activations
     from qfserve.engine.serving.lockstep import Lockstep
 
     set_blocked(config.attention == "blocked")
     loaded = served_as(loader(config.model), config.alias, config.ctx_size)
+    kernel = kernel_of(loaded.model)
+    if kernel is not None:  # products on codes (the CPU); Metal keeps MLX's own kernels
+        in_effect = set_decode_activations(kernel, config.decode_activations)
+        if in_effect != config.decode_activations:
+            logger.warning(
+                "--decode-activations %s needs AVX-512 VNNI, which this CPU lacks: %s",
+                config.decode_activations,
+                in_effect,
+            )
+        logger.info("decode steps' products on %s activations", in_effect)
     calibration = ModelFilters(
         loaded,
         self_calibration=config.self_calibration,

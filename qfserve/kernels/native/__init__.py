@@ -68,6 +68,10 @@ SOURCES = (
     "rows.h",
 )
 MODULE = "_native"
+# What a decode step's rows of activations are rounded to before products on codes
+# (``activation_bits``; AVX-512 VNNI): --decode-activations' choices, and their bits.
+ACTIVATIONS = {"int32": 32, "int16": 16, "int8": 8, "float32": 0}
+DEFAULT_ACTIVATIONS = "int32"
 _BUILD_TIMEOUT_S = 600
 _lock = threading.Lock()
 
@@ -122,7 +126,13 @@ def _load(cache_dir: Path) -> ModuleType:
                 built = _built_file(folder) or _build(folder)
         module = _import(built)
         _check(module)
-        logger.info("native kernels: %s, %s, %d threads", built, module.simd, module.threads())
+        logger.info(
+            "native kernels: %s, %s, %d threads%s",
+            built,
+            module.simd,
+            module.threads(),
+            ", VNNI" if module.integer_activations else "",
+        )
         return module
 
 
@@ -211,16 +221,22 @@ def _check(module: ModuleType) -> None:
         w, scales, biases = mx.quantize(weights, group_size=32, bits=bits)
         scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)
         dense = np.asarray(mx.dequantize(w, scales, biases, group_size=32, bits=bits))
-        for rows in (3, 40):
+        for rows, rounded in ((3, 0), (3, 8), (1, 16), (1, 32), (40, 0)):
             x = mx.array(rng.standard_normal((rows, 64), dtype=np.float32))
+            # Integer activations round x: each element by up to its block's max / 254.
+            slack = np.abs(dense).sum(axis=1) * np.abs(np.asarray(x)).max() / 127 if rounded else 0
             try:
+                module.activation_bits(rounded if module.integer_activations else 0)
                 got = np.asarray(module.quantized_matmul(x, w, scales, biases, bits))
             except (TypeError, RuntimeError, ValueError) as exc:
                 raise NativeUnavailable(f"the built kernel does not run: {exc}") from exc
+            finally:
+                module.activation_bits(32 if module.integer_activations else 0)
             want = np.asarray(x) @ dense.T
-            if not np.allclose(got, want, rtol=1e-4, atol=1e-4):
+            if not np.all(np.abs(got - want) <= 1e-4 + 1e-4 * np.abs(want) + slack):
                 raise NativeUnavailable(
                     f"the built kernel disagrees with numpy at {bits} bits, {rows} rows"
+                    + (f" ({rounded}-bit activations)" if rounded else "")
                 )
 
 

@@ -34,6 +34,12 @@ Codes bind(Codes c, const mlx::core::array& w, const mlx::core::array& scales,
 void quantized_rows(const Codes& c, const float* x, const std::vector<int64_t>& row_offset,
                     int64_t col_stride, float* y, int M);
 
+// The bits few-row products round x to (AVX-512 VNNI; quantized_matmul.cpp): 32 by default,
+// 16, 8, or 0 for float32; one setting for the whole process, 0 where the CPU lacks VNNI.
+bool integer_available();
+int integer_activations();
+void set_integer_activations(int bits);
+
 // The weight dequantized, (N, K) float32 row-major.
 void dequantize_codes(const Codes& c, float* out);
 

@@ -4,6 +4,7 @@
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
+#include "detail.h"
 #include "kernels.h"
 #include "pool.h"
 
@@ -72,6 +73,17 @@ NB_MODULE(_native, m) {
         nb::kw_only(), nb::arg("stream") = nb::none(),
         "The rest of a decode step's block in one op: h = x + o(a), then "
         "h + down(swiglu(gate(n), up(n))) with n = rms_norm(h, norm, eps).");
+  m.def(
+      "activation_bits",
+      [](std::optional<int> bits) {
+        if (bits) qfserve::detail::set_integer_activations(*bits);
+        return qfserve::detail::integer_activations();
+      },
+      nb::arg("bits") = nb::none(),
+      "The bits decode steps' products round x to, per block of 32 (AVX-512 VNNI): 32 (the "
+      "default), 16, 8, or 0 for float32; set first where bits is given. 0 where the CPU "
+      "lacks VNNI.");
+  m.attr("integer_activations") = qfserve::detail::integer_available();
   m.def("threads", [] { return qfserve::pool().threads(); }, "Threads of the kernels' pool.");
 #if defined(__AVX512F__)
   m.attr("simd") = "avx512";

@@ -29,6 +29,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
@@ -40,6 +41,9 @@
 #endif
 #if defined(__AVX512VBMI__) && defined(__AVX512VL__)
 #define QF_VBMI 1
+#endif
+#if defined(QF_VBMI) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define QF_VNNI 1
 #endif
 
 #include "detail.h"
@@ -257,6 +261,21 @@ inline std::pair<const float*, const float*> block_params(const Codes& c, int n,
 
 constexpr int kParamRows = 32;  // rows whose scales are widened at a time
 
+// A decode step reads every weight once, from memory: the codes, scales and biases of row
+// n + kAhead are asked for while row n is multiplied, so that its loads wait less (measured
+// on SmolLM2 at Q4_K_M, one sequence: 19.4 -> 17.2 ms a step; the distance matters little
+// between 4 and 16 rows).
+constexpr int kAhead = 16;
+
+inline void prefetch_row(const Codes& c, int n, int n1, size_t row_bytes) {
+  if (n + kAhead >= n1) return;
+  const char* next = reinterpret_cast<const char*>(c.w) + (n + kAhead) * row_bytes;
+  for (size_t at = 0; at < row_bytes; at += 64) __builtin_prefetch(next + at, 0, 3);
+  const size_t params = static_cast<size_t>(c.K / c.group) * (c.half ? 2 : 4);
+  __builtin_prefetch(static_cast<const char*>(c.scales) + (n + kAhead) * params, 0, 3);
+  __builtin_prefetch(static_cast<const char*>(c.biases) + (n + kAhead) * params, 0, 3);
+}
+
 template <int BITS, int MB>
 void rows(const Codes& c, const float* xp, const float* xs, float* y, int n0, int n1) {
   const int K = c.K, G = K / c.group, N = c.N;
@@ -349,6 +368,287 @@ void few_rows(const Codes& c, const float* x, const std::vector<int64_t>& row_of
                     n1);
   });
 }
+
+// Decode steps on integer activations (AVX-512 VNNI). Each block of 32 elements of x is
+// rounded with its own scale (max |x| / 127 to int8, as llama.cpp's Q8_0 for activations, or
+// max |x| / 32767 to int16), and the codes stay integers: a pair of blocks' codes as 64 bytes
+// meets x in `vpdpbusd` (bytes times int8, four products summed into each int32 lane) or,
+// widened to 16 bits, in `vpdpwssd` (two a lane). The lanes are widened and scaled by the
+// weight's scale times x's once per pair of blocks:
+//   y[m, n] = sum_b scale[n, g(b)] * d[m, b] * (q[n, b, :] . xq[m, b, :]) + bias[n, g] * sum(x[m, g, :]),
+// the bias term from x's exact float sums. Why: the float path widens every code to a float
+// (two conversions on the shuffle port a block of 32) before its multiply-adds, which bounds
+// a decode step's products far below the core's arithmetic. What it costs: x's rounding,
+// |error| <= half a step (max |x in the block| / 254 or / 65534) an element; the tests hold
+// the products to that bound, and docs/models.md gives what each does to greedy text.
+std::atomic<int> activations_on{32};  // 0 (float32), 8, 16 or 32
+
+#ifdef QF_VNNI
+namespace qx {
+
+// Rows of x up to which each is faster than the float path (measured on SmolLM2's shapes, 2
+// cores): int8, one product a pair, at every count up to 32; int16, two products and two
+// widenings a pair, up to 4 (1.5x at one row, no faster at 8); int32, four products a pair,
+// up to 3 (1.2x at one to three rows, slower at 4). Past those the float path takes over.
+constexpr int kRows8 = kFewRows, kRows16 = 4, kRows32 = 3;
+
+// A pair of blocks' codes as 64 bytes: its four 16-byte quarters are [first block, second
+// block, first block, second block] (4 bits: a byte's low nibbles, even elements, then its
+// high nibbles; else elements 0-15, then 16-31), so the int32 lanes of either product group
+// by block the same way for every bit width. position: where element t of block b (0 or 1)
+// of the pair sits.
+template <int BITS>
+constexpr int position(int b, int t) {
+  return BITS == 4 ? (t & 1 ? 32 : 0) + b * 16 + t / 2 : t / 16 * 32 + b * 16 + t % 16;
+}
+// The int32 lanes of the second block: each 16 bytes of int8 is 4 lanes; the int16 product
+// sums both halves of the register, each 16 elements being 8 lanes.
+template <typename X>
+constexpr __mmask16 second = sizeof(X) == 1 ? 0xF0F0 : 0xFF00;
+
+// How x is held a block: int8 or int16 as is; int32 (31-bit integers: float32's precision
+// relative to the block's largest element) as two int16 halves, x = high * 2^15 + low with
+// low in [0, 2^15), so that each half's products are vpdpwssd's, exact in int32.
+template <typename X>
+struct Held {
+  using type = X;
+  static constexpr int parts = 1;
+  static constexpr float top = sizeof(X) == 1 ? 127.f : 32767.f;
+};
+template <>
+struct Held<int32_t> {
+  using type = int16_t;
+  static constexpr int parts = 2;
+  static constexpr float top = 1073676288.f;  // 2^30 - 2^16: the high half stays an int16
+};
+
+// Byte permute and multishift as unpack_vbmi's, over a register of two blocks: 64-bit lane l
+// (8 codes) takes pack (l / 4 * 2 + l % 2) of block (l / 2) % 2, for position's order.
+template <int BITS>
+struct PairUnpack {
+  static constexpr int bytes = kBlock * BITS / 8;
+  alignas(64) static constexpr auto idx = [] {
+    std::array<uint8_t, 64> a{};
+    for (int i = 0; i < 64; ++i) {
+      const int lane = i / 8, block = lane / 2 % 2, pack = lane / 4 * 2 + lane % 2;
+      a[i] = static_cast<uint8_t>(std::min(block * bytes + pack * BITS + i % 8, 63));
+    }
+    return a;
+  }();
+  alignas(64) static constexpr auto shift = [] {
+    std::array<uint8_t, 64> a{};
+    for (int i = 0; i < 64; ++i) a[i] = static_cast<uint8_t>(i % 8 * BITS);
+    return a;
+  }();
+};
+
+// The codes of blocks w and w + 1 (or of w alone, the rest zero: a row's odd last block) as
+// 64 bytes in position<BITS>'s order; never reads past the blocks.
+template <int BITS>
+inline __m512i pair_codes(const uint8_t* w, bool one) {
+  constexpr int bytes = PairUnpack<BITS>::bytes;
+  if constexpr (BITS == 4) {
+    const __m256i v = _mm256_maskz_loadu_epi8(one ? 0xffffu : 0xffffffffu, w);
+    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1);
+    return _mm512_and_si512(both, _mm512_set1_epi8(0x0f));
+  } else if constexpr (BITS == 8) {  // quarters of 16 codes: [0, 2, 1, 3] of the 64 bytes
+    const __m512i raw = _mm512_maskz_loadu_epi8(one ? 0xffffffffull : ~0ull, w);
+    return _mm512_shuffle_i64x2(raw, raw, 0b11011000);
+  } else {
+    const __m512i raw = _mm512_maskz_loadu_epi8((1ull << (one ? bytes : 2 * bytes)) - 1, w);
+    const __m512i lanes =
+        _mm512_permutexvar_epi8(_mm512_load_si512(PairUnpack<BITS>::idx.data()), raw);
+    const __m512i codes =
+        _mm512_multishift_epi64_epi8(_mm512_load_si512(PairUnpack<BITS>::shift.data()), lanes);
+    return _mm512_and_si512(codes, _mm512_set1_epi8(static_cast<char>((1 << BITS) - 1)));
+  }
+}
+
+// x's rows rounded per block: q (M, pairs * 64 * parts) in position<BITS>'s order (int32:
+// a pair's high halves, then its low), d (M, pairs * 16) each int32 lane's scale of x (0 in
+// a missing last block), and the group sums of x itself for the bias term.
+template <typename X>
+struct Staged {
+  std::vector<typename Held<X>::type> q;
+  std::vector<float> d, sums;
+  int pairs = 0;
+};
+
+template <int BITS, typename X>
+void stage(const Codes& c, const float* x, const std::vector<int64_t>& row_offset,
+           int64_t col_stride, int M, Staged<X>& s) {
+  constexpr float top = Held<X>::top;
+  const int K = c.K, G = K / c.group, blocks = K / kBlock;
+  s.pairs = (blocks + 1) / 2;
+  const size_t row_q = static_cast<size_t>(s.pairs) * 64 * Held<X>::parts,
+               row_d = static_cast<size_t>(s.pairs) * 16;
+  s.q.assign(M * row_q, 0);
+  s.d.assign(M * row_d, 0.f);
+  s.sums.assign(static_cast<size_t>(M) * G, 0.f);
+  alignas(64) float v[kBlock];
+  alignas(64) int32_t r[kBlock];
+  for (int m = 0; m < M; ++m) {
+    for (int b = 0; b < blocks; ++b) {
+      const float* src = x + row_offset[m] + b * kBlock * col_stride;
+      if (col_stride == 1) {
+        std::memcpy(v, src, sizeof v);
+      } else {
+        for (int t = 0; t < kBlock; ++t) v[t] = src[t * col_stride];
+      }
+      const __m512 lo = _mm512_load_ps(v), hi = _mm512_load_ps(v + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+      const __m512 k = _mm512_set1_ps(amax > 0.f ? top / amax : 0.f);
+      // Rounded to nearest even; |x * k| <= top, so the narrowing never saturates (a NaN's
+      // integer is garbage, but its d is NaN, so the product is NaN as the float path's).
+      _mm512_store_si512(r, _mm512_cvtps_epi32(_mm512_mul_ps(lo, k)));
+      _mm512_store_si512(r + 16, _mm512_cvtps_epi32(_mm512_mul_ps(hi, k)));
+      auto* q = s.q.data() + m * row_q + static_cast<size_t>(b / 2) * 64 * Held<X>::parts;
+      for (int t = 0; t < kBlock; ++t) {
+        if constexpr (Held<X>::parts == 2) {
+          q[position<BITS>(b & 1, t)] = static_cast<int16_t>(r[t] >> 15);
+          q[64 + position<BITS>(b & 1, t)] = static_cast<int16_t>(r[t] & 0x7fff);
+        } else {
+          q[position<BITS>(b & 1, t)] = static_cast<X>(r[t]);
+        }
+      }
+      float* d = s.d.data() + m * row_d + static_cast<size_t>(b / 2) * 16;
+      for (int lane = 0; lane < 16; ++lane)
+        if (((second<X> >> lane) & 1) == (b & 1)) d[lane] = amax / top;
+      s.sums[static_cast<size_t>(m) * G + b * kBlock / c.group] +=
+          _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+    }
+  }
+}
+
+// A pair's integer dot products for one row of x: int8 in one instruction; int16 with the
+// codes widened once a pair (lo and hi, shared by the rows) and two.
+inline __m512i dot(const __m512i& codes, const __m512i&, const __m512i&, const int8_t* xq) {
+  return _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, _mm512_loadu_si512(xq));
+}
+inline __m512i dot(const __m512i&, const __m512i& lo, const __m512i& hi, const int16_t* xq) {
+  const __m512i first = _mm512_dpwssd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xq));
+  return _mm512_dpwssd_epi32(first, hi, _mm512_loadu_si512(xq + 32));
+}
+
+// A row's scales or biases as read: float16 (the converted folders) or float32.
+struct Params {
+  const void* p;
+  bool half;
+  float at(int g) const {
+    return half ? widen_half(static_cast<const uint16_t*>(p)[g]) : static_cast<const float*>(p)[g];
+  }
+  // Elements g and g + 1 in lanes 0 and 1 (both in bounds).
+  __m128 two(int g) const {
+    if (half)
+      return _mm_cvtph_ps(_mm_maskz_loadu_epi16(0x3, static_cast<const uint16_t*>(p) + g));
+    return _mm_maskz_loadu_ps(0x3, static_cast<const float*>(p) + g);
+  }
+  // sum_g this[g] * x[g] over G groups.
+  float dot(const float* x, int G) const {
+    __m512 acc = _mm512_setzero_ps();
+    for (int g = 0; g < G; g += 16) {
+      const __mmask16 live = G - g >= 16 ? 0xffff : static_cast<__mmask16>((1u << (G - g)) - 1);
+      const __m512 v =
+          half ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, static_cast<const uint16_t*>(p) + g))
+               : _mm512_maskz_loadu_ps(live, static_cast<const float*>(p) + g);
+      acc = _mm512_fmadd_ps(v, _mm512_maskz_loadu_ps(live, x + g), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+  }
+};
+
+template <int BITS, int MB, typename X>
+void rows(const Codes& c, const Staged<X>& s, int m0, float* y, int n0, int n1) {
+  const int K = c.K, G = K / c.group, N = c.N, blocks = K / kBlock;
+  const int shift = c.group == 32 ? 0 : (c.group == 64 ? 1 : 2);  // block -> group
+  const size_t row_bytes = static_cast<size_t>(K) * BITS / 8;
+  const size_t row_q = static_cast<size_t>(s.pairs) * 64 * Held<X>::parts,
+               row_d = static_cast<size_t>(s.pairs) * 16;
+  const size_t param_bytes = static_cast<size_t>(G) * (c.half ? 2 : 4);
+  const auto* const xq = s.q.data() + m0 * row_q;
+  const float* const xd = s.d.data() + m0 * row_d;
+  const float* const xs = s.sums.data() + static_cast<size_t>(m0) * G;
+  // A pair's two scales to its lanes: lane i takes element (second<X> >> i) & 1.
+  const __m512i to_lanes = _mm512_maskz_set1_epi32(second<X>, 1);
+  for (int n = n0; n < n1; ++n) {
+    const uint8_t* wn = c.w + n * row_bytes;
+    const Params sn{static_cast<const char*>(c.scales) + n * param_bytes, c.half};
+    const Params bn{static_cast<const char*>(c.biases) + n * param_bytes, c.half};
+    prefetch_row(c, n, n1, row_bytes);
+    __m512 acc[MB], acc1[MB];  // two chains a row: even and odd pairs add independently
+    for (int m = 0; m < MB; ++m) acc[m] = acc1[m] = _mm512_setzero_ps();
+    const auto pair = [&](int p, __m512* into) {
+      const int blk = 2 * p;
+      const bool one = blk + 1 == blocks;
+      const __m512i codes = pair_codes<BITS>(wn + blk * (kBlock * BITS / 8), one);
+      __m512i lo{}, hi{};
+      if constexpr (sizeof(X) >= 2) {
+        lo = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(codes));
+        hi = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(codes, 1));
+      }
+      // Groups of 32: the pair's two scales; else (or a last lone block) one for both.
+      const __m512 sv = shift == 0 && !one
+                            ? _mm512_permutexvar_ps(to_lanes, _mm512_castps128_ps512(sn.two(blk)))
+                            : _mm512_set1_ps(sn.at(blk >> shift));
+      for (int m = 0; m < MB; ++m) {
+        const auto* xm = xq + m * row_q + p * 64 * Held<X>::parts;
+        const __m512 scale = _mm512_mul_ps(sv, _mm512_loadu_ps(xd + m * row_d + p * 16));
+        __m512 sums;
+        if constexpr (Held<X>::parts == 2) {  // high * 2^15 + low: exact, then rounded once
+          sums = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot(codes, lo, hi, xm)),
+                                 _mm512_set1_ps(32768.f),
+                                 _mm512_cvtepi32_ps(dot(codes, lo, hi, xm + 64)));
+        } else {
+          sums = _mm512_cvtepi32_ps(dot(codes, lo, hi, xm));
+        }
+        into[m] = _mm512_fmadd_ps(sums, scale, into[m]);
+      }
+    };
+    int p = 0;
+    for (; p + 2 <= s.pairs; p += 2) {
+      pair(p, acc);
+      pair(p + 1, acc1);
+    }
+    if (p < s.pairs) pair(p, acc);
+    for (int m = 0; m < MB; ++m)
+      y[static_cast<size_t>(m) * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m], acc1[m])) +
+                                          bn.dot(xs + static_cast<size_t>(m) * G, G);
+  }
+}
+
+template <int BITS, typename X>
+void few_rows(const Codes& c, const float* x, const std::vector<int64_t>& row_offset,
+              int64_t col_stride, float* y, int M) {
+  Staged<X> s;
+  stage<BITS>(c, x, row_offset, col_stride, M, s);
+  const int N = c.N;
+  Pool& p = pool();
+  const bool split = static_cast<int64_t>(N) * c.K * M >= (int64_t{1} << 18);
+  const int chunks = split ? std::max(1, std::min(N / 32, 4 * p.threads())) : 1;
+  const int per = (N + chunks - 1) / chunks;
+  p.run(chunks, [&](int chunk) {
+    const int n0 = chunk * per, n1 = std::min(n0 + per, N);
+    int m = 0;
+    for (; m + kPassRows <= M; m += kPassRows)
+      rows<BITS, kPassRows>(c, s, m, y + static_cast<size_t>(m) * N, n0, n1);
+    for (; m + 4 <= M; m += 4) rows<BITS, 4>(c, s, m, y + static_cast<size_t>(m) * N, n0, n1);
+    for (; m < M; ++m) rows<BITS, 1>(c, s, m, y + static_cast<size_t>(m) * N, n0, n1);
+  });
+}
+
+template <typename X>
+void products(const Codes& c, const float* x, const std::vector<int64_t>& row_offset,
+              int64_t col_stride, float* y, int M) {
+  switch (c.bits) {
+    case 4: return few_rows<4, X>(c, x, row_offset, col_stride, y, M);
+    case 5: return few_rows<5, X>(c, x, row_offset, col_stride, y, M);
+    case 6: return few_rows<6, X>(c, x, row_offset, col_stride, y, M);
+    default: return few_rows<8, X>(c, x, row_offset, col_stride, y, M);
+  }
+}
+
+}  // namespace qx
+#endif
 
 template <int BITS>
 void dequantize_rows(const Codes& c, int n0, int n1, float* out) {
@@ -451,12 +751,45 @@ void qfserve::detail::quantized_rows(const Codes& c, const float* x,
                                      const std::vector<int64_t>& row_offset, int64_t col_stride,
                                      float* y, int M) {
   if (M > kFewRows && sgemm() != nullptr) return many_rows(c, x, row_offset, col_stride, y, M);
+#ifdef QF_VNNI
+  switch (activations_on.load(std::memory_order_relaxed)) {
+    case 8:
+      if (M <= qx::kRows8) return qx::products<int8_t>(c, x, row_offset, col_stride, y, M);
+      break;
+    case 16:
+      if (M <= qx::kRows16) return qx::products<int16_t>(c, x, row_offset, col_stride, y, M);
+      break;
+    case 32:
+      if (M <= qx::kRows32) return qx::products<int32_t>(c, x, row_offset, col_stride, y, M);
+      break;
+    default: break;
+  }
+#endif
   switch (c.bits) {
     case 4: return few_rows<4>(c, x, row_offset, col_stride, y, M);
     case 5: return few_rows<5>(c, x, row_offset, col_stride, y, M);
     case 6: return few_rows<6>(c, x, row_offset, col_stride, y, M);
     default: return few_rows<8>(c, x, row_offset, col_stride, y, M);
   }
+}
+
+bool qfserve::detail::integer_available() {
+#ifdef QF_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
+
+int qfserve::detail::integer_activations() {
+  return integer_available() ? activations_on.load() : 0;
+}
+
+void qfserve::detail::set_integer_activations(int bits) {
+  if (bits != 0 && bits != 8 && bits != 16 && bits != 32)
+    throw std::invalid_argument("activations are 0 (float32), 8, 16 or 32 bits, not " +
+                                std::to_string(bits));
+  activations_on.store(bits);
 }
 
 void qfserve::detail::dequantize_codes(const Codes& c, float* out) {
