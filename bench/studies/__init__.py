@@ -127,7 +127,8 @@ STUDIES = {
         Study(
             "decode",
             "speed",
-            "the decode step: eviction against the full cache, batched, refined, profiled, bandwidth",
+            "the decode step: eviction against the full cache, batched, refined, profiled, "
+            "bandwidth, activations' rounding",
             option="--mode",
             modes=_modes(
                 step="decode",
@@ -135,6 +136,7 @@ STUDIES = {
                 refine="refine_step",
                 profile="profile",
                 bandwidth="bandwidth",
+                activations="activations",
             ),
         ),
         # What a prompt costs before the first token: eviction's, self-calibration's, KVzip's pass.

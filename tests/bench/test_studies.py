@@ -133,6 +133,17 @@ CHECKS: dict[str, Callable[[dict[str, Any]], bool]] = {
         == r["kv_bytes_per_rank"]["one_a"][0]
         for r in d["rows"]
     ),
+    # Every setting timed and scored; float32's own row agrees with itself, int32 keeps its
+    # greedy choices (float32's precision), and int8 rounds (its likelihood moves).
+    "activations": lambda d: (
+        _positive_medians(d["ms_per_step"])
+        and set(d["quality"]) == {"float32", "int32", "int16", "int8"}
+        and d["quality"]["float32"]["argmax_agreement"] == 1.0
+        and d["quality"]["int32"]["argmax_agreement"] == 1.0
+        and d["quality"]["int8"]["mean_abs_nll_change"]
+        > d["quality"]["int32"]["mean_abs_nll_change"]
+        and _ratios(d["ratios"])
+    ),
     "bandwidth": lambda d: (
         d["bandwidth"]["copy_gbps"]["median"] > 0
         and all(0 < r["percent_of_bandwidth"] for r in d["decode"])

@@ -99,6 +99,36 @@ def test_a_gguf_file_is_served_under_its_name_with_the_context_asked(gguf_server
     assert admin["totals"]["max_batch"] == 2
 
 
+def _vnni() -> bool:
+    from qfserve.engine.models.gguf.convert import cache_root
+    from qfserve.kernels import native
+
+    kernel = native.load(cache_root() / "native")
+    return kernel is not None and bool(kernel.integer_activations)
+
+
+def test_decode_activations_are_reported_as_in_effect(gguf_server, tmp_path):
+    """The default (31-bit integers on a CPU with VNNI, else float32) and int8 on request, as
+    /v1/status and /admin/cache report them; a name outside the choices is refused."""
+    status = httpx.get(f"{gguf_server.url}/v1/status").json()
+    assert status["decode_activations"] == ("int32" if _vnni() else "float32")
+    write_tiny_gguf(model := tmp_path / "file.gguf")
+    server = start_server(model, tmp_path / "server.log", "--decode-activations", "int8")
+    try:
+        expected = "int8" if _vnni() else "float32"
+        assert httpx.get(f"{server.url}/v1/status").json()["decode_activations"] == expected
+        admin = httpx.get(f"{server.url}/admin/cache").json()
+        assert admin["totals"]["decode_activations"] == expected
+        body = {"model": "file", "prompt": "hi", "max_tokens": 3}
+        assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
+    finally:
+        stop_server(server)
+    with pytest.raises(SystemExit):
+        parse("--decode-activations", "int4")
+    with pytest.raises(ValueError, match="decode_activations must be one of int32, int16"):
+        EngineConfig(decode_activations="int4")
+
+
 def test_alias_names_the_served_model(tmp_path):
     write_tiny_gguf(model := tmp_path / "file.gguf")
     server = start_server(model, tmp_path / "server.log", "--alias", "house-model")

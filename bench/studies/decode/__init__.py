@@ -1,2 +1,2 @@
 """decode: the decode step, one module per ``--mode``: ``step`` (``decode.py``), ``batch``,
-``refine``, ``profile`` and ``bandwidth``."""
+``refine``, ``profile``, ``bandwidth`` and ``activations``."""

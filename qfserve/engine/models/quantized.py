@@ -56,6 +56,18 @@ def kernel_of(model: nn.Module) -> ModuleType | None:
     return None
 
 
+def decode_activations(model: nn.Module) -> str | None:
+    """What ``model``'s decode products round activations to now (a name of
+    :data:`qfserve.kernels.native.ACTIVATIONS`); None where no native kernel multiplies."""
+    from qfserve.kernels.native import ACTIVATIONS
+
+    kernel = kernel_of(model)
+    if kernel is None:
+        return None
+    bits = kernel.activation_bits()
+    return next(name for name, value in ACTIVATIONS.items() if value == bits)
+
+
 def set_decode_activations(kernel: ModuleType | None, name: str) -> str:
     """Round decode steps' activations to ``name`` in the kernel's products (one setting for
     the process). Returns what is in effect: ``float32`` without a kernel or without VNNI.

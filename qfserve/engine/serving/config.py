@@ -247,6 +247,11 @@ class EngineConfig:
         if self.alias is not None and not self.alias.strip():
             raise ValueError("alias must not be empty")
         check_mode(self.self_calibration)
+        if self.decode_activations not in ACTIVATIONS:
+            raise ValueError(
+                f"decode_activations must be one of {', '.join(ACTIVATIONS)}, "
+                f"got {self.decode_activations!r}"
+            )
         # Built once: a bad eviction flag raises ConfigError (a ValueError) here.
         object.__setattr__(self, "_cache_defaults", self._make_cache_defaults())
 

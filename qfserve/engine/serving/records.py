@@ -134,6 +134,9 @@ class Ledger:
 
     def __init__(self, history: int) -> None:
         self.weights_bytes = 0  # the served model's weights as held (set by serving())
+        # What decode steps' products round activations to (--decode-activations as in
+        # effect); None where no native kernel multiplies (a GPU: MLX's own kernels).
+        self.decode_activations: str | None = None
         self._lock = threading.Lock()
         self._active: dict[str, Job] = {}
         self._history: deque[RequestRecord] = deque(maxlen=history)
@@ -176,10 +179,12 @@ class Ledger:
         return sum(r.kept_bytes for r in records), sum(r.full_seq_bytes for r in records)
 
     def serving(self, loaded: Any) -> None:
-        """The loaded model's weights' bytes as held (after any split over ranks)."""
-        from qfserve.engine.models.quantized import weight_bytes
+        """The loaded model's weights' bytes as held (after any split over ranks), and the
+        activations its decode products take."""
+        from qfserve.engine.models.quantized import decode_activations, weight_bytes
 
         self.weights_bytes = weight_bytes(loaded.model)
+        self.decode_activations = decode_activations(loaded.model)
 
     def find(self, id: str) -> dict[str, Any] | None:
         """One request's record (live or in the history), as a plain dict."""
@@ -201,5 +206,6 @@ class Ledger:
         totals["batch"] = sum(r["state"] in ("prefill", "decode") for r in active)
         totals["kv_used_bytes"] = sum(r["kept_bytes"] for r in active)
         totals["weights_bytes"] = self.weights_bytes
+        totals["decode_activations"] = self.decode_activations
         totals.update(mlx_memory())
         return {"active": active, "history": history, "totals": totals}

@@ -58,8 +58,15 @@ class Pool {
     }
     wake_.notify_all();
     int mine = work(gen, fn, chunks);
-    while (done_.load(std::memory_order_acquire) != chunks - mine) {
-      QF_PAUSE();
+    // A worker still running a chunk may have lost its core to another thread (a server's
+    // Python threads share the machine): after a short spin this thread gives its core up
+    // rather than spin through the scheduler's time slice.
+    for (int spin = 0; done_.load(std::memory_order_acquire) != chunks - mine; ++spin) {
+      if (spin < spin_limit_) {
+        QF_PAUSE();
+      } else {
+        std::this_thread::yield();
+      }
     }
   }
 

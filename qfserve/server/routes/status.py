@@ -1,5 +1,5 @@
 """``GET /v1/status``: the light figures a client polls while its answer streams: the served
-model, the server's KV memory (used, reserved, its ``--max-kv-bytes``) and, with
+model (and what its decode products round activations to), the server's KV memory (used, reserved, its ``--max-kv-bytes``) and, with
 ``?request=<id>`` (the id of a response), that request's cache figures. Counts only, never
 text; behind the API key like the generation routes (``/admin/cache`` holds the rest)."""
 
@@ -41,6 +41,7 @@ async def status(
     body: dict[str, Any] = {
         "model": loaded.name,
         "context_length": loaded.context_length,
+        "decode_activations": worker.ledger.decode_activations,
         "defaults": {"kv_method": settings.kv_method, "qfilters_budget": settings.budget},
         "memory": {
             "max_kv_bytes": worker.max_kv_bytes,
