@@ -125,9 +125,10 @@ struct Unpack {
     for (int i = 0; i < 32; ++i) a[i] = static_cast<uint8_t>(std::min(i / 8 * BITS + i % 8, 31));
     return a;
   }();
-  alignas(32) static constexpr auto shift = [] {
-    std::array<uint8_t, 32> a{};
-    for (int i = 0; i < 32; ++i) a[i] = static_cast<uint8_t>(i % 8 * BITS);
+  // 64 entries: a register of two blocks (the integer products' pairs) reads them all.
+  alignas(64) static constexpr auto shift = [] {
+    std::array<uint8_t, 64> a{};
+    for (int i = 0; i < 64; ++i) a[i] = static_cast<uint8_t>(i % 8 * BITS);
     return a;
   }();
 };
@@ -422,8 +423,8 @@ struct Held<int32_t> {
   static constexpr float top = 1073676288.f;  // 2^30 - 2^16: the high half stays an int16
 };
 
-// Byte permute and multishift as unpack_vbmi's, over a register of two blocks: 64-bit lane l
-// (8 codes) takes pack (l / 4 * 2 + l % 2) of block (l / 2) % 2, for position's order.
+// Byte permute as unpack_vbmi's (its multishift too), over a register of two blocks: 64-bit
+// lane l (8 codes) takes pack (l / 4 * 2 + l % 2) of block (l / 2) % 2, for position's order.
 template <int BITS>
 struct PairUnpack {
   static constexpr int bytes = kBlock * BITS / 8;
@@ -433,11 +434,6 @@ struct PairUnpack {
       const int lane = i / 8, block = lane / 2 % 2, pack = lane / 4 * 2 + lane % 2;
       a[i] = static_cast<uint8_t>(std::min(block * bytes + pack * BITS + i % 8, 63));
     }
-    return a;
-  }();
-  alignas(64) static constexpr auto shift = [] {
-    std::array<uint8_t, 64> a{};
-    for (int i = 0; i < 64; ++i) a[i] = static_cast<uint8_t>(i % 8 * BITS);
     return a;
   }();
 };
@@ -459,7 +455,7 @@ inline __m512i pair_codes(const uint8_t* w, bool one) {
     const __m512i lanes =
         _mm512_permutexvar_epi8(_mm512_load_si512(PairUnpack<BITS>::idx.data()), raw);
     const __m512i codes =
-        _mm512_multishift_epi64_epi8(_mm512_load_si512(PairUnpack<BITS>::shift.data()), lanes);
+        _mm512_multishift_epi64_epi8(_mm512_load_si512(Unpack<BITS>::shift.data()), lanes);
     return _mm512_and_si512(codes, _mm512_set1_epi8(static_cast<char>((1 << BITS) - 1)));
   }
 }
