@@ -1,7 +1,9 @@
 // A CPU matrix product for weights that stay quantized: MLX's affine layout (4, 5, 6 or 8
 // bits, groups of 32, 64 or 128, float32 or float16 scales and biases: what every GGUF type
 // converts to, and what `mlx_lm.convert -q` writes), float32 activations. A row's scales and
-// biases are widened to float32 once, before its codes are read.
+// biases are widened to float32 once, before its codes are read. Where the CPU has AVX-512
+// VNNI, a decode step's few rows are rounded to integers first (the section "Decode steps on
+// integer activations" below), by default to 31 bits, float32's precision.
 //
 // Why by hand: MLX's own CPU quantized_matmul is several times slower than a float32 matrix
 // product on the same weights (it is written for Metal first), so on the CPU the weights had
@@ -371,17 +373,19 @@ void few_rows(const Codes& c, const float* x, const std::vector<int64_t>& row_of
 }
 
 // Decode steps on integer activations (AVX-512 VNNI). Each block of 32 elements of x is
-// rounded with its own scale (max |x| / 127 to int8, as llama.cpp's Q8_0 for activations, or
-// max |x| / 32767 to int16), and the codes stay integers: a pair of blocks' codes as 64 bytes
-// meets x in `vpdpbusd` (bytes times int8, four products summed into each int32 lane) or,
-// widened to 16 bits, in `vpdpwssd` (two a lane). The lanes are widened and scaled by the
+// rounded with its own scale (max |x| / 127 to int8, as llama.cpp's Q8_0 for activations,
+// max |x| / 32767 to int16, or to 31 bits held as two int16 halves: Held<int32_t>), and the
+// codes stay integers: a pair of blocks' codes as 64 bytes meets x in `vpdpbusd` (bytes
+// times int8, four products summed into each int32 lane) or, widened to 16 bits, in
+// `vpdpwssd` (two a lane; once per half for 31 bits). The lanes are widened and scaled by the
 // weight's scale times x's once per pair of blocks:
 //   y[m, n] = sum_b scale[n, g(b)] * d[m, b] * (q[n, b, :] . xq[m, b, :]) + bias[n, g] * sum(x[m, g, :]),
 // the bias term from x's exact float sums. Why: the float path widens every code to a float
 // (two conversions on the shuffle port a block of 32) before its multiply-adds, which bounds
 // a decode step's products far below the core's arithmetic. What it costs: x's rounding,
-// |error| <= half a step (max |x in the block| / 254 or / 65534) an element; the tests hold
-// the products to that bound, and docs/models.md gives what each does to greedy text.
+// |error| <= half a step (max |x in the block| / 254 or / 65534) an element, or float32's own
+// rounding of x * 2^30 / max for 31 bits; the tests hold the products to that bound, and
+// docs/models.md gives what each does to greedy text.
 std::atomic<int> activations_on{32};  // 0 (float32), 8, 16 or 32
 
 #ifdef QF_VNNI
