@@ -231,7 +231,8 @@ def _check(module: ModuleType) -> None:
             except (TypeError, RuntimeError, ValueError) as exc:
                 raise NativeUnavailable(f"the built kernel does not run: {exc}") from exc
             finally:
-                module.activation_bits(32 if module.integer_activations else 0)
+                default = ACTIVATIONS[DEFAULT_ACTIVATIONS]
+                module.activation_bits(default if module.integer_activations else 0)
             want = np.asarray(x) @ dense.T
             if not np.all(np.abs(got - want) <= 1e-4 + 1e-4 * np.abs(want) + slack):
                 raise NativeUnavailable(

@@ -342,12 +342,21 @@ void stage(const Codes& c, const float* x, const std::vector<int64_t>& row_offse
   }
 }
 
-template <int BITS>
-void few_rows(const Codes& c, const float* x, const std::vector<int64_t>& row_offset,
-              int64_t col_stride, float* y, int M) {
-  std::vector<float> xp, xs;
-  stage<BITS>(c, x, row_offset, col_stride, M, xp, xs);
-  const int K = c.K, G = K / c.group, N = c.N;
+// f.template operator()<BITS>() for the codes' bit width.
+template <typename F>
+decltype(auto) with_bits(int bits, F&& f) {
+  switch (bits) {
+    case 4: return f.template operator()<4>();
+    case 5: return f.template operator()<5>();
+    case 6: return f.template operator()<6>();
+    default: return f.template operator()<8>();
+  }
+}
+
+// A few-row product's work: the weight's N rows in chunks over the pool, and in each chunk
+// x's M rows in passes of kPassRows, 4 and 1: pass.template operator()<MB>(m, n0, n1).
+template <typename Pass>
+void in_passes(int N, int K, int M, const Pass& pass) {
   Pool& p = pool();
   // Below ~256k multiply-adds (tens of microseconds) one thread is faster than waking another.
   const bool split = static_cast<int64_t>(N) * K * M >= (int64_t{1} << 18);
@@ -357,18 +366,22 @@ void few_rows(const Codes& c, const float* x, const std::vector<int64_t>& row_of
   p.run(chunks, [&](int chunk) {
     const int n0 = chunk * per, n1 = std::min(n0 + per, N);
     int m = 0;
-    for (; m + kPassRows <= M; m += kPassRows)
-      rows<BITS, kPassRows>(c, xp.data() + static_cast<size_t>(m) * K,
-                            xs.data() + static_cast<size_t>(m) * G,
-                            y + static_cast<size_t>(m) * N, n0, n1);
-    for (; m + 4 <= M; m += 4)
-      rows<BITS, 4>(c, xp.data() + static_cast<size_t>(m) * K,
-                    xs.data() + static_cast<size_t>(m) * G, y + static_cast<size_t>(m) * N, n0,
-                    n1);
-    for (; m < M; ++m)
-      rows<BITS, 1>(c, xp.data() + static_cast<size_t>(m) * K,
-                    xs.data() + static_cast<size_t>(m) * G, y + static_cast<size_t>(m) * N, n0,
-                    n1);
+    for (; m + kPassRows <= M; m += kPassRows) pass.template operator()<kPassRows>(m, n0, n1);
+    for (; m + 4 <= M; m += 4) pass.template operator()<4>(m, n0, n1);
+    for (; m < M; ++m) pass.template operator()<1>(m, n0, n1);
+  });
+}
+
+template <int BITS>
+void few_rows(const Codes& c, const float* x, const std::vector<int64_t>& row_offset,
+              int64_t col_stride, float* y, int M) {
+  std::vector<float> xp, xs;
+  stage<BITS>(c, x, row_offset, col_stride, M, xp, xs);
+  const int K = c.K, G = K / c.group, N = c.N;
+  in_passes(N, K, M, [&]<int MB>(int m, int n0, int n1) {
+    rows<BITS, MB>(c, xp.data() + static_cast<size_t>(m) * K,
+                   xs.data() + static_cast<size_t>(m) * G, y + static_cast<size_t>(m) * N, n0,
+                   n1);
   });
 }
 
@@ -621,30 +634,15 @@ void few_rows(const Codes& c, const float* x, const std::vector<int64_t>& row_of
               int64_t col_stride, float* y, int M) {
   Staged<X> s;
   stage<BITS>(c, x, row_offset, col_stride, M, s);
-  const int N = c.N;
-  Pool& p = pool();
-  const bool split = static_cast<int64_t>(N) * c.K * M >= (int64_t{1} << 18);
-  const int chunks = split ? std::max(1, std::min(N / 32, 4 * p.threads())) : 1;
-  const int per = (N + chunks - 1) / chunks;
-  p.run(chunks, [&](int chunk) {
-    const int n0 = chunk * per, n1 = std::min(n0 + per, N);
-    int m = 0;
-    for (; m + kPassRows <= M; m += kPassRows)
-      rows<BITS, kPassRows>(c, s, m, y + static_cast<size_t>(m) * N, n0, n1);
-    for (; m + 4 <= M; m += 4) rows<BITS, 4>(c, s, m, y + static_cast<size_t>(m) * N, n0, n1);
-    for (; m < M; ++m) rows<BITS, 1>(c, s, m, y + static_cast<size_t>(m) * N, n0, n1);
+  in_passes(c.N, c.K, M, [&]<int MB>(int m, int n0, int n1) {
+    rows<BITS, MB>(c, s, m, y + static_cast<size_t>(m) * c.N, n0, n1);
   });
 }
 
 template <typename X>
 void products(const Codes& c, const float* x, const std::vector<int64_t>& row_offset,
               int64_t col_stride, float* y, int M) {
-  switch (c.bits) {
-    case 4: return few_rows<4, X>(c, x, row_offset, col_stride, y, M);
-    case 5: return few_rows<5, X>(c, x, row_offset, col_stride, y, M);
-    case 6: return few_rows<6, X>(c, x, row_offset, col_stride, y, M);
-    default: return few_rows<8, X>(c, x, row_offset, col_stride, y, M);
-  }
+  with_bits(c.bits, [&]<int BITS>() { few_rows<BITS, X>(c, x, row_offset, col_stride, y, M); });
 }
 
 }  // namespace qx
@@ -674,12 +672,7 @@ void dequantize_rows(const Codes& c, int n0, int n1, float* out) {
 }
 
 void dequantize_any(const Codes& c, int n0, int n1, float* out) {
-  switch (c.bits) {
-    case 4: return dequantize_rows<4>(c, n0, n1, out);
-    case 5: return dequantize_rows<5>(c, n0, n1, out);
-    case 6: return dequantize_rows<6>(c, n0, n1, out);
-    default: return dequantize_rows<8>(c, n0, n1, out);
-  }
+  with_bits(c.bits, [&]<int BITS>() { dequantize_rows<BITS>(c, n0, n1, out); });
 }
 
 // cblas_sgemm as MLX calls it: a BLAS preloaded into the process (qfserve preloads OpenBLAS)
@@ -765,12 +758,7 @@ void qfserve::detail::quantized_rows(const Codes& c, const float* x,
     default: break;
   }
 #endif
-  switch (c.bits) {
-    case 4: return few_rows<4>(c, x, row_offset, col_stride, y, M);
-    case 5: return few_rows<5>(c, x, row_offset, col_stride, y, M);
-    case 6: return few_rows<6>(c, x, row_offset, col_stride, y, M);
-    default: return few_rows<8>(c, x, row_offset, col_stride, y, M);
-  }
+  with_bits(c.bits, [&]<int BITS>() { few_rows<BITS>(c, x, row_offset, col_stride, y, M); });
 }
 
 bool qfserve::detail::integer_available() {
