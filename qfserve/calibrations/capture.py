@@ -145,6 +145,11 @@ class QueryRoPE(nn.Module):
             self._on_queries(out, kwargs.get("offset", args[0] if args else 0))
         return out
 
+    def rotated(self, queries: mx.array, offset: Any) -> None:
+        """Hand over queries the wrapped rope's own arithmetic rotated elsewhere (a fused
+        decode step rotates them in its native op), as a call would have."""
+        self._on_queries(queries, offset)
+
 
 def offer_to(reservoir: Reservoir) -> Callable[[mx.array, Any], None]:
     def offer(queries: mx.array, offset: Any) -> None:

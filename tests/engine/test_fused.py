@@ -1,7 +1,8 @@
 """A decode step's transformer block as two native ops around its cache and attention
 (qfserve.engine.models.fused): the same logits bit for bit as the single ops, for every cache
 a decode step meets (full, evicting past its budget, a batch of two), two fused calls per
-layer and step, and the class's own forward for prompt blocks and tapped ropes."""
+layer and step, the class's own forward for prompt blocks, and a query tap on the rope handed
+what the class's forward would hand it."""
 
 from __future__ import annotations
 
@@ -111,22 +112,56 @@ def test_two_fused_calls_a_layer_and_decode_step_and_none_for_a_block(tiny, monk
     assert calls == ["qkv", "tail"] * len(model.layers)
 
 
-def test_a_tapped_rope_takes_the_class_forward(tiny):
+def _tapped_decode(model) -> list[np.ndarray]:
+    """The queries a tap on every layer's rope sees over a prompt and two decode steps."""
     from qfserve.calibrations.capture import QueryRoPE
 
-    model = tiny.model
-    attn = model.layers[0].self_attn
-    rope = attn.rope
-    seen: list[int] = []
-    tap = QueryRoPE(rope, lambda q, _: seen.append(q.shape[2]), attn.n_heads, attn.n_kv_heads)
-    attn.rope = tap
+    seen: list[np.ndarray] = []
+    ropes = [layer.self_attn.rope for layer in model.layers]
+    for layer, rope in zip(model.layers, ropes, strict=True):
+        attn = layer.self_attn
+        attn.rope = QueryRoPE(rope, lambda q, _: seen.append(q), attn.n_heads, attn.n_kv_heads)
     try:
         caches = make_caches(model, CacheConfig(method="full"))
         mx.eval(model(mx.array([[5, 9, 3]]), cache=caches))
-        mx.eval(model(mx.array([[4]]), cache=caches))
+        for token in (4, 7):
+            mx.eval(model(mx.array([[token]]), cache=caches))
     finally:
-        attn.rope = rope
-    assert seen[-1] == 1  # the tap saw the decode step's query: layer 0 ran as written
+        for layer, rope in zip(model.layers, ropes, strict=True):
+            layer.self_attn.rope = rope
+    return [np.array(q) for q in seen]
+
+
+def test_a_tapped_rope_keeps_the_fused_path_and_sees_the_same_queries(tiny, monkeypatch):
+    """Self-calibration and traffic sampling tap every layer's rope: the fused step hands the
+    tap the queries it rotated, the same bit for bit as the class's own forward hands it."""
+    model = tiny.model
+    kernel = model.layers[0]._qfserve_parts.kernel
+    calls: list[str] = []
+
+    class Counting:
+        def decode_qkv(self, *args, **kwargs):
+            calls.append("qkv")
+            return kernel.decode_qkv(*args, **kwargs)
+
+        def decode_tail(self, *args, **kwargs):
+            return kernel.decode_tail(*args, **kwargs)
+
+    for layer in model.layers:
+        parts = layer._qfserve_parts
+        monkeypatch.setattr(layer, "_qfserve_parts", replace(parts, kernel=Counting()))
+    got = _tapped_decode(model)
+    assert calls == ["qkv"] * (2 * len(model.layers))  # both decode steps fused, taps and all
+    monkeypatch.undo()
+    assert fused.remove(model) == len(model.layers)
+    try:
+        want = _tapped_decode(model)
+    finally:
+        assert fused.install(model, kernel) == len(model.layers)
+    assert [q.shape for q in got] == [q.shape for q in want]
+    assert [q.shape[2] for q in got[-len(model.layers) :]] == [1] * len(model.layers)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_blocks_with_a_projection_bias_keep_their_forward(tiny):

@@ -15,9 +15,13 @@ it), exactly that class, whose forward is ``h = x + attn(norm(x)); h + mlp(norm(
 llama's ``Attention`` and ``MLP``. It is installed where every projection reads codes and has
 no bias, both norms, the rope and the module's ``swiglu`` are the native ones; what it reads
 is taken at install (:func:`qfserve.engine.models.quantized.attach` installs it, ``detach``
-removes it; installing again after a block's weights change reads them anew). A block takes the path for decode rows only (``(B, 1, K)`` float32 on
-the CPU, at most :data:`MAX_ROWS` sequences); a prompt block, or a layer whose rope a query
-tap replaced (self-calibration, capture), runs the class's own forward, unchanged.
+removes it; installing again after a block's weights change reads them anew). A block takes
+the path for decode rows only (``(B, 1, K)`` float32 on the CPU, at most :data:`MAX_ROWS`
+sequences); a prompt block runs the class's own forward, unchanged. A query tap on the rope
+(self-calibration, traffic sampling, capture: :class:`~qfserve.calibrations.capture.QueryRoPE`)
+keeps the path: it is handed the queries the native op rotated, before the keys are stored,
+as the rope's own call would have handed them. Without that, a model with no calibration
+artifact (which samples its traffic by default) would decode every step op by op.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import llama
 
+from qfserve.calibrations.capture import QueryRoPE
 from qfserve.calibrations.kvzap.hidden import HIDDEN_TAP
 from qfserve.engine.models import native_layers
 from qfserve.engine.models.native_layers import NativeRMSNorm, NativeRoPE, offset_array
@@ -104,13 +109,16 @@ class _FusedBlock:
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         p = self._qfserve_parts
+        rope_now = cast(Any, self).self_attn.rope
+        # A query tap (self-calibration, traffic sampling, capture) around the rope read here.
+        tap = rope_now if isinstance(rope_now, QueryRoPE) and rope_now.inner is p.rope else None
         if (
             cache is None
             or x.ndim != 3
             or x.shape[1] != 1
             or x.dtype != mx.float32
             or x.shape[0] > MAX_ROWS
-            or cast(Any, self).self_attn.rope is not p.rope  # a query tap: as written
+            or (rope_now is not p.rope and tap is None)  # another rope: as written
             or mx.default_device() != mx.cpu
         ):
             return cast(mx.array, super().__call__(x, mask, cache))  # type: ignore[misc]
@@ -131,6 +139,8 @@ class _FusedBlock:
             norm=p.norms[0],
             eps=p.norms[1],
         )
+        if tap is not None:  # a query tap sees the rotated queries before the keys are stored
+            tap.rotated(q, cache.offset)
         keys, values = cache.update_and_fetch(k, v)
         # Looked up at each call: the attention hook (qfserve.engine.kv.attention) wraps it.
         out = p.attention.scaled_dot_product_attention(
