@@ -13,11 +13,14 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
 
+from qfserve.calibrations.model_info import head_counts
 from qfserve.engine.kv.batch import BatchCache
 from qfserve.engine.kv.config import CacheConfig
 from qfserve.engine.kv.factory import make_caches
 from qfserve.engine.models import fused
 from qfserve.engine.models.quantized import detach
+from tests.engine.test_gguf import load_served
+from tests.gguf_families import write_family_gguf
 from tests.gguf_files import load_converted_tiny
 from tests.kernels.conftest import _buildable
 
@@ -48,8 +51,8 @@ def decode(model, config: CacheConfig, prompts: list[list[int]], steps: int) -> 
     together (a packed batch) when there are several."""
     filters = None
     if config.method == "qfilters":  # the tiny model has no calibration: filters of its shape
-        attn = model.layers[0].self_attn
-        shape = (len(model.layers), attn.n_kv_heads, attn.head_dim)
+        _, n_kv_heads, head_dim = head_counts(model.layers[0].self_attn, model)
+        shape = (len(model.layers), n_kv_heads, head_dim)
         filters = mx.array(np.random.default_rng(1).standard_normal(shape).astype(np.float32))
     members = [make_caches(model, config, filters=filters) for _ in prompts]
     for caches, prompt in zip(members, prompts, strict=True):
@@ -178,3 +181,47 @@ def test_blocks_with_a_projection_bias_keep_their_forward(tiny):
         fused.remove(model)
         del o["bias"]
         fused.install(model, kernel)
+
+
+ALL = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+@pytest.fixture(scope="module", params=["qwen3", "gemma3"])
+def family(request, tmp_path_factory):
+    """A tiny Qwen3 or Gemma 3 GGUF whose every projection is quantized, loaded as served."""
+    scratch = tmp_path_factory.mktemp(request.param)
+    path = scratch / f"{request.param}.gguf"
+    write_family_gguf(path, request.param, quantized=(*ALL, "token_embd", "output"))
+    from qfserve.engine.models.gguf.convert import converted_folder
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("QFSERVE_CACHE", str(scratch / "cache"))
+        folder = converted_folder(path)
+    loaded = load_served(folder)
+    yield request.param, loaded
+    detach(loaded.model)
+
+
+@pytest.mark.parametrize("config", CONFIGS[:2], ids=lambda c: c.method)
+@pytest.mark.parametrize("batch", [1, 2])
+def test_qwen3_and_gemma3_blocks_are_fused_and_decode_as_their_single_ops(family, config, batch):
+    """Qwen3's head norms and Gemma 3's (with its post norms, ``1 + w`` scales and GELU MLP)
+    in the fused ops: Qwen3's logits are the single ops' bit for bit; Gemma's to float32
+    rounding (its activation is computed apart from MLX's compiled one), with the same greedy
+    tokens. Gemma's sliding layers (rotating caches) and its global ones both take the path."""
+    arch, loaded = family
+    model = loaded.model
+    kernel = model.layers[0]._qfserve_parts.kernel
+    assert all(hasattr(layer, "_qfserve_parts") for layer in model.layers)
+    prompts = [[5, 9, 3, 7, 1, 2, 8] * 3, [4, 4, 6, 1, 9] * 4][:batch]
+    got = decode(model, config, prompts, 12)
+    assert fused.remove(model) == len(model.layers)
+    try:
+        want = decode(model, config, prompts, 12)
+    finally:
+        assert fused.install(model, kernel) == len(model.layers)
+    if arch == "qwen3":
+        np.testing.assert_array_equal(got, want)
+    else:
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
+        np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))

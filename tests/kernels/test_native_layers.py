@@ -1,4 +1,4 @@
-"""The native RoPE, RMS norm and SwiGLU against numpy (float64), and against MLX's own ops
+"""The native RoPE, RMS norm, SwiGLU and GELU-gated product against numpy (float64), and against MLX's own ops
 on the shapes and strides a model hands them."""
 
 from __future__ import annotations
@@ -94,3 +94,21 @@ def test_swiglu_matches_numpy_and_mlx_lm(kernel, shape):
                                atol=1e-6)  # fmt: skip
     with pytest.raises(ValueError, match="same shape"):
         kernel.swiglu(mx.array(g), mx.array(u[..., :1]))
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 2048), (1, 50, 2048), (4, 7)])
+def test_gelu_glu_matches_numpy_and_mlx(kernel, shape):
+    """Gemma's MLP activation: gelu_approx(g) * u, tanh's saturated tails included."""
+    import mlx.nn as nn
+
+    rng = np.random.default_rng(shape[-1] + shape[0])
+    g = rng.standard_normal(shape, dtype=np.float32) * 8
+    u = rng.standard_normal(shape, dtype=np.float32)
+    got = np.array(kernel.gelu_glu(mx.array(g), mx.array(u)))
+    g64 = g.astype(np.float64)
+    t = np.tanh(math.sqrt(2 / math.pi) * (g64 + 0.044715 * g64**3))
+    np.testing.assert_allclose(got, 0.5 * g64 * (1 + t) * u, rtol=1e-5, atol=1e-6)
+    mlx_own = np.array(nn.gelu_approx(mx.array(g)) * mx.array(u))
+    np.testing.assert_allclose(got, mlx_own, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="same shape"):
+        kernel.gelu_glu(mx.array(g), mx.array(u[..., :1]))

@@ -1,5 +1,5 @@
 """A block's small ops through the native kernels on the CPU (:mod:`qfserve.kernels.native`):
-RoPE, RMS normalisation and SwiGLU.
+RoPE, RMS normalisation, SwiGLU and Gemma's GELU MLP.
 
 On MLX's CPU backend these are the slow part of a step once the products and attention are
 fast: ``mx.fast.rope`` has no CPU kernel and runs a fallback of about twenty small ops (~115 us
@@ -7,9 +7,10 @@ a call, 60 calls in a decode step of SmolLM2-135M), ``mx.fast.rms_norm`` a fallb
 (~60 us a row, ~1.3 ms for 512), and mlx-lm's compiled ``swiglu`` a scalar exp (~40 us for one
 row, ~20 ms for a 512-token block: a third of a prefill chunk). :func:`install` swaps each
 layer's plain ``nn.RoPE`` and ``nn.RMSNorm`` for :class:`NativeRoPE` and :class:`NativeRMSNorm`
-(Gemma's ``1 + weight`` norm for :class:`NativeOffsetRMSNorm`)
-and the ``swiglu`` its MLP calls for the kernel's, each the same arithmetic in one op, falling
-back to MLX's own off the CPU or off float32. Other ropes (scaled, YaRN, Llama 3's), norms and
+(Gemma's ``1 + weight`` norm for :class:`NativeOffsetRMSNorm`), the ``swiglu`` its MLP calls
+for the kernel's, and Gemma 3's MLP for one whose ``gelu_approx(gate) * up`` is the kernel's
+``gelu_glu``: each the same arithmetic in one op (the GELU to float32 rounding), falling back
+to MLX's own off the CPU or off float32. Other ropes (scaled, YaRN, Llama 3's), norms and
 activations keep MLX's.
 """
 
@@ -110,6 +111,11 @@ class NativeOffsetRMSNorm(nn.Module):
         self._scale = 1.0 + plain.weight
         mx.eval(self._scale)
 
+    @property
+    def scale(self) -> mx.array:
+        """``1 + weight``, what the norm scales by."""
+        return self._scale
+
     def __call__(self, x: mx.array) -> mx.array:
         if not _native(x) or self._scale.dtype != mx.float32:
             return cast(mx.array, self.plain(x))
@@ -121,6 +127,35 @@ def _offset_norms() -> tuple[type, ...]:
     from mlx_lm.models import gemma3_text
 
     return (gemma3_text.RMSNorm,)
+
+
+class _NativeGeluMLP:
+    """Gemma 3's MLP, ``down(gelu_approx(gate(x)) * up(x))``, its activation in one native op
+    on float32 CPU rows (MLX's compiled ``gelu_approx`` takes a scalar tanh per element); the
+    class's own forward elsewhere."""
+
+    _qfserve_gelu_kernel: ModuleType
+
+    def __call__(self, x: mx.array) -> mx.array:
+        mlp = cast(Any, self)
+        gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+        if not (_native(gate) and up.dtype == mx.float32 and gate.shape == up.shape):
+            return cast(mx.array, super().__call__(x))  # type: ignore[misc]
+        return cast(mx.array, mlp.down_proj(self._qfserve_gelu_kernel.gelu_glu(gate, up)))
+
+
+_GELU_MLPS: dict[type, type] = {}
+
+
+def _gelu_mlp_classes() -> dict[type, type]:
+    """mlx-lm's Gemma 3 MLP class -> its subclass with the native activation."""
+    if not _GELU_MLPS:
+        from mlx_lm.models import gemma3_text
+
+        base = gemma3_text.MLP
+        body = {"__module__": base.__module__, "_qfserve_base": base}
+        _GELU_MLPS[base] = type(f"Native{base.__name__}", (_NativeGeluMLP, base), body)
+    return _GELU_MLPS
 
 
 def _swiglu(kernel: ModuleType, original: Callable[..., mx.array]) -> Callable[..., mx.array]:
@@ -174,6 +209,13 @@ def install(model: nn.Module, kernel: ModuleType) -> int:
         if callable(original) and not hasattr(original, _MARK):
             module.swiglu = _swiglu(kernel, original)  # type: ignore[attr-defined]
             swapped += 1
+    gelu = _gelu_mlp_classes()
+    for layer in getattr(model, "layers", []):
+        mlp = getattr(layer, "mlp", None)
+        if type(mlp) in gelu:  # exactly mlx-lm's class
+            object.__setattr__(mlp, "_qfserve_gelu_kernel", kernel)
+            mlp.__class__ = gelu[type(mlp)]
+            swapped += 1
     return swapped
 
 
@@ -197,6 +239,11 @@ def remove(model: nn.Module) -> int:
         original = getattr(getattr(module, "swiglu", None), _MARK, None)
         if original is not None:
             module.swiglu = original  # type: ignore[attr-defined]
+            restored += 1
+    for layer in getattr(model, "layers", []):
+        mlp = getattr(layer, "mlp", None)
+        if isinstance(mlp, _NativeGeluMLP):
+            mlp.__class__ = type(mlp)._qfserve_base  # type: ignore[attr-defined]
             restored += 1
     return restored
 

@@ -59,4 +59,8 @@ void rms_row(const float* x, const float* weight, float* out, int n, float eps);
 // out[i] = g[i] * sigmoid(g[i]) * u[i] over n contiguous floats (pointwise.cpp).
 void swiglu_row(const float* g, const float* u, float* out, int n);
 
+// out[i] = gelu_approx(g[i]) * u[i] over n contiguous floats, gelu_approx(x) = 0.5 x (1 +
+// tanh(sqrt(2 / pi) (x + 0.044715 x^3))) as MLX's nn.gelu_approx (Gemma's MLP; pointwise.cpp).
+void gelu_glu_row(const float* g, const float* u, float* out, int n);
+
 }  // namespace qfserve::detail

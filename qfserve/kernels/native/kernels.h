@@ -3,6 +3,7 @@
 #pragma once
 
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "mlx/mlx.h"
@@ -59,6 +60,10 @@ mlx::core::array rms_norm(const mlx::core::array& x, const mlx::core::array& wei
 // gate * sigmoid(gate) * up, element-wise; float32, the same shape.
 mlx::core::array swiglu(const mlx::core::array& gate, const mlx::core::array& up,
                         mlx::core::StreamOrDevice s);
+// gelu_approx(gate) * up (Gemma's MLP), gelu_approx(x) = 0.5 x (1 + tanh(sqrt(2 / pi) (x +
+// 0.044715 x^3))) as MLX's nn.gelu_approx; float32, the same shape.
+mlx::core::array gelu_glu(const mlx::core::array& gate, const mlx::core::array& up,
+                          mlx::core::StreamOrDevice s);
 
 // An eviction cache's decode step at budget (qfserve/engine/kv/evict.py's write_and_select):
 // the new row into the free slot, then the next victim. Returns the new keys, values, scores,
@@ -78,21 +83,27 @@ std::vector<mlx::core::array> evict_step(
 
 // A decode step's block in two ops around its cache and attention (decode_block.cpp).
 // decode_qkv: x (B, 1, K) float32, RMS-normalised by `norm` (K,) where given, through each
-// projection's group-32 codes (w, scales, biases), then RoPE on q and k as rope() computes
-// it -> q (B, Hq, 1, D), k (B, Hkv, 1, D), v (B, Hkv, 1, D).
+// projection's codes (w, scales, biases), each head of q and k RMS-normalised by
+// `head_norms` (q's, k's: (D,) each) where given, then RoPE on q and k as rope() computes it
+// -> q (B, Hq, 1, D), k (B, Hkv, 1, D), v (B, Hkv, 1, D).
 std::vector<mlx::core::array> decode_qkv(
     const mlx::core::array& x, const std::vector<mlx::core::array>& q,
     const std::vector<mlx::core::array>& k, const std::vector<mlx::core::array>& v,
     const mlx::core::array& inv_freqs, const mlx::core::array& offset, int n_heads,
     int n_kv_heads, int dims, bool traditional, float scale,
-    const std::optional<mlx::core::array>& norm, float eps, mlx::core::StreamOrDevice s);
+    const std::optional<mlx::core::array>& norm, float eps,
+    const std::vector<mlx::core::array>& head_norms, mlx::core::StreamOrDevice s);
 // decode_tail: attention's output a (B, Hq, 1, D) and the block's input x (B, 1, K) ->
-// h = x + o(a); h + down(swiglu(gate(n), up(n))) with n = h RMS-normalised by `norm`.
+// h = x + post_attention(o(a)); h + post_feedforward(down(act(gate(n), up(n)))) with n = h
+// RMS-normalised by `norm`, act "swiglu" or "gelu_approx" (gelu_approx(gate) * up), and each
+// post norm skipped where not given.
 mlx::core::array decode_tail(const mlx::core::array& a, const mlx::core::array& x,
                              const std::vector<mlx::core::array>& o,
                              const mlx::core::array& norm, float eps,
                              const std::vector<mlx::core::array>& gate,
                              const std::vector<mlx::core::array>& up,
                              const std::vector<mlx::core::array>& down,
-                             mlx::core::StreamOrDevice s);
+                             const std::optional<mlx::core::array>& post_attention,
+                             const std::optional<mlx::core::array>& post_feedforward,
+                             const std::string& activation, mlx::core::StreamOrDevice s);
 }  // namespace qfserve

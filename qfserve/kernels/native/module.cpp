@@ -1,6 +1,7 @@
 // The Python module of qfserve's native CPU kernels (see kernels.h and each kernel's source).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
@@ -47,6 +48,9 @@ NB_MODULE(_native, m) {
         "x * rsqrt(mean(x^2 over the last dimension) + eps) * weight, float32.");
   m.def("swiglu", &qfserve::swiglu, nb::arg("gate"), nb::arg("up"), nb::kw_only(),
         nb::arg("stream") = nb::none(), "gate * sigmoid(gate) * up, element-wise, float32.");
+  m.def("gelu_glu", &qfserve::gelu_glu, nb::arg("gate"), nb::arg("up"), nb::kw_only(),
+        nb::arg("stream") = nb::none(),
+        "gelu_approx(gate) * up, element-wise, float32 (MLX's nn.gelu_approx's formula).");
   m.def("evict_step", &qfserve::evict_step, nb::arg("keys"), nb::arg("values"),
         nb::arg("scores"), nb::arg("order"), nb::arg("free"), nb::arg("new_keys"),
         nb::arg("new_values"), nb::arg("new_score").none(), nb::arg("position"),
@@ -64,15 +68,19 @@ NB_MODULE(_native, m) {
         nb::arg("v"), nb::arg("inv_freqs"), nb::arg("offset"), nb::arg("n_heads"),
         nb::arg("n_kv_heads"), nb::arg("dims"), nb::kw_only(), nb::arg("traditional") = false,
         nb::arg("scale") = 1.0f, nb::arg("norm") = nb::none(), nb::arg("eps") = 1e-6f,
-        nb::arg("stream") = nb::none(),
+        nb::arg("head_norms") = std::vector<mlx::core::array>{}, nb::arg("stream") = nb::none(),
         "A decode step's q, k, v in one op: x (B, 1, K) float32, RMS-normalised by norm "
-        "where given, through each projection's codes (w, scales, biases), then RoPE on q "
-        "and k -> (q, k, v), each (B, H, 1, D).");
+        "where given, through each projection's codes (w, scales, biases), each head of q and "
+        "k RMS-normalised by head_norms (q's, k's) where given, then RoPE on q and k -> (q, k, "
+        "v), each (B, H, 1, D).");
   m.def("decode_tail", &qfserve::decode_tail, nb::arg("a"), nb::arg("x"), nb::arg("o"),
         nb::arg("norm"), nb::arg("eps"), nb::arg("gate"), nb::arg("up"), nb::arg("down"),
-        nb::kw_only(), nb::arg("stream") = nb::none(),
-        "The rest of a decode step's block in one op: h = x + o(a), then "
-        "h + down(swiglu(gate(n), up(n))) with n = rms_norm(h, norm, eps).");
+        nb::kw_only(), nb::arg("post_attention") = nb::none(),
+        nb::arg("post_feedforward") = nb::none(), nb::arg("activation") = "swiglu",
+        nb::arg("stream") = nb::none(),
+        "The rest of a decode step's block in one op: h = x + post_attention(o(a)), then "
+        "h + post_feedforward(down(act(gate(n), up(n)))) with n = rms_norm(h, norm, eps), act "
+        "swiglu or gelu_approx, and each post norm skipped where not given.");
   m.def(
       "activation_bits",
       [](std::optional<int> bits) {

@@ -9,6 +9,8 @@
 //
 //   rms_norm(x, w)[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * w
 //   swiglu(g, u)      = g * sigmoid(g) * u = g / (1 + exp(-g)) * u
+//   gelu_glu(g, u)    = gelu_approx(g) * u (Gemma's MLP; MLX's compiled gelu_approx takes a
+//                       scalar tanh per element)
 
 #include <cmath>
 #include <cstdint>
@@ -88,9 +90,10 @@ class RmsNorm : public mx::UnaryPrimitive {
   float eps_;
 };
 
-class SwiGlu : public mx::UnaryPrimitive {
+// swiglu(g, u), or gelu_approx(g) * u where `gelu` (Gemma's MLP).
+class Gated : public mx::UnaryPrimitive {
  public:
-  explicit SwiGlu(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+  Gated(mx::Stream stream, bool gelu) : mx::UnaryPrimitive(stream), gelu_(gelu) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     const mx::array& g = inputs[0];
@@ -102,25 +105,43 @@ class SwiGlu : public mx::UnaryPrimitive {
     encoder.set_output_array(out);
     encoder.dispatch([g_ptr = g.data<float>(), u_ptr = u.data<float>(), o_ptr = out.data<float>(),
                       g_rows = row_starts(g), u_rows = row_starts(u), g_s = g.strides().back(),
-                      u_s = u.strides().back(), n = static_cast<int>(g.shape(-1))]() {
+                      u_s = u.strides().back(), n = static_cast<int>(g.shape(-1)),
+                      gelu = gelu_]() {
       over_rows(static_cast<int64_t>(g_rows.size()), n, [&](int64_t r) {
         thread_local std::vector<float> tg, tu;
         const float* gr = row(g_ptr, g_rows[r], g_s, n, tg);
         const float* ur = row(u_ptr, u_rows[r], u_s, n, tu);
-        qfserve::detail::swiglu_row(gr, ur, o_ptr + r * n, n);
+        if (gelu)
+          qfserve::detail::gelu_glu_row(gr, ur, o_ptr + r * n, n);
+        else
+          qfserve::detail::swiglu_row(gr, ur, o_ptr + r * n, n);
       });
     });
   }
 
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("qfserve's swiglu runs on the CPU only");
+    throw std::runtime_error("qfserve's gated activations run on the CPU only");
   }
-  const char* name() const override { return "QfserveSwiGlu"; }
-  bool is_equivalent(const mx::Primitive&) const override { return true; }
+  const char* name() const override { return gelu_ ? "QfserveGeluGlu" : "QfserveSwiGlu"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return gelu_ == static_cast<const Gated&>(other).gelu_;
+  }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     return {inputs[0].shape()};
   }
+
+ private:
+  bool gelu_;
 };
+
+mx::array gated(const mx::array& gate, const mx::array& up, bool gelu, mx::StreamOrDevice s) {
+  if (gate.shape() != up.shape() || gate.ndim() < 1)
+    throw std::invalid_argument("gate and up must have the same shape");
+  if (gate.dtype() != mx::float32 || up.dtype() != mx::float32)
+    throw std::invalid_argument("gate and up must be float32");
+  return mx::array(gate.shape(), mx::float32,
+                   std::make_shared<Gated>(mx::to_stream(s, mx::Device::cpu), gelu), {gate, up});
+}
 
 }  // namespace
 
@@ -147,6 +168,23 @@ void qfserve::detail::swiglu_row(const float* g, const float* u, float* o, int n
   for (; i < n; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
 }
 
+void qfserve::detail::gelu_glu_row(const float* g, const float* u, float* o, int n) {
+  // tanh(t) = 1 - 2 / (exp(2t) + 1): exact at both ends (exp's 0 and its clamp), within a few
+  // float32 ulps of 1 + tanh(t) in between, which is all the formula uses.
+  constexpr float c = 0.7978845608028654f;  // sqrt(2 / pi)
+  int i = 0;
+  for (; i + W <= n; i += W) {
+    const vf x = load(g + i);
+    const vf t = c * (x + 0.044715f * (x * x * x));
+    const vf tanh = 1.0f - 2.0f / (vexp(2.0f * t) + 1.0f);
+    store(o + i, 0.5f * x * (1.0f + tanh) * load(u + i));
+  }
+  for (; i < n; ++i) {
+    const float x = g[i];
+    o[i] = 0.5f * x * (1.0f + std::tanh(c * (x + 0.044715f * (x * x * x)))) * u[i];
+  }
+}
+
 namespace qfserve {
 
 mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps, mx::StreamOrDevice s) {
@@ -160,12 +198,11 @@ mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps, mx::S
 }
 
 mx::array swiglu(const mx::array& gate, const mx::array& up, mx::StreamOrDevice s) {
-  if (gate.shape() != up.shape() || gate.ndim() < 1)
-    throw std::invalid_argument("gate and up must have the same shape");
-  if (gate.dtype() != mx::float32 || up.dtype() != mx::float32)
-    throw std::invalid_argument("gate and up must be float32");
-  return mx::array(gate.shape(), mx::float32,
-                   std::make_shared<SwiGlu>(mx::to_stream(s, mx::Device::cpu)), {gate, up});
+  return gated(gate, up, false, s);
+}
+
+mx::array gelu_glu(const mx::array& gate, const mx::array& up, mx::StreamOrDevice s) {
+  return gated(gate, up, true, s);
 }
 
 }  // namespace qfserve
