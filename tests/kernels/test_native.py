@@ -88,6 +88,27 @@ def test_float16_scales_and_biases(kernel, bits, rows):
     )  # fmt: skip  (subnormal halves)
 
 
+@pytest.mark.parametrize("activation", [8, 16, 32])
+def test_integer_products_split_over_the_pool(kernel, activation):
+    """A product large enough to be split over the kernels' pool (an output projection's
+    shape): every thread reads the calling thread's staged x, so each of many calls equals the
+    rounding's reference, whichever thread took which rows."""
+    if not kernel.integer_activations:
+        pytest.skip("this CPU has no AVX-512 VNNI: products keep float32 activations")
+    rng = np.random.default_rng(activation)
+    w, scales, biases = codes(rng, 4096, 576, 8, 32)
+    top = {8: 127, 16: 32767, 32: 2**30 - 2**16}[activation]
+    wn, sn, bn = np.array(w), np.array(scales), np.array(biases)
+    magnitude_of = unpack(wn, sn, bn, 8, 32)
+    for call in range(6):
+        x = rng.standard_normal((1 + call % 3, 576)).astype(np.float32)
+        with activations(kernel, activation):
+            got = np.array(kernel.quantized_matmul(mx.array(x), w, scales, biases, 8))
+        want, _ = rounded_reference(x, wn, sn, bn, 8, 32, top)
+        magnitude = np.abs(x.astype(np.float64)) @ np.abs(magnitude_of).T
+        assert np.all(np.abs(got - want) <= 4e-6 * np.sqrt(576) * magnitude + 1e-30)
+
+
 @pytest.mark.parametrize("scale", [1e-30, 1e25])
 @pytest.mark.parametrize("rows", [2, 17])
 def test_extreme_scales(kernel, scale, rows):
@@ -286,7 +307,10 @@ def attention_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: floa
 
 
 @pytest.mark.parametrize("rows", [1, 7, 300, 4100])
-@pytest.mark.parametrize(("batch", "q_heads", "kv_heads", "dims"), [(1, 9, 3, 64), (2, 4, 4, 40)])
+@pytest.mark.parametrize(
+    ("batch", "q_heads", "kv_heads", "dims"),
+    [(1, 9, 3, 64), (2, 4, 4, 40), (1, 4, 1, 256), (2, 8, 2, 128)],  # SmolLM2's, Gemma 3's
+)
 def test_decode_attention_matches_numpy(kernel, rows, batch, q_heads, kv_heads, dims):
     rng = np.random.default_rng(rows + q_heads)
     q = rng.standard_normal((batch, q_heads, 1, dims), dtype=np.float32)

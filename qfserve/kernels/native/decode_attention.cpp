@@ -5,8 +5,9 @@
 // SmolLM2-135M step over 4,096 rows spent ~70 ms of its ~110 ms there, ~2.3 ms a layer, for
 // ~5 M multiply-adds. Here each KV head's keys are read once for all the query heads of its
 // group, where they lie (through their strides: a cache's rows are a slice of its buffer,
-// and a copy of them would cost more than the attention), and the softmax is a single pass
-// over a small buffer.
+// and a copy of them would cost more than the attention), the softmax is a single pass
+// over a small buffer with a vector exp, and the values' weighted sum is held in registers
+// (heads of 64, 128 or 256; 52 -> 31 us a layer at 512 rows, 517 -> 363 at 4,096).
 //
 //   out[g] = sum_j softmax_j(scale * q[g] . k[j]) v[j]      for the G query heads of a KV head
 
@@ -24,8 +25,10 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
 #include "pool.h"
+#include "simd.h"
 
 namespace mx = mlx::core;
+using namespace qfserve::simd;
 
 namespace {
 
@@ -65,6 +68,41 @@ inline float strided_dot(const float* a, int64_t sa, const float* b, int64_t sb,
   return sum;
 }
 
+// The weighted sum of S value rows of NV x 16 contiguous floats into og (a softmax's
+// numerators w; zero weights skipped), held in NV registers over the rows: accumulated in
+// memory instead, each row's load, add and store of og waits on the last row's store
+// (~60% of the attention at 4,096 rows).
+template <int NV>
+void weighted_rows(const float* w, const float* vh, int64_t v_s, int S, float* og) {
+  vf acc[NV];
+  for (int i = 0; i < NV; ++i) acc[i] = vf{};
+  for (int j = 0; j < S; ++j) {
+    if (w[j] == 0.f) continue;  // masked (a shorter member's padding): its row is not read
+    const vf wj = splat(w[j]);
+    const float* vj = vh + j * v_s;
+    for (int i = 0; i < NV; ++i) acc[i] += wj * load(vj + W * i);
+  }
+  for (int i = 0; i < NV; ++i) store(og + W * i, acc[i]);
+}
+
+// exp(p[j] - top) in place over n floats (16 at a time: simd.h's vexp, about 1 ulp); their sum.
+float exponentiate(float* p, int n, float top) {
+  int j = 0;
+  float total = 0.f;
+  vf sum{};
+  for (; j + W <= n; j += W) {
+    const vf e = vexp(load(p + j) - top);
+    store(p + j, e);
+    sum += e;
+  }
+  total = hsum(sum);
+  for (; j < n; ++j) {
+    p[j] = std::exp(p[j] - top);
+    total += p[j];
+  }
+  return total;
+}
+
 // One KV head of one sequence: its G query heads against its S keys.
 // A key whose mask is false (a batch member's padding) gets no weight.
 void head(const float* q, const float* k, const float* v, const bool* mask, float* out,
@@ -85,19 +123,25 @@ void head(const float* q, const float* k, const float* v, const bool* mask, floa
       top = std::max(top, pg[j]);
     }
     float total = 0.f;
-    for (int j = 0; j < L.S; ++j) {
-      pg[j] = top == -INFINITY ? 0.f : std::exp(pg[j] - top);
-      total += pg[j];
+    if (top == -INFINITY) {  // every key masked: zeros
+      std::fill(pg, pg + L.S, 0.f);
+    } else {
+      total = exponentiate(pg, L.S, top);
     }
     float* og = out + (static_cast<int64_t>(b) * L.Hq + h * G + g) * L.Dv;
-    std::fill(og, og + L.Dv, 0.f);
-    for (int j = 0; j < L.S; ++j) {
-      const float w = pg[j];
-      if (w == 0.f) continue;  // masked (a shorter member's padding): its row is not read
-      const float* vj = vh + j * L.v_s;
-      if (L.v_d == 1) {
-        for (int d = 0; d < L.Dv; ++d) og[d] += w * vj[d];
-      } else {
+    const bool rows = L.v_d == 1;  // each value row contiguous
+    if (rows && L.Dv == 64) {
+      weighted_rows<4>(pg, vh, L.v_s, L.S, og);
+    } else if (rows && L.Dv == 128) {
+      weighted_rows<8>(pg, vh, L.v_s, L.S, og);
+    } else if (rows && L.Dv == 256) {
+      weighted_rows<16>(pg, vh, L.v_s, L.S, og);
+    } else {
+      std::fill(og, og + L.Dv, 0.f);
+      for (int j = 0; j < L.S; ++j) {
+        const float w = pg[j];
+        if (w == 0.f) continue;
+        const float* vj = vh + j * L.v_s;
         for (int d = 0; d < L.Dv; ++d) og[d] += w * vj[d * L.v_d];
       }
     }

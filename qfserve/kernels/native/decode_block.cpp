@@ -94,11 +94,12 @@ class DecodeQKV : public mx::Primitive {
                       head_norms = head_norms_, eps = eps_]() mutable {
       const float* x_ptr = in[0].data<float>();
       int64_t col = in[0].strides().back();
-      std::vector<float> normed;
+      // Scratch kept by the stream's thread between calls (two ops a layer and step).
+      thread_local std::vector<float> normed, tmp, raw;
       if (norm) {  // as the rms_norm op: each row, then the products read the normed rows
         normed.resize(static_cast<size_t>(B) * K);
         const std::vector<float> weight = elements(in[12]);
-        std::vector<float> tmp(K);
+        tmp.resize(K);
         for (int b = 0; b < B; ++b) {
           for (int i = 0; i < K; ++i) tmp[i] = x_ptr[rows[b] + i * col];
           qfserve::detail::rms_row(tmp.data(), weight.data(), normed.data() + b * K, K, eps);
@@ -108,7 +109,7 @@ class DecodeQKV : public mx::Primitive {
         col = 1;
       }
       const mx::array &inv = in[10], &offset = in[11];
-      std::vector<float> raw(static_cast<size_t>(B) * heads * D);
+      raw.resize(static_cast<size_t>(B) * heads * D);
       for (int p = 0; p < 3; ++p) {
         const Codes w = proj(in, 1 + 3 * p, layouts[p]);
         const int H = p == 0 ? heads : kv_heads;
@@ -182,7 +183,9 @@ class DecodeTail : public mx::UnaryPrimitive {
                                after_mlp = post_feedforward ? elements(in[15 + post_attention])
                                                             : std::vector<float>{};
       // a (B, Hq, 1, D) as rows of Hq * D, the layout its reshape for o has.
-      std::vector<float> a(in[0].size());
+      // Scratch kept by the stream's thread between calls (two ops a layer and step).
+      thread_local std::vector<float> a, h, n, g, u, act;
+      a.resize(in[0].size());
       const mx::array& at = in[0];
       const float* a_ptr = at.data<float>();
       const int Hq = static_cast<int>(at.shape(1)), D = static_cast<int>(at.shape(3));
@@ -193,7 +196,8 @@ class DecodeTail : public mx::UnaryPrimitive {
       std::vector<int64_t> a_rows(M);
       for (int m = 0; m < M; ++m) a_rows[m] = static_cast<int64_t>(m) * A;
       // h = x + post(o(a)): the product, its norm, then the residual add, as the ops compute.
-      std::vector<float> h(static_cast<size_t>(M) * K), n(h.size());
+      h.resize(static_cast<size_t>(M) * K);
+      n.resize(h.size());
       quantized_rows(o, a.data(), a_rows, 1, h.data(), M);
       const float* x = in[1].data<float>();
       const int64_t xs = in[1].strides().back();
@@ -208,7 +212,9 @@ class DecodeTail : public mx::UnaryPrimitive {
         f_rows[m] = static_cast<int64_t>(m) * F;
       }
       // The MLP on n, then h + post'(its output).
-      std::vector<float> g(static_cast<size_t>(M) * F), u(g.size()), act(g.size());
+      g.resize(static_cast<size_t>(M) * F);
+      u.resize(g.size());
+      act.resize(g.size());
       quantized_rows(gate, n.data(), h_rows, 1, g.data(), M);
       quantized_rows(up, n.data(), h_rows, 1, u.data(), M);
       for (int m = 0; m < M; ++m) {

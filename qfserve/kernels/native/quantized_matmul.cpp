@@ -632,7 +632,11 @@ void rows(const Codes& c, const Staged<X>& s, int m0, float* y, int n0, int n1) 
 template <int BITS, typename X>
 void few_rows(const Codes& c, const float* x, const std::vector<int64_t>& row_offset,
               int64_t col_stride, float* y, int M) {
-  Staged<X> s;
+  // The calling thread's staging, kept between calls: a decode step makes ~200 of them, and
+  // fresh buffers each time cost glibc's consolidation of its free lists. The pool's threads
+  // read it through this reference (a thread_local named in their lambda would be theirs).
+  thread_local Staged<X> kept;
+  Staged<X>& s = kept;
   stage<BITS>(c, x, row_offset, col_stride, M, s);
   in_passes(c.N, c.K, M, [&]<int MB>(int m, int n0, int n1) {
     rows<BITS, MB>(c, s, m, y + static_cast<size_t>(m) * c.N, n0, n1);
