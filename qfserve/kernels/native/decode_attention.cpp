@@ -5,9 +5,11 @@
 // SmolLM2-135M step over 4,096 rows spent ~70 ms of its ~110 ms there, ~2.3 ms a layer, for
 // ~5 M multiply-adds. Here each KV head's keys are read once for all the query heads of its
 // group, where they lie (through their strides: a cache's rows are a slice of its buffer,
-// and a copy of them would cost more than the attention), the softmax is a single pass
-// over a small buffer with a vector exp, and the values' weighted sum is held in registers
-// (heads of 64, 128 or 256; 52 -> 31 us a layer at 512 rows, 517 -> 363 at 4,096).
+// and a copy of them would cost more than the attention): for heads of 64 (and 128 in groups
+// of up to 2) each key is read once for the whole group with the queries in registers, the
+// softmax is a single pass over a small buffer with a vector exp, and the values' weighted sum
+// is held in registers (heads of 64, 128 or 256). SmolLM2's shape (9 query heads on 3): 52 ->
+// 24 us a layer at 512 rows, 517 -> 248 at 4,096, against the plain loops.
 //
 //   out[g] = sum_j softmax_j(scale * q[g] . k[j]) v[j]      for the G query heads of a KV head
 
@@ -85,6 +87,89 @@ void weighted_rows(const float* w, const float* vh, int64_t v_s, int S, float* o
   for (int i = 0; i < NV; ++i) store(og + W * i, acc[i]);
 }
 
+// The sums of four 16-float vectors: lanes folded pairwise, two vectors at a time, so four
+// dot products take six shuffles where four separate sums take sixteen.
+inline void sum4(vf s0, vf s1, vf s2, vf s3, float* out) {
+  const vf t0 = __builtin_shufflevector(s0, s1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21,
+                                        22, 23) +
+                __builtin_shufflevector(s0, s1, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28,
+                                        29, 30, 31);
+  const vf t1 = __builtin_shufflevector(s2, s3, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21,
+                                        22, 23) +
+                __builtin_shufflevector(s2, s3, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28,
+                                        29, 30, 31);
+  // Lanes 4i..4i+3 of u: four partial sums of s_i.
+  const vf u = __builtin_shufflevector(t0, t1, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25,
+                                       26, 27) +
+               __builtin_shufflevector(t0, t1, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29,
+                                       30, 31);
+  const vf v = u + __builtin_shufflevector(u, u, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15,
+                                           12, 13);
+  const vf w = v + __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12,
+                                           15, 14);
+  out[0] = w[0];
+  out[1] = w[4];
+  out[2] = w[8];
+  out[3] = w[12];
+}
+
+// scale * q_g . k[j] for the G query heads of a KV head (q_g at q + g * q_h) over its S
+// contiguous key rows of ND x 16 floats (k[j] at k + j * k_s), into out[g * S + j]: each key is
+// read once for the group (past a few thousand rows the keys come from memory), the queries
+// stay in registers, and four keys' sums are folded together (sum4).
+template <int ND, int G>
+void group_scores(const float* q, int64_t q_h, const float* k, int64_t k_s, int S, float scale,
+                  float* out) {
+  vf qv[G][ND];
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < ND; ++i) qv[g][i] = load(q + g * q_h + W * i);
+  int j = 0;
+  for (; j + 4 <= S; j += 4) {
+    vf part[G][4];
+    for (int t = 0; t < 4; ++t) {
+      const float* kj = k + (j + t) * k_s;
+      vf kv[ND];
+      for (int i = 0; i < ND; ++i) kv[i] = load(kj + W * i);
+      for (int g = 0; g < G; ++g) {
+        vf acc = qv[g][0] * kv[0];
+        for (int i = 1; i < ND; ++i) acc += qv[g][i] * kv[i];
+        part[g][t] = acc;
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      float* o = out + static_cast<size_t>(g) * S + j;
+      sum4(part[g][0], part[g][1], part[g][2], part[g][3], o);
+      for (int t = 0; t < 4; ++t) o[t] *= scale;
+    }
+  }
+  for (; j < S; ++j) {
+    const float* kj = k + j * k_s;
+    for (int g = 0; g < G; ++g) {
+      vf acc = qv[g][0] * load(kj);
+      for (int i = 1; i < ND; ++i) acc += qv[g][i] * load(kj + W * i);
+      out[static_cast<size_t>(g) * S + j] = hsum(acc) * scale;
+    }
+  }
+}
+
+// group_scores for the shapes it is built for (heads of 64 or 128, groups of 1 to 4);
+// false where another shape must take the general loop.
+bool grouped_scores(int D, int G, const float* q, int64_t q_h, const float* k, int64_t k_s,
+                    int S, float scale, float* out) {
+  const auto by_group = [&]<int ND>() {
+    switch (G) {
+      case 1: group_scores<ND, 1>(q, q_h, k, k_s, S, scale, out); return true;
+      case 2: group_scores<ND, 2>(q, q_h, k, k_s, S, scale, out); return true;
+      case 3: group_scores<ND, 3>(q, q_h, k, k_s, S, scale, out); return true;
+      case 4: group_scores<ND, 4>(q, q_h, k, k_s, S, scale, out); return true;
+      default: return false;
+    }
+  };
+  if (D == 64) return by_group.template operator()<4>();
+  if (D == 128 && G <= 2) return by_group.template operator()<8>();
+  return false;
+}
+
 // exp(p[j] - top) in place over n floats (16 at a time: simd.h's vexp, about 1 ulp); their sum.
 float exponentiate(float* p, int n, float top) {
   int j = 0;
@@ -111,15 +196,20 @@ void head(const float* q, const float* k, const float* v, const bool* mask, floa
   const float* kh = k + b * L.k_b + h * L.k_h;
   const float* vh = v + b * L.v_b + h * L.v_h;
   const bool* mh = mask ? mask + b * L.m_b + h * L.m_h : nullptr;
+  const float* q0 = q + b * L.q_b + h * G * L.q_h;
   p.resize(static_cast<size_t>(G) * L.S);
+  const bool grouped = L.q_d == 1 && L.k_d == 1 &&  // q and each key row contiguous
+                       grouped_scores(L.D, G, q0, L.q_h, kh, L.k_s, L.S, scale, p.data());
   for (int g = 0; g < G; ++g) {
-    const float* qg = q + b * L.q_b + (h * G + g) * L.q_h;
+    const float* qg = q0 + g * L.q_h;
     float* pg = p.data() + static_cast<size_t>(g) * L.S;
     float top = -INFINITY;
     for (int j = 0; j < L.S; ++j) {
-      pg[j] = mh && !mh[j * L.m_s]
-                  ? -INFINITY
-                  : strided_dot(qg, L.q_d, kh + j * L.k_s, L.k_d, L.D) * scale;
+      if (mh && !mh[j * L.m_s]) {
+        pg[j] = -INFINITY;
+      } else if (!grouped) {
+        pg[j] = strided_dot(qg, L.q_d, kh + j * L.k_s, L.k_d, L.D) * scale;
+      }
       top = std::max(top, pg[j]);
     }
     float total = 0.f;
@@ -129,12 +219,12 @@ void head(const float* q, const float* k, const float* v, const bool* mask, floa
       total = exponentiate(pg, L.S, top);
     }
     float* og = out + (static_cast<int64_t>(b) * L.Hq + h * G + g) * L.Dv;
-    const bool rows = L.v_d == 1;  // each value row contiguous
-    if (rows && L.Dv == 64) {
+    const bool values = L.v_d == 1;  // each value row contiguous
+    if (values && L.Dv == 64) {
       weighted_rows<4>(pg, vh, L.v_s, L.S, og);
-    } else if (rows && L.Dv == 128) {
+    } else if (values && L.Dv == 128) {
       weighted_rows<8>(pg, vh, L.v_s, L.S, og);
-    } else if (rows && L.Dv == 256) {
+    } else if (values && L.Dv == 256) {
       weighted_rows<16>(pg, vh, L.v_s, L.S, og);
     } else {
       std::fill(og, og + L.Dv, 0.f);
