@@ -3,13 +3,13 @@
 // Why by hand: MLX's CPU scaled_dot_product_attention falls back to whole ops, and with
 // grouped KV heads it repeats keys and values to the query heads on every call; a
 // SmolLM2-135M step over 4,096 rows spent ~70 ms of its ~110 ms there, ~2.3 ms a layer, for
-// ~5 M multiply-adds. Here each KV head's keys are read once for all the query heads of its
-// group, where they lie (through their strides: a cache's rows are a slice of its buffer,
-// and a copy of them would cost more than the attention): for heads of 64 (and 128 in groups
-// of up to 2) each key is read once for the whole group with the queries in registers, the
-// softmax is a single pass over a small buffer with a vector exp, and the values' weighted sum
-// is held in registers (heads of 64, 128 or 256). SmolLM2's shape (9 query heads on 3): 52 ->
-// 24 us a layer at 512 rows, 517 -> 248 at 4,096, against the plain loops.
+// ~5 M multiply-adds. Here each KV head's keys are read where they lie (through their
+// strides: a cache's rows are a slice of its buffer, and a copy of them would cost more than
+// the attention). For heads of 64 (and 128 in groups of up to 2) each key is read once for
+// the whole query group with the queries in registers (heads of 256 take their queries one at
+// a time); the softmax is a single pass over a small buffer with a vector exp; the values'
+// weighted sum is held in registers (heads of 64, 128 or 256). SmolLM2's shape (9 query heads
+// on 3): 52 -> 24 us a layer at 512 rows, 517 -> 248 at 4,096, against the plain loops.
 //
 //   out[g] = sum_j softmax_j(scale * q[g] . k[j]) v[j]      for the G query heads of a KV head
 
@@ -152,7 +152,7 @@ void group_scores(const float* q, int64_t q_h, const float* k, int64_t k_s, int 
   }
 }
 
-// group_scores for the shapes it is built for (heads of 64 or 128, groups of 1 to 4);
+// group_scores for the shapes it is built for (heads of 64 or 128 in groups of 1 to 4, 256);
 // false where another shape must take the general loop.
 bool grouped_scores(int D, int G, const float* q, int64_t q_h, const float* k, int64_t k_s,
                     int S, float scale, float* out) {
@@ -167,6 +167,11 @@ bool grouped_scores(int D, int G, const float* q, int64_t q_h, const float* k, i
   };
   if (D == 64) return by_group.template operator()<4>();
   if (D == 128 && G <= 2) return by_group.template operator()<8>();
+  if (D == 256) {  // Gemma's heads: one query at a time (a group's queries fill no registers)
+    for (int g = 0; g < G; ++g)
+      group_scores<16, 1>(q + g * q_h, q_h, k, k_s, S, scale, out + static_cast<size_t>(g) * S);
+    return true;
+  }
   return false;
 }
 
