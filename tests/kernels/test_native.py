@@ -309,7 +309,8 @@ def attention_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: floa
 @pytest.mark.parametrize("rows", [1, 7, 300, 4100])
 @pytest.mark.parametrize(
     ("batch", "q_heads", "kv_heads", "dims"),
-    [(1, 9, 3, 64), (2, 4, 4, 40), (1, 4, 1, 256), (2, 8, 2, 128)],  # SmolLM2's, Gemma 3's
+    # SmolLM2's, a plain loop's, Gemma 3's, 128 in groups of 2 and of 4 (the plain loop again)
+    [(1, 9, 3, 64), (2, 4, 4, 40), (1, 4, 1, 256), (2, 4, 2, 128), (1, 8, 2, 128)],
 )
 def test_decode_attention_matches_numpy(kernel, rows, batch, q_heads, kv_heads, dims):
     rng = np.random.default_rng(rows + q_heads)
@@ -337,6 +338,36 @@ def test_decode_attention_refuses_bad_shapes(kernel, shapes, message):
     q, k, v = (mx.zeros(s) for s in shapes)
     with pytest.raises(ValueError, match=message):
         kernel.decode_attention(q, k, v, 1.0)
+
+
+@pytest.mark.parametrize(("q_heads", "kv_heads", "dims"), [(9, 3, 64), (4, 2, 128), (4, 1, 256)])
+def test_decode_attention_masked_keys_on_the_vector_paths(kernel, q_heads, kv_heads, dims):
+    """The vector paths (keys scored for a whole group, values summed in registers) with a key
+    mask: masked rows holding NaN and infinities change nothing, row counts not a multiple of
+    four included."""
+    rng = np.random.default_rng(dims)
+    rows = 37
+    q = rng.standard_normal((2, q_heads, 1, dims), dtype=np.float32)
+    k = rng.standard_normal((2, kv_heads, rows, dims), dtype=np.float32)
+    v = rng.standard_normal((2, kv_heads, rows, dims), dtype=np.float32)
+    held = rng.integers(1, rows + 1, size=(2, kv_heads))
+    held[0, 0], held[1, -1] = rows, 0  # one head with every key, one with none
+    mask = np.arange(rows)[None, None, :] < held[:, :, None]
+    k[~mask], v[~mask] = np.nan, np.inf
+    got = np.array(
+        kernel.decode_attention(mx.array(q), mx.array(k), mx.array(v), 0.1, key_mask=mx.array(mask))
+    )
+    group = q_heads // kv_heads
+    for b in range(2):
+        for h in range(kv_heads):
+            n, heads = held[b, h], slice(group * h, group * (h + 1))
+            if n == 0:
+                np.testing.assert_array_equal(got[b, heads], 0.0)
+                continue
+            want = attention_reference(
+                q[b : b + 1, heads], k[b : b + 1, h : h + 1, :n], v[b : b + 1, h : h + 1, :n], 0.1
+            )
+            np.testing.assert_allclose(got[b, heads], want[0], rtol=1e-5, atol=1e-5)
 
 
 def test_decode_attention_skips_masked_keys(kernel):

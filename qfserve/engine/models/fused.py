@@ -18,14 +18,14 @@ these classes of mlx-lm's:
 - Qwen3's: the same, with q and k normalised per head before RoPE;
 - Gemma 3's: q and k normalised per head too, ``h = x + norm(attn(norm(x))); h +
   norm(mlp(norm(h)))`` (post-attention and post-feed-forward norms), every norm scaling by
-  ``1 + w``, and a ``gelu_approx(gate) * up`` MLP. Its one routine the single ops do not share
-  is that activation (MLX's own is a compiled graph): a Gemma block's output is theirs to
-  float32 rounding, not bit for bit.
+  ``1 + w``, and a ``gelu_approx(gate) * up`` MLP, the kernel's ``gelu_glu`` in both paths
+  (:mod:`qfserve.engine.models.native_layers`).
 
 It is installed where every projection reads codes and has no bias, every norm (with one eps
 for them all), the rope and a SwiGLU's ``swiglu`` are the native ones; what it reads
 is taken at install (:func:`qfserve.engine.models.quantized.attach` installs it, ``detach``
-removes it; installing again after a block's weights change reads them anew). A block takes
+removes it; installing again after a block's weights change reads them anew, Gemma's norms
+as their native modules hold ``1 + w``). A block takes
 the path for decode rows only (``(B, 1, K)`` float32 on the CPU, at most :data:`MAX_ROWS`
 sequences); a prompt block runs the class's own forward, unchanged. A query tap on the rope
 (self-calibration, traffic sampling, capture: :class:`~qfserve.calibrations.capture.QueryRoPE`)
@@ -128,6 +128,8 @@ def _norm(module: Any) -> tuple[mx.array, float] | None:
 def _parts(block: Any, kernel: ModuleType, family: _Family) -> _Parts | None:
     """A block's parts, or ``None`` where one of them is not what the fused path computes."""
     attn, mlp = block.self_attn, block.mlp
+    # The rope itself where a query tap wraps it (installed again while self-calibrating).
+    rope = attn.rope.inner if isinstance(attn.rope, QueryRoPE) else attn.rope
     projections = [_codes(getattr(attn, f"{p}_proj")) for p in "qkvo"]
     projections += [_codes(getattr(mlp, f"{p}_proj")) for p in ("gate", "up", "down")]
     names = ["input_layernorm", family.mlp_norm, *(family.post_norms or ())]
@@ -139,7 +141,7 @@ def _parts(block: Any, kernel: ModuleType, family: _Family) -> _Parts | None:
         any(p is None for p in projections)
         or None in norms
         or len({eps for _, eps in cast(list[tuple[mx.array, float]], norms)}) != 1
-        or type(attn.rope) is not NativeRoPE
+        or type(rope) is not NativeRoPE
         or (family.activation == "swiglu" and not native_layers.swiglu_is_native(module))
     ):
         return None
@@ -148,7 +150,7 @@ def _parts(block: Any, kernel: ModuleType, family: _Family) -> _Parts | None:
     post = weights[2:4] if family.post_norms else [None, None]
     return _Parts(
         kernel,
-        attn.rope,
+        rope,
         (q, k, v),
         (o, gate, up, down),
         (weights[0], weights[1]),

@@ -138,9 +138,11 @@ class _NativeGeluMLP:
 
     def __call__(self, x: mx.array) -> mx.array:
         mlp = cast(Any, self)
+        if not _native(x):
+            return cast(mx.array, super().__call__(x))  # type: ignore[misc]
         gate, up = mlp.gate_proj(x), mlp.up_proj(x)
         if not (_native(gate) and up.dtype == mx.float32 and gate.shape == up.shape):
-            return cast(mx.array, super().__call__(x))  # type: ignore[misc]
+            return cast(mx.array, mlp.down_proj(nn.gelu_approx(gate) * up))
         return cast(mx.array, mlp.down_proj(self._qfserve_gelu_kernel.gelu_glu(gate, up)))
 
 

@@ -5,9 +5,9 @@
 // SmolLM2-135M step over 4,096 rows spent ~70 ms of its ~110 ms there, ~2.3 ms a layer, for
 // ~5 M multiply-adds. Here each KV head's keys are read where they lie (through their
 // strides: a cache's rows are a slice of its buffer, and a copy of them would cost more than
-// the attention). For heads of 64 (and 128 in groups of up to 2) each key is read once for
-// the whole query group with the queries in registers (heads of 256 take their queries one at
-// a time); the softmax is a single pass over a small buffer with a vector exp; the values'
+// the attention). For heads of 64 in groups of up to 4 query heads (and 128 in groups of up
+// to 2) each key is read once for the whole group with the queries in registers (heads of 256
+// take their queries one at a time; other shapes a plain loop); the softmax is a single pass over a small buffer with a vector exp; the values'
 // weighted sum is held in registers (heads of 64, 128 or 256). SmolLM2's shape (9 query heads
 // on 3): 52 -> 24 us a layer at 512 rows, 517 -> 248 at 4,096, against the plain loops.
 //
@@ -88,7 +88,7 @@ void weighted_rows(const float* w, const float* vh, int64_t v_s, int S, float* o
 }
 
 // The sums of four 16-float vectors: lanes folded pairwise, two vectors at a time, so four
-// dot products take six shuffles where four separate sums take sixteen.
+// dot products take eight shuffles where four separate sums take sixteen.
 inline void sum4(vf s0, vf s1, vf s2, vf s3, float* out) {
   const vf t0 = __builtin_shufflevector(s0, s1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21,
                                         22, 23) +
@@ -116,7 +116,8 @@ inline void sum4(vf s0, vf s1, vf s2, vf s3, float* out) {
 // scale * q_g . k[j] for the G query heads of a KV head (q_g at q + g * q_h) over its S
 // contiguous key rows of ND x 16 floats (k[j] at k + j * k_s), into out[g * S + j]: each key is
 // read once for the group (past a few thousand rows the keys come from memory), the queries
-// stay in registers, and four keys' sums are folded together (sum4).
+// stay in registers, and four keys' sums are folded together (sum4). Masked keys are scored
+// too (their rows exist; head() sets them to -inf): cheaper than branching per key.
 template <int ND, int G>
 void group_scores(const float* q, int64_t q_h, const float* k, int64_t k_s, int S, float scale,
                   float* out) {
@@ -152,7 +153,8 @@ void group_scores(const float* q, int64_t q_h, const float* k, int64_t k_s, int 
   }
 }
 
-// group_scores for the shapes it is built for (heads of 64 or 128 in groups of 1 to 4, 256);
+// group_scores for the shapes it is built for (heads of 64 in groups of 1 to 4, of 128 in
+// groups of 1 or 2, of 256);
 // false where another shape must take the general loop.
 bool grouped_scores(int D, int G, const float* q, int64_t q_h, const float* k, int64_t k_s,
                     int S, float scale, float* out) {

@@ -17,10 +17,8 @@
 //                of h, act SwiGLU (Llama) or gelu_approx(gate) * up (Gemma), and post,
 //                post' RMS norms where given (Gemma's post-attention and post-feed-forward
 //                norms), else nothing.
-//
-// The gelu_approx is the one element-wise routine MLX has no native twin of here: its own is
-// a compiled graph, so a Gemma block's output equals the single ops' to float32 rounding, not
-// bit for bit (decode_tail's test bounds it).
+// The gelu_approx is the native gelu_glu op's routine, which Gemma's MLP also takes outside
+// these ops (MLX's own nn.gelu_approx is a compiled graph: equal to float32 rounding).
 //
 // Weights are codes as quantized_matmul takes them (MLX's affine layout, 4, 5, 6 or 8 bits,
 // float32 or float16 scales and biases); each projection passes (w, scales, biases).
