@@ -69,6 +69,20 @@ def decode(model, config: CacheConfig, prompts: list[list[int]], steps: int) -> 
     return np.stack(out)
 
 
+PROMPTS = [[5, 9, 3, 7, 1, 2, 8] * 3, [4, 4, 6, 1, 9] * 4]
+
+
+def unfused(model, run):
+    """``run()`` with the model's blocks on their classes' own forward (the single ops), the
+    fused path put back after."""
+    kernel = model.layers[0]._qfserve_parts.kernel
+    assert fused.remove(model) == len(model.layers)
+    try:
+        return run()
+    finally:
+        assert fused.install(model, kernel) == len(model.layers)
+
+
 CONFIGS = [
     CacheConfig(method="full"),
     CacheConfig(method="qfilters", budget=24, recent=6, n_sink=2),
@@ -80,21 +94,16 @@ CONFIGS = [
 @pytest.mark.parametrize("batch", [1, 2])
 def test_fused_steps_give_the_single_ops_logits_bit_for_bit(tiny, config, batch):
     model = tiny.model
-    prompts = [[5, 9, 3, 7, 1, 2, 8] * 3, [4, 4, 6, 1, 9] * 4][:batch]
-    kernel = model.layers[0].self_attn.rope.kernel
+    prompts = PROMPTS[:batch]
     got = decode(model, config, prompts, 20)
-    assert fused.remove(model) == len(model.layers)
-    try:
-        want = decode(model, config, prompts, 20)
-    finally:
-        assert fused.install(model, kernel) == len(model.layers)
-    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got, unfused(model, lambda: decode(model, config, prompts, 20)))
 
 
-def test_two_fused_calls_a_layer_and_decode_step_and_none_for_a_block(tiny, monkeypatch):
-    model = tiny.model
-    calls: list[str] = []
+def count_fused_calls(model, monkeypatch) -> list[str]:
+    """Every layer's fused ops through a kernel that records each call ("qkv", "tail") in the
+    list returned; ``monkeypatch.undo()`` puts the layers' own kernel back."""
     kernel = model.layers[0]._qfserve_parts.kernel
+    calls: list[str] = []
 
     class Counting:
         def decode_qkv(self, *args, **kwargs):
@@ -108,6 +117,12 @@ def test_two_fused_calls_a_layer_and_decode_step_and_none_for_a_block(tiny, monk
     for layer in model.layers:
         parts = layer._qfserve_parts
         monkeypatch.setattr(layer, "_qfserve_parts", replace(parts, kernel=Counting()))
+    return calls
+
+
+def test_two_fused_calls_a_layer_and_decode_step_and_none_for_a_block(tiny, monkeypatch):
+    model = tiny.model
+    calls = count_fused_calls(model, monkeypatch)
     caches = make_caches(model, CacheConfig(method="full"))
     mx.eval(model(mx.array([[5, 9, 3, 7, 1, 2]]), cache=caches))
     assert calls == []  # a prompt block runs the class's own forward
@@ -139,28 +154,11 @@ def test_a_tapped_rope_keeps_the_fused_path_and_sees_the_same_queries(tiny, monk
     """Self-calibration and traffic sampling tap every layer's rope: the fused step hands the
     tap the queries it rotated, the same bit for bit as the class's own forward hands it."""
     model = tiny.model
-    kernel = model.layers[0]._qfserve_parts.kernel
-    calls: list[str] = []
-
-    class Counting:
-        def decode_qkv(self, *args, **kwargs):
-            calls.append("qkv")
-            return kernel.decode_qkv(*args, **kwargs)
-
-        def decode_tail(self, *args, **kwargs):
-            return kernel.decode_tail(*args, **kwargs)
-
-    for layer in model.layers:
-        parts = layer._qfserve_parts
-        monkeypatch.setattr(layer, "_qfserve_parts", replace(parts, kernel=Counting()))
+    calls = count_fused_calls(model, monkeypatch)
     got = _tapped_decode(model)
-    assert calls == ["qkv"] * (2 * len(model.layers))  # both decode steps fused, taps and all
+    assert calls == ["qkv", "tail"] * (2 * len(model.layers))  # both steps fused, taps and all
     monkeypatch.undo()
-    assert fused.remove(model) == len(model.layers)
-    try:
-        want = _tapped_decode(model)
-    finally:
-        assert fused.install(model, kernel) == len(model.layers)
+    want = unfused(model, lambda: _tapped_decode(model))
     assert [q.shape for q in got] == [q.shape for q in want]
     assert [q.shape[2] for q in got[-len(model.layers) :]] == [1] * len(model.layers)
     for a, b in zip(got, want, strict=True):
@@ -212,31 +210,12 @@ def test_qwen3_and_gemma3_blocks_are_fused_and_decode_as_their_single_ops(
     Gemma's sliding layers (rotating caches) and its global ones both take the path."""
     _, loaded = family
     model = loaded.model
-    kernel = model.layers[0]._qfserve_parts.kernel
-    calls: list[str] = []
-
-    class Counting:
-        def decode_qkv(self, *args, **kwargs):
-            calls.append("qkv")
-            return kernel.decode_qkv(*args, **kwargs)
-
-        def decode_tail(self, *args, **kwargs):
-            calls.append("tail")
-            return kernel.decode_tail(*args, **kwargs)
-
-    for layer in model.layers:
-        parts = layer._qfserve_parts
-        monkeypatch.setattr(layer, "_qfserve_parts", replace(parts, kernel=Counting()))
-    prompts = [[5, 9, 3, 7, 1, 2, 8] * 3, [4, 4, 6, 1, 9] * 4][:batch]
+    calls = count_fused_calls(model, monkeypatch)
+    prompts = PROMPTS[:batch]
     got = decode(model, config, prompts, 12)
     assert calls == ["qkv", "tail"] * (12 * len(model.layers))
     monkeypatch.undo()
-    assert fused.remove(model) == len(model.layers)
-    try:
-        want = decode(model, config, prompts, 12)
-    finally:
-        assert fused.install(model, kernel) == len(model.layers)
-    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got, unfused(model, lambda: decode(model, config, prompts, 12)))
 
 
 def test_a_block_installed_under_a_query_tap_is_fused(family):

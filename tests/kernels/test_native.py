@@ -340,6 +340,23 @@ def test_decode_attention_refuses_bad_shapes(kernel, shapes, message):
         kernel.decode_attention(q, k, v, 1.0)
 
 
+def assert_held_rows_attended(got, q, k, v, held: np.ndarray, scale: float) -> None:
+    """Each (sequence, KV head)'s query heads in ``got`` attended its first ``held`` rows
+    alone (the numpy reference), or are zeros where it holds none."""
+    B, kv_heads = held.shape
+    group = q.shape[1] // kv_heads
+    for b in range(B):
+        for h in range(kv_heads):
+            n, heads = held[b, h], slice(group * h, group * (h + 1))
+            if n == 0:
+                np.testing.assert_array_equal(got[b, heads], 0.0)
+                continue
+            want = attention_reference(
+                q[b : b + 1, heads], k[b : b + 1, h : h + 1, :n], v[b : b + 1, h : h + 1, :n], scale
+            )
+            np.testing.assert_allclose(got[b, heads], want[0], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize(("q_heads", "kv_heads", "dims"), [(9, 3, 64), (4, 2, 128), (4, 1, 256)])
 def test_decode_attention_masked_keys_on_the_vector_paths(kernel, q_heads, kv_heads, dims):
     """The vector paths (keys scored for a whole group, values summed in registers) with a key
@@ -357,17 +374,7 @@ def test_decode_attention_masked_keys_on_the_vector_paths(kernel, q_heads, kv_he
     got = np.array(
         kernel.decode_attention(mx.array(q), mx.array(k), mx.array(v), 0.1, key_mask=mx.array(mask))
     )
-    group = q_heads // kv_heads
-    for b in range(2):
-        for h in range(kv_heads):
-            n, heads = held[b, h], slice(group * h, group * (h + 1))
-            if n == 0:
-                np.testing.assert_array_equal(got[b, heads], 0.0)
-                continue
-            want = attention_reference(
-                q[b : b + 1, heads], k[b : b + 1, h : h + 1, :n], v[b : b + 1, h : h + 1, :n], 0.1
-            )
-            np.testing.assert_allclose(got[b, heads], want[0], rtol=1e-5, atol=1e-5)
+    assert_held_rows_attended(got, q, k, v, held, 0.1)
 
 
 def test_decode_attention_skips_masked_keys(kernel):
@@ -382,16 +389,7 @@ def test_decode_attention_skips_masked_keys(kernel):
     got = np.array(
         kernel.decode_attention(mx.array(q), mx.array(k), mx.array(v), 0.2, key_mask=mx.array(mask))
     )
-    for b in range(2):
-        for h in range(3):
-            n, heads = held[b, h], slice(2 * h, 2 * h + 2)
-            if n == 0:
-                np.testing.assert_array_equal(got[b, heads], 0.0)
-                continue
-            want = attention_reference(
-                q[b : b + 1, heads], k[b : b + 1, h : h + 1, :n], v[b : b + 1, h : h + 1, :n], 0.2
-            )
-            np.testing.assert_allclose(got[b, heads], want[0], rtol=1e-5, atol=1e-5)
+    assert_held_rows_attended(got, q, k, v, held, 0.2)
 
 
 def test_decode_attention_reads_keys_through_any_strides(kernel):
