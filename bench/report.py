@@ -34,6 +34,7 @@ MODELS = {
     "smollm2/query_aware/window8": f"{SMOL}: SnapKV with its default 32-token observation window and with an 8-token one (the question alone)",
     "smollm2/kvzip": f"{SMOL}: KVzip (context reconstruction) per head, across a layer's heads and with rows shared across layers, beside Q-Filters, K-norm, SnapKV and streaming (kvzip_reuse and kvzip_parity: bench/README.md)",
     "smollm2/kvzap": f"{SMOL}: KVzap (each row scored by the model's learned surrogate) beside KVzip with rows shared across layers and calibrated Q-Filters, 1k-4k tokens",
+    "smollm2/kvzap/perplexity": f"{SMOL}: a long generation at budget 256 (1,024 tokens scored after 1,024, one token a step) with KVzap's learned scores beside calibrated Q-Filters and streaming",
     "smollm2/kvzip/passkey": f"{SMOL}: the pass key at 1k-4k tokens with KVzip per head and across a layer's heads, beside Q-Filters, K-norm, SnapKV and streaming (6 documents a length)",
     "smollm2/kvzip/perplexity": f"{SMOL}: perplexity of the second half after the first half is read as a prompt and compressed by kvzip across a layer's heads, beside Q-Filters, K-norm and streaming",
     "smollm2/batching_16": f"{SMOL}: continuous batching up to 16 streams (256-token prompts), after the packed batch's in-place joins and leaves, chunks of 8 by default",
