@@ -88,24 +88,28 @@ def test_float16_scales_and_biases(kernel, bits, rows):
     )  # fmt: skip  (subnormal halves)
 
 
-@pytest.mark.parametrize("activation", [8, 16, 32])
-def test_integer_products_split_over_the_pool(kernel, activation):
+@pytest.mark.parametrize("activation", [0, 8, 16, 32])
+def test_few_row_products_split_over_the_pool(kernel, activation):
     """A product large enough to be split over the kernels' pool (an output projection's
-    shape): every thread reads the calling thread's staged x, so each of many calls equals the
-    rounding's reference, whichever thread took which rows."""
-    if not kernel.integer_activations:
+    shape), on float32 activations and on each integer setting: every thread reads the calling
+    thread's staged x, so each of many calls equals its reference (x itself, or its rounding),
+    whichever thread took which rows."""
+    if activation and not kernel.integer_activations:
         pytest.skip("this CPU has no AVX-512 VNNI: products keep float32 activations")
     rng = np.random.default_rng(activation)
     w, scales, biases = codes(rng, 4096, 576, 8, 32)
-    top = {8: 127, 16: 32767, 32: 2**30 - 2**16}[activation]
     wn, sn, bn = np.array(w), np.array(scales), np.array(biases)
-    magnitude_of = unpack(wn, sn, bn, 8, 32)
+    dense = unpack(wn, sn, bn, 8, 32)
     for call in range(6):
         x = rng.standard_normal((1 + call % 3, 576)).astype(np.float32)
         with activations(kernel, activation):
             got = np.array(kernel.quantized_matmul(mx.array(x), w, scales, biases, 8))
-        want, _ = rounded_reference(x, wn, sn, bn, 8, 32, top)
-        magnitude = np.abs(x.astype(np.float64)) @ np.abs(magnitude_of).T
+        if activation:
+            top = {8: 127, 16: 32767, 32: 2**30 - 2**16}[activation]
+            want, _ = rounded_reference(x, wn, sn, bn, 8, 32, top)
+        else:
+            want = x.astype(np.float64) @ dense.T
+        magnitude = np.abs(x.astype(np.float64)) @ np.abs(dense).T
         assert np.all(np.abs(got - want) <= 4e-6 * np.sqrt(576) * magnitude + 1e-30)
 
 

@@ -140,13 +140,15 @@ def _parts(block: Any, kernel: ModuleType, family: _Family) -> _Parts | None:
     if (
         any(p is None for p in projections)
         or None in norms
-        or len({eps for _, eps in cast(list[tuple[mx.array, float]], norms)}) != 1
         or type(rope) is not NativeRoPE
         or (family.activation == "swiglu" and not native_layers.swiglu_is_native(module))
     ):
         return None
-    q, k, v, o, gate, up, down = cast(list[list[mx.array]], projections)
     weights = [w for w, _ in cast(list[tuple[mx.array, float]], norms)]
+    eps = {e for _, e in cast(list[tuple[mx.array, float]], norms)}
+    if len(eps) != 1:  # the ops take one eps for every norm
+        return None
+    q, k, v, o, gate, up, down = cast(list[list[mx.array]], projections)
     post = weights[2:4] if family.post_norms else [None, None]
     return _Parts(
         kernel,
@@ -154,7 +156,7 @@ def _parts(block: Any, kernel: ModuleType, family: _Family) -> _Parts | None:
         (q, k, v),
         (o, gate, up, down),
         (weights[0], weights[1]),
-        cast(tuple[mx.array, float], norms[0])[1],
+        eps.pop(),
         (attn.n_heads, attn.n_kv_heads),
         attn.scale,
         module,

@@ -7,9 +7,10 @@
 // strides: a cache's rows are a slice of its buffer, and a copy of them would cost more than
 // the attention). For heads of 64 in groups of up to 4 query heads (and 128 in groups of up
 // to 2) each key is read once for the whole group with the queries in registers (heads of 256
-// take their queries one at a time; other shapes a plain loop); the softmax is a single pass over a small buffer with a vector exp; the values'
-// weighted sum is held in registers (heads of 64, 128 or 256). SmolLM2's shape (9 query heads
-// on 3): 52 -> 24 us a layer at 512 rows, 517 -> 248 at 4,096, against the plain loops.
+// take their queries one at a time; other shapes a plain loop); the softmax is a single pass
+// over a small buffer with a vector exp; the values' weighted sum is held in registers (heads
+// of 64, 128 or 256). SmolLM2's shape (9 query heads on 3): 52 -> 24 us a layer at 512 rows,
+// 517 -> 248 at 4,096, against the plain loops.
 //
 //   out[g] = sum_j softmax_j(scale * q[g] . k[j]) v[j]      for the G query heads of a KV head
 
@@ -154,8 +155,7 @@ void group_scores(const float* q, int64_t q_h, const float* k, int64_t k_s, int 
 }
 
 // group_scores for the shapes it is built for (heads of 64 in groups of 1 to 4, of 128 in
-// groups of 1 or 2, of 256);
-// false where another shape must take the general loop.
+// groups of 1 or 2, of 256); false where another shape must take the general loop.
 bool grouped_scores(int D, int G, const float* q, int64_t q_h, const float* k, int64_t k_s,
                     int S, float scale, float* out) {
   const auto by_group = [&]<int ND>() {

@@ -375,7 +375,9 @@ void in_passes(int N, int K, int M, const Pass& pass) {
 template <int BITS>
 void few_rows(const Codes& c, const float* x, const std::vector<int64_t>& row_offset,
               int64_t col_stride, float* y, int M) {
-  std::vector<float> xp, xs;
+  // The calling thread's staging, kept between calls as the integer path's (see there).
+  thread_local std::vector<float> kept_xp, kept_xs;
+  std::vector<float>&xp = kept_xp, &xs = kept_xs;
   stage<BITS>(c, x, row_offset, col_stride, M, xp, xs);
   const int K = c.K, G = K / c.group, N = c.N;
   in_passes(N, K, M, [&]<int MB>(int m, int n0, int n1) {
