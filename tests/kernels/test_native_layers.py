@@ -1,5 +1,5 @@
-"""The native RoPE, RMS norm, SwiGLU and GELU-gated product against numpy (float64), and against MLX's own ops
-on the shapes and strides a model hands them."""
+"""The native RoPE, RMS norm, SwiGLU, GELU-gated product and log-softmax against numpy (float64),
+and against MLX's own ops on the shapes and strides a model hands them."""
 
 from __future__ import annotations
 
@@ -112,3 +112,43 @@ def test_gelu_glu_matches_numpy_and_mlx(kernel, shape):
     np.testing.assert_allclose(got, mlx_own, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="same shape"):
         kernel.gelu_glu(mx.array(g), mx.array(u[..., :1]))
+
+
+@pytest.mark.parametrize("shape", [(1, 49152), (3, 1000), (2, 2, 37), (1, 5)])
+def test_log_softmax_matches_numpy_and_mlx(kernel, shape):
+    """A step's log-probabilities and greedy draw: against float64 numpy and MLX's own
+    ``x - logsumexp(x)`` / ``argmax``; masked (-inf) entries, ties on the largest (the first
+    wins, in any lane), rows shorter than a vector, a strided row."""
+    rng = np.random.default_rng(shape[-1])
+    x = (rng.standard_normal(shape) * 6).astype(np.float32)
+    flat = x.reshape(-1, shape[-1])
+    flat[:, ::3] = -np.inf  # a grammar's or logit bias's masked tokens
+    if shape[-1] > 20:
+        flat[0, [7, 20]] = 50.0  # a tie, in two lanes: the first index wins
+    got, best = kernel.log_softmax(mx.array(x))
+    x64 = x.astype(np.float64)
+    top = x64.max(-1, keepdims=True)
+    want = x64 - (top + np.log(np.exp(x64 - top).sum(-1, keepdims=True)))
+    np.testing.assert_allclose(np.array(got), want, rtol=1e-6, atol=1e-5)
+    assert best.dtype == mx.uint32 and best.shape == tuple(shape[:-1])
+    mlx_own = mx.array(x) - mx.logsumexp(mx.array(x), axis=-1, keepdims=True)
+    np.testing.assert_array_equal(np.array(best), np.array(mx.argmax(mlx_own, axis=-1)))
+    if shape[-1] > 20:
+        assert int(np.array(best).reshape(-1)[0]) == 7
+    strided = mx.array(np.ascontiguousarray(flat.T)).T  # each row's entries a column apart
+    got = np.array(kernel.log_softmax(strided)[0])
+    np.testing.assert_allclose(got, want.reshape(flat.shape), rtol=1e-6, atol=1e-5)
+
+
+def test_log_softmax_edge_rows_as_mlx(kernel):
+    """Rows MLX answers with NaN: all masked, a +inf logit, a NaN; the argmax is MLX's too
+    (the first NaN)."""
+    inf, nan = np.inf, np.nan
+    rows = [[-inf] * 20, [inf, 0.0] * 10, [1.0] * 19 + [nan], [1.0, inf] * 10, [-inf] * 19 + [3.0]]
+    x = mx.array(np.array(rows, dtype=np.float32))
+    got, best = kernel.log_softmax(x)
+    mlx_own = x - mx.logsumexp(x, axis=-1, keepdims=True)
+    np.testing.assert_array_equal(np.array(got), np.array(mlx_own))  # NaN where MLX's are
+    np.testing.assert_array_equal(np.array(best), np.array(mx.argmax(mlx_own, axis=-1)))
+    with pytest.raises(ValueError, match="float32"):
+        kernel.log_softmax(x.astype(mx.float16))

@@ -58,6 +58,7 @@ def valid_calls(kernel) -> dict:
         "rms_norm": (kernel.rms_norm, [a(2, 16), a(16)], (1e-6,), {}),
         "swiglu": (kernel.swiglu, [a(2, 16), a(2, 16)], (), {}),
         "gelu_glu": (kernel.gelu_glu, [a(2, 16), a(2, 16)], (), {}),
+        "log_softmax": (kernel.log_softmax, [a(2, 37)], (), {}),
         "evict_step": (kernel.evict_step, evict_arrays, (), {}),
         "decode_qkv": (
             lambda x, *rest: kernel.decode_qkv(

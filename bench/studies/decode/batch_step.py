@@ -1,14 +1,16 @@
 """One decode step of a batch of ``B`` requests, as the server takes it, and where it goes.
 
-The step is mlx-lm's ``GenerationBatch.next`` over :class:`~qfserve.engine.kv.batch.BatchCache`
-layers whose members are per-request caches of mixed methods and budgets (as the batching
-study's streams ask), sampling and stop checks included. Beside it, interleaved round by round:
-the model's forward alone on the same caches, the same forward on mlx-lm's ``BatchKVCache`` of
-as many rows (the reference a batch of plain caches costs), and each kind of work alone on the
-step's shapes (MLX has no per-op profiler on its CPU backend): the weight products at ``B``
-rows, attention over the batch's rows, the batch caches' update and eviction, sampling with its
-read-back, and the detokenizing the scheduler does per member. ``rest`` is what the parts leave
-unexplained: norms, RoPE, residuals, and building and dispatching the graph.
+The step is the scheduler's :class:`~qfserve.engine.serving.decoding.DecodeBatch` (mlx-lm's
+``GenerationBatch``, its vocabulary normalised natively) ``.next`` over
+:class:`~qfserve.engine.kv.batch.BatchCache` layers whose members are per-request caches of
+mixed methods and budgets (as the batching study's streams ask), sampling and stop checks
+included. Beside it, interleaved round by round: the model's forward alone on the same caches,
+the same forward on mlx-lm's ``BatchKVCache`` of as many rows (the reference a batch of plain
+caches costs), and each kind of work alone on the step's shapes (MLX has no per-op profiler on
+its CPU backend): the weight products at ``B`` rows, attention over the batch's rows, the batch
+caches' update and eviction, sampling with its read-back, and the detokenizing the scheduler
+does per member. ``rest`` is what the parts leave unexplained: norms, RoPE, residuals, and
+building and dispatching the graph.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import time
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import GenerationBatch, make_stop_sequences
+from mlx_lm.generate import make_stop_sequences
 from mlx_lm.models.cache import BatchKVCache, KVCache
 from mlx_lm.sample_utils import make_sampler
 
@@ -31,6 +33,7 @@ from bench.timing import interleave, ratio_row, summaries, timed
 from qfserve.engine.kv.attention import install_head_masks, native_kernel
 from qfserve.engine.kv.batch import BatchCache
 from qfserve.engine.kv.config import CacheConfig
+from qfserve.engine.serving.decoding import DecodeBatch, normalise
 
 PARTS = ("products", "attention", "cache", "sample", "detokenize")  # timed alone
 MIXES = (  # what each member asks for, in turn (the batching study's mix)
@@ -56,13 +59,13 @@ def member_caches(sm, i: int, tokens: list[int]) -> list[Any]:
     return caches
 
 
-def build(sm, B: int) -> tuple[GenerationBatch, list[BatchCache], list[Any]]:
+def build(sm, B: int) -> tuple[DecodeBatch, list[BatchCache], list[Any]]:
     """The batch as the scheduler builds it (members joined one at a time), a spare set of
     batch caches of the same members for the cache arm, and mlx-lm's batch of plain caches
     holding as many rows as ours."""
     P = sm.args.prompt
     base, sampler = prompt_tokens(sm, P * B), make_sampler(0.0)
-    batch = GenerationBatch.empty(sm.model, sampler)
+    batch = DecodeBatch.empty(sm.model, sampler)
     spare: list[list[Any]] = []
     plain: list[list[Any]] = []
     stops = make_stop_sequences(sm.tokenizer)
@@ -70,7 +73,7 @@ def build(sm, B: int) -> tuple[GenerationBatch, list[BatchCache], list[Any]]:
         tokens = base[b * P : (b + 1) * P]
         caches = member_caches(sm, b, tokens[:-1])
         spare.append(member_caches(sm, b, tokens[:-1]))
-        newcomer = GenerationBatch(
+        newcomer = DecodeBatch(
             sm.model,
             [b],
             mx.array(tokens[-1:]),
@@ -163,7 +166,9 @@ def measure(sm, B: int) -> dict[str, Any]:
 
 def _sample(sampler: Any, logits: mx.array) -> float:
     tic = time.perf_counter()
-    sampler(logits).tolist()  # read back: the host sync the step makes
+    logprobs, best = normalise(logits)  # as the step: log-probabilities, then the draw
+    mx.eval(logprobs)
+    (best if best is not None else sampler(logprobs)).tolist()  # read back: the step's sync
     return time.perf_counter() - tic
 
 
@@ -225,7 +230,7 @@ def _part(row: dict[str, Any], part: str) -> float:
 def render(d: dict[str, Any]) -> list[str]:
     s = d["settings"]
     intro = (
-        f"In process, mlx-lm's `GenerationBatch.next` over per-request caches of "
+        f"In process, the scheduler's `DecodeBatch.next` over per-request caches of "
         f"{', '.join(s['mix'])} in turn (evicting ones at {s['budget']} rows), prompts of "
         f"{s['prompt']} tokens; {s['reps']} interleaved rounds, median ms. Parts are timed "
         "alone on the step's shapes; `rest` is the step less the parts (norms, RoPE, "

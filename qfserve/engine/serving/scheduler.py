@@ -9,7 +9,8 @@ less than a chunk unless it ends there). Newcomers therefore stall the running s
 chunk's tokens at most, and each joins the batch when its prompt is done.
 
 Decoding reuses mlx-lm's ``GenerationBatch`` (per-request samplers, logits processors, EOS
-matching and ``max_tokens``; ``filter``/``extend`` as requests leave and join) over
+matching and ``max_tokens``; ``filter``/``extend`` as requests leave and join), as
+:class:`~qfserve.engine.serving.decoding.DecodeBatch` (its vocabulary normalised natively), over
 :class:`qfserve.engine.kv.batch.BatchCache`, which keeps each request's own eviction caches. Prompts are
 prefilled here, one request at a time on its own caches, rather than by mlx-lm's
 ``PromptProcessingBatch``: that one right-pads a batch of prompts into shared batch caches
@@ -30,11 +31,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
-from mlx_lm.generate import GenerationBatch, generation_stream, make_stop_sequences
+from mlx_lm.generate import generation_stream, make_stop_sequences
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from qfserve.engine.kv.batch import BatchCache
 from qfserve.engine.models.memory import release_memory
+from qfserve.engine.serving.decoding import DecodeBatch
 from qfserve.engine.serving.detail import kv_cache_detail
 from qfserve.engine.serving.jobs import Departure, KeptTurn
 from qfserve.engine.text.prompts import StopText, token_logprobs
@@ -112,8 +114,8 @@ class Scheduler:
         self._decoding: dict[int, Sequence] = {}
         self._uids = 0
 
-    def _empty_batch(self) -> GenerationBatch:
-        return GenerationBatch.empty(self.loaded.model, make_sampler(0.0))
+    def _empty_batch(self) -> DecodeBatch:
+        return DecodeBatch.empty(self.loaded.model, make_sampler(0.0))
 
     def __len__(self) -> int:
         """Requests admitted and not finished (prefilling or decoding)."""
@@ -223,7 +225,7 @@ class Scheduler:
             processors.append(GrammarProcessor(self.loaded.tokenizer, seq.job.request.constraint))
         seq.uid, self._uids = self._uids, self._uids + 1
         sampler = request_sampler(sp)
-        newcomer = GenerationBatch(
+        newcomer = DecodeBatch(
             self.loaded.model,
             [seq.uid],
             mx.array(seq.prompt[-1:]),

@@ -64,6 +64,10 @@ mlx::core::array swiglu(const mlx::core::array& gate, const mlx::core::array& up
 // 0.044715 x^3))) as MLX's nn.gelu_approx; float32, the same shape.
 mlx::core::array gelu_glu(const mlx::core::array& gate, const mlx::core::array& up,
                           mlx::core::StreamOrDevice s);
+// x - logsumexp(x) over the last dimension, and the first index of each row's largest result
+// (uint32, x's shape less the last axis), as x - mx.logsumexp(x) and mx.argmax of it; float32.
+std::vector<mlx::core::array> log_softmax(const mlx::core::array& x,
+                                          mlx::core::StreamOrDevice s);
 
 // An eviction cache's decode step at budget (qfserve/engine/kv/evict.py's write_and_select):
 // the new row into the free slot, then the next victim. Returns the new keys, values, scores,

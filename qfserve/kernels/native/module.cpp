@@ -51,6 +51,10 @@ NB_MODULE(_native, m) {
   m.def("gelu_glu", &qfserve::gelu_glu, nb::arg("gate"), nb::arg("up"), nb::kw_only(),
         nb::arg("stream") = nb::none(),
         "gelu_approx(gate) * up, element-wise, float32 (MLX's nn.gelu_approx's formula).");
+  m.def("log_softmax", &qfserve::log_softmax, nb::arg("x"), nb::kw_only(),
+        nb::arg("stream") = nb::none(),
+        "(x - logsumexp(x), argmax of that) over the last dimension, float32 and uint32: as "
+        "MLX's x - mx.logsumexp(x, axis=-1, keepdims=True) and mx.argmax(..., axis=-1).");
   m.def("evict_step", &qfserve::evict_step, nb::arg("keys"), nb::arg("values"),
         nb::arg("scores"), nb::arg("order"), nb::arg("free"), nb::arg("new_keys"),
         nb::arg("new_values"), nb::arg("new_score").none(), nb::arg("position"),
