@@ -104,6 +104,10 @@ EXTENSION_FATES: dict[str, tuple[Fate, str]] = {
         "qfserve: per_head, adaptive across a layer's heads, or global across layers (kvzip)",
     ),
     "qfilters_floor": ("implemented", "qfserve: share of the budget each head keeps (adaptive)"),
+    "kvzap_threshold": (
+        "implemented",
+        "qfserve: kvzap also evicts rows scoring below it, the budget the cap",
+    ),
     "kv_cache_detail": (
         "implemented",
         "qfserve: which prompt tokens the cache still holds when the answer ends",

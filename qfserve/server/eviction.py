@@ -22,6 +22,7 @@ CACHE_PARAMS = {
     "budget_mode": "qfilters_budget_mode",
     "floor": "qfilters_floor",
     "positions": "kv_cache_detail",
+    "threshold": "kvzap_threshold",
 }
 
 
@@ -98,6 +99,16 @@ class EvictionFields(Strict):
             "hidden state by the model's learned surrogates: no extra pass), knorm, streaming "
             "(sinks + recent), snapkv or tova (query-aware references: they read the model's "
             "queries to evict) or full (no eviction). Default: --kv-method."
+        ),
+    ] = None
+    kvzap_threshold: Annotated[
+        float | None,
+        Field(
+            allow_inf_nan=False,
+            description="kv_method kvzap only: also evict rows outside the sinks and the "
+            "recent window whose predicted log KVzip+ score is below this (for example -6), "
+            "the budget still the cap; kv_cache.compression_ratio says what it reached. "
+            "Default: none (the budget alone).",
         ),
     ] = None
     kv_cache_detail: Annotated[

@@ -49,6 +49,7 @@ class KVCacheInfo(Out):
     chunk: int = 1
     budget_mode: str = "per_head"
     floor: float | None = None
+    threshold: float | None = Field(None, description="kvzap_threshold, where one was sent")
     filter_source: str
     tokens_seen: int
     tokens_kept: int

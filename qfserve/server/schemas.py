@@ -3,7 +3,7 @@
 Requests are strict (no type coercion, unknown fields rejected) so mistakes surface as a
 400 naming the field. Our extensions (``qfilters_budget``, ``qfilters_recent``,
 ``qfilters_n_sink``, ``qfilters_chunk``, ``qfilters_budget_mode``, ``qfilters_floor``,
-``kv_method``) sit together in :class:`EvictionFields`;
+``kv_method``, ``kvzap_threshold``) sit together in :class:`EvictionFields`;
 :meth:`GenerationBody.to_engine` is the one conversion into the engine's frozen parameters.
 """
 
@@ -106,6 +106,7 @@ class GenerationBody(EvictionFields):
             "budget_mode": self.qfilters_budget_mode,
             "floor": self.qfilters_floor,
             "positions": self.kv_cache_detail,
+            "threshold": self.kvzap_threshold,
         }
         try:
             return request_cache(config, sent)

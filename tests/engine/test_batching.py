@@ -39,6 +39,7 @@ SETTINGS = [  # method, budget, recent, budget_mode: every kind of cache in one 
     CacheConfig(method="snapkv", budget=88, recent=16),  # row of the batch's queries
     CacheConfig(method="kvzip", budget=72, recent=8),  # reconstructs its prompt first
     CacheConfig(method="kvzap", budget=64, recent=8),  # scored from its own row's hidden state
+    CacheConfig(method="kvzap", budget=96, recent=8, threshold=-3.0),  # and bounded by score
 ]
 PACKED = [  # only caches the batch packs into shared arrays (qfserve.engine.kv.batch.packed); the first (89
     CacheConfig(method="qfilters", budget=100, recent=8),  # tokens) fills while decoding

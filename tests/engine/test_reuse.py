@@ -100,20 +100,23 @@ def test_reuse_under_the_budget_changes_no_token(worker, loaded, method):
         assert after.cached_tokens == before.prompt_tokens + before.completion_tokens
 
 
-def test_a_reused_evicted_cache_continues_like_the_same_caches_by_hand(worker, loaded):
-    config = CacheConfig(method="qfilters", budget=48, recent=8)
+@pytest.mark.parametrize(
+    "config",
+    [
+        CacheConfig(method="qfilters", budget=48, recent=8),
+        # kvzap bounded by a threshold too (above most scores: fewer rows than the budget)
+        CacheConfig(method="kvzap", budget=48, recent=8, threshold=-2.0),
+    ],
+    ids=["qfilters", "kvzap-threshold"],
+)
+def test_a_reused_evicted_cache_continues_like_the_same_caches_by_hand(worker, loaded, config):
     opening = " ".join([OPENING] * 10)  # longer than the budget: turn 1 evicts
     (ids1, first), (ids2, second) = conversation(
         worker, loaded, config, 2, reuse=True, opening=opening
     )
     assert first.kv_cache["evictions"] > 0 and second.cached_tokens > 0
     prompt1 = loaded.tokenizer.encode(opening)
-    caches = make_caches(
-        loaded.model,
-        config,
-        filters=worker.calibration.filters,
-        query_scale=worker.calibration.query_scale,
-    )
+    caches = worker.calibration.caches_for(config)
 
     def feed(tokens: list[int]) -> list[int]:
         return [
@@ -234,7 +237,7 @@ def test_saved_caches_survive_a_restart(loaded, tmp_path, caplog, method):
     assert len(saved) == 2  # both turns' caches
     # Another model's file in the same folder is skipped, not loaded.
     other = tmp_path / ("0" * 20 + persist.SUFFIX)
-    fingerprint = first.fingerprint.encode()
+    fingerprint = first.calibration.fingerprint.encode()
     other.write_bytes(saved[0].read_bytes().replace(fingerprint, b"f" * len(fingerprint)))
     with started(loaded) as second:
         assert len(second.prompt_cache.kept) == 2

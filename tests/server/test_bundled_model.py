@@ -111,6 +111,28 @@ def test_adaptive_budgets_run_on_calibrated_filters_and_share_the_layer(default_
     assert kv["tokens_seen"] == resp.usage.prompt_tokens + 4  # one step ahead, as mlx-lm
 
 
+def test_a_kvzap_threshold_evicts_below_the_budget_and_says_so(default_server):
+    """The shipped surrogates score every row; a threshold above most scores keeps fewer rows
+    than the budget, and ``kv_cache`` echoes the threshold and the compression reached."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{default_server}/v1", api_key="unused", max_retries=0, timeout=60)
+    kept = {}
+    for threshold in (None, 0.0):
+        resp = client.completions.create(
+            model="qfserve-tiny",
+            prompt=PASSKEY_PROMPT,
+            max_tokens=4,
+            temperature=0,
+            extra_body={"kv_method": "kvzap", "qfilters_budget": 256, "kvzap_threshold": threshold},
+        )
+        kv = resp.model_extra["kv_cache"]
+        assert (kv["method"], kv["threshold"], kv["budget"]) == ("kvzap", threshold, 256)
+        kept[threshold] = (kv["tokens_kept"], kv["compression_ratio"])
+    assert kept[None][0] == 256  # the budget alone: the prompt is longer
+    assert kept[0.0][0] < 256 and kept[0.0][1] > kept[None][1] > 1
+
+
 @pytest.mark.parametrize("method", ["full", "qfilters"])
 def test_the_served_model_retrieves_a_pass_key(default_server, method):
     """About 450 prompt tokens under the default budget of 512: nothing is evicted, so both

@@ -22,6 +22,14 @@ the mean over its chunk's stored rows, a decoded row carries its own score (its 
 still being written), and the victim is the lowest of those, so decoding eats the weakest
 chunk from its end instead of picking single tokens out of many chunks.
 
+Thresholds (``threshold``, KVzap's way to bound, as kvpress's ``DMSPress``): a row outside
+the sinks and the recent window whose score is below the threshold is evicted, the budget
+still the cap. The cache's arrays hold one row count for all of a layer's KV heads, so the
+layer holds the most rows any head keeps by that rule (:meth:`EvictionCache._threshold_rows`),
+each head its best-scored ones: a block (a prompt chunk, a turn) is evicted down to it as it
+is read, and a decode step every :data:`THRESHOLD_EVERY` rows (one O(rows) compaction, where a
+check per step would cost a copy of the rows each step): between two, rows only join.
+
 Adaptive budgets (``floor``): block evictions share ``budget * H`` rows across the layer's
 heads (:mod:`qfserve.engine.kv.adaptive`); heads then hold different row counts, stored padded, with
 ``head_mask`` telling attention which rows are real (:mod:`qfserve.engine.kv.attention`). Rows
@@ -31,6 +39,7 @@ at it, a decode step evicts one row per head, so each head's count holds until t
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import mlx.core as mx
@@ -42,6 +51,8 @@ from qfserve.engine.kv.ragged import RaggedHeads
 from qfserve.engine.kv.saved import SavedState
 from qfserve.engine.kv.scorers import Scorer
 from qfserve.engine.kv.stats import CacheStats
+
+THRESHOLD_EVERY = 32  # decode rows between two threshold compactions
 
 
 def _row_bytes(keys: mx.array, values: mx.array) -> int:
@@ -67,6 +78,8 @@ class EvictionCache(RaggedHeads, SavedState):
         use_kernel: Evict blocks with the fused GPU kernel (see
             :func:`qfserve.kernels.resolve_kernel_mode`); the decode step's single-row eviction is
             O(budget) in plain MLX either way, and chunked blocks use plain MLX.
+        threshold: Also evict rows outside the sinks and the recent window scoring below it
+            (``None``: the budget alone); per-head budgets only.
     """
 
     def __init__(
@@ -80,6 +93,7 @@ class EvictionCache(RaggedHeads, SavedState):
         floor: int | None = None,
         positions: bool = False,
         use_kernel: bool = False,
+        threshold: float | None = None,
     ):
         if n_sink + recent >= budget:
             raise ValueError(
@@ -92,7 +106,11 @@ class EvictionCache(RaggedHeads, SavedState):
                 f"floor must be in [n_sink + recent = {n_sink + recent}, budget = {budget}], "
                 f"got {floor}"
             )
+        if threshold is not None and (floor is not None or not math.isfinite(threshold)):
+            raise ValueError(f"a threshold must be finite, on per-head budgets: {threshold}")
         self.scorer = scorer
+        self.threshold = threshold
+        self._since_threshold = 0  # decode rows since the last threshold compaction
         self.budget = budget
         self.n_sink = n_sink
         self.recent = recent
@@ -127,6 +145,11 @@ class EvictionCache(RaggedHeads, SavedState):
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Append ``keys``/``values`` ``(B, H, N, D)``; return every stored row plus them."""
+        if self.threshold is not None and keys.shape[2] == 1 and self.scores is not None:
+            self._since_threshold += 1
+            if self._since_threshold >= THRESHOLD_EVERY:
+                self._since_threshold = 0
+                self._compact_below_threshold()
         if self.free is not None:
             if keys.shape[2] == 1:
                 self.head_mask = self.valid
@@ -197,28 +220,74 @@ class EvictionCache(RaggedHeads, SavedState):
                 valid,
             )
             self._set_scores(scores)
-        elif scores is None or L <= self.budget:
+        elif scores is None or L <= (limit := self._block_limit(scores)):
             self.keys, self.values, self.positions = all_keys, all_values, positions
             self._set_scores(scores)
-        elif N == 1 and L == self.budget + 1:
+        elif N == 1 and L == self.budget + 1 and limit == self.budget:
             self._enter_slots(all_keys, all_values, scores, positions)
         else:
-            self._evict_block(all_keys, all_values, scores, positions)
+            self._evict_block(all_keys, all_values, scores, positions, limit)
         return all_keys, all_values
 
+    def _block_limit(self, scores: mx.array) -> int:
+        """Rows a block in temporal order may keep: the budget, or fewer under a threshold."""
+        if self.threshold is None:
+            return self.budget
+        L = scores.shape[2]
+        at = mx.arange(L)
+        guarded = (at < self.n_sink) | (at >= L - self.recent)
+        return self._threshold_rows(scores, guarded)
+
+    def _threshold_rows(self, scores: mx.array, guarded: mx.array, held: Any = None) -> int:
+        """The layer's rows under the threshold: per head, the ``guarded`` rows and those
+        scoring at or above it (among the ``held`` slots); the most any head keeps, at most
+        the budget, and one row more than the protected ones at least (a block eviction
+        keeps more than those)."""
+        assert self.threshold is not None
+        kept = guarded | (scores >= self.threshold)  # NaN: below
+        if held is not None:
+            kept = kept & held
+        most = int(kept.sum(axis=-1).max().item())  # type: ignore[arg-type]
+        return max(self.n_sink + self.recent + 1, min(self.budget, most))
+
+    def _compact_below_threshold(self) -> None:
+        """A decode step's threshold check: the rows evicted down to what the threshold keeps
+        (in temporal order; the next rows grow into buffers again)."""
+        assert self.keys is not None and self.scores is not None
+        if self.valid is not None or self.defers(1):
+            return
+        if self.free is not None:  # slot layout: guarded as the victim's choice is
+            assert self.order is not None
+            slots = mx.arange(self.scores.shape[-1])
+            guarded = (slots < self.n_sink) | (self.order >= self.offset - self.recent)
+            limit = self._threshold_rows(self.scores, guarded, slots != self.free)
+        else:
+            limit = self._block_limit(self.scores)
+        if limit >= self.size():
+            return
+        if self.free is not None:
+            self._to_temporal_order()
+        assert self.keys is not None and self.values is not None and self.scores is not None
+        scores = self.token_scores if self.tracks else self.scores
+        assert scores is not None
+        self._evict_block(self.keys, self.values, scores, self.positions, limit)
+
     def _evict_block(
-        self, keys: mx.array, values: mx.array, scores: mx.array, positions: mx.array | None
+        self,
+        keys: mx.array,
+        values: mx.array,
+        scores: mx.array,
+        positions: mx.array | None,
+        budget: int | None = None,
     ) -> None:
-        """Keep ``budget`` rows of a temporal-order block (rows per head, or the layer's
-        rows shared across heads with a floor)."""
+        """Keep ``budget`` rows (default: the cache's) of a temporal-order block (rows per
+        head, or the layer's rows shared across heads with a floor)."""
+        budget = self.budget if budget is None else budget
         if self.floor is not None:
             self._evict_ragged(keys, values, scores, None, positions, keys.shape[2])
         elif positions is not None:
             idx = select_keep(
-                chunk_scores(scores, positions, self.chunk),
-                self.budget,
-                self.n_sink,
-                self.recent,
+                chunk_scores(scores, positions, self.chunk), budget, self.n_sink, self.recent
             )
             self.keys, self.values = gather_rows(keys, idx), gather_rows(values, idx)
             self.positions = gather_rows(positions, idx)
@@ -229,7 +298,7 @@ class EvictionCache(RaggedHeads, SavedState):
                 keys,
                 values,
                 scores,
-                budget=self.budget,
+                budget=budget,
                 n_sink=self.n_sink,
                 recent=self.recent,
                 use_kernel=self.use_kernel,

@@ -118,6 +118,9 @@ class CacheConfig:
         positions: Keep each row's true position whatever the method, so the request can
             say which prompt tokens its caches still hold when it ends (``kv_cache_detail``).
             The rows kept are the same; it costs a position and a score per row.
+        threshold: ``kvzap`` only: also evict rows outside the sinks and the recent window
+            whose predicted log KVzip+ score is below it, ``budget`` still the cap
+            (:class:`qfserve.engine.kv.cache.EvictionCache`); ``None``: the budget alone.
     """
 
     method: Method = DEFAULT_METHOD
@@ -131,6 +134,7 @@ class CacheConfig:
     floor: float = DEFAULT_FLOOR
     kernel: KernelMode = "auto"
     positions: bool = False
+    threshold: float | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -185,6 +189,8 @@ class CacheConfig:
             raise ConfigError(
                 "positions", "method 'full' keeps every row: there is nothing to report kept"
             )
+        if self.threshold is not None:
+            self._check_threshold()
         if self.sign not in (1, -1) or isinstance(self.sign, bool):
             raise ConfigError("sign", f"sign must be +1 or -1, got {self.sign!r}")
         if self.method != "full" and self.n_sink + self.recent >= self.budget:
@@ -193,6 +199,23 @@ class CacheConfig:
                 "n_sink + recent must be < budget (some rows must be evictable): "
                 f"got n_sink={self.n_sink} + recent={self.recent} >= budget={self.budget}",
             )
+
+    def _check_threshold(self) -> None:
+        value = self.threshold
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+        ):
+            raise ConfigError("threshold", f"threshold must be a finite number, got {value!r}")
+        if self.method != "kvzap":
+            raise ConfigError(
+                "threshold",
+                f"a threshold bounds kvzap's predicted scores: method must be kvzap, got "
+                f"{self.method!r}",
+            )
+        if self.budget_mode != "per_head":
+            raise ConfigError("threshold", "a threshold needs budget_mode per_head")
 
     @property
     def floor_rows(self) -> int:

@@ -230,5 +230,6 @@ def make_caches(
             floor=config.floor_rows if config.budget_mode != "per_head" else None,
             positions=config.positions,
             use_kernel=use_kernel,
+            threshold=config.threshold,
         )
     return caches

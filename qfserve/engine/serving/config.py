@@ -310,5 +310,6 @@ def request_cache(
         budget_mode=mode,
         floor=sent.get("floor", config.floor),
         positions=bool(sent.get("positions", False)),
+        threshold=sent.get("threshold"),
     )
     return cache, cast(BudgetSource, source), auto

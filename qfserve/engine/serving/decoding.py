@@ -16,7 +16,7 @@ class: the same tokens and log-probabilities, step by step.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.generate import GenerationBatch
@@ -39,21 +39,22 @@ class DecodeBatch(GenerationBatch):
     """``GenerationBatch`` whose step normalises the vocabulary through :func:`normalise`."""
 
     def _step(self) -> tuple[list[int], list[mx.array]]:
-        self._current_tokens = self._next_tokens
-        self._current_logprobs = self._next_logprobs
-        inputs = self._current_tokens
+        b = cast(Any, self)  # mlx-lm's attributes, typed there by their first value (None)
+        b._current_tokens = b._next_tokens
+        b._current_logprobs = b._next_logprobs
+        inputs = b._current_tokens
 
-        logits = self.model(inputs[:, None], cache=self.prompt_cache)
+        logits = b.model(inputs[:, None], cache=b.prompt_cache)
         logits = logits[:, -1, :]
 
         token_context: list[Any] = []
-        if any(self.logits_processors):
+        if any(b.logits_processors):
             processed_logits = []
-            for e in range(len(self.uids)):
+            for e in range(len(b.uids)):
                 sample_logits = logits[e : e + 1]
-                processors = self.logits_processors[e] or ()
+                processors = b.logits_processors[e] or ()
                 if processors:
-                    context = self._token_context[e].update_and_fetch(inputs[e : e + 1])
+                    context = b._token_context[e].update_and_fetch(inputs[e : e + 1])
                     token_context.append(context)
                     for processor in processors:
                         sample_logits = processor(context, sample_logits)
@@ -63,26 +64,23 @@ class DecodeBatch(GenerationBatch):
         logprobs, best = normalise(logits)
 
         samplers = [
-            self.fallback_sampler if s is None else s
-            for s in (self.samplers or [None] * len(self.uids))
+            b.fallback_sampler if s is None else s for s in (b.samplers or [None] * len(b.uids))
         ]
-        if best is not None and all(
-            s is greedy_sampler for s in samplers or [self.fallback_sampler]
-        ):
+        if best is not None and all(s is greedy_sampler for s in samplers or [b.fallback_sampler]):
             sampled = best
         elif not samplers or all(s is samplers[0] for s in samplers):
-            sampled = (samplers[0] if samplers else self.fallback_sampler)(logprobs)
+            sampled = (samplers[0] if samplers else b.fallback_sampler)(logprobs)
         else:
             sampled = mx.concatenate(
                 [s(logprobs[e : e + 1]) for e, s in enumerate(samplers)], axis=0
             )
 
-        self._next_tokens = sampled
-        self._next_logprobs = list(logprobs)
-        mx.async_eval(self._next_tokens, self._next_logprobs, token_context)
+        b._next_tokens = sampled
+        b._next_logprobs = list(logprobs)
+        mx.async_eval(b._next_tokens, b._next_logprobs, token_context)
 
-        mx.eval(inputs, self._current_logprobs)
+        mx.eval(inputs, b._current_logprobs)
         tokens = inputs.tolist()
-        for sti, ti in zip(self.tokens, tokens, strict=False):
+        for sti, ti in zip(b.tokens, tokens, strict=False):
             sti.append(ti)
-        return tokens, self._current_logprobs
+        return tokens, b._current_logprobs

@@ -111,6 +111,7 @@ class RequestRecord:
             "chunk": config.chunk,
             "budget_mode": config.budget_mode,
             "floor": config.floor if config.budget_mode == "adaptive" else None,
+            "threshold": config.threshold,
             "filter_source": self.filter_source,
             "tokens_seen": self.tokens_seen,
             "tokens_kept": self.tokens_kept,

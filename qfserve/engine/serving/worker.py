@@ -141,11 +141,6 @@ class Worker:
         """Where the Q-Filters come from (``"none"`` before the model is loaded)."""
         return "none" if self.calibration is None else self.calibration.source
 
-    @property
-    def fingerprint(self) -> str:
-        """The model weights' fingerprint (``""`` before the model is loaded)."""
-        return "" if self.calibration is None else self.calibration.fingerprint
-
     def submit(
         self,
         request: GenerationRequest,
