@@ -14,6 +14,7 @@ import pytest
 from gguf import GGMLQuantizationType
 
 from qfserve.calibrations.model_info import head_counts
+from qfserve.engine.kv import attention
 from qfserve.engine.kv.batch import BatchCache
 from qfserve.engine.kv.config import CacheConfig
 from qfserve.engine.kv.factory import make_caches
@@ -234,3 +235,42 @@ def test_a_block_installed_under_a_query_tap_is_fused(family):
     finally:
         attn.rope = rope
         fused.install(model, kernel)
+
+
+def test_gemma3_sliding_layers_read_their_prompt_chunks_natively(family, monkeypatch):
+    """A prompt read in chunks past Gemma 3's sliding window: each local layer's chunk goes
+    through the kernel's windowed prefill attention (not MLX's whole-array fallback), and the
+    logits are those of MLX's own attention under mlx-lm's window mask."""
+    name, loaded = family
+    if name != "gemma3":
+        pytest.skip("Qwen3 has no sliding window")
+    model = loaded.model
+    window = model.args.sliding_window
+    prompt = [int(t) for t in np.random.default_rng(2).integers(5, 60, size=40)]
+    chunk = 2 * window  # every chunk reaches past the window
+
+    def read() -> np.ndarray:
+        caches = model.make_cache()
+        out = [model(mx.array([prompt[i : i + chunk]]), cache=caches) for i in range(0, 40, chunk)]
+        return np.concatenate([np.array(o[0]) for o in out])
+
+    windows: list[int] = []
+    kernel = model.layers[0]._qfserve_parts.kernel
+    prefill = kernel.prefill_attention
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(kernel, name)
+
+        @staticmethod
+        def prefill_attention(*args, window=0, **kwargs):
+            windows.append(window)
+            return prefill(*args, window=window, **kwargs)
+
+    attention.install_head_masks(model)  # as the server does at start-up
+    monkeypatch.setattr(attention, "_NATIVE", {"kernel": Spy()})
+    got = read()
+    local = sum(layer.self_attn.is_sliding for layer in model.layers)
+    assert local and windows.count(window) == local * len(range(0, 40, chunk))
+    monkeypatch.setattr(attention, "_NATIVE", {"kernel": None})
+    np.testing.assert_allclose(got, read(), rtol=1e-4, atol=1e-4)

@@ -1,5 +1,5 @@
 """The native prefill attention against a float64 numpy softmax (causal blocks over longer
-keys, grouped queries, key masks, any strides), and its KVzip scores against numpy's max of a
+keys, grouped queries, key masks, any strides, sliding windows), and its KVzip scores against numpy's max of a
 softmax restricted to the counted keys."""
 
 from __future__ import annotations
@@ -9,12 +9,16 @@ import numpy as np
 import pytest
 
 
-def reference(q, k, v, scale, key_mask=None, counted=None):
-    """(out, scores) in float64: query i at key position S - N + i sees keys up to it."""
+def reference(q, k, v, scale, key_mask=None, counted=None, window=0):
+    """(out, scores) in float64: query i at key position S - N + i sees keys up to it (and,
+    with a window, none a window or more before it)."""
     B, Hq, N, _ = q.shape
     H, S = k.shape[1], k.shape[2]
     group = Hq // H
-    visible = np.arange(S)[None] <= (S - N + np.arange(N))[:, None]  # (N, S)
+    own = (S - N + np.arange(N))[:, None]
+    visible = np.arange(S)[None] <= own  # (N, S)
+    if window:
+        visible &= np.arange(S)[None] > own - window
     out = np.zeros((B, Hq, N, v.shape[-1]))
     scores = np.zeros((B, H, S))
     for b in range(B):
@@ -66,6 +70,38 @@ def test_prefill_attention_matches_numpy(kernel, shape, masked):
     want, _ = reference(q, k, v, 0.3, key_mask)
     assert got.shape == (B, Hq, N, Dv)
     np.testing.assert_allclose(np.array(got), want, rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize(
+    ("shape", "window"),
+    [
+        ((1, 4, 1, 512, 1023, 256, 256), 512),  # Gemma 3's local layers, a chunk past the window
+        ((2, 6, 2, 70, 200, 40, 40), 37),  # a window that is no multiple of a key block
+        ((1, 9, 3, 130, 300, 64, 64), 1),  # each query its own key only
+        ((1, 3, 3, 20, 20, 16, 24), 64),  # a window wider than the keys: causal
+    ],
+)
+@pytest.mark.parametrize("masked", [False, True])
+def test_a_sliding_window_matches_numpy_and_mlx(kernel, shape, window, masked):
+    """A sliding-window layer's prompt block against numpy and against MLX's attention under
+    mlx-lm's own window mask (what the layer would run without the kernel)."""
+    from mlx_lm.models.base import create_causal_mask
+
+    B, Hq, H, N, S, D, Dv = shape
+    rng = np.random.default_rng(window + N)
+    q, k, v = _inputs(rng, B, Hq, H, N, S, D, Dv)
+    mask = rng.random((B, H, S)) > 0.2 if masked else None
+    scale = D**-0.5
+    args = (mx.array(q), mx.array(k), mx.array(v), scale)
+    got = kernel.prefill_attention(
+        *args, key_mask=None if mask is None else mx.array(mask), window=window
+    )
+    want, _ = reference(q, k, v, scale, key_mask=mask, window=window)
+    np.testing.assert_allclose(np.array(got), want, rtol=2e-4, atol=2e-5)
+    if not masked and Dv == D:
+        causal = create_causal_mask(N, S - N, window_size=window)
+        theirs = mx.fast.scaled_dot_product_attention(*args[:3], scale=scale, mask=causal)
+        np.testing.assert_allclose(np.array(got), np.array(theirs), rtol=2e-4, atol=2e-5)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -158,3 +194,5 @@ def test_prefill_attention_refuses_bad_masks_and_dtypes(kernel):
         kernel.reconstruction_attention(q, k, v, 1.0, mx.ones((1, 3, 5)))
     with pytest.raises(ValueError, match="float32"):
         kernel.prefill_attention(q.astype(mx.float16), k, v, 1.0)
+    with pytest.raises(ValueError, match="window must be >= 0"):
+        kernel.prefill_attention(q, k, v, 1.0, window=-1)

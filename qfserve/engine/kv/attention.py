@@ -14,9 +14,10 @@ model runs unchanged for every other cache.
 Through the same function: a cache with an ``attend`` method computes the attention itself
 (the KVzip reconstruction pass reads its weights); where the native kernels are set
 (:func:`set_native`), a decode step and a prompt block go through them, with the cache's
-``head_mask`` as their key mask; otherwise on the CPU a prompt block goes through
-:func:`qfserve.engine.kv.blocked.block_attention` (:func:`set_blocked` turns both block paths
-off, leaving MLX's own attention).
+``head_mask`` as their key mask (and a sliding-window layer's prompt block with its window);
+otherwise on the CPU a prompt block goes through
+:func:`qfserve.engine.kv.blocked.block_attention` (:func:`set_blocked` turns both block
+paths off, leaving MLX's own attention).
 """
 
 from __future__ import annotations
@@ -49,20 +50,53 @@ def native_kernel() -> Any:
     return _NATIVE["kernel"]
 
 
-def _native_applies(queries: mx.array, keys: Any, mask: Any, sinks: Any) -> bool:
+def _native_applies(
+    queries: mx.array, keys: Any, mask: Any, sinks: Any, window: int | None = None
+) -> bool:
     one = queries.shape[2] == 1
     return (
         _NATIVE["kernel"] is not None
         and sinks is None
-        # A block must be causal (an array mask is a batch's padding: MLX's to apply); over
-        # one query "causal" masks nothing.
-        and (isinstance(mask, str) and mask == "causal" or one and mask is None)
+        # A block must be causal, or causal within a sliding window (another array mask is a
+        # batch's padding: MLX's to apply); over one query "causal" masks nothing.
+        and (
+            window is not None or isinstance(mask, str) and mask == "causal" or one and mask is None
+        )
         and isinstance(keys, mx.array)  # not a quantized cache's (data, scales, biases)
         and keys.shape[2] >= queries.shape[2]  # a block's own keys end the stored ones
         and queries.dtype == keys.dtype == mx.float32
         and mx.default_device() == mx.cpu
         and (one or _BLOCKED["on"])
     )
+
+
+_WINDOW_MASKS: dict[tuple[int, int, int], bool] = {}
+
+
+def _sliding_window(queries: mx.array, keys: Any, mask: Any, cache: Any) -> int | None:
+    """The window of a sliding-window layer's prompt block whose mask is mlx-lm's own
+    ``create_causal_mask(N, S - N, window_size=window)`` (what ``RotatingKVCache.make_mask``
+    gives once a block reaches past the window), so the native kernel can apply it; else
+    ``None``. The mask is compared once per shape: it is a function of the shape alone."""
+    from mlx_lm.models.base import create_causal_mask
+    from mlx_lm.models.cache import RotatingKVCache
+
+    N = queries.shape[2]
+    if (
+        N < 2
+        or not isinstance(cache, RotatingKVCache)
+        or not isinstance(mask, mx.array)
+        or not isinstance(keys, mx.array)
+        or mask.dtype != mx.bool_
+        or mask.shape != (N, keys.shape[2])
+    ):
+        return None
+    S, window = keys.shape[2], int(cache.max_size)
+    key = (N, S, window)
+    if key not in _WINDOW_MASKS:
+        expected = create_causal_mask(N, S - N, window_size=window)
+        _WINDOW_MASKS[key] = bool(mx.array_equal(mask, expected).item())
+    return window if _WINDOW_MASKS[key] else None
 
 
 def set_blocked(on: bool) -> None:
@@ -106,14 +140,20 @@ def _masked(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
         if attend is not None:
             return attend(queries, keys, values, scale, mask)
         head_mask = getattr(cache, "head_mask", None)
-        if _native_applies(queries, keys, mask, kwargs.get("sinks")):
+        window = None if _NATIVE["kernel"] is None else _sliding_window(queries, keys, mask, cache)
+        if _native_applies(queries, keys, mask, kwargs.get("sinks"), window):
             kernel = _NATIVE["kernel"]
-            attend = kernel.decode_attention if queries.shape[2] == 1 else kernel.prefill_attention
             if head_mask is not None and head_mask.shape[1] != keys.shape[1]:
                 # A packed batch's mask is one per member (B, 1, S): the kernels read it
                 # per KV head, through its strides (a broadcast is not copied).
                 head_mask = mx.broadcast_to(head_mask, keys.shape[:3])
-            return cast(mx.array, attend(queries, keys, values, scale, key_mask=head_mask))
+            if queries.shape[2] == 1:
+                out = kernel.decode_attention(queries, keys, values, scale, key_mask=head_mask)
+            else:
+                out = kernel.prefill_attention(
+                    queries, keys, values, scale, key_mask=head_mask, window=window or 0
+                )
+            return cast(mx.array, out)
         if _BLOCKED["on"] and blocked.applies(queries, mask, cache, kwargs.get("sinks")):
             return blocked.block_attention(queries, keys, values, scale, key_mask=head_mask)
         if head_mask is not None:

@@ -31,10 +31,11 @@ mlx::core::array decode_attention(const mlx::core::array& q, const mlx::core::ar
 
 // Causal attention of N queries over S keys that end with theirs (query i sits at key
 // S - N + i): q (B, Hq, N, D), k (B, H, S, D), v (B, H, S, Dv) float32 -> (B, Hq, N, Dv);
-// key_mask (B, H, S) bool, false where a key may not be attended.
+// key_mask (B, H, S) bool, false where a key may not be attended; window > 0: query i sees
+// only keys S - N + i - window < j (a sliding-window layer's).
 mlx::core::array prefill_attention(const mlx::core::array& q, const mlx::core::array& k,
                                    const mlx::core::array& v, float scale,
-                                   const std::optional<mlx::core::array>& key_mask,
+                                   const std::optional<mlx::core::array>& key_mask, int window,
                                    mlx::core::StreamOrDevice s);
 
 // prefill_attention, and KVzip's score of each key (B, H, S) float32: for keys in

@@ -28,9 +28,10 @@ NB_MODULE(_native, m) {
         "(B, H, S) bool is false on keys not to attend.");
   m.def("prefill_attention", &qfserve::prefill_attention, nb::arg("q"), nb::arg("k"),
         nb::arg("v"), nb::arg("scale"), nb::kw_only(), nb::arg("key_mask") = nb::none(),
-        nb::arg("stream") = nb::none(),
+        nb::arg("window") = 0, nb::arg("stream") = nb::none(),
         "Causal softmax(q k^T * scale) v for a block of queries whose positions end the keys; "
-        "KV heads grouped; key_mask (B, H, S) bool is false on keys not to attend.");
+        "KV heads grouped; key_mask (B, H, S) bool is false on keys not to attend; window > 0: "
+        "each query sees its last `window` positions only (a sliding-window layer).");
   m.def("reconstruction_attention", &qfserve::reconstruction_attention, nb::arg("q"),
         nb::arg("k"), nb::arg("v"), nb::arg("scale"), nb::arg("counted"), nb::kw_only(),
         nb::arg("key_mask") = nb::none(), nb::arg("score_from") = 0, nb::arg("score_to") = -1,

@@ -11,6 +11,11 @@
 //
 //   out[g, i] = sum_{j <= S - N + i} softmax_j(scale * q[g, i] . k[j]) v[j]
 //
+// With a `window` W > 0 (a sliding-window layer's prompt chunk, Gemma 3's local layers: MLX
+// would take its whole-array fallback with a scalar exp over every logit), only keys
+// S - N + i - W < j <= S - N + i are visible to query i, and the walk starts at the tile's
+// first visible block.
+//
 // With `counted` (B, H, S) bool, KVzip's score of every counted key j, the max over the
 // queries and the group of its weight in a softmax restricted to the counted keys:
 //
@@ -49,6 +54,7 @@ constexpr int RB = 2;
 
 struct Layout {  // element strides of q, k, v, the key mask and `counted`, and the shapes
   int B, Hq, H, N, S, D, Dv;
+  int window;  // keys visible to a query back from its own (0: all before it)
   int from, to;  // the keys scored
   int64_t q_b, q_h, q_n, q_d, k_b, k_h, k_s, k_d, v_b, v_h, v_s, v_d;
   int64_t m_b, m_h, m_s, c_b, c_h, c_s;
@@ -146,7 +152,8 @@ class Item {
     rows_ = std::min(T, L.N - i0);
     R_ = G_ * rows_;
     first_ = L.S - L.N + i0;  // key position of the tile's first query
-    end_ = first_ + rows_;    // keys [0, end_) are visible to some row
+    end_ = first_ + rows_;    // keys [start_, end_) are visible to some row
+    start_ = L.window > 0 ? std::max(0, first_ + 1 - L.window) / KB * KB : 0;
     // Key blocks [blo_, bhi_) hold the scored keys this tile sees; their logits are kept.
     blo_ = L.from / KB * KB;
     bhi_ = std::max(blo_, std::min((end_ + KB - 1) / KB * KB, (L.to + KB - 1) / KB * KB));
@@ -169,7 +176,7 @@ class Item {
   // The online softmax and its weighted values over every visible key; when scoring, also
   // each row's sum over the counted keys (at the same running max), and its logits kept.
   void attend() {
-    for (int j0 = 0; j0 < end_; j0 += KB) {
+    for (int j0 = start_; j0 < end_; j0 += KB) {
       block_logits(j0);
       for (int r = 0; r < R_; ++r) {
         float* s = w_.s.data() + r * KB;
@@ -249,8 +256,8 @@ class Item {
   }
 
  private:
-  // Logits of every row against keys [j0, j0 + KB): -inf where masked, past the end, or
-  // after the row's own position.
+  // Logits of every row against keys [j0, j0 + KB): -inf where masked, past the end, after
+  // the row's own position, or (with a window) a window or more before it.
   void block_logits(int j0) {
     const float* kt = P_.kt + static_cast<size_t>(j0) * L_.D;  // block j0 / KB
     int r = 0;
@@ -262,21 +269,25 @@ class Item {
       for (int c = 0; c < KV; ++c) store(s + c * W, load(s + c * W) + load(P_.bias + j0 + c * W));
       const int own = first_ + r % rows_;  // the row's key position: later keys are hidden
       for (int j = std::max(0, own + 1 - j0); j < KB; ++j) s[j] = -INFINITY;
+      if (L_.window > 0)
+        for (int j = 0, stop = std::min(KB, own + 1 - L_.window - j0); j < stop; ++j)
+          s[j] = -INFINITY;
     }
   }
 
   const Layout& L_;
   const Packed& P_;
-  int b_, h_, G_, rows_, R_, first_, end_, blo_, bhi_;
+  int b_, h_, G_, rows_, R_, first_, start_, end_, blo_, bhi_;
   bool scoring_;
   Scratch& w_;
 };
 
 class PrefillAttention : public mx::Primitive {
  public:
-  PrefillAttention(mx::Stream stream, float scale, bool masked, bool scored, int from, int to)
+  PrefillAttention(mx::Stream stream, float scale, bool masked, bool scored, int from, int to,
+                   int window)
       : mx::Primitive(stream), scale_(scale), masked_(masked), scored_(scored), from_(from),
-        to_(to) {}
+        to_(to), window_(window) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const mx::array& q = inputs[0];
@@ -293,7 +304,7 @@ class PrefillAttention : public mx::Primitive {
     Layout L{static_cast<int>(q.shape(0)), static_cast<int>(q.shape(1)),
              static_cast<int>(k.shape(1)), static_cast<int>(q.shape(2)),
              static_cast<int>(k.shape(2)), static_cast<int>(k.shape(3)),
-             static_cast<int>(v.shape(3)), from_, to_,
+             static_cast<int>(v.shape(3)), window_, from_, to_,
              q.strides()[0], q.strides()[1], q.strides()[2], q.strides()[3],
              k.strides()[0], k.strides()[1], k.strides()[2], k.strides()[3],
              v.strides()[0], v.strides()[1], v.strides()[2], v.strides()[3],
@@ -352,7 +363,7 @@ class PrefillAttention : public mx::Primitive {
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const PrefillAttention&>(other);
     return scale_ == o.scale_ && masked_ == o.masked_ && scored_ == o.scored_ &&
-           from_ == o.from_ && to_ == o.to_;
+           from_ == o.from_ && to_ == o.to_ && window_ == o.window_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
@@ -367,6 +378,7 @@ class PrefillAttention : public mx::Primitive {
   float scale_;
   bool masked_, scored_;
   int from_, to_;  // the keys scored
+  int window_;      // 0: causal only
 };
 
 void check_mask(const mx::array& m, const mx::array& k, const char* what) {
@@ -378,7 +390,7 @@ void check_mask(const mx::array& m, const mx::array& k, const char* what) {
 std::vector<mx::array> prefill(const mx::array& q, const mx::array& k, const mx::array& v,
                                float scale, const std::optional<mx::array>& key_mask,
                                const std::optional<mx::array>& counted, int from, int to,
-                               mx::StreamOrDevice s) {
+                               int window, mx::StreamOrDevice s) {
   if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4)
     throw std::invalid_argument("q, k and v must be 4-D (batch, heads, rows, dims)");
   if (k.shape(0) != q.shape(0) || v.shape(0) != q.shape(0) || k.shape(1) != v.shape(1) ||
@@ -387,6 +399,8 @@ std::vector<mx::array> prefill(const mx::array& q, const mx::array& k, const mx:
     throw std::invalid_argument("q, k and v shapes do not match (need 1 <= N <= S)");
   if (q.dtype() != mx::float32 || k.dtype() != mx::float32 || v.dtype() != mx::float32)
     throw std::invalid_argument("q, k and v must be float32");
+  if (window < 0 || (window > 0 && counted))
+    throw std::invalid_argument("window must be >= 0, and 0 where keys are scored");
   std::vector<mx::array> inputs = {q, k, v};  // read through their strides, never copied
   if (key_mask) {
     check_mask(*key_mask, k, "key_mask");
@@ -407,7 +421,7 @@ std::vector<mx::array> prefill(const mx::array& q, const mx::array& k, const mx:
   from = std::clamp(from, 0, to);
   auto primitive = std::make_shared<PrefillAttention>(mx::to_stream(s, mx::Device::cpu), scale,
                                                       key_mask.has_value(), counted.has_value(),
-                                                      from, to);
+                                                      from, to, window);
   return mx::array::make_arrays(std::move(shapes), dtypes, primitive, inputs);
 }
 
@@ -416,9 +430,9 @@ std::vector<mx::array> prefill(const mx::array& q, const mx::array& k, const mx:
 namespace qfserve {
 
 mx::array prefill_attention(const mx::array& q, const mx::array& k, const mx::array& v,
-                            float scale, const std::optional<mx::array>& key_mask,
+                            float scale, const std::optional<mx::array>& key_mask, int window,
                             mx::StreamOrDevice s) {
-  return prefill(q, k, v, scale, key_mask, std::nullopt, 0, -1, s)[0];
+  return prefill(q, k, v, scale, key_mask, std::nullopt, 0, -1, window, s)[0];
 }
 
 std::vector<mx::array> reconstruction_attention(const mx::array& q, const mx::array& k,
@@ -427,7 +441,7 @@ std::vector<mx::array> reconstruction_attention(const mx::array& q, const mx::ar
                                                 const std::optional<mx::array>& key_mask,
                                                 int score_from, int score_to,
                                                 mx::StreamOrDevice s) {
-  return prefill(q, k, v, scale, key_mask, counted, score_from, score_to, s);
+  return prefill(q, k, v, scale, key_mask, counted, score_from, score_to, 0, s);
 }
 
 }  // namespace qfserve
