@@ -19,6 +19,7 @@ from mlx_lm.sample_utils import make_sampler
 from qfserve.calibrations.model_info import model_fingerprint
 from qfserve.engine.filters.artifact import resolve_calibration
 from qfserve.engine.kv.batch import PackedBatch
+from qfserve.engine.kv.batch.cache import RAGGED_FACTOR, RAGGED_SLACK, BatchCache
 from qfserve.engine.kv.config import CacheConfig
 from qfserve.engine.kv.factory import make_caches
 from qfserve.engine.kv.kvzip import RepeatPrompt, compress
@@ -184,6 +185,40 @@ def test_a_mixed_batch_matches_each_request_alone(loaded, calibration, settings,
     results, worker = run_batched(loaded, requests)
     if settings is PACKED:  # the shared-array step ran, with the whole batch in it
         assert max(packed_steps) == len(PACKED)
+    assert_each_as_alone(loaded, calibration, requests, results)
+    assert worker.snapshot()["totals"]["done"] == len(settings)
+
+
+def test_a_long_prompt_among_short_ones_attends_member_by_member(loaded, calibration, monkeypatch):
+    """A long request joining short ones makes the batch ragged: not packed (which would pad
+    every member to the longest), each member attends its own rows; every answer is still
+    the one it gets alone."""
+    ragged_steps = []
+    attend = BatchCache._attend_members
+
+    def counted(self, *args):
+        ragged_steps.append(len(self._rows))
+        return attend(self, *args)
+
+    monkeypatch.setattr(BatchCache, "_attend_members", counted)
+    text = " ".join(f"item {i} is {i * 7 % 13}" for i in range(400))
+    long = GenerationRequest(
+        kind="completion",
+        prompt=tuple(loaded.tokenizer.encode(text)[:1800]),  # the tiny model reads 2,048
+        sampling=SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=True),
+        cache=CacheConfig(method="full"),
+        reuse=False,
+    )
+    configs = [CacheConfig(method="qfilters", budget=96, recent=24), CacheConfig(method="full")]
+    requests = [request(loaded, 0, c) for c in configs] + [long]
+    assert len(long.prompt) > RAGGED_FACTOR * len(requests[0].prompt) + RAGGED_SLACK
+    results, _ = run_batched(loaded, requests)
+    assert ragged_steps and max(ragged_steps) == len(requests)
+    assert_each_as_alone(loaded, calibration, requests, results)
+
+
+def assert_each_as_alone(loaded, calibration, requests, results) -> None:
+    """Each request's tokens, text and log-probabilities in the batch are those alone."""
     for req, (deltas, final) in zip(requests, results, strict=True):
         assert isinstance(final, Finished), final
         ref_tokens, ref_logprobs, ref_text = alone(loaded, calibration, req)
@@ -201,7 +236,6 @@ def test_a_mixed_batch_matches_each_request_alone(loaded, calibration, settings,
         else:
             # Pipelined one step ahead, as mlx-lm: the last token was fed in too.
             assert kv["tokens_kept"] == final.prompt_tokens + final.completion_tokens
-    assert worker.snapshot()["totals"]["done"] == len(settings)
 
 
 def test_a_cancelled_member_leaves_the_others_unchanged(loaded, calibration):

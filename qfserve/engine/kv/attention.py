@@ -164,6 +164,21 @@ def _masked(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
     return scaled_dot_product_attention
 
 
+def attend_one(
+    queries: mx.array, keys: mx.array, values: mx.array, scale: float, head_mask: Any
+) -> mx.array:
+    """One sequence's decode step over its own rows (a ragged batch's member,
+    :class:`qfserve.engine.kv.batch.BatchCache`): the native kernel where it applies, else
+    MLX's attention with the per-head mask."""
+    if _native_applies(queries, keys, None, None):
+        kernel = _NATIVE["kernel"]
+        return cast(
+            mx.array, kernel.decode_attention(queries, keys, values, scale, key_mask=head_mask)
+        )
+    mask = None if head_mask is None else combine_masks(None, head_mask, queries)
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+
 def install_head_masks(model: nn.Module) -> None:
     """Make ``model``'s attention honour per-head cache masks (idempotent).
 
