@@ -132,7 +132,8 @@ def test_blocks_and_decode_steps_attend_through_the_native_kernels(tiny, monkeyp
             shapes.append(("decode", q.shape, k.shape))
             return kernel.decode_attention(q, k, v, scale, key_mask=key_mask)
 
-        def prefill_attention(self, q, k, v, scale, key_mask=None):
+        def prefill_attention(self, q, k, v, scale, key_mask=None, window=0):
+            assert window == 0  # full-attention layers: causal only
             shapes.append(("prefill", q.shape, k.shape))
             return kernel.prefill_attention(q, k, v, scale, key_mask=key_mask)
 

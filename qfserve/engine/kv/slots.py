@@ -46,6 +46,10 @@ class CacheFields:
     chunk: int
     floor: int | None
     keep_positions: bool = False
+    # A score below which rows go (kvzap_threshold; None: the budget alone) and the decode
+    # rows since its last compaction. Not saved: a restored cache takes its request's.
+    threshold: float | None = None
+    _since_threshold: int = 0
     evictions: int
     _ragged_rows: int | None
     _keys: mx.array | None = None
