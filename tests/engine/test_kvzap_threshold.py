@@ -158,3 +158,29 @@ def test_bad_thresholds_are_refused_naming_the_setting(settings, match):
     with pytest.raises(ConfigError, match=match) as err:
         CacheConfig(**{"threshold": -5.0, "budget": 64, "recent": 8, **settings})
     assert err.value.param == "threshold"
+
+
+def test_keeping_positions_keeps_the_same_rows(model, surrogate):
+    """A request asking which rows were kept (``positions``) keeps the same rows, decode
+    compactions included (its decode rows take another path to the cache)."""
+    prompt, steps = TOKENS[:16], THRESHOLD_EVERY + 12
+    scores = scores_of(model, surrogate, TOKENS[: len(prompt) + steps])[0]
+    threshold = pick_threshold([scores], 0.8)
+    kept = []
+    for positions in (False, True):
+        config = CacheConfig(
+            method="kvzap",
+            budget=200,
+            recent=RECENT,
+            n_sink=N_SINK,
+            threshold=threshold,
+            positions=positions,
+        )
+        caches = make_caches(model, config, surrogate=surrogate)
+        model(mx.array(prompt)[None], cache=caches)
+        for t in TOKENS[len(prompt) : len(prompt) + steps]:
+            model(mx.array([[t]]), cache=caches)
+        kept.append([np.array(c.kept()[0]) for c in caches])
+    for a, b in zip(*kept, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert kept[0][0].shape[2] < len(prompt) + steps  # the compaction dropped rows

@@ -9,7 +9,7 @@ through mlx-lm's ``stream_generate``.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import replace
+from dataclasses import astuple, replace
 
 import pytest
 from mlx_lm import stream_generate
@@ -18,6 +18,7 @@ from mlx_lm.sample_utils import make_sampler
 from qfserve.engine.kv.config import CacheConfig
 from qfserve.engine.kv.factory import make_caches
 from qfserve.engine.models.loading import default_model_path, load_model
+from qfserve.engine.reuse.disk import settings_of
 from qfserve.engine.serving.config import DEFAULT_PREFILL_CHUNK
 from qfserve.engine.text.requests import Delta, Failed, Finished, GenerationRequest, SamplingParams
 from tests.workers import serving, worker_for
@@ -563,3 +564,18 @@ def test_a_full_cache_is_saved_and_read_back(loaded, tmp_path):
         assert b.offset == a.offset == len(tokens)
         np.testing.assert_array_equal(np.array(b.state[0]), np.array(a.state[0]))
         np.testing.assert_array_equal(np.array(b.state[1]), np.array(a.state[1]))
+
+
+def test_keys_saved_before_the_last_settings_read_with_their_defaults():
+    """A kept turn's key from before ``positions`` or ``threshold`` existed loads with them
+    at their defaults (it was made without them); a key with more settings than this version
+    knows is refused."""
+    config = CacheConfig(method="qfilters", budget=64, recent=8, positions=True)
+    now = ("model", *astuple(config), "calibrated", None)
+    assert settings_of(now) == config
+    before_threshold = ("model", *astuple(config)[:-1], "calibrated", None)
+    assert settings_of(before_threshold) == config
+    before_positions = ("model", *astuple(config)[:-2], "calibrated", None)
+    assert settings_of(before_positions) == replace(config, positions=False)
+    with pytest.raises(ValueError, match="settings"):
+        settings_of(("model", *astuple(config), "extra", "calibrated", None))

@@ -137,8 +137,10 @@ def combine_masks(mask: Any, head_mask: mx.array, queries: mx.array) -> mx.array
 def _masked(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, **kwargs):  # type: ignore[no-untyped-def]
         attend = getattr(cache, "attend", None)
-        if attend is not None:
-            return attend(queries, keys, values, scale, mask)
+        if attend is not None:  # sinks: only a ragged batch's members (BatchCache) take them
+            sinks = kwargs.get("sinks")
+            extra = {} if sinks is None else {"sinks": sinks}
+            return attend(queries, keys, values, scale, mask, **extra)
         head_mask = getattr(cache, "head_mask", None)
         window = None if _NATIVE["kernel"] is None else _sliding_window(queries, keys, mask, cache)
         if _native_applies(queries, keys, mask, kwargs.get("sinks"), window):
@@ -165,18 +167,24 @@ def _masked(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
 
 
 def attend_one(
-    queries: mx.array, keys: mx.array, values: mx.array, scale: float, head_mask: Any
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    scale: float,
+    head_mask: Any,
+    sinks: Any = None,
 ) -> mx.array:
     """One sequence's decode step over its own rows (a ragged batch's member,
     :class:`qfserve.engine.kv.batch.BatchCache`): the native kernel where it applies, else
-    MLX's attention with the per-head mask."""
-    if _native_applies(queries, keys, None, None):
+    MLX's attention with the per-head mask (and the model's attention sinks)."""
+    if _native_applies(queries, keys, None, sinks):
         kernel = _NATIVE["kernel"]
-        return cast(
-            mx.array, kernel.decode_attention(queries, keys, values, scale, key_mask=head_mask)
-        )
+        out = kernel.decode_attention(queries, keys, values, scale, key_mask=head_mask)
+        return cast(mx.array, out)
     mask = None if head_mask is None else combine_masks(None, head_mask, queries)
-    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+    return mx.fast.scaled_dot_product_attention(
+        queries, keys, values, scale=scale, mask=mask, sinks=sinks
+    )
 
 
 def install_head_masks(model: nn.Module) -> None:

@@ -220,7 +220,9 @@ class EvictionCache(RaggedHeads, SavedState):
                 valid,
             )
             self._set_scores(scores)
-        elif scores is None or L <= (limit := self._block_limit(scores)):
+        # A decode row is bounded by the budget here; the threshold's compaction takes it
+        # every THRESHOLD_EVERY rows, whichever path appended it.
+        elif scores is None or L <= (limit := self.budget if N == 1 else self._block_limit(scores)):
             self.keys, self.values, self.positions = all_keys, all_values, positions
             self._set_scores(scores)
         elif N == 1 and L == self.budget + 1 and limit == self.budget:

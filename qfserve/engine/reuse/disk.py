@@ -53,9 +53,11 @@ def entry_name(key: tuple[Any, ...], tokens: list[int]) -> str:
 def settings_of(key: tuple[Any, ...]) -> CacheConfig:
     """The cache settings a key was made from (:func:`qfserve.engine.reuse.kept.cache_key`)."""
     names, values = list(CacheConfig.__dataclass_fields__), key[1:-2]
-    if len(values) == len(names) - 1:  # saved before ``positions`` was a setting: off
-        values = (*values, False)
-    return CacheConfig(**dict(zip(names, values, strict=True)))
+    if len(values) > len(names):
+        raise ValueError(f"its key holds {len(values)} settings, this version knows {len(names)}")
+    # Saved before the last settings existed (``positions``, then ``threshold``): those
+    # take their defaults, by name.
+    return CacheConfig(**dict(zip(names, values, strict=False)))
 
 
 def save(

@@ -22,7 +22,7 @@ take its rows back and the batch step each on its own.
 
 A batch whose members hold very different row counts (a long prompt joining short chats) is
 *ragged* (:func:`ragged`): padding every member to the longest would copy and attend the
-longest member's rows once per member (a 8k-token request joining 8 short streams made their
+longest member's row count once per member (a 8k-token request joining 8 short streams made their
 next step take 6.6 s on SmolLM2). Then each member steps its own cache and attends its own
 rows (:meth:`BatchCache.attend`, which the attention hook calls), one attention call per
 member instead of one padded call.
@@ -40,8 +40,8 @@ import mlx.core as mx
 from qfserve.engine.kv.attention import attend_one
 from qfserve.engine.kv.batch.packed import PackedBatch, can_pack, pad_slots
 
-# Ragged: the longest member holds more than RAGGED_FACTOR times the median member's rows
-# and RAGGED_SLACK more (a mixed batch of 120-720-token prompts is not ragged).
+# Ragged: the longest member holds more than RAGGED_FACTOR times the (lower) median member's
+# rows plus RAGGED_SLACK (a mixed batch of 120-720-token prompts is not ragged).
 RAGGED_FACTOR = 4
 RAGGED_SLACK = 1024
 
@@ -52,7 +52,8 @@ def ragged(members: list[Any]) -> bool:
     if len(members) < 2:
         return False
     sizes = sorted(m.size() for m in members)
-    return bool(sizes[-1] > RAGGED_FACTOR * sizes[len(sizes) // 2] + RAGGED_SLACK)
+    median = sizes[(len(sizes) - 1) // 2]  # the lower one: a long member and a short one
+    return bool(sizes[-1] > RAGGED_FACTOR * median + RAGGED_SLACK)
 
 
 class BatchCache:
@@ -143,11 +144,11 @@ class BatchCache:
         return None if self._rows is None else self._attend_members
 
     def _attend_members(
-        self, queries: mx.array, keys: Any, values: Any, scale: float, mask: Any
+        self, queries: mx.array, keys: Any, values: Any, scale: float, mask: Any, sinks: Any = None
     ) -> mx.array:
         assert self._rows is not None
         outs = [
-            attend_one(queries[i : i + 1], k, v, scale, hm)
+            attend_one(queries[i : i + 1], k, v, scale, hm, sinks)
             for i, (k, v, hm) in enumerate(self._rows)
         ]
         return mx.concatenate(outs, axis=0)
@@ -155,6 +156,7 @@ class BatchCache:
     # -- mlx-lm's batch protocol -----------------------------------------------------------
 
     def filter(self, batch_indices: list[int]) -> None:
+        self._rows = None  # a ragged step's rows are the last step's members'
         if self._packed is not None:
             if not batch_indices or self._packed.detached & set(batch_indices):
                 self._unpack()  # an extracted member stays: the batch repacks at its next step
@@ -163,6 +165,7 @@ class BatchCache:
         self.members = [self.members[i] for i in batch_indices]
 
     def extend(self, other: BatchCache) -> None:
+        self._rows = None
         packed = self._packed
         even = not ragged(self.members + other.members)  # else the next step unpacks
         if packed is not None and not packed.detached and other.members and even:
