@@ -28,6 +28,8 @@ from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.cache import RotatingKVCache
 
 from qfserve.engine.kv import blocked
 
@@ -78,9 +80,6 @@ def _sliding_window(queries: mx.array, keys: Any, mask: Any, cache: Any) -> int 
     ``create_causal_mask(N, S - N, window_size=window)`` (what ``RotatingKVCache.make_mask``
     gives once a block reaches past the window), so the native kernel can apply it; else
     ``None``. The mask is compared once per shape: it is a function of the shape alone."""
-    from mlx_lm.models.base import create_causal_mask
-    from mlx_lm.models.cache import RotatingKVCache
-
     N = queries.shape[2]
     if (
         N < 2
