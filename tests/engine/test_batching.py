@@ -24,6 +24,7 @@ from qfserve.engine.kv.config import CacheConfig
 from qfserve.engine.kv.factory import make_caches
 from qfserve.engine.kv.kvzip import RepeatPrompt, compress
 from qfserve.engine.models.loading import default_model_path, load_model
+from qfserve.engine.serving.chunking import ChunkCost, chunks_alone
 from qfserve.engine.serving.config import DEFAULT_PREFILL_CHUNK
 from qfserve.engine.text.requests import Delta, Failed, Finished, GenerationRequest, SamplingParams
 from tests.workers import final_event, serving, worker_for
@@ -122,23 +123,24 @@ def alone(loaded, calibration, req: GenerationRequest) -> tuple[list[int], list[
         query_scale=scale if calibrated else None,
         surrogate=surrogate(loaded) if req.cache.method == "kvzap" else None,
     )
-    prompt = list(req.prompt)
-    if req.cache.method == "kvzip":  # read the prompt, reconstruct it, then generate
-        for i in range(0, len(prompt) - 1, DEFAULT_PREFILL_CHUNK):
-            block = prompt[i : min(i + DEFAULT_PREFILL_CHUNK, len(prompt) - 1)]
-            loaded.model(mx.array(block)[None], cache=caches)
+    prompt, read = list(req.prompt), 0
+    # The prompt but its last token, in the chunks the server reads it in alone (its cost
+    # rule: qfserve.engine.serving.chunking, tested in test_chunking.py).
+    cost = ChunkCost.of(loaded)
+    for n in chunks_alone(cost, caches, len(prompt) - 1, DEFAULT_PREFILL_CHUNK):
+        loaded.model(mx.array(prompt[read : read + n])[None], cache=caches)
+        read += n
+    if req.cache.method == "kvzip":  # reconstruct the prompt, then generate
         repeat = RepeatPrompt.for_tokenizer(loaded.tokenizer)
         compress(loaded.model, caches, prompt[:-1], repeat)
-        prompt = prompt[-1:]
     tokens, logprobs, text = [], [], ""
     for gen in stream_generate(
         loaded.model,
         loaded.tokenizer,
-        prompt,  # type: ignore[arg-type]
+        prompt[-1:],  # type: ignore[arg-type]
         max_tokens=req.sampling.max_tokens,
         sampler=make_sampler(0.0),
         prompt_cache=caches,
-        prefill_step_size=DEFAULT_PREFILL_CHUNK,
     ):
         tokens.append(gen.token)
         logprobs.append(gen.logprobs[gen.token].item())

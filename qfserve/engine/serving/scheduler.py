@@ -1,12 +1,14 @@
 """Continuous batching: requests join and leave one running decode batch at step boundaries.
 
-Each :meth:`Scheduler.step` reads at most ``prefill_chunk`` prompt tokens, oldest request
-first, then runs one decode step of the batch. A long prompt is read one chunk per step;
-prompts that end within the tokens the step has left are read in the same step (one forward
-pass each, on their own caches), so a burst of short requests does not join one step apart.
+Each :meth:`Scheduler.step` reads a chunk of prompt tokens, oldest request first, then runs
+one decode step of the batch. A chunk costs what ``prefill_chunk`` tokens cost at the start
+of a prompt: fewer tokens as its caches fill (:mod:`qfserve.engine.serving.chunking`). A long
+prompt is read one chunk per step; prompts that end within what the step has left are read in
+the same step (one forward pass each, on their own caches), so a burst of short requests does
+not join one step apart.
 Every prompt is cut into the same blocks as when it is alone (a prompt is never started with
 less than a chunk unless it ends there). Newcomers therefore stall the running streams for one
-chunk's tokens at most, and each joins the batch when its prompt is done.
+chunk's cost at most, and each joins the batch when its prompt is done.
 
 Decoding reuses mlx-lm's ``GenerationBatch`` (per-request samplers, logits processors, EOS
 matching and ``max_tokens``; ``filter``/``extend`` as requests leave and join), as
@@ -36,6 +38,7 @@ from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from qfserve.engine.kv.batch import BatchCache
 from qfserve.engine.models.memory import release_memory
+from qfserve.engine.serving.chunking import ChunkCost, chunk_limit
 from qfserve.engine.serving.decoding import DecodeBatch
 from qfserve.engine.serving.detail import kv_cache_detail
 from qfserve.engine.serving.jobs import Departure, KeptTurn
@@ -91,7 +94,8 @@ class Scheduler:
             (after their method's :meth:`qfserve.engine.kv.methods.Policy.before_keep`).
         max_backlog: Events a client may leave untaken before it is cancelled (``None``: not
             checked here; under lockstep the leader's worker checks it between steps).
-        prefill_chunk: Prompt tokens per prefill step.
+        prefill_chunk: Prompt tokens per prefill step at the start of a prompt; fewer as
+            its caches fill, at the same cost (:mod:`qfserve.engine.serving.chunking`).
     """
 
     def __init__(
@@ -109,6 +113,7 @@ class Scheduler:
         self._departed: list[Departure] = []
         self._max_backlog = max_backlog
         self.prefill_chunk = prefill_chunk
+        self._cost = ChunkCost.of(loaded)
         self._prefilling: deque[Sequence] = deque()
         self._batch = self._empty_batch()
         self._decoding: dict[int, Sequence] = {}
@@ -150,15 +155,18 @@ class Scheduler:
         returns the requests that left during it."""
         with mx.stream(generation_stream):
             self._drop_cancelled()
-            tokens = self.prefill_chunk
+            full = self.prefill_chunk
+            left = float(full)  # the step's prompt tokens, counted at an empty cache's cost
             while self._prefilling:
                 seq = self._prefilling[0]
-                if tokens < self.prefill_chunk and len(seq.prompt) - 1 - seq.read > tokens:
+                weight = self._cost.weight(seq.caches)
+                limit = chunk_limit(weight, left, full)
+                if left < full and len(seq.prompt) - 1 - seq.read > limit:
                     # Only a prompt that ends within what is left joins this step: one cut
                     # elsewhere would be chunked unlike alone (and some caches' kept rows
                     # depend on the chunking). It starts the next step.
                     break
-                tokens -= self._prefill_chunk(seq, tokens)
+                left -= self._prefill_chunk(seq, limit) * weight
                 if self._prefilling and self._prefilling[0] is seq:
                     break  # still reading: the step's tokens are spent
             if self._decoding:
