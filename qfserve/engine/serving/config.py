@@ -160,8 +160,9 @@ class EngineConfig:
     prefill_chunk: int = option(
         DEFAULT_PREFILL_CHUNK,
         "--prefill-chunk",
-        help="prompt tokens per prefill step: how long a newcomer's prefill may hold up the "
-        "running streams (default: %(default)s)",
+        help="prompt tokens per prefill step at the start of a prompt (fewer later, at the "
+        "same cost): how long a newcomer's prefill may hold up the running streams "
+        "(default: %(default)s)",
     )
     max_kv_bytes: int | None = option(
         None,
