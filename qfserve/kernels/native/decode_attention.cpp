@@ -71,7 +71,7 @@ inline float strided_dot(const float* a, int64_t sa, const float* b, int64_t sb,
   return sum;
 }
 
-// The weighted sum of S value rows of NV x 16 contiguous floats into og (a softmax's
+// The weighted sum of S value rows of NV x W contiguous floats into og (a softmax's
 // numerators w; zero weights skipped), held in NV registers over the rows: accumulated in
 // memory instead, each row's load, add and store of og waits on the last row's store
 // (~60% of the attention at 4,096 rows).
@@ -88,9 +88,11 @@ void weighted_rows(const float* w, const float* vh, int64_t v_s, int S, float* o
   for (int i = 0; i < NV; ++i) store(og + W * i, acc[i]);
 }
 
-// The sums of four 16-float vectors: lanes folded pairwise, two vectors at a time, so four
-// dot products take eight shuffles where four separate sums take sixteen.
+// The sums of four vectors: with AVX-512, lanes folded pairwise, two vectors at a time, so
+// four dot products take eight shuffles where four separate sums take sixteen; narrower
+// vectors take four sums of three or fewer shuffles each.
 inline void sum4(vf s0, vf s1, vf s2, vf s3, float* out) {
+#if defined(__AVX512F__)
   const vf t0 = __builtin_shufflevector(s0, s1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21,
                                         22, 23) +
                 __builtin_shufflevector(s0, s1, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28,
@@ -112,10 +114,16 @@ inline void sum4(vf s0, vf s1, vf s2, vf s3, float* out) {
   out[1] = w[4];
   out[2] = w[8];
   out[3] = w[12];
+#else
+  out[0] = hsum(s0);
+  out[1] = hsum(s1);
+  out[2] = hsum(s2);
+  out[3] = hsum(s3);
+#endif
 }
 
 // scale * q_g . k[j] for the G query heads of a KV head (q_g at q + g * q_h) over its S
-// contiguous key rows of ND x 16 floats (k[j] at k + j * k_s), into out[g * S + j]: each key is
+// contiguous key rows of ND x W floats (k[j] at k + j * k_s), into out[g * S + j]: each key is
 // read once for the group (past a few thousand rows the keys come from memory), the queries
 // stay in registers, and four keys' sums are folded together (sum4). Masked keys are scored
 // too (their rows exist; head() sets them to -inf): cheaper than branching per key.
@@ -167,17 +175,17 @@ bool grouped_scores(int D, int G, const float* q, int64_t q_h, const float* k, i
       default: return false;
     }
   };
-  if (D == 64) return by_group.template operator()<4>();
-  if (D == 128 && G <= 2) return by_group.template operator()<8>();
+  if (D == 64) return by_group.template operator()<64 / W>();
+  if (D == 128 && G <= 2) return by_group.template operator()<128 / W>();
   if (D == 256) {  // Gemma's heads: one query at a time (a group's queries fill no registers)
     for (int g = 0; g < G; ++g)
-      group_scores<16, 1>(q + g * q_h, q_h, k, k_s, S, scale, out + static_cast<size_t>(g) * S);
+      group_scores<256 / W, 1>(q + g * q_h, q_h, k, k_s, S, scale, out + static_cast<size_t>(g) * S);
     return true;
   }
   return false;
 }
 
-// exp(p[j] - top) in place over n floats (16 at a time: simd.h's vexp, about 1 ulp); their sum.
+// exp(p[j] - top) in place over n floats (W at a time: simd.h's vexp, about 1 ulp); their sum.
 float exponentiate(float* p, int n, float top) {
   int j = 0;
   float total = 0.f;
@@ -228,11 +236,11 @@ void head(const float* q, const float* k, const float* v, const bool* mask, floa
     float* og = out + (static_cast<int64_t>(b) * L.Hq + h * G + g) * L.Dv;
     const bool values = L.v_d == 1;  // each value row contiguous
     if (values && L.Dv == 64) {
-      weighted_rows<4>(pg, vh, L.v_s, L.S, og);
+      weighted_rows<64 / W>(pg, vh, L.v_s, L.S, og);
     } else if (values && L.Dv == 128) {
-      weighted_rows<8>(pg, vh, L.v_s, L.S, og);
+      weighted_rows<128 / W>(pg, vh, L.v_s, L.S, og);
     } else if (values && L.Dv == 256) {
-      weighted_rows<16>(pg, vh, L.v_s, L.S, og);
+      weighted_rows<256 / W>(pg, vh, L.v_s, L.S, og);
     } else {
       std::fill(og, og + L.Dv, 0.f);
       for (int j = 0; j < L.S; ++j) {

@@ -72,8 +72,8 @@ constexpr int kBlock = 32;  // codes unpacked at a time; a group is 1, 2 or 4 bl
 // without a preloaded OpenBLAS far later.
 constexpr int kFewRows = 32;
 // Rows of x multiplied per pass over a weight row: each block of codes is unpacked once per
-// pass, so more rows a pass amortise the unpacking. Eight accumulators fit AVX-512's 32
-// registers beside the unpacked block; AVX2's 16 (a vf is two of them) hold four.
+// pass, so more rows a pass amortise the unpacking. Eight rows' two accumulators fit
+// AVX-512's 32 registers beside the unpacked block; AVX2's 16 hold four rows'.
 #if defined(__AVX512F__)
 constexpr int kPassRows = 8;
 #else
@@ -87,19 +87,30 @@ typedef uint8_t vb16_unaligned __attribute__((vector_size(16), aligned(1)));
 
 inline vb16 load16(const uint8_t* p) { return *reinterpret_cast<const vb16_unaligned*>(p); }
 
+// 16 floats, a block's half: one vector with AVX-512, two with AVX2, four otherwise.
+constexpr int kParts = 16 / W;
+struct v16 {
+  vf p[kParts];
+  v16& operator*=(vf s) {
+    for (vf& v : p) v *= s;
+    return *this;
+  }
+};
+
 // 16 codes as 16 floats. GCC's __builtin_convertvector from bytes to floats is scalarised
 // (~1 ns a code); the widening instructions take one zero-extension and one conversion.
-inline vf widen(vb16 b) {
+inline v16 widen(vb16 b) {
 #if defined(__AVX512F__)
-  return reinterpret_cast<vf>(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(reinterpret_cast<__m128i>(b))));
+  return {reinterpret_cast<vf>(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(reinterpret_cast<__m128i>(b))))};
 #elif defined(__AVX2__)
   const __m128i v = reinterpret_cast<__m128i>(b);
-  alignas(64) float out[16];
-  _mm256_store_ps(out, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)));
-  _mm256_store_ps(out + 8, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))));
-  return load(out);
+  return {reinterpret_cast<vf>(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v))),
+          reinterpret_cast<vf>(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))))};
 #else
-  return __builtin_convertvector(b, vf);
+  v16 out;
+  for (int k = 0; k < kParts; ++k)
+    for (int i = 0; i < W; ++i) out.p[k][i] = b[k * W + i];
+  return out;
 #endif
 }
 
@@ -149,9 +160,63 @@ inline __m256i unpack_vbmi(const uint8_t* w) {
 }
 #endif
 
-// A block's codes as two vectors of 16 floats, in the order :func:`stage` stores x.
+#if defined(__AVX2__) && !defined(QF_VBMI)
+// Codes of any width without VBMI (AVX2): half a block's 16 codes (2 * BITS bytes) as 16-bit
+// lanes. A byte shuffle puts the two bytes holding code t in lane t, and a multiply by
+// 2^(8 - its bit offset) moves the code to bits 8..8+BITS of the lane (AVX2 has no per-lane
+// 16-bit shift), so a shift by 8 and a mask leave it. Why: byte at a time, 5- and 6-bit
+// codes (Q5_0, Q5_K, Q6_K files: most of a Q4_K_M file) cost ~8x the 4-bit ones.
 template <int BITS>
-inline void block_floats(const uint8_t* w, vf& f0, vf& f1) {
+struct HalfUnpack {
+  static constexpr auto bit = [](int t) { return t * BITS; };
+  alignas(32) static constexpr auto idx = [] {  // lane L of the register: codes 8L..8L+7
+    std::array<uint8_t, 32> a{};
+    for (int i = 0; i < 32; ++i) {
+      const int t = i / 2, byte = bit(t) / 8 + i % 2;
+      a[i] = static_cast<uint8_t>(byte);
+    }
+    return a;
+  }();
+  alignas(32) static constexpr auto mul = [] {
+    std::array<uint16_t, 16> a{};
+    for (int t = 0; t < 16; ++t) a[t] = static_cast<uint16_t>(1u << (8 - bit(t) % 8));
+    return a;
+  }();
+};
+
+// The codes' 16 bytes from w on are read in one load (the ones past the half are the next
+// codes', never used) except within 16 bytes of the weight's end, which are copied.
+template <int BITS>
+inline __m256i half_codes(const uint8_t* w, const uint8_t* end) {
+  __m128i raw;
+  if (w + 16 <= end) {
+    raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  } else {
+    alignas(16) uint8_t bytes[16] = {};
+    std::memcpy(bytes, w, 2 * BITS);
+    raw = _mm_load_si128(reinterpret_cast<const __m128i*>(bytes));
+  }
+  const __m256i src = _mm256_broadcastsi128_si256(raw);
+  const __m256i pairs =
+      _mm256_shuffle_epi8(src, _mm256_load_si256(reinterpret_cast<const __m256i*>(HalfUnpack<BITS>::idx.data())));
+  const __m256i moved =
+      _mm256_mullo_epi16(pairs, _mm256_load_si256(reinterpret_cast<const __m256i*>(HalfUnpack<BITS>::mul.data())));
+  return _mm256_and_si256(_mm256_srli_epi16(moved, 8), _mm256_set1_epi16((1 << BITS) - 1));
+}
+
+inline v16 widen16(__m256i codes) {  // 16 codes in 16-bit lanes as 16 floats
+#if defined(__AVX512F__)
+  return {reinterpret_cast<vf>(_mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(codes)))};
+#else
+  return {reinterpret_cast<vf>(_mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(codes)))),
+          reinterpret_cast<vf>(_mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(codes, 1))))};
+#endif
+}
+#endif
+
+// A block's codes as two halves of 16 floats, in the order :func:`stage` stores x.
+template <int BITS>
+inline void block_floats(const uint8_t* w, const uint8_t* end, v16& f0, v16& f1) {
 #ifdef QF_VBMI
   if constexpr (BITS != 4 && BITS != 8) {
     const __m256i codes = unpack_vbmi<BITS>(w);
@@ -165,8 +230,8 @@ inline void block_floats(const uint8_t* w, vf& f0, vf& f1) {
     // One widening of the 16 bytes, then mask and shift the 32-bit lanes: widening uses the
     // shuffle port, which two widenings a block would saturate.
     const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
-    f0 = reinterpret_cast<vf>(_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0x0f))));
-    f1 = reinterpret_cast<vf>(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)));
+    f0 = {reinterpret_cast<vf>(_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0x0f))))};
+    f1 = {reinterpret_cast<vf>(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)))};
 #elif defined(__SSE2__)
     // x86 has no byte shift: GCC scalarises one on byte vectors; shift 16-bit lanes, mask.
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
@@ -182,6 +247,11 @@ inline void block_floats(const uint8_t* w, vf& f0, vf& f1) {
     f0 = widen(load16(w));
     f1 = widen(load16(w + 16));
   } else {
+#if defined(__AVX2__) && !defined(QF_VBMI)
+    f0 = widen16(half_codes<BITS>(w, end));
+    f1 = widen16(half_codes<BITS>(w + 2 * BITS, end));
+    return;
+#endif
     alignas(16) uint8_t codes[kBlock];
     unpack_bytes<BITS>(w, codes);
     f0 = widen(*reinterpret_cast<const vb16*>(codes));
@@ -191,12 +261,19 @@ inline void block_floats(const uint8_t* w, vf& f0, vf& f1) {
 
 // The same codes in the elements' order (dequantization).
 template <int BITS>
-inline void block_floats_ordered(const uint8_t* w, vf& f0, vf& f1) {
+inline void block_floats_ordered(const uint8_t* w, const uint8_t* end, v16& f0, v16& f1) {
   if constexpr (BITS == 4) {
 #ifdef QF_VBMI
     const __m256i codes = unpack_vbmi<4>(w);
     f0 = widen(reinterpret_cast<vb16>(_mm256_castsi256_si128(codes)));
     f1 = widen(reinterpret_cast<vb16>(_mm256_extracti128_si256(codes, 1)));
+#elif defined(__SSE2__)
+    // Byte i holds elements 2i (low nibble) and 2i + 1: interleave the nibbles.
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+    f0 = widen(reinterpret_cast<vb16>(_mm_unpacklo_epi8(lo, hi)));
+    f1 = widen(reinterpret_cast<vb16>(_mm_unpackhi_epi8(lo, hi)));
 #else
     alignas(16) uint8_t codes[kBlock];
     unpack_bytes<4>(w, codes);
@@ -204,7 +281,7 @@ inline void block_floats_ordered(const uint8_t* w, vf& f0, vf& f1) {
     f1 = widen(*reinterpret_cast<const vb16*>(codes + 16));
 #endif
   } else {
-    block_floats<BITS>(w, f0, f1);
+    block_floats<BITS>(w, end, f0, f1);
   }
 }
 
@@ -285,6 +362,7 @@ void rows(const Codes& c, const float* xp, const float* xs, float* y, int n0, in
   const int shift = c.group == 32 ? 0 : (c.group == 64 ? 1 : 2);  // block -> group
   const uint8_t* const w = c.w;
   const size_t row_bytes = static_cast<size_t>(K) * BITS / 8;
+  const uint8_t* const end = w + static_cast<size_t>(N) * row_bytes;
   std::vector<float> params(c.half ? 2 * static_cast<size_t>(kParamRows) * G : 0);
   const float *block_s = nullptr, *block_b = nullptr;
   for (int n = n0; n < n1; ++n) {
@@ -303,14 +381,16 @@ void rows(const Codes& c, const float* xp, const float* xs, float* y, int n0, in
     }
     for (int blk = 0; blk < K / kBlock; ++blk) {
       const vf s = splat(sn[blk >> shift]);
-      vf f0, f1;
-      block_floats<BITS>(wn + blk * (kBlock * BITS / 8), f0, f1);
+      v16 f0, f1;
+      block_floats<BITS>(wn + blk * (kBlock * BITS / 8), end, f0, f1);
       f0 *= s;  // scaled once per block, not once per row of x
       f1 *= s;
       for (int m = 0; m < MB; ++m) {
         const float* xb = xp + static_cast<size_t>(m) * K + blk * kBlock;
-        acc[m] += f0 * load(xb);
-        acc1[m] += f1 * load(xb + 16);
+        for (int k = 0; k < kParts; ++k) {
+          acc[m] += f0.p[k] * load(xb + k * W);
+          acc1[m] += f1.p[k] * load(xb + 16 + k * W);
+        }
       }
     }
     for (int g = 0; g < G; ++g)
@@ -658,6 +738,7 @@ template <int BITS>
 void dequantize_rows(const Codes& c, int n0, int n1, float* out) {
   const int K = c.K, per = c.group / kBlock, G = K / c.group;
   const size_t row_bytes = static_cast<size_t>(K) * BITS / 8;
+  const uint8_t* const end = c.w + static_cast<size_t>(c.N) * row_bytes;
   std::vector<float> params(2 * static_cast<size_t>(G));
   for (int n = n0; n < n1; ++n) {
     const uint8_t* wn = c.w + n * row_bytes;
@@ -668,10 +749,12 @@ void dequantize_rows(const Codes& c, int n0, int n1, float* out) {
       const vf b = splat(bn[g]);
       for (int j = 0; j < per; ++j) {
         const int blk = g * per + j;
-        vf f0, f1;
-        block_floats_ordered<BITS>(wn + blk * (kBlock * BITS / 8), f0, f1);
-        store(on + blk * kBlock, f0 * s + b);
-        store(on + blk * kBlock + 16, f1 * s + b);
+        v16 f0, f1;
+        block_floats_ordered<BITS>(wn + blk * (kBlock * BITS / 8), end, f0, f1);
+        for (int k = 0; k < kParts; ++k) {
+          store(on + blk * kBlock + k * W, f0.p[k] * s + b);
+          store(on + blk * kBlock + 16 + k * W, f1.p[k] * s + b);
+        }
       }
     }
   }

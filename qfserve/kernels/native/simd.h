@@ -1,13 +1,23 @@
-// 16-float vectors for qfserve's native kernels: GCC's vector extensions, one AVX-512
-// register (two AVX2 ones) under -march=native, and the few vector functions they share.
+// Float vectors of the CPU's own width for qfserve's native kernels (GCC's vector extensions
+// under -march=native), and the few vector functions they share.
+//
+// W is the widest register the CPU has: 16 floats with AVX-512, 8 with AVX2, 4 otherwise
+// (SSE, NEON). Why not 16 everywhere: a vector wider than the CPU's registers has no machine
+// mode, so GCC keeps it in memory and moves it through general registers (on AVX2 a
+// quantized product ran at 3-7 GFLOP/s, a tenth of what its own ymm arithmetic does).
 #pragma once
 
 #include <cstdint>
 
 namespace qfserve::simd {
 
-// GCC's vector extensions: 16 floats, one AVX-512 register (two AVX2 ones) under -march=native.
+#if defined(__AVX512F__)
 constexpr int W = 16;
+#elif defined(__AVX__)
+constexpr int W = 8;
+#else
+constexpr int W = 4;
+#endif
 typedef float vf __attribute__((vector_size(W * 4)));
 typedef int32_t vi __attribute__((vector_size(W * 4)));
 typedef float vf_unaligned __attribute__((vector_size(W * 4), aligned(4)));
@@ -17,19 +27,37 @@ inline void store(float* p, vf v) { *reinterpret_cast<vf_unaligned*>(p) = v; }
 inline vf splat(float x) { return vf{} + x; }
 inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 
-// Horizontal max and sum: halve the vector four times.
+// v with its halves, quarters, ... swapped: step s exchanges lanes i and i ^ s.
+template <int S>
+inline vf swapped(vf v) {
+#if defined(__AVX512F__)
+  if constexpr (S == 8) return __builtin_shuffle(v, vi{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+  if constexpr (S == 4) return __builtin_shuffle(v, vi{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+  if constexpr (S == 2) return __builtin_shuffle(v, vi{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+  return __builtin_shuffle(v, vi{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+#elif defined(__AVX__)
+  if constexpr (S == 4) return __builtin_shuffle(v, vi{4, 5, 6, 7, 0, 1, 2, 3});
+  if constexpr (S == 2) return __builtin_shuffle(v, vi{2, 3, 0, 1, 6, 7, 4, 5});
+  return __builtin_shuffle(v, vi{1, 0, 3, 2, 5, 4, 7, 6});
+#else
+  if constexpr (S == 2) return __builtin_shuffle(v, vi{2, 3, 0, 1});
+  return __builtin_shuffle(v, vi{1, 0, 3, 2});
+#endif
+}
+
+// Horizontal max and sum: halve the vector until one lane holds the result.
 inline float hmax(vf v) {
-  v = vmax(v, __builtin_shuffle(v, vi{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));
-  v = vmax(v, __builtin_shuffle(v, vi{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11}));
-  v = vmax(v, __builtin_shuffle(v, vi{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13}));
-  v = vmax(v, __builtin_shuffle(v, vi{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}));
+  if constexpr (W >= 16) v = vmax(v, swapped<8>(v));
+  if constexpr (W >= 8) v = vmax(v, swapped<4>(v));
+  v = vmax(v, swapped<2>(v));
+  v = vmax(v, swapped<1>(v));
   return v[0];
 }
 inline float hsum(vf v) {
-  v += __builtin_shuffle(v, vi{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-  v += __builtin_shuffle(v, vi{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-  v += __builtin_shuffle(v, vi{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
-  v += __builtin_shuffle(v, vi{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+  if constexpr (W >= 16) v += swapped<8>(v);
+  if constexpr (W >= 8) v += swapped<4>(v);
+  v += swapped<2>(v);
+  v += swapped<1>(v);
   return v[0];
 }
 
