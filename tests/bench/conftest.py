@@ -75,7 +75,7 @@ def missing(file: str) -> str:
 
         kernel = native.load(cache_root() / "native")
         if kernel is None or not kernel.integer_activations:
-            return "needs the native kernel on a CPU with AVX-512 VNNI"
+            return "needs the native kernel on a CPU with AVX-512 VNNI or AVX2"
     if file == "kernel_cuda":
         if importlib.util.find_spec("torch") is None or importlib.util.find_spec("cupy") is None:
             return "needs torch and cupy with an NVIDIA GPU"

@@ -113,7 +113,7 @@ def test_greedy_text_equals_the_float32_models(tiny):
     with_codes, logprobs = greedy(loaded.model)
     plain, plain_logprobs = float32_reference(loaded, greedy)
     assert with_codes == plain and len(set(plain)) > 3
-    # The default decode activations (31-bit integers where the CPU has VNNI) keep float32's
+    # The default decode activations (31-bit integers where the CPU has VNNI or AVX2) keep float32's
     # precision; so does the float path.
     np.testing.assert_allclose(logprobs, plain_logprobs, atol=1e-4)
     with activations(kernel_of(loaded.model), 0):

@@ -37,7 +37,7 @@ def kernel():
 @contextlib.contextmanager
 def activations(kernel: ModuleType, bits: int) -> Iterator[None]:
     """Few-row products on x rounded to ``bits`` (0: float32; integers where the CPU has
-    VNNI), the process's setting restored after."""
+    VNNI or AVX2), the process's setting restored after."""
     before = kernel.activation_bits()
     kernel.activation_bits(bits if kernel.integer_activations else 0)
     try:

@@ -2,7 +2,7 @@
 layout (a little-endian bit stream of ``bits``-bit codes, ``w = scale * q + bias`` per group),
 not by ``mx.dequantize``; few rows (in registers) and many (dequantized tiles through the
 BLAS), every bit width and group size, odd shapes and extreme scales. Few rows take integer
-activations (int16 by default, int8 on request) where the CPU has VNNI: those are held to
+activations (int16 by default, int8 on request) where the CPU has VNNI or AVX2: those are held to
 numpy's own rounding of x per block, and the float path (``activation_bits(0)``) to float32
 rounding."""
 
@@ -95,7 +95,7 @@ def test_few_row_products_split_over_the_pool(kernel, activation):
     thread's staged x, so each of many calls equals its reference (x itself, or its rounding),
     whichever thread took which rows."""
     if activation and not kernel.integer_activations:
-        pytest.skip("this CPU has no AVX-512 VNNI: products keep float32 activations")
+        pytest.skip("this CPU has neither AVX-512 VNNI nor AVX2: products keep float32 activations")
     rng = np.random.default_rng(activation)
     w, scales, biases = codes(rng, 4096, 576, 8, 32)
     wn, sn, bn = np.array(w), np.array(scales), np.array(biases)
@@ -195,12 +195,12 @@ def rounded_reference(
 @pytest.mark.parametrize(("group", "k"), [(32, 128), (32, 160), (32, 576), (64, 192), (128, 384)])
 def test_integer_activations_match_numpys_rounding(kernel, activation, rows, bits, group, k):
     """Decode steps' rows (int8: up to 32; int16: up to 4; int32: up to 3), x rounded per block
-    of 32 (VNNI):
+    of 32 (VNNI or AVX2):
     the product on numpy's rounding of x within float32 tolerance, and the product on x itself
     within the rounding's own bound. Odd block counts (160 and 192: a pair's second block
     missing) and float16 scales included."""
     if not kernel.integer_activations:
-        pytest.skip("this CPU has no AVX-512 VNNI: products keep float32 activations")
+        pytest.skip("this CPU has neither AVX-512 VNNI nor AVX2: products keep float32 activations")
     rng = np.random.default_rng(bits * 1000 + group + rows + k + activation)
     dtype = np.float16 if rows % 2 else np.float32
     w, scales, biases = codes(rng, 72, k, bits, group, dtype=dtype)
@@ -227,7 +227,7 @@ def test_integer_activations_match_numpys_rounding(kernel, activation, rows, bit
 def test_integer_activations_extreme_scales(kernel, scale, activation, within):
     """Weights' scales near float32's ends: the rounding stays relative to x alone."""
     if not kernel.integer_activations:
-        pytest.skip("this CPU has no AVX-512 VNNI")
+        pytest.skip("this CPU has neither AVX-512 VNNI nor AVX2")
     rng = np.random.default_rng(11)
     w, scales, biases = codes(rng, 64, 96, 5, scale=scale)
     x = rng.standard_normal((3, 96)).astype(np.float32)

@@ -108,7 +108,7 @@ def _vnni() -> bool:
 
 
 def test_decode_activations_are_reported_as_in_effect(gguf_server, tmp_path):
-    """The default (31-bit integers on a CPU with VNNI, else float32) and int8 on request, as
+    """The default (31-bit integers on a CPU with VNNI or AVX2, else float32) and int8 on request, as
     /v1/status and /admin/cache report them; a name outside the choices is refused."""
     status = httpx.get(f"{gguf_server.url}/v1/status").json()
     assert status["decode_activations"] == ("int32" if _vnni() else "float32")

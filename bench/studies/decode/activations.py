@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     kernel = kernel_of(run.model)
     if kernel is None or not kernel.integer_activations:
         raise SystemExit(
-            "activations: needs the native kernel on a CPU with AVX-512 VNNI (products on "
+            "activations: needs the native kernel on a CPU with AVX-512 VNNI or AVX2 (products on "
             "codes); this model or machine multiplies float32 only"
         )
     names = list(ACTIVATIONS)  # int32 (the default), int16, int8, float32

@@ -17,7 +17,7 @@ several small ops, and runs a decode step's transformer block as two ops around 
 attention (:mod:`qfserve.engine.models.fused`).
 
 A decode step's few rows of activations are rounded to integers per block of 32 where the CPU
-has AVX-512 VNNI (:func:`set_decode_activations`), so that the codes never become floats:
+has AVX-512 VNNI or AVX2 (:func:`set_decode_activations`), so that the codes never become floats:
 31-bit integers by default (float32's precision; greedy text unchanged), int16 or int8
 (llama.cpp's arithmetic for its quantized types) on request, each faster and less exact
 (docs/models.md gives both).
@@ -70,7 +70,8 @@ def decode_activations(model: nn.Module) -> str | None:
 
 def set_decode_activations(kernel: ModuleType | None, name: str) -> str:
     """Round decode steps' activations to ``name`` in the kernel's products (one setting for
-    the process). Returns what is in effect: ``float32`` without a kernel or without VNNI.
+    the process). Returns what is in effect: ``float32`` without a kernel or on a CPU with
+    neither AVX-512 VNNI nor AVX2.
 
     Raises:
         ValueError: ``name`` is not one of :data:`qfserve.kernels.native.ACTIVATIONS`.

@@ -216,7 +216,7 @@ class EngineConfig:
         "--decode-activations",
         choices=tuple(ACTIVATIONS),
         help="what decode steps round activations to, per block of 32, before products on "
-        "quantized weights (CPUs with AVX-512 VNNI; others keep float32): 'int32' (float32's "
+        "quantized weights (CPUs with AVX-512 VNNI or AVX2; others keep float32): 'int32' (float32's "
         "precision, a one-sequence step ~1.25x faster), 'int16' (~1.35x; text may change at "
         "near-ties), 'int8' (~1.4x and faster for batches too, llama.cpp's arithmetic, but "
         "lossy on small models) or 'float32': docs/models.md (default: %(default)s)",

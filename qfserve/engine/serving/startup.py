@@ -40,7 +40,7 @@ def load(
         in_effect = set_decode_activations(kernel, config.decode_activations)
         if in_effect != config.decode_activations:
             logger.warning(
-                "--decode-activations %s needs AVX-512 VNNI, which this CPU lacks: %s",
+                "--decode-activations %s needs AVX-512 VNNI or AVX2, which this CPU lacks: %s",
                 config.decode_activations,
                 in_effect,
             )

@@ -69,7 +69,7 @@ SOURCES = (
 )
 MODULE = "_native"
 # What a decode step's rows of activations are rounded to before products on codes
-# (``activation_bits``; AVX-512 VNNI): --decode-activations' choices, and their bits.
+# (``activation_bits``; AVX-512 VNNI or AVX2): --decode-activations' choices, and their bits.
 ACTIVATIONS = {"int32": 32, "int16": 16, "int8": 8, "float32": 0}
 DEFAULT_ACTIVATIONS = "int32"
 _BUILD_TIMEOUT_S = 600
@@ -131,7 +131,7 @@ def _load(cache_dir: Path) -> ModuleType:
             built,
             module.simd,
             module.threads(),
-            ", VNNI" if module.integer_activations else "",
+            ", integer activations" if module.integer_activations else "",
         )
         return module
 

@@ -2,8 +2,8 @@
 // bits, groups of 32, 64 or 128, float32 or float16 scales and biases: what every GGUF type
 // converts to, and what `mlx_lm.convert -q` writes), float32 activations. A row's scales and
 // biases are widened to float32 once, before its codes are read. Where the CPU has AVX-512
-// VNNI, a decode step's few rows are rounded to integers first (the section "Decode steps on
-// integer activations" below), by default to 31 bits, float32's precision.
+// VNNI or AVX2, a decode step's few rows are rounded to integers first (the section "Decode
+// steps on integer activations" below), by default to 31 bits, float32's precision.
 //
 // Why by hand: MLX's own CPU quantized_matmul is several times slower than a float32 matrix
 // product on the same weights (it is written for Metal first), so on the CPU the weights had
@@ -22,9 +22,9 @@
 //   to llama.cpp's block formats (not MLX's, which Metal reads) and change the arithmetic.
 //
 // Codes are unpacked with AVX-512 VBMI's byte permute and multishift where the CPU has them
-// (any bit width, in the elements' order), else 4 and 8 bits with shifts and masks and the
-// others one byte at a time; the dot products use simd.h's vectors (AVX-512, AVX2 or
-// portable). For 4 bits on the fast path x is permuted per block of 32 so that a byte's low
+// (any bit width, in the elements' order), else 4 and 8 bits with shifts and masks, the others
+// with AVX2's byte shuffle and a multiply a lane (or one byte at a time without AVX2); the dot
+// products use simd.h's vectors (AVX-512, AVX2 or portable). For 4 bits on the fast path x is permuted per block of 32 so that a byte's low
 // nibbles meet the even elements and its high nibbles the odd ones.
 
 #include <dlfcn.h>
@@ -732,6 +732,248 @@ void products(const Codes& c, const float* x, const std::vector<int64_t>& row_of
 }
 
 }  // namespace qx
+#elif defined(__AVX2__) && !defined(QF_VBMI)
+// The same on AVX2 (no VNNI), one block of 32 elements a register, as llama.cpp's AVX2
+// kernels: int8 x meets byte codes in `vpmaddubsw` (unsigned codes times int8, pairs summed
+// to int16: at most 2 * 63 * 127 for 6-bit codes, so never saturated), then `vpmaddwd` by
+// ones to int32; 8-bit codes are offset to int8 (q - 128, with 128 times the block's sum of
+// rounded x put back) and their sign moved onto x, so a pair stays within 2 * 128 * 127. int16 and
+// 31-bit x take the codes widened to 16 bits and `vpmaddwd`. Each block's int32 lanes are
+// converted and scaled by the weight's scale times x's once. Why: on AVX2 the float path
+// spends more on turning codes into floats (two conversions a code) than on multiplying.
+namespace qx {
+
+// Rows of x up to which each is faster than the float path (measured on SmolLM2's shapes,
+// Zen 3, 2 cores; 4- to 8-bit codes): int8 and int16 1.5-2.6x at one row, 1.1-1.5x at two or
+// three; int32 1.2-2x at one to three rows, slower from four; past eight rows all are at the
+// float path's speed. As the VNNI path's, then.
+constexpr int kRows8 = kFewRows, kRows16 = 4, kRows32 = 3;
+
+template <typename X>
+struct Held {
+  using type = X;
+  static constexpr int parts = 1;
+  static constexpr float top = sizeof(X) == 1 ? 127.f : 32767.f;
+};
+template <>
+struct Held<int32_t> {
+  using type = int16_t;
+  static constexpr int parts = 2;
+  static constexpr float top = 1073676288.f;  // 2^30 - 2^16: the high half stays an int16
+};
+
+// Where element t of a block sits in its register (bytes for int8, else 16-bit lanes over
+// two registers): 4-bit codes as a byte's low nibbles (even elements), then its high ones;
+// 5- and 6-bit codes packed to bytes from two registers of 16-bit lanes, whose 128-bit
+// halves interleave (elements 0-7, 16-23, 8-15, 24-31); else in order.
+template <int BITS, typename X>
+constexpr int position(int t) {
+  if (BITS == 4) return t & 1 ? 16 + t / 2 : t / 2;
+  if (sizeof(X) == 1 && BITS != 8) {
+    const int g = t / 8;
+    return (g == 1 ? 2 : g == 2 ? 1 : g) * 8 + t % 8;
+  }
+  return t;
+}
+
+template <typename X>
+struct Staged {
+  std::vector<typename Held<X>::type> q;  // (M, blocks, 32 * parts): high halves, then low
+  std::vector<float> d, sums;             // d (M, blocks): x's scale a block; sums (M, G)
+  std::vector<float> offsets;             // int8: 128 * d * sum of the block's rounded x
+  int blocks = 0;
+};
+
+inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+inline float hsum8(__m256 v) {
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_add_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+
+template <int BITS, typename X>
+void stage(const Codes& c, const float* x, const std::vector<int64_t>& row_offset,
+           int64_t col_stride, int M, Staged<X>& s) {
+  constexpr float top = Held<X>::top;
+  constexpr int per = kBlock * Held<X>::parts;
+  const int K = c.K, G = K / c.group;
+  s.blocks = K / kBlock;
+  s.q.assign(static_cast<size_t>(M) * s.blocks * per, 0);
+  s.d.assign(static_cast<size_t>(M) * s.blocks, 0.f);
+  s.sums.assign(static_cast<size_t>(M) * G, 0.f);
+  s.offsets.assign(static_cast<size_t>(M) * s.blocks, 0.f);
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  alignas(32) float v[kBlock];
+  alignas(32) int32_t r[kBlock];
+  for (int m = 0; m < M; ++m) {
+    for (int b = 0; b < s.blocks; ++b) {
+      const float* src = x + row_offset[m] + b * kBlock * col_stride;
+      if (col_stride == 1) {
+        std::memcpy(v, src, sizeof v);
+      } else {
+        for (int t = 0; t < kBlock; ++t) v[t] = src[t * col_stride];
+      }
+      __m256 vmax = _mm256_setzero_ps(), vsum = _mm256_setzero_ps();
+      for (int i = 0; i < kBlock; i += 8) {
+        const __m256 e = _mm256_load_ps(v + i);
+        vmax = _mm256_max_ps(vmax, _mm256_and_ps(e, abs_mask));
+        vsum = _mm256_add_ps(vsum, e);
+      }
+      const float amax = hmax8(vmax);
+      const __m256 k = _mm256_set1_ps(amax > 0.f ? top / amax : 0.f);
+      // Rounded to nearest even; |x * k| <= top, so the narrowing never saturates (a NaN's
+      // integer is garbage, but its d is NaN, so the product is NaN as the float path's).
+      for (int i = 0; i < kBlock; i += 8)
+        _mm256_store_si256(reinterpret_cast<__m256i*>(r + i),
+                           _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_load_ps(v + i), k)));
+      auto* q = s.q.data() + (static_cast<size_t>(m) * s.blocks + b) * per;
+      int32_t rounded_sum = 0;
+      for (int t = 0; t < kBlock; ++t) {
+        rounded_sum += r[t];
+        if constexpr (Held<X>::parts == 2) {
+          q[position<BITS, X>(t)] = static_cast<int16_t>(r[t] >> 15);
+          q[kBlock + position<BITS, X>(t)] = static_cast<int16_t>(r[t] & 0x7fff);
+        } else {
+          q[position<BITS, X>(t)] = static_cast<X>(r[t]);
+        }
+      }
+      s.d[static_cast<size_t>(m) * s.blocks + b] = amax / top;
+      s.offsets[static_cast<size_t>(m) * s.blocks + b] = 128.f * (amax / top) * rounded_sum;
+      s.sums[static_cast<size_t>(m) * G + b * kBlock / c.group] += hsum8(vsum);
+    }
+  }
+}
+
+// A block's codes as 32 bytes in position<BITS, int8_t>'s order (8 bits: offset to int8).
+template <int BITS>
+inline __m256i byte_codes(const uint8_t* w, const uint8_t* end) {
+  if constexpr (BITS == 4) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), mask), _mm_and_si128(b, mask));
+  } else if constexpr (BITS == 8) {
+    return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)),
+                            _mm256_set1_epi8(static_cast<char>(0x80)));
+  } else {
+    return _mm256_packus_epi16(half_codes<BITS>(w, end), half_codes<BITS>(w + 2 * BITS, end));
+  }
+}
+
+// A block's codes as two registers of 16-bit lanes, in position<BITS, int16_t>'s order.
+template <int BITS>
+inline void word_codes(const uint8_t* w, const uint8_t* end, __m256i& c0, __m256i& c1) {
+  if constexpr (BITS == 4) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    c0 = _mm256_cvtepu8_epi16(_mm_and_si128(b, mask));
+    c1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), mask));
+  } else if constexpr (BITS == 8) {
+    c0 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+    c1 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16)));
+  } else {
+    c0 = half_codes<BITS>(w, end);
+    c1 = half_codes<BITS>(w + 2 * BITS, end);
+  }
+}
+
+template <int BITS, int MB, typename X>
+void rows(const Codes& c, const Staged<X>& s, int m0, float* y, int n0, int n1) {
+  constexpr int per = kBlock * Held<X>::parts;
+  constexpr bool offset = sizeof(X) == 1 && BITS == 8;  // codes held as q - 128
+  const int K = c.K, G = K / c.group, N = c.N, blocks = s.blocks;
+  const int shift = c.group == 32 ? 0 : (c.group == 64 ? 1 : 2);  // block -> group
+  const size_t row_bytes = static_cast<size_t>(K) * BITS / 8;
+  const uint8_t* const end = c.w + static_cast<size_t>(N) * row_bytes;
+  const auto* const xq = s.q.data() + static_cast<size_t>(m0) * blocks * per;
+  const float* const xd = s.d.data() + static_cast<size_t>(m0) * blocks;
+  const float* const xs = s.sums.data() + static_cast<size_t>(m0) * G;
+  const __m256i ones = _mm256_set1_epi16(1);
+  std::vector<float> params(c.half ? 2 * static_cast<size_t>(kParamRows) * G : 0);
+  const float *block_s = nullptr, *block_b = nullptr;
+  for (int n = n0; n < n1; ++n) {
+    const uint8_t* wn = c.w + n * row_bytes;
+    const int in_block = (n - n0) % kParamRows;
+    if (in_block == 0)
+      std::tie(block_s, block_b) =
+          block_params(c, n, std::min(kParamRows, n1 - n), params.data());
+    const float* sn = block_s + static_cast<size_t>(in_block) * G;
+    const float* bn = block_b + static_cast<size_t>(in_block) * G;
+    prefetch_row(c, n, n1, row_bytes);
+    __m256 acc[MB];
+    float fix[MB] = {};  // the offset codes' 128 * sum(x) a row
+    for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+    for (int blk = 0; blk < blocks; ++blk) {
+      const uint8_t* wb = wn + blk * (kBlock * BITS / 8);
+      const float sw = sn[blk >> shift];
+      [[maybe_unused]] __m256i cb, c0, c1, cabs;
+      if constexpr (sizeof(X) == 1) {
+        cb = byte_codes<BITS>(wb, end);
+        if constexpr (offset) cabs = _mm256_abs_epi8(cb);
+      } else {
+        word_codes<BITS>(wb, end, c0, c1);
+      }
+      for (int m = 0; m < MB; ++m) {
+        const auto* xm = xq + (static_cast<size_t>(m) * blocks + blk) * per;
+        const auto load = [&](int at) {
+          return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm + at));
+        };
+        __m256 sums;
+        if constexpr (offset) {  // |codes| times x with the codes' signs: within int16
+          fix[m] += sw * s.offsets[static_cast<size_t>(m0 + m) * blocks + blk];
+          sums = _mm256_cvtepi32_ps(
+              _mm256_madd_epi16(_mm256_maddubs_epi16(cabs, _mm256_sign_epi8(load(0), cb)), ones));
+        } else if constexpr (sizeof(X) == 1) {
+          sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(cb, load(0)), ones));
+        } else {
+          const auto dot = [&](int at) {
+            return _mm256_add_epi32(_mm256_madd_epi16(c0, load(at)),
+                                    _mm256_madd_epi16(c1, load(at + 16)));
+          };
+          if constexpr (Held<X>::parts == 2) {  // high * 2^15 + low
+            sums = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot(0)), _mm256_set1_ps(32768.f),
+                                   _mm256_cvtepi32_ps(dot(kBlock)));
+          } else {
+            sums = _mm256_cvtepi32_ps(dot(0));
+          }
+        }
+        acc[m] = _mm256_fmadd_ps(sums, _mm256_set1_ps(sw * xd[static_cast<size_t>(m) * blocks + blk]),
+                                 acc[m]);
+      }
+    }
+    for (int m = 0; m < MB; ++m) {
+      float bias = fix[m];
+      for (int g = 0; g < G; ++g) bias += bn[g] * xs[static_cast<size_t>(m) * G + g];
+      y[static_cast<size_t>(m) * N + n] = hsum8(acc[m]) + bias;
+    }
+  }
+}
+
+template <int BITS, typename X>
+void few_rows(const Codes& c, const float* x, const std::vector<int64_t>& row_offset,
+              int64_t col_stride, float* y, int M) {
+  thread_local Staged<X> kept;  // kept between calls, as the VNNI path's (see there)
+  Staged<X>& s = kept;
+  stage<BITS>(c, x, row_offset, col_stride, M, s);
+  in_passes(c.N, c.K, M, [&]<int MB>(int m, int n0, int n1) {
+    rows<BITS, MB>(c, s, m, y + static_cast<size_t>(m) * c.N, n0, n1);
+  });
+}
+
+template <typename X>
+void products(const Codes& c, const float* x, const std::vector<int64_t>& row_offset,
+              int64_t col_stride, float* y, int M) {
+  with_bits(c.bits, [&]<int BITS>() { few_rows<BITS, X>(c, x, row_offset, col_stride, y, M); });
+}
+
+}  // namespace qx
+#define QF_INT 1
+#endif
+#ifdef QF_VNNI
+#define QF_INT 1
 #endif
 
 template <int BITS>
@@ -833,7 +1075,7 @@ void qfserve::detail::quantized_rows(const Codes& c, const float* x,
                                      const std::vector<int64_t>& row_offset, int64_t col_stride,
                                      float* y, int M) {
   if (M > kFewRows && sgemm() != nullptr) return many_rows(c, x, row_offset, col_stride, y, M);
-#ifdef QF_VNNI
+#ifdef QF_INT
   switch (activations_on.load(std::memory_order_relaxed)) {
     case 8:
       if (M <= qx::kRows8) return qx::products<int8_t>(c, x, row_offset, col_stride, y, M);
@@ -851,7 +1093,7 @@ void qfserve::detail::quantized_rows(const Codes& c, const float* x,
 }
 
 bool qfserve::detail::integer_available() {
-#ifdef QF_VNNI
+#ifdef QF_INT
   return true;
 #else
   return false;
