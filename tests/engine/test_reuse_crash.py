@@ -80,7 +80,7 @@ def test_kill_9_mid_write_never_leaves_a_partial_entry(tmp_path):
     """Every other kill lands at a random moment of a run of writes; the rest land once an
     entry's bytes are written and before they are flushed and renamed (the writer says so)."""
     rng, written, cuts = random.Random(0), 0, 0
-    for k in range(20):
+    for k in range(12):
         paused = k % 2 == 1
         writer = subprocess.Popen(
             [
@@ -109,7 +109,7 @@ def test_kill_9_mid_write_never_leaves_a_partial_entry(tmp_path):
         written = started + 1
         check_folder(tmp_path, limit=3)  # the newest: any a kill could have touched
     assert check_folder(tmp_path) == len(list(tmp_path.glob("*" + persist.SUFFIX))) > 0
-    assert cuts >= 10, f"only {cuts} of 20 kills landed mid-write: the test did not test"
+    assert cuts >= 6, f"only {cuts} of 12 kills landed mid-write: the test did not test"
 
 
 def test_a_damaged_entry_is_refused_by_name(tmp_path, caplog):

@@ -65,7 +65,7 @@ CI = Size(
     write_timeout=3.0,
     shutdown_streams=16,
     drain_timeout=4.0,
-    model_files=1000,
+    model_files=400,
 )
 FULL = Size(
     name="full",

@@ -17,6 +17,7 @@ from safetensors.numpy import save_file
 
 from qfserve.calibrations.artifact import save_calibration
 from qfserve.calibrations.registry import artifact_name, model_id_for
+from tests.caches import fresh_cache
 from tests.reliability.harness import start_server, stop_server
 from tests.tiny import save_tiny_model
 
@@ -67,7 +68,7 @@ def registry(model, tmp_path_factory) -> dict:
         tiny = save_tiny_model(root / fault, model_id=model_id)
         bad[fault] = (tiny, make_fault(folder, fault, model_id, shape_of(tiny)))
     good = write_artifact(folder, model_id_for(str(model)), shape_of(model))
-    env = {"QFSERVE_CALIBRATIONS": str(folder), "XDG_CACHE_HOME": str(root / "cache")}
+    env = {"QFSERVE_CALIBRATIONS": str(folder), "XDG_CACHE_HOME": str(fresh_cache(root / "cache"))}
     return {"bad": bad, "good": good, "env": env, "logs": root}
 
 

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from tests.caches import fresh_cache
 from tests.reliability.harness import REPO, current_size
 from tests.reliability.model_fuzz import FINDINGS, LIMIT_S, corpus, rebuilt, verdict
 
@@ -22,12 +23,7 @@ MAX_RSS_MB = 300
 def cache(tmp_path_factory):
     """A cache folder of its own (a served mutant's converted folder goes there) sharing the
     user's built native kernels, so the first served mutant does not build them again."""
-    from qfserve.engine.models.gguf.convert import cache_root
-
-    folder = tmp_path_factory.mktemp("cache")
-    if (cache_root() / "native").is_dir():
-        (folder / "native").symlink_to(cache_root() / "native")
-    return folder
+    return fresh_cache(tmp_path_factory.mktemp("cache")) / "qfserve"
 
 
 def test_mutated_gguf_files_are_served_or_refused_never_crash(tmp_path, cache, monkeypatch):

@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.caches import fresh_cache
 from tests.server.conftest import REPO, start_server
 
 BUNDLED = REPO / "models" / "qfserve-tiny"
@@ -37,7 +38,7 @@ def isolated_env(home: Path) -> dict[str, str]:
     env = {
         k: v for k, v in os.environ.items() if k not in ("QFSERVE_CALIBRATIONS", "QFSERVE_CACHE")
     }
-    env["XDG_CACHE_HOME"] = str(home)
+    env["XDG_CACHE_HOME"] = str(fresh_cache(home))
     return env
 
 
