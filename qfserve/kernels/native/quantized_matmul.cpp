@@ -711,26 +711,6 @@ void rows(const Codes& c, const Staged<X>& s, int m0, float* y, int n0, int n1) 
   }
 }
 
-template <int BITS, typename X>
-void few_rows(const Codes& c, const float* x, const std::vector<int64_t>& row_offset,
-              int64_t col_stride, float* y, int M) {
-  // The calling thread's staging, kept between calls: a decode step makes ~200 of them, and
-  // fresh buffers each time cost glibc's consolidation of its free lists. The pool's threads
-  // read it through this reference (a thread_local named in their lambda would be theirs).
-  thread_local Staged<X> kept;
-  Staged<X>& s = kept;
-  stage<BITS>(c, x, row_offset, col_stride, M, s);
-  in_passes(c.N, c.K, M, [&]<int MB>(int m, int n0, int n1) {
-    rows<BITS, MB>(c, s, m, y + static_cast<size_t>(m) * c.N, n0, n1);
-  });
-}
-
-template <typename X>
-void products(const Codes& c, const float* x, const std::vector<int64_t>& row_offset,
-              int64_t col_stride, float* y, int M) {
-  with_bits(c.bits, [&]<int BITS>() { few_rows<BITS, X>(c, x, row_offset, col_stride, y, M); });
-}
-
 }  // namespace qx
 #elif defined(__AVX2__) && !defined(QF_VBMI)
 // The same on AVX2 (no VNNI), one block of 32 elements a register, as llama.cpp's AVX2
@@ -952,10 +932,24 @@ void rows(const Codes& c, const Staged<X>& s, int m0, float* y, int n0, int n1) 
   }
 }
 
+}  // namespace qx
+#define QF_INT 1
+#endif
+#ifdef QF_VNNI
+#define QF_INT 1
+#endif
+
+#ifdef QF_INT
+namespace qx {
+
+// Either instruction set's staging and rows (above), driven alike.
 template <int BITS, typename X>
 void few_rows(const Codes& c, const float* x, const std::vector<int64_t>& row_offset,
               int64_t col_stride, float* y, int M) {
-  thread_local Staged<X> kept;  // kept between calls, as the VNNI path's (see there)
+  // The calling thread's staging, kept between calls: a decode step makes ~200 of them, and
+  // fresh buffers each time cost glibc's consolidation of its free lists. The pool's threads
+  // read it through this reference (a thread_local named in their lambda would be theirs).
+  thread_local Staged<X> kept;
   Staged<X>& s = kept;
   stage<BITS>(c, x, row_offset, col_stride, M, s);
   in_passes(c.N, c.K, M, [&]<int MB>(int m, int n0, int n1) {
@@ -970,10 +964,6 @@ void products(const Codes& c, const float* x, const std::vector<int64_t>& row_of
 }
 
 }  // namespace qx
-#define QF_INT 1
-#endif
-#ifdef QF_VNNI
-#define QF_INT 1
 #endif
 
 template <int BITS>
