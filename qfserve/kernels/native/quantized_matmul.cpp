@@ -811,7 +811,7 @@ void stage(const Codes& c, const float* x, const std::vector<int64_t>& row_offse
         _mm256_store_si256(reinterpret_cast<__m256i*>(r + i),
                            _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_load_ps(v + i), k)));
       auto* q = s.q.data() + (static_cast<size_t>(m) * s.blocks + b) * per;
-      int32_t rounded_sum = 0;
+      int64_t rounded_sum = 0;  // 32 31-bit integers overflow an int32
       for (int t = 0; t < kBlock; ++t) {
         rounded_sum += r[t];
         if constexpr (Held<X>::parts == 2) {
@@ -822,7 +822,8 @@ void stage(const Codes& c, const float* x, const std::vector<int64_t>& row_offse
         }
       }
       s.d[static_cast<size_t>(m) * s.blocks + b] = amax / top;
-      s.offsets[static_cast<size_t>(m) * s.blocks + b] = 128.f * (amax / top) * rounded_sum;
+      s.offsets[static_cast<size_t>(m) * s.blocks + b] =
+          128.f * (amax / top) * static_cast<float>(rounded_sum);
       s.sums[static_cast<size_t>(m) * G + b * kBlock / c.group] += hsum8(vsum);
     }
   }
