@@ -341,6 +341,27 @@ inline std::pair<const float*, const float*> block_params(const Codes& c, int n,
 
 constexpr int kParamRows = 32;  // rows whose scales are widened at a time
 
+// Rows [n0, n1)'s float32 scales and biases, asked for in order: widened kParamRows rows at
+// a time (block_params).
+class RowParams {
+ public:
+  RowParams(const Codes& c, int n0, int n1)
+      : c_(c), n0_(n0), n1_(n1), G_(c.K / c.group),
+        buf_(c.half ? 2 * static_cast<size_t>(kParamRows) * G_ : 0) {}
+  std::pair<const float*, const float*> at(int n) {
+    const int in_block = (n - n0_) % kParamRows;
+    if (in_block == 0)
+      std::tie(s_, b_) = block_params(c_, n, std::min(kParamRows, n1_ - n), buf_.data());
+    return {s_ + static_cast<size_t>(in_block) * G_, b_ + static_cast<size_t>(in_block) * G_};
+  }
+
+ private:
+  const Codes& c_;
+  int n0_, n1_, G_;
+  std::vector<float> buf_;
+  const float *s_ = nullptr, *b_ = nullptr;
+};
+
 // A decode step reads every weight once, from memory: the codes, scales and biases of row
 // n + kAhead are asked for while row n is multiplied, so that its loads wait less (measured
 // on SmolLM2 at Q4_K_M, one sequence: 19.4 -> 17.2 ms a step; the distance matters little
@@ -363,16 +384,10 @@ void rows(const Codes& c, const float* xp, const float* xs, float* y, int n0, in
   const uint8_t* const w = c.w;
   const size_t row_bytes = static_cast<size_t>(K) * BITS / 8;
   const uint8_t* const end = w + static_cast<size_t>(N) * row_bytes;
-  std::vector<float> params(c.half ? 2 * static_cast<size_t>(kParamRows) * G : 0);
-  const float *block_s = nullptr, *block_b = nullptr;
+  RowParams params(c, n0, n1);
   for (int n = n0; n < n1; ++n) {
     const uint8_t* wn = w + n * row_bytes;
-    const int in_block = (n - n0) % kParamRows;
-    if (in_block == 0)
-      std::tie(block_s, block_b) =
-          block_params(c, n, std::min(kParamRows, n1 - n), params.data());
-    const float* sn = block_s + static_cast<size_t>(in_block) * G;
-    const float* bn = block_b + static_cast<size_t>(in_block) * G;
+    const auto [sn, bn] = params.at(n);
     vf acc[MB], acc1[MB];  // two chains a row: the block's halves add independently
     float bias_sum[MB];
     for (int m = 0; m < MB; ++m) {
@@ -483,6 +498,26 @@ void few_rows(const Codes& c, const float* x, const std::vector<int64_t>& row_of
 // docs/models.md gives what each does to greedy text.
 std::atomic<int> activations_on{32};  // 0 (float32), 8, 16 or 32
 
+#if defined(QF_VNNI) || (defined(__AVX2__) && !defined(QF_VBMI))
+namespace qx {
+// How x is held a block: int8 or int16 as is; int32 (31-bit integers: float32's precision
+// relative to the block's largest element) as two int16 halves, x = high * 2^15 + low with
+// low in [0, 2^15), so that each half's products are exact in int32 (vpdpwssd, vpmaddwd).
+template <typename X>
+struct Held {
+  using type = X;
+  static constexpr int parts = 1;
+  static constexpr float top = sizeof(X) == 1 ? 127.f : 32767.f;
+};
+template <>
+struct Held<int32_t> {
+  using type = int16_t;
+  static constexpr int parts = 2;
+  static constexpr float top = 1073676288.f;  // 2^30 - 2^16: the high half stays an int16
+};
+}  // namespace qx
+#endif
+
 #ifdef QF_VNNI
 namespace qx {
 
@@ -505,22 +540,6 @@ constexpr int position(int b, int t) {
 // sums both halves of the register, each 16 elements being 8 lanes.
 template <typename X>
 constexpr __mmask16 second = sizeof(X) == 1 ? 0xF0F0 : 0xFF00;
-
-// How x is held a block: int8 or int16 as is; int32 (31-bit integers: float32's precision
-// relative to the block's largest element) as two int16 halves, x = high * 2^15 + low with
-// low in [0, 2^15), so that each half's products are vpdpwssd's, exact in int32.
-template <typename X>
-struct Held {
-  using type = X;
-  static constexpr int parts = 1;
-  static constexpr float top = sizeof(X) == 1 ? 127.f : 32767.f;
-};
-template <>
-struct Held<int32_t> {
-  using type = int16_t;
-  static constexpr int parts = 2;
-  static constexpr float top = 1073676288.f;  // 2^30 - 2^16: the high half stays an int16
-};
 
 // Byte permute as unpack_vbmi's (its multishift too), over a register of two blocks: 64-bit
 // lane l (8 codes) takes pack (l / 4 * 2 + l % 2) of block (l / 2) % 2, for position's order.
@@ -729,19 +748,6 @@ namespace qx {
 // float path's speed. As the VNNI path's, then.
 constexpr int kRows8 = kFewRows, kRows16 = 4, kRows32 = 3;
 
-template <typename X>
-struct Held {
-  using type = X;
-  static constexpr int parts = 1;
-  static constexpr float top = sizeof(X) == 1 ? 127.f : 32767.f;
-};
-template <>
-struct Held<int32_t> {
-  using type = int16_t;
-  static constexpr int parts = 2;
-  static constexpr float top = 1073676288.f;  // 2^30 - 2^16: the high half stays an int16
-};
-
 // Where element t of a block sits in its register (bytes for int8, else 16-bit lanes over
 // two registers): 4-bit codes as a byte's low nibbles (even elements), then its high ones;
 // 5- and 6-bit codes packed to bytes from two registers of 16-bit lanes, whose 128-bit
@@ -873,16 +879,10 @@ void rows(const Codes& c, const Staged<X>& s, int m0, float* y, int n0, int n1) 
   const float* const xd = s.d.data() + static_cast<size_t>(m0) * blocks;
   const float* const xs = s.sums.data() + static_cast<size_t>(m0) * G;
   const __m256i ones = _mm256_set1_epi16(1);
-  std::vector<float> params(c.half ? 2 * static_cast<size_t>(kParamRows) * G : 0);
-  const float *block_s = nullptr, *block_b = nullptr;
+  RowParams params(c, n0, n1);
   for (int n = n0; n < n1; ++n) {
     const uint8_t* wn = c.w + n * row_bytes;
-    const int in_block = (n - n0) % kParamRows;
-    if (in_block == 0)
-      std::tie(block_s, block_b) =
-          block_params(c, n, std::min(kParamRows, n1 - n), params.data());
-    const float* sn = block_s + static_cast<size_t>(in_block) * G;
-    const float* bn = block_b + static_cast<size_t>(in_block) * G;
+    const auto [sn, bn] = params.at(n);
     prefetch_row(c, n, n1, row_bytes);
     __m256 acc[MB];
     float fix[MB] = {};  // the offset codes' 128 * sum(x) a row
