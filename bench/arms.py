@@ -33,6 +33,7 @@ from qfserve.engine.kv import kvzip
 from qfserve.engine.kv.cache import EvictionCache
 from qfserve.engine.kv.config import DEFAULT_CALIB_TOKENS, DEFAULT_N_SINK, CacheConfig
 from qfserve.engine.kv.factory import make_caches
+from qfserve.engine.kv.kvzap import KVzapScorer, share
 from qfserve.engine.kv.query_aware import SnapKVScorer
 
 
@@ -40,7 +41,7 @@ from qfserve.engine.kv.query_aware import SnapKVScorer
 class Arm:
     """One cache arm: ``method`` and its knobs: the fallback's axis ``sign``, ``chunk`` positions
     kept whole, ``adaptive`` head budgets, SnapKV's ``window``, the ``traffic`` artifact's name and
-    kvzip's rows ``shared`` across layers."""
+    kvzip's or kvzap's rows ``shared`` across layers."""
 
     method: str
     recent_frac: float = 0.0
@@ -154,7 +155,7 @@ def feed_block(caches: list[Any], block: list[LayerBlock]) -> None:
     """Hand one prompt block, computed once for every arm, to an arm's fresh caches: each
     layer's keys and values, with its queries or hidden states set on the scorer's tap first
     (a kvzap scorer reads them as the rows are written), then kvzip's pass scores."""
-    deferred = []
+    deferred, shared = [], False
     for cache, layer in zip(caches, block, strict=True):
         tap = getattr(getattr(cache, "scorer", None), "tap", None)
         if isinstance(tap, HiddenTap):
@@ -166,12 +167,16 @@ def feed_block(caches: list[Any], block: list[LayerBlock]) -> None:
                 raise ValueError("an arm that reads queries needs the block's queries")
             tap.queries = layer.queries
         cache.update_and_fetch(layer.keys, layer.values)
-        if isinstance(cache, EvictionCache) and cache.defers(layer.keys.shape[2]):
+        if isinstance(cache, EvictionCache) and isinstance(cache.scorer, KVzapScorer):
+            shared = shared or cache.scorer.shared
+        elif isinstance(cache, EvictionCache) and cache.defers(layer.keys.shape[2]):
             if layer.scores is None:
                 raise ValueError("a kvzip arm needs the block's reconstruction scores")
             deferred.append((cache, layer.scores))
     if deferred:  # as the pass ends: every layer at once (they may share the rows)
         kvzip.evict([c for c, _ in deferred], [s for _, s in deferred])
+    if shared:  # kvzap's layers sharing the rows: by the scores the rows were written with
+        share(caches)
 
 
 def standard_arms(
@@ -192,7 +197,8 @@ ARM_FLAGS = {
     "--query-aware": "also run SnapKV and TOVA, which read the model's queries",
     "--kvzip": "also run KVzip: per head, across a layer's heads, across layers",
     "--kvzap": "also run KVzap: each row scored as it is written by the model's learned "
-    "surrogates (the registry's, or trained afresh per --calibration)",
+    "surrogates (the registry's, or trained afresh per --calibration), per head and across "
+    "layers",
 }
 
 
@@ -246,7 +252,7 @@ def select_arms(arms: list[Arm], args: Any) -> list[Arm]:
     if getattr(args, "kvzip", False):
         extra += [("kvzip", {}), ("kvzip", {"adaptive": True}), ("kvzip", {"shared": True})]
     if getattr(args, "kvzap", False):
-        extra.append(("kvzap", {}))
+        extra += [("kvzap", {}), ("kvzap", {"shared": True})]
     out = [*arms, *(Arm(m, a.recent_frac, **knobs) for m, knobs in extra for a in plain)]
     if args.only:
         if unknown := set(args.only) - {a.name for a in out}:

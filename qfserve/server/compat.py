@@ -101,7 +101,8 @@ EXTENSION_FATES: dict[str, tuple[Fate, str]] = {
     "qfilters_chunk": ("implemented", "qfserve: prefill keeps whole chunks of positions"),
     "qfilters_budget_mode": (
         "implemented",
-        "qfserve: per_head, adaptive across a layer's heads, or global across layers (kvzip)",
+        "qfserve: per_head, adaptive across a layer's heads, or global across layers "
+        "(kvzip, kvzap)",
     ),
     "qfilters_floor": ("implemented", "qfserve: share of the budget each head keeps (adaptive)"),
     "kvzap_threshold": (

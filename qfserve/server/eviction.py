@@ -69,8 +69,8 @@ class EvictionFields(Strict):
             description="per_head: budget rows in every KV head; adaptive: a layer's heads "
             "share budget x heads rows (AdaKV), ranked by expected attention logits (qfilters: "
             "needs calibrated filters with query scales) or by kvzip's scores; global (kvzip "
-            "only): every layer and head share budget x heads x layers rows by kvzip's "
-            "scores. Default: --budget-mode.",
+            "and kvzap): every layer and head share budget x heads x layers rows by kvzip's "
+            "or kvzap's scores. Default: --budget-mode.",
         ),
     ] = None
     qfilters_floor: Annotated[

@@ -61,9 +61,14 @@ def test_a_block_without_hidden_states_is_refused_for_a_kvzap_arm(model):
         Arm("kvzap", 0.25).caches(model, 16, None)
 
 
-def test_kvzap_adds_one_arm_per_recent_window_of_the_plain_qfilters():
+def test_kvzap_adds_its_arms_per_recent_window_of_the_plain_qfilters():
     args = SimpleNamespace(
         chunks=[], adaptive=False, kvzap=True, only=None, self_calibrated=False, kvzip=False
     )
     names = [a.name for a in select_arms(standard_arms((0.0, 0.25)), args)]
-    assert [n for n in names if n.startswith("kvzap")] == ["kvzap/r0", "kvzap/r25"]
+    assert [n for n in names if n.startswith("kvzap")] == [
+        "kvzap/r0",
+        "kvzap/r25",
+        "kvzap/r0/global",
+        "kvzap/r25/global",
+    ]

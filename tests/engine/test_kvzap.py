@@ -287,3 +287,108 @@ def test_fused_decode_steps_are_scored_by_the_surrogate_too():
     for cache in caches:
         assert cache.evictions > 0
         assert float(mx.min(cache.scores).item()) > -1e3  # no row ranked by the fallback
+
+
+def numpy_global_keep(scores, budget, n_sink, recent):
+    """Rows shared across layers by their definition: every layer's protected rows (sinks,
+    recent window) count first, then the best ``budget * H * layers`` of all rows by score
+    give each head its count; heads are capped so that the layers' longest heads (a layer is
+    stored padded to its longest) sum to at most ``budget * layers``, the rows per-head
+    budgets hold; a layer's share is its heads' counts in whole rows a head (rounded down),
+    and it keeps its protected rows and its share's best rows among each head's ``cap`` best."""
+    ranked = []
+    for s in scores:
+        r = s.astype(np.float64).copy()
+        r[:, :n_sink] = np.inf
+        r[:, s.shape[1] - recent :] = np.inf
+        ranked.append(r)
+    H, layers = scores[0].shape[0], len(scores)
+    pool = np.sort(np.concatenate([r.ravel() for r in ranked]))[::-1]
+    kth = pool[budget * H * layers - 1]
+    counts = [(r >= kth).sum(axis=1) for r in ranked]
+    longest = [int(c.max()) for c in counts]
+    cap = max(longest)
+    while sum(min(n, cap) for n in longest) > budget * layers:
+        cap -= 1
+    out = []
+    for r, c in zip(ranked, counts, strict=True):
+        share = int(np.minimum(c, cap).sum()) // H * H
+        tops = np.sort(r, axis=1)[:, ::-1][:, cap - 1 : cap]  # each head's cap-th best
+        capped = np.where(r >= tops, r, -np.inf)
+        best = np.sort(capped.ravel())[::-1][share - 1]
+        out.append([sorted(np.flatnonzero(capped[h] >= best).tolist()) for h in range(H)])
+    return out
+
+
+def ragged_positions(cache, full_keys):
+    """Per head, the positions of the full cache whose rows the cache holds (real rows only)."""
+    keys, valid = np.array(cache.keys[0]), np.array(cache.valid[0])
+    rows = [keys[h][valid[h]] for h in range(keys.shape[0])]
+    out = []
+    for h, held in enumerate(rows):
+        at = {full_keys[h, p].tobytes(): p for p in range(full_keys.shape[1])}
+        out.append(sorted(at[r.tobytes()] for r in held))
+    return out
+
+
+def global_caches(model, s, budget=10, recent=3, n_sink=2):
+    config = CacheConfig(
+        method="kvzap", budget=budget, recent=recent, n_sink=n_sink, budget_mode="global"
+    )
+    return config, make_caches(model, config, surrogate=s)
+
+
+def test_shared_rows_are_the_global_top_k_of_every_layers_scores(model):
+    """``budget_mode="global"``: the layers keep one top-k over all their heads' predicted
+    scores (a layer may keep more than the budget, another fewer), protected rows first,
+    padded no larger than per-head budgets would store."""
+    from qfserve.engine.kv.kvzap import share
+
+    s = random_surrogate("linear", seed=6)
+    config, caches = global_caches(model, s)
+    full = [KVCache() for _ in model.layers]
+    model(mx.array(CONTEXT)[None], cache=full)
+    model(mx.array(CONTEXT)[None], cache=caches)
+    assert all(c.size() == len(CONTEXT) for c in caches)  # stored whole until shared
+    share(caches)
+    inputs = layer_inputs(model, CONTEXT)
+    scores = [
+        numpy_forward(inputs[i][0], (s.weights["w"][i], s.weights["b"][i])).T
+        for i in range(len(caches))
+    ]
+    expected = numpy_global_keep(scores, config.budget, config.n_sink, config.recent)
+    got = [ragged_positions(c, np.array(f.keys[0])) for c, f in zip(caches, full, strict=True)]
+    assert got == expected
+    kept = [len(p) for layer in got for p in layer]
+    assert sum(kept) <= config.budget * len(kept) and len(set(kept)) > 1  # shared unevenly
+    padded = sum(c.keys.shape[2] for c in caches)
+    assert padded <= config.budget * len(caches)
+
+
+def test_shared_rows_read_in_chunks_stay_bounded_and_decode_in_place(model):
+    """The server shares the rows out after every chunk read: the layers then hold their
+    shares and one chunk at most, padded within per-head budgets once shared; decode keeps
+    each layer's share, one row a head evicted as one joins."""
+    from qfserve.engine.kv.kvzap import share
+
+    s = random_surrogate("mlp", seed=7)
+    config, caches = global_caches(model, s)
+    chunk = 12
+    for at in range(0, len(CONTEXT), chunk):
+        model(mx.array(CONTEXT[at : at + chunk])[None], cache=caches)
+        assert sum(c.keys.shape[2] for c in caches) <= (config.budget + chunk) * len(caches)
+        share(caches)
+        assert sum(c.keys.shape[2] for c in caches) <= config.budget * len(caches)
+    assert all(c.offset == len(CONTEXT) for c in caches)
+    model(mx.array([[CONTEXT[0]]]), cache=caches)  # opens each head's free slot
+    slots = [int(np.array(c.valid).sum()) for c in caches]
+    for t in CONTEXT[1:10]:
+        model(mx.array([[t]]), cache=caches)
+        assert [int(np.array(c.valid).sum()) for c in caches] == slots
+
+
+def test_only_methods_whose_scores_rank_across_layers_share_rows():
+    CacheConfig(method="kvzap", budget=16, budget_mode="global")
+    with pytest.raises(ConfigError, match="kvzip.*kvzap") as err:
+        CacheConfig(method="qfilters", budget=16, budget_mode="global")
+    assert err.value.param == "budget_mode"

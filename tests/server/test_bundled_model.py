@@ -134,6 +134,32 @@ def test_a_kvzap_threshold_evicts_below_the_budget_and_says_so(default_server):
     assert kept[0.0][0] < 256 and kept[0.0][1] > kept[None][1] > 1
 
 
+def test_kvzap_shares_rows_across_layers_through_the_server(default_server):
+    """``qfilters_budget_mode: global`` with kvzap: the layers share the request's rows by
+    the shipped surrogates' scores (one layer keeps more than the budget, another fewer, their
+    mean within it), and a budget above the prompt answers as the full cache."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{default_server}/v1", api_key="unused", max_retries=0, timeout=60)
+
+    def ask(**fields):
+        resp = client.completions.create(
+            model="qfserve-tiny",
+            prompt=PASSKEY_PROMPT,
+            max_tokens=8,
+            temperature=0,
+            extra_body=fields,
+        )
+        return resp.choices[0].text, resp.model_extra["kv_cache"]
+
+    full, _ = ask(kv_method="full")
+    text, kv = ask(kv_method="kvzap", qfilters_budget=1024, qfilters_budget_mode="global")
+    assert text == full and kv["budget_mode"] == "global"
+    _, kv = ask(kv_method="kvzap", qfilters_budget=64, qfilters_budget_mode="global")
+    assert (kv["method"], kv["budget_mode"], kv["budget"]) == ("kvzap", "global", 64)
+    assert 0 < kv["tokens_kept"] <= 64 + 8  # the mean over layers, and the decoded rows
+
+
 @pytest.mark.parametrize("method", ["full", "qfilters"])
 def test_the_served_model_retrieves_a_pass_key(default_server, method):
     """About 450 prompt tokens under the default budget of 512: nothing is evicted, so both

@@ -39,6 +39,8 @@ DEFAULT_FLOOR = 0.2  # AdaKV's default share of the budget every head keeps
 # kvzip's rows shared across layers: on SmolLM2's needle documents per-head kvzip lost the
 # needle at 2x where the shared rows kept it (README, bench/results/smollm2/kvzip).
 DEFAULT_KVZIP_BUDGET_MODE: BudgetMode = "global"
+# Methods whose scores rank rows across layers, so they may share them (``global``).
+SHARES_ROWS: tuple[str, ...] = ("kvzip", "kvzap")
 # A budget given no recent window: the seed documents measured a 16x perplexity swing in
 # generation between recent = 0 and recent = budget/4, so the default window is budget/4.
 RECENT_SHARE = 4
@@ -68,11 +70,11 @@ def fit_chunk(chunk: int | None, method: str, budget: int) -> int:
 def fit_budget_mode(mode: str, method: str) -> BudgetMode:
     """The budget mode of a request that sends none, for its own method: the server's
     ``mode``, except that ``kvzip`` takes :data:`DEFAULT_KVZIP_BUDGET_MODE` where that is the
-    general default (``per_head``), and other methods ``per_head`` where it is ``global``
-    (only kvzip shares rows across layers)."""
+    general default (``per_head``), and methods other than :data:`SHARES_ROWS` ``per_head``
+    where it is ``global``."""
     if method == "kvzip" and mode == DEFAULT_BUDGET_MODE:
         return DEFAULT_KVZIP_BUDGET_MODE
-    if method != "kvzip" and mode == "global":
+    if method not in SHARES_ROWS and mode == "global":
         return DEFAULT_BUDGET_MODE
     if mode not in BUDGET_MODES:
         raise ConfigError("budget_mode", f"budget_mode must be one of {BUDGET_MODES}, got {mode!r}")
@@ -110,8 +112,9 @@ class CacheConfig:
         budget_mode: ``per_head`` (default): ``budget`` rows in every KV head;
             ``adaptive``: block evictions share ``budget * n_kv_heads`` rows across a
             layer's heads (AdaKV), each keeping at least ``floor`` of its budget;
-            ``global`` (kvzip only): the reconstruction pass shares ``budget * n_kv_heads *
-            n_layers`` rows across every layer and head (kvpress's KVzip default).
+            ``global`` (kvzip and kvzap): ``budget * n_kv_heads * n_layers`` rows shared
+            across every layer and head by the reconstruction pass's scores (kvpress's
+            KVzip default) or the surrogates' (KVzap's threshold over every layer).
         floor: Share of ``budget`` every head keeps under ``adaptive`` (``0 < floor <= 1``).
         kernel: Fused eviction kernel: ``auto`` (where a GPU backend exists), ``on``
             (require it) or ``off`` (pure MLX).
@@ -167,11 +170,12 @@ class CacheConfig:
                 "budget_mode",
                 f"budget_mode must be one of {BUDGET_MODES}, got {self.budget_mode!r}",
             )
-        if self.budget_mode == "global" and self.method not in ("kvzip", "full"):
+        if self.budget_mode == "global" and self.method not in (*SHARES_ROWS, "full"):
             raise ConfigError(
                 "budget_mode",
-                "budget_mode='global' shares rows across layers by the scores of kvzip's "
-                f"reconstruction pass: method must be kvzip, got {self.method!r}",
+                "budget_mode='global' shares rows across layers by scores comparable across "
+                f"them (kvzip's pass, kvzap's surrogates): method must be one of "
+                f"{SHARES_ROWS}, got {self.method!r}",
             )
         if self.method in TAPPED and self.chunk != 1:
             raise ConfigError("chunk", f"{self.method} selects rows one by one: chunk must be 1")

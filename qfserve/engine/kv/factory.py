@@ -43,7 +43,7 @@ def make_scorer(
     if config.method == "kvzap":
         if kvzap is None:
             raise ValueError("method 'kvzap' needs the layer's hidden-state tap and surrogate")
-        return kvzap_scorer(*kvzap)
+        return kvzap_scorer(*kvzap, shared=config.budget_mode == "global")
     if config.method == "kvzip":
         if tap is None:
             raise ValueError("method 'kvzip' needs the layer's query tap")

@@ -131,8 +131,14 @@ def _kvzip() -> type[Policy]:
     return KVzipPolicy
 
 
+def _kvzap() -> type[Policy]:
+    from qfserve.engine.kv.kvzap import KVzapPolicy
+
+    return KVzapPolicy
+
+
 # Methods whose policy is not the plain one (loaded when first asked for).
-POLICIES: dict[str, Callable[[], type[Policy]]] = {"kvzip": _kvzip}
+POLICIES: dict[str, Callable[[], type[Policy]]] = {"kvzip": _kvzip, "kvzap": _kvzap}
 
 
 def policy_for(config: CacheConfig, caches: list[Any], context: MethodContext) -> Policy:

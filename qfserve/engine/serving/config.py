@@ -136,8 +136,8 @@ class EngineConfig:
         "--budget-mode",
         choices=BUDGET_MODES,
         help="default budget mode: per_head, adaptive (a layer's heads share the budget; "
-        "qfilters needs calibrated filters with query scales) or global (kvzip: every layer "
-        "shares it) (default: %(default)s)",
+        "qfilters needs calibrated filters with query scales) or global (kvzip, kvzap: every "
+        "layer shares it) (default: %(default)s)",
     )
     floor: float = option(
         DEFAULT_FLOOR,
