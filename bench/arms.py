@@ -273,8 +273,8 @@ def kept_rows(caches: list[Any]) -> list[int]:
 
 
 def _shares_rows(caches: list[Any]) -> bool:
-    # Layers that share the rows (kvzip across layers) each keep whole rows per head, so only
-    # their mean is bounded, and may fall short of the budget by less than a row.
+    # Layers that share the rows (kvzip, kvzap across layers) each keep whole rows per head,
+    # so only their mean is bounded, and may fall short of the budget by less than a row.
     return any(getattr(getattr(c, "scorer", None), "shared", False) for c in caches)
 
 

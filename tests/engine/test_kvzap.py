@@ -292,31 +292,22 @@ def test_fused_decode_steps_are_scored_by_the_surrogate_too():
 def numpy_global_keep(scores, budget, n_sink, recent):
     """Rows shared across layers by their definition: every layer's protected rows (sinks,
     recent window) count first, then the best ``budget * H * layers`` of all rows by score
-    give each head its count; heads are capped so that the layers' longest heads (a layer is
-    stored padded to its longest) sum to at most ``budget * layers``, the rows per-head
-    budgets hold; a layer's share is its heads' counts in whole rows a head (rounded down),
-    and it keeps its protected rows and its share's best rows among each head's ``cap`` best."""
+    give each layer its share, in whole rows per head (``H`` rows a step, rounded down); a
+    layer keeps its protected rows and its share's best rows over all its heads."""
     ranked = []
     for s in scores:
         r = s.astype(np.float64).copy()
         r[:, :n_sink] = np.inf
         r[:, s.shape[1] - recent :] = np.inf
         ranked.append(r)
-    H, layers = scores[0].shape[0], len(scores)
+    H = scores[0].shape[0]
     pool = np.sort(np.concatenate([r.ravel() for r in ranked]))[::-1]
-    kth = pool[budget * H * layers - 1]
-    counts = [(r >= kth).sum(axis=1) for r in ranked]
-    longest = [int(c.max()) for c in counts]
-    cap = max(longest)
-    while sum(min(n, cap) for n in longest) > budget * layers:
-        cap -= 1
+    kth = pool[budget * H * len(scores) - 1]
     out = []
-    for r, c in zip(ranked, counts, strict=True):
-        share = int(np.minimum(c, cap).sum()) // H * H
-        tops = np.sort(r, axis=1)[:, ::-1][:, cap - 1 : cap]  # each head's cap-th best
-        capped = np.where(r >= tops, r, -np.inf)
-        best = np.sort(capped.ravel())[::-1][share - 1]
-        out.append([sorted(np.flatnonzero(capped[h] >= best).tolist()) for h in range(H)])
+    for r in ranked:
+        share = int((r >= kth).sum()) // H * H
+        best = np.sort(r.ravel())[::-1][share - 1]
+        out.append([sorted(np.flatnonzero(r[h] >= best).tolist()) for h in range(H)])
     return out
 
 
@@ -340,8 +331,7 @@ def global_caches(model, s, budget=10, recent=3, n_sink=2):
 
 def test_shared_rows_are_the_global_top_k_of_every_layers_scores(model):
     """``budget_mode="global"``: the layers keep one top-k over all their heads' predicted
-    scores (a layer may keep more than the budget, another fewer), protected rows first,
-    padded no larger than per-head budgets would store."""
+    scores (a layer may keep more than the budget, another fewer), protected rows first."""
     from qfserve.engine.kv.kvzap import share
 
     s = random_surrogate("linear", seed=6)
@@ -360,25 +350,26 @@ def test_shared_rows_are_the_global_top_k_of_every_layers_scores(model):
     got = [ragged_positions(c, np.array(f.keys[0])) for c, f in zip(caches, full, strict=True)]
     assert got == expected
     kept = [len(p) for layer in got for p in layer]
-    assert sum(kept) <= config.budget * len(kept) and len(set(kept)) > 1  # shared unevenly
-    padded = sum(c.keys.shape[2] for c in caches)
-    assert padded <= config.budget * len(caches)
+    assert config.budget * len(kept) - len(kept) < sum(kept) <= config.budget * len(kept)
+    assert len(set(kept)) > 1  # shared unevenly
 
 
 def test_shared_rows_read_in_chunks_stay_bounded_and_decode_in_place(model):
-    """The server shares the rows out after every chunk read: the layers then hold their
-    shares and one chunk at most, padded within per-head budgets once shared; decode keeps
-    each layer's share, one row a head evicted as one joins."""
+    """The server shares the rows out after every chunk read: the layers' padded rows then
+    stay within what the request reserves (``n_kv_heads * budget`` a layer on average, and
+    a chunk while it is read); decode keeps each layer's share, one row a head evicted as
+    one joins."""
     from qfserve.engine.kv.kvzap import share
 
     s = random_surrogate("mlp", seed=7)
     config, caches = global_caches(model, s)
     chunk = 12
+    bound = 2 * config.budget * len(caches)  # the tiny model's 2 KV heads
     for at in range(0, len(CONTEXT), chunk):
         model(mx.array(CONTEXT[at : at + chunk])[None], cache=caches)
-        assert sum(c.keys.shape[2] for c in caches) <= (config.budget + chunk) * len(caches)
+        assert sum(c.keys.shape[2] for c in caches) <= bound + chunk * len(caches)
         share(caches)
-        assert sum(c.keys.shape[2] for c in caches) <= config.budget * len(caches)
+        assert sum(c.keys.shape[2] for c in caches) <= bound
     assert all(c.offset == len(CONTEXT) for c in caches)
     model(mx.array([[CONTEXT[0]]]), cache=caches)  # opens each head's free slot
     slots = [int(np.array(c.valid).sum()) for c in caches]
@@ -392,3 +383,29 @@ def test_only_methods_whose_scores_rank_across_layers_share_rows():
     with pytest.raises(ConfigError, match="kvzip.*kvzap") as err:
         CacheConfig(method="qfilters", budget=16, budget_mode="global")
     assert err.value.param == "budget_mode"
+
+
+def test_shared_rows_reserve_what_the_padded_layers_can_hold(model):
+    """A layer is stored padded to its longest head, and a head may take every row the
+    layers share: a request sharing its rows reserves ``n_kv_heads * budget`` rows a layer
+    and the chunk it reads beside them, against per-head budgets' ``budget`` and their step."""
+    from types import SimpleNamespace
+
+    from qfserve.engine.kv.kvzap import KVzapPolicy
+    from qfserve.engine.kv.memory import kv_row_bytes
+    from qfserve.engine.kv.methods import MethodContext
+
+    loaded = SimpleNamespace(model=model, config={})
+    s = random_surrogate("linear")
+    context = MethodContext(model=model, tokenizer=None)
+    needs = {}
+    for mode in ("per_head", "global"):
+        config = CacheConfig(method="kvzap", budget=40, recent=8, budget_mode=mode)
+        policy = KVzapPolicy(config, make_caches(model, config, surrogate=s), context)
+        reserved = policy.reserve(
+            loaded, 2000, 16, max_kv_bytes=2**40, prefill_chunk=64, kept=False
+        )
+        needs[mode] = reserved.need // kv_row_bytes(model, {}, config)
+        assert reserved.param == "budget"
+    heads = model.layers[0].self_attn.n_kv_heads
+    assert needs == {"per_head": 40 + 1, "global": heads * 40 + 64 + 1 + 1}

@@ -61,8 +61,13 @@ def test_the_servers_flag_sets_the_default_and_an_impossible_one_is_refused():
         Settings(kv_method="tova", chunk=4)
 
 
-def test_kvzip_shares_rows_across_layers_unless_told_otherwise():
+@pytest.mark.parametrize("method", ["kvzip", "kvzap"])
+def test_kvzip_and_kvzap_share_rows_across_layers_unless_told_otherwise(method):
     s = Settings()
+    assert config(s, kv_method=method).budget_mode == "global"
+    assert config(s, kv_method=method, qfilters_budget_mode="per_head").budget_mode == "per_head"
+    if method == "kvzap":  # a threshold bounds each head: per head then
+        assert config(s, kv_method=method, kvzap_threshold=-5.0).budget_mode == "per_head"
     assert config(s, kv_method="kvzip").budget_mode == "global"
     assert config(s, kv_method="kvzip", qfilters_budget_mode="per_head").budget_mode == "per_head"
     assert config(s).budget_mode == "per_head"  # the default method is unchanged

@@ -38,9 +38,12 @@ DEFAULT_BUDGET_MODE: BudgetMode = "per_head"
 DEFAULT_FLOOR = 0.2  # AdaKV's default share of the budget every head keeps
 # kvzip's rows shared across layers: on SmolLM2's needle documents per-head kvzip lost the
 # needle at 2x where the shared rows kept it (README, bench/results/smollm2/kvzip).
-DEFAULT_KVZIP_BUDGET_MODE: BudgetMode = "global"
-# Methods whose scores rank rows across layers, so they may share them (``global``).
+# Methods whose scores rank rows across layers, so they may share them (``global``), and do
+# by default: a fact stated once is read by few heads of few layers, which per-head budgets
+# cannot give it (the needle in prose, bench/RESULTS.md: kvzip 0.45 -> 0.85 at 2x, kvzap
+# 0.40 -> 0.93).
 SHARES_ROWS: tuple[str, ...] = ("kvzip", "kvzap")
+DEFAULT_SHARED_BUDGET_MODE: BudgetMode = "global"
 # A budget given no recent window: the seed documents measured a 16x perplexity swing in
 # generation between recent = 0 and recent = budget/4, so the default window is budget/4.
 RECENT_SHARE = 4
@@ -67,13 +70,13 @@ def fit_chunk(chunk: int | None, method: str, budget: int) -> int:
     return chunk if chunk < budget else 1
 
 
-def fit_budget_mode(mode: str, method: str) -> BudgetMode:
+def fit_budget_mode(mode: str, method: str, threshold: bool = False) -> BudgetMode:
     """The budget mode of a request that sends none, for its own method: the server's
-    ``mode``, except that ``kvzip`` takes :data:`DEFAULT_KVZIP_BUDGET_MODE` where that is the
-    general default (``per_head``), and methods other than :data:`SHARES_ROWS` ``per_head``
-    where it is ``global``."""
-    if method == "kvzip" and mode == DEFAULT_BUDGET_MODE:
-        return DEFAULT_KVZIP_BUDGET_MODE
+    ``mode``, except that :data:`SHARES_ROWS` take :data:`DEFAULT_SHARED_BUDGET_MODE` where
+    that is the general default (``per_head``) and no ``threshold`` bounds them (a threshold
+    is per head), and other methods ``per_head`` where it is ``global``."""
+    if method in SHARES_ROWS and mode == DEFAULT_BUDGET_MODE and not threshold:
+        return DEFAULT_SHARED_BUDGET_MODE
     if method not in SHARES_ROWS and mode == "global":
         return DEFAULT_BUDGET_MODE
     if mode not in BUDGET_MODES:

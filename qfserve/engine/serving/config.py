@@ -301,7 +301,9 @@ def request_cache(
     if recent is None:
         recent = default_recent(budget, n_sink)
     chunk = sent["chunk"] if "chunk" in sent else fit_chunk(config.chunk, method, budget)
-    mode = sent.get("budget_mode") or fit_budget_mode(config.budget_mode, method)
+    mode = sent.get("budget_mode") or fit_budget_mode(
+        config.budget_mode, method, sent.get("threshold") is not None
+    )
     cache = CacheConfig(
         method=method,
         budget=budget,
