@@ -174,7 +174,8 @@ def measure_doc(
     for arm, ratio, key, budget, tokens, source, right, nll in answers(
         study, doc, configs, max_tokens
     ):
-        if first and arm.method != "kvzip":  # kvzip's pass runs on the shared block only
+        # kvzip's pass, and rows shared across layers, run on the shared block only
+        if first and arm.method != "kvzip" and not arm.shared:
             direct, _ = run_arm(study, doc["prompt"], None, arm, budget, max_tokens)
             check["arms"] += 1
             check["identical"] += direct == tokens
