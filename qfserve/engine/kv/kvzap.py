@@ -116,11 +116,11 @@ def share(caches: list[Any]) -> None:
     ]
     if not any(c.size() > (c.scorer.budget or c.budget) for c in shared):
         return
-    scores = []
     for cache in shared:
         cache.prepare_compress()
-        scores.append(cache.scores)
-    evict(shared, scores)
+    # Shared rows track positions, so the raw per-row scores are ``token_scores`` (``scores``
+    # holds the decode step's ranks, padding at +inf), as a block appended to them reads.
+    evict(shared, [cache.token_scores for cache in shared])
 
 
 class KVzapPolicy(Policy):
