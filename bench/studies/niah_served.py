@@ -7,7 +7,8 @@ and its pass);
 ``kvzip``: the same request on the default server, one pass over the whole prompt before the
 answer (``qfilters_reuse: false``: a turn kept for reuse answers on its full cache instead);
 ``kvzap`` and ``kvzap-small``: ``kv_method: kvzap`` at the same budget on each server, every row
-scored by the model's surrogate as it is written (no pass).
+scored by the model's surrogate as it is written (no pass), the layers sharing the rows (kvzap's
+default budget mode).
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ def render(d: dict[str, Any]) -> list[str]:
         "as it is read; `kvzip`: the same on the default server without reuse, one pass "
         "over the whole prompt before the answer; `kvzap`, `kvzap-small`: `kv_method: kvzap` "
         "at the same budget on each server, rows scored by the model's surrogate as they are "
-        "written. Accuracy (what ran):"
+        "written and shared across layers (its default). Accuracy (what ran):"
     )
     rows = [
         [
