@@ -535,10 +535,13 @@ def caches_for(run: Any, arm: str | int) -> list[Any]:
 
 
 def prefill(model, caches: list[Any], tokens: Sequence[int], chunk: int = 512) -> None:
-    """Run ``tokens`` through the model in chunks (no sampling), filling ``caches``."""
+    """Run ``tokens`` through the model in chunks (no sampling), filling ``caches``; where
+    kvzap's layers share the rows, each chunk is shared out before the next, as the server
+    does."""
     ids = mx.array(list(tokens))
     for s in range(0, len(tokens), chunk):
         model(ids[None, s : s + chunk], cache=caches)
+        share(caches)
         mx.eval([c.state for c in caches])
 
 

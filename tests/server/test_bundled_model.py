@@ -134,6 +134,14 @@ def test_a_kvzap_threshold_evicts_below_the_budget_and_says_so(default_server):
     assert kept[0.0][0] < 256 and kept[0.0][1] > kept[None][1] > 1
 
 
+def test_the_server_evicts_with_kvzap_where_the_model_has_surrogates(default_server):
+    """``--kv-method auto`` (the default) on the bundled model, which ships KVzap
+    surrogates: the routes report kvzap as the method of requests that send none."""
+    status = httpx.get(f"{default_server}/v1/status").json()
+    admin = httpx.get(f"{default_server}/admin/cache").json()
+    assert status["defaults"]["kv_method"] == admin["defaults"]["method"] == "kvzap"
+
+
 def test_kvzap_shares_rows_across_layers_through_the_server(default_server):
     """``qfilters_budget_mode: global`` with kvzap: the layers share the request's rows by
     the shipped surrogates' scores (one layer keeps more than the budget, another fewer, their

@@ -97,6 +97,9 @@ def test_a_gguf_file_is_served_under_its_name_with_the_context_asked(gguf_server
     assert resp.status_code == 400 and "context is 256 tokens" in resp.json()["error"]["message"]
     admin = httpx.get(f"{gguf_server.url}/admin/cache").json()
     assert admin["totals"]["max_batch"] == 2
+    # --kv-method auto on a model without KVzap surrogates: Q-Filters, as both routes say.
+    status = httpx.get(f"{gguf_server.url}/v1/status").json()
+    assert status["defaults"]["kv_method"] == admin["defaults"]["method"] == "qfilters"
 
 
 def _vnni() -> bool:

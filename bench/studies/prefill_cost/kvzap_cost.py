@@ -1,5 +1,7 @@
 """KVzap's cost: a prompt prefilled with every row scored by the surrogate, against a plain
-prefill and Q-Filters', then a decode step at budget against Q-Filters'.
+prefill and Q-Filters', then a decode step at budget against Q-Filters'. ``kvzap`` keeps each
+head's budget; ``kvzap_global`` (kvzap's default) shares the rows across layers, each chunk
+shared out as it is read.
 
 Every arm runs the same prompt in the same chunks on the same attention; ``full_again`` and
 ``qfilters_again`` are the A/A copies. The surrogates are the model's own (the registry's).
@@ -28,8 +30,14 @@ PREFILL = {
     "full_again": "gray",
     "qfilters": "tab:blue",
     "kvzap": "tab:green",
+    "kvzap_global": "darkgreen",
 }
-DECODE = {"qfilters": "tab:blue", "qfilters_again": "lightsteelblue", "kvzap": "tab:green"}
+DECODE = {
+    "qfilters": "tab:blue",
+    "qfilters_again": "lightsteelblue",
+    "kvzap": "tab:green",
+    "kvzap_global": "darkgreen",
+}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -56,10 +64,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     filled: dict[str, list] = {}
 
     def caches_for(name: str) -> list[Any]:
-        method = name.removesuffix("_again")
+        method, _, variant = name.partition("_")
         if method == "full":
             return make_caches(model, CacheConfig(method="full"))
-        config = CacheConfig(method=method, budget=budget, recent=budget // 4)
+        mode = "global" if variant == "global" else "per_head"
+        config = CacheConfig(method=method, budget=budget, recent=budget // 4, budget_mode=mode)
         if method == "kvzap":
             return make_caches(model, config, surrogate=surrogate)
         return make_caches(model, config, filters=sm.filters)
@@ -121,7 +130,9 @@ def render(d: dict[str, Any]) -> list[str]:
         f"{s['recent']}, {s['reps']} interleaved rounds; the model's {sur['form']} surrogate "
         f"({sur['bytes'] / 2**20:.1f} MiB, held-out Spearman {sur['spearman_median']}). "
         "Prefill ratios are to `full` (`full_again`: the A/A copy), the decode step "
-        f"({s['decode_steps']} steps at budget) to Q-Filters' (`qfilters_again`: A/A)."
+        f"({s['decode_steps']} steps at budget) to Q-Filters' (`qfilters_again`: A/A). "
+        "`kvzap` keeps each head's budget; `kvzap_global` (kvzap's default) shares the rows "
+        "across layers, each prefill chunk shared out as it is read."
     )
     rows = [[r["arm"], ratio_cell(r)] for r in d["prefill_ratios"] + d["decode_ratios"]]
     return section("KVzap's cost", d, intro, table(["arm", "ratio (median [q1-q3])"], rows))

@@ -26,6 +26,14 @@ POSITIONED: tuple[str, ...] = ("kvzip",)  # keep each row's true position and to
 KERNEL_MODES: tuple[str, ...] = ("auto", "on", "off")
 BUDGET_MODES: tuple[str, ...] = ("per_head", "adaptive", "global")
 DEFAULT_METHOD: Method = "qfilters"
+# The server's default method, ``--kv-method auto``: where the server evicts a request on its
+# own (no method or budget sent, ``--budget auto``, its full cache past the memory), KVzap
+# where the model has surrogates, whose needle in prose holds at 2-8x where Q-Filters' falls
+# to a fifth (bench/RESULTS.md) at about the same cost; else, and for a request that sends a
+# budget, DEFAULT_METHOD (the budget field is ``qfilters_budget``).
+AUTO_METHOD = "auto"
+PICKED_METHOD: Method = "kvzap"
+SERVER_METHODS: tuple[str, ...] = (AUTO_METHOD, *METHODS)
 DEFAULT_BUDGET = 512
 DEFAULT_N_SINK = 4
 DEFAULT_RECENT = 0
@@ -252,10 +260,14 @@ def default_recent(budget: int, n_sink: int) -> int:
 
 
 @dataclass(frozen=True)
-class AutoBudget:
-    """A request whose budget follows memory: resolved by the worker once its prompt is
-    encoded (:func:`qfserve.engine.serving.admission.resolve_auto`). ``recent`` and ``chunk``
-    are what the request sent (``None``: fitted to the budget chosen)."""
+class AutoSettings:
+    """A request whose budget follows memory, resolved by the worker once its prompt is
+    encoded and the model known (:func:`qfserve.engine.serving.admission.resolve_auto`);
+    ``method``: the server picks its method too (``--kv-method auto``; the template holds
+    :data:`DEFAULT_METHOD` until then). ``recent``, ``chunk`` and ``budget_mode`` are what
+    the request sent (``None``: fitted to the method and budget chosen)."""
 
     recent: int | None = None
     chunk: int | None = None
+    budget_mode: BudgetMode | None = None
+    method: bool = False

@@ -38,6 +38,7 @@ import mlx.core as mx
 
 from qfserve.calibrations.kvzap.hidden import HiddenTap
 from qfserve.calibrations.kvzap.surrogate import forward
+from qfserve.engine.kv.config import CacheConfig
 from qfserve.engine.kv.memory import kv_need, need_param, shape
 from qfserve.engine.kv.methods import Policy, Reservation, Work
 from qfserve.engine.kv.scorers import AlwaysReady
@@ -128,6 +129,12 @@ class KVzapPolicy(Policy):
     (:func:`share`) before the next, and the prompt before decoding, and the request
     reserves the padded rows that can take (see the module doc); else the plain one."""
 
+    @classmethod
+    def reserved_rows(cls, budget: int, config: CacheConfig, heads: int, prefill_chunk: int) -> int:
+        if config.budget_mode != "global":
+            return budget
+        return heads * budget + prefill_chunk + 1  # every row shared, and a chunk read
+
     def reserve(
         self,
         loaded: Any,
@@ -138,10 +145,9 @@ class KVzapPolicy(Policy):
         prefill_chunk: int,
         kept: bool,
     ) -> Reservation:
-        config = self.config
-        if config.budget_mode == "global":
-            heads = shape(loaded.model, loaded.config)[1]
-            config = replace(config, budget=heads * config.budget + prefill_chunk + 1)
+        heads = shape(loaded.model, loaded.config)[1]
+        rows = self.reserved_rows(self.config.budget, self.config, heads, prefill_chunk)
+        config = replace(self.config, budget=rows)
         return Reservation(kv_need(loaded, config, prompt_tokens, max_tokens), need_param(config))
 
     def after_read(self, tokens: Sequence[int]) -> Work | None:

@@ -93,6 +93,24 @@ class Policy:
         self.caches = caches
         self.context = context
 
+    @classmethod
+    def reserved_rows(cls, budget: int, config: CacheConfig, heads: int, prefill_chunk: int) -> int:
+        """The rows a head reserves, on average over a layer's ``heads``, for a request of
+        ``config`` at ``budget``: the budget (a head holds at most its own)."""
+        return budget
+
+    @classmethod
+    def largest_budget(cls, rows: int, config: CacheConfig, heads: int, prefill_chunk: int) -> int:
+        """The largest budget whose :meth:`reserved_rows` are at most ``rows`` (0: none)."""
+        low, high = 0, max(0, rows)
+        while low < high:  # reserved_rows grows with the budget
+            mid = (low + high + 1) // 2
+            if cls.reserved_rows(mid, config, heads, prefill_chunk) <= rows:
+                low = mid
+            else:
+                high = mid - 1
+        return low
+
     def reserve(
         self,
         loaded: Any,
@@ -141,7 +159,12 @@ def _kvzap() -> type[Policy]:
 POLICIES: dict[str, Callable[[], type[Policy]]] = {"kvzip": _kvzip, "kvzap": _kvzap}
 
 
+def policy_class(method: str) -> type[Policy]:
+    """The policy class of ``method``."""
+    make = POLICIES.get(method)
+    return Policy if make is None else make()
+
+
 def policy_for(config: CacheConfig, caches: list[Any], context: MethodContext) -> Policy:
     """The policy of a request running ``config`` on ``caches``."""
-    make = POLICIES.get(config.method)
-    return (Policy if make is None else make())(config, caches, context)
+    return policy_class(config.method)(config, caches, context)

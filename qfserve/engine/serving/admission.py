@@ -18,9 +18,18 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from qfserve.engine.kv.config import CacheConfig, ConfigError, default_recent, fit_chunk
-from qfserve.engine.kv.memory import kv_need, kv_row_bytes, window_bytes
-from qfserve.engine.kv.methods import MethodContext, policy_for
+from qfserve.engine.kv.config import (
+    DEFAULT_METHOD,
+    AutoSettings,
+    CacheConfig,
+    ConfigError,
+    Method,
+    default_recent,
+    fit_budget_mode,
+    fit_chunk,
+)
+from qfserve.engine.kv.memory import kv_need, kv_row_bytes, shape, window_bytes
+from qfserve.engine.kv.methods import MethodContext, policy_class, policy_for
 from qfserve.engine.serving.jobs import Admission, Job
 from qfserve.engine.text.prompts import PromptError, encode_prompt
 from qfserve.engine.text.requests import Failed, Started
@@ -50,19 +59,24 @@ def default_max_kv_bytes() -> int:
 def resolve_auto(
     loaded: Any,
     template: CacheConfig,
-    auto: Any,
+    auto: AutoSettings,
     prompt_tokens: int,
     max_tokens: int,
     config: EngineConfig,
     max_kv_bytes: int,
+    picked: Method,
 ) -> CacheConfig:
     """The settings a request whose budget follows memory runs with: every row (``full``)
     while its full cache fits ``max_kv_bytes``, so a user who sets nothing never gets a
-    worse answer than the full cache while memory allows it; beyond, ``template``'s method
-    with the largest budget whose cache fits the request's share (``max_kv_bytes /
-    max_batch``, at least :data:`MIN_AUTO_BUDGET` rows where the memory holds them) and a
-    recent window of a quarter of it (``auto``: what the request sent for ``recent`` and
-    ``chunk``, a :class:`qfserve.engine.kv.config.AutoBudget`)."""
+    worse answer than the full cache while memory allows it.
+
+    Beyond, its method (``picked`` where the server picks it, ``auto.method``: the served
+    model's, see :meth:`Admitter.serve`, with the budget mode fitted to it unless sent), at
+    the largest budget whose reservation
+    (:meth:`qfserve.engine.kv.methods.Policy.reserved_rows`) fits the request's share
+    (``max_kv_bytes / max_batch``, at least :data:`MIN_AUTO_BUDGET` rows a head where the
+    memory holds them), a recent window of a quarter of it and a chunk fitted to it, unless
+    the request sent them (``auto``, a :class:`qfserve.engine.kv.config.AutoSettings`)."""
     total = prompt_tokens + max_tokens
     full = dataclasses.replace(
         template,
@@ -75,10 +89,18 @@ def resolve_auto(
     )
     if kv_need(loaded, full, prompt_tokens, max_tokens) <= max_kv_bytes:
         return full
+    if auto.method and picked != template.method:
+        mode = auto.budget_mode or fit_budget_mode(config.budget_mode, picked)
+        template = dataclasses.replace(template, method=picked, budget_mode=mode, chunk=1)
     row = max(1, kv_row_bytes(loaded.model, loaded.config, template))
     room = max_kv_bytes - window_bytes(loaded.model, loaded.config, total)  # sliding layers'
-    fits = room // row - 1  # - the decode step's free slot
-    share = room // max(1, config.max_batch) // row - 1
+    policy, heads = policy_class(template.method), shape(loaded.model, loaded.config)[1]
+
+    def budget_in(rows: int) -> int:  # - the decode step's free slot
+        return policy.largest_budget(rows - 1, template, heads, config.prefill_chunk)
+
+    fits = budget_in(room // row)
+    share = budget_in(room // max(1, config.max_batch) // row)
     budget = max(1, min(fits, max(share, MIN_AUTO_BUDGET)))
     recent = auto.recent if auto.recent is not None else default_recent(budget, template.n_sink)
     chunk = (
@@ -105,12 +127,19 @@ class Admitter:
         self._reserved: dict[str, int] = {}
         self._next: Admission | None = None  # the oldest request, prepared, waiting for memory
         self._serving: tuple[Any, MethodContext, Callable[[CacheConfig], list[Any]]] | None = None
+        self.picked: Method = DEFAULT_METHOD  # the method of requests that leave it to the server
 
     def serve(
-        self, loaded: Any, context: MethodContext, caches_for: Callable[[CacheConfig], list[Any]]
+        self,
+        loaded: Any,
+        context: MethodContext,
+        caches_for: Callable[[CacheConfig], list[Any]],
+        picked: Method = DEFAULT_METHOD,
     ) -> None:
-        """Admit requests to ``loaded``, their caches built by ``caches_for``."""
+        """Admit requests to ``loaded``, their caches built by ``caches_for``; ``picked``:
+        the method of requests that leave it to the server (``--kv-method auto``)."""
         self._serving = (loaded, context, caches_for)
+        self.picked = picked
 
     @property
     def waiting(self) -> int:
@@ -182,9 +211,16 @@ class Admitter:
                 "kv_cache_detail",
             )
         cache = request.cache
-        if request.auto is not None:  # the template's budget is resolved here, once
+        if request.auto is not None:  # what it left to the worker is resolved here, once
             cache = resolve_auto(
-                loaded, cache, request.auto, len(prompt), max_tokens, config, self.max_kv_bytes
+                loaded,
+                cache,
+                request.auto,
+                len(prompt),
+                max_tokens,
+                config,
+                self.max_kv_bytes,
+                self.picked,
             )
             if request.cache.evicts and not cache.evicts:
                 # Settings this model cannot honour are refused whether or not eviction runs.

@@ -11,7 +11,7 @@ and documented in one place. The server's own knobs (address, keys, timeouts) ex
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 from qfserve.engine.filters.model import (
     DEFAULT_SELF_CALIBRATION,
@@ -20,15 +20,16 @@ from qfserve.engine.filters.model import (
     check_mode,
 )
 from qfserve.engine.kv.config import (
+    AUTO_METHOD,
     AUTO_TEMPLATE_BUDGET,
     BUDGET_MODES,
     DEFAULT_BUDGET_MODE,
     DEFAULT_FLOOR,
     DEFAULT_METHOD,
     DEFAULT_N_SINK,
-    METHODS,
     SERVED_CHUNK,
-    AutoBudget,
+    SERVER_METHODS,
+    AutoSettings,
     BudgetMode,
     BudgetSource,
     CacheConfig,
@@ -101,11 +102,13 @@ class EngineConfig:
         help="serve a shorter context than the model's: most prompt + completion tokens "
         "one request may use (default: the model's)",
     )
-    kv_method: Method = option(
-        DEFAULT_METHOD,
+    kv_method: Method | Literal["auto"] = option(
+        AUTO_METHOD,
         "--kv-method",
-        choices=METHODS,
-        help="default eviction method (default: %(default)s)",
+        choices=SERVER_METHODS,
+        help="default eviction method; 'auto': where --budget auto evicts a request that "
+        "sent no method or budget, kvzap if the model has KVzap surrogates, else (and "
+        f"wherever a budget is given) {DEFAULT_METHOD} (default: %(default)s)",
     )
     budget: int | str = option(
         AUTO,
@@ -274,16 +277,19 @@ class EngineConfig:
 
 def request_cache(
     config: EngineConfig, sent: dict[str, Any]
-) -> tuple[CacheConfig, BudgetSource, AutoBudget | None]:
+) -> tuple[CacheConfig, BudgetSource, AutoSettings | None]:
     """The eviction settings of a request that sent ``sent`` (:class:`CacheConfig` field
     names; absent or ``None``: the server's default), where its budget comes from, and
-    what an ``auto`` budget is resolved with.
+    what the worker resolves of them (an ``auto`` budget, the server's ``auto`` method).
 
     Raises:
         ConfigError: the settings are invalid (``param`` names the field).
     """
     sent = {k: v for k, v in sent.items() if v is not None}
     method = sent.get("method", config.kv_method)
+    picks = method == AUTO_METHOD and "budget" not in sent and config.budget == AUTO
+    if method == AUTO_METHOD:  # the fallback, and a stand-in where the worker picks
+        method = DEFAULT_METHOD
     n_sink = sent.get("n_sink", config.n_sink)
     auto = None
     if "budget" in sent:
@@ -297,7 +303,12 @@ def request_cache(
         budget, source = AUTO_TEMPLATE_BUDGET, "auto"
     recent = sent.get("recent", config.recent)
     if source == "auto":
-        auto = AutoBudget(recent=recent, chunk=sent.get("chunk"))
+        auto = AutoSettings(
+            recent=recent,
+            chunk=sent.get("chunk"),
+            budget_mode=sent.get("budget_mode"),
+            method=picks,
+        )
     if recent is None:
         recent = default_recent(budget, n_sink)
     chunk = sent["chunk"] if "chunk" in sent else fit_chunk(config.chunk, method, budget)

@@ -7,13 +7,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from qfserve.engine.filters.model import ModelFilters
 from qfserve.engine.models.loading import LoadedModel, served_as
 from qfserve.engine.serving.config import EngineConfig
 
 if TYPE_CHECKING:
+    from qfserve.engine.kv.config import Method
     from qfserve.engine.serving.lockstep import Lockstep
     from qfserve.engine.serving.scheduler import Scheduler
     from qfserve.engine.serving.turns import Turns
@@ -62,6 +63,28 @@ def load(
                 lockstep.watch.close()
             raise
     return loaded, calibration, lockstep
+
+
+def pick_method(
+    config: EngineConfig, calibration: ModelFilters, lockstep: Lockstep | None
+) -> Method:
+    """The method of requests that leave it to the server, said in the log: ``--kv-method``,
+    or under ``auto`` KVzap where the model has surrogates and runs on one rank (its rows
+    are shared across the KV heads that ranks split), else Q-Filters."""
+    from qfserve.engine.kv.config import AUTO_METHOD, DEFAULT_METHOD, PICKED_METHOD
+
+    if config.kv_method != AUTO_METHOD:
+        return cast("Method", config.kv_method)
+    if calibration.kvzap is None:
+        why = "the model has no KVzap surrogates"
+        picked = DEFAULT_METHOD
+    elif lockstep is not None:
+        why = f"kvzap shares rows across KV heads, split over {lockstep.size} ranks"
+        picked = DEFAULT_METHOD
+    else:
+        why, picked = "the model has KVzap surrogates", PICKED_METHOD
+    logger.info("--kv-method auto: requests that send no kv_method evict with %s (%s)", picked, why)
+    return picked
 
 
 def check_split_defaults(config: EngineConfig, ranks: int) -> None:

@@ -237,7 +237,8 @@ class Worker:
         if lockstep is not None:  # rank 0's limit on every rank; methods' passes agree
             self.admitter.max_kv_bytes, group = lockstep.max_kv_bytes, lockstep.group
         context = MethodContext(loaded.model, loaded.tokenizer, group)
-        self.admitter.serve(loaded, context, self.calibration.caches_for)
+        picked = startup.pick_method(self.config, self.calibration, lockstep)
+        self.admitter.serve(loaded, context, self.calibration.caches_for, picked)
 
     def _make_scheduler(self) -> Any:
         assert self.loaded is not None and self.calibration is not None

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from qfserve.engine.kv.config import AutoBudget, BudgetSource, CacheConfig
+from qfserve.engine.kv.config import AutoSettings, BudgetSource, CacheConfig
 from qfserve.engine.text.structured import JSONConstraint, ToolCallConstraint
 
 Kind = Literal["chat", "completion"]
@@ -89,7 +89,7 @@ class GenerationRequest:
     reuse: bool = True
     cache_name: str | None = None
     budget_source: BudgetSource = "server"
-    auto: AutoBudget | None = None
+    auto: AutoSettings | None = None
     detail: bool = False
 
 

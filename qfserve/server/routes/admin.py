@@ -21,7 +21,7 @@ async def cache_overview(worker: WorkerDep, settings: SettingsDep) -> dict[str, 
     return {
         "model": worker.loaded.name if worker.loaded else None,
         "defaults": {
-            "method": defaults.method,
+            "method": worker.admitter.picked,  # --kv-method auto's pick for this model
             "budget": settings.budget,
             "recent": settings.recent if settings.auto_budget else defaults.recent,
             "n_sink": defaults.n_sink,

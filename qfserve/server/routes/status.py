@@ -42,7 +42,10 @@ async def status(
         "model": loaded.name,
         "context_length": loaded.context_length,
         "decode_activations": worker.ledger.decode_activations,
-        "defaults": {"kv_method": settings.kv_method, "qfilters_budget": settings.budget},
+        "defaults": {
+            "kv_method": worker.admitter.picked,  # --kv-method auto's pick for this model
+            "qfilters_budget": settings.budget,
+        },
         "memory": {
             "max_kv_bytes": worker.max_kv_bytes,
             "kv_used_bytes": kept,
