@@ -157,7 +157,7 @@ def plot(results: dict[str, Any], study: Run) -> list[str]:
                 )
             plots.log2_axis(a, budgets, logy=True)
             a.set_xlabel("budget (rows per layer and KV head)")
-            a.set_title(f"recent = {'0' if frac == 0 else 'budget/4'}", fontsize=9)
+            a.set_title(f"recent = {'0' if frac == 0 else f'{frac}% of the budget'}", fontsize=9)
         ax[0, 0].set_ylabel("perplexity (2nd half of each sequence)")
         ax[0, 0].legend(fontsize=7)
         title = f"streaming perplexity, {dataset}"
