@@ -13,7 +13,7 @@ import pytest
 
 from qfserve.engine.kv.config import CacheConfig, default_recent
 from qfserve.engine.kv.kvzap import KVzapPolicy
-from qfserve.engine.kv.memory import kv_need, kv_row_bytes, shape
+from qfserve.engine.kv.memory import kv_need, kv_row_bytes
 from qfserve.engine.kv.methods import MethodContext
 from qfserve.engine.models.loading import load_model
 from qfserve.engine.serving.admission import MIN_AUTO_BUDGET, resolve_auto
@@ -116,7 +116,7 @@ def test_the_server_picks_kvzap_where_it_evicts_on_its_own(loaded):
     """``--kv-method auto`` (the default): a request that sends neither method nor budget,
     evicted because its full cache is past the memory, runs the method the worker picked
     for the model (kvzap where it has surrogates), its layers sharing the rows, at the
-    largest budget whose reservation (``heads x budget`` rows a layer and a prefill chunk)
+    largest budget whose reservation (``budget`` rows a head on average and a prefill chunk)
     fits; a request that sends a budget, or a server whose method is set, keeps its own."""
     config = EngineConfig()
     template, _, auto = request_cache(config, {})
@@ -125,14 +125,13 @@ def test_the_server_picks_kvzap_where_it_evicts_on_its_own(loaded):
     pinned = request_cache(EngineConfig(kv_method="qfilters"), {})[2]
     assert pinned is not None and not pinned.method
     prompt, one = 1_000, EngineConfig(max_batch=1)
-    heads = shape(loaded.model, loaded.config)[1]
     kvzap = CacheConfig(method="kvzap", budget=64, budget_mode="global")
     rows = 700
     small = rows * kv_row_bytes(loaded.model, loaded.config, kvzap)
     cut = resolve_auto(loaded, template, auto, prompt, MAX_TOKENS, one, small, "kvzap")
     assert (cut.method, cut.budget_mode, cut.chunk) == ("kvzap", "global", 1)
-    # rows - 1 (the decode step's slot) >= heads * budget + prefill chunk + 1, at the most
-    assert cut.budget == (rows - 1 - one.prefill_chunk - 1) // heads
+    # rows - 1 (the decode step's slot) >= budget + prefill chunk + 1, at the most
+    assert cut.budget == rows - 1 - one.prefill_chunk - 1
     assert cut.recent == default_recent(cut.budget, cut.n_sink)
     policy = KVzapPolicy(cut, [], MethodContext(loaded.model, loaded.tokenizer))
 
@@ -188,7 +187,6 @@ def test_a_request_past_the_memory_is_evicted_and_says_so(loaded):
     small = rows * kv_row_bytes(loaded.model, loaded.config, kvzap)
     auto = EngineConfig(max_kv_bytes=small, max_batch=1)
     kv = run(loaded, auto)[1].kv_cache
-    heads = shape(loaded.model, loaded.config)[1]
     assert (kv["method"], kv["budget_mode"], kv["budget_source"]) == ("kvzap", "global", "auto")
-    assert kv["budget"] == (rows - 2 - auto.prefill_chunk) // heads
+    assert kv["budget"] == rows - 2 - auto.prefill_chunk
     assert kv["evictions"] > 0 and kv["tokens_kept"] < kv["tokens_seen"]

@@ -221,13 +221,19 @@ def make_caches(
             None if taps is None else taps[i],
             None if hidden is None else (hidden[i], surrogate.layer(i)),  # type: ignore[union-attr]
         )
+        # Heads of one layer keep different counts (stored padded to the longest) under
+        # adaptive budgets and KVzip's rows shared across layers; kvzap's shared rows keep the
+        # same count in every head of a layer (qfserve.engine.kv.kvzap.share).
+        ragged = config.budget_mode == "adaptive" or (
+            config.budget_mode == "global" and config.method != "kvzap"
+        )
         caches[i] = EvictionCache(
             scorer,
             budget=config.budget,
             n_sink=config.n_sink,
             recent=config.recent,
             chunk=config.chunk,
-            floor=config.floor_rows if config.budget_mode != "per_head" else None,
+            floor=config.floor_rows if ragged else None,
             positions=config.positions,
             use_kernel=use_kernel,
             threshold=config.threshold,

@@ -10,19 +10,17 @@ compressed as it is read, and decode keeps its O(budget) single-row eviction.
 
 Where the request's layers share its rows (``budget_mode="global"``, as KVzap's paper and
 kvpress's ``DMSPress`` apply it: one threshold over every layer and head), a prompt block is
-stored whole as it is read, and once the read ends (:class:`KVzapPolicy`) the layers take
-their shares of one top-k of the rows' predicted scores (:mod:`qfserve.engine.kv.kvzip.shares`,
-KVzip's global allocation): layers and heads whose keys the reconstruction reads keep more.
-Why: a fact stated once is read by few heads of few layers; a per-head budget keeps the same
-share of every head, and on the needle in prose it kept what Q-Filters keep (``bench/RESULTS.md``).
-The scores are fixed when a row is written, so no pass is needed: the rows are shared out
-after every prefill chunk, and memory stays bounded while a prompt is read. A layer is stored
-padded to its longest head, and the heads that take most rows are the ones that copy from the
-context: capped to keep the padded rows within what per-head budgets hold, the needle in
-prose fell from 6/6 to 1/6 at each of 2x, 4x and 8x (1k-2k tokens, in process). So they keep them, and the request
-reserves what that can take: the layers' longest heads hold at most every row shared, so a
-layer holds ``n_kv_heads * budget`` rows a head on average at most, and a chunk beside them
-while it is read.
+stored whole as it is read, and after every prefill chunk (:class:`KVzapPolicy`) the layers
+take their shares of ``budget x layers`` rows a head by the rows' predicted scores
+(:func:`layer_rows`): layers whose keys a reconstruction would read keep more. Why: a fact
+stated once is read by few heads of few layers; a per-head budget keeps the same share of
+every layer, and on the needle in prose it kept what Q-Filters keep (``bench/RESULTS.md``).
+The scores are fixed when a row is written, so no pass is needed, and memory stays bounded
+while a prompt is read: a request reserves ``budget`` rows a head on average over the layers
+and a chunk beside them. Every head of a layer keeps the same count, its neediest head's:
+a layer is stored at its longest head's length, so shares counted per head (KVzip's) hold up
+to ``n_kv_heads`` times the budget's bytes, and the heads that take most rows, the ones that
+copy from the context, are the ones a cap would cut.
 
 Rows it cannot score (a cache restored without its hidden states, which never happens in a
 forward pass) rank by K-norm mapped below every surrogate score.
@@ -35,6 +33,7 @@ from dataclasses import replace
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from qfserve.calibrations.kvzap.hidden import HiddenTap
 from qfserve.calibrations.kvzap.surrogate import forward
@@ -68,11 +67,7 @@ class KVzapScorer(AlwaysReady):
         self.tap = tap
         self.weights = weights
         self.shared = shared
-        # As KVzip's scorer (the shares read them): the request's budget before a layer
-        # takes its share, and no cap on a head's rows (no compress-as-read limit).
-        self.budget: int | None = None
-        self.cap: int | None = None
-        self.keep_limit: int | None = None
+        self.budget: int | None = None  # the request's, before a layer takes its share
 
     def defers(self, n: int) -> bool:
         """A prompt block is stored whole until :func:`share` (rows shared across layers)."""
@@ -107,33 +102,71 @@ def kvzap_scorer(tap: Any, weights: tuple[mx.array, ...], *, shared: bool = Fals
 
 
 def share(caches: list[Any]) -> None:
-    """Evict the request's kvzap caches that share its rows down to their shares of one
-    top-k over every layer's stored scores, where some holds more than the request's budget
-    (a prompt block stored whole)."""
-    from qfserve.engine.kv.kvzip.shares import evict
-
+    """Evict the request's kvzap caches that share its rows to their layers' shares
+    (:func:`layer_rows`), where some holds more than its share (a prompt block stored
+    whole)."""
     shared = [
         c for c in caches if isinstance(getattr(c, "scorer", None), KVzapScorer) and c.scorer.shared
     ]
-    if not any(c.size() > (c.scorer.budget or c.budget) for c in shared):
+    if not any(c.size() > c.budget for c in shared):
         return
     for cache in shared:
         cache.prepare_compress()
+        if cache.scorer.budget is None:  # the request's budget, kept for later turns
+            cache.scorer.budget = cache.budget
     # Shared rows track positions, so the raw per-row scores are ``token_scores`` (``scores``
-    # holds the decode step's ranks, padding at +inf), as a block appended to them reads.
-    evict(shared, [cache.token_scores for cache in shared])
+    # holds the decode step's ranks), as a block appended to them reads.
+    scores = [cache.token_scores for cache in shared]
+    for cache, rows, layer_scores in zip(shared, layer_rows(shared, scores), scores, strict=True):
+        cache.budget = rows
+        cache.compress(layer_scores)
+    mx.eval([c.state for c in shared])
+
+
+def layer_rows(caches: list[Any], scores: list[mx.array]) -> list[int]:
+    """Rows per head of each layer when the layers share the request's rows: every head of
+    a layer keeps the same count, the counts summing to the request's ``budget`` times the
+    layers.
+
+    A layer is stored at its longest head's length, so rows a head keeps below the longest
+    cost nothing more: the count a layer needs is its neediest head's. A layer's k-th row is
+    worth its heads' best k-th score, and the layers take the best of those over every layer
+    (protected rows, sinks and the recent window, first), ties trimmed from the longest.
+
+    Args:
+        caches: The request's kvzap caches (one batch row), rows in temporal order.
+        scores: ``(1, H, S)`` float32 per layer, the rows' predicted scores.
+    """
+    worth = []
+    for cache, layer_scores in zip(caches, scores, strict=True):
+        ranked = np.array(layer_scores[0], dtype=np.float32)
+        S = ranked.shape[-1]
+        protected = np.zeros(S, dtype=bool)
+        protected[: cache.n_sink] = True
+        protected[max(0, S - cache.recent) :] = True
+        ranked[:, protected] = np.inf
+        best_first = -np.sort(-ranked, axis=-1)  # each head's rows
+        worth.append(best_first.max(axis=0))  # the heads' best k-th: non-increasing in k
+    total = sum(c.scorer.budget for c in caches)
+    pool = np.concatenate(worth)
+    kth = -np.inf if pool.size <= total else np.partition(pool, pool.size - total)[-total]
+    rows = [int((w >= kth).sum()) for w in worth]
+    while sum(rows) > total:  # ties at the threshold
+        rows[rows.index(max(rows))] -= 1
+    return rows
 
 
 class KVzapPolicy(Policy):
     """KVzap's policy: where the layers share the rows, each prompt chunk read is shared out
     (:func:`share`) before the next, and the prompt before decoding, and the request
-    reserves the padded rows that can take (see the module doc); else the plain one."""
+    reserves the rows they hold on average and the chunk read beside them (see the module doc);
+    else the plain one."""
 
     @classmethod
     def reserved_rows(cls, budget: int, config: CacheConfig, heads: int, prefill_chunk: int) -> int:
         if config.budget_mode != "global":
             return budget
-        return heads * budget + prefill_chunk + 1  # every row shared, and a chunk read
+        return budget + prefill_chunk + 1  # the layers' mean, and a chunk read beside it
 
     def reserve(
         self,
