@@ -1,6 +1,8 @@
 """The needle in prose through the server, with the settings a user who changes nothing gets.
 
-``auto`` (no eviction field), ``full`` and ``auto-small`` (``--max-kv-bytes`` of 2,048 tokens);
+``auto`` (no eviction field), ``full`` and ``auto-small`` (``--max-kv-bytes`` of 2,048 tokens
+and one request at a time, ``--max-batch 1``: the ``auto`` budget is then what that memory
+holds, not a share of it);
 ``kvzip-small``: ``kv_method: kvzip`` at :data:`SMALL_KVZIP_BUDGET` rows without reuse on that
 small server, where every prompt is compressed as it is read (what fits holds no whole prompt
 and its pass);
@@ -85,6 +87,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             run.folder,
             "--max-kv-bytes",
             str(small),
+            "--max-batch",
+            "1",
             *chunk,
             log=logs / "small.log",
             timeout=300,
@@ -137,7 +141,7 @@ def render(d: dict[str, Any]) -> list[str]:
         f"{d['docs']} documents per length, the needle at half depth; greedy. `auto`: "
         "no eviction field (`--budget auto`); `full`: `kv_method: full`; `auto-small`: "
         f"the same request on a server whose `--max-kv-bytes` holds {d['small_tokens']:,} "
-        "tokens of full cache; `kvzip-small`: `kv_method: kvzip` at "
+        "tokens of full cache and runs one request at a time (`--max-batch 1`); `kvzip-small`: `kv_method: kvzip` at "
         f"{d.get('small_kvzip_budget', '?')} rows without reuse on that server, every prompt compressed "
         "as it is read; `kvzip`: the same on the default server without reuse, one pass "
         "over the whole prompt before the answer; `kvzap`, `kvzap-small`: `kv_method: kvzap` "
