@@ -348,12 +348,6 @@ def speed_headlines(results: dict[str, dict[str, Any]]) -> list[str]:
             f"{t['ours_qfilters']}, tok/s {s['ours_qfilters']}; A/A TTFT {t['theirs_b']}, "
             f"tok/s {s['theirs_b']}."
         )
-    if d := results.get("bandwidth"):
-        parts = ", ".join(f"{r['arm']} {r['percent_of_bandwidth']:.1f}%" for r in d["decode"])
-        out.append(
-            f"- Share of measured bandwidth ({d['bandwidth']['reference_gbps']:.1f} GB/s) "
-            f"reached in decode at context {d['settings']['context']}: {parts}."
-        )
     if losses := where_eviction_loses(results):
         out.append(
             "- Where eviction loses (its ratio's lower quartile above both 1 and the A/A upper "

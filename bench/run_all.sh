@@ -74,7 +74,6 @@ if [[ "$which" == speed || "$which" == all ]]; then
     # The reused arm alone over five more conversations: its turn-20/turn-2 ratio's spread.
     run multiturn --conversations 5 --arms qfilters_reuse \
         --out bench/results/smollm2/multiturn_repeats
-    run decode --mode bandwidth
     run structured --reps 5 --tokens 40
 fi
 if [[ "$which" == refinements || "$which" == all ]]; then
@@ -88,6 +87,5 @@ if [[ "$which" == refinements || "$which" == all ]]; then
     run retrieval --haystack prose --calibration registry --lengths 2048 4096 --ratios 2 4 8 16 \
         --out "$out" "${arms[@]}"
     run perplexity --calibration registry --out "$out" "${arms[@]}"
-    run decode --mode refine
 fi
 python -m bench.report

@@ -123,21 +123,13 @@ STUDIES = {
             modes=_modes(llama_cpp="llama_parity", kvpress="kvzip_parity"),
         ),
         # One decode step, timed from every side: against the full cache and context (step),
-        # batched, chunked and head-adaptive, by kind of work, and against memory bandwidth.
+        # batched, and by kind of work.
         Study(
             "decode",
             "speed",
-            "the decode step: eviction against the full cache, batched, refined, profiled, "
-            "bandwidth, activations' rounding",
+            "the decode step: eviction against the full cache, batched, profiled",
             option="--mode",
-            modes=_modes(
-                step="decode",
-                batch="batch_step",
-                refine="refine_step",
-                profile="profile",
-                bandwidth="bandwidth",
-                activations="activations",
-            ),
+            modes=_modes(step="decode", batch="batch_step", profile="profile"),
         ),
         # What a prompt costs before the first token: eviction's, self-calibration's, KVzip's pass.
         Study(
