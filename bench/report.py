@@ -329,25 +329,6 @@ def speed_headlines(results: dict[str, dict[str, Any]]) -> list[str]:
             + (" (beyond trained context)" if r["beyond_trained_context"] else "")
             + f", eviction / full: {parts}; A/A {ratio_cell(r['ratios'][0])}."
         )
-    for r in results.get("server_overhead", {}).get("rows", []):
-        t = {(x["arm"], x["reference"]): ratio_cell(x) for x in r["ttft_ratios"]}
-        i = {(x["arm"], x["reference"]): ratio_cell(x) for x in r["itl_ratios"]}
-        k, w = ("http_a", "in_process_a"), ("worker", "in_process_a")
-        aa, bb = ("in_process_b", "in_process_a"), ("http_b", "http_a")
-        out.append(
-            f"- Serving overhead at a {r['prompt_tokens']}-token prompt, HTTP / in-process: "
-            f"TTFT {t[k]}, inter-token latency {i[k]} (worker / in-process: {t[w]}, {i[w]}); "
-            f"A/A in-process {t[aa]} / {i[aa]}, HTTP {t[bb]} / {i[bb]}."
-        )
-    for r in results.get("vs_mlx_lm", {}).get("rows", []):
-        t = {x["arm"]: ratio_cell(x) for x in r["ttft_ratios"]}
-        s = {x["arm"]: ratio_cell(x) for x in r["tps_ratios"]}
-        out.append(
-            f"- vs `mlx_lm.server` at a {r['prompt_tokens']}-token prompt: ours full TTFT "
-            f"{t['ours_full']}, tok/s {s['ours_full']}; ours with Q-Filters TTFT "
-            f"{t['ours_qfilters']}, tok/s {s['ours_qfilters']}; A/A TTFT {t['theirs_b']}, "
-            f"tok/s {s['theirs_b']}."
-        )
     if losses := where_eviction_loses(results):
         out.append(
             "- Where eviction loses (its ratio's lower quartile above both 1 and the A/A upper "

@@ -60,10 +60,7 @@ fi
 if [[ "$which" == speed || "$which" == all ]]; then
     run decode
     run prefill-cost --mode ttft
-    run vs --against in-process
-    run vs --against mlx-lm
     run vs --against llama-cpp --prompts 256 2048 4096 8096 || echo "vs --against llama-cpp needs llama-cpp-python[server]"
-    run distributed
     run batching
     # After the packed step's in-place joins and leaves: 256-token prompts, two rounds a row.
     run batching --prompts 256 --streams 1 8 16 --reps 2 \

@@ -142,23 +142,16 @@ STUDIES = {
                 ttft="ttft", selfcal="selfcal_prefill", kvzip="kvzip_cost", kvzap="kvzap_cost"
             ),
         ),
-        # Our server against another way of serving the same model: mlx-lm's server,
-        # llama.cpp's (speed or resident memory), or our own worker and in-process loop.
+        # Our server against llama.cpp's on the same model: speed or resident memory.
         Study(
             "vs",
             "speed",
-            "qfserve against mlx-lm's or llama.cpp's server, or its own worker in-process",
+            "qfserve against llama.cpp's server on the same GGUF: speed, resident memory",
             True,
             f"llama-server ({LLAMA_TOOLS}) or llama-cpp-python[server] for llama-cpp",
             option="--against",
-            modes=_modes(
-                mlx_lm="vs_mlx_lm",
-                llama_cpp="vs_llama_cpp",
-                llama_cpp_memory="memory",
-                in_process="server_overhead",
-            ),
+            modes=_modes(llama_cpp="vs_llama_cpp", llama_cpp_memory="memory"),
         ),
-        Study("distributed", "speed", "one process against the model split over ranks (lockstep)"),
         Study("structured", "speed", "what a JSON-schema constraint costs per token"),
         Study(
             "batching",

@@ -107,12 +107,6 @@ CHECKS: dict[str, Callable[[dict[str, Any]], bool]] = {
     "ttft": lambda d: all(
         _positive_medians(r["ttft_s"]) and _ratios(r["ratios"]) for r in d["rows"]
     ),
-    "server_overhead": lambda d: all(
-        _positive_medians(r["ttft_s"]) and _ratios(r["ttft_ratios"]) for r in d["rows"]
-    ),
-    "vs_mlx_lm": lambda d: all(
-        _positive_medians(r["decode_tps"]) and _ratios(r["tps_ratios"]) for r in d["rows"]
-    ),
     "vs_llama_cpp": lambda d: all(
         _positive_medians(r["decode_tps"]) and _ratios(r["tps_ratios"]) for r in d["rows"]
     ),
@@ -123,15 +117,6 @@ CHECKS: dict[str, Callable[[dict[str, Any]], bool]] = {
             _positive_medians(p["ms"]) and _ratios(list(p["ratios"].values()))
             for p in d["products"]
         )
-    ),
-    "distributed": lambda d: all(
-        _positive_medians(r["decode_tps"])
-        and _ratios(r["tps_ratios"])
-        and r["ranks_view"]["ranks"] == d["settings"]["ranks"]
-        # a rank holds 1/N of one process's rows' bytes
-        and r["kv_bytes_per_rank"]["ranks"][0] * d["settings"]["ranks"]
-        == r["kv_bytes_per_rank"]["one_a"][0]
-        for r in d["rows"]
     ),
     "structured": lambda d: (
         d["ratios"]["schema/free"]["median"] > 0
