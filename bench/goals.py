@@ -24,10 +24,8 @@ STATEMENTS = {
     "memory": "Resident memory after a 2k-token request, same GGUF and context as `llama-server -c 8192 -np 1`: ≤ 1.6× theirs and ≤ the file + the KV held + 350 MB, at Q4_1, at Q4_K_M and on a 1.1B-parameter Q4_K_M file",
     "batching": "Continuous batching: aggregate decode tokens/s at 8 streams ≥ 3× one stream's "
     "and ≥ 1.2× llama-server's on the same file; 16 streams not below 8",
-    "multiturn": "Multi-turn reuse (budget 512): TTFT at the last turn within 1.3× of turn 2's; KV bytes flat once the budget fills",
     "self_calibration": "Self-calibrated Q-Filters (no artifact): pass key at 8× within 5 points of the calibrated filters and well above the key-SVD fallback",
     "traffic_calibration": "Without an artifact, by default: Q-Filters learned from chat traffic, pass key at 8× within 5 points of the calibrated filters and well above the key-SVD fallback",
-    "self_calibration_cost": "Self-calibration's prefill cost on a 4k prompt ≤ 1.10× a plain prefill",
 }
 GOALS: list[Callable[[Path], Row]] = []
 
@@ -255,52 +253,6 @@ def batching(folder: Path) -> tuple[str, bool]:
     return "; ".join(parts) or "no 8-stream row", ok
 
 
-_MULTITURN_SETTINGS = ("turns", "turn_tokens", "max_tokens", "budget", "temperature")
-
-
-@_goal
-def multiturn(folder: Path) -> tuple[str, bool]:
-    data = _need(folder, "multiturn")
-    turns, ratios = data["turns"], data["last_over_second_ttft"]
-    if "qfilters_reuse" not in turns:
-        raise NotRun("the run has no qfilters_reuse arm")
-    ratio = ratios.get("qfilters_reuse")
-    kept = [t["kept_bytes"] for t in turns["qfilters_reuse"]]
-    flat = len(kept) >= 3 and kept[-1] == kept[-2]
-    if ratio is None or len(kept) < 2:
-        raise NotRun("fewer than two turns")
-    fresh = ratios.get("qfilters_fresh")
-    without = "" if fresh is None else f" ({fresh:.2f}× without)"
-    measured = f"turn {len(kept)} / turn 2 TTFT: {ratio:.2f}× with reuse{without}"
-    # Repeated conversations (multiturn --conversations K, into multiturn_repeats/) give the
-    # ratio a spread; their median is judged when run with these settings on the same weights.
-    repeats = load(folder / "multiturn_repeats" / "multiturn.json")
-    if repeats is not None:
-        same = (
-            not repeats.get("quick")
-            and {k: repeats["settings"].get(k) for k in _MULTITURN_SETTINGS}
-            == {k: data["settings"].get(k) for k in _MULTITURN_SETTINGS}
-            and repeats["model"].get("weights_sha1") == data["model"].get("weights_sha1")
-        )
-        each = repeats.get("last_over_second_ttft_by_conversation", {}).get("qfilters_reuse")
-        if not same:
-            measured += "; the repeated conversations were run with other settings: ignored"
-        elif each and None not in each:
-            first, ratio = ratio, repeats["last_over_second_ttft"]["qfilters_reuse"]
-            measured = (
-                f"turn {len(kept)} / turn 2 TTFT with reuse: median {ratio:.2f}× over "
-                f"{len(each)} conversations ({min(each):.2f}–{max(each):.2f}); {first:.2f}× in "
-                f"the study's own run{without}"
-            )
-    full = [t["kept_bytes"] / 2**20 for t in turns.get("full_reuse", ())]
-    growth = f"; full cache {full[1]:.1f} → {full[-1]:.1f} MiB" if len(full) > 1 else ""
-    return (
-        f"{measured}; KV {kept[-1] / 2**20:.1f} MiB at the end "
-        f"({'flat' if flat else 'not flat'}{growth})",
-        ratio <= 1.3 and flat,
-    )
-
-
 def _at_8x(
     data: dict[str, Any], arm: str, who: str, also: tuple[str, str] | None = None
 ) -> tuple[str, bool | str]:
@@ -335,13 +287,6 @@ def traffic_calibration(folder: Path) -> tuple[str, bool | str]:
     also = ("traffic/r25/passkey", "learned from pass-key documents alone")
     data = _need(folder / "traffic", "retrieval")
     return _at_8x(data, "traffic/r25/chat", "learned from chat traffic", also)
-
-
-@_goal
-def self_calibration_cost(folder: Path) -> tuple[str, bool]:
-    data = _need(folder, "selfcal_prefill")
-    own, aa = (medians(data["ratios"])[a] for a in ("self", "calibrated_again"))
-    return f"{data['settings']['prompt_tokens']} tokens: {own:.3f}× (A/A {aa:.3f}×)", own <= 1.10
 
 
 def render_goals(folder: Path) -> list[str]:

@@ -38,7 +38,6 @@ MODELS = {
     "smollm2/kvzip/passkey": f"{SMOL}: the pass key at 1k-4k tokens with KVzip per head and across a layer's heads, beside Q-Filters, K-norm, SnapKV and streaming (6 documents a length)",
     "smollm2/kvzip/perplexity": f"{SMOL}: perplexity of the second half after the first half is read as a prompt and compressed by kvzip across a layer's heads, beside Q-Filters, K-norm and streaming",
     "smollm2/batching_16": f"{SMOL}: continuous batching up to 16 streams (256-token prompts), after the packed batch's in-place joins and leaves, chunks of 8 by default",
-    "smollm2/multiturn_repeats": f"{SMOL}: multi-turn reuse over repeated conversations",
     "smollm2/niah_served": f"{SMOL}: the needle through the server with default settings",
     "smollm2/avx2": f"{SMOL} on a CPU with AVX2 and no AVX-512 (AMD Zen 3, 2 cores; the sections above ran on AVX-512), after the native kernels took the CPU's own vector width and AVX2 got the integer products",
     "qfserve-tiny": "qfserve-tiny (the bundled 6-layer test model: what CI's smoke runs use; kept where it still says something)",

@@ -66,12 +66,6 @@ if [[ "$which" == speed || "$which" == all ]]; then
     run batching --prompts 256 --streams 1 8 16 --reps 2 \
         --out bench/results/smollm2/batching_16
     run decode --mode batch
-    run prefill-cost --mode selfcal
-    run multiturn
-    # The reused arm alone over five more conversations: its turn-20/turn-2 ratio's spread.
-    run multiturn --conversations 5 --arms qfilters_reuse \
-        --out bench/results/smollm2/multiturn_repeats
-    run structured --reps 5 --tokens 40
 fi
 if [[ "$which" == refinements || "$which" == all ]]; then
     # Chunk-level selection and head-adaptive budgets beside plain Q-Filters, K-norm and

@@ -131,16 +131,14 @@ STUDIES = {
             option="--mode",
             modes=_modes(step="decode", batch="batch_step", profile="profile"),
         ),
-        # What a prompt costs before the first token: eviction's, self-calibration's, KVzip's pass.
+        # What a prompt costs before the first token: eviction's, KVzip's pass, KVzap's scores.
         Study(
             "prefill-cost",
             "speed",
-            "what eviction, self-calibration, KVzip's pass and KVzap's scores add to a prefill",
+            "what eviction, KVzip's pass and KVzap's scores add to a prefill",
             True,
             option="--mode",
-            modes=_modes(
-                ttft="ttft", selfcal="selfcal_prefill", kvzip="kvzip_cost", kvzap="kvzap_cost"
-            ),
+            modes=_modes(ttft="ttft", kvzip="kvzip_cost", kvzap="kvzap_cost"),
         ),
         # Our server against llama.cpp's on the same model: speed or resident memory.
         Study(
@@ -152,7 +150,6 @@ STUDIES = {
             option="--against",
             modes=_modes(llama_cpp="vs_llama_cpp", llama_cpp_memory="memory"),
         ),
-        Study("structured", "speed", "what a JSON-schema constraint costs per token"),
         Study(
             "batching",
             "speed",
@@ -160,7 +157,6 @@ STUDIES = {
             option="--load",
             modes=_modes(burst="batching", open="open_load"),
         ),
-        Study("multiturn", "speed", "multi-turn chat: TTFT, KV bytes and RSS per turn, with reuse"),
         Study(
             "kernel-cuda",
             "speed",

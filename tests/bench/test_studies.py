@@ -118,10 +118,6 @@ CHECKS: dict[str, Callable[[dict[str, Any]], bool]] = {
             for p in d["products"]
         )
     ),
-    "structured": lambda d: (
-        d["ratios"]["schema/free"]["median"] > 0
-        and 0 < d["processor_ms_per_token"]["median"] < d["ms_per_token"]["schema"]["median"]
-    ),
     "batching": lambda d: (
         d["complete"] is True and all(_positive_medians(r["tokens_per_s"]) for r in d["rows"])
     ),
@@ -130,9 +126,7 @@ CHECKS: dict[str, Callable[[dict[str, Any]], bool]] = {
         and all(r["ours"]["answered"] == r["requests"] > 0 for r in d["rows"])
         and all(r["ours"]["ttft_p95_s"] >= r["ours"]["ttft_p50_s"] > 0 for r in d["rows"])
     ),
-    "multiturn": lambda d: all(t["ttft_s"] > 0 for turns in d["turns"].values() for t in turns),
     "batch_step": lambda d: all(_ratios(r["ratios"]) for r in d["rows"]),
-    "selfcal_prefill": lambda d: _ratios(d["ratios"]),
     "profile": lambda d: (
         all(_positive_medians(v["ms"]) and v["rows"] > 0 for v in d["decode"].values())
         and d["decode"]["qfilters"]["rows"] <= d["settings"]["budget"]
