@@ -140,7 +140,7 @@ CHECKS: dict[str, Callable[[dict[str, Any]], bool]] = {
     "kvzap_cost": lambda d: (
         _ratios(d["prefill_ratios"])
         and _ratios(d["decode_ratios"])
-        and {r["arm"] for r in d["decode_ratios"]} == {"qfilters_again", "kvzap"}
+        and {r["arm"] for r in d["decode_ratios"]} == {"qfilters_again", "kvzap", "kvzap_global"}
         and d["settings"]["surrogate"]["bytes"] > 0
     ),
     "kernel_cuda": lambda d: (
