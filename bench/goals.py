@@ -16,7 +16,6 @@ Judge = Callable[[Path], tuple[str, "bool | str"]]  # measured, met (or a verdic
 STATEMENTS = {
     "retrieval": "Pass-key retrieval at 4k-8k: Q-Filters ≥ 95% / 90% / 80% at 8× / 16× / 32×, above K-norm and streaming at every compression",
     "niah": "Needle in prose (paper: 99% at 32× on 8B models): Q-Filters at 8×-32×",
-    "attention": "Score vs attention: mean Spearman ≥ +0.6, above K-norm and recency",
     "perplexity": "Perplexity at budgets 256-1,024 with a recent window: Q-Filters closes ≥ 50% of the streaming-to-full gap (paper: up to 65% less perplexity drop than StreamingLLM)",
     "decode": "Decode at 8k: budget 512 ≥ 2× faster per step than the full cache; peak memory flat in context with eviction",
     "vs_llama_cpp": "Against llama.cpp's server on the same GGUF: TTFT with Q-Filters ≤ 1× at every length, with the full cache ≤ 1.5× at 8k; Q-Filters (512) decode tokens/s ≥ 1× at 8k, ≥ 0.75× at 4k, ≥ 0.5× at 256 tokens",
@@ -125,14 +124,6 @@ def niah(folder: Path) -> tuple[str, str]:
             parts.append(f"{ratio}×: {q:.2f}")
     lengths = ", ".join(f"{n // 1024}k" for n in data["lengths"])
     return f"exact match over {lengths}: " + "; ".join(parts), "reported (no target)"
-
-
-@_goal
-def attention(folder: Path) -> tuple[str, bool]:
-    rho = {n: v["mean_rho"] for n, v in _need(folder, "attention")["results"]["all"].items()}
-    q = rho["qfilters"]
-    others = ", ".join(f"{n} {v:+.2f}" for n, v in rho.items() if n != "qfilters")
-    return f"Q-Filters {q:+.2f} ({others})", q >= 0.6 and q > rho["knorm"] and q > rho["recency"]
 
 
 @_goal

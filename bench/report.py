@@ -26,7 +26,6 @@ MODELS = {
     "smollm2/refinements/adaptive": f"{SMOL}: head-adaptive budgets ranked by expected log attention weights",
     "smollm2/refinements/prompt": f"{SMOL}: chunked Q-Filters against plain, perplexity after a prompt read in 512-token blocks",
     "smollm2/selfcal": f"{SMOL}: self-calibrated Q-Filters (no artifact) against calibrated, the key-SVD fallback and the query-aware references",
-    "smollm2/selfcal/lengths": f"{SMOL}: does the score predict attention at 1k-8k tokens (calibrated, self-calibrated and traffic-learned Q-Filters, the fallback, SnapKV, K-norm, recency)",
     "smollm2/traffic": f"{SMOL}: Q-Filters learned from traffic (the server's default without an artifact) against calibrated, self-calibrated and the fallback",
     "smollm2/traffic/8k": f"{SMOL}: Q-Filters learned from traffic on 8k-token documents",
     "smollm2/query_aware": f"{SMOL}: the query-aware references (SnapKV, TOVA) beside calibrated, self-calibrated and fallback Q-Filters",
@@ -183,7 +182,7 @@ def ratio_cell(row: dict[str, Any]) -> str:
 
 # -- section headlines -------------------------------------------------------------------
 
-QUALITY_HEADLINES = ("attention", "perplexity", "retrieval", "niah")
+QUALITY_HEADLINES = ("perplexity", "retrieval", "niah")
 QUALITY_INTRO = (
     "Held-out data only: evaluation-split standard-library files and generated documents from the "
     "training package's evaluation seeds; calibration on training-split files. Budgets are matched "
@@ -225,15 +224,6 @@ def quality_headlines(results_dir: Path) -> list[str]:
             "",
         ]
     lines += ["Headlines (all from the tables below):", ""]
-    if "attention" in data:
-        rho = data["attention"]["results"]["all"].items()
-        parts = "; ".join(
-            f"{k} {v['mean_rho']:+.2f} ({pct(v['share_heads_positive'])})" for k, v in rho
-        )
-        lines.append(
-            "- Score vs attention (mean Spearman ρ over KV heads, share of heads positive): "
-            f"{parts}."
-        )
     for dataset, d in data.get("perplexity", {}).get("results", {}).items():
         b = "128" if "128" in d["budgets"] else next(iter(d["budgets"]))
         arms = d["budgets"][b]

@@ -77,9 +77,6 @@ LLAMA_TOOLS = "bench/reference/llama_cpp_tools.sh"
 STUDIES = {
     s.name: s
     for s in (
-        Study(
-            "attention", "quality", "does each scorer's score predict the attention a key receives?"
-        ),
         Study("perplexity", "quality", "streaming perplexity per budget and arm, code and prose"),
         # The needle is the question; the haystack (a synthetic pass key or English prose) an axis.
         Study(
@@ -107,9 +104,6 @@ STUDIES = {
             subfolder=("kvzip_reuse",),
             option="--conversation",
             modes=_modes(chat="multiturn_recall", document="kvzip_reuse"),
-        ),
-        Study(
-            "traffic", "quality", "Q-Filters learned from traffic, as a server learns them", True
         ),
         # Both run the same inputs through a reference implementation and compare what comes out.
         Study(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.goals import attention, batching, decode, render_goals, retrieval
+from bench.goals import batching, decode, render_goals, retrieval
 
 
 def _write(folder: Path, name: str, data: dict) -> None:
@@ -15,21 +15,6 @@ def _write(folder: Path, name: str, data: dict) -> None:
 
 def _cell(acc: float, n: int = 6) -> dict:
     return {"accuracy": acc, "n": n}
-
-
-def test_attention_goal_needs_the_threshold_and_both_baselines(tmp_path: Path) -> None:
-    def run(q: float, knorm: float) -> str:
-        pooled = {"qfilters": q, "knorm": knorm, "recency": 0.1}
-        _write(
-            tmp_path,
-            "attention",
-            {"results": {"all": {k: {"mean_rho": v} for k, v in pooled.items()}}},
-        )
-        return attention(tmp_path)[2]
-
-    assert run(0.65, 0.3) == "**met**"
-    assert run(0.55, 0.3) == "**not met**"  # below +0.6
-    assert run(0.65, 0.7) == "**not met**"  # K-norm above
 
 
 def test_retrieval_goal_pools_4k_and_8k_and_requires_beating_baselines(tmp_path: Path) -> None:
