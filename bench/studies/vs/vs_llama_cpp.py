@@ -122,10 +122,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         servers.serve(kind, "qfserve", model=model, flags=flags, timeout=300) as (theirs, ours),
         httpx.Client() as client,
     ):
-        mine = {
-            "model": client.get(ours + "/v1/models").json()["data"][0]["id"],
-            "max_tokens": args.max_tokens,
-        }
+        mine = {"model": clients.served_model(client, ours), "max_tokens": args.max_tokens}
         sm.log(f"theirs {theirs}, ours {ours}; prompts {lengths}, {args.reps} reps")
         for n in lengths:
             them = chat_arm(sm, client, theirs, n, model=str(model), max_tokens=args.max_tokens)
