@@ -16,19 +16,15 @@ Judge = Callable[[Path], tuple[str, "bool | str"]]  # measured, met (or a verdic
 STATEMENTS = {
     "retrieval": "Pass-key retrieval at 4k-8k: Q-Filters ≥ 95% / 90% / 80% at 8× / 16× / 32×, above K-norm and streaming at every compression",
     "niah": "Needle in prose (paper: 99% at 32× on 8B models): Q-Filters at 8×-32×",
-    "attention": "Score vs attention: mean Spearman ≥ +0.6, above K-norm and recency",
     "perplexity": "Perplexity at budgets 256-1,024 with a recent window: Q-Filters closes ≥ 50% of the streaming-to-full gap (paper: up to 65% less perplexity drop than StreamingLLM)",
     "decode": "Decode at 8k: budget 512 ≥ 2× faster per step than the full cache; peak memory flat in context with eviction",
-    "vs_mlx_lm": "Against mlx_lm.server: parity with the full cache; ≥ 2× decode tokens/s at 8k",
     "vs_llama_cpp": "Against llama.cpp's server on the same GGUF: TTFT with Q-Filters ≤ 1× at every length, with the full cache ≤ 1.5× at 8k; Q-Filters (512) decode tokens/s ≥ 1× at 8k, ≥ 0.75× at 4k, ≥ 0.5× at 256 tokens",
     "vs_llama_cpp_q4_k_m": "The same file as Q4_K_M (llama-quantize --allow-requantize), against llama.cpp's llama-server: Q-Filters (512) decode tokens/s ≥ 1× at 4k and ≥ 0.8× at 256 tokens; TTFT ≤ 1× at 2k and 8k",
     "memory": "Resident memory after a 2k-token request, same GGUF and context as `llama-server -c 8192 -np 1`: ≤ 1.6× theirs and ≤ the file + the KV held + 350 MB, at Q4_1, at Q4_K_M and on a 1.1B-parameter Q4_K_M file",
     "batching": "Continuous batching: aggregate decode tokens/s at 8 streams ≥ 3× one stream's "
     "and ≥ 1.2× llama-server's on the same file; 16 streams not below 8",
-    "multiturn": "Multi-turn reuse (budget 512): TTFT at the last turn within 1.3× of turn 2's; KV bytes flat once the budget fills",
     "self_calibration": "Self-calibrated Q-Filters (no artifact): pass key at 8× within 5 points of the calibrated filters and well above the key-SVD fallback",
     "traffic_calibration": "Without an artifact, by default: Q-Filters learned from chat traffic, pass key at 8× within 5 points of the calibrated filters and well above the key-SVD fallback",
-    "self_calibration_cost": "Self-calibration's prefill cost on a 4k prompt ≤ 1.10× a plain prefill",
 }
 GOALS: list[Callable[[Path], Row]] = []
 
@@ -131,14 +127,6 @@ def niah(folder: Path) -> tuple[str, str]:
 
 
 @_goal
-def attention(folder: Path) -> tuple[str, bool]:
-    rho = {n: v["mean_rho"] for n, v in _need(folder, "attention")["results"]["all"].items()}
-    q = rho["qfilters"]
-    others = ", ".join(f"{n} {v:+.2f}" for n, v in rho.items() if n != "qfilters")
-    return f"Q-Filters {q:+.2f} ({others})", q >= 0.6 and q > rho["knorm"] and q > rho["recency"]
-
-
-@_goal
 def perplexity(folder: Path) -> tuple[str, bool]:
     parts, ok = [], True
     for dataset, res in _need(folder, "perplexity")["results"].items():
@@ -174,18 +162,6 @@ def decode(folder: Path) -> tuple[str, bool]:
         f"budget-512 peak memory grows {growth('b512'):.2f}× from {data['sweep'][0]['context']} "
         f"to {top['context']} tokens (full cache {growth('full'):.2f}×)",
         speedup >= 2 and growth("b512") < 1.5,
-    )
-
-
-@_goal
-def vs_mlx_lm(folder: Path) -> tuple[str, bool]:
-    top = max(_need(folder, "vs_mlx_lm")["rows"], key=lambda r: r["prompt_tokens"])
-    tps, ttft = medians(top["tps_ratios"]), medians(top["ttft_ratios"])
-    return (
-        f"at {top['prompt_tokens']} prompt tokens: full TTFT {ttft['ours_full']:.2f}×, "
-        f"tokens/s {tps['ours_full']:.2f}×; Q-Filters tokens/s {tps['ours_qfilters']:.2f}× "
-        f"(A/A {tps['theirs_b']:.2f}×)",
-        top["prompt_tokens"] >= 8000 and tps["ours_qfilters"] >= 2,
     )
 
 
@@ -268,52 +244,6 @@ def batching(folder: Path) -> tuple[str, bool]:
     return "; ".join(parts) or "no 8-stream row", ok
 
 
-_MULTITURN_SETTINGS = ("turns", "turn_tokens", "max_tokens", "budget", "temperature")
-
-
-@_goal
-def multiturn(folder: Path) -> tuple[str, bool]:
-    data = _need(folder, "multiturn")
-    turns, ratios = data["turns"], data["last_over_second_ttft"]
-    if "qfilters_reuse" not in turns:
-        raise NotRun("the run has no qfilters_reuse arm")
-    ratio = ratios.get("qfilters_reuse")
-    kept = [t["kept_bytes"] for t in turns["qfilters_reuse"]]
-    flat = len(kept) >= 3 and kept[-1] == kept[-2]
-    if ratio is None or len(kept) < 2:
-        raise NotRun("fewer than two turns")
-    fresh = ratios.get("qfilters_fresh")
-    without = "" if fresh is None else f" ({fresh:.2f}× without)"
-    measured = f"turn {len(kept)} / turn 2 TTFT: {ratio:.2f}× with reuse{without}"
-    # Repeated conversations (multiturn --conversations K, into multiturn_repeats/) give the
-    # ratio a spread; their median is judged when run with these settings on the same weights.
-    repeats = load(folder / "multiturn_repeats" / "multiturn.json")
-    if repeats is not None:
-        same = (
-            not repeats.get("quick")
-            and {k: repeats["settings"].get(k) for k in _MULTITURN_SETTINGS}
-            == {k: data["settings"].get(k) for k in _MULTITURN_SETTINGS}
-            and repeats["model"].get("weights_sha1") == data["model"].get("weights_sha1")
-        )
-        each = repeats.get("last_over_second_ttft_by_conversation", {}).get("qfilters_reuse")
-        if not same:
-            measured += "; the repeated conversations were run with other settings: ignored"
-        elif each and None not in each:
-            first, ratio = ratio, repeats["last_over_second_ttft"]["qfilters_reuse"]
-            measured = (
-                f"turn {len(kept)} / turn 2 TTFT with reuse: median {ratio:.2f}× over "
-                f"{len(each)} conversations ({min(each):.2f}–{max(each):.2f}); {first:.2f}× in "
-                f"the study's own run{without}"
-            )
-    full = [t["kept_bytes"] / 2**20 for t in turns.get("full_reuse", ())]
-    growth = f"; full cache {full[1]:.1f} → {full[-1]:.1f} MiB" if len(full) > 1 else ""
-    return (
-        f"{measured}; KV {kept[-1] / 2**20:.1f} MiB at the end "
-        f"({'flat' if flat else 'not flat'}{growth})",
-        ratio <= 1.3 and flat,
-    )
-
-
 def _at_8x(
     data: dict[str, Any], arm: str, who: str, also: tuple[str, str] | None = None
 ) -> tuple[str, bool | str]:
@@ -348,13 +278,6 @@ def traffic_calibration(folder: Path) -> tuple[str, bool | str]:
     also = ("traffic/r25/passkey", "learned from pass-key documents alone")
     data = _need(folder / "traffic", "retrieval")
     return _at_8x(data, "traffic/r25/chat", "learned from chat traffic", also)
-
-
-@_goal
-def self_calibration_cost(folder: Path) -> tuple[str, bool]:
-    data = _need(folder, "selfcal_prefill")
-    own, aa = (medians(data["ratios"])[a] for a in ("self", "calibrated_again"))
-    return f"{data['settings']['prompt_tokens']} tokens: {own:.3f}× (A/A {aa:.3f}×)", own <= 1.10
 
 
 def render_goals(folder: Path) -> list[str]:

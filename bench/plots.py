@@ -20,8 +20,6 @@ COLORS = {
     "fallback": "tab:orange",
     "knorm": "tab:green",
     "streaming": "tab:red",
-    "recency": "tab:red",
-    "fallback+": "tab:orange",
     "fallback-": "tab:brown",
 }
 

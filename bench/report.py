@@ -26,7 +26,6 @@ MODELS = {
     "smollm2/refinements/adaptive": f"{SMOL}: head-adaptive budgets ranked by expected log attention weights",
     "smollm2/refinements/prompt": f"{SMOL}: chunked Q-Filters against plain, perplexity after a prompt read in 512-token blocks",
     "smollm2/selfcal": f"{SMOL}: self-calibrated Q-Filters (no artifact) against calibrated, the key-SVD fallback and the query-aware references",
-    "smollm2/selfcal/lengths": f"{SMOL}: does the score predict attention at 1k-8k tokens (calibrated, self-calibrated and traffic-learned Q-Filters, the fallback, SnapKV, K-norm, recency)",
     "smollm2/traffic": f"{SMOL}: Q-Filters learned from traffic (the server's default without an artifact) against calibrated, self-calibrated and the fallback",
     "smollm2/traffic/8k": f"{SMOL}: Q-Filters learned from traffic on 8k-token documents",
     "smollm2/query_aware": f"{SMOL}: the query-aware references (SnapKV, TOVA) beside calibrated, self-calibrated and fallback Q-Filters",
@@ -38,7 +37,6 @@ MODELS = {
     "smollm2/kvzip/passkey": f"{SMOL}: the pass key at 1k-4k tokens with KVzip per head and across a layer's heads, beside Q-Filters, K-norm, SnapKV and streaming (6 documents a length)",
     "smollm2/kvzip/perplexity": f"{SMOL}: perplexity of the second half after the first half is read as a prompt and compressed by kvzip across a layer's heads, beside Q-Filters, K-norm and streaming",
     "smollm2/batching_16": f"{SMOL}: continuous batching up to 16 streams (256-token prompts), after the packed batch's in-place joins and leaves, chunks of 8 by default",
-    "smollm2/multiturn_repeats": f"{SMOL}: multi-turn reuse over repeated conversations",
     "smollm2/niah_served": f"{SMOL}: the needle through the server with default settings",
     "smollm2/avx2": f"{SMOL} on a CPU with AVX2 and no AVX-512 (AMD Zen 3, 2 cores; the sections above ran on AVX-512), after the native kernels took the CPU's own vector width and AVX2 got the integer products",
     "qfserve-tiny": "qfserve-tiny (the bundled 6-layer test model: what CI's smoke runs use; kept where it still says something)",
@@ -184,7 +182,7 @@ def ratio_cell(row: dict[str, Any]) -> str:
 
 # -- section headlines -------------------------------------------------------------------
 
-QUALITY_HEADLINES = ("attention", "perplexity", "retrieval", "niah")
+QUALITY_HEADLINES = ("perplexity", "retrieval", "niah")
 QUALITY_INTRO = (
     "Held-out data only: evaluation-split standard-library files and generated documents from the "
     "training package's evaluation seeds; calibration on training-split files. Budgets are matched "
@@ -226,15 +224,6 @@ def quality_headlines(results_dir: Path) -> list[str]:
             "",
         ]
     lines += ["Headlines (all from the tables below):", ""]
-    if "attention" in data:
-        rho = data["attention"]["results"]["all"].items()
-        parts = "; ".join(
-            f"{k} {v['mean_rho']:+.2f} ({pct(v['share_heads_positive'])})" for k, v in rho
-        )
-        lines.append(
-            "- Score vs attention (mean Spearman ρ over KV heads, share of heads positive): "
-            f"{parts}."
-        )
     for dataset, d in data.get("perplexity", {}).get("results", {}).items():
         b = "128" if "128" in d["budgets"] else next(iter(d["budgets"]))
         arms = d["budgets"][b]
@@ -328,31 +317,6 @@ def speed_headlines(results: dict[str, dict[str, Any]]) -> list[str]:
             f"- TTFT at {r['prompt_tokens']} prompt tokens"
             + (" (beyond trained context)" if r["beyond_trained_context"] else "")
             + f", eviction / full: {parts}; A/A {ratio_cell(r['ratios'][0])}."
-        )
-    for r in results.get("server_overhead", {}).get("rows", []):
-        t = {(x["arm"], x["reference"]): ratio_cell(x) for x in r["ttft_ratios"]}
-        i = {(x["arm"], x["reference"]): ratio_cell(x) for x in r["itl_ratios"]}
-        k, w = ("http_a", "in_process_a"), ("worker", "in_process_a")
-        aa, bb = ("in_process_b", "in_process_a"), ("http_b", "http_a")
-        out.append(
-            f"- Serving overhead at a {r['prompt_tokens']}-token prompt, HTTP / in-process: "
-            f"TTFT {t[k]}, inter-token latency {i[k]} (worker / in-process: {t[w]}, {i[w]}); "
-            f"A/A in-process {t[aa]} / {i[aa]}, HTTP {t[bb]} / {i[bb]}."
-        )
-    for r in results.get("vs_mlx_lm", {}).get("rows", []):
-        t = {x["arm"]: ratio_cell(x) for x in r["ttft_ratios"]}
-        s = {x["arm"]: ratio_cell(x) for x in r["tps_ratios"]}
-        out.append(
-            f"- vs `mlx_lm.server` at a {r['prompt_tokens']}-token prompt: ours full TTFT "
-            f"{t['ours_full']}, tok/s {s['ours_full']}; ours with Q-Filters TTFT "
-            f"{t['ours_qfilters']}, tok/s {s['ours_qfilters']}; A/A TTFT {t['theirs_b']}, "
-            f"tok/s {s['theirs_b']}."
-        )
-    if d := results.get("bandwidth"):
-        parts = ", ".join(f"{r['arm']} {r['percent_of_bandwidth']:.1f}%" for r in d["decode"])
-        out.append(
-            f"- Share of measured bandwidth ({d['bandwidth']['reference_gbps']:.1f} GB/s) "
-            f"reached in decode at context {d['settings']['context']}: {parts}."
         )
     if losses := where_eviction_loses(results):
         out.append(

@@ -151,44 +151,6 @@ def write_results(
     return written
 
 
-def open_run(
-    name: str, args: argparse.Namespace, argv: Sequence[str] | None, *, calibrate: bool = False
-) -> Run:
-    """Load ``args.model`` with the server's loader (a GGUF file or catalog name becomes its
-    converted folder); with ``calibrate``, calibrated filters per ``--calibration`` too (and,
-    with ``--kvzap``, the model's KVzap surrogates)."""
-    from qfserve.engine.models.loading import load_model, resolve_model_ref
-
-    started = time.perf_counter()  # the JSON's runtime_s counts from here
-    folder = Path(resolve_model_ref(args.model))
-    loaded = load_model(str(folder))
-    run = Run(name, args, argv, loaded, folder, identity(loaded, folder), started)
-    if calibrate:
-        from bench.arms import filters_for
-
-        run.calibrated, run.calibration = filters_for(
-            run.model,
-            run.tokenizer,
-            run.identity,
-            mode=args.calibration,
-            quick=args.quick,
-            seed=args.seed,
-            traffic=getattr(args, "traffic_artifacts", None),
-        )
-        if getattr(args, "kvzap", False):
-            from bench.surrogates import surrogate_for
-
-            run.surrogate, run.calibration["kvzap"] = surrogate_for(
-                run.model,
-                run.tokenizer,
-                run.identity,
-                mode=args.calibration,
-                quick=args.quick,
-                seed=args.seed,
-            )
-    return run
-
-
 def start(
     name: str,
     argv: Sequence[str] | None,
@@ -199,15 +161,40 @@ def start(
     options: Sequence[Callable] = (),
     **sized: Any,
 ) -> Run:
-    """:func:`open_run` on ``argv`` parsed by a :func:`parser` (``doc``, ``calibration``,
-    ``sized``) with ``flags`` (option: its ``add_argument`` keywords) and ``options(parser)``;
-    ``name`` is the JSON file the study's mode writes."""
+    """Parse ``argv`` with a :func:`parser` (``doc``, ``calibration``, ``sized``), ``flags``
+    (option: its ``add_argument`` keywords) and ``options(parser)``, then load ``args.model``
+    with the server's loader (a GGUF file or catalog name becomes its converted folder); with
+    ``calibration``, calibrated filters per ``--calibration`` too (and, with ``--kvzap``, the
+    model's KVzap surrogates). ``name`` is the JSON file the study's mode writes."""
+    from qfserve.engine.models.loading import load_model, resolve_model_ref
+
     p = parser(doc, file=name, calibration=calibration, **sized)
     for flag, kwargs in (flags or {}).items():
         p.add_argument(flag, **kwargs)
     for add in options:
         add(p)
-    return open_run(name, parse(p, argv), argv, calibrate=calibration)
+    args = parse(p, argv)
+    started = time.perf_counter()  # the JSON's runtime_s counts from here
+    folder = Path(resolve_model_ref(args.model))
+    loaded = load_model(str(folder))
+    run = Run(name, args, argv, loaded, folder, identity(loaded, folder), started)
+    if calibration:
+        from bench.arms import filters_for
+        from bench.surrogates import surrogate_for
+
+        where = {"mode": args.calibration, "quick": args.quick, "seed": args.seed}
+        run.calibrated, run.calibration = filters_for(
+            run.model,
+            run.tokenizer,
+            run.identity,
+            traffic=getattr(args, "traffic_artifacts", None),
+            **where,
+        )
+        if getattr(args, "kvzap", False):
+            run.surrogate, run.calibration["kvzap"] = surrogate_for(
+                run.model, run.tokenizer, run.identity, **where
+            )
+    return run
 
 
 def identity(loaded: Any, folder: Path) -> dict[str, Any]:

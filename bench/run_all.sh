@@ -10,7 +10,6 @@ cd "$(dirname "$0")/.."
 which="${1:-all}"
 run() { echo "== python -m bench $*"; python -m bench "$@"; }
 if [[ "$which" == quality || "$which" == all ]]; then
-    run attention --calibration registry
     run retrieval --calibration registry --lengths 1024 4096 8192 \
         --ratios 2 4 8 16 32 --per-bin 2 --recent-fracs 0.25
     run retrieval --haystack prose --calibration registry
@@ -24,7 +23,6 @@ if [[ "$which" == selfcal || "$which" == all ]]; then
     run retrieval --calibration registry --lengths 1024 2048 4096 --ratios 2 4 8 16 \
         --per-bin 2 --recent-fracs 0.25 --self-calibrated --out "$out" \
         --only qfilters/r25 self/r25 fallback/r25 knorm/r25 streaming/r0
-    run attention --calibration registry --out "$out"
     # SnapKV and TOVA, which read the model's own queries, beside them on the same documents.
     run retrieval --calibration registry --lengths 1024 2048 4096 --ratios 2 4 8 16 \
         --per-bin 2 --recent-fracs 0.25 --self-calibrated --query-aware \
@@ -39,10 +37,9 @@ if [[ "$which" == selfcal || "$which" == all ]]; then
         --per-bin 2 --recent-fracs 0.25 --self-calibrated --query-aware --snapkv-windows 8 \
         --no-prefill-check --out bench/results/smollm2/query_aware/8k --only qfilters/r25 \
         self/r25 fallback/r25 snapkv/r25 snapkv/r25/w8 tova/r25 knorm/r25 streaming/r0
-    # What the server learns from traffic without an artifact (its default), and how those
-    # filters retrieve and predict attention beside the others.
+    # The filters the server learned from traffic without an artifact (its default; the
+    # settled traffic study wrote them, bench/ARCHIVE.md), retrieving beside the others.
     t=bench/results/smollm2/traffic
-    run traffic --calibration registry --out "$t"
     learned=(--traffic-artifacts
              chat=$t/chat/HuggingFaceTB--SmolLM2-135M-Instruct.safetensors
              passkey=$t/passkey/HuggingFaceTB--SmolLM2-135M-Instruct.safetensors)
@@ -54,28 +51,16 @@ if [[ "$which" == selfcal || "$which" == all ]]; then
         --per-bin 2 --recent-fracs 0.25 --self-calibrated --no-prefill-check "${learned[@]}" \
         --only qfilters/r25 traffic/r25/chat traffic/r25/passkey self/r25 fallback/r25 \
         streaming/r0 --out "$t/8k"
-    run attention --calibration registry --lengths 1024 2048 4096 8192 \
-        --sequences 6 "${learned[@]}" --out "$out/lengths"
 fi
 if [[ "$which" == speed || "$which" == all ]]; then
     run decode
     run prefill-cost --mode ttft
-    run vs --against in-process
-    run vs --against mlx-lm
     run vs --against llama-cpp --prompts 256 2048 4096 8096 || echo "vs --against llama-cpp needs llama-cpp-python[server]"
-    run distributed
     run batching
     # After the packed step's in-place joins and leaves: 256-token prompts, two rounds a row.
     run batching --prompts 256 --streams 1 8 16 --reps 2 \
         --out bench/results/smollm2/batching_16
     run decode --mode batch
-    run prefill-cost --mode selfcal
-    run multiturn
-    # The reused arm alone over five more conversations: its turn-20/turn-2 ratio's spread.
-    run multiturn --conversations 5 --arms qfilters_reuse \
-        --out bench/results/smollm2/multiturn_repeats
-    run decode --mode bandwidth
-    run structured --reps 5 --tokens 40
 fi
 if [[ "$which" == refinements || "$which" == all ]]; then
     # Chunk-level selection and head-adaptive budgets beside plain Q-Filters, K-norm and
@@ -88,6 +73,5 @@ if [[ "$which" == refinements || "$which" == all ]]; then
     run retrieval --haystack prose --calibration registry --lengths 2048 4096 --ratios 2 4 8 16 \
         --out "$out" "${arms[@]}"
     run perplexity --calibration registry --out "$out" "${arms[@]}"
-    run decode --mode refine
 fi
 python -m bench.report

@@ -77,9 +77,6 @@ LLAMA_TOOLS = "bench/reference/llama_cpp_tools.sh"
 STUDIES = {
     s.name: s
     for s in (
-        Study(
-            "attention", "quality", "does each scorer's score predict the attention a key receives?"
-        ),
         Study("perplexity", "quality", "streaming perplexity per budget and arm, code and prose"),
         # The needle is the question; the haystack (a synthetic pass key or English prose) an axis.
         Study(
@@ -108,9 +105,6 @@ STUDIES = {
             option="--conversation",
             modes=_modes(chat="multiturn_recall", document="kvzip_reuse"),
         ),
-        Study(
-            "traffic", "quality", "Q-Filters learned from traffic, as a server learns them", True
-        ),
         # Both run the same inputs through a reference implementation and compare what comes out.
         Study(
             "parity",
@@ -123,51 +117,33 @@ STUDIES = {
             modes=_modes(llama_cpp="llama_parity", kvpress="kvzip_parity"),
         ),
         # One decode step, timed from every side: against the full cache and context (step),
-        # batched, chunked and head-adaptive, by kind of work, and against memory bandwidth.
+        # batched, and by kind of work.
         Study(
             "decode",
             "speed",
-            "the decode step: eviction against the full cache, batched, refined, profiled, "
-            "bandwidth, activations' rounding",
+            "the decode step: eviction against the full cache, batched, profiled",
             option="--mode",
-            modes=_modes(
-                step="decode",
-                batch="batch_step",
-                refine="refine_step",
-                profile="profile",
-                bandwidth="bandwidth",
-                activations="activations",
-            ),
+            modes=_modes(step="decode", batch="batch_step", profile="profile"),
         ),
-        # What a prompt costs before the first token: eviction's, self-calibration's, KVzip's pass.
+        # What a prompt costs before the first token: eviction's, KVzip's pass, KVzap's scores.
         Study(
             "prefill-cost",
             "speed",
-            "what eviction, self-calibration, KVzip's pass and KVzap's scores add to a prefill",
+            "what eviction, KVzip's pass and KVzap's scores add to a prefill",
             True,
             option="--mode",
-            modes=_modes(
-                ttft="ttft", selfcal="selfcal_prefill", kvzip="kvzip_cost", kvzap="kvzap_cost"
-            ),
+            modes=_modes(ttft="ttft", kvzip="kvzip_cost", kvzap="kvzap_cost"),
         ),
-        # Our server against another way of serving the same model: mlx-lm's server,
-        # llama.cpp's (speed or resident memory), or our own worker and in-process loop.
+        # Our server against llama.cpp's on the same model: speed or resident memory.
         Study(
             "vs",
             "speed",
-            "qfserve against mlx-lm's or llama.cpp's server, or its own worker in-process",
+            "qfserve against llama.cpp's server on the same GGUF: speed, resident memory",
             True,
             f"llama-server ({LLAMA_TOOLS}) or llama-cpp-python[server] for llama-cpp",
             option="--against",
-            modes=_modes(
-                mlx_lm="vs_mlx_lm",
-                llama_cpp="vs_llama_cpp",
-                llama_cpp_memory="memory",
-                in_process="server_overhead",
-            ),
+            modes=_modes(llama_cpp="vs_llama_cpp", llama_cpp_memory="memory"),
         ),
-        Study("distributed", "speed", "one process against the model split over ranks (lockstep)"),
-        Study("structured", "speed", "what a JSON-schema constraint costs per token"),
         Study(
             "batching",
             "speed",
@@ -175,7 +151,6 @@ STUDIES = {
             option="--load",
             modes=_modes(burst="batching", open="open_load"),
         ),
-        Study("multiturn", "speed", "multi-turn chat: TTFT, KV bytes and RSS per turn, with reuse"),
         Study(
             "kernel-cuda",
             "speed",

@@ -69,13 +69,6 @@ def missing(file: str) -> str:
 
         if llama_cpp_python() is None:
             return "needs llama-cpp-python (bench/reference/llama_cpp_tools.sh)"
-    if file == "activations":
-        from qfserve.engine.models.gguf.convert import cache_root
-        from qfserve.kernels import native
-
-        kernel = native.load(cache_root() / "native")
-        if kernel is None or not kernel.integer_activations:
-            return "needs the native kernel on a CPU with AVX-512 VNNI or AVX2"
     if file == "kernel_cuda":
         if importlib.util.find_spec("torch") is None or importlib.util.find_spec("cupy") is None:
             return "needs torch and cupy with an NVIDIA GPU"
@@ -95,7 +88,7 @@ def argv_for(file: str, out: Path) -> list[str]:
         argv += ["--kvpress-python", KVPRESS_PYTHON]
     if file == "vs_llama_cpp":  # llama.cpp reads GGUF: the default model's, short
         argv += ["--model", "smollm2-135m-instruct", "--prompts", "64", "--reps", "1"]
-    if file in ("memory", "llama_parity", "activations"):  # the default model's GGUF
+    if file in ("memory", "llama_parity"):  # the default model's GGUF
         argv += ["--model", "smollm2-135m-instruct"]
     return argv
 

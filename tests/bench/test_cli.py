@@ -53,7 +53,7 @@ def test_the_command_line_reproduces_the_run_mode_included():
     assert command_line("niah", ["--haystack", "prose", "--quick"]) == (
         "python -m bench retrieval --haystack prose --quick"
     )
-    assert command_line("structured", ["--quick"]) == "python -m bench structured --quick"
+    assert command_line("long_context", ["--quick"]) == "python -m bench long-context --quick"
 
 
 def test_every_result_file_has_one_study_and_its_mode_picks_it():
@@ -70,7 +70,7 @@ def test_every_result_file_has_one_study_and_its_mode_picks_it():
         assert callable(module.main), f
         # every mode renders its section of the page, but the GPU kernel's (no results here)
         assert callable(getattr(module, "render", None)) or f == "kernel_cuda", f
-    assert study("prefill_cost").file_for(["--quick", "--mode", "selfcal"]) == "selfcal_prefill"
+    assert study("prefill_cost").file_for(["--quick", "--mode", "kvzip"]) == "kvzip_cost"
     with pytest.raises(SystemExit):  # a mode the study does not have
         study("decode").file_for(["--mode", "nope"])
     with pytest.raises(ValueError, match="no registered study writes"):
@@ -83,7 +83,7 @@ def test_a_mode_option_is_accepted_by_the_modes_parser_only():
     with pytest.raises(SystemExit):
         parse(parser("x", file="batch_step"), ["--mode", "nope"])
     with pytest.raises(SystemExit):
-        parse(parser("x", file="structured"), ["--haystack", "prose"])
+        parse(parser("x", file="long_context"), ["--haystack", "prose"])
 
 
 def test_studies_run_mlx_on_openblas_through_the_one_entry_point() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.goals import attention, batching, decode, multiturn, render_goals, retrieval
+from bench.goals import batching, decode, render_goals, retrieval
 
 
 def _write(folder: Path, name: str, data: dict) -> None:
@@ -15,21 +15,6 @@ def _write(folder: Path, name: str, data: dict) -> None:
 
 def _cell(acc: float, n: int = 6) -> dict:
     return {"accuracy": acc, "n": n}
-
-
-def test_attention_goal_needs_the_threshold_and_both_baselines(tmp_path: Path) -> None:
-    def run(q: float, knorm: float) -> str:
-        pooled = {"qfilters": q, "knorm": knorm, "recency": 0.1}
-        _write(
-            tmp_path,
-            "attention",
-            {"results": {"all": {k: {"mean_rho": v} for k, v in pooled.items()}}},
-        )
-        return attention(tmp_path)[2]
-
-    assert run(0.65, 0.3) == "**met**"
-    assert run(0.55, 0.3) == "**not met**"  # below +0.6
-    assert run(0.65, 0.7) == "**not met**"  # K-norm above
 
 
 def test_retrieval_goal_pools_4k_and_8k_and_requires_beating_baselines(tmp_path: Path) -> None:
@@ -127,78 +112,3 @@ def test_batching_goal_is_8_streams_over_one_and_over_llama_server(tmp_path: Pat
     measured, _ = run(3.2, 1.3, 1.0)
     assert "3.20× one stream" in measured and "1.30× llama-server's" in measured
     assert run(3.2, 1.3, 1.0, arms=("batched_a",))[1] == "not run"  # no reference, no verdict
-
-
-def test_multiturn_goal_needs_flat_kv_and_the_ttft_ratio(tmp_path: Path) -> None:
-    def run(ttft: list[float], kept: list[int]) -> str:
-        turns = {
-            "qfilters_reuse": [{"kept_bytes": k} for k in kept],
-            "full_reuse": [{"kept_bytes": 2**20 * (i + 1)} for i in range(len(kept))],
-        }
-        _write(
-            tmp_path,
-            "multiturn",
-            {
-                "turns": turns,
-                "last_over_second_ttft": {
-                    "qfilters_reuse": ttft[-1] / ttft[1],
-                    "qfilters_fresh": 9.0,
-                },
-            },
-        )
-        return multiturn(tmp_path)[2]
-
-    assert run([1.0, 2.0, 2.2, 2.4], [10, 20, 30, 30]) == "**met**"
-    assert run([1.0, 2.0, 2.2, 3.0], [10, 20, 30, 30]) == "**not met**"  # 1.5x turn 2
-    assert run([1.0, 2.0, 2.2, 2.4], [10, 20, 30, 40]) == "**not met**"  # still growing
-
-
-def test_multiturn_goal_judges_repeated_conversations_of_the_same_settings(tmp_path: Path) -> None:
-    settings = {"turns": 4, "turn_tokens": 150, "max_tokens": 48, "budget": 512, "temperature": 0}
-    model = {"weights_sha1": "abc"}
-    turns = {"qfilters_reuse": [{"kept_bytes": k} for k in (10, 20, 30, 30)]}
-    _write(
-        tmp_path,
-        "multiturn",
-        {
-            "turns": turns,
-            "settings": settings,
-            "model": model,
-            "last_over_second_ttft": {"qfilters_reuse": 1.5},
-        },
-    )
-    assert multiturn(tmp_path)[2] == "**not met**"  # one conversation, 1.5x
-    repeats = tmp_path / "multiturn_repeats"
-    repeats.mkdir()
-
-    def run(each: list[float], **changed) -> tuple[str, str]:
-        _write(
-            repeats,
-            "multiturn",
-            {
-                "turns": turns,
-                "settings": {**settings, **changed},
-                "model": model,
-                "quick": False,
-                "last_over_second_ttft": {"qfilters_reuse": sorted(each)[len(each) // 2]},
-                "last_over_second_ttft_by_conversation": {"qfilters_reuse": each},
-            },
-        )
-        _, measured, verdict = multiturn(tmp_path)
-        return measured, verdict
-
-    measured, verdict = run([1.1, 1.2, 1.6])
-    assert verdict == "**met**" and "median 1.20× over 3 conversations (1.10–1.60)" in measured
-    measured, verdict = run([1.1, 1.2, 1.6], budget=64)  # another budget: not this goal's figure
-    assert verdict == "**not met**" and "ignored" in measured
-
-
-def test_multiturn_goal_reads_a_run_without_the_fresh_and_full_arms(tmp_path: Path) -> None:
-    turns = {"qfilters_reuse": [{"kept_bytes": k} for k in (10, 20, 30, 30)]}
-    _write(
-        tmp_path, "multiturn", {"turns": turns, "last_over_second_ttft": {"qfilters_reuse": 1.2}}
-    )
-    _, measured, verdict = multiturn(tmp_path)
-    assert verdict == "**met**" and "without" not in measured and "full cache" not in measured
-    _write(tmp_path, "multiturn", {"turns": {"theirs": []}, "last_over_second_ttft": {}})
-    assert multiturn(tmp_path)[2] == "not run"

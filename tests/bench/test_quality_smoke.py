@@ -23,7 +23,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_calibration_is_fresh_and_disjoint_from_eval(quick: Callable, results: Path) -> None:
-    cal = quick("attention")["calibration"]
+    cal = quick("perplexity")["calibration"]
     assert cal["source"] == "fresh" and cal["disjoint_from_eval"] is True
 
 
@@ -218,12 +218,6 @@ def test_niah_places_the_needle_and_resumes(
     assert (out / "niah.jsonl").read_text().splitlines() == lines
 
 
-def test_attention_values_are_in_range(quick: Callable, results: Path) -> None:
-    for res in quick("attention")["results"].values():
-        for r in res.values():
-            assert -1 <= r["mean_rho"] <= 1 and 0 <= r["share_heads_positive"] <= 1
-
-
 @pytest.mark.parametrize("method", ["qfilters", "fallback", "knorm", "streaming"])
 def test_block_prefill_matches_token_by_token(method: str) -> None:
     """The teacher-forcing shortcut (first tokens as one block) stores and predicts the same."""
@@ -393,22 +387,6 @@ def test_snapkv_window_arms_set_their_scorers_window(results: Path, tiny_model: 
     assert data["prefill_check_skipped"] is True and data["shared_prefill_check"]["arms"] == 0
 
 
-def test_traffic_study_writes_an_artifact_from_enough_prompts(
-    quick: Callable, results: Path
-) -> None:
-    from qfserve.calibrations.artifact import read_calibration
-
-    data = quick("traffic")
-    for r in data["results"].values():
-        cal = read_calibration(results / r["artifact"])
-        assert (
-            "from traffic" in cal.metadata["text"] and cal.metadata["n_sequences"] == r["prompts"]
-        )
-        # The quick sizes fill the samples before the prompts: the prompt count decides.
-        assert r["prompts"] == data["data"]["min_prompts"] == 3
-        assert np.asarray(r["cosine"]).shape == cal.filters.shape[:2]
-
-
 def _calibrated_as_artifact(results: Path, tiny_model: Path) -> Path:
     """The fresh calibration the studies used, written as an artifact a traffic arm reads."""
     from bench.arms import filters_for
@@ -469,40 +447,6 @@ def test_a_traffic_arm_with_the_calibrated_filters_is_the_calibrated_arm(
     bad = [str(same) if a == f"same={same}" else a for a in argv]
     with pytest.raises(ValueError, match="NAME=PATH"):
         main(bad)
-
-
-def test_attention_over_lengths_scores_traffic_and_snapkv(results: Path, tiny_model: Path) -> None:
-    from bench.studies.attention import main
-
-    same = _calibrated_as_artifact(results, tiny_model)
-    out = results / "attention-lengths"
-    argv = [
-        "--quick",
-        "--model",
-        str(tiny_model),
-        "--out",
-        str(out),
-        "--calibration",
-        "fresh",
-        "--lengths",
-        "96",
-        "160",
-        "--sequences",
-        "2",
-        "--traffic-artifacts",
-        f"same={same}",
-    ]
-    main(argv)
-    data = json.loads((out / "attention.json").read_text())
-    assert data["data"]["length"] == [96, 160]
-    assert {"traffic/same", "snapkv", "snapkv/w8"} <= set(data["scorers"])
-    assert set(data["results"]) == {
-        f"{k}@{n}" for k in ("stdlib", "recall", "all") for n in (96, 160)
-    } | {"all"}
-    for res in data["results"].values():
-        np.testing.assert_allclose(
-            res["traffic/same"]["per_head"], res["qfilters"]["per_head"], atol=1e-6
-        )
 
 
 def test_kvzip_reuse_runs_kvzap_through_the_worker(

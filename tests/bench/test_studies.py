@@ -29,11 +29,6 @@ def _ratios(rows: list[dict[str, Any]]) -> bool:
 
 
 CHECKS: dict[str, Callable[[dict[str, Any]], bool]] = {
-    "attention": lambda d: all(
-        -1 <= r["mean_rho"] <= 1 and _share(r["share_heads_positive"])
-        for res in d["results"].values()
-        for r in res.values()
-    ),
     "perplexity": lambda d: all(
         r["ppl"] > 1 and r["max_rows_any_step"] <= int(b)
         for res in d["results"].values()
@@ -91,10 +86,6 @@ CHECKS: dict[str, Callable[[dict[str, Any]], bool]] = {
         and "full/reuse" in d["accuracy"]
         and all(_share(v) for by in d["accuracy"].values() for v in by.values())
     ),
-    "traffic": lambda d: all(
-        r["prompts"] >= d["data"]["min_prompts"] and -1 <= r["cosine_mean"] <= 1
-        for r in d["results"].values()
-    ),
     "kvzip_parity": lambda d: all(_share(v) for by in d["accuracy"].values() for v in by.values()),
     "kvzip_reuse": lambda d: (
         d["every_later_turn_reused"] is True
@@ -107,12 +98,6 @@ CHECKS: dict[str, Callable[[dict[str, Any]], bool]] = {
     "ttft": lambda d: all(
         _positive_medians(r["ttft_s"]) and _ratios(r["ratios"]) for r in d["rows"]
     ),
-    "server_overhead": lambda d: all(
-        _positive_medians(r["ttft_s"]) and _ratios(r["ttft_ratios"]) for r in d["rows"]
-    ),
-    "vs_mlx_lm": lambda d: all(
-        _positive_medians(r["decode_tps"]) and _ratios(r["tps_ratios"]) for r in d["rows"]
-    ),
     "vs_llama_cpp": lambda d: all(
         _positive_medians(r["decode_tps"]) and _ratios(r["tps_ratios"]) for r in d["rows"]
     ),
@@ -124,34 +109,6 @@ CHECKS: dict[str, Callable[[dict[str, Any]], bool]] = {
             for p in d["products"]
         )
     ),
-    "distributed": lambda d: all(
-        _positive_medians(r["decode_tps"])
-        and _ratios(r["tps_ratios"])
-        and r["ranks_view"]["ranks"] == d["settings"]["ranks"]
-        # a rank holds 1/N of one process's rows' bytes
-        and r["kv_bytes_per_rank"]["ranks"][0] * d["settings"]["ranks"]
-        == r["kv_bytes_per_rank"]["one_a"][0]
-        for r in d["rows"]
-    ),
-    # Every setting timed and scored; float32's own row agrees with itself, int32 keeps its
-    # greedy choices (float32's precision), and int8 rounds (its likelihood moves).
-    "activations": lambda d: (
-        _positive_medians(d["ms_per_step"])
-        and set(d["quality"]) == {"float32", "int32", "int16", "int8"}
-        and d["quality"]["float32"]["argmax_agreement"] == 1.0
-        and d["quality"]["int32"]["argmax_agreement"] == 1.0
-        and d["quality"]["int8"]["mean_abs_nll_change"]
-        > d["quality"]["int32"]["mean_abs_nll_change"]
-        and _ratios(d["ratios"])
-    ),
-    "bandwidth": lambda d: (
-        d["bandwidth"]["copy_gbps"]["median"] > 0
-        and all(0 < r["percent_of_bandwidth"] for r in d["decode"])
-    ),
-    "structured": lambda d: (
-        d["ratios"]["schema/free"]["median"] > 0
-        and 0 < d["processor_ms_per_token"]["median"] < d["ms_per_token"]["schema"]["median"]
-    ),
     "batching": lambda d: (
         d["complete"] is True and all(_positive_medians(r["tokens_per_s"]) for r in d["rows"])
     ),
@@ -160,10 +117,7 @@ CHECKS: dict[str, Callable[[dict[str, Any]], bool]] = {
         and all(r["ours"]["answered"] == r["requests"] > 0 for r in d["rows"])
         and all(r["ours"]["ttft_p95_s"] >= r["ours"]["ttft_p50_s"] > 0 for r in d["rows"])
     ),
-    "multiturn": lambda d: all(t["ttft_s"] > 0 for turns in d["turns"].values() for t in turns),
     "batch_step": lambda d: all(_ratios(r["ratios"]) for r in d["rows"]),
-    "selfcal_prefill": lambda d: _ratios(d["ratios"]),
-    "refine_step": lambda d: all(_ratios(r["ratios"]) for r in d["rows"]),
     "profile": lambda d: (
         all(_positive_medians(v["ms"]) and v["rows"] > 0 for v in d["decode"].values())
         and d["decode"]["qfilters"]["rows"] <= d["settings"]["budget"]
@@ -218,7 +172,7 @@ def test_the_command_line_lists_every_study_and_rejects_others() -> None:
     ).stdout
     assert all(f"  {name} " in listed for name in STUDIES)
     # each study with modes lists them after its option, the default first
-    assert "--haystack passkey|prose" in listed and "--mode step|batch|refine" in listed
+    assert "--haystack passkey|prose" in listed and "--mode step|batch|profile" in listed
     wrong = subprocess.run(
         [sys.executable, "-m", "bench", "no-such-study"], capture_output=True, text=True
     )

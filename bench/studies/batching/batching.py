@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,7 +20,6 @@ from bench import clients, plots, timing
 from bench.data import chat_content, eos_ban
 from bench.report import section, table
 from bench.run import start
-from bench.studies.multiturn import start_servers
 from qfserve import testing as servers
 
 MAX_BATCH = 16  # qfserve's --max-batch and llama-server's -np
@@ -181,6 +181,23 @@ def launches(
     return found, gguf
 
 
+def start_servers(
+    stack: contextlib.ExitStack, folder: Path, launched: dict[str, tuple[str, ...]], gguf: Any
+) -> dict[str, servers.ServerProcess]:
+    """Each server of :func:`launches` (``(kind, *flags)``, qfserve logging warnings only) on
+    ``folder``, llama-server on ``gguf``, ready; ``stack`` stops them all as it closes."""
+    logs = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+    procs: dict[str, servers.ServerProcess] = {}
+    stack.callback(lambda: servers.stop_all(list(procs.values()), 10))
+    for name, (kind, *flags) in launched.items():
+        quiet = {"log_level": "warning"} if kind == "qfserve" else {}
+        model = gguf if name == "llama" else folder
+        procs[name] = servers.launch(kind, model, *flags, log=logs / f"{name}.log", **quiet)
+    for proc in procs.values():
+        servers.wait_ready(proc, 180)
+    return procs
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     sm = start(
         "batching",
@@ -197,7 +214,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         slot = max(sm.args.prompts) + sm.args.max_tokens + 64
         started, gguf = launches(sm, slot=slot, mlx_lm=sm.args.mlx_lm)
         sm.log(f"starting {', '.join(started)}")
-        procs = start_servers(stack, sm.folder, started, models={"llama": gguf})
+        procs = start_servers(stack, sm.folder, started, gguf)
         client = stack.enter_context(httpx.Client(limits=httpx.Limits(max_connections=64)))
         arms = ("serial", "batched_a", *(a for a in ("llama", "theirs") if a in procs))
         arms += ("batched_b",)

@@ -27,8 +27,7 @@ from bench import clients, plots
 from bench.data import chat_content, eos_ban
 from bench.report import section, table
 from bench.run import start
-from bench.studies.batching.batching import MAX_BATCH, MIXES, launches
-from bench.studies.multiturn import start_servers
+from bench.studies.batching.batching import MAX_BATCH, MIXES, launches, start_servers
 
 LENGTHS = (256, 512, 1024, 2048, 4096)
 QUICK_LENGTHS = (32, 64, 96)  # --quick: the tiny model's context
@@ -173,7 +172,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with contextlib.ExitStack() as stack:
         slot = max(lengths) + args.max_tokens + 64
         started, gguf = launches(sm, slot=slot, serial=False)
-        procs = start_servers(stack, sm.folder, started, models={"llama": gguf})
+        procs = start_servers(stack, sm.folder, started, gguf)
         arms = {"ours": procs["batched"].url}
         if "llama" in procs:
             arms["llama"] = procs["llama"].url

@@ -1,2 +1,2 @@
-"""decode: the decode step, one module per ``--mode``: ``step`` (``decode.py``), ``batch``,
-``refine``, ``profile``, ``bandwidth`` and ``activations``."""
+"""decode: the decode step, one module per ``--mode``: ``step`` (``decode.py``), ``batch``
+and ``profile``."""

@@ -1,3 +1,3 @@
 """prefill-cost: what a prefill costs beyond a plain one, one module per ``--mode``: ``ttft``
-(eviction), ``selfcal`` (self-calibration), ``kvzip`` (the reconstruction pass) and ``kvzap``
-(every row scored by the surrogate, and its decode step)."""
+(eviction), ``kvzip`` (the reconstruction pass) and ``kvzap`` (every row scored by the
+surrogate, and its decode step)."""

@@ -1,2 +1,2 @@
-"""vs: our server against another way of serving the same model, one module per ``--against``:
-``mlx-lm``, ``llama-cpp``, ``llama-cpp-memory`` (``memory.py``), ``in-process`` (``server_overhead.py``)."""
+"""vs: our server against llama.cpp's serving the same model, one module per ``--against``:
+``llama-cpp`` (speed) and ``llama-cpp-memory`` (``memory.py``, resident memory)."""

@@ -112,7 +112,7 @@ def measure(
             ready_s[kind] = time.perf_counter() - tic
         (ours, theirs), pids = [p.url for p in started], [p.pid for p in started]
         with httpx.Client() as client:
-            name = client.get(ours + "/v1/models").json()["data"][0]["id"]
+            name = clients.served_model(client, ours)
             for when in ["ready", *lengths]:
                 if when != "ready":
                     run.log(f"{file.name}: {when}-token request to each")
