@@ -4,7 +4,7 @@ sliding windows and global attention (Gemma 3: five layers of six see the last 5
 Only the global layers grow with the prompt, so only they evict; the sliding layers' windows
 count in every arm's bytes (``kv_cache``'s ``window_bytes``). Arms: ``full``; ``<method>-<r>x``,
 ``kv_method`` at ``qfilters_budget`` = prompt tokens / r on the global layers, without reuse
-(so kvzip compresses before it answers). Per prompt: the needle answered or not, and
+(so kvzip compresses before it answers); the kvzap arms run where the model has surrogates. Per prompt: the needle answered or not, and
 ``kept_bytes`` / ``full_seq_bytes`` as the server reports them.
 """
 
@@ -21,7 +21,16 @@ from bench.run import start
 from qfserve import testing
 
 STUDY = "long_context"
-ARMS = ("full", "qfilters-4x", "kvzip-4x", "streaming-4x", "qfilters-8x", "kvzip-8x")
+ARMS = (
+    "full",
+    "qfilters-4x",
+    "kvzip-4x",
+    "kvzap-4x",
+    "streaming-4x",
+    "qfilters-8x",
+    "kvzip-8x",
+    "kvzap-8x",
+)
 COLOURS = {
     "full": "black",
     "qfilters-4x": "tab:blue",
@@ -29,6 +38,8 @@ COLOURS = {
     "streaming-4x": "tab:grey",
     "qfilters-8x": "tab:cyan",
     "kvzip-8x": "darkgoldenrod",
+    "kvzap-4x": "tab:green",
+    "kvzap-8x": "darkgreen",
 }
 KV_FIELDS = (  # what each record keeps of the response's kv_cache
     "method",
@@ -96,8 +107,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         correct, kv, seconds = needle_answer(server.url, doc, body(arm, doc["tokens"]), 7200)
         return {"correct": correct, "seconds": seconds, **{k: kv[k] for k in KV_FIELDS}}
 
+    from qfserve.calibrations.registry import find_surrogate, model_id_for
+
+    arms = args.arms
+    if find_surrogate(model_id_for(run.loaded.model_id)) is None:  # kvzap would be refused
+        arms = [a for a in arms if not a.startswith("kvzap")]
+        print("no KVzap surrogates for this model: the kvzap arms do not run")
     try:
-        records = needle_records(run, args.arms, args.lengths, args.docs, send)
+        records = needle_records(run, arms, args.lengths, args.docs, send)
     finally:
         testing.stop_all([server], 15)
     results = summarize(records, args.lengths)
@@ -107,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         {
             "docs": args.docs,
             "lengths": args.lengths,
-            "arms": args.arms,
+            "arms": arms,
             "results": results,
             "records": records,
             "plots": [plot],

@@ -128,7 +128,8 @@ def build_parser(prog: str = "qfserve calibrate") -> argparse.ArgumentParser:
         help="train the model's KVzap surrogates (kv_method kvzap) instead of its Q-Filters: a "
         "linear and an MLP surrogate per layer, on --kvzap-texts texts of the standard "
         "library's sources, measured on held-out prose (installed packages' descriptions); "
-        "the one that ranks held-out keys better is written as <out>/<model-id>.kvzap",
+        "the linear one is written as <out>/<model-id>.kvzap unless the MLP ranks held-out "
+        "keys better by more than 0.02 (Spearman)",
     )
     p.add_argument(
         "--kvzap-texts",
@@ -265,7 +266,7 @@ def main(
 def _kvzap(args: Any, model: Any, tokenizer: Any, model_id: str, fingerprint: str) -> int:
     """Train, measure and write the model's KVzap surrogates (``--kvzap``)."""
     from qfserve.calibrations.kvzap.surrogate import save_surrogate
-    from qfserve.calibrations.kvzap.train import held_out_documents, train_surrogates
+    from qfserve.calibrations.kvzap.train import choose, held_out_documents, train_surrogates
 
     files = args.text or stdlib_files(args.seed)
     start = time.perf_counter()
@@ -293,7 +294,7 @@ def _kvzap(args: Any, model: Any, tokenizer: Any, model_id: str, fingerprint: st
             f"  {form}: held-out Spearman median {s.fidelity['spearman_median']:.3f} "
             f"({s.nbytes / 2**20:.1f} MiB)"
         )
-    best = max(trained.values(), key=lambda s: s.fidelity["spearman_median"])
+    best = choose(trained)
     best.model_id, best.fingerprint = model_id, fingerprint
     best.fidelity["forms"] = {f: s.fidelity["spearman_median"] for f, s in trained.items()}
     best.fidelity["text"] = (

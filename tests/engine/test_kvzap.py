@@ -174,6 +174,24 @@ def test_spearman_is_the_rank_correlation():
     assert spearman(a, np.array([2.0, 1.0, 3.0, 4.0])) == pytest.approx(0.4)
 
 
+def test_the_mlp_is_written_only_where_it_ranks_clearly_better():
+    """The MLP costs ~100x the linear map's bytes: it is chosen only past the margin."""
+    from qfserve.calibrations.kvzap.train import MLP_MARGIN, choose
+
+    def trained(linear: float, mlp: float) -> dict[str, Surrogate]:
+        out = {"linear": random_surrogate("linear"), "mlp": random_surrogate("mlp")}
+        out["linear"].fidelity, out["mlp"].fidelity = (
+            {"spearman_median": linear},
+            {"spearman_median": mlp},
+        )
+        return out
+
+    assert choose(trained(0.708, 0.716)).form == "linear"  # Gemma 3 270M's measures
+    assert choose(trained(0.70, 0.70 + MLP_MARGIN + 0.01)).form == "mlp"
+    assert choose(trained(0.78, 0.76)).form == "linear"
+    assert choose({"mlp": trained(0.5, 0.6)["mlp"]}).form == "mlp"
+
+
 def test_surrogate_files_round_trip_and_bad_ones_are_refused_by_name(tmp_path):
     s = random_surrogate("mlp")
     s.fidelity = {"spearman_median": 0.8}
