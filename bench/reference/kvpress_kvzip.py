@@ -1,16 +1,23 @@
-"""Reference arm of the KVzip parity study: NVIDIA kvpress's KVzipPress on a GGUF model.
+"""Reference arm of the KVzip and KVzap parity studies: NVIDIA kvpress's KVzipPress or
+KVzapPress on a GGUF model.
 
 Runs kvpress (transformers + CPU torch, float32) on pre-tokenized needle documents and writes one
 JSON line per document (docs already in --out are skipped): per ratio the answer, its
-correctness, the prefill+compression time and the context positions KVzipPress keeps visible per
-layer and KV head. Standalone (never imports the project); verified with torch 2.13.0+cpu,
-transformers 5.2.0, kvpress 0.5.5, gguf 0.19.0 and numpy 2.4.6 on 2 threads:
+correctness, the prefill+compression time and the context positions the press keeps visible per
+layer and KV head. Standalone (never imports the project); verified with torch 2.13.0+cpu and
+2.14.1+cpu, transformers 5.2.0, kvpress 0.5.5, gguf 0.19.0 and numpy 2.4.6 on 2 threads:
 
     python bench/reference/kvpress_kvzip.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf \
-        --docs docs.json --out results.jsonl [--ratios 2 4 8]
+        --docs docs.json --out results.jsonl [--ratios 2 4 8] \
+        [--press kvzap --surrogate MODEL.kvzap [--check check.npz]]
 
 docs.json: [{"id", "context_ids", "question_ids", "answer", "max_new_tokens"}]; the context is
-compressed (KVzipPress's defaults: one ratio across layers), the question appended whole.
+compressed, the question appended whole. KVzipPress: its defaults (one ratio across layers).
+KVzapPress: the surrogate weights of a qfserve KVzap file (safetensors: ``w`` ``(L, D, H)`` and
+``b`` ``(L, H)``, or an MLP's ``w1``, ``b1``, ``w2``, ``b2``) loaded into its ``KVzapModel``
+instead of the hub's; a ScorerPress, so every KV head keeps ``int(n * (1 - compression_ratio))``
+rows, no sinks, no recent window. ``--check`` writes, for the first document, the hidden states
+KVzapPress scored (the first rows of every layer) and its scores of every row.
 """
 
 from __future__ import annotations
@@ -34,7 +41,10 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from kvpress.presses import kvzip_press  # noqa: E402
+from kvpress.presses.kvzap_press import KVzapConfig, KVzapModel, KVzapPress  # noqa: E402
 from kvpress.presses.kvzip_press import KVzipPress  # noqa: E402
+from kvpress.utils import compute_n_kept  # noqa: E402
+from safetensors import safe_open  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel  # noqa: E402
 
 
@@ -51,6 +61,51 @@ class ReferenceKVzipPress(KVzipPress):
         self.prefix_length = len(prefix) if prefix and ctx == prefix else 0
         self.used_prefix_length = self.prefix_length  # survives kvpress's reset, for the record
         return super().prepare(model, tokenizer, prev_postfix_size)
+
+
+class ReferenceKVzapPress(KVzapPress):
+    """KVzapPress that records, per layer, the context positions each KV head keeps (the top
+    ``n_kept`` of its scores, as ``ScorerPress.compress`` picks them from the same tensor) and,
+    where ``capture`` is a dict, the hidden states it scored and its scores."""
+
+    kept: dict[int, list[list[int]]]
+    capture: dict[int, tuple[np.ndarray, np.ndarray]] | None = None
+
+    def score(self, module: Any, hidden_states: torch.Tensor, *args: Any) -> torch.Tensor:
+        scores = super().score(module, hidden_states, *args)
+        n_kept = compute_n_kept(scores.shape[-1], self.compression_ratio)
+        indices = scores.topk(n_kept, dim=-1).indices[0]
+        self.kept[module.layer_idx] = [sorted(row.tolist()) for row in indices]
+        if self.capture is not None:
+            pair = (hidden_states[0].numpy().copy(), scores[0].numpy().copy())
+            self.capture[module.layer_idx] = pair
+        return scores
+
+
+def kvzap_model(path: Path, config: Any) -> tuple[str, KVzapModel]:
+    """The surrogate form and a KVzapModel holding the weights of a qfserve KVzap file."""
+    with safe_open(str(path), framework="pt") as f:
+        form = (f.metadata() or {})["form"]
+        w = {k: f.get_tensor(k).float() for k in f.keys()}  # noqa: SIM118 - not a dict
+    first, last = ("w", "b") if form == "linear" else ("w1", "b2")
+    n_layers, hidden, heads = len(w[first]), w[first].shape[1], w[last].shape[1]
+    want = (config.num_hidden_layers, config.hidden_size, config.num_key_value_heads)
+    if (n_layers, hidden, heads) != want:
+        raise SystemExit(
+            f"{path}: surrogates for (layers, hidden, heads) {n_layers, hidden, heads}"
+        )
+    inner = None if form == "linear" else w["w1"].shape[2]
+    cfg = KVzapConfig(input_dim=hidden, output_dim=heads, n_modules=n_layers, hidden_dim=inner)
+    model = KVzapModel(cfg)
+    with torch.no_grad():
+        for i, layer in enumerate(model.layers):
+            # nn.Linear holds (out, in); the file x @ w, (in, out)
+            linears = [(layer, "w", "b")] if form == "linear" else [(layer[0], "w1", "b1")]
+            linears += [] if form == "linear" else [(layer[2], "w2", "b2")]
+            for linear, weight, bias in linears:
+                linear.weight.copy_(w[weight][i].T)
+                linear.bias.copy_(w[bias][i])
+    return form, model.eval()
 
 
 def _chat_prefix_text(tokenizer: Any) -> str:
@@ -115,13 +170,47 @@ def kept_positions(model: PreTrainedModel, ctx_len: int) -> list[list[list[int]]
     return kept
 
 
-def run_doc(model: PreTrainedModel, tok: Any, doc: dict, ratios: list[float]) -> dict:
+def kvzap_press(ratio: float, zap: tuple[str, KVzapModel], model: PreTrainedModel) -> Any:
+    """KVzapPress keeping ``1 / ratio`` with the given surrogates: its name set to the one
+    ``post_init_from_model`` expects, so it loads nothing from the hub."""
+    form, surrogates = zap
+    press = ReferenceKVzapPress(compression_ratio=1.0 - 1.0 / ratio, model_type=form)
+    press.kvzap_model_name = f"nvidia/KVzap-{form}-{model.config.name_or_path.split('/')[-1]}"
+    press.kvzap_model, press.kept = surrogates, {}
+    return press
+
+
+def check_scores(model: PreTrainedModel, doc: dict, zap: tuple[str, KVzapModel], out: Path) -> None:
+    """Write KVzapPress's scores of every row of ``doc``'s context ``(L, H, N)`` and the first
+    256 hidden states of each layer it scored ``(L, R, D)``, to compare with other scores."""
+    press = kvzap_press(2, zap, model)
+    press.capture = {}
+    with torch.inference_mode(), press(model):
+        model.model(input_ids=torch.tensor([doc["context_ids"]]), past_key_values=DynamicCache())
+    layers = [press.capture[i] for i in sorted(press.capture)]
+    np.savez(
+        out,
+        id=doc["id"],
+        hidden=np.stack([h[:256] for h, _ in layers]),
+        scores=np.stack([s for _, s in layers]),
+    )
+
+
+def run_doc(
+    model: PreTrainedModel,
+    tok: Any,
+    doc: dict,
+    ratios: list[float],
+    zap: tuple[str, KVzapModel] | None = None,
+) -> dict:
     ctx = torch.tensor([doc["context_ids"]])
     ctx_len, n_new, answer = ctx.shape[1], int(doc["max_new_tokens"]), str(doc["answer"])
-    row: dict[str, Any] = {"id": doc["id"], "context_len": ctx_len, "press": "kvzip"}
-    row.update(mode="global", ratios={})
+    row: dict[str, Any] = {"id": doc["id"], "context_len": ctx_len}
+    # KVzipPress: one ratio across layers; KVzapPress (a ScorerPress): the same share per head.
+    row.update(press="kvzip" if zap is None else "kvzap", ratios={})
+    row["mode"] = "global" if zap is None else "per_head"
 
-    def arm(press: ReferenceKVzipPress | None) -> dict[str, Any]:
+    def arm(press: Any) -> dict[str, Any]:
         cache = DynamicCache()
         pressed = contextlib.nullcontext() if press is None else press(model)
         t0 = time.perf_counter()
@@ -129,7 +218,12 @@ def run_doc(model: PreTrainedModel, tok: Any, doc: dict, ratios: list[float]) ->
             model.model(input_ids=ctx, past_key_values=cache)  # no lm head, as kvpress's pipeline
         prefill_s = round(time.perf_counter() - t0, 3)
         # Read the selection before decoding: the next prefill (q_len == k_len) clears it.
-        kept = kept_positions(model, ctx_len) if press is not None else None
+        if press is None:
+            kept = None
+        elif zap is None:
+            kept = kept_positions(model, ctx_len)
+        else:
+            kept = [press.kept[i] for i in range(len(model.model.layers))]
         text = greedy(model, tok, cache, ctx_len, doc["question_ids"], n_new)
         number = re.search(r"\d+", text)
         correct = number is not None and number.group(0) == answer
@@ -137,12 +231,19 @@ def run_doc(model: PreTrainedModel, tok: Any, doc: dict, ratios: list[float]) ->
         return res if kept is None else {**res, "kept": kept}
 
     row["full"] = arm(None)  # also clears any masked_key_indices left by a previous doc
-    defaults = KVzipPress()
-    row["kvzip"] = {"n_sink": defaults.n_sink, "chunk_size": defaults.chunk_size}
+    if zap is None:
+        defaults = KVzipPress()
+        row["kvzip"] = {"n_sink": defaults.n_sink, "chunk_size": defaults.chunk_size}
+    else:
+        row["kvzap"] = {"model_type": zap[0]}
     for r in ratios:
-        press = ReferenceKVzipPress(compression_ratio=1.0 - 1.0 / r)
-        res = arm(press)
-        row["prefix_length"] = press.used_prefix_length
+        if zap is None:
+            press = ReferenceKVzipPress(compression_ratio=1.0 - 1.0 / r)
+            res = arm(press)
+            row["prefix_length"] = press.used_prefix_length
+        else:
+            press = kvzap_press(r, zap, model)
+            res = arm(press)
         key = str(int(r)) if float(r).is_integer() else str(r)
         row["ratios"][key] = {"compression_ratio": press.compression_ratio, **res}
     return row
@@ -154,7 +255,12 @@ def main() -> None:
     ap.add_argument("--docs", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--ratios", type=float, nargs="+", default=[2, 4, 8], help="keep 1/ratio")
+    ap.add_argument("--press", choices=("kvzip", "kvzap"), default="kvzip")
+    ap.add_argument("--surrogate", type=Path, help="KVzapPress's weights: a qfserve KVzap file")
+    ap.add_argument("--check", type=Path, help="KVzapPress's scores of the first document (npz)")
     args = ap.parse_args()
+    if (args.press == "kvzap") != (args.surrogate is not None):
+        ap.error("--surrogate goes with --press kvzap, and only with it")
 
     torch.set_num_threads(2)
     transformers.logging.set_verbosity_error()
@@ -165,12 +271,17 @@ def main() -> None:
     # folder without tokenizer files: hand it the one already loaded.
     kvzip_press.AutoTokenizer = SimpleNamespace(from_pretrained=lambda *_a, **_k: tok)  # type: ignore[assignment]
 
+    zap = None if args.surrogate is None else kvzap_model(args.surrogate, model.config)
+    docs = json.loads(args.docs.read_text())
+    if zap is not None and args.check is not None:
+        check_scores(model, docs[0], zap, args.check)
+
     lines = args.out.read_text().splitlines() if args.out.exists() else []
     done = {json.loads(line)["id"] for line in lines if line.strip()}
     with args.out.open("a") as f:
-        for doc in json.loads(args.docs.read_text()):
+        for doc in docs:
             if doc["id"] not in done:
-                row = run_doc(model, tok, doc, args.ratios)
+                row = run_doc(model, tok, doc, args.ratios, zap)
                 f.write(json.dumps(row) + "\n")
                 f.flush()
                 arms = [("full", row["full"])] + [(f"{k}x", v) for k, v in row["ratios"].items()]

@@ -111,10 +111,12 @@ STUDIES = {
             "quality",
             "our outputs against a reference implementation on the same inputs",
             True,
-            f"llama-cpp-python on llama.cpp's libllama ({LLAMA_TOOLS}); kvpress: a Python with "
-            "torch, transformers and kvpress (--kvpress-python)",
+            f"llama-cpp-python on llama.cpp's libllama ({LLAMA_TOOLS}); kvpress, kvpress-kvzap: a "
+            "Python with torch, transformers and kvpress (--kvpress-python)",
             option="--against",
-            modes=_modes(llama_cpp="llama_parity", kvpress="kvzip_parity"),
+            modes=_modes(
+                llama_cpp="llama_parity", kvpress="kvzip_parity", kvpress_kvzap="kvzap_parity"
+            ),
         ),
         # One decode step, timed from every side: against the full cache and context (step),
         # batched, and by kind of work.

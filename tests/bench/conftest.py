@@ -36,13 +36,15 @@ REGISTRY_FILTERS = {
     "niah_served",
     "long_context",
     "llama_parity",
+    "kvzap_parity",
 }  # no --calibration
 KVPRESS_PYTHON = os.environ.get("QFSERVE_KVPRESS_PYTHON", "")
 
 
 def missing(file: str) -> str:
     """Why the mode writing ``<file>.json`` cannot run here ('' when it can)."""
-    if file == "kvzip_parity" and not (KVPRESS_PYTHON and Path(KVPRESS_PYTHON).exists()):
+    kvpress = ("kvzip_parity", "kvzap_parity")
+    if file in kvpress and not (KVPRESS_PYTHON and Path(KVPRESS_PYTHON).exists()):
         return "needs a Python with torch, transformers and kvpress: set QFSERVE_KVPRESS_PYTHON"
     if file in ("vs_llama_cpp", "memory"):
         import subprocess
@@ -84,11 +86,12 @@ def argv_for(file: str, out: Path) -> list[str]:
     argv = [*s.mode(file), "--quick", "--out", str(out), *EXTRA.get(file, [])]
     if s.section == "quality" and file not in REGISTRY_FILTERS:
         argv += ["--calibration", "fresh"]
-    if file == "kvzip_parity":
+    if file in ("kvzip_parity", "kvzap_parity"):
         argv += ["--kvpress-python", KVPRESS_PYTHON]
     if file == "vs_llama_cpp":  # llama.cpp reads GGUF: the default model's, short
         argv += ["--model", "smollm2-135m-instruct", "--prompts", "64", "--reps", "1"]
-    if file in ("memory", "llama_parity"):  # the default model's GGUF
+    # the default model's GGUF (kvzap_parity: kvpress's side runs it with our surrogates)
+    if file in ("memory", "llama_parity", "kvzap_parity"):
         argv += ["--model", "smollm2-135m-instruct"]
     return argv
 

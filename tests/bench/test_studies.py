@@ -87,6 +87,17 @@ CHECKS: dict[str, Callable[[dict[str, Any]], bool]] = {
         and all(_share(v) for by in d["accuracy"].values() for v in by.values())
     ),
     "kvzip_parity": lambda d: all(_share(v) for by in d["accuracy"].values() for v in by.values()),
+    # The same surrogates score the same hidden states alike on both sides, so per head both
+    # keep (nearly) the same rows.
+    "kvzap_parity": lambda d: (
+        all(_share(v) for by in d["accuracy"].values() for v in by.values())
+        and d["score_check"]["same_hidden_states"]["max_abs_diff"] < 1e-3
+        and d["score_check"]["own_hidden_states"]["spearman_mean"] > 0.99
+        and all(
+            c["jaccard"] > 0.9 and _share(c["same_answer"])
+            for c in d["overlap"]["overlap/per_head~per_head"].values()
+        )
+    ),
     "kvzip_reuse": lambda d: (
         d["every_later_turn_reused"] is True
         and all(_share(v) for by in d["accuracy"].values() for v in by.values())
