@@ -23,7 +23,7 @@ MODELS = {
     "smollm2": f"{SMOL} (the default model)",
     "gemma-3-270m": "Gemma 3 270M (Q4_K_M; five sliding-window layers of every six)",
     "gemma-3-270m/kvzap": "Gemma 3 270M: KVzap with its shipped surrogates (rows shared across the 3 global layers) beside Q-Filters and KVzip at 4x",
-    "smollm2/refinements": f"{SMOL}: chunked and head-adaptive Q-Filters against plain (the retrieval study's adaptive rows are the first version, which compared raw expected logits across heads; the decode-step study's are the current one)",
+    "smollm2/refinements": f"{SMOL}: chunked and head-adaptive Q-Filters against plain (the retrieval study's adaptive rows are the first version, which compared raw expected logits across heads; the current version's decode-step rows are in ARCHIVE.md)",
     "smollm2/refinements/adaptive": f"{SMOL}: head-adaptive budgets ranked by expected log attention weights",
     "smollm2/refinements/prompt": f"{SMOL}: chunked Q-Filters against plain, perplexity after a prompt read in 512-token blocks",
     "smollm2/selfcal": f"{SMOL}: self-calibrated Q-Filters (no artifact) against calibrated, the key-SVD fallback and the query-aware references",
