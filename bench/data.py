@@ -238,10 +238,15 @@ def needle_doc(
     }
 
 
+def first_number(text: str) -> str | None:
+    """The first number in ``text``, if any."""
+    found = re.search(r"\d+", text)
+    return found.group() if found else None
+
+
 def first_number_is(text: str, key: str) -> bool:
     """Whether the first number in ``text`` is ``key``: how the needle studies score."""
-    found = re.search(r"\d+", text)
-    return bool(found and found.group() == key)
+    return first_number(text) == key
 
 
 # -- the speed studies' prompts --------------------------------------------------------

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import random
-import re
 import subprocess
 import tempfile
 from collections import defaultdict
@@ -22,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from bench.arms import Arm, feed_block
-from bench.data import CITIES, first_number_is, prose_run
+from bench.data import CITIES, first_number, first_number_is, prose_run
 from bench.plots import accuracy_plot
 from bench.report import accuracy_table, ratio_table, section
 from bench.resume import measured, read_jsonl, resume
@@ -121,12 +120,6 @@ def _kept(cache: Any) -> list[list[int]]:
     return [sorted(row[row >= 0].tolist()) for row in positions]
 
 
-def _number(text: str) -> str | None:
-    """The first number of an answer (what the needle is scored by), if any."""
-    found = re.search(r"\d+", text)
-    return found.group() if found else None
-
-
 def overlap(a: list[list[list[int]]], b: list[list[list[int]]]) -> dict[str, float]:
     """Mean over (layer, head) of |a & b| / |b| (recall of ``b``'s rows) and the Jaccard."""
     pairs = [
@@ -209,9 +202,13 @@ def main(
             from bench.surrogates import surrogate_for
 
             study.surrogate, study.calibration["kvzap"] = surrogate_for(
-                study.model, study.tokenizer, study.identity, mode=args.calibration,
-                quick=args.quick, seed=args.seed,
-            )  # fmt: skip
+                study.model,
+                study.tokenizer,
+                study.identity,
+                mode=args.calibration,
+                quick=args.quick,
+                seed=args.seed,
+            )
             surrogate = save_surrogate(Path(tmp) / "surrogate.kvzap", study.surrogate)
             command += ["--press", "kvzap", "--surrogate", str(surrogate)]
             command += ["--check", str(Path(tmp) / "check.npz")]
@@ -241,7 +238,7 @@ def main(
                 cells[f"ours/{mode}"][r].append(cell["correct"])
                 for kind, kvpress in ref.items():
                     theirs_r = kvpress["ratios"][r]
-                    same = _number(cell["text"]) == _number(theirs_r["text"])
+                    same = first_number(cell["text"]) == first_number(theirs_r["text"])
                     pair = cells[f"overlap/{mode}~{kind}"][r]
                     pair.append({**overlap(cell["kept"], theirs_r["kept"]), "same_answer": same})
     accuracy = {

@@ -29,7 +29,6 @@ forward pass) rank by K-norm mapped below every surrogate score.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 import mlx.core as mx
@@ -38,8 +37,7 @@ import numpy as np
 from qfserve.calibrations.kvzap.hidden import HiddenTap
 from qfserve.calibrations.kvzap.surrogate import forward
 from qfserve.engine.kv.config import CacheConfig
-from qfserve.engine.kv.memory import kv_need, need_param, shape
-from qfserve.engine.kv.methods import Policy, Reservation, Work
+from qfserve.engine.kv.methods import Policy, Work
 from qfserve.engine.kv.scorers import AlwaysReady
 
 _BELOW = -1e4  # under any log KVzip+ score a surrogate predicts (scores are attention shares)
@@ -163,25 +161,10 @@ class KVzapPolicy(Policy):
     else the plain one."""
 
     @classmethod
-    def reserved_rows(cls, budget: int, config: CacheConfig, heads: int, prefill_chunk: int) -> int:
+    def reserved_rows(cls, budget: int, config: CacheConfig, prefill_chunk: int) -> int:
         if config.budget_mode != "global":
             return budget
         return budget + prefill_chunk + 1  # the layers' mean, and a chunk read beside it
-
-    def reserve(
-        self,
-        loaded: Any,
-        prompt_tokens: int,
-        max_tokens: int,
-        *,
-        max_kv_bytes: int,
-        prefill_chunk: int,
-        kept: bool,
-    ) -> Reservation:
-        heads = shape(loaded.model, loaded.config)[1]
-        rows = self.reserved_rows(self.config.budget, self.config, heads, prefill_chunk)
-        config = replace(self.config, budget=rows)
-        return Reservation(kv_need(loaded, config, prompt_tokens, max_tokens), need_param(config))
 
     def after_read(self, tokens: Sequence[int]) -> Work | None:
         share(self.caches)

@@ -26,7 +26,7 @@ naming it in :data:`POLICIES`; everything else gets the plain one.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from qfserve.engine.kv.config import CacheConfig
@@ -94,18 +94,18 @@ class Policy:
         self.context = context
 
     @classmethod
-    def reserved_rows(cls, budget: int, config: CacheConfig, heads: int, prefill_chunk: int) -> int:
-        """The rows a head reserves, on average over a layer's ``heads``, for a request of
+    def reserved_rows(cls, budget: int, config: CacheConfig, prefill_chunk: int) -> int:
+        """The rows a head reserves, on average over the layers and heads, for a request of
         ``config`` at ``budget``: the budget (a head holds at most its own)."""
         return budget
 
     @classmethod
-    def largest_budget(cls, rows: int, config: CacheConfig, heads: int, prefill_chunk: int) -> int:
+    def largest_budget(cls, rows: int, config: CacheConfig, prefill_chunk: int) -> int:
         """The largest budget whose :meth:`reserved_rows` are at most ``rows`` (0: none)."""
         low, high = 0, max(0, rows)
         while low < high:  # reserved_rows grows with the budget
             mid = (low + high + 1) // 2
-            if cls.reserved_rows(mid, config, heads, prefill_chunk) <= rows:
+            if cls.reserved_rows(mid, config, prefill_chunk) <= rows:
                 low = mid
             else:
                 high = mid - 1
@@ -122,10 +122,12 @@ class Policy:
         kept: bool,
     ) -> Reservation:
         """What the request reserves (``loaded``: the model and its ``config``; ``kept``:
-        the turn will be kept for reuse)."""
-        return Reservation(
-            kv_need(loaded, self.config, prompt_tokens, max_tokens), need_param(self.config)
-        )
+        the turn will be kept for reuse): its caches' bound at :meth:`reserved_rows`."""
+        config = self.config
+        rows = self.reserved_rows(config.budget, config, prefill_chunk)
+        if rows != config.budget:
+            config = replace(config, budget=rows)
+        return Reservation(kv_need(loaded, config, prompt_tokens, max_tokens), need_param(config))
 
     def admitted(self, preferred: bool) -> None:
         """Admission granted :attr:`Reservation.prefer` (``True``) or ``need``."""

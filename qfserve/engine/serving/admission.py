@@ -28,7 +28,7 @@ from qfserve.engine.kv.config import (
     fit_budget_mode,
     fit_chunk,
 )
-from qfserve.engine.kv.memory import kv_need, kv_row_bytes, shape, window_bytes
+from qfserve.engine.kv.memory import kv_need, kv_row_bytes, window_bytes
 from qfserve.engine.kv.methods import MethodContext, policy_class, policy_for
 from qfserve.engine.serving.jobs import Admission, Job
 from qfserve.engine.text.prompts import PromptError, encode_prompt
@@ -94,10 +94,10 @@ def resolve_auto(
         template = dataclasses.replace(template, method=picked, budget_mode=mode, chunk=1)
     row = max(1, kv_row_bytes(loaded.model, loaded.config, template))
     room = max_kv_bytes - window_bytes(loaded.model, loaded.config, total)  # sliding layers'
-    policy, heads = policy_class(template.method), shape(loaded.model, loaded.config)[1]
+    policy = policy_class(template.method)
 
     def budget_in(rows: int) -> int:  # - the decode step's free slot
-        return policy.largest_budget(rows - 1, template, heads, config.prefill_chunk)
+        return policy.largest_budget(rows - 1, template, config.prefill_chunk)
 
     fits = budget_in(room // row)
     share = budget_in(room // max(1, config.max_batch) // row)

@@ -287,8 +287,8 @@ def request_cache(
     """
     sent = {k: v for k, v in sent.items() if v is not None}
     method = sent.get("method", config.kv_method)
-    picks = method == AUTO_METHOD and "budget" not in sent and config.budget == AUTO
-    if method == AUTO_METHOD:  # the fallback, and a stand-in where the worker picks
+    picks = method == AUTO_METHOD  # where the budget is auto too (see AutoSettings)
+    if picks:  # the fallback, and a stand-in where the worker picks
         method = DEFAULT_METHOD
     n_sink = sent.get("n_sink", config.n_sink)
     auto = None
