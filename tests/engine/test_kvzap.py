@@ -283,10 +283,15 @@ def test_kvzap_without_surrogates_is_refused_naming_the_method(model):
     assert err.value.param == "method"
 
 
-def test_fused_decode_steps_are_scored_by_the_surrogate_too():
+@pytest.mark.parametrize("form", ["linear", "mlp"])
+def test_fused_decode_steps_are_scored_by_the_surrogate_too(form):
     """On the served model the decode step of a block is one fused native op, which computes
-    the input norm itself: the tapped norm must still hand the row to the scorer (else the
-    row would rank by the fallback, below every prompt row)."""
+    the input norm itself: the tap keeps the row before the norm, and each decode row's
+    stored score is the surrogate's of its own normalised hidden state (numpy reference:
+    the RMS norm and the surrogate's weights), computed by the eviction step itself for a
+    linear surrogate and by MLX for an MLP (else the row would rank by the fallback, below
+    every prompt row)."""
+    from qfserve.calibrations.kvzap.hidden import HiddenTap
     from qfserve.engine.models.loading import load_model
 
     loaded = load_model(None)
@@ -294,17 +299,40 @@ def test_fused_decode_steps_are_scored_by_the_surrogate_too():
         pytest.skip("the native kernels are not built here: no fused decode block")
     args = loaded.model.args
     s = random_surrogate(
-        "linear", L=args.num_hidden_layers, D=args.hidden_size, H=args.num_key_value_heads
+        form, L=args.num_hidden_layers, D=args.hidden_size, H=args.num_key_value_heads
     )
     config = CacheConfig(method="kvzap", budget=24, recent=4)
     caches = make_caches(loaded.model, config, surrogate=s)
     prompt = loaded.tokenizer.encode("The pass key is 4821. Remember it well, and keep it. " * 3)
     loaded.model(mx.array(prompt)[None], cache=caches)
-    for token in (11, 12, 13, 14):
-        loaded.model(mx.array([[token]]), cache=caches)
-    for cache in caches:
-        assert cache.evictions > 0
-        assert float(mx.min(cache.scores).item()) > -1e3  # no row ranked by the fallback
+    kept: dict[int, tuple] = {}
+    defer = HiddenTap.defer
+
+    def keep(tap, x, weight, eps):
+        kept[id(tap)] = (np.array(x, dtype=np.float64)[0, 0], np.array(weight), eps)
+        defer(tap, x, weight, eps)
+
+    HiddenTap.defer = keep
+    try:
+        for token in (11, 12, 13, 14):
+            loaded.model(mx.array([[token]]), cache=caches)
+            mx.eval([c.state for c in caches])
+            for layer, cache in enumerate(caches):
+                x, weight, eps = kept[id(cache.scorer.tap)]
+                h = x / np.sqrt(np.mean(x**2) + eps) * weight
+                w = {k: v[layer].astype(np.float64) for k, v in s.weights.items()}
+                if form == "linear":
+                    want = h @ w["w"] + w["b"]
+                else:
+                    u = h @ w["w1"] + w["b1"]
+                    gelu = 0.5 * u * (1 + np.vectorize(math.erf)(u / math.sqrt(2)))
+                    want = gelu @ w["w2"] + w["b2"]
+                at = np.array(cache.order[0]) == cache.offset - 1  # the row's slot, per head
+                got = np.array(cache.scores[0])[at]
+                np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3, err_msg=str(layer))
+    finally:
+        HiddenTap.defer = defer
+    assert all(cache.evictions > 0 for cache in caches)
 
 
 def numpy_layer_keep(scores, budget, n_sink, recent):

@@ -158,10 +158,10 @@ def test_the_step_scores_the_new_key_by_its_projection(kernel, packed, per_seque
     want = _write_and_select(keys, values, scores, order, free, row, *args, held, not packed)
     for name, w, g in zip(("keys", "values", "scores", "order", "free"), want, got, strict=True):
         np.testing.assert_array_equal(np.array(g), np.array(w), err_msg=name)
-    with pytest.raises(ValueError, match="score, or the direction"):
+    with pytest.raises(ValueError, match="give the new row.s score, the direction"):
         kernel.evict_step(keys, values, scores, order, free, k, v, row[2], *args,
                           direction=mx.array(direction))  # fmt: skip
-    with pytest.raises(ValueError, match="score, or the direction"):
+    with pytest.raises(ValueError, match="give the new row.s score, the direction"):
         kernel.evict_step(keys, values, scores, order, free, k, v, None, *args)
     with pytest.raises(ValueError, match="direction must be"):
         kernel.evict_step(keys, values, scores, order, free, k, v, None, *args,
@@ -205,3 +205,97 @@ def test_a_projection_the_op_cannot_take_falls_back(kernel):
             np.testing.assert_array_equal(np.array(got[4]), np.array(want[4]))
     finally:
         attention.set_native(None)
+
+
+@pytest.mark.parametrize("tokens", [False, True])
+def test_the_step_scores_the_new_row_by_its_hidden_state(kernel, tokens):
+    """Given the hidden row before its norm and a linear map (KVzap's surrogate) instead of a
+    score, the new row's score is ``bias + rms_norm(x) . weight`` (float64 numpy reference),
+    the raw score in the per-token scores too where the cache keeps them; the rest of the step
+    is as with that score given. The same form through ``write_and_select`` without the
+    kernels (MLX: ``ScoreForm.mapped``) gives the same step."""
+    from qfserve.engine.kv import attention
+    from qfserve.engine.kv.evict import write_and_select
+    from qfserve.engine.kv.scorers import ScoreForm
+
+    rng = np.random.default_rng(31 + tokens)
+    H, C, D, K, eps = 3, 40, 16, 96, 1e-5
+    keys, values, scores, order, free, (k, v, _) = _state(rng, 1, H, C, D, False, True)
+    x = rng.standard_normal((1, 1, K)).astype(np.float32) * 3
+    norm = rng.uniform(0.5, 1.5, K).astype(np.float32)
+    weight = rng.standard_normal((H, K)).astype(np.float32)
+    bias = rng.standard_normal((H, 1)).astype(np.float32)
+    x64 = x[0, 0].astype(np.float64)
+    normed = x64 / np.sqrt(np.mean(x64**2) + eps) * norm
+    want_score = (weight @ normed + bias[:, 0])[None, :, None]
+    token_scores = mx.array(rng.standard_normal((1, H, C)).astype(np.float32)) if tokens else None
+    args = (mx.array(70, dtype=mx.int32), mx.array(60, dtype=mx.int32), mx.array(4, dtype=mx.int32))
+    hidden = [mx.array(x), mx.array(norm), _strided(weight), mx.array(bias)]
+    got = kernel.evict_step(
+        keys,
+        values,
+        scores,
+        order,
+        free,
+        k,
+        v,
+        None,
+        *args,
+        token_scores=token_scores,
+        hidden=hidden,
+        eps=eps,
+    )
+    slot = np.array(free).astype(np.int64)
+    stored = np.take_along_axis(np.array(got[2]), slot, axis=2)
+    np.testing.assert_allclose(stored, want_score, rtol=1e-5, atol=1e-5)
+    if tokens:
+        np.testing.assert_array_equal(np.take_along_axis(np.array(got[5]), slot, axis=2), stored)
+    want = _write_and_select(
+        keys,
+        values,
+        scores,
+        order,
+        free,
+        (k, v, mx.array(stored)),
+        *args,
+        token_scores=token_scores,
+    )
+    for name, w, g in zip(("keys", "values", "scores", "order", "free"), want, got, strict=False):
+        np.testing.assert_array_equal(np.array(g), np.array(w), err_msg=name)
+
+    form = ScoreForm("hidden", mx.array(weight), mx.array(bias), (mx.array(x), mx.array(norm), eps))
+    np.testing.assert_allclose(np.array(form.mapped()), want_score, rtol=1e-5, atol=1e-5)
+    attention.set_native(None)
+    mlx_step = write_and_select(
+        keys, values, scores, order, free, (k, v, form), *args, token_scores=token_scores
+    )
+    np.testing.assert_allclose(np.array(mlx_step[2]), np.array(got[2]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.array(mlx_step[4]), np.array(got[4]))
+
+    with pytest.raises(ValueError, match="hidden: x"):
+        kernel.evict_step(
+            keys,
+            values,
+            scores,
+            order,
+            free,
+            k,
+            v,
+            None,
+            *args,
+            hidden=[hidden[0], hidden[1], hidden[2][:, :-1], hidden[3]],
+        )
+    with pytest.raises(ValueError, match="give the new row.s score, the direction"):
+        kernel.evict_step(
+            keys,
+            values,
+            scores,
+            order,
+            free,
+            k,
+            v,
+            None,
+            *args,
+            direction=mx.array(weight[:, :D]),
+            hidden=hidden,
+        )

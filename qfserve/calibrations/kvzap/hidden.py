@@ -6,7 +6,7 @@ what a key is written from. The tap changes the norm module's class to a subclas
 returns the same result and keeps it (the module keeps its parameters and their names, so
 weights, fingerprints and sharding are unchanged); :func:`remove_hidden_taps` puts the class
 back. A fused decode block (:mod:`qfserve.engine.models.fused`) computes the norm natively and
-calls the tapped module for the kept value.
+gives the tap its input and the norm's weight (:meth:`HiddenTap.defer`).
 """
 
 from __future__ import annotations
@@ -23,15 +23,26 @@ _CLASSES: dict[type, type] = {}
 
 class HiddenTap:
     """The last block of hidden states one layer's input norm computed, for its caches'
-    scorers. Like a query tap: a batch narrows it to one member's row (:meth:`narrow`)."""
+    scorers. Like a query tap: a batch narrows it to one member's row (:meth:`narrow`).
+
+    A fused decode block keeps its input before the norm (:meth:`defer`): the norm is then
+    computed where a scorer takes the row (:meth:`take`), or by the eviction step itself from
+    the raw row (:meth:`peek_raw`), one MLX op fewer a layer."""
 
     def __init__(self) -> None:
         self.batch: mx.array | None = None  # (B, N, hidden): what the norm last returned
         self.hidden: mx.array | None = None  # (1, N, hidden): what a scorer may take
+        self.norm: tuple[mx.array, float] | None = None  # deferred: the norm's weight, eps
 
     def __call__(self, hidden: mx.array) -> None:
-        self.batch = hidden
+        self.batch, self.norm = hidden, None
         self.hidden = hidden if hidden.shape[0] == 1 else None
+
+    def defer(self, x: mx.array, weight: mx.array, eps: float) -> None:
+        """Keep ``x``, the block's input, and the norm (``weight``, ``eps``: RMS) that maps
+        it to the hidden states, computed only where they are taken."""
+        self.batch, self.norm = x, (weight, eps)
+        self.hidden = x if x.shape[0] == 1 else None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> HiddenTap:
         return self  # belongs to its layer's norm, not to a cache (a kept cache is a copy)
@@ -43,7 +54,17 @@ class HiddenTap:
     def take(self, n: int) -> mx.array | None:
         """The block's hidden states if the last block had ``n`` tokens, then forget them."""
         h, self.hidden = self.hidden, None
-        return h if h is not None and h.shape[1] == n else None
+        if h is None or h.shape[1] != n:
+            return None
+        return h if self.norm is None else mx.fast.rms_norm(h, *self.norm)
+
+    def peek_raw(self) -> tuple[mx.array, mx.array, float] | None:
+        """A deferred decode row ``(x (1, 1, hidden), weight, eps)``, where the last block
+        kept one; it stays offered until the next block replaces it."""
+        h = self.hidden
+        if h is None or self.norm is None or h.shape[1] != 1:
+            return None
+        return h, *self.norm
 
 
 def _tapped(base: type) -> type:

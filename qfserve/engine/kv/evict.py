@@ -19,7 +19,7 @@ can be cut, from its end.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import cast
+from typing import Any, cast
 
 import mlx.core as mx
 
@@ -163,9 +163,10 @@ def write_and_select(
     (:func:`qfserve.engine.kv.attention.set_native`): even compiled, MLX evaluates the step's
     dozen primitives one by one there (~75 us a layer); elsewhere compiled.
 
-    The new row's score may be given as its scorer's ``project`` form
-    (:class:`qfserve.engine.kv.scorers.ScoreForm`): the native op then scores the key itself
-    (a matmul and a multiply fewer a layer); elsewhere the form is applied first.
+    The new row's score may be given as its scorer's ``project`` or ``hidden`` form
+    (:class:`qfserve.engine.kv.scorers.ScoreForm`): the native op then scores the key (a
+    matmul and a multiply fewer a layer) or the hidden row (a norm, a product and a
+    transpose fewer) itself; elsewhere the form is applied first.
     """
     new_keys, new_values, score = row
     kernel = native_kernel()
@@ -177,7 +178,7 @@ def write_and_select(
         or (token_scores is not None and token_scores.dtype != mx.float32)
     ):
         if isinstance(score, ScoreForm):
-            score = score.projected(new_keys)
+            score = score.mapped() if score.kind == "hidden" else score.projected(new_keys)
         return cast(
             "tuple[mx.array, ...]",
             _compiled_write_and_select(
@@ -201,6 +202,12 @@ def write_and_select(
         for a in (position, first_recent, n_sink)
     ]
     form = score if isinstance(score, ScoreForm) else None
+    projection = form if form is not None and form.kind == "project" else None
+    hidden: list[Any] = []  # the hidden row, its norm's weight, the map's weight and bias
+    eps = 1e-6
+    if form is not None and form.kind == "hidden" and form.hidden is not None:
+        x, norm, eps = form.hidden
+        hidden = [x, norm, form.direction, form.scale]
     return tuple(
         kernel.evict_step(
             keys,
@@ -214,19 +221,26 @@ def write_and_select(
             *ints,
             held=held if held is None or held.dtype == mx.int32 else held.astype(mx.int32),
             ranked=ranked,
-            direction=None if form is None else form.direction,
-            scale=None if form is None else form.scale,
+            direction=None if projection is None else projection.direction,
+            scale=None if projection is None else projection.scale,
             token_scores=token_scores,
             caps=caps,
+            hidden=hidden,
+            eps=eps,
         )
     )
 
 
 def _native_score(score: mx.array | ScoreForm, batch: int) -> bool:
-    """The native step takes this score: float32, or a projection whose float32 direction
-    and scale are per head or per sequence of this batch."""
+    """The native step takes this score: float32, a projection whose float32 direction
+    and scale are per head or per sequence of this batch, or a float32 hidden map."""
     if isinstance(score, mx.array):
         return score.dtype == mx.float32
+    if score.kind == "hidden":
+        return score.hidden is not None and all(
+            a is not None and a.dtype == mx.float32
+            for a in (score.hidden[0], score.hidden[1], score.direction, score.scale)
+        )
     parts = [p for p in (score.direction, score.scale) if p is not None]
     return (
         score.kind == "project"

@@ -16,15 +16,20 @@ import mlx.core as mx
 
 @dataclass(frozen=True)
 class ScoreForm:
-    """A scorer's per-row score as one of the few operations a packed decode step batches
-    over many requests (:mod:`qfserve.engine.kv.batch.packed`), giving each member the score
-    its own :meth:`Scorer.score` would: ``project`` (``keys . direction``, times ``scale``
-    where given), ``norm`` (minus the key's L2 norm) or ``position`` (its absolute position).
+    """A scorer's per-row score as one of the few operations an eviction step computes itself
+    (:func:`qfserve.engine.kv.evict.write_and_select`) or a packed decode step batches over
+    many requests (:mod:`qfserve.engine.kv.batch.packed`), giving each row the score its own
+    :meth:`Scorer.score` would: ``project`` (``keys . direction``, times ``scale`` where
+    given), ``norm`` (minus the key's L2 norm), ``position`` (its absolute position), or
+    ``hidden`` (a decode row's: ``scale + rms_norm(x) . direction``, a linear map of the
+    hidden state ``x`` that entered the layer, before its input norm: KVzap's linear
+    surrogate; not batched).
     """
 
-    kind: Literal["project", "norm", "position"]
+    kind: Literal["project", "norm", "position", "hidden"]
     direction: mx.array | None = None  # (H, D) or (B, H, D) float32, the sign applied
-    scale: mx.array | None = None  # (H, 1) float32
+    scale: mx.array | None = None  # (H, 1) float32; ``hidden``: the bias
+    hidden: tuple[mx.array, mx.array, float] | None = None  # ``hidden``: x (B, 1, K), norm, eps
 
     def projected(self, keys: mx.array) -> mx.array:
         """A ``project`` form's scores of ``keys`` ``(B, H, N, D)``: ``(B, H, N)`` float32."""
@@ -32,6 +37,14 @@ class ScoreForm:
             raise ValueError(f"a {self.kind!r} form projects nothing")
         scores = project(keys, self.direction, 1)
         return scores if self.scale is None else scores * self.scale
+
+    def mapped(self) -> mx.array:
+        """A ``hidden`` form's score of its row: ``(B, H, 1)`` float32."""
+        if self.kind != "hidden" or self.hidden is None or self.direction is None:
+            raise ValueError(f"a {self.kind!r} form maps no hidden row")
+        x, norm, eps = self.hidden
+        out = mx.fast.rms_norm(x, norm, eps) @ self.direction.T  # (B, 1, H)
+        return (out if self.scale is None else out + self.scale[:, 0]).transpose(0, 2, 1)
 
 
 class Scorer(Protocol):

@@ -208,7 +208,9 @@ class SlotLayout(CacheFields):
         else:
             form = self.scorer.form()
             score: mx.array | ScoreForm
-            if self.token_scores is None and form is not None and form.kind == "project":
+            if form is not None and (
+                form.kind == "hidden" or form.kind == "project" and self.token_scores is None
+            ):
                 score = form  # scored within the step (write_and_select)
             else:
                 score = self.scorer.score(keys, position)  # (B, H, 1)

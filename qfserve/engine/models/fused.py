@@ -187,10 +187,10 @@ class _FusedBlock:
         ):
             return cast(mx.array, super().__call__(x, mask, cache))  # type: ignore[misc]
         rope = p.rope.plain
-        if getattr(cast(Any, self).input_layernorm, HIDDEN_TAP, None) is not None:
-            # A KVzap scorer reads the norm's output for the row it scores: the tapped
-            # module computes it (one op) and keeps it; the fused op computes its own.
-            cast(Any, self).input_layernorm(x)
+        if (hidden := getattr(cast(Any, self).input_layernorm, HIDDEN_TAP, None)) is not None:
+            # A KVzap scorer reads the norm's output for the row it scores: the tap keeps the
+            # input and the norm, computed where it is read (the eviction step, or one op).
+            hidden.defer(x, p.norms[0], p.eps)
         q, k, v = p.kernel.decode_qkv(
             x,
             *p.qkv,

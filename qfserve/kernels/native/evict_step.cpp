@@ -11,10 +11,14 @@
 // the scores, order and next victim, small arrays, in a third. Where the scorer is a
 // projection (Q-Filters, key-SVD: score = (k . direction[h]) * scale[h]), the third op also
 // computes the new row's score from its key: scored apart, that is a matmul and a multiply a
-// layer, ~30 us a layer on MLX's CPU, as much again as the rest of the step.
+// layer, ~30 us a layer on MLX's CPU, as much again as the rest of the step. Where it is a
+// linear map of the hidden state that entered the layer (KVzap's linear surrogate: score =
+// bias[h] + rms_norm(x) . weight[h]), the third op computes that from the row of x: apart,
+// the norm, a BLAS product of one row and a transpose cost ~50 us a layer.
 //
 //   slot = free[b, h]; keys[.., slot] = k; values[.., slot] = v; order[.., slot] = position
-//   scores[.., slot] = score (NaN -> -inf when `ranked`), or sum_d k[d] * direction[d] * scale
+//   scores[.., slot] = score (NaN -> -inf when `ranked`), or sum_d k[d] * direction[d] * scale,
+//                      or bias[h] + sum_d (x[d] * norm[d] / rms(x)) * weight[h, d]
 //   token_scores[.., slot] = the score, raw (where given: a chunked cache's per-token scores)
 //   guarded(c) = c < n_sink | order[c] >= first_recent | c >= held
 //   free' = argmax over {c : rank(c) == min over unguarded (inf if guarded)} of order[c],
@@ -28,6 +32,7 @@
 #include <optional>
 #include <vector>
 
+#include "detail.h"
 #include "kernels.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
@@ -108,21 +113,23 @@ class WriteRow : public mx::UnaryPrimitive {
 // scores and order with the new row's at its slot, and the next victim.
 class Select : public mx::Primitive {
  public:
-  Select(mx::Stream stream, bool ranked, bool held, bool project, bool scaled, bool tokens,
-         bool caps)
+  Select(mx::Stream stream, bool ranked, bool held, bool project, bool scaled, bool hidden,
+         float eps, bool tokens, bool caps)
       : mx::Primitive(stream), ranked_(ranked), held_(held), project_(project), scaled_(scaled),
-        tokens_(tokens), caps_(caps) {}
+        hidden_(hidden), eps_(eps), tokens_(tokens), caps_(caps) {}
 
   void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& out) override {
-    // in: scores, order, free, then the score (B, H, 1) or the new keys (B, H, 1, D), the
-    // direction (H, D) or (B, H, D)[ and the scale (H, 1) or (B, H, 1)]; then position,
-    // first_recent, n_sink[, held[, caps]][, token_scores]
+    // in: scores, order, free, then the score (B, H, 1), or the new keys (B, H, 1, D), the
+    // direction (H, D) or (B, H, D)[ and the scale (H, 1) or (B, H, 1)], or the hidden row
+    // x (B, 1, K), its norm's weight (K), the weight (H, K) and the bias (H, 1); then
+    // position, first_recent, n_sink[, held[, caps]][, token_scores]
     for (auto& o : out) o.set_data(mx::allocator::malloc(o.nbytes()));
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (const auto& a : in) encoder.set_input_array(a);
     for (auto& o : out) encoder.set_output_array(o);
     encoder.dispatch([in, out, ranked = ranked_, held = held_, project = project_,
-                      scaled = scaled_, tokens = tokens_, caps = caps_]() mutable {
+                      scaled = scaled_, hidden = hidden_, eps = eps_, tokens = tokens_,
+                      caps = caps_]() mutable {
       copy_into(in[0], out[0]);
       copy_into(in[1], out[1]);
       // Per-token scores (chunks): the raw score at the slot, beside the ranks.
@@ -132,13 +139,32 @@ class Select : public mx::Primitive {
         token_scores = out[3].data<float>();
       }
       const int B = in[0].shape(0), H = in[0].shape(1), C = in[0].shape(2);
-      const size_t ints = 3 + (project ? 2 + scaled : 1);  // position, first_recent, n_sink
+      // position, first_recent, n_sink
+      const size_t ints = 3 + (project ? 2 + scaled : hidden ? 4 : 1);
       float* scores = out[0].data<float>();
       int32_t* order = out[1].data<int32_t>();
       uint32_t* next = out[2].data<uint32_t>();
       const float inf = std::numeric_limits<float>::infinity();
-      // The new row's score at (b, h): given, or its key's projection.
+      // The hidden row of sequence b, normalised (hidden scores only).
+      const int64_t K = hidden ? in[4].size() : 0;
+      std::vector<float> normed(K), row(K), weight(K);
+      for (int64_t i = 0; i < K; ++i) weight[i] = in[4].data<float>()[i * in[4].strides()[0]];
+      auto normalise = [&](int b) {
+        const mx::array& x = in[3];
+        const float* xb = x.data<float>() + b * x.strides()[0];
+        for (int64_t i = 0; i < K; ++i) row[i] = xb[i * x.strides()[2]];
+        qfserve::detail::rms_row(row.data(), weight.data(), normed.data(), K, eps);
+      };
+      // The new row's score at (b, h): given, its key's projection, or its hidden row's map.
       auto new_score = [&](int b, int h) {
+        if (hidden) {
+          const mx::array &w = in[5], &bias = in[6];
+          const int64_t ws = w.strides()[1];
+          const float* wh = w.data<float>() + h * w.strides()[0];
+          float dot = 0.0f;
+          for (int64_t i = 0; i < K; ++i) dot += normed[i] * wh[i * ws];
+          return dot + bias.data<float>()[h * bias.strides()[0]];
+        }
         if (!project) return in[3].data<float>()[row_offset(in[3], b, h)];
         const mx::array &k = in[3], &dir = in[4];
         const int D = k.shape(3);
@@ -156,6 +182,7 @@ class Select : public mx::Primitive {
         const int32_t hold = held ? in[ints + 3].data<int32_t>()[at(in[ints + 3], b)] : C;
         // A member holding fewer slots than its cap grows into the next one: no victim.
         const int32_t cap = caps ? in[ints + 4].data<int32_t>()[at(in[ints + 4], b)] : hold;
+        if (hidden) normalise(b);
         for (int h = 0; h < H; ++h) {
           const int64_t bh = static_cast<int64_t>(b) * H + h;
           const uint32_t slot = in[2].data<uint32_t>()[row_offset(in[2], b, h)];
@@ -192,7 +219,8 @@ class Select : public mx::Primitive {
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const Select&>(other);
     return ranked_ == o.ranked_ && held_ == o.held_ && project_ == o.project_ &&
-           scaled_ == o.scaled_ && tokens_ == o.tokens_ && caps_ == o.caps_;
+           scaled_ == o.scaled_ && hidden_ == o.hidden_ && eps_ == o.eps_ &&
+           tokens_ == o.tokens_ && caps_ == o.caps_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
     if (tokens_) return {in[0].shape(), in[1].shape(), in[2].shape(), in[0].shape()};
@@ -205,7 +233,9 @@ class Select : public mx::Primitive {
     return a.ndim() == 2 ? h * a.strides()[0] : row_offset(a, b, h);
   }
 
-  bool ranked_, held_, project_, scaled_, tokens_, caps_;
+  bool ranked_, held_, project_, scaled_, hidden_;
+  float eps_;
+  bool tokens_, caps_;
 };
 
 }  // namespace
@@ -222,7 +252,9 @@ std::vector<mx::array> evict_step(const mx::array& keys, const mx::array& values
                                   bool ranked, const std::optional<mx::array>& direction,
                                   const std::optional<mx::array>& scale,
                                   const std::optional<mx::array>& token_scores,
-                                  const std::optional<mx::array>& caps, mx::StreamOrDevice s) {
+                                  const std::optional<mx::array>& caps,
+                                  const std::vector<mx::array>& hidden, float eps,
+                                  mx::StreamOrDevice s) {
   if (keys.ndim() != 4 || values.ndim() != 4 || new_keys.ndim() != 4 || new_values.ndim() != 4)
     throw std::invalid_argument("keys, values and the new row's must be 4-D (B, H, C, D)");
   const int B = keys.shape(0), H = keys.shape(1), C = keys.shape(2), D = keys.shape(3);
@@ -240,9 +272,22 @@ std::vector<mx::array> evict_step(const mx::array& keys, const mx::array& values
       order.dtype() != mx::int32 || free.dtype() != mx::uint32)
     throw std::invalid_argument("keys, values and scores must be float32, order int32, "
                                 "free uint32");
-  if (new_score.has_value() == direction.has_value() || (scale && !direction))
-    throw std::invalid_argument("give the new row's score, or the direction (and scale) to "
-                                "project its key on");
+  if (!hidden.empty() && hidden.size() != 4)
+    throw std::invalid_argument("hidden is (x, norm, weight, bias)");
+  if (int(new_score.has_value()) + int(direction.has_value()) + int(!hidden.empty()) != 1 ||
+      (scale && !direction))
+    throw std::invalid_argument("give the new row's score, the direction (and scale) to "
+                                "project its key on, or the hidden row and its map");
+  if (!hidden.empty()) {
+    const mx::array &x = hidden[0], &norm = hidden[1], &weight = hidden[2], &bias = hidden[3];
+    const int K = norm.size();
+    for (const mx::array* a : {&x, &norm, &weight, &bias})
+      if (a->dtype() != mx::float32)
+        throw std::invalid_argument("hidden's x, norm, weight and bias must be float32");
+    if (norm.ndim() != 1 || x.shape() != mx::Shape{B, 1, K} ||
+        weight.shape() != mx::Shape{H, K} || bias.shape() != mx::Shape{H, 1})
+      throw std::invalid_argument("hidden: x (B, 1, K), norm (K), weight (H, K), bias (H, 1)");
+  }
   // A per-head array of the projection: (H, n) or (B, H, n), float32.
   auto per_head = [&](const mx::array& a, int n) {
     return a.dtype() == mx::float32 &&
@@ -256,6 +301,8 @@ std::vector<mx::array> evict_step(const mx::array& keys, const mx::array& values
   if (direction) {
     inputs.insert(inputs.end(), {new_keys, *direction});
     if (scale) inputs.push_back(*scale);
+  } else if (!hidden.empty()) {
+    inputs.insert(inputs.end(), hidden.begin(), hidden.end());
   } else {
     inputs.push_back(*new_score);
   }
@@ -278,7 +325,8 @@ std::vector<mx::array> evict_step(const mx::array& keys, const mx::array& values
   auto selected = mx::array::make_arrays(
       std::move(shapes), std::move(dtypes),
       std::make_shared<Select>(stream, ranked, held.has_value(), direction.has_value(),
-                               scale.has_value(), token_scores.has_value(), caps.has_value()),
+                               scale.has_value(), !hidden.empty(), eps,
+                               token_scores.has_value(), caps.has_value()),
       inputs);
   std::vector<mx::array> out = {
       mx::array(keys.shape(), mx::float32, std::make_shared<WriteRow>(stream),

@@ -84,7 +84,8 @@ std::vector<mlx::core::array> evict_step(
     const std::optional<mlx::core::array>& direction,
     const std::optional<mlx::core::array>& scale,
     const std::optional<mlx::core::array>& token_scores,
-    const std::optional<mlx::core::array>& caps, mlx::core::StreamOrDevice s);
+    const std::optional<mlx::core::array>& caps, const std::vector<mlx::core::array>& hidden,
+    float eps, mlx::core::StreamOrDevice s);
 
 // A decode step's block in two ops around its cache and attention (decode_block.cpp).
 // decode_qkv: x (B, 1, K) float32, RMS-normalised by `norm` (K,) where given, through each

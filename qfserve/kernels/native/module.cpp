@@ -63,11 +63,13 @@ NB_MODULE(_native, m) {
         nb::arg("held") = nb::none(), nb::arg("ranked") = true,
         nb::arg("direction") = nb::none(), nb::arg("scale") = nb::none(),
         nb::arg("token_scores") = nb::none(), nb::arg("caps") = nb::none(),
+        nb::arg("hidden") = std::vector<mlx::core::array>{}, nb::arg("eps") = 1e-6f,
         nb::arg("stream") = nb::none(),
         "An eviction cache's decode step at budget: the new row into the free slot, then the "
         "next victim; returns (keys, values, scores, order, free[, token_scores]). new_score "
         "None: the new row's score is its key . direction (H, D) or (B, H, D), times scale "
-        "where given; token_scores (chunks) get the raw score at the slot; where held < caps "
+        "where given, or with hidden = (x (B, 1, K), norm (K), weight (H, K), bias (H, 1)), "
+        "bias + rms_norm(x, norm, eps) . weight; token_scores (chunks) get the raw score at the slot; where held < caps "
         "(B, 1, 1), the next slot is held (a packed member still growing).");
   m.def("decode_qkv", &qfserve::decode_qkv, nb::arg("x"), nb::arg("q"), nb::arg("k"),
         nb::arg("v"), nb::arg("inv_freqs"), nb::arg("offset"), nb::arg("n_heads"),

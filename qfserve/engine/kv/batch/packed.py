@@ -53,7 +53,8 @@ def can_pack(cache: Any) -> bool:
         and cache.scores is not None
         and (not cache.tracks or cache.token_scores is not None and cache.positions is not None)
         and cache.valid is None
-        and cache.scorer.form() is not None
+        and (form := cache.scorer.form()) is not None
+        and form.kind != "hidden"  # a decode row's own hidden state: scored alone
     )
 
 
