@@ -33,7 +33,7 @@ from qfserve.engine.kv import kvzip
 from qfserve.engine.kv.cache import EvictionCache
 from qfserve.engine.kv.config import DEFAULT_CALIB_TOKENS, DEFAULT_N_SINK, CacheConfig
 from qfserve.engine.kv.factory import make_caches
-from qfserve.engine.kv.kvzap import KVzapScorer, share
+from qfserve.engine.kv.kvzap import KVzapScorer, share, share_when_full
 from qfserve.engine.kv.query_aware import SnapKVScorer
 
 
@@ -536,12 +536,12 @@ def caches_for(run: Any, arm: str | int) -> list[Any]:
 
 def prefill(model, caches: list[Any], tokens: Sequence[int], chunk: int = 512) -> None:
     """Run ``tokens`` through the model in chunks (no sampling), filling ``caches``; where
-    kvzap's layers share the rows, each chunk is shared out before the next, as the server
-    does."""
+    kvzap's layers share the rows, each chunk is shared out before the next, and the last
+    as before decoding, as the server does."""
     ids = mx.array(list(tokens))
     for s in range(0, len(tokens), chunk):
         model(ids[None, s : s + chunk], cache=caches)
-        share(caches)
+        share(caches, decode=s + chunk >= len(tokens))
         mx.eval([c.state for c in caches])
 
 
@@ -556,7 +556,8 @@ def kv_stats(caches: list[Any]) -> dict[str, int]:
 
 def decode_timer(model, caches: list[Any], steps: int, *, hold: bool) -> Callable[[], float]:
     """A callable timing ``steps`` single-token decode steps, in ms a step; ``hold`` trims each
-    trimmable cache by a row after each, so a full cache stays at its context length."""
+    trimmable cache by a row after each, so a full cache stays at its context length. KVzap's
+    shared rows are shared out as the server's policy does between steps."""
     token = mx.array([[17]])
 
     def run() -> float:
@@ -564,6 +565,7 @@ def decode_timer(model, caches: list[Any], steps: int, *, hold: bool) -> Callabl
         for _ in range(steps):
             logits = model(token, cache=caches)
             mx.eval(logits, [c.state for c in caches])
+            share_when_full(caches)
             if hold:
                 for c in caches:
                     if c.is_trimmable():

@@ -19,6 +19,7 @@ from bench.report import arm_label, arm_order, fmt, pct, section, spread_cell, t
 from bench.resume import measured, resume
 from bench.run import Run, start
 from bench.timing import summary
+from qfserve.engine.kv import kvzap
 from qfserve.engine.kv.kvzip import compress
 from qfserve.engine.serving.config import DEFAULT_PREFILL_CHUNK
 
@@ -36,6 +37,10 @@ KINDS = {
     "from evenly spaced paragraphs",
     "recall": "held-out generated kv / fact / pass-key documents (eval seeds)",
 }
+
+
+def _decode_share(caches: list[Any], _tokens: int) -> None:
+    kvzap.share_when_full(caches)
 
 
 def run_arm(
@@ -57,10 +62,21 @@ def run_arm(
     for seq in rows:
         caches = arm.caches(model, budget, filters, surrogate=study.surrogate)
         after = None
+        on_step = None
         if arm.method == "kvzip":
             after = partial(compress, model, caches, seq[0, :prefill].tolist(), study.repeat)
+        elif arm.method == "kvzap" and arm.shared:  # as the server's policy: decode shares too
+            after = partial(kvzap.share, caches, decode=True)
+            on_step = partial(_decode_share, caches)
         nll, most = streaming_nll(
-            model, seq, caches, budget=budget, prefill=prefill, block=block, after_prefill=after
+            model,
+            seq,
+            caches,
+            budget=budget,
+            prefill=prefill,
+            block=block,
+            after_prefill=after,
+            on_step=on_step,
         )
         nlls.append(nll)
         max_rows = max(max_rows, most)

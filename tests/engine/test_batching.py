@@ -18,6 +18,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from qfserve.calibrations.model_info import model_fingerprint
 from qfserve.engine.filters.artifact import resolve_calibration
+from qfserve.engine.kv import kvzap
 from qfserve.engine.kv.batch import PackedBatch
 from qfserve.engine.kv.batch.cache import RAGGED_FACTOR, RAGGED_SLACK, BatchCache
 from qfserve.engine.kv.config import CacheConfig
@@ -42,6 +43,7 @@ SETTINGS = [  # method, budget, recent, budget_mode: every kind of cache in one 
     CacheConfig(method="kvzip", budget=72, recent=8),  # reconstructs its prompt first
     CacheConfig(method="kvzap", budget=64, recent=8),  # scored from its own row's hidden state
     CacheConfig(method="kvzap", budget=96, recent=8, threshold=-3.0),  # and bounded by score
+    CacheConfig(method="kvzap", budget=64, recent=8, budget_mode="global"),  # shared in decode
 ]
 PACKED = [  # only caches the batch packs into shared arrays (qfserve.engine.kv.batch.packed); the first (89
     CacheConfig(method="qfilters", budget=100, recent=8),  # tokens) fills while decoding
@@ -127,9 +129,14 @@ def alone(loaded, calibration, req: GenerationRequest) -> tuple[list[int], list[
     # The prompt but its last token, in the chunks the server reads it in alone (its cost
     # rule: qfserve.engine.serving.chunking, tested in test_chunking.py).
     cost = ChunkCost.of(loaded)
+    # KVzap's shared rows: shared out after each chunk, before decoding and in decode, as its
+    # policy has the scheduler do (qfserve.engine.kv.kvzap.KVzapPolicy).
+    shares = req.cache.method == "kvzap" and req.cache.budget_mode == "global"
     for n in chunks_alone(cost, caches, len(prompt) - 1, DEFAULT_PREFILL_CHUNK):
         loaded.model(mx.array(prompt[read : read + n])[None], cache=caches)
         read += n
+        if shares:
+            kvzap.share(caches, decode=read == len(prompt) - 1)
     if req.cache.method == "kvzip":  # reconstruct the prompt, then generate
         repeat = RepeatPrompt.for_tokenizer(loaded.tokenizer)
         compress(loaded.model, caches, prompt[:-1], repeat)
@@ -145,6 +152,8 @@ def alone(loaded, calibration, req: GenerationRequest) -> tuple[list[int], list[
         tokens.append(gen.token)
         logprobs.append(gen.logprobs[gen.token].item())
         text += gen.text
+        if shares:  # between steps (the next one is built already, as in the batch)
+            kvzap.share_when_full(caches)
     return tokens, logprobs, text
 
 

@@ -13,6 +13,7 @@ without knowing the method:
 :meth:`Policy.admitted`    admission: which of the two was granted
 :meth:`Policy.after_read`  the scheduler, after each prefill chunk that leaves more to read
 :meth:`Policy.before_decode`  the scheduler, once the prompt is read
+:meth:`Policy.after_step`  the scheduler, after each decode step of the request
 :meth:`Policy.before_keep` the scheduler, before a finished turn is kept for reuse
 =========================  ================================================================
 
@@ -140,6 +141,11 @@ class Policy:
         """The caches hold the prompt but its last token (``tokens``): work to run before
         the request decodes."""
         return None
+
+    def after_step(self, steps: int) -> None:
+        """The request's ``steps``-th decode step wrote its row, and the next has not begun
+        (its caches are its own between steps: a batch that packs their rows packs only
+        caches whose scorer has a batched form)."""
 
     def before_keep(self, tokens: Sequence[int]) -> None:
         """The turn ends normally and is kept for reuse; its caches hold ``tokens``."""

@@ -267,6 +267,8 @@ class Scheduler:
             seq = self._decoding[r.uid]
             try:
                 done = self._emit(seq, r.token, r.logprobs, r.finish_reason)
+                if done is None:
+                    seq.policy.after_step(seq.tokens)
             except _Leave as leave:
                 leaving.append(r.uid)
                 self._leave(seq, leave.state, leave.event)
