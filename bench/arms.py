@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-import re
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -24,7 +23,7 @@ import numpy as np
 from bench.data import split_files
 from bench.resume import progress
 from qfserve.calibrations.capture import capture_queries
-from qfserve.calibrations.compute import compute_filters, query_scales
+from qfserve.calibrations.compute import compute_filters
 from qfserve.calibrations.corpus import make_sequences, read_documents
 from qfserve.calibrations.kvzap.hidden import HiddenTap
 from qfserve.calibrations.kvzap.surrogate import Surrogate
@@ -34,36 +33,24 @@ from qfserve.engine.kv.cache import EvictionCache
 from qfserve.engine.kv.config import DEFAULT_CALIB_TOKENS, DEFAULT_N_SINK, CacheConfig
 from qfserve.engine.kv.factory import make_caches
 from qfserve.engine.kv.kvzap import KVzapScorer, share, share_when_full
-from qfserve.engine.kv.query_aware import SnapKVScorer
 
 
 @dataclass(frozen=True)
 class Arm:
-    """One cache arm: ``method`` and its knobs: the fallback's axis ``sign``, ``chunk`` positions
-    kept whole, ``adaptive`` head budgets, SnapKV's ``window``, the ``traffic`` artifact's name and
-    kvzip's or kvzap's rows ``shared`` across layers."""
+    """One cache arm: ``method`` and its knobs: the fallback's axis ``sign``, and kvzip's rows
+    ranked across a layer's heads (``adaptive``) or kvzip's or kvzap's ``shared`` across layers."""
 
     method: str
     recent_frac: float = 0.0
     sign: int = 1
-    chunk: int = 1
     adaptive: bool = False
-    window: int | None = None
-    traffic: str = ""
     shared: bool = False
 
     @property
     def name(self) -> str:
         if self.method == "full":
             return "full"
-        window = "" if self.window is None else f"w{self.window}"
-        tags = (
-            f"c{self.chunk}" * (self.chunk > 1),
-            "ada" * self.adaptive,
-            window,
-            self.traffic,
-            "global" * self.shared,
-        )
+        tags = ("ada" * self.adaptive, "global" * self.shared)
         method = f"{self.method}{'-' * (self.sign < 0)}"
         return "/".join([method, f"r{int(round(self.recent_frac * 100))}", *filter(None, tags)])
 
@@ -79,13 +66,12 @@ class Arm:
         if self.method == "full" or budget is None:
             return CacheConfig(method="full")
         return CacheConfig(
-            method="qfilters" if self.method in ("fallback", "self", "traffic") else self.method,
+            method="qfilters" if self.method == "fallback" else self.method,
             budget=budget,
             n_sink=n_sink,
             recent=self.recent(budget),
             calib_tokens=min(DEFAULT_CALIB_TOKENS, budget),
             sign=self.sign,
-            chunk=self.chunk,
             budget_mode="global" if self.shared else "adaptive" if self.adaptive else "per_head",
         )
 
@@ -97,36 +83,25 @@ class Arm:
         *,
         surrogate: Surrogate | None = None,
     ) -> list[Any]:
-        """Fresh caches (``filters`` for the calibrated arms, their ``learned`` for traffic;
-        the model's KVzap ``surrogate`` for kvzap)."""
+        """Fresh caches (``filters`` for the calibrated arms; the model's KVzap ``surrogate``
+        for kvzap)."""
         config = self.config(budget)
         if self.method == "kvzap":
             if surrogate is None:
                 raise ValueError("the kvzap arm needs the model's KVzap surrogates, got None")
             return make_caches(model, config, surrogate=surrogate)
-        if self.method == "traffic":
-            filters = getattr(filters, "learned", {}).get(self.traffic)
-            if filters is None:
-                raise ValueError(f"no filters learned from {self.traffic!r} traffic were given")
-        if self.method in ("qfilters", "kvzip", "traffic"):
+        if self.method in ("qfilters", "kvzip"):
             if filters is None:
                 raise ValueError("the calibrated qfilters arm needs filters, got None")
-            adaptive = self.adaptive and self.method == "qfilters"  # kvzip's need no scale
-            scale = getattr(filters, "query_scale", None) if adaptive else None
-            return make_caches(model, config, filters=np.asarray(filters), query_scale=scale)
-        caches = make_caches(model, config, self_calibrate=self.method == "self")
-        if self.window is not None:  # a study's knob, not a request's: set on the scorers
-            for c in caches:
-                if isinstance(getattr(c, "scorer", None), SnapKVScorer):
-                    c.scorer.window = self.window
-        return caches
+            return make_caches(model, config, filters=np.asarray(filters))
+        return make_caches(model, config)
 
     def source(self, caches: list[Any]) -> str:
         sources = {c.scorer.source for c in caches if isinstance(c, EvictionCache)}
         return ",".join(sorted(sources)) or "none"
 
 
-READS_QUERIES = ("self", "snapkv", "tova", "kvzip")  # arms whose caches take the block's queries
+READS_QUERIES = ("snapkv", "tova", "kvzip")  # arms whose caches take the block's queries
 
 
 @dataclass(frozen=True)
@@ -192,8 +167,6 @@ def standard_arms(
 
 
 ARM_FLAGS = {
-    "--adaptive": "also run calibrated Q-Filters with head-adaptive budgets",
-    "--self-calibrated": "also run Q-Filters from each prompt's own queries",
     "--query-aware": "also run SnapKV and TOVA, which read the model's queries",
     "--kvzip": "also run KVzip: per head, across a layer's heads, across layers",
     "--kvzap": "also run KVzap: each row scored as it is written by the model's learned "
@@ -204,51 +177,18 @@ ARM_FLAGS = {
 
 def add_arm_arguments(p: Any) -> None:
     """The options that add arms (:func:`select_arms`), and ``--only`` to keep named ones."""
-    p.add_argument(
-        "--chunks",
-        type=int,
-        nargs="+",
-        default=[],
-        help="also run calibrated Q-Filters keeping whole chunks of these sizes",
-    )
     for flag, about in ARM_FLAGS.items():
         p.add_argument(flag, action="store_true", help=about)
-    p.add_argument(
-        "--snapkv-windows",
-        type=int,
-        nargs="+",
-        default=[],
-        help="with --query-aware, also run SnapKV with these observation windows",
-    )
     p.add_argument("--only", nargs="+", default=None, help="run only these arm names")
-
-
-def add_traffic_argument(p: Any) -> None:
-    """``--traffic-artifacts NAME=PATH ...``: filters learned from traffic, as arms or scorers."""
-    p.add_argument(
-        "--traffic-artifacts",
-        nargs="+",
-        default=[],
-        metavar="NAME=PATH",
-        help="also run Q-Filters from these artifacts learned from traffic",
-    )
 
 
 def select_arms(arms: list[Arm], args: Any) -> list[Arm]:
     """``arms`` plus, at each recent fraction of the plain Q-Filters arm, those the options of
     :func:`add_arm_arguments` add, filtered by ``--only`` (the full cache always runs)."""
-    plain = [a for a in arms if a.method == "qfilters" and a.chunk == 1 and not a.adaptive]
-    chunks = [{"chunk": c} for c in args.chunks]
-    extra = [("qfilters", knobs) for knobs in chunks]
-    if args.adaptive:  # alone, then with each chunk size
-        extra += [("qfilters", {**knobs, "adaptive": True}) for knobs in [{}, *chunks]]
-    if getattr(args, "self_calibrated", False):
-        extra.append(("self", {}))
-    for spec in getattr(args, "traffic_artifacts", []):
-        extra.append(("traffic", {"traffic": spec.split("=")[0]}))
+    plain = [a for a in arms if a.method == "qfilters"]
+    extra: list[tuple[str, dict[str, bool]]] = []
     if getattr(args, "query_aware", False):
         extra += [("snapkv", {}), ("tova", {})]
-        extra += [("snapkv", {"window": w}) for w in getattr(args, "snapkv_windows", [])]
     if getattr(args, "kvzip", False):
         extra += [("kvzip", {}), ("kvzip", {"adaptive": True}), ("kvzip", {"shared": True})]
     if getattr(args, "kvzap", False):
@@ -264,7 +204,7 @@ def select_arms(arms: list[Arm], args: Any) -> list[Arm]:
 
 
 def kept_rows(caches: list[Any]) -> list[int]:
-    """Rows each evicting layer keeps per KV head (adaptive budgets: the mean over its heads)."""
+    """Rows each evicting layer keeps per KV head (kvzip across heads: the mean over them)."""
     return [
         c.stats().tokens_kept if c.valid is not None else c.size()
         for c in caches
@@ -355,52 +295,6 @@ def capture(
     return queries, {"description": description, "tokens": total}
 
 
-class CalibratedFilters(np.ndarray):
-    """``(n_layers, n_kv_heads, head_dim)`` filters carrying the calibration's query scales
-    ``(n_layers, n_kv_heads)`` (``None`` for a version-1 artifact) and the filters learned from
-    traffic by name, so studies pass one object to every arm."""
-
-    query_scale: np.ndarray | None
-    learned: dict[str, np.ndarray]
-
-    def __new__(cls, filters: np.ndarray, query_scale: np.ndarray | None) -> CalibratedFilters:
-        obj = np.asarray(filters, dtype=np.float32).view(cls)
-        obj.query_scale = None if query_scale is None else np.asarray(query_scale, np.float32)
-        obj.learned = {}
-        return obj
-
-    def __array_finalize__(self, obj: Any) -> None:
-        self.query_scale = getattr(obj, "query_scale", None)
-        self.learned = getattr(obj, "learned", {})
-
-
-def with_learned(
-    filters: CalibratedFilters, specs: list[str], identity: dict[str, Any]
-) -> dict[str, Any]:
-    """Load the artifacts of ``specs`` (``NAME=PATH``) into ``filters.learned``, each checked
-    against the model (``CalibrationError`` if not); return a record of them."""
-    from qfserve.calibrations.artifact import load_calibration
-
-    record = {}
-    for spec in specs:
-        name, sep, path = spec.partition("=")
-        # A name is the arm name's last part: none that reads as a setting (r25, c8, w8, ada).
-        valid = sep and path and re.fullmatch(r"[a-z][a-z_-]*", name) and name != "ada"
-        if not valid or name in filters.learned:
-            raise ValueError(
-                f"--traffic-artifacts takes distinct NAME=PATH with NAME in lower-case letters, "
-                f"'_' and '-' (not 'ada'), got {spec!r}"
-            )
-        shape = {k: identity[k] for k in ("n_layers", "n_kv_heads", "head_dim")}
-        cal = load_calibration(
-            path, model_id=identity["model_id"], weights=identity["fingerprint"], **shape
-        )
-        filters.learned[name] = cal.filters
-        sha1 = hashlib.sha1(np.ascontiguousarray(cal.filters, np.float32).tobytes()).hexdigest()
-        record[name] = {"path": path, "text": cal.metadata.get("text"), "sha1": sha1[:12]}
-    return record
-
-
 def filters_for(
     model: Any,
     tokenizer: Any,
@@ -409,11 +303,10 @@ def filters_for(
     mode: str = "auto",
     quick: bool = False,
     seed: int = 0,
-    traffic: Sequence[str] | None = None,
-) -> tuple[CalibratedFilters, dict[str, Any]]:
+) -> tuple[np.ndarray, dict[str, Any]]:
     """The studies' calibrated filters ``(n_layers, n_kv_heads, head_dim)`` and a JSON-able
     record of where they came from: the registry's artifact (``mode`` ``auto`` when one exists,
-    or ``registry``) or calibrated afresh; with the ``traffic`` artifacts ``NAME=PATH``."""
+    or ``registry``) or calibrated afresh."""
     if mode not in ("auto", "registry", "fresh"):
         raise ValueError(f"mode must be 'auto', 'registry' or 'fresh', got {mode!r}")
     model_id = identity["model_id"]
@@ -426,7 +319,7 @@ def filters_for(
         n_layers, n_kv, head_dim = filters.shape
         cal = load_for_model(model_id, n_layers=n_layers, n_kv_heads=n_kv, head_dim=head_dim)
         meta = cal.metadata if cal is not None else {}
-        out = CalibratedFilters(np.array(filters), cal.query_scale if cal is not None else None)
+        out = np.asarray(filters, dtype=np.float32)
         record = {
             "source": "registry",
             "path": str(find(model_id)),
@@ -439,7 +332,7 @@ def filters_for(
     else:
         queries, info = capture(model, tokenizer, identity, text="A", quick=quick, seed=seed)
         raw, anisotropy = compute_filters(queries, identity["n_kv_heads"])
-        out = CalibratedFilters(raw, query_scales(queries, raw))
+        out = np.asarray(raw, dtype=np.float32)
         record = {
             "source": "fresh",
             "text": info["description"],
@@ -448,8 +341,6 @@ def filters_for(
             "disjoint_from_eval": not (set(text_files("A", seed)) & set(split_files("eval"))),
             "anisotropy": anisotropy,
         }
-    if traffic:
-        record["traffic_artifacts"] = with_learned(out, list(traffic), identity)
     return out, record
 
 

@@ -111,6 +111,17 @@ def needle_answer(
     return correct, out["kv_cache"], time.perf_counter() - began
 
 
+def with_surrogates(run: Run, arms: Any) -> list[str]:
+    """``arms`` less the kvzap ones where the model has no KVzap surrogates (a server would
+    refuse their requests), saying so."""
+    from qfserve.calibrations.registry import find_surrogate, model_id_for
+
+    if find_surrogate(model_id_for(run.loaded.model_id)) is not None:
+        return list(arms)
+    print("no KVzap surrogates for this model: the kvzap arms do not run")
+    return [a for a in arms if not a.startswith("kvzap")]
+
+
 def needle_records(
     run: Run, arms: Any, lengths: list[int], docs: int, send: Any
 ) -> list[dict[str, Any]]:

@@ -23,8 +23,6 @@ STATEMENTS = {
     "memory": "Resident memory after a 2k-token request, same GGUF and context as `llama-server -c 8192 -np 1`: ≤ 1.6× theirs and ≤ the file + the KV held + 350 MB, at Q4_1, at Q4_K_M and on a 1.1B-parameter Q4_K_M file",
     "batching": "Continuous batching: aggregate decode tokens/s at 8 streams ≥ 3× one stream's "
     "and ≥ 1.2× llama-server's on the same file; 16 streams not below 8",
-    "self_calibration": "Self-calibrated Q-Filters (no artifact): pass key at 8× within 5 points of the calibrated filters and well above the key-SVD fallback",
-    "traffic_calibration": "Without an artifact, by default: Q-Filters learned from chat traffic, pass key at 8× within 5 points of the calibrated filters and well above the key-SVD fallback",
 }
 GOALS: list[Callable[[Path], Row]] = []
 
@@ -242,42 +240,6 @@ def batching(folder: Path) -> tuple[str, bool]:
         )
         ok &= speedups["8"] >= 3 and over["8"] >= 1.2 and sixteen is not False
     return "; ".join(parts) or "no 8-stream row", ok
-
-
-def _at_8x(
-    data: dict[str, Any], arm: str, who: str, also: tuple[str, str] | None = None
-) -> tuple[str, bool | str]:
-    """A filter source's pass key at 8x, pooled over the run's lengths: within 5 points of the
-    calibrated filters and well above the fallback (``also``: an arm and its name, shown too)."""
-    lengths = sorted(data["results"], key=int)
-    mine, theirs, fallback = (
-        _accuracy(data, lengths, a, 8) for a in (arm, "qfilters/r25", "fallback/r25")
-    )
-    if mine is None or theirs is None or fallback is None:
-        raise NotRun("an arm is missing at 8×")
-    docs = sum(data["results"][n]["docs"] for n in lengths)
-    measured = (
-        f"{', '.join(lengths)} tokens ({docs} documents): {who} {mine:.2f}, calibrated "
-        f"{theirs:.2f}, fallback {fallback:.2f}"
-    )
-    if also is not None and (other := _accuracy(data, lengths, also[0], 8)) is not None:
-        measured += f"; {also[1]} {other:.2f}"
-    close, above = mine >= theirs - 0.05, mine > fallback + 0.1
-    if close and not above:  # say which half failed: the fallback may be as good here
-        return measured, "**not met** (within 5 points of calibrated, not above the fallback)"
-    return measured, close and above
-
-
-@_goal
-def self_calibration(folder: Path) -> tuple[str, bool | str]:
-    return _at_8x(_need(folder / "selfcal", "retrieval"), "self/r25", "self")
-
-
-@_goal
-def traffic_calibration(folder: Path) -> tuple[str, bool | str]:
-    also = ("traffic/r25/passkey", "learned from pass-key documents alone")
-    data = _need(folder / "traffic", "retrieval")
-    return _at_8x(data, "traffic/r25/chat", "learned from chat traffic", also)
 
 
 def render_goals(folder: Path) -> list[str]:

@@ -10,9 +10,6 @@ from typing import Any
 COLORS = {
     "full": "black",
     "qfilters": "tab:blue",
-    "self": "tab:purple",
-    "traffic": "tab:pink",
-    "traffic/passkey": "tab:gray",
     "snapkv": "tab:olive",
     "tova": "tab:cyan",
     "kvzip": "darkgoldenrod",
@@ -22,12 +19,6 @@ COLORS = {
     "streaming": "tab:red",
     "fallback-": "tab:brown",
 }
-
-
-def color(method: str, variant: str = "") -> str:
-    """An arm's colour: its variant's (``traffic/passkey``) where it has one, else its
-    method's."""
-    return COLORS.get(f"{method}/{variant}", COLORS[method])
 
 
 def pyplot() -> Any:

@@ -23,15 +23,6 @@ MODELS = {
     "smollm2": f"{SMOL} (the default model)",
     "gemma-3-270m": "Gemma 3 270M (Q4_K_M; five sliding-window layers of every six)",
     "gemma-3-270m/kvzap": "Gemma 3 270M: KVzap with its shipped surrogates (rows shared across the 3 global layers) beside Q-Filters and KVzip at 4x",
-    "smollm2/refinements": f"{SMOL}: chunked and head-adaptive Q-Filters against plain (the retrieval study's adaptive rows are the first version, which compared raw expected logits across heads; the current version's decode-step rows are in ARCHIVE.md)",
-    "smollm2/refinements/adaptive": f"{SMOL}: head-adaptive budgets ranked by expected log attention weights",
-    "smollm2/refinements/prompt": f"{SMOL}: chunked Q-Filters against plain, perplexity after a prompt read in 512-token blocks",
-    "smollm2/selfcal": f"{SMOL}: self-calibrated Q-Filters (no artifact) against calibrated, the key-SVD fallback and the query-aware references",
-    "smollm2/traffic": f"{SMOL}: Q-Filters learned from traffic (the server's default without an artifact) against calibrated, self-calibrated and the fallback",
-    "smollm2/traffic/8k": f"{SMOL}: Q-Filters learned from traffic on 8k-token documents",
-    "smollm2/query_aware": f"{SMOL}: the query-aware references (SnapKV, TOVA) beside calibrated, self-calibrated and fallback Q-Filters",
-    "smollm2/query_aware/8k": f"{SMOL}: the query-aware comparison on 8k-token documents",
-    "smollm2/query_aware/window8": f"{SMOL}: SnapKV with its default 32-token observation window and with an 8-token one (the question alone)",
     "smollm2/kvzip": f"{SMOL}: KVzip (context reconstruction) per head, across a layer's heads and with rows shared across layers, beside Q-Filters, K-norm, SnapKV and streaming (kvzip_reuse and kvzip_parity: bench/README.md)",
     "smollm2/kvzap": f"{SMOL}: KVzap (each row scored by the model's learned surrogate) beside KVzip with rows shared across layers and calibrated Q-Filters, 1k-4k tokens",
     "smollm2/kvzap/perplexity": f"{SMOL}: a long generation at budget 256 (1,024 tokens scored after 1,024, one token a step) with KVzap's learned scores beside calibrated Q-Filters and streaming",
@@ -46,11 +37,8 @@ MODELS = {
 
 # -- markdown building blocks -------------------------------------------------------------
 
-CHUNKS = (4, 8, 16)  # chunk sizes the studies may run (bench.arms.Arm.chunk)
 ARM_ORDER = (
     *(f"qfilters/r{r}" for r in (0, 25)),
-    *(f"qfilters/r{r}/c{c}" for r in (0, 25) for c in CHUNKS),
-    *(f"qfilters/r{r}/ada" for r in (0, 25)),
     *(f"{m}/r{r}" for m in ("fallback", "fallback-", "knorm") for r in (0, 25)),
     "streaming/r0",
 )
@@ -58,8 +46,6 @@ ARM_NAMES = {"full": "full cache", "streaming/r0": "streaming (sinks + latest)"}
 
 METHOD_NAMES = {  # the other arms' methods (the first part of bench.arms.Arm.name)
     "qfilters": "Q-Filters calibrated",
-    "self": "Q-Filters self-calibrated (the prompt's own queries)",
-    "traffic": "Q-Filters learned from traffic",
     "snapkv": "SnapKV",
     "tova": "TOVA",
     "kvzap": "KVzap (learned surrogate)",
@@ -71,7 +57,7 @@ METHOD_NAMES = {  # the other arms' methods (the first part of bench.arms.Arm.na
 
 
 def arm_label(name: str) -> str:
-    """A row label for any arm name ``method/rNN[/cN][/ada][/wN][/<traffic>]``."""
+    """A row label for any arm name ``method/rNN[/ada][/global]``."""
     if name in ARM_NAMES:
         return ARM_NAMES[name]
     method, _, rest = name.partition("/")
@@ -80,12 +66,8 @@ def arm_label(name: str) -> str:
         kind, n = part[:1], part[1:]
         if kind == "r" and n.isdigit():
             label += ", recent " + {25: "b/4", 0: "0"}.get(int(n), f"{int(n)}% of b")
-        elif kind in ("c", "w") and n.isdigit():
-            label += f", chunks of {n}" if kind == "c" else f", {n}-token window"
         elif part == "ada":
             label += ", adaptive budgets"
-        elif method == "traffic":
-            label = label.replace("from traffic", f"from {part} traffic")
         else:
             label += f", {part}"
     return label

@@ -184,11 +184,7 @@ def start(
 
         where = {"mode": args.calibration, "quick": args.quick, "seed": args.seed}
         run.calibrated, run.calibration = filters_for(
-            run.model,
-            run.tokenizer,
-            run.identity,
-            traffic=getattr(args, "traffic_artifacts", None),
-            **where,
+            run.model, run.tokenizer, run.identity, **where
         )
         if getattr(args, "kvzap", False):
             run.surrogate, run.calibration["kvzap"] = surrogate_for(

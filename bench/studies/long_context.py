@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.clients import needle_answer, needle_records
+from bench.clients import needle_answer, needle_records, with_surrogates
 from bench.plots import lengths_plot
 from bench.report import section, table
 from bench.run import start
@@ -107,12 +107,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         correct, kv, seconds = needle_answer(server.url, doc, body(arm, doc["tokens"]), 7200)
         return {"correct": correct, "seconds": seconds, **{k: kv[k] for k in KV_FIELDS}}
 
-    from qfserve.calibrations.registry import find_surrogate, model_id_for
-
-    arms = args.arms
-    if find_surrogate(model_id_for(run.loaded.model_id)) is None:  # kvzap would be refused
-        arms = [a for a in arms if not a.startswith("kvzap")]
-        print("no KVzap surrogates for this model: the kvzap arms do not run")
+    arms = with_surrogates(run, args.arms)
     try:
         records = needle_records(run, arms, args.lengths, args.docs, send)
     finally:

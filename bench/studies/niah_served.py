@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.clients import needle_answer, needle_records
+from bench.clients import needle_answer, needle_records, with_surrogates
 from bench.plots import lengths_plot
 from bench.report import section, table
 from bench.run import start
@@ -109,12 +109,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         correct, kv, _ = needle_answer(url, doc, bodies.get(arm, {}), 3600)
         return {"correct": correct, **{k: kv[k] for k in KV_FIELDS}}
 
-    from qfserve.calibrations.registry import find_surrogate, model_id_for
-
-    arms = ARMS
-    if find_surrogate(model_id_for(run.loaded.model_id)) is None:  # kvzap would be refused
-        arms = tuple(a for a in ARMS if not a.startswith("kvzap"))
-        print("no KVzap surrogates for this model: the kvzap arms do not run")
+    arms = with_surrogates(run, ARMS)
     try:
         records = needle_records(run, arms, args.lengths, args.docs, send)
     finally:

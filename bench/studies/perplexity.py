@@ -26,7 +26,7 @@ from qfserve.engine.serving.config import DEFAULT_PREFILL_CHUNK
 STUDY = "perplexity"
 METHODS = ("qfilters", "fallback", "fallback-", "knorm")
 # --prompt reads the first half as a server reads a prompt, in blocks of its default
-# --prefill-chunk that each evict at once (where chunks and adaptive budgets act).
+# --prefill-chunk that each evict at once (where kvzip's pass runs at the prompt's end).
 PROMPT_BLOCK = DEFAULT_PREFILL_CHUNK
 MIN_GAP_NATS = 0.002  # below this (nats/token) streaming is not measurably worse than full
 # The columns of its table per data set on the results page.
@@ -154,7 +154,7 @@ def gap_closed(nll_streaming: float | None, nll_arm: float, nll_full: float) -> 
 def plot(results: dict[str, Any], study: Run) -> list[str]:
     """One figure per data set: perplexity against budget, a panel per recent window."""
     names, styles = [], ["o-", "s--", "^:", "v-.", "D--", "x:"]
-    recent = lambda name: int(name.split("/")[1][1:])  # noqa: E731  "qfilters/r25/c4" -> 25
+    recent = lambda name: int(name.split("/")[1][1:])  # noqa: E731  "kvzip/r25/global" -> 25
     for dataset, res in results.items():
         budgets = sorted(res["budgets"])
         names_run = sorted(res["budgets"][budgets[0]])

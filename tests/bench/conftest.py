@@ -26,8 +26,8 @@ CASES = [(s.name, f) for s in STUDIES.values() for f in s.files]
 # included, across every kind of arm, in either haystack; kvzap's surrogates are trained in
 # seconds (a linear one from two 64-token texts) where the registry has none.
 EXTRA = {
-    "retrieval": ["--self-calibrated", "--query-aware", "--kvzip", "--kvzap"],
-    "niah": ["--self-calibrated", "--query-aware", "--kvzip", "--kvzap"],
+    "retrieval": ["--query-aware", "--kvzip", "--kvzap"],
+    "niah": ["--query-aware", "--kvzip", "--kvzap"],
     "perplexity": ["--kvzap"],
 }
 REGISTRY_FILTERS = {

@@ -62,9 +62,7 @@ def test_a_block_without_hidden_states_is_refused_for_a_kvzap_arm(model):
 
 
 def test_kvzap_adds_its_arms_per_recent_window_of_the_plain_qfilters():
-    args = SimpleNamespace(
-        chunks=[], adaptive=False, kvzap=True, only=None, self_calibrated=False, kvzip=False
-    )
+    args = SimpleNamespace(kvzap=True, only=None, query_aware=False, kvzip=False)
     names = [a.name for a in select_arms(standard_arms((0.0, 0.25)), args)]
     assert [n for n in names if n.startswith("kvzap")] == [
         "kvzap/r0",

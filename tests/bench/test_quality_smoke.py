@@ -11,7 +11,6 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from tests.tiny import save_tiny_model
@@ -53,17 +52,19 @@ def test_retrieval_shared_prefill_matches_generate_step(quick: Callable, results
     check = data["shared_prefill_check"]
     assert check["arms"] > 0 and check["identical"] == check["arms"], check["mismatches"]
     names = {name.split("/")[0] for res in data["results"].values() for name in res["arms"]}
-    assert {"self", "snapkv", "tova", "kvzap"} <= names
+    assert {"snapkv", "tova", "kvzip", "kvzap"} <= names
     for res in data["results"].values():
         for cells in res["arms"].values():
             for c in cells.values():
                 assert 0 <= c["accuracy"] <= 1 and c["answer_nll_mean"] > 0
 
 
-def test_chunked_arms_run_beside_the_plain_ones(results: Path, tiny_model: Path) -> None:
+def test_only_keeps_the_named_arms_and_refuses_unknown_ones(
+    results: Path, tiny_model: Path
+) -> None:
     from bench.studies.retrieval.retrieval import main
 
-    out = results / "retrieval-chunks"
+    out = results / "retrieval-only"
     argv = [
         "--quick",
         "--model",
@@ -72,28 +73,21 @@ def test_chunked_arms_run_beside_the_plain_ones(results: Path, tiny_model: Path)
         str(out),
         "--calibration",
         "fresh",
-        "--chunks",
-        "4",
-        "--adaptive",
+        "--query-aware",
         "--only",
         "qfilters/r25",
-        "qfilters/r25/c4",
-        "qfilters/r25/ada",
+        "snapkv/r25",
         "streaming/r0",
+        "--no-prefill-check",
     ]
     main(argv)
     data = json.loads((out / "retrieval.json").read_text())
-    assert data["arms"] == [
-        "full",
-        "qfilters/r25",
-        "streaming/r0",
-        "qfilters/r25/c4",
-        "qfilters/r25/ada",
-    ]
+    assert data["arms"] == ["full", "qfilters/r25", "streaming/r0", "snapkv/r25"]
+    assert data["prefill_check_skipped"] is True and data["shared_prefill_check"]["arms"] == 0
     for res in data["results"].values():
         assert set(res["arms"]) == set(data["arms"])
     with pytest.raises(ValueError, match="unknown arms"):
-        main([*argv[:-4], "qfilters/r25/c5"])
+        main([*argv[:-2], "qfilters/r25/c4"])
 
 
 def test_perplexity_resumes_from_its_log(results: Path, tiny_model: Path) -> None:
@@ -157,23 +151,21 @@ def test_perplexity_reads_a_prompt_in_blocks_without_streaming(
         "16",
         "--datasets",
         "prose",
-        "--chunks",
-        "4",
         "--only",
         "qfilters/r25",
-        "qfilters/r25/c4",
+        "knorm/r25",
     ]
     main(argv)
     main([*argv, "--prompt"])
     lines = [json.loads(line) for line in (out / "perplexity.jsonl").read_text().splitlines()]
     assert [(r["arm"], r["prompt_block"]) for r in lines] == [
         ("qfilters/r25", None),
-        ("qfilters/r25/c4", None),
+        ("knorm/r25", None),
         ("qfilters/r25", 512),
-        ("qfilters/r25/c4", 512),
+        ("knorm/r25", 512),
     ]
     rows = json.loads((out / "perplexity.json").read_text())["results"]["prose"]["budgets"]["16"]
-    assert set(rows) == {"qfilters/r25", "qfilters/r25/c4"}
+    assert set(rows) == {"qfilters/r25", "knorm/r25"}
     assert all(r["gap_closed_vs_streaming"] is None and r["ppl"] > 1 for r in rows.values())
 
 
@@ -301,7 +293,7 @@ def test_a_prompt_read_in_blocks_predicts_as_one_pass_and_keeps_the_budget() -> 
     full_caches = Arm("full", 0.0).caches(model, None, None)
     nll, _ = streaming_nll(model, tokens, full_caches, budget=None, prefill=32, block=10)
     np.testing.assert_allclose(nll, full_nll(model, tokens), rtol=1e-4, atol=1e-4)
-    for arm in (Arm("qfilters", 0.25), Arm("qfilters", 0.25, chunk=4), Arm("streaming", 0.0)):
+    for arm in (Arm("qfilters", 0.25), Arm("knorm", 0.25), Arm("streaming", 0.0)):
         caches = arm.caches(model, 12, filters)
         fed, seen = [0], []
 
@@ -349,104 +341,6 @@ def test_a_kvzip_prompt_read_in_blocks_is_held_whole_until_its_pass() -> None:
     assert seen[0] == (16, 16)  # the first block, kept whole
     assert seen[1] == (32, 12)  # the pass ran at the prompt's end and evicted to the budget
     assert max_rows == 12 and all(rows == 12 for _, rows in seen[1:]) and fed[0] == 63
-
-
-def test_snapkv_window_arms_set_their_scorers_window(results: Path, tiny_model: Path) -> None:
-    from bench.arms import Arm
-    from bench.studies.retrieval.retrieval import main
-    from qfserve.engine.kv.query_aware import DEFAULT_WINDOW
-    from qfserve.engine.models.loading import load_model
-
-    model = load_model(str(tiny_model)).model
-    arm = Arm("snapkv", 0.25, window=4)
-    assert arm.name == "snapkv/r25/w4"
-    assert {c.scorer.window for c in arm.caches(model, 16, None)} == {4}
-    assert {c.scorer.window for c in Arm("snapkv", 0.25).caches(model, 16, None)} == {
-        DEFAULT_WINDOW
-    }
-    out = results / "retrieval-windows"
-    argv = [
-        "--quick",
-        "--model",
-        str(tiny_model),
-        "--out",
-        str(out),
-        "--calibration",
-        "fresh",
-        "--query-aware",
-        "--snapkv-windows",
-        "4",
-        "--only",
-        "snapkv/r25",
-        "snapkv/r25/w4",
-        "--no-prefill-check",
-    ]
-    main(argv)
-    data = json.loads((out / "retrieval.json").read_text())
-    assert data["arms"] == ["full", "snapkv/r25", "snapkv/r25/w4"]
-    assert data["prefill_check_skipped"] is True and data["shared_prefill_check"]["arms"] == 0
-
-
-def _calibrated_as_artifact(results: Path, tiny_model: Path) -> Path:
-    """The fresh calibration the studies used, written as an artifact a traffic arm reads."""
-    from bench.arms import filters_for
-    from bench.run import identity
-    from qfserve.calibrations.artifact import save_calibration
-    from qfserve.engine.models.loading import load_model
-
-    loaded = load_model(str(tiny_model))
-    ident = identity(loaded, tiny_model)
-    filters, _ = filters_for(loaded.model, loaded.tokenizer, ident, mode="fresh", quick=True)
-    return save_calibration(
-        results / "as-traffic" / "same.safetensors",
-        np.asarray(filters),
-        model_id=ident["model_id"],
-        n_sequences=1,
-        tokens_per_sequence=1,
-        samples_per_head=1,
-        text="the studies' calibration",
-        weights=ident["fingerprint"],
-        query_scale=filters.query_scale,
-    )
-
-
-def test_a_traffic_arm_with_the_calibrated_filters_is_the_calibrated_arm(
-    results: Path, tiny_model: Path
-) -> None:
-    from bench.studies.retrieval.retrieval import main
-
-    same = _calibrated_as_artifact(results, tiny_model)
-    out = results / "retrieval-traffic"
-    argv = [
-        "--quick",
-        "--model",
-        str(tiny_model),
-        "--out",
-        str(out),
-        "--calibration",
-        "fresh",
-        "--recent-fracs",
-        "0.25",
-        "--traffic-artifacts",
-        f"same={same}",
-        "--only",
-        "qfilters/r25",
-        "traffic/r25/same",
-        "--no-prefill-check",
-    ]
-    main(argv)
-    data = json.loads((out / "retrieval.json").read_text())
-    assert data["arms"] == ["full", "qfilters/r25", "traffic/r25/same"]
-    assert data["calibration"]["traffic_artifacts"]["same"]["path"] == str(same)
-    for res in data["results"].values():
-        ours, theirs = res["arms"]["traffic/r25/same"], res["arms"]["qfilters/r25"]
-        assert ours.keys() == theirs.keys()
-        for ratio, cell in ours.items():
-            assert cell["accuracy"] == theirs[ratio]["accuracy"]
-            assert cell["answer_nll_mean"] == pytest.approx(theirs[ratio]["answer_nll_mean"], 1e-4)
-    bad = [str(same) if a == f"same={same}" else a for a in argv]
-    with pytest.raises(ValueError, match="NAME=PATH"):
-        main(bad)
 
 
 def test_kvzip_reuse_runs_kvzap_through_the_worker(

@@ -1,7 +1,8 @@
 """Continuous batching: aggregate decode tokens/s and TTFT under 1-16 concurrent streams,
 qfserve batching against qfserve one request at a time, llama.cpp's ``llama-server`` on the
 same GGUF file (continuous batching, ``-np`` our ``--max-batch``; where it is built:
-``bench/reference/llama_cpp_tools.sh``) and, with ``--mlx-lm``, ``mlx_lm.server``."""
+``bench/reference/llama_cpp_tools.sh``). Older runs had ``mlx_lm.server`` as ``theirs``; the
+comparison with mlx-lm is settled (``bench/ARCHIVE.md``)."""
 
 from __future__ import annotations
 
@@ -123,7 +124,6 @@ def write(sm: Any, rows: list[dict], arms: tuple[str, ...], complete: bool) -> d
             "batched": f"qfserve --max-batch {MAX_BATCH}",
             "llama": f"llama.cpp's llama-server -np {MAX_BATCH} -c {MAX_BATCH} x (prompt + "
             "tokens), continuous batching, on the same GGUF file",
-            "theirs": "python -m mlx_lm.server (its defaults: batched decoding, full KVCache)",
         },
         "rows": rows,
         "speedup_over_one_stream": {n: speedup(n, "tokens_per_s") for n in a.prompts},
@@ -155,11 +155,11 @@ def write(sm: Any, rows: list[dict], arms: tuple[str, ...], complete: bool) -> d
 
 
 def launches(
-    sm: Any, *, slot: int, serial: bool = True, mlx_lm: bool = False
+    sm: Any, *, slot: int, serial: bool = True
 ) -> tuple[dict[str, tuple[str, ...]], Path | None]:
     """The servers a run starts (qfserve batched, and one at a time with ``serial``;
     llama-server with ``slot`` tokens a sequence where it is built and the model is a GGUF
-    file; mlx-lm's with ``mlx_lm``) and the GGUF file llama-server serves."""
+    file) and the GGUF file llama-server serves."""
     ours = ("--max-queue", "64")
     found: dict[str, tuple[str, ...]] = {
         "batched": ("qfserve", "--max-batch", str(MAX_BATCH), *ours)
@@ -176,8 +176,6 @@ def launches(
         sm.log("no llama arm: llama-server is not built (bench/reference/llama_cpp_tools.sh)")
     if gguf is not None:
         found["llama"] = ("llama_server", "-np", str(MAX_BATCH), "-c", str(MAX_BATCH * slot))
-    if mlx_lm:
-        found["theirs"] = ("mlx_lm",)
     return found, gguf
 
 
@@ -203,7 +201,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "batching",
         argv,
         __doc__,
-        flags={"--mlx-lm": {"action": "store_true", "help": "also mlx_lm.server (theirs)"}},
         reps=1,
         max_tokens=(64, 8),
         streams=([1, 4, 8, 16], [1, 2, 4]),
@@ -212,12 +209,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows: list[dict] = []
     with contextlib.ExitStack() as stack:
         slot = max(sm.args.prompts) + sm.args.max_tokens + 64
-        started, gguf = launches(sm, slot=slot, mlx_lm=sm.args.mlx_lm)
+        started, gguf = launches(sm, slot=slot)
         sm.log(f"starting {', '.join(started)}")
         procs = start_servers(stack, sm.folder, started, gguf)
         client = stack.enter_context(httpx.Client(limits=httpx.Limits(max_connections=64)))
-        arms = ("serial", "batched_a", *(a for a in ("llama", "theirs") if a in procs))
-        arms += ("batched_b",)
+        arms = ("serial", "batched_a", *(["llama"] if "llama" in procs else []), "batched_b")
         urls = {a: procs[a.removesuffix("_a").removesuffix("_b")].url for a in arms}
         names = {a: str(sm.folder) for a in arms} | {"llama": str(gguf)}
         names |= {a: sm.loaded.name for a in ("serial", "batched_a", "batched_b")}

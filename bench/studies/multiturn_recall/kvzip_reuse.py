@@ -16,7 +16,7 @@ import numpy as np
 from bench import clients
 from bench.arms import Arm
 from bench.data import CITIES, first_number_is, prose_run
-from bench.plots import accuracy_plot, color
+from bench.plots import COLORS, accuracy_plot
 from bench.report import accuracy_table, arm_label, section
 from bench.run import start
 from qfserve.calibrations.registry import find_surrogate, model_id_for
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for rec in records:
         correct.setdefault(rec["arm"], {}).setdefault(rec["ratio"], []).extend(rec["correct"])
     accuracy = {a: {r: float(np.mean(v)) for r, v in by.items()} for a, by in correct.items()}
-    style = lambda arm: {"color": color(arm.partition("/")[0]), "label": arm_label(arm)}  # noqa: E731
+    style = lambda arm: {"color": COLORS[arm.partition("/")[0]], "label": arm_label(arm)}  # noqa: E731
     title = f"{study.identity['path']}: questions in later turns"
     return study.save(
         {

@@ -23,7 +23,6 @@ from bench.arms import (
     Arm,
     LayerBlock,
     add_arm_arguments,
-    add_traffic_argument,
     check_budget,
     feed_block,
     select_arms,
@@ -31,7 +30,7 @@ from bench.arms import (
     streaming_nll,
 )
 from bench.data import first_number_is, passkey_docs
-from bench.plots import color, ratio_panel
+from bench.plots import COLORS, ratio_panel
 from bench.report import arm_label, arm_order, fmt, section, table
 from bench.run import Run, start
 from bench.timing import summary
@@ -248,7 +247,7 @@ def arm_style(arm: Arm) -> dict[str, Any]:
     """An arm's line: its method's colour, squares and dashes with a recent window."""
     return {
         "marker": "o" if arm.recent_frac == 0 else "s",
-        "color": color(arm.method, arm.traffic),
+        "color": COLORS[arm.method],
         "linestyle": ":" if arm.sign < 0 else "-" if arm.recent_frac == 0 else "--",
         "label": arm_label(arm.name),
     }
@@ -288,7 +287,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         argv,
         __doc__,
         calibration=True,
-        options=[add_arm_arguments, add_traffic_argument],
+        options=[add_arm_arguments],
         lengths=([256, 512, 1024, 2048], [320], "document tokens"),
         ratios=([2, 4, 8, 16, 32], [2, 8]),
         per_bin=(5, 1, "documents per depth bin"),
@@ -311,14 +310,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         n: passkey_docs(study.corpus, n, args.per_bin, len(BINS), filler_kind=args.filler)
         for n in lengths
     }
-    # Logged documents are read back for the same arms, ratios, filler and learned filters.
-    signature: dict[str, Any] = {
-        "arms": [a.name for a in arms],
-        "ratios": ratios,
-        "filler": args.filler,
-    }
-    if learned := study.calibration.get("traffic_artifacts"):
-        signature["learned"] = {k: v["sha1"] for k, v in sorted(learned.items())}
+    # Logged documents are read back for the same arms, ratios and filler.
+    signature = {"arms": [a.name for a in arms], "ratios": ratios, "filler": args.filler}
 
     def measure(n: int, i: int) -> dict[str, Any]:
         first = i == 0 and n == lengths[0] and not args.no_prefill_check
