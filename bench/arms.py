@@ -32,7 +32,7 @@ from qfserve.engine.kv import kvzip
 from qfserve.engine.kv.cache import EvictionCache
 from qfserve.engine.kv.config import DEFAULT_CALIB_TOKENS, DEFAULT_N_SINK, CacheConfig
 from qfserve.engine.kv.factory import make_caches
-from qfserve.engine.kv.kvzap import KVzapScorer, share, share_when_full
+from qfserve.engine.kv.kvzap import KVzapScorer, decode_room, share, share_when_full
 
 
 @dataclass(frozen=True)
@@ -150,8 +150,8 @@ def feed_block(caches: list[Any], block: list[LayerBlock]) -> None:
             deferred.append((cache, layer.scores))
     if deferred:  # as the pass ends: every layer at once (they may share the rows)
         kvzip.evict([c for c, _ in deferred], [s for _, s in deferred])
-    if shared:  # kvzap's layers sharing the rows: by the scores the rows were written with
-        share(caches)
+    if shared:  # kvzap's layers sharing the rows: by the scores the rows were written with,
+        share(caches, decode=True)  # as before decoding (the block is the prompt but its last)
 
 
 def standard_arms(
@@ -218,14 +218,21 @@ def _shares_rows(caches: list[Any]) -> bool:
     return any(getattr(getattr(c, "scorer", None), "shared", False) for c in caches)
 
 
+def _decode_room(caches: list[Any], budget: int) -> int:
+    # KVzap's shared rows are shared out in decode to the budget less a room, refilled a row a
+    # step: they may hold up to that room fewer (qfserve.engine.kv.kvzap.decode_room).
+    kvzap = any(isinstance(getattr(c, "scorer", None), KVzapScorer) for c in caches)
+    return decode_room(budget) if kvzap else 0
+
+
 def check_budget(caches: list[Any], budget: int | None, tokens_seen: int) -> int:
     """Raise unless every evicting layer holds ``min(budget, tokens_seen)`` rows (on average,
-    where layers share them); returns the rows held (``tokens_seen`` for the full arm)."""
+    where layers share them; kvzap's, up to its decode room fewer); returns the rows held (``tokens_seen`` for the full arm)."""
     if budget is None:
         return tokens_seen
     expected, rows = min(budget, tokens_seen), kept_rows(caches)
     if _shares_rows(caches):
-        if not expected - 1 < np.mean(rows) <= expected:
+        if not expected - _decode_room(caches, budget) - 1 < np.mean(rows) <= expected:
             raise RuntimeError(f"budget violated: layers hold {np.mean(rows):.2f} rows on average")
     elif set(rows) != {expected}:
         raise RuntimeError(

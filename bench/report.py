@@ -23,6 +23,7 @@ MODELS = {
     "smollm2": f"{SMOL} (the default model)",
     "gemma-3-270m": "Gemma 3 270M (Q4_K_M; five sliding-window layers of every six)",
     "gemma-3-270m/kvzap": "Gemma 3 270M: KVzap with its shipped surrogates (rows shared across the 3 global layers) beside Q-Filters and KVzip at 4x",
+    "gemma-3-270m/32k": "Gemma 3 270M at 32,768 tokens (its context): KV bytes kept at 4x and 8x on the global layers, sliding windows counted",
     "smollm2/kvzip": f"{SMOL}: KVzip (context reconstruction) per head, across a layer's heads and with rows shared across layers, beside Q-Filters, K-norm, SnapKV and streaming (kvzip_reuse and kvzip_parity: bench/README.md)",
     "smollm2/kvzap": f"{SMOL}: KVzap (each row scored by the model's learned surrogate) beside KVzip with rows shared across layers and calibrated Q-Filters, 1k-4k tokens",
     "smollm2/kvzap/perplexity": f"{SMOL}: a long generation at budget 256 (1,024 tokens scored after 1,024, one token a step) with KVzap's learned scores beside calibrated Q-Filters and streaming",

@@ -37,6 +37,7 @@ from bench.timing import summary
 from qfserve.calibrations.kvzap.hidden import install_hidden_taps
 from qfserve.engine.kv.config import DEFAULT_N_SINK, CacheConfig
 from qfserve.engine.kv.factory import make_caches
+from qfserve.engine.kv.kvzap import share_when_full
 from qfserve.engine.kv.kvzip import RepeatPrompt, compress
 from qfserve.engine.kv.selfcal import install_query_taps
 
@@ -76,9 +77,15 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
 
 
 def decode(model: Any, prompt: list[int], caches: list[Any], max_tokens: int) -> list[int]:
-    """Greedy tokens from ``generate_step`` with ``prompt_cache=caches``."""
-    steps = generate_step(mx.array(prompt), model, prompt_cache=caches, max_tokens=max_tokens)
-    return [int(token) for token, _ in steps]
+    """Greedy tokens from ``generate_step`` with ``prompt_cache=caches`` (kvzap's shared rows
+    shared out between steps, as the server does)."""
+    tokens = []
+    for token, _ in generate_step(
+        mx.array(prompt), model, prompt_cache=caches, max_tokens=max_tokens
+    ):
+        tokens.append(int(token))
+        share_when_full(caches)
+    return tokens
 
 
 def prefill_block(
