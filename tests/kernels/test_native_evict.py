@@ -272,30 +272,8 @@ def test_the_step_scores_the_new_row_by_its_hidden_state(kernel, tokens):
     np.testing.assert_allclose(np.array(mlx_step[2]), np.array(got[2]), rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.array(mlx_step[4]), np.array(got[4]))
 
+    state = (keys, values, scores, order, free, k, v, None, *args)
     with pytest.raises(ValueError, match="hidden: x"):
-        kernel.evict_step(
-            keys,
-            values,
-            scores,
-            order,
-            free,
-            k,
-            v,
-            None,
-            *args,
-            hidden=[hidden[0], hidden[1], hidden[2][:, :-1], hidden[3]],
-        )
+        kernel.evict_step(*state, hidden=[*hidden[:2], hidden[2][:, :-1], hidden[3]])
     with pytest.raises(ValueError, match="give the new row.s score, the direction"):
-        kernel.evict_step(
-            keys,
-            values,
-            scores,
-            order,
-            free,
-            k,
-            v,
-            None,
-            *args,
-            direction=mx.array(weight[:, :D]),
-            hidden=hidden,
-        )
+        kernel.evict_step(*state, direction=mx.array(weight[:, :D]), hidden=hidden)
