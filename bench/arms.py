@@ -219,20 +219,20 @@ def _shares_rows(caches: list[Any]) -> bool:
 
 
 def _decode_room(caches: list[Any], budget: int) -> int:
-    # KVzap's shared rows are shared out in decode to the budget less a room, refilled a row a
-    # step: they may hold up to that room fewer (qfserve.engine.kv.kvzap.decode_room).
+    # KVzap's shared rows store a room of decode rows beside their shares, then share again:
+    # they may hold up to that room more (qfserve.engine.kv.kvzap.decode_room).
     kvzap = any(isinstance(getattr(c, "scorer", None), KVzapScorer) for c in caches)
     return decode_room(budget) if kvzap else 0
 
 
 def check_budget(caches: list[Any], budget: int | None, tokens_seen: int) -> int:
     """Raise unless every evicting layer holds ``min(budget, tokens_seen)`` rows (on average,
-    where layers share them; kvzap's, up to its decode room fewer); returns the rows held (``tokens_seen`` for the full arm)."""
+    where layers share them; kvzap's, up to its decode room more); returns the rows held (``tokens_seen`` for the full arm)."""
     if budget is None:
         return tokens_seen
     expected, rows = min(budget, tokens_seen), kept_rows(caches)
     if _shares_rows(caches):
-        if not expected - _decode_room(caches, budget) - 1 < np.mean(rows) <= expected:
+        if not expected - 1 < np.mean(rows) <= expected + _decode_room(caches, budget):
             raise RuntimeError(f"budget violated: layers hold {np.mean(rows):.2f} rows on average")
     elif set(rows) != {expected}:
         raise RuntimeError(
@@ -411,7 +411,7 @@ def streaming_nll(
             max_rows = max(
                 max_rows, math.ceil(np.mean(held)) if _shares_rows(caches) else max(held)
             )
-            if max_rows > budget:
+            if max_rows > budget + _decode_room(caches, budget):
                 raise RuntimeError(f"budget violated: a layer held {max_rows} rows > {budget}")
         if on_step is not None:
             on_step(e - s)

@@ -431,18 +431,19 @@ def test_shared_rows_read_in_chunks_stay_bounded_and_decode_in_place(model):
         assert [c.size() for c in caches] == sizes
 
 
-def test_decode_rows_are_shared_out_and_never_exceed_the_budget(model):
-    """Before decoding the layers share ``budget - room`` rows a head (the numpy reference at
-    that budget) and each stores ``room`` decode rows whole; once they have, they share again
-    over every row held (the reference again, on the rows' stored scores): a head never
-    holds more than ``budget`` rows on average over the layers."""
-    from qfserve.engine.kv.kvzap import decode_room, share, share_when_full
+def test_decode_rows_are_stored_beside_the_shares_then_shared_out(model):
+    """Before decoding the layers share ``budget`` rows a head (the numpy reference) and each
+    stores ``room`` decode rows whole beside its share; once they have, they share again over
+    every row held (the reference again, on the rows' stored scores): a head holds at most
+    ``budget + room`` rows on average over the layers, what the request reserves."""
+    from qfserve.engine.kv.kvzap import KVzapPolicy, decode_room, share, share_when_full
 
     s = random_surrogate("linear", seed=8)
     budget = 16
     config, caches = global_caches(model, s, budget=budget)
     room = decode_room(budget)
     assert room == budget // 8
+    assert KVzapPolicy.reserved_rows(budget, config, prefill_chunk=1) == budget + room + 1
     full = [KVCache() for _ in model.layers]
     model(mx.array(CONTEXT)[None], cache=full)
     model(mx.array(CONTEXT)[None], cache=caches)
@@ -452,11 +453,11 @@ def test_decode_rows_are_shared_out_and_never_exceed_the_budget(model):
         numpy_forward(inputs[i][0], (s.weights["w"][i], s.weights["b"][i])).T
         for i in range(len(caches))
     ]
-    expected = numpy_layer_keep(scores, budget - room, config.n_sink, config.recent)
+    expected = numpy_layer_keep(scores, budget, config.n_sink, config.recent)
     got = [held_positions(c, np.array(f.keys[0])) for c, f in zip(caches, full, strict=True)]
     assert got == expected
     assert [c.budget for c in caches] == [len(layer[0]) + room for layer in got]
-    bound, shares = budget * len(caches), 0
+    bound, shares = (budget + room) * len(caches), 0
     for t in range(3 * room):
         model(mx.array([[t + 7]]), cache=caches)
         held = sum(c.size() for c in caches)
@@ -465,7 +466,7 @@ def test_decode_rows_are_shared_out_and_never_exceed_the_budget(model):
         share_when_full(caches)
         if sum(c.size() for c in caches) < held:
             shares += 1
-            want = numpy_layer_keep(stored, budget - room, config.n_sink, config.recent)
+            want = numpy_layer_keep(stored, budget, config.n_sink, config.recent)
             assert [c.size() for c in caches] == [len(layer[0]) for layer in want]
     assert shares == 3
     assert all(c.offset == len(CONTEXT) + 3 * room for c in caches)

@@ -21,9 +21,9 @@ and a chunk beside them. Every head of a layer keeps the same count, its needies
 a layer is stored at its longest head's length, so shares counted per head (KVzip's) hold up
 to ``n_kv_heads`` times the budget's bytes, and the heads that take most rows, the ones that
 copy from the context, are the ones a cap would cut. Decode shares too: each layer stores
-:func:`decode_room` decode rows whole, then the layers share again (:func:`share_when_full`),
-the shares left that many rows under the budget so that a head never holds more than
-``budget`` rows on average over the layers.
+:func:`decode_room` decode rows whole beside its share, then the layers share again
+(:func:`share_when_full`); a head holds ``budget`` rows on average over the layers after each
+share, and at most that room more (a chunk of the reservation) between two.
 
 Rows it cannot score (a cache restored without its hidden states, which never happens in a
 forward pass) rank by K-norm mapped below every surrogate score.
@@ -132,9 +132,9 @@ def decode_room(budget: int) -> int:
 def share(caches: list[Any], *, decode: bool = False) -> None:
     """Evict the request's kvzap caches that share its rows to their layers' shares
     (:func:`layer_rows`), where some holds more than its share (a prompt block stored
-    whole); with ``decode``, always, to shares of :func:`decode_room` rows a head fewer,
-    each layer then storing that many decode rows whole until the next share (so a head
-    holds at most ``budget`` rows on average over the layers)."""
+    whole); with ``decode``, always, each layer then storing :func:`decode_room` decode rows
+    whole until the next share, beside its share (as a prompt chunk is read beside the
+    shares, within what the request reserves)."""
     shared = [
         c for c in caches if isinstance(getattr(c, "scorer", None), KVzapScorer) and c.scorer.shared
     ]
@@ -148,7 +148,7 @@ def share(caches: list[Any], *, decode: bool = False) -> None:
     # Shared rows track positions, so the raw per-row scores are ``token_scores`` (``scores``
     # holds the decode step's ranks), as a block appended to them reads.
     scores = [cache.token_scores for cache in shared]
-    rows = layer_rows(shared, scores, room=room)
+    rows = layer_rows(shared, scores)
     for cache, n, layer_scores in zip(shared, rows, scores, strict=True):
         cache.budget = n
         cache.compress(layer_scores)
@@ -169,10 +169,10 @@ def share_when_full(caches: list[Any]) -> None:
         share(caches, decode=True)
 
 
-def layer_rows(caches: list[Any], scores: list[mx.array], *, room: int = 0) -> list[int]:
+def layer_rows(caches: list[Any], scores: list[mx.array]) -> list[int]:
     """Rows per head of each layer when the layers share the request's rows: every head of
-    a layer keeps the same count, the counts summing to the request's ``budget`` (less
-    ``room``) times the layers.
+    a layer keeps the same count, the counts summing to the request's ``budget`` times the
+    layers.
 
     A layer is stored at its longest head's length, so rows a head keeps below the longest
     cost nothing more: the count a layer needs is its neediest head's. A layer's k-th row is
@@ -193,7 +193,7 @@ def layer_rows(caches: list[Any], scores: list[mx.array], *, room: int = 0) -> l
         ranked[:, protected] = np.inf
         best_first = -np.sort(-ranked, axis=-1)  # each head's rows
         worth.append(best_first.max(axis=0))  # the heads' best k-th: non-increasing in k
-    total = sum(c.scorer.budget - room for c in caches)
+    total = sum(c.scorer.budget for c in caches)
     pool = np.concatenate(worth)
     kth = -np.inf if pool.size <= total else np.partition(pool, pool.size - total)[-total]
     rows = [int((w >= kth).sum()) for w in worth]
@@ -212,7 +212,8 @@ class KVzapPolicy(Policy):
     def reserved_rows(cls, budget: int, config: CacheConfig, prefill_chunk: int) -> int:
         if config.budget_mode != "global":
             return budget
-        return budget + prefill_chunk + 1  # the layers' mean, and a chunk read beside it
+        # The layers' mean, and a chunk read beside it (a prompt's, or decode's room).
+        return budget + max(prefill_chunk, decode_room(budget)) + 1
 
     def after_read(self, tokens: Sequence[int]) -> Work | None:
         share(self.caches)
