@@ -8,6 +8,7 @@ evaluation split.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 import os
 import tempfile
@@ -32,7 +33,7 @@ from qfserve.engine.kv import kvzip
 from qfserve.engine.kv.cache import EvictionCache
 from qfserve.engine.kv.config import DEFAULT_CALIB_TOKENS, DEFAULT_N_SINK, CacheConfig
 from qfserve.engine.kv.factory import make_caches
-from qfserve.engine.kv.kvzap import KVzapScorer, decode_room, share, share_when_full
+from qfserve.engine.kv.kvzap import KVzapScorer, decode_room, share, share_in_decode
 
 
 @dataclass(frozen=True)
@@ -456,14 +457,14 @@ def decode_timer(model, caches: list[Any], steps: int, *, hold: bool) -> Callabl
     """A callable timing ``steps`` single-token decode steps, in ms a step; ``hold`` trims each
     trimmable cache by a row after each, so a full cache stays at its context length. KVzap's
     shared rows are shared out as the server's policy does between steps."""
-    token = mx.array([[17]])
+    token, done = mx.array([[17]]), itertools.count(1)
 
     def run() -> float:
         tic = time.perf_counter()
         for _ in range(steps):
             logits = model(token, cache=caches)
             mx.eval(logits, [c.state for c in caches])
-            share_when_full(caches)
+            share_in_decode(caches, next(done))
             if hold:
                 for c in caches:
                     if c.is_trimmable():

@@ -6,7 +6,9 @@ Teacher-forced one token per step through each arm's caches, scored on the secon
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Iterator
 from functools import partial
 from typing import Any
 
@@ -39,8 +41,8 @@ KINDS = {
 }
 
 
-def _decode_share(caches: list[Any], _tokens: int) -> None:
-    kvzap.share_when_full(caches)
+def _decode_share(caches: list[Any], steps: Iterator[int], _tokens: int) -> None:
+    kvzap.share_in_decode(caches, next(steps))
 
 
 def run_arm(
@@ -67,7 +69,7 @@ def run_arm(
             after = partial(compress, model, caches, seq[0, :prefill].tolist(), study.repeat)
         elif arm.method == "kvzap" and arm.shared:  # as the server's policy: decode shares too
             after = partial(kvzap.share, caches, decode=True)
-            on_step = partial(_decode_share, caches)
+            on_step = partial(_decode_share, caches, itertools.count(1))
         nll, most = streaming_nll(
             model,
             seq,

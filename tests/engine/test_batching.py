@@ -153,7 +153,7 @@ def alone(loaded, calibration, req: GenerationRequest) -> tuple[list[int], list[
         logprobs.append(gen.logprobs[gen.token].item())
         text += gen.text
         if shares:  # between steps (the next one is built already, as in the batch)
-            kvzap.share_when_full(caches)
+            kvzap.share_in_decode(caches, len(tokens))
     return tokens, logprobs, text
 
 

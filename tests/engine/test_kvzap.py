@@ -432,11 +432,18 @@ def test_shared_rows_read_in_chunks_stay_bounded_and_decode_in_place(model):
 
 
 def test_decode_rows_are_stored_beside_the_shares_then_shared_out(model):
-    """Before decoding the layers share ``budget`` rows a head (the numpy reference) and each
-    stores ``room`` decode rows whole beside its share; once they have, they share again over
-    every row held (the reference again, on the rows' stored scores): a head holds at most
-    ``budget + room`` rows on average over the layers, what the request reserves."""
-    from qfserve.engine.kv.kvzap import KVzapPolicy, decode_room, share, share_when_full
+    """Before decoding the layers share ``budget`` rows a head (the numpy reference); each
+    stores ``room`` decode rows whole beside its share, then evicts a row a step, and every
+    ``DECODE_SHARE_PERIOD`` rooms they share again over every row held (the reference again,
+    on the rows' stored scores): a head holds at most ``budget + room`` rows on average over
+    the layers, what the request reserves."""
+    from qfserve.engine.kv.kvzap import (
+        DECODE_SHARE_PERIOD,
+        KVzapPolicy,
+        decode_room,
+        share,
+        share_in_decode,
+    )
 
     s = random_surrogate("linear", seed=8)
     budget = 16
@@ -456,20 +463,28 @@ def test_decode_rows_are_stored_beside_the_shares_then_shared_out(model):
     expected = numpy_layer_keep(scores, budget, config.n_sink, config.recent)
     got = [held_positions(c, np.array(f.keys[0])) for c, f in zip(caches, full, strict=True)]
     assert got == expected
-    assert [c.budget for c in caches] == [len(layer[0]) + room for layer in got]
-    bound, shares = (budget + room) * len(caches), 0
-    for t in range(3 * room):
-        model(mx.array([[t + 7]]), cache=caches)
-        held = sum(c.size() for c in caches)
-        assert held <= bound
-        stored = [np.array(c.token_scores[0]) for c in caches]  # before a share
-        share_when_full(caches)
-        if sum(c.size() for c in caches) < held:
+    shares_at = [len(layer[0]) for layer in got]
+    assert [c.budget for c in caches] == [n + room for n in shares_at]
+    period, bound, shares = DECODE_SHARE_PERIOD * room, (budget + room) * len(caches), 0
+    for step in range(1, 2 * period + 1):
+        model(mx.array([[step + 7]]), cache=caches)
+        held = [c.size() for c in caches]
+        assert sum(held) <= bound
+        # room rows stored whole, then one evicted a step at the share and the room
+        assert held == [n + min(step - shares * period, room) for n in shares_at]
+        stored = None
+        if step % period == 0:  # the rows' stored scores, in temporal order, as shared
+            for c in caches:
+                c.prepare_compress()
+            stored = [np.array(c.token_scores[0]) for c in caches]
+        share_in_decode(caches, step)
+        if stored is not None:
             shares += 1
             want = numpy_layer_keep(stored, budget, config.n_sink, config.recent)
-            assert [c.size() for c in caches] == [len(layer[0]) for layer in want]
-    assert shares == 3
-    assert all(c.offset == len(CONTEXT) + 3 * room for c in caches)
+            shares_at = [len(layer[0]) for layer in want]
+            assert [c.size() for c in caches] == shares_at
+    assert shares == 2
+    assert all(c.offset == len(CONTEXT) + 2 * period for c in caches)
 
 
 def test_only_methods_whose_scores_rank_across_layers_share_rows():

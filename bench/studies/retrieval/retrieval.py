@@ -37,7 +37,7 @@ from bench.timing import summary
 from qfserve.calibrations.kvzap.hidden import install_hidden_taps
 from qfserve.engine.kv.config import DEFAULT_N_SINK, CacheConfig
 from qfserve.engine.kv.factory import make_caches
-from qfserve.engine.kv.kvzap import share_when_full
+from qfserve.engine.kv.kvzap import share_in_decode
 from qfserve.engine.kv.kvzip import RepeatPrompt, compress
 from qfserve.engine.kv.selfcal import install_query_taps
 
@@ -84,7 +84,7 @@ def decode(model: Any, prompt: list[int], caches: list[Any], max_tokens: int) ->
         mx.array(prompt), model, prompt_cache=caches, max_tokens=max_tokens
     ):
         tokens.append(int(token))
-        share_when_full(caches)
+        share_in_decode(caches, len(tokens))
     return tokens
 
 

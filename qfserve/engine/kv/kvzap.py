@@ -20,10 +20,11 @@ while a prompt is read: a request reserves ``budget`` rows a head on average ove
 and a chunk beside them. Every head of a layer keeps the same count, its neediest head's:
 a layer is stored at its longest head's length, so shares counted per head (KVzip's) hold up
 to ``n_kv_heads`` times the budget's bytes, and the heads that take most rows, the ones that
-copy from the context, are the ones a cap would cut. Decode shares too: each layer stores
-:func:`decode_room` decode rows whole beside its share, then the layers share again
-(:func:`share_when_full`); a head holds ``budget`` rows on average over the layers after each
-share, and at most that room more (a chunk of the reservation) between two.
+copy from the context, are the ones a cap would cut. Decode shares too
+(:func:`share_in_decode`): after a share each layer stores :func:`decode_room` decode rows
+whole beside its share, then evicts one a step, and the layers share again every
+:data:`DECODE_SHARE_PERIOD` rooms; a head holds ``budget`` rows on average over the layers
+after each share, and that room more (a chunk of the reservation) between two.
 
 Rows it cannot score (a cache restored without its hidden states, which never happens in a
 forward pass) rank by K-norm mapped below every surrogate score.
@@ -44,12 +45,12 @@ from qfserve.engine.kv.methods import Policy, Work
 from qfserve.engine.kv.scorers import AlwaysReady, ScoreForm
 
 _BELOW = -1e4  # under any log KVzip+ score a surrogate predicts (scores are attention shares)
-# Decode rows stored whole between two shares across layers (at most an eighth of a budget).
-# Why share in decode: a layer's share is fixed after the prompt otherwise, and each layer then
-# evicts at its own rate; shared again, the layers whose new rows score highest keep more. On
-# a 2,048-token prose window at budget 256 (per-head kvzap 1.75x the full cache's perplexity)
-# it gave 1.33x.
+# Decode rows a layer stores whole after a share across layers (at most an eighth of a
+# budget), and the shares' period in those rooms. Why share in decode: a layer's share is
+# fixed after the prompt otherwise, and each layer then evicts at its own rate; shared again,
+# the layers whose new rows score highest keep more (bench/RESULTS.md: a long generation).
 DECODE_SHARE_EVERY = 32
+DECODE_SHARE_PERIOD = 8
 
 
 class KVzapScorer(AlwaysReady):
@@ -156,16 +157,16 @@ def share(caches: list[Any], *, decode: bool = False) -> None:
     mx.eval([c.state for c in shared])
 
 
-def share_when_full(caches: list[Any]) -> None:
-    """After a decode step: :func:`share` ``decode`` once the layers have stored their room
-    (all at once, a row a step each), whichever step that is (a pipelined batch has written
-    the next step's row already)."""
-    if any(
-        isinstance(getattr(c, "scorer", None), KVzapScorer)
-        and c.scorer.shared
-        and c.size() >= c.budget
-        for c in caches
-    ):
+def share_in_decode(caches: list[Any], steps: int) -> None:
+    """After a request's ``steps``-th decode step: :func:`share` ``decode`` every
+    :data:`DECODE_SHARE_PERIOD` times the room. Between two shares a layer stores the room's
+    rows whole, then evicts one a step at its share and the room, by the native decode step:
+    storing rows whole (mlx ops a row) costs more a step than evicting (one native op)."""
+    shared = [
+        c for c in caches if isinstance(getattr(c, "scorer", None), KVzapScorer) and c.scorer.shared
+    ]
+    budget = shared[0].scorer.budget if shared else None
+    if budget is not None and steps % (DECODE_SHARE_PERIOD * decode_room(budget)) == 0:
         share(caches, decode=True)
 
 
@@ -204,8 +205,8 @@ def layer_rows(caches: list[Any], scores: list[mx.array]) -> list[int]:
 
 class KVzapPolicy(Policy):
     """KVzap's policy: where the layers share the rows, each prompt chunk read is shared out
-    (:func:`share`) before the next, the prompt before decoding and the decode rows every
-    :func:`decode_room` steps, and the request reserves the rows they hold on average and the
+    (:func:`share`) before the next, the prompt before decoding and the rows held in decode
+    periodically (:func:`share_in_decode`), and the request reserves the rows they hold on average and the
     chunk read beside them (see the module doc); else the plain one."""
 
     @classmethod
@@ -225,7 +226,7 @@ class KVzapPolicy(Policy):
 
     def after_step(self, steps: int) -> None:
         if self.shared:
-            share_when_full(self.caches)
+            share_in_decode(self.caches, steps)
 
     @property
     def shared(self) -> bool:
