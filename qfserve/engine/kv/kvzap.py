@@ -49,7 +49,7 @@ _BELOW = -1e4  # under any log KVzip+ score a surrogate predicts (scores are att
 # budget), and the shares' period in those rooms. Why share in decode: a layer's share is
 # fixed after the prompt otherwise, and each layer then evicts at its own rate; shared again,
 # the layers whose new rows score highest keep more (bench/RESULTS.md: a long generation).
-DECODE_SHARE_EVERY = 32
+DECODE_ROOM = 32
 DECODE_SHARE_PERIOD = 8
 
 
@@ -126,8 +126,8 @@ def kvzap_scorer(tap: Any, weights: tuple[mx.array, ...], *, shared: bool = Fals
 
 def decode_room(budget: int) -> int:
     """Decode rows a layer of a request whose layers share its rows stores whole between two
-    shares: :data:`DECODE_SHARE_EVERY`, at most an eighth of the ``budget``."""
-    return max(1, min(DECODE_SHARE_EVERY, budget // 8))
+    shares: :data:`DECODE_ROOM`, at most an eighth of the ``budget``."""
+    return max(1, min(DECODE_ROOM, budget // 8))
 
 
 def share(caches: list[Any], *, decode: bool = False) -> None:
@@ -136,9 +136,7 @@ def share(caches: list[Any], *, decode: bool = False) -> None:
     whole); with ``decode``, always, each layer then storing :func:`decode_room` decode rows
     whole until the next share, beside its share (as a prompt chunk is read beside the
     shares, within what the request reserves)."""
-    shared = [
-        c for c in caches if isinstance(getattr(c, "scorer", None), KVzapScorer) and c.scorer.shared
-    ]
+    shared = _shared(caches)
     if not shared or not decode and not any(c.size() > c.budget for c in shared):
         return
     for cache in shared:
@@ -157,14 +155,19 @@ def share(caches: list[Any], *, decode: bool = False) -> None:
     mx.eval([c.state for c in shared])
 
 
+def _shared(caches: list[Any]) -> list[Any]:
+    """The request's kvzap caches whose layers share its rows."""
+    return [
+        c for c in caches if isinstance(getattr(c, "scorer", None), KVzapScorer) and c.scorer.shared
+    ]
+
+
 def share_in_decode(caches: list[Any], steps: int) -> None:
     """After a request's ``steps``-th decode step: :func:`share` ``decode`` every
     :data:`DECODE_SHARE_PERIOD` times the room. Between two shares a layer stores the room's
     rows whole, then evicts one a step at its share and the room, by the native decode step:
     storing rows whole (mlx ops a row) costs more a step than evicting (one native op)."""
-    shared = [
-        c for c in caches if isinstance(getattr(c, "scorer", None), KVzapScorer) and c.scorer.shared
-    ]
+    shared = _shared(caches)
     budget = shared[0].scorer.budget if shared else None
     if budget is not None and steps % (DECODE_SHARE_PERIOD * decode_room(budget)) == 0:
         share(caches, decode=True)
@@ -205,9 +208,9 @@ def layer_rows(caches: list[Any], scores: list[mx.array]) -> list[int]:
 
 class KVzapPolicy(Policy):
     """KVzap's policy: where the layers share the rows, each prompt chunk read is shared out
-    (:func:`share`) before the next, the prompt before decoding and the rows held in decode
-    periodically (:func:`share_in_decode`), and the request reserves the rows they hold on average and the
-    chunk read beside them (see the module doc); else the plain one."""
+    (:func:`share`) before the next, the prompt before decoding, and the rows held in decode
+    every few rooms (:func:`share_in_decode`); the request reserves the rows they hold on
+    average and a chunk beside them (see the module doc). Else the plain one."""
 
     @classmethod
     def reserved_rows(cls, budget: int, config: CacheConfig, prefill_chunk: int) -> int:
@@ -221,13 +224,8 @@ class KVzapPolicy(Policy):
         return None
 
     def before_decode(self, tokens: Sequence[int]) -> Work | None:
-        share(self.caches, decode=self.shared)
+        share(self.caches, decode=True)
         return None
 
     def after_step(self, steps: int) -> None:
-        if self.shared:
-            share_in_decode(self.caches, steps)
-
-    @property
-    def shared(self) -> bool:
-        return self.config.budget_mode == "global" and self.config.budget is not None
+        share_in_decode(self.caches, steps)
