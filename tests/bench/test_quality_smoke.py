@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from qfserve.engine.kv.kvzap import decode_room
 from tests.tiny import save_tiny_model
 
 
@@ -33,8 +34,11 @@ def test_every_perplexity_arm_kept_exactly_its_budget(quick: Callable, results: 
         for budget, arms in res["budgets"].items():
             assert set(arms) == set(data["arms"]) - {"full"}
             for name, r in arms.items():
+                # KVzap's rows shared across layers: and their decode room between shares
+                shared = name.startswith("kvzap/") and name.endswith("/global")
+                room = decode_room(int(budget)) if shared else 0
                 assert r["rows_kept_at_end"] == int(budget)
-                assert r["max_rows_any_step"] <= int(budget)
+                assert r["max_rows_any_step"] <= int(budget) + room
                 assert (r["filter_source"] == "kvzap") == name.startswith("kvzap")
 
 
