@@ -228,4 +228,5 @@ class KVzapPolicy(Policy):
         return None
 
     def after_step(self, steps: int) -> None:
-        share_in_decode(self.caches, steps)
+        if self.config.budget_mode == "global":  # per-head rows: nothing to look at a step
+            share_in_decode(self.caches, steps)
